@@ -1,0 +1,88 @@
+"""The one contract between deciding (scheduler) and doing (runner).
+
+The scheduler emits one :class:`SchedulerOutput` per step; the runner executes it and returns
+one :class:`RunnerOutput`. Nothing else crosses the boundary.
+
+Positions and ranges. A request's context is addressed by position ``0..num_tokens-1``; its
+block table maps position ``p`` to slot ``block_table[p // chunk_size] * chunk_size +
+p % chunk_size``. A step computes one or more *query ranges* of a request: contiguous runs of
+positions whose K/V are written to the cache and whose queries attend causally to every cached
+position ``<= p``. A request normally has one range; the stateful cache recomputes dropped
+leading tokens as a second range that shares the same block table::
+
+    positions  0 ........ d-1 | d ......... n-1 | n ........ n+q-1
+               [dropped: range 0][cached on gpu  ][new prompt: range 1]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pensieve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class QueryRange:
+    """``len(token_ids)`` consecutive tokens starting at position ``start_pos``."""
+
+    start_pos: int
+    token_ids: list[int]
+
+    @property
+    def query_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    block_table: list[int]
+    """GPU block ids covering positions ``[0, context_len)`` of the request after this step."""
+    ranges: list[QueryRange]
+    """Query ranges to compute, in position order; the last one ends at ``context_len``."""
+    sample: bool
+    """Sample a next token from the last query token of the last range."""
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    """Tokens generated so far: seeds per-token randomness when the request has a seed."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.query_len for r in self.ranges)
+
+    @property
+    def context_len(self) -> int:
+        return self.ranges[-1].end_pos
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step, in batch order."""
+
+    requests: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that ended since the last step (the runner may drop per-request state)."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced."""
+
+    sampled_token_ids: dict[str, int]
+    """Next token for every scheduled request with ``sample=True``."""
+    step_time_s: float = 0.0
+    """Wall time of the step as seen by the runner (synchronised on CUDA)."""

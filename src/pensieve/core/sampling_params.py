@@ -1,0 +1,46 @@
+"""Per-request sampling and stopping parameters (pure Python, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
+    nucleus sampling. With a ``seed`` the sampled tokens depend only on the seed, the logits and
+    the index of the output token, never on which other requests share the batch.
+    """
+
+    max_tokens: int = 16
+    """Most tokens to generate for this request."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 selects greedy decoding."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 or negative: off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0: off)."""
+    seed: int | None = None
+    """Per-request seed for reproducible sampling."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Generation stops after emitting any of these (the token is kept in the output)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax token is always taken."""
+        return self.temperature == 0.0

@@ -1,0 +1,1 @@
+"""Layers shared by the model files: paged attention, rotary embeddings."""

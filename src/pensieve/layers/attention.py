@@ -1,0 +1,69 @@
+"""Paged attention as a model layer, and the per-step metadata it reads.
+
+The runner builds one :class:`AttentionMetadata` per step (all tensors on the model's device)
+and passes it explicitly into ``model.forward``; every layer reuses it. KV caches are one
+tensor per layer, ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` (K then V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pensieve.kernels import paged_attention, store_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flattened batch reads and writes KV.
+
+    Shapes: ``T`` tokens in the step, ``R`` query ranges, ``B`` block tables.
+    """
+
+    slot_mapping: torch.Tensor
+    """``[T]`` int64: cache slot each token's K/V is written to."""
+    query_start_loc: torch.Tensor
+    """``[R + 1]`` int32: range ``r`` owns tokens ``query_start_loc[r]:query_start_loc[r+1]``."""
+    range_start_pos: torch.Tensor
+    """``[R]`` int32: position of each range's first token."""
+    range_table: torch.Tensor
+    """``[R]`` int32: row of ``block_tables`` each range attends through."""
+    block_tables: torch.Tensor
+    """``[B, max_blocks]`` int32 block ids (padding entries are never read)."""
+    max_query_len: int
+    """Longest range in the step (host int: sizes the kernel grid)."""
+
+
+class PagedAttention(nn.Module):
+    """Store this step's K/V into the paged cache, then attend causally through block tables."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: ``[T, H*D]``, k/v: ``[T, Hkv*D]``, kv_cache: ``[2, N, C, Hkv, D]`` -> ``[T, H*D]``."""
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        out = paged_attention(
+            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
+            meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
+        )
+        return out.reshape(n, self.num_heads * self.head_dim)
