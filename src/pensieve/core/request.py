@@ -37,7 +37,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids of the model (ignored with ``ignore_eos``)."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -1,0 +1,48 @@
+"""Engine configuration: frozen dataclasses composed, no I/O when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pensieve.core.config import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, in which precision, on which device."""
+
+    model: str = "demo"
+    """A local HF checkpoint directory, a preset shape name (dummy weights) or ``demo``."""
+    dtype: str = "auto"
+    """float32, float16, bfloat16, or auto (checkpoint dtype on CUDA, float32 on the CPU)."""
+    device: str = "auto"
+    """cuda, cuda:N, cpu, or auto (CUDA when present)."""
+    load_format: str = "auto"
+    """auto (safetensors from the directory) or dummy (random weights, no files read)."""
+    seed: int = 0
+    """Seed for dummy weights and unseeded sampling."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size and shape of the paged KV cache."""
+
+    chunk_size: int = 32
+    """Tokens per KV block: the unit of paging, swapping and eviction."""
+    num_gpu_blocks: int | None = None
+    """Exact number of device blocks (overrides the sizes below)."""
+    gpu_kv_gb: float | None = None
+    """GiB of device memory for KV (default: most of what is free after the weights)."""
+    gpu_memory_utilization: float = 0.90
+    """Fraction of total device memory the engine may use when gpu_kv_gb is not given."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

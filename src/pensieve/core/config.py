@@ -1,0 +1,32 @@
+"""Frozen configuration of the scheduling core. Built without I/O; derived values are methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduling step."""
+
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step: prefill and decode tokens together."""
+    max_num_seqs: int = 256
+    """Most requests running (holding KV and decoding) at once."""
+    max_model_len: int = 16384
+    """Longest context (prompt + output) a request may reach."""
+    enable_chunked_prefill: bool = True
+    """Split a long prompt over several steps instead of waiting for a budget that fits it."""
+    watermark: float = 0.01
+    """Fraction of KV blocks kept free when admitting new requests."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

@@ -1,0 +1,1 @@
+"""The engine: glue between the scheduling core and the model runner."""

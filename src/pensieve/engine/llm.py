@@ -1,0 +1,103 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pensieve.config import CacheConfig, EngineConfig, ModelConfig
+from pensieve.core.config import SchedulerConfig
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.engine.llm_engine import LLMEngine, RequestOutput
+
+_FIELDS = {
+    "model": ModelConfig, "dtype": ModelConfig, "device": ModelConfig,
+    "load_format": ModelConfig, "seed": ModelConfig,
+    "chunk_size": CacheConfig, "num_gpu_blocks": CacheConfig, "gpu_kv_gb": CacheConfig,
+    "gpu_memory_utilization": CacheConfig,
+    "max_num_batched_tokens": SchedulerConfig, "max_num_seqs": SchedulerConfig,
+    "max_model_len": SchedulerConfig, "enable_chunked_prefill": SchedulerConfig,
+    "watermark": SchedulerConfig,
+}
+
+
+def build_engine_config(**kwargs: Any) -> EngineConfig:
+    """Split flat keyword options into the composed config; unknown names raise TypeError."""
+    parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    for key, value in kwargs.items():
+        if key not in _FIELDS:
+            raise TypeError(f"unknown option {key!r}; known: {sorted(_FIELDS)}")
+        if value is not None:
+            parts[_FIELDS[key]][key] = value
+    return EngineConfig(
+        model=ModelConfig(**parts[ModelConfig]),
+        cache=CacheConfig(**parts[CacheConfig]),
+        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+    )
+
+
+class LLM:
+    """Generate from a batch of prompts with continuous batching over a paged KV cache.
+
+    >>> llm = LLM(model="path/to/hf_dir", dtype="float32", device="cpu")
+    >>> outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
+    >>> outs[0].output_token_ids
+    """
+
+    def __init__(self, model: str = "demo", **kwargs: Any) -> None:
+        self.engine = LLMEngine(build_engine_config(model=model, **kwargs))
+        self._tokenizer: Any = None
+        self._counter = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from pensieve.models.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.engine.config.model.model)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (token-id lists or strings); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list of prompts (each a list of ids or a string)")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        order: dict[str, int] = {}
+        engine = self.engine
+        try:
+            for i, (tok, p) in enumerate(zip(ids, params)):
+                rid = f"gen-{next(self._counter)}"
+                engine.add_request(rid, tok, p)
+                order[rid] = i
+        except Exception:
+            for rid in order:  # leave the engine as it was
+                engine.abort_request(rid)
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+        while engine.has_unfinished():
+            for out in engine.step():
+                results[order[out.request_id]] = out
+                bar.update(1)
+        bar.close()
+        final = [r for r in results if r is not None]
+        if any(isinstance(p, str) for p in prompts):
+            for r in final:
+                r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+        return final

@@ -1,0 +1,150 @@
+"""LLMEngine: load the model, size the KV cache, and step scheduler + runner.
+
+One step = ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update_from_output()``.
+The engine owns no policy; it only wires the pieces and converts finished requests to outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pensieve.config import EngineConfig
+from pensieve.core.kv_manager import KVCacheManager
+from pensieve.core.request import Request
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduler import Scheduler
+from pensieve.models.loader import load_model
+from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+
+log = logging.getLogger("pensieve")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """A finished request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.dtype:
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, auto")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    """A model on one device with its paged KV cache and scheduler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.device = resolve_device(mc.device)
+        torch.manual_seed(mc.seed)
+        self.model, self.hf_config = load_model(
+            mc.model, dtype_resolver=lambda cfg: resolve_dtype(mc.dtype, self.device, cfg),
+            device=self.device, load_format=mc.load_format, seed=mc.seed,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        m = self.model
+        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, m.num_kv_heads,
+                                         m.head_dim, self.dtype)
+        num_blocks = self._num_blocks(block_bytes)
+        self.kv_caches = allocate_kv_caches(m.num_layers, num_blocks, cc.chunk_size,
+                                            m.num_kv_heads, m.head_dim, self.dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, cc.chunk_size,
+                 num_blocks * block_bytes / 2**30, self.device)
+        self.kv_manager = KVCacheManager(num_blocks, cc.chunk_size, config.scheduler.watermark)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+        )
+        self.num_steps = 0
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        cc, sc = self.config.cache, self.config.scheduler
+        if cc.num_gpu_blocks is not None:
+            return cc.num_gpu_blocks
+        if cc.gpu_kv_gb is not None:
+            return max(1, int(cc.gpu_kv_gb * 2**30 // block_bytes))
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            hidden = int(getattr(self.hf_config, "hidden_size", 4096))
+            inter = int(getattr(self.hf_config, "intermediate_size", None)
+                        or getattr(self.hf_config, "ffn_dim", 4 * hidden))
+            vocab = int(self.hf_config.vocab_size)
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            activations = sc.max_num_batched_tokens * (8 * hidden + 3 * inter) * elem
+            activations += sc.max_num_seqs * vocab * 4 * 3 + 2**30
+            budget = free - (1 - cc.gpu_memory_utilization) * total - activations
+            return max(1, int(budget // block_bytes))
+        # CPU: enough for every running request to reach max_model_len, at most 2 GiB.
+        want = sc.max_num_seqs * -(-sc.max_model_len // cc.chunk_size)
+        return max(1, min(want, int(2 * 2**30 // block_bytes)))
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        vocab = int(self.hf_config.vocab_size)
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids out of range [0, {vocab}): {bad[:5]}")
+        req = Request(request_id, list(prompt_token_ids), params,
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                      eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress: KV cache too small for a request")
+            return []
+        result = self.runner.execute(sched)
+        finished = self.scheduler.update_from_output(sched, result)
+        self.num_steps += 1
+        return [
+            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
+                          r.finish_reason, arrival_time=r.arrival_time,
+                          first_token_time=r.first_token_time, finish_time=r.finish_time)
+            for r in finished
+        ]

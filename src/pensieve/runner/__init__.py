@@ -1,0 +1,1 @@
+"""The doing side: turns a SchedulerOutput into tensors, runs the model, samples."""

@@ -1,0 +1,136 @@
+"""Executes one SchedulerOutput on a device: build inputs, run the model, sample.
+
+Device-agnostic: on CUDA the attention runs the Triton kernels, on the CPU the pure-torch
+references; everything else is the same code. Inputs are built on the host with plain Python
+lists, then copied to the device in one go (pinned, non-blocking on CUDA).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+from pensieve.layers.attention import AttentionMetadata
+from pensieve.runner.sampler import sample
+
+
+@dataclass
+class StepInputs:
+    """Flattened batch of one step (all tensors on the runner's device)."""
+
+    input_ids: torch.Tensor
+    """``[T]`` int64 token ids."""
+    positions: torch.Tensor
+    """``[T]`` int64 position of each token in its request."""
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    """``[S]`` int64 index into ``T`` of the token each sampled request samples from."""
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    chunk_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per layer."""
+    shape = (2, num_blocks, chunk_size, num_kv_heads, head_dim)
+    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def kv_bytes_per_block(
+    num_layers: int, chunk_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of K and V for one chunk across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * chunk_size * num_kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model and its KV caches on one device."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list[torch.Tensor], chunk_size: int
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.chunk_size = chunk_size
+        self.device = kv_caches[0].device
+        self._pin = self.device.type == "cuda"
+
+    def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled ranges into token, position, slot and range arrays."""
+        c = self.chunk_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        range_start: list[int] = []
+        range_table: list[int] = []
+        logits_idx: list[int] = []
+        max_blocks = max(len(s.block_table) for s in sched.requests)
+        tables: list[int] = []
+        max_q = 0
+        for i, s in enumerate(sched.requests):
+            table = s.block_table
+            tables.extend(table)
+            tables.extend([0] * (max_blocks - len(table)))
+            for rng in s.ranges:
+                input_ids.extend(rng.token_ids)
+                pos = range(rng.start_pos, rng.end_pos)
+                positions.extend(pos)
+                slots.extend(table[p // c] * c + p % c for p in pos)
+                qsl.append(len(input_ids))
+                range_start.append(rng.start_pos)
+                range_table.append(i)
+                max_q = max(max_q, rng.query_len)
+            if s.sample:
+                logits_idx.append(len(input_ids) - 1)
+        attn = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64),
+            query_start_loc=self._to_device(qsl, torch.int32),
+            range_start_pos=self._to_device(range_start, torch.int32),
+            range_table=self._to_device(range_table, torch.int32),
+            block_tables=self._to_device(tables, torch.int32).view(len(sched.requests), -1),
+            max_query_len=max_q,
+        )
+        return StepInputs(
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            attn=attn,
+            logits_indices=self._to_device(logits_idx, torch.int64),
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step; returns the sampled token of every request that samples."""
+        t0 = time.perf_counter()
+        if sched.is_empty:
+            return RunnerOutput(sampled_token_ids={})
+        inp = self.prepare_inputs(sched)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
+        sampled = [s for s in sched.requests if s.sample]
+        tokens: list[int] = []
+        if sampled:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])
+            tokens = sample(
+                logits,
+                [s.sampling_params for s in sampled],
+                [s.num_output_tokens for s in sampled],
+            )  # .tolist() inside synchronises with the device
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return RunnerOutput(
+            sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens)},
+            step_time_s=time.perf_counter() - t0,
+        )

@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling uses the exponential-race form of a categorical draw (``argmax(p / E)`` with
+``E ~ Exp(1)``), so a seeded request's noise depends only on its seed and output index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pensieve.core.sampling_params import SamplingParams
+
+_SEED_STRIDE = 1_000_003
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Mask, in place, tokens outside each row's top-k and nucleus. logits: ``[N, V]``."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= cum >= top_p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(-1, sorted_idx, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+) -> list[int]:
+    """Pick one token per row. logits: ``[N, V]`` float32; returns N token ids."""
+    n = logits.shape[0]
+    if n == 0:
+        return []
+    greedy_tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return greedy_tokens.tolist()
+    dev = logits.device
+    rows = torch.tensor(random_rows, device=dev)
+    sub = logits[rows].float()
+    temps = torch.tensor([params[i].temperature for i in random_rows], device=dev)
+    sub.div_(temps[:, None])
+    top_k = torch.tensor([params[i].top_k for i in random_rows], device=dev)
+    top_p = torch.tensor([params[i].top_p for i in random_rows], device=dev)
+    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
+        _apply_top_k_top_p(sub, top_k, top_p)
+    probs = sub.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(random_rows):
+        seed = params[i].seed
+        if seed is None:
+            noise[j].exponential_()
+        else:
+            g = torch.Generator(device=dev)
+            g.manual_seed((seed * _SEED_STRIDE + num_output_tokens[i]) % (2**63))
+            noise[j].exponential_(generator=g)
+    picked = (probs / noise).argmax(dim=-1)
+    out = greedy_tokens.clone()
+    out[rows] = picked
+    return out.tolist()
