@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Lint, type-check (strict on the pure-Python core, see pyproject) and run the tests on the CPU.
+# Triton kernels run through Triton's interpreter; GPU-only tests skip without CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ruff check src tests benchmarks
+mypy src/pensieve/core src/pensieve/config.py  # torch layers: ruff only
+python -m pytest -q -p no:cacheprovider "$@"

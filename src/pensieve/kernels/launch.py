@@ -1,0 +1,215 @@
+"""Launchers of the Triton attention kernels: argument checks, tile choice, grid.
+
+Same semantics as :mod:`pensieve.kernels.reference`. The kernels run on CUDA tensors, or on
+CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
+:mod:`pensieve.kernels.triton_attention` was first imported. Every check raises
+:class:`ValueError`. No check synchronises with the device, so index *values* (slots, block
+ids, query offsets) are trusted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from pensieve.kernels import triton_attention as _k
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all tensors on one device)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{name} is on {device}: the Triton kernels need CUDA tensors, or CPU tensors with "
+            "TRITON_INTERPRET=1 set before pensieve.kernels.triton_attention is imported"
+        )
+
+
+def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def _check_index(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    _check_float("k_cache", k_cache, 4)
+    _check_float("v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ in dtype")
+    _check_head_dim(k_cache.shape[3])
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its cache slot (reshape-and-cache); slots < 0 are skipped.
+
+    key, value: ``[num_tokens, num_kv_heads, head_dim]``, float16/bfloat16/float32 (cast to
+    the cache dtype); k_cache, v_cache: ``[num_blocks, chunk_size, num_kv_heads, head_dim]``,
+    any strides with a contiguous last dim (e.g. the views ``kv_cache[0]``, ``kv_cache[1]`` of a
+    ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` tensor); slot_mapping:
+    ``[num_tokens]`` int64 (or int32), slot ``= block * chunk_size + offset``.
+    """
+    _check_float("key", key, 3)
+    _check_float("value", value, 3)
+    _check_cache_pair(k_cache, v_cache)
+    _check_index("slot_mapping", slot_mapping, 1)
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"key [num_tokens, num_kv_heads, head_dim] = {tuple(key.shape)} does not match "
+            f"cache [num_blocks, chunk_size, num_kv_heads, head_dim] = {tuple(k_cache.shape)}"
+        )
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    device = key.device
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("slot_mapping", slot_mapping)):
+        _check_device(name, t, device)
+    if num_tokens == 0:
+        return
+    _k._store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads,
+        CHUNK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def _attention_tiles(rows: int, head_dim: int, is_cuda: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for ``rows = max_query_len * group`` rows per range."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 64 if head_dim <= 128 or not is_cuda else 32
+    num_warps = 4
+    return block_m, block_n, num_warps
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    range_start_pos: torch.Tensor,
+    range_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of ragged query ranges over the paged KV cache.
+
+    q: ``[num_tokens, num_heads, head_dim]`` (float16/bfloat16/float32, last dim contiguous);
+    k_cache, v_cache: ``[num_blocks, chunk_size, num_kv_heads, head_dim]``, same dtype as q,
+    any strides with a contiguous last dim; ``num_heads`` a multiple of ``num_kv_heads``,
+    ``head_dim`` a power of two >= 16. block_tables: ``[num_tables, max_blocks]`` int32 (or
+    int64) block ids, row-contiguous; query_start_loc: ``[num_ranges + 1]`` int32 cumulative
+    token offsets into q; range_start_pos: ``[num_ranges]`` int32 position of each range's
+    first token; range_table: ``[num_ranges]`` int32 row of block_tables each range reads
+    (ranges may share a row). Token ``i`` of range ``r`` sits at position
+    ``p = range_start_pos[r] + i`` and attends to positions ``0..p``. max_query_len: host
+    int, at least the longest range (it sizes the grid; tokens of longer ranges would be left
+    unwritten). out: optional ``[num_tokens, num_heads, head_dim]`` of q's dtype. Tokens
+    outside every range are not written. Returns out, ``[num_tokens, num_heads, head_dim]``.
+    """
+    _check_float("q", q, 3)
+    _check_cache_pair(k_cache, v_cache)
+    _check_index("block_tables", block_tables, 2)
+    _check_index("query_start_loc", query_start_loc, 1)
+    _check_index("range_start_pos", range_start_pos, 1)
+    _check_index("range_table", range_table, 1)
+    num_tokens, num_heads, head_dim = q.shape
+    _num_blocks, chunk_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    num_ranges = range_start_pos.shape[0]
+    if query_start_loc.shape[0] != num_ranges + 1:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries, expected num_ranges + 1 = "
+            f"{num_ranges + 1}"
+        )
+    if range_table.shape[0] != num_ranges:
+        raise ValueError(f"range_table has {range_table.shape[0]} entries for {num_ranges} ranges")
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_float("out", out, 3)
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(
+                f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"
+            )
+    device = q.device
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("range_start_pos", range_start_pos), ("range_table", range_table),
+                    ("out", out)):
+        _check_device(name, t, device)
+    if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps = _attention_tiles(max_query_len * group, head_dim, q.is_cuda)
+    grid = (num_ranges, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
+    _k._paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        CHUNK_SIZE=chunk_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
+        FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,239 @@
+"""Triton kernels of the paged KV cache: the KV store and multi-token causal paged attention.
+
+Raw ``@triton.jit`` kernels only; :mod:`pensieve.kernels.launch` validates arguments and
+launches them. Cache layout (per layer, K and V each): ``[num_blocks, chunk_size,
+num_kv_heads, head_dim]`` with any strides except a contiguous last dimension; a *slot* is
+``block * chunk_size + offset``. All cache addresses are computed in int64, so caches of more
+than 2**31 elements work.
+
+Attention design (``_paged_attention_kernel``):
+
+* Grid ``(num_ranges, cdiv(max_query_len * GROUP, BLOCK_M), num_kv_heads)``. One program owns
+  one KV head and a tile of ``BLOCK_M`` *rows* of one query range, where the rows flatten
+  (query token, query head of the KV head's group): row ``m`` is token ``m // GROUP`` and query
+  head ``kv_head * GROUP + m % GROUP``. Each K/V tile is therefore loaded once for the whole
+  GQA group, and no rows are wasted on padding for non-power-of-two groups. Programs whose
+  tile starts past the range's end exit at once.
+* KV is walked in tiles of ``BLOCK_N`` positions; each position's block id is gathered from
+  the range's block-table row, so a tile may span several (non-contiguous) cache blocks.
+  Positions are visited only up to the tile's last query position. Tiles lying entirely at
+  or before the tile's first query position need no mask; the rest apply the causal mask
+  ``kv_pos <= q_pos``.
+* Online softmax (base 2, scale folded in) with fp32 statistics and accumulator; the score
+  tile lives in registers only. fp16/bf16 inputs use the native tensor-core dot with fp32
+  accumulation; ``FP32`` makes both dots exact float32 ("ieee", no tf32). The launcher also
+  sets ``FP32`` for bf16 under Triton's interpreter, whose ``tl.dot`` mistakes bf16 (stored as
+  uint16 in numpy) for integers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    stride_kc_b,
+    stride_kc_c,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_c,
+    stride_vc_h,
+    num_kv_heads,
+    CHUNK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program per token: copy its ``[num_kv_heads, head_dim]`` K and V into its slot."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // CHUNK_SIZE
+    offset = slot % CHUNK_SIZE
+    h = tl.arange(0, BLOCK_H).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < num_kv_heads)[:, None]
+
+    k = tl.load(key_ptr + tok * stride_key_t + h[:, None] * stride_key_h + d[None, :], mask=mask)
+    v = tl.load(
+        value_ptr + tok * stride_value_t + h[:, None] * stride_value_h + d[None, :], mask=mask
+    )
+    k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_c
+    v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_c
+    tl.store(
+        k_dst + h[:, None] * stride_kc_h + d[None, :],
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_dst + h[:, None] * stride_vc_h + d[None, :],
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _attn_kv_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    start_n,
+    kv_len,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    kv_head,
+    stride_kc_b,
+    stride_kc_c,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_c,
+    stride_vc_h,
+    scale_log2,
+    CHUNK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Fold KV positions ``start_n .. start_n + BLOCK_N - 1`` into the running softmax."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        in_range = offs_n < kv_len
+        block = tl.load(table_ptr + offs_n // CHUNK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + offs_n // CHUNK_SIZE).to(tl.int64)
+    within = (offs_n % CHUNK_SIZE).to(tl.int64)
+    k_off = block * stride_kc_b + within * stride_kc_c + kv_head * stride_kc_h
+    v_off = block * stride_vc_b + within * stride_vc_c + kv_head * stride_vc_h
+    if MASKED:
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :])
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :])
+
+    if FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    range_start_pos_ptr,
+    range_table_ptr,
+    scale_log2,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kc_b,
+    stride_kc_c,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_c,
+    stride_vc_h,
+    stride_bt,
+    GROUP: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads."""
+    rng = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_lo = tl.load(query_start_loc_ptr + rng)
+    q_hi = tl.load(query_start_loc_ptr + rng + 1)
+    query_len = q_hi - q_lo
+    row0 = tile * BLOCK_M
+    if row0 >= query_len * GROUP:
+        return
+    start_pos = tl.load(range_start_pos_ptr + rng)
+    table_row = tl.load(range_table_ptr + rng).to(tl.int64)
+    table_ptr = block_tables_ptr + table_row * stride_bt
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = qi < query_len
+    tok = (q_lo + qi).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_t + head[:, None].to(tl.int64) * stride_q_h + d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    if FP32:
+        q = q.to(tl.float32)
+    q_pos = start_pos + qi
+
+    first_pos = start_pos + row0 // GROUP  # every valid row sees positions 0..first_pos
+    last_qi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, query_len - 1)
+    kv_len = start_pos + last_qi + 1  # no row of this tile sees beyond kv_len - 1
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_kv_tile(
+            acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
+            kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
+            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32,
+        )
+    for start_n in range(full_end, kv_len, BLOCK_N):
+        acc, m_i, l_i = _attn_kv_tile(
+            acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
+            kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
+            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
+        )
+
+    acc = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h + d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )

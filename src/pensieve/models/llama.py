@@ -1,0 +1,214 @@
+"""Llama (and Mistral-style) decoder over the paged KV cache.
+
+Shapes: ``T`` tokens of the flattened step, ``D`` hidden size, ``H`` / ``Hkv`` query / KV heads,
+``Dh`` head dim, ``F`` MLP intermediate size, ``V`` vocab. Parameter names follow HF's except
+the fused ``qkv_proj`` (q|k|v rows) and ``gate_up_proj`` (gate|up rows); :meth:`load_weights`
+maps HF checkpoint names onto them.
+
+Mistral's ``sliding_window`` is not applied (full causal attention): exact for contexts up to
+the window (4096 for Mistral-7B-v0.1), different beyond it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pensieve.layers.attention import AttentionMetadata, PagedAttention
+from pensieve.layers.rotary import RotaryEmbedding, apply_rotary
+
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2*Hkv) * Dh]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, Dh]
+        o = self.attn(q.view(t, -1), k.view(t, -1), v, kv_cache, meta)  # [T, H * Dh]
+        return self.o_proj(o)  # [T, D]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act not in _ACTS:
+            raise NotImplementedError(f"hidden_act {act!r}")
+        self.act = _ACTS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        return self.down_proj(self.act(gate) * up)  # [T, D]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, kv_cache, meta):  # noqa: ANN001, ANN201
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)  # [T, D]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, D]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN201
+        h = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary_emb(positions)  # [T, Dh] float32 each
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)  # [T, D]
+
+
+# HF checkpoint name fragment -> (our fused parameter fragment, shard index)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", 0),
+    (".k_proj.", ".qkv_proj.", 1),
+    (".v_proj.", ".qkv_proj.", 2),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaForCausalLM(nn.Module):
+    """See :class:`pensieve.models.CausalLM` for the interface."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        attn = self.model.layers[0].self_attn if self.model.layers else LlamaAttention(config)
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: ``[T]`` int64 -> final-normed hidden states ``[T, D]``."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, D]`` -> ``[N, V]`` float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our parameters (with dtype conversion); returns the names
+        of the parameters fully filled. Pass every checkpoint tensor in this one call (fused
+        parameters count as filled once all their shards arrived)."""
+        params = dict(self.named_parameters())
+        shards: dict[str, set[int]] = {}
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if any(name.endswith(s) for s in _IGNORED):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for hf_frag, our_frag, shard in _STACKED:
+                if hf_frag in name:
+                    target = name.replace(hf_frag, our_frag)
+                    param = _param(params, target, name)
+                    rows = param.shape[0] // 2 if our_frag == ".gate_up_proj." else None
+                    start, size = self._shard_rows(our_frag, shard, rows)
+                    _copy(param.data[start : start + size], tensor, name)
+                    shards.setdefault(target, set()).add(shard)
+                    if len(shards[target]) == (3 if our_frag == ".qkv_proj." else 2):
+                        filled.add(target)
+                    break
+            else:
+                _copy(_param(params, name, name).data, tensor, name)
+                filled.add(name)
+        return filled
+
+    def _shard_rows(self, frag: str, shard: int, half: int | None) -> tuple[int, int]:
+        if half is not None:  # gate | up
+            return shard * half, half
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return ((0, q), (q, kv), (q + kv, kv))[shard]
+
+
+def _param(params: dict[str, nn.Parameter], target: str, hf_name: str) -> nn.Parameter:
+    if target not in params:
+        raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter ({target!r})")
+    return params[target]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)

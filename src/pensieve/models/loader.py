@@ -1,0 +1,159 @@
+"""Build a model from an HF config and fill its weights (checkpoint or dummy).
+
+``load_model(path_or_config, dtype, device)`` reads ``config.json`` locally, builds the model on
+the ``meta`` device, materialises it directly on ``device`` in ``dtype`` (no CPU copy, no random
+init), then streams safetensors (``model.safetensors`` or the sharded index) tensor by tensor
+onto the device. ``load_format="dummy"`` reads no checkpoint and fills the weights randomly on the
+device; it works from a config alone (a preset name, a dict or a ``PretrainedConfig``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from pensieve.models import get_model_class
+from pensieve.models.presets import PRESETS, make_dummy_config
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+DUMMY_RANGE = 1e-3
+"""Dummy weights are uniform(-DUMMY_RANGE, DUMMY_RANGE); norm weights 1, norm biases 0."""
+
+
+def resolve_config(model: str | os.PathLike | dict | PretrainedConfig) -> tuple[Any, str | None]:
+    """``(hf_config, model_dir or None)`` from a directory, a preset name, a dict or a config."""
+    if isinstance(model, PretrainedConfig):
+        return model, None
+    if isinstance(model, dict):
+        d = dict(model)
+        if "model_type" not in d:
+            raise ValueError("a dict config needs a 'model_type' key (e.g. 'llama', 'opt')")
+        return AutoConfig.for_model(d.pop("model_type"), **d), None
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path, local_files_only=True), path
+    if path in PRESETS:
+        return make_dummy_config(path), None
+    raise FileNotFoundError(f"{path!r} is neither a model directory nor a preset {sorted(PRESETS)}")
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Construct the model class for ``hf_config`` with uninitialised parameters on ``device``."""
+    cls = get_model_class(hf_config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def load_model(
+    model_dir: str | os.PathLike | dict | PretrainedConfig,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cuda",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nn.Module, Any]:
+    """Returns ``(model, hf_config)``; the model is in eval mode with ``requires_grad`` off.
+
+    ``load_format``: ``auto`` (safetensors, else ``pytorch_model*.bin``), ``safetensors``,
+    ``pt``, or ``dummy`` (random weights; ``model_dir`` may then be a preset name such as
+    ``"llama2-13b-gqa10"``, a dict with ``model_type``, or an HF config object).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
+    device = _normalize_device(device)
+    hf_config, path = resolve_config(model_dir)
+    model = build_model(hf_config, dtype, device)
+    model.requires_grad_(False)
+    model.eval()
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed=seed)
+        return model, hf_config
+    if path is None:
+        raise ValueError(f"load_format={load_format!r} needs a model directory, got {model_dir!r}")
+    filled = model.load_weights(iter_checkpoint(path, device, load_format))
+    missing = sorted(set(dict(model.named_parameters())) - set(filled))
+    if missing:
+        shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        raise ValueError(f"checkpoint {path} did not fill these parameters: {shown}")
+    return model, hf_config
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int = 0, scale: float = DUMMY_RANGE) -> None:
+    """Random weights on the model's device; activations stay small and finite in bf16/fp16."""
+    params = list(model.parameters())
+    if not params:
+        return
+    gen = torch.Generator(device=params[0].device)
+    gen.manual_seed(seed)
+    for p in params:
+        p.uniform_(-scale, scale, generator=gen)
+    for m in model.modules():
+        if isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm"):
+            if getattr(m, "weight", None) is not None:
+                m.weight.fill_(1.0)
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
+
+
+def checkpoint_files(model_dir: str, load_format: str = "auto") -> tuple[str, list[str]]:
+    """``("safetensors" | "pt", files)`` of the checkpoint in ``model_dir``."""
+    candidates = {
+        "safetensors": ("model.safetensors", "model.safetensors.index.json"),
+        "pt": ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    }
+    kinds = ["safetensors", "pt"] if load_format == "auto" else [load_format]
+    for kind in kinds:
+        single, index = candidates[kind]
+        if os.path.isfile(os.path.join(model_dir, single)):
+            return kind, [os.path.join(model_dir, single)]
+        if os.path.isfile(os.path.join(model_dir, index)):
+            with open(os.path.join(model_dir, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return kind, [os.path.join(model_dir, s) for s in shards]
+    raise FileNotFoundError(f"no {'/'.join(kinds)} checkpoint in {model_dir}")
+
+
+def iter_checkpoint(
+    model_dir: str, device: torch.device, load_format: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` one at a time (safetensors: read straight onto ``device``)."""
+    kind, files = checkpoint_files(model_dir, load_format)
+    if kind == "safetensors":
+        from safetensors import safe_open
+
+        st_device = "cpu" if device.type == "meta" else str(device)
+        for file in files:
+            with safe_open(file, framework="pt", device=st_device) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+    else:
+        for file in files:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from _items(state)
+            del state
+
+
+def _items(state: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    return list(state.items())
+
+
+def _normalize_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
