@@ -17,7 +17,7 @@ from pensieve.core.kv_manager import KVCacheManager
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
-from pensieve.models.loader import load_model
+from pensieve.models.loader import load_model, resolve_config
 from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 
 log = logging.getLogger("pensieve")
@@ -71,9 +71,13 @@ class LLMEngine:
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         torch.manual_seed(mc.seed)
+        hf_config, path = resolve_config(mc.model)
+        load_format = mc.load_format
+        if path is None and load_format == "auto":
+            load_format = "dummy"  # a preset shape has no checkpoint
         self.model, self.hf_config = load_model(
-            mc.model, dtype_resolver=lambda cfg: resolve_dtype(mc.dtype, self.device, cfg),
-            device=self.device, load_format=mc.load_format, seed=mc.seed,
+            path or hf_config, dtype=resolve_dtype(mc.dtype, self.device, hf_config),
+            device=self.device, load_format=load_format, seed=mc.seed,
         )
         self.dtype = next(self.model.parameters()).dtype
         m = self.model

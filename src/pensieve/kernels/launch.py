@@ -95,7 +95,9 @@ def store_kv_triton(
             f"cache [num_blocks, chunk_size, num_kv_heads, head_dim] = {tuple(k_cache.shape)}"
         )
     if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+        )
     device = key.device
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("slot_mapping", slot_mapping)):

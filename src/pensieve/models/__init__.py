@@ -57,7 +57,9 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
 }
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "opt": "OPTForCausalLM"}
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "opt": "OPTForCausalLM",
+}
 
 
 def get_model_class(hf_config: Any) -> type[torch.nn.Module]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -87,7 +87,9 @@ def load_model(
     filled = model.load_weights(iter_checkpoint(path, device, load_format))
     missing = sorted(set(dict(model.named_parameters())) - set(filled))
     if missing:
-        shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        shown = ", ".join(missing[:20])
+        if len(missing) > 20:
+            shown += f", ... ({len(missing)} in all)"
         raise ValueError(f"checkpoint {path} did not fill these parameters: {shown}")
     return model, hf_config
 
@@ -144,12 +146,8 @@ def iter_checkpoint(
     else:
         for file in files:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            yield from _items(state)
+            yield from state.items()
             del state
-
-
-def _items(state: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
-    return list(state.items())
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:

@@ -83,7 +83,9 @@ class OPTDecoder(nn.Module):
             config, "_remove_final_layer_norm", False
         )
         self.final_layer_norm = nn.LayerNorm(d, elementwise_affine=affine) if keep_final else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            OPTDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN201
         h = self.embed_tokens(input_ids)  # [T, E]

@@ -1,0 +1,443 @@
+"""Triton attention kernels against the pure-torch references.
+
+Without CUDA the kernels run on CPU tensors through Triton's interpreter (small shapes; this
+is what CI runs). With CUDA the same small cases run natively on the GPU, and the ``gpu``
+cases add real shapes (40 query heads, 10 KV heads, head_dim 128, contexts of thousands).
+
+Every run poisons its output with NaN and checks that every element was written; unused cache
+slots and block-table padding point at NaN too, so any read outside a range's context shows.
+"""
+
+import os
+
+import torch
+
+# The interpreter must be chosen before the kernels are decorated, i.e. before pensieve's
+# Triton module is imported. With CUDA the kernels compile natively instead.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import math  # noqa: E402
+import zlib  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+
+import pensieve.kernels as kernels  # noqa: E402
+from pensieve.kernels import triton_attention  # noqa: E402
+from pensieve.kernels.launch import paged_attention_triton, store_kv_triton  # noqa: E402
+from pensieve.kernels.reference import paged_attention_ref, store_kv_ref  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA:
+    # Another test module may have imported the kernels before the interpreter was chosen.
+    importlib.reload(triton_attention)
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _seed(request: pytest.FixtureRequest) -> None:
+    """Fresh, reproducible random inputs per test and parameter set."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    range_start_pos: torch.Tensor
+    range_table: torch.Tensor
+    max_query_len: int
+    scale: float
+
+    def args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
+                self.range_start_pos, self.range_table, self.scale)
+
+
+def make_batch(
+    tables: list[list[tuple[int, int]]],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    chunk: int,
+    dtype: torch.dtype,
+    device: str = DEVICE,
+    num_blocks: int | None = None,
+    tail_blocks: bool = False,
+) -> Batch:
+    """A batch of query ranges over a randomly filled paged cache.
+
+    ``tables``: one list per block-table row of ``(start_pos, query_len)`` ranges reading it;
+    the row holds positions ``0 .. max(start_pos + query_len) - 1``. Block ids are shuffled
+    (``tail_blocks``: drawn from the top of a ``num_blocks`` cache, which then is allocated
+    without being touched, as two separate tensors). Unused slots, the padding block and
+    table padding hold NaN. Ranges are shuffled so ``range_table`` is not monotonic.
+    """
+    ctx = [max(s + n for s, n in rs) for rs in tables]
+    nblk = [math.ceil(c / chunk) for c in ctx]
+    need = sum(nblk) + 1  # + the NaN padding block
+    n_total = num_blocks if num_blocks is not None else need + 3
+    lo = max(0, n_total - 4 * need) if tail_blocks else 0
+    ids = lo + torch.randperm(n_total - lo)[:need]
+    pad_block = int(ids[0])
+    shape = (n_total, chunk, kv_heads, head_dim)
+    if tail_blocks:  # huge: leave it untouched except for the blocks in use
+        k_cache = torch.empty(shape, dtype=dtype, device=device)
+        v_cache = torch.empty(shape, dtype=dtype, device=device)
+        k_cache[ids.to(device)] = float("nan")
+        v_cache[ids.to(device)] = float("nan")
+    else:  # the engine's layout: views of one [2, N, C, Hkv, D] tensor
+        kv = torch.full((2, *shape), float("nan"), dtype=dtype, device=device)
+        k_cache, v_cache = kv[0], kv[1]
+
+    max_blocks = max(nblk) + 2
+    block_tables = torch.full((len(tables), max_blocks), pad_block, dtype=torch.int32)
+    k_flat = k_cache.view(n_total * chunk, kv_heads, head_dim)
+    v_flat = v_cache.view(n_total * chunk, kv_heads, head_dim)
+    next_id = 1
+    for t, (c, nb) in enumerate(zip(ctx, nblk, strict=True)):
+        row = ids[next_id:next_id + nb]
+        next_id += nb
+        block_tables[t, :nb] = row.to(torch.int32)
+        pos = torch.arange(c)
+        slots = (row[pos // chunk] * chunk + pos % chunk).to(device)
+        k_flat[slots] = torch.randn(c, kv_heads, head_dim, device=device).to(dtype)
+        v_flat[slots] = torch.randn(c, kv_heads, head_dim, device=device).to(dtype)
+
+    ranges = [(t, s, n) for t, rs in enumerate(tables) for s, n in rs]
+    ranges = [ranges[i] for i in torch.randperm(len(ranges)).tolist()]
+    qlens = [n for _, _, n in ranges]
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    return Batch(
+        q=torch.randn(qsl[-1], heads, head_dim, device=device).to(dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables.to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        range_start_pos=torch.tensor([s for _, s, _ in ranges], dtype=torch.int32, device=device),
+        range_table=torch.tensor([t for t, _, _ in ranges], dtype=torch.int32, device=device),
+        max_query_len=max(qlens),
+        scale=head_dim**-0.5,
+    )
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "output not fully written (NaN poison left) or NaN read"
+    out, ref = out.float(), ref.float()
+    if dtype == torch.float32:
+        err = (out - ref).abs().max().item()
+        assert err < 1e-4, f"max abs error {err:.3g}"
+    else:
+        rel = ((out - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, f"relative error {rel:.3g}"
+
+
+def run_attention(b: Batch) -> None:
+    """Kernel (into a NaN-poisoned out) against the float32 reference."""
+    out = torch.full_like(b.q, float("nan"))
+    ret = paged_attention_triton(*b.args(), max_query_len=b.max_query_len, out=out)
+    assert ret is out
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(out, ref, b.q.dtype)
+
+
+# Shapes: (heads, kv_heads, head_dim). Small ones for the interpreter, real ones on the GPU.
+SMALL = {1: (2, 2, 32), 4: (4, 1, 32), 8: (8, 1, 16)}
+REAL = {1: (8, 8, 128), 4: (40, 10, 128), 8: (64, 8, 128)}
+
+
+def shape_kw(group: int, real: bool) -> dict:
+    heads, kv_heads, head_dim = (REAL if real else SMALL)[group]
+    return {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+
+
+# ---------------------------------------------------------------------------------------
+# store
+
+
+@pytest.mark.parametrize(
+    "dtype,chunk,kv_heads,head_dim,num_tokens",
+    [
+        (F32, 16, 2, 16, 20),
+        (BF16, 32, 3, 32, 20),
+        (F16, 16, 1, 64, 9),
+        pytest.param(BF16, 16, 10, 128, 3000, marks=gpu),
+        pytest.param(F16, 32, 8, 128, 3000, marks=gpu),
+    ],
+)
+def test_store_kv(dtype, chunk, kv_heads, head_dim, num_tokens) -> None:
+    num_blocks = math.ceil(num_tokens / chunk) + 4
+    kv = torch.randn(2, num_blocks, chunk, kv_heads, head_dim, device=DEVICE).to(dtype)
+    expected = kv.clone()
+    key = torch.randn(num_tokens, kv_heads, head_dim, device=DEVICE).to(dtype)
+    value = torch.randn(num_tokens, kv_heads, head_dim, device=DEVICE).to(dtype)
+    slots = torch.randperm(num_blocks * chunk, device=DEVICE)[:num_tokens]
+    slots[torch.rand(num_tokens, device=DEVICE) < 0.25] = -1  # skipped tokens
+    slots[0] = -1
+    store_kv_triton(key, value, kv[0], kv[1], slots)
+    store_kv_ref(key, value, expected[0], expected[1], slots)
+    assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [F16, BF16])
+def test_store_kv_casts_and_strided_key(cache_dtype) -> None:
+    """fp32 K/V into a 16-bit cache, K/V as strided views of a fused qkv-like tensor."""
+    fused = torch.randn(7, 3, 2, 16, device=DEVICE)
+    key, value = fused[:, 1], fused[:, 2]
+    kv = torch.zeros(2, 3, 16, 2, 16, dtype=cache_dtype, device=DEVICE)
+    expected = kv.clone()
+    slots = torch.tensor([0, 17, -1, 47, 5, -3, 30], device=DEVICE)
+    store_kv_triton(key, value, kv[0], kv[1], slots)
+    store_kv_ref(key, value, expected[0], expected[1], slots)
+    if cache_dtype == BF16 and not HAS_CUDA:
+        # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): 1 ulp.
+        torch.testing.assert_close(kv, expected, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(kv, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# attention
+
+
+@pytest.mark.parametrize(
+    "group,chunk,dtype,real",
+    [
+        (1, 16, F32, False),
+        (4, 32, BF16, False),
+        (8, 16, F16, False),
+        pytest.param(4, 16, BF16, True, marks=gpu),
+        pytest.param(4, 32, F16, True, marks=gpu),
+        pytest.param(1, 16, BF16, True, marks=gpu),
+        pytest.param(8, 32, BF16, True, marks=gpu),
+    ],
+)
+def test_decode(group, chunk, dtype, real) -> None:
+    if real:
+        ctxs = [1, 2, 15, 16, 17, 63, 64, 100, 4000, 2500]
+    else:
+        ctxs = [1, 2, 15, 17, 63, 64, 65, 90, 129]
+    b = make_batch([[(c - 1, 1)] for c in ctxs], chunk=chunk, dtype=dtype, **shape_kw(group, real))
+    run_attention(b)
+
+
+@pytest.mark.parametrize(
+    "group,chunk,dtype,real",
+    [
+        (1, 32, BF16, False),
+        (4, 16, F32, False),
+        (8, 32, F16, False),
+        pytest.param(4, 16, BF16, True, marks=gpu),
+        pytest.param(4, 32, F32, True, marks=gpu),
+        pytest.param(8, 16, F16, True, marks=gpu),
+    ],
+)
+def test_prefill(group, chunk, dtype, real) -> None:
+    qlens = [1, 100, 2000, 513] if real else [1, 5, 16, 45, 70]
+    b = make_batch([[(0, n)] for n in qlens], chunk=chunk, dtype=dtype, **shape_kw(group, real))
+    run_attention(b)
+
+
+@pytest.mark.parametrize(
+    "group,chunk,dtype,real",
+    [
+        (4, 16, F32, False),
+        (1, 32, BF16, False),
+        (8, 32, F16, False),
+        pytest.param(4, 16, BF16, True, marks=gpu),
+        pytest.param(4, 32, F16, True, marks=gpu),
+        pytest.param(8, 16, BF16, True, marks=gpu),
+    ],
+)
+def test_mixed_batch(group, chunk, dtype, real) -> None:
+    """A grid of (query_len, context before) pairs in one batch, plus an empty range."""
+    if real:
+        qlens, ctxs = [1, 2, 31, 200, 1024], [0, 1, 17, 62, 1000, 3000]
+    else:
+        qlens, ctxs = [1, 3, 20], [0, 1, 16, 37, 62]
+    tables = [[(c, n)] for n in qlens for c in ctxs] + [[(5, 0)]]
+    b = make_batch(tables, chunk=chunk, dtype=dtype, **shape_kw(group, real))
+    run_attention(b)
+
+
+@pytest.mark.parametrize(
+    "group,chunk,dtype,d,n,new,real",
+    [
+        (4, 16, BF16, 5, 40, 3, False),
+        (8, 32, F32, 33, 64, 1, False),
+        (1, 16, F16, 16, 17, 20, False),
+        pytest.param(4, 16, BF16, 700, 2500, 300, True, marks=gpu),
+        pytest.param(4, 32, F16, 1, 3000, 1, True, marks=gpu),
+    ],
+)
+def test_two_ranges_share_a_table(group, chunk, dtype, d, n, new, real) -> None:
+    """Range 0 recomputes positions 0..d-1, range 1 adds n..n+new-1, d..n-1 are cached."""
+    other = [(0, 9)] if not real else [(0, 64)]
+    b = make_batch([[(0, d), (n, new)], other, [(30, 1)]], chunk=chunk, dtype=dtype,
+                   **shape_kw(group, real))
+    run_attention(b)
+
+
+def _overflow_case(real: bool) -> None:
+    heads, kv_heads, head_dim = (40, 10, 128) if real else (4, 1, 16)
+    chunk = 16
+    per_block = chunk * kv_heads * head_dim
+    num_blocks = 2**31 // per_block + 64  # cache of more than 2**31 elements
+    dtype = BF16 if real else F16
+    try:
+        b = make_batch([[(0, 3), (70, 5)], [(130, 1)]], heads=heads, kv_heads=kv_heads,
+                       head_dim=head_dim, chunk=chunk, dtype=dtype, num_blocks=num_blocks,
+                       tail_blocks=True)
+    except (RuntimeError, MemoryError) as e:  # e.g. a host without memory overcommit
+        pytest.skip(f"cannot reserve a {2 * num_blocks * per_block * 2 / 2**30:.1f} GiB cache: {e}")
+    assert int(b.block_tables.min()) * per_block >= 2**31  # every block past int32 offsets
+    assert b.k_cache.numel() > 2**31
+    run_attention(b)
+
+    # store into the top blocks of the same cache
+    k_cache, v_cache = b.k_cache, b.v_cache
+    top = torch.tensor([num_blocks - 1, num_blocks - 2], device=k_cache.device)
+    saved_k, saved_v = k_cache[top].clone(), v_cache[top].clone()
+    slots = torch.tensor([(num_blocks - 1) * chunk + 3, -1, (num_blocks - 2) * chunk + 15],
+                         device=k_cache.device)
+    key = torch.randn(3, kv_heads, head_dim, device=k_cache.device).to(dtype)
+    value = torch.randn(3, kv_heads, head_dim, device=k_cache.device).to(dtype)
+    store_kv_triton(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[num_blocks - 1, 3], key[0])
+    assert torch.equal(v_cache[num_blocks - 2, 15], value[2])
+    assert torch.equal(k_cache[num_blocks - 2, 15], key[2])
+    assert torch.equal(v_cache[num_blocks - 1, 3], value[0])
+    for cache, saved in ((k_cache, saved_k), (v_cache, saved_v)):
+        cache[num_blocks - 1, 3] = saved[0, 3]
+        cache[num_blocks - 2, 15] = saved[1, 15]
+    assert torch.equal(torch.nan_to_num(k_cache[top]), torch.nan_to_num(saved_k))
+    assert torch.equal(torch.nan_to_num(v_cache[top]), torch.nan_to_num(saved_v))
+
+
+def test_int32_overflowing_cache() -> None:
+    """Block ids near the top of a cache of more than 2**31 elements (int64 addressing).
+
+    On the CPU the 2 x 4 GiB cache is only reserved (``torch.empty`` maps it lazily) and the
+    test touches a few of its blocks, so it stays light; it is skipped where the host refuses
+    to reserve that much address space.
+    """
+    _overflow_case(real=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_int32_overflowing_cache_real_shapes() -> None:
+    _overflow_case(real=True)
+
+
+# ---------------------------------------------------------------------------------------
+# launcher checks and dispatch
+
+
+def _small_batch() -> Batch:
+    return make_batch([[(3, 2)], [(0, 4)]], heads=4, kv_heads=2, head_dim=16, chunk=16,
+                      dtype=F32)
+
+
+def test_empty_inputs() -> None:
+    b = _small_batch()
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention_triton(*b.args(), max_query_len=0, out=out)
+    assert torch.isnan(out).all()
+    empty_q = b.q[:0]
+    res = paged_attention_triton(empty_q, *b.args()[1:4], b.query_start_loc[:1],
+                                 b.range_start_pos[:0], b.range_table[:0], b.scale,
+                                 max_query_len=0)
+    assert res.shape == empty_q.shape
+    key = torch.empty(0, 2, 16, device=DEVICE)
+    store_kv_triton(key, key, b.k_cache, b.v_cache, torch.empty(0, dtype=torch.long,
+                                                                device=DEVICE))
+
+
+def test_launcher_rejects_bad_arguments() -> None:
+    b = _small_batch()
+    kw = {"max_query_len": b.max_query_len}
+    args = list(b.args())
+
+    def bad(i: int, value, match: str, **extra) -> None:  # noqa: ANN001
+        a = list(args)
+        if i >= 0:
+            a[i] = value
+        with pytest.raises(ValueError, match=match):
+            paged_attention_triton(*a, **{**kw, **extra})
+
+    bad(0, b.q.to(F16), "dtype")  # q vs cache dtype
+    bad(0, b.q[:, :3], "multiple")  # 3 heads over 2 kv heads
+    bad(0, b.q.transpose(1, 2).contiguous().transpose(1, 2), "contiguous")
+    bad(0, b.q[..., :8], "head_dim")
+    bad(0, b.q.to(torch.int32), "float16")
+    bad(1, b.k_cache[..., :8].contiguous(), "differ")
+    bad(3, b.block_tables.float(), "int32")
+    bad(4, b.query_start_loc[:-1], "num_ranges")
+    bad(6, b.range_table[:1], "range_table")
+    bad(-1, None, "max_query_len", max_query_len=-1)
+    bad(-1, None, "out", out=torch.empty(1, 4, 16, device=DEVICE))
+    if HAS_CUDA:
+        bad(4, b.query_start_loc.cpu(), "device")
+    key = torch.randn(3, 2, 16, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="match"):
+        store_kv_triton(key[:, :1], key[:, :1], b.k_cache, b.v_cache, slots)
+    with pytest.raises(ValueError, match="entries"):
+        store_kv_triton(key, key, b.k_cache, b.v_cache, slots[:2])
+    with pytest.raises(ValueError, match="int32 or int64"):
+        store_kv_triton(key, key, b.k_cache, b.v_cache, slots.float())
+    cache16 = torch.zeros(2, 16, 2, 12, device=DEVICE)
+    with pytest.raises(ValueError, match="power of two"):
+        store_kv_triton(key[..., :12], key[..., :12], cache16, cache16, slots)
+
+
+def test_dispatch_through_pensieve_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PENSIEVE_ATTENTION=triton`` routes the public entry points to these kernels."""
+    monkeypatch.setenv("PENSIEVE_ATTENTION", "triton")
+    from pensieve.layers.attention import AttentionMetadata, PagedAttention
+
+    heads, kv_heads, head_dim, chunk = 4, 2, 16, 16
+    b = make_batch([[(0, 18)], [(20, 3)]], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   chunk=chunk, dtype=BF16)
+    out = kernels.paged_attention(*b.args(), max_query_len=b.max_query_len)
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(out, ref, BF16)
+
+    # The layer: store this step's K/V, then attend (kv_cache[0], kv_cache[1] are views).
+    kv_cache = torch.stack([b.k_cache, b.v_cache])
+    expected = kv_cache.clone()
+    n = b.q.shape[0]
+    k = torch.randn(n, kv_heads * head_dim, device=DEVICE).to(BF16)
+    v = torch.randn(n, kv_heads * head_dim, device=DEVICE).to(BF16)
+    # each token writes the slot of its own position, as the engine does
+    qsl = b.query_start_loc.tolist()
+    slot_list = []
+    for r in range(len(qsl) - 1):
+        table = b.block_tables[int(b.range_table[r])].long()
+        for i in range(qsl[r + 1] - qsl[r]):
+            p = int(b.range_start_pos[r]) + i
+            slot_list.append(int(table[p // chunk]) * chunk + p % chunk)
+    slots = torch.tensor(slot_list, device=DEVICE)
+    meta = AttentionMetadata(slots, b.query_start_loc, b.range_start_pos, b.range_table,
+                             b.block_tables, b.max_query_len)
+    layer = PagedAttention(heads, kv_heads, head_dim, b.scale)
+    got = layer(b.q.reshape(n, -1), k, v, kv_cache, meta)
+    store_kv_ref(k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim), expected[0],
+                 expected[1], slots)
+    assert torch.equal(torch.nan_to_num(kv_cache), torch.nan_to_num(expected))
+    ref = paged_attention_ref(b.q, expected[0], expected[1], *b.args()[3:],
+                              out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(got.view_as(b.q), ref, BF16)
