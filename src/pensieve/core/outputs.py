@@ -62,10 +62,37 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class SwapPlan:
+    """Chunk copies between the GPU tier and the CPU tier for one step, as block-id pairs.
+
+    The runner issues them on one copy stream in this order, so GPU-to-CPU copies that are not
+    urgent wait behind the swap-ins (PCIe contention: swap-in first):
+
+    1. ``swap_out_first`` (gpu_block, cpu_block): urgent evictions whose GPU blocks are reused
+       in this very step; complete before the step's compute touches any KV.
+    2. ``swap_in`` (cpu_block, gpu_block): layer by layer; layer i's attention waits for
+       layer i's copies only (pipelined with compute).
+    3. ``swap_out`` (gpu_block, cpu_block): ahead-of-time evictions; their GPU blocks are
+       reclaimed by the scheduler only at the next step.
+
+    All copies of a step are complete when the runner returns its RunnerOutput.
+    """
+
+    swap_out_first: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.swap_out_first or self.swap_in or self.swap_out)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """Everything the runner needs for one step, in batch order."""
 
     requests: list[ScheduledRequest]
+    swaps: SwapPlan = field(default_factory=SwapPlan)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step (the runner may drop per-request state)."""
 
@@ -75,7 +102,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and self.swaps.is_empty
 
 
 @dataclass(frozen=True)

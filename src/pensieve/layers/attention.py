@@ -7,6 +7,7 @@ tensor per layer, ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` (K the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class AttentionMetadata:
     """``[B, max_blocks]`` int32 block ids (padding entries are never read)."""
     max_query_len: int
     """Longest range in the step (host int: sizes the kernel grid)."""
+    layer_ready: Callable[[int], None] | None = None
+    """Called with the layer index before the layer touches its KV cache: the runner makes the
+    compute stream wait there for that layer's swap-in (pipelined swap-in)."""
 
 
 class PagedAttention(nn.Module):
@@ -47,6 +51,8 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.layer_idx = -1
+        """Index of the decoder layer; set by :func:`number_attention_layers`."""
 
     def forward(
         self,
@@ -61,9 +67,19 @@ class PagedAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if meta.layer_ready is not None:
+            meta.layer_ready(self.layer_idx)
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         out = paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
             meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
+
+
+def number_attention_layers(model: nn.Module) -> int:
+    """Give each PagedAttention its layer index (module order is layer order); returns count."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    for i, m in enumerate(layers):
+        m.layer_idx = i
+    return len(layers)

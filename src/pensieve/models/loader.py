@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from pensieve.layers.attention import number_attention_layers
 from pensieve.models import get_model_class
 from pensieve.models.presets import PRESETS, make_dummy_config
 
@@ -54,6 +55,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) 
     finally:
         torch.set_default_dtype(prev)
     model = model.to_empty(device=device)
+    number_attention_layers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
