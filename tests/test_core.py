@@ -9,16 +9,23 @@ import pytest
 
 from pensieve.core.block_pool import BlockPool, OutOfBlocksError
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.kv_manager import KVCacheManager
+from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.tiered_cache import TieredKVCache
+
+
+def KVCacheManager(num_blocks: int, chunk_size: int, watermark: float = 0.0) -> TieredKVCache:  # noqa: N802
+    """A stateless GPU-only cache: what the engine is for one-off requests."""
+    return TieredKVCache(num_blocks, 0, chunk_size, get_policy("stateless"), lambda _: 1.0,
+                         decode_reserve=watermark)
 
 
 def test_core_imports_no_torch() -> None:
     code = (
-        "import sys, pensieve, pensieve.core.scheduler, pensieve.core.kv_manager, "
+        "import sys, pensieve, pensieve.core.scheduler, pensieve.core.tiered_cache, "
         "pensieve.core.outputs, pensieve.config\n"
         "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\nprint('clean')"
@@ -40,22 +47,6 @@ def test_block_pool_fifo_and_double_free() -> None:
         pool.free([0])
 
 
-def test_kv_manager_tables_and_integrity() -> None:
-    kv = KVCacheManager(num_blocks=6, chunk_size=4, watermark=0.0)
-    assert kv.allocate("a", 5)  # 2 blocks
-    assert kv.block_table("a") == [0, 1]
-    assert kv.allocate("a", 8)  # still 2
-    assert kv.block_table("a") == [0, 1]
-    assert kv.allocate("b", 13)  # 4 blocks
-    assert kv.block_table("b") == [2, 3, 4, 5]
-    assert not kv.allocate("a", 9)  # needs a third block, none free: nothing taken
-    assert kv.block_table("a") == [0, 1]
-    kv.check_integrity()
-    kv.free("b")
-    assert kv.num_free_blocks == 4
-    kv.check_integrity()
-
-
 def _req(rid: str, n: int, max_tokens: int = 4, **kw: object) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens,
                    temperature=0.0, **kw))  # type: ignore[arg-type]
@@ -67,7 +58,7 @@ def _run_step(s: Scheduler, token: int = 7) -> tuple[list[tuple[str, int, int, b
                for r in out.requests]
     res = RunnerOutput({r.request_id: token for r in out.requests if r.sample})
     done = s.update_from_output(out, res)
-    s.kv.check_integrity()
+    s.cache.check_integrity()
     return summary, [r.request_id for r in done]
 
 
@@ -84,7 +75,7 @@ def test_unified_batch_chunked_prefill_and_decode() -> None:
     assert _run_step(s) == ([("a", 7, 1, True), ("b", 7, 1, True)], ["b"])
     assert _run_step(s) == ([("a", 8, 1, True)], ["a"])
     assert not s.has_unfinished()
-    assert s.kv.num_free_blocks == 64
+    assert s.cache.gpu.num_free_blocks == 64
 
 
 def test_stops_on_eos_and_stop_tokens_unless_ignore_eos() -> None:
@@ -125,7 +116,7 @@ def test_preemption_of_newest_and_recompute() -> None:
     assert _run_step(s)[0] == [("a", 7, 1, True), ("b", 7, 1, True)]
     # position 8 needs a third block each: b (newest) is preempted, a continues
     assert _run_step(s)[0] == [("a", 8, 1, True)]
-    assert s.num_preemptions == 1 and b.num_computed_tokens == 0
+    assert s.num_suspended == 1 and b.pending == []
     assert b.status is RequestStatus.WAITING
     # a finishes (4 tokens); only then are there blocks for b, recomputed from its
     # prompt and its 2 outputs (9 tokens) in one range

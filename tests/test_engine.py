@@ -66,8 +66,8 @@ def test_greedy_matches_hf_under_pressure(checkpoint) -> None:  # noqa: ANN001
               max_num_batched_tokens=96, num_gpu_blocks=36)
     outs = llm.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.kv_manager.num_free_blocks == 36
+    assert llm.engine.scheduler.num_suspended > 0
+    assert llm.engine.cache.gpu.num_free_blocks == 36
 
 
 def test_generate_validates_input(checkpoint) -> None:  # noqa: ANN001

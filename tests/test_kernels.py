@@ -25,7 +25,7 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 
 import pensieve.kernels as kernels  # noqa: E402
-from pensieve.kernels import triton_attention  # noqa: E402
+from pensieve.kernels import launch, triton_attention  # noqa: E402
 from pensieve.kernels.launch import paged_attention_triton, store_kv_triton  # noqa: E402
 from pensieve.kernels.reference import paged_attention_ref, store_kv_ref  # noqa: E402
 
@@ -144,10 +144,11 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
         assert rel < 1e-2, f"relative error {rel:.3g}"
 
 
-def run_attention(b: Batch) -> None:
+def run_attention(b: Batch, splits: int | None = None) -> None:
     """Kernel (into a NaN-poisoned out) against the float32 reference."""
     out = torch.full_like(b.q, float("nan"))
-    ret = paged_attention_triton(*b.args(), max_query_len=b.max_query_len, out=out)
+    ret = paged_attention_triton(*b.args(), max_query_len=b.max_query_len, out=out,
+                                 num_kv_splits=splits)
     assert ret is out
     ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
     assert_close(out, ref, b.q.dtype)
@@ -290,6 +291,31 @@ def test_two_ranges_share_a_table(group, chunk, dtype, d, n, new, real) -> None:
     run_attention(b)
 
 
+@pytest.mark.parametrize(
+    "group,chunk,dtype,splits,real",
+    [
+        (4, 16, BF16, 4, False),
+        (1, 32, F32, 32, False),
+        (8, 16, F16, 2, False),
+        pytest.param(4, 16, BF16, None, True, marks=gpu),
+        pytest.param(4, 32, F16, 16, True, marks=gpu),
+        pytest.param(8, 16, BF16, 8, True, marks=gpu),
+    ],
+)
+def test_split_kv(group, chunk, dtype, splits, real) -> None:
+    """KV ranges split over several programs, partials merged by the combine kernel."""
+    if splits is None:  # the launcher's own choice: few decode requests, long contexts
+        tables = [[(c - 1, 1)] for c in (1, 100, 4000)]
+        assert launch._auto_splits(3 * 10, 3, 40, 128, torch.device(DEVICE)) > 1
+    elif real:
+        tables = [[(c - 1, 1)] for c in (1, 100, 4000, 2500)]
+        tables += [[(0, 300), (3000, 1)], [(1000, 33)]]
+    else:
+        tables = [[(c - 1, 1)] for c in (1, 17, 64, 150)] + [[(0, 5), (40, 3)], [(20, 9)]]
+    b = make_batch(tables, chunk=chunk, dtype=dtype, **shape_kw(group, real))
+    run_attention(b, splits)
+
+
 def _overflow_case(real: bool) -> None:
     heads, kv_heads, head_dim = (40, 10, 128) if real else (4, 1, 16)
     chunk = 16
@@ -388,6 +414,7 @@ def test_launcher_rejects_bad_arguments() -> None:
     bad(4, b.query_start_loc[:-1], "num_ranges")
     bad(6, b.range_table[:1], "range_table")
     bad(-1, None, "max_query_len", max_query_len=-1)
+    bad(-1, None, "num_kv_splits", num_kv_splits=3)
     bad(-1, None, "out", out=torch.empty(1, 4, 16, device=DEVICE))
     if HAS_CUDA:
         bad(4, b.query_start_loc.cpu(), "device")

@@ -35,10 +35,25 @@ class CacheConfig:
     """GiB of device memory for KV (default: most of what is free after the weights)."""
     gpu_memory_utilization: float = 0.90
     """Fraction of total device memory the engine may use when gpu_kv_gb is not given."""
+    num_cpu_blocks: int | None = None
+    """Exact number of CPU-tier blocks (overrides cpu_kv_gb)."""
+    cpu_kv_gb: float | None = None
+    """GiB of (pinned) host memory for the CPU tier (default: 1 on a CPU run, 32 with CUDA)."""
+    cache_policy: str = "pensieve"
+    """pensieve, gpu-only, lru, prefix-lru or stateless (see pensieve.core.eviction)."""
+    swap_out_threshold: float = 0.25
+    """Start ahead-of-time swap-out when free GPU blocks fall under this fraction."""
+    decode_reserve: float = 0.10
+    """Fraction of GPU blocks new turns may not take, kept for running decodes."""
+    cost_profile: str | None = None
+    """JSON cost profile for the retention value (default: the analytic model)."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+        from pensieve.core.eviction import get_policy
+
+        get_policy(self.cache_policy)  # raises on an unknown name
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""A request: one prompt plus the tokens generated for it, and how far its KV is computed.
+"""A request: one turn's context (history + new input), its outputs, and what is left to compute.
 
-Invariants: ``0 <= num_computed_tokens <= num_tokens``; the KV of positions
-``[0, num_computed_tokens)`` is in the cache; a request needs a new token sampled only when
-``num_computed_tokens == num_tokens`` after a step (every known token has its KV).
+``pending`` lists, in position order, the position intervals whose KV the turn still has to
+compute: recomputation of dropped chunks first, then the tail from the conversation's
+``kv_end`` to ``num_tokens``. The last interval always ends at ``num_tokens``; a token is
+sampled when a step empties ``pending``, and the new token's position becomes pending.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pensieve.core.outputs import QueryRange
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.stats import CacheStats
 
 
 class RequestStatus(enum.Enum):
@@ -39,8 +42,11 @@ class Request:
     arrival_time: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids of the model (ignored with ``ignore_eos``)."""
+    conversation_id: str | None = None
+    """The conversation this turn belongs to (None: a one-off request)."""
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    cache_stats: CacheStats = field(default_factory=CacheStats)
     status: RequestStatus = RequestStatus.WAITING
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -57,6 +63,38 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(hi - lo for lo, hi in self.pending)
+
+    def pending_end(self, n: int) -> int:
+        """Position after the last of the first ``n`` pending tokens."""
+        for lo, hi in self.pending:
+            if n <= hi - lo:
+                return lo + n
+            n -= hi - lo
+        raise ValueError(f"request {self.request_id}: fewer than {n} tokens pending")
+
+    def take(self, n: int) -> list[QueryRange]:
+        """Remove the first ``n`` pending tokens; they become this step's query ranges."""
+        ranges: list[QueryRange] = []
+        while n > 0:
+            lo, hi = self.pending[0]
+            m = min(n, hi - lo)
+            ranges.append(QueryRange(lo, self.token_ids_range(lo, lo + m)))
+            if m == hi - lo:
+                self.pending.pop(0)
+            else:
+                self.pending[0] = (lo + m, hi)
+            n -= m
+        return ranges
+
+    def append_output(self, token: int) -> None:
+        """A sampled token: its KV is the next thing to compute."""
+        self.output_token_ids.append(token)
+        n = self.num_tokens
+        self.pending.append((n - 1, n))
 
     @property
     def all_token_ids(self) -> list[int]:

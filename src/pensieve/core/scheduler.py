@@ -1,14 +1,17 @@
-"""Iteration-level FCFS scheduler with unified (prefill + decode) batches.
+"""Iteration-level FCFS scheduler with unified (prefill + decode) batches over a tiered cache.
 
 Each step grants every request some tokens under one budget (``max_num_batched_tokens``):
-running requests first (a decode is one token, an unfinished chunked prefill continues), then
-waiting requests in arrival order while the budget, the running cap and the KV blocks allow.
-There is no prefill/decode phase flag: a request simply has ``num_computed_tokens`` of its
-``num_tokens`` with KV in the cache and is scheduled for the rest.
+running requests first (a decode is one token, an unfinished prefill continues), then waiting
+requests in arrival order while the budget, the running cap and the GPU blocks allow. There is
+no prefill/decode flag: a request has ``pending`` positions to compute and each step takes some.
+
+A turn of a conversation is admitted by the :class:`TieredKVCache`, which brings the
+conversation's chunks to the GPU and returns what must be computed::
+
+    [dropped: recompute][on CPU: swap in][on GPU][new prompt: compute]
 
 If a running request cannot get a block, the most recently arrived running request is
-preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-from its tokens (prompt and output so far) when it is admitted again.
+suspended: its KV goes to the CPU tier (or is dropped) and it returns to the front of the queue.
 """
 
 from __future__ import annotations
@@ -17,115 +20,147 @@ import time
 from collections import deque
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.kv_manager import KVCacheManager
-from pensieve.core.outputs import QueryRange, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pensieve.core.conversation import Conversation
+from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.core.request import Request, RequestStatus
+from pensieve.core.tiered_cache import TieredKVCache
 
 
 class Scheduler:
     """Decides, each step, which tokens of which requests to compute."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache: TieredKVCache) -> None:
         self.config = config
-        self.kv = kv
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._busy: set[str] = set()  # conversations with a turn waiting or running
         self._finished_ids: list[str] = []
-        self.num_preemptions = 0
+
+    @property
+    def num_suspended(self) -> int:
+        return self.cache.stats.suspended_requests
 
     # ------------------------------------------------------------------ requests in and out
+    def check_new_turn(self, conversation_id: str | None, num_tokens: int) -> None:
+        """Raise ValueError if a turn of ``num_tokens`` context tokens cannot be accepted."""
+        if conversation_id is not None and conversation_id in self._busy:
+            raise ValueError(f"conversation {conversation_id!r} already has a turn in flight")
+        if num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"context of {num_tokens} tokens leaves no room to generate within "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        c = self.cache.chunk_size
+        usable = self.cache.gpu.num_blocks - self.cache.decode_reserve_blocks
+        if -(-(num_tokens + 1) // c) > usable:
+            raise ValueError(
+                f"context of {num_tokens} tokens needs more KV blocks than the GPU tier has "
+                f"({usable} usable blocks of {c} tokens)"
+            )
+
     def add_request(self, request: Request) -> None:
+        """Queue a turn. Its prompt must extend its conversation's history."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        limit = self.config.max_model_len
-        if request.num_prompt_tokens >= limit:
-            raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate "
-                f"within max_model_len={limit}"
-            )
-        total_blocks = self.kv.pool.num_blocks
-        if self.kv.num_new_blocks("", request.num_prompt_tokens + 1) > total_blocks:
-            raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens needs more KV blocks than the "
-                f"cache has ({total_blocks} of {self.kv.chunk_size} tokens)"
-            )
+        cid = request.conversation_id
+        self.check_new_turn(cid, request.num_prompt_tokens)
+        if cid is not None:
+            history = self.cache.conversation(cid).token_ids
+            if request.prompt_token_ids[: len(history)] != history:
+                raise ValueError(f"request {request.request_id} does not extend conversation {cid}")
+            self._busy.add(cid)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> None:
+    def _conversation_of(self, req: Request) -> Conversation:
+        cid = req.conversation_id
+        if cid is None:
+            return self.cache.conversation(req.request_id, ephemeral=True)
+        return self.cache.conversation(cid)
+
+    def abort_request(self, request_id: str, now: float | None = None) -> None:
         req = self.requests.get(request_id)
-        if req is not None and not req.status.finished:
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        if req is None or req.status.finished:
+            return
+        now = time.monotonic() if now is None else now
+        self.cache.abort_turn(req, self._conversation_of(req), now)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        cache = self.cache
+        cache.begin_step()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[ScheduledRequest] = []
 
-        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        # 1. Running requests, oldest first; suspend the newest when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            n = min(req.num_pending, budget)
+            conv = self._conversation_of(req)
+            while not cache.grow(conv, req.pending_end(n), now):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._suspend(victim, now)
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n))
+                scheduled.append(self._take(req, conv, n))
                 budget -= n
                 i += 1
                 continue
-            break  # req itself was preempted; everything after it is too
+            break  # req itself was suspended; everything after it is too
 
         # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            conv = self._conversation_of(req)
+            pending = cache.pending_for(req, conv)
+            total = sum(hi - lo for lo, hi in pending)
+            if total > budget and not self.config.enable_chunked_prefill:
                 break
-            n = min(n, budget)
-            end = req.num_computed_tokens + n
-            if not self.kv.can_admit(req.request_id, end) or not self.kv.allocate(
-                req.request_id, end
-            ):
+            n = min(total, budget)
+            req.pending = pending
+            if not cache.admit(req, conv, req.pending_end(n), now):
+                req.pending = []
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append((req, n))
+            scheduled.append(self._take(req, conv, n))
             budget -= n
 
+        cache.plan_background(now)
         out = SchedulerOutput(
-            requests=[self._scheduled(req, n) for req, n in scheduled],
+            requests=scheduled,
+            swaps=cache.take_swap_plan(),
             finished_request_ids=self._finished_ids,
         )
         self._finished_ids = []
         return out
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
+    def _take(self, req: Request, conv: Conversation, n: int) -> ScheduledRequest:
+        ranges = req.take(n)
         return ScheduledRequest(
             request_id=req.request_id,
-            block_table=list(self.kv.block_table(req.request_id)),
-            ranges=[QueryRange(start, req.token_ids_range(start, start + n))],
-            sample=start + n == req.num_tokens,
+            block_table=self.cache.block_table(conv),
+            ranges=ranges,
+            sample=not req.pending,
             sampling_params=req.sampling_params,
             num_output_tokens=len(req.output_token_ids),
         )
 
-    def _preempt(self, req: Request) -> None:
+    def _suspend(self, req: Request, now: float) -> None:
         self.running.remove(req)
-        self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
+        self.cache.suspend(req, self._conversation_of(req), now)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
 
     # ------------------------------------------------------------------ results
     def update_from_output(
@@ -136,18 +171,16 @@ class Scheduler:
         finished: list[Request] = []
         for s in sched.requests:
             req = self.requests.get(s.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_scheduled_tokens
-            if not s.sample:
+            if req is None or req.status is not RequestStatus.RUNNING or not s.sample:
                 continue
             token = result.sampled_token_ids[s.request_id]
-            req.output_token_ids.append(token)
+            req.append_output(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._stop_status(req, token)
             if status is not None:
                 req.finish_time = now
+                self.cache.end_turn(req, self._conversation_of(req), now)
                 self._finish(req, status)
                 finished.append(req)
         return finished
@@ -170,6 +203,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
+        if req.conversation_id is not None:
+            self._busy.discard(req.conversation_id)
         self._finished_ids.append(req.request_id)
         del self.requests[req.request_id]

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from pensieve.config import EngineConfig
-from pensieve.core.kv_manager import KVCacheManager
+from pensieve.core.eviction import get_policy
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.engine.costs import load_cost_model
 from pensieve.models.loader import load_model, resolve_config
 from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 
@@ -39,6 +41,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    conversation_id: str | None = None
+    cache_stats: dict[str, int] | None = None
+    """Where this turn's context came from (gpu / cpu hits, recomputed, new) and moves."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,16 +91,33 @@ class LLMEngine:
         num_blocks = self._num_blocks(block_bytes)
         self.kv_caches = allocate_kv_caches(m.num_layers, num_blocks, cc.chunk_size,
                                             m.num_kv_heads, m.head_dim, self.dtype, self.device)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, cc.chunk_size,
-                 num_blocks * block_bytes / 2**30, self.device)
-        self.kv_manager = KVCacheManager(num_blocks, cc.chunk_size, config.scheduler.watermark)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size)
+        policy = get_policy(cc.cache_policy)
+        num_cpu_blocks = self._num_cpu_blocks(block_bytes) if policy.uses_cpu_tier else 0
+        log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks (%.2f GiB), "
+                 "chunk %d, policy %s", num_blocks, num_blocks * block_bytes / 2**30, self.device,
+                 num_cpu_blocks, num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
+        self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config, cc.chunk_size,
+                                          self.device, self.dtype)
+        self.cache = TieredKVCache(num_blocks, num_cpu_blocks, cc.chunk_size, policy,
+                                   self.cost_model.chunk_cost, cc.swap_out_threshold,
+                                   cc.decode_reserve)
+        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         )
         self.num_steps = 0
+        self.audit = False
+        """Check the cache's block accounting after every scheduling step (tests)."""
+
+    def _num_cpu_blocks(self, block_bytes: int) -> int:
+        cc = self.config.cache
+        if cc.num_cpu_blocks is not None:
+            return cc.num_cpu_blocks
+        gb = cc.cpu_kv_gb if cc.cpu_kv_gb is not None else (
+            32.0 if self.device.type == "cuda" else 1.0)
+        return int(gb * 2**30 // block_bytes)
 
     def _num_blocks(self, block_bytes: int) -> int:
         cc, sc = self.config.cache, self.config.scheduler
@@ -120,15 +142,43 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> None:
+                    params: SamplingParams, arrival_time: float | None = None,
+                    conversation_id: str | None = None) -> None:
+        """Queue a request. With a ``conversation_id`` the prompt is the *new* turn's input: the
+        context is the conversation's history followed by it."""
         vocab = int(self.hf_config.vocab_size)
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"request {request_id}: token ids out of range [0, {vocab}): {bad[:5]}")
-        req = Request(request_id, list(prompt_token_ids), params,
+        context = list(prompt_token_ids)
+        if conversation_id is not None:
+            conv = self.cache.conversations.get(conversation_id)
+            if conv is not None:
+                context = conv.token_ids + context
+        req = Request(request_id, context, params,
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                      eos_token_ids=self.eos_token_ids)
+                      eos_token_ids=self.eos_token_ids, conversation_id=conversation_id)
         self.scheduler.add_request(req)
+
+    def conversation_history(self, conversation_id: str) -> list[int]:
+        """Every token of the conversation's completed turns (empty if unknown)."""
+        conv = self.cache.conversations.get(conversation_id)
+        return list(conv.token_ids) if conv is not None else []
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        self.cache.delete(conversation_id)
+
+    def cache_stats(self) -> dict[str, int]:
+        """Totals since start: token sources, swaps, drops, suspensions, blocks in use."""
+        out = self.cache.stats.as_dict()
+        out["gpu_blocks_total"] = self.cache.gpu.num_blocks
+        out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
+        cpu = self.cache.cpu
+        out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
+        out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
+        return out
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -143,12 +193,18 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: KV cache too small for a request")
             return []
+        if self.audit:
+            self.cache.check_integrity()
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
+        if self.audit:
+            self.cache.check_integrity()
         self.num_steps += 1
         return [
             RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
                           r.finish_reason, arrival_time=r.arrival_time,
-                          first_token_time=r.first_token_time, finish_time=r.finish_time)
+                          first_token_time=r.first_token_time, finish_time=r.finish_time,
+                          conversation_id=r.conversation_id,
+                          cache_stats=r.cache_stats.as_dict())
             for r in finished
         ]

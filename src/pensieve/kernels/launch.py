@@ -9,6 +9,7 @@ ids, query offsets) are trusted.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -117,12 +118,34 @@ def store_kv_triton(
     )
 
 
-def _attention_tiles(rows: int, head_dim: int, is_cuda: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for ``rows = max_query_len * group`` rows per range."""
+def _attention_tiles(rows: int, head_dim: int, is_cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_n = 64 if head_dim <= 128 or not is_cuda else 32
-    num_warps = 4
-    return block_m, block_n, num_warps
+    return block_m, block_n, 4, 3
+
+
+_MAX_SPLITS = 32
+_WORKSPACE_BYTES = 256 << 20
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so that tests cover the split path too
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
+                 device: torch.device) -> int:
+    """Split KV when the grid would fill under two waves of the GPU's SMs."""
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    splits = min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
+    while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > _WORKSPACE_BYTES:
+        splits //= 2
+    return splits
 
 
 def paged_attention_triton(
@@ -136,6 +159,8 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -150,7 +175,10 @@ def paged_attention_triton(
     ``p = range_start_pos[r] + i`` and attends to positions ``0..p``. max_query_len: host
     int, at least the longest range (it sizes the grid; tokens of longer ranges would be left
     unwritten). out: optional ``[num_tokens, num_heads, head_dim]`` of q's dtype. Tokens
-    outside every range are not written. Returns out, ``[num_tokens, num_heads, head_dim]``.
+    outside every range are not written. num_kv_splits: split each KV range over this many
+    programs (a power of two; 1 = off) and merge the partials in a second kernel; ``None``
+    picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
+    a few long requests). Returns out, ``[num_tokens, num_heads, head_dim]``.
     """
     _check_float("q", q, 3)
     _check_cache_pair(k_cache, v_cache)
@@ -176,6 +204,11 @@ def paged_attention_triton(
         raise ValueError(f"range_table has {range_table.shape[0]} entries for {num_ranges} ranges")
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if num_kv_splits is not None and (
+        not isinstance(num_kv_splits, int) or num_kv_splits < 1
+        or num_kv_splits & (num_kv_splits - 1)
+    ):
+        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits!r}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     if out is None:
@@ -196,8 +229,22 @@ def paged_attention_triton(
         return out
 
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps = _attention_tiles(max_query_len * group, head_dim, q.is_cuda)
-    grid = (num_ranges, triton.cdiv(max_query_len * group, block_m), num_kv_heads)
+    block_m, block_n, num_warps, num_stages = _attention_tiles(
+        max_query_len * group, head_dim, q.is_cuda
+    )
+    tiles = triton.cdiv(max_query_len * group, block_m)
+    splits = num_kv_splits
+    if splits is None:
+        splits = _auto_splits(num_ranges * tiles * num_kv_heads, num_tokens, num_heads, head_dim,
+                              device)
+    if splits > 1:
+        ws_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
+                             device=device)
+        ws_m = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=device)
+        ws_l = torch.empty_like(ws_m)
+    else:
+        ws_acc = ws_m = ws_l = out  # unused
+    grid = (num_ranges, tiles * splits, num_kv_heads)
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
         float(scale) * _LOG2E,
@@ -205,6 +252,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        ws_acc, ws_m, ws_l, num_heads,
         GROUP=group,
         CHUNK_SIZE=chunk_size,
         HEAD_DIM=head_dim,
@@ -212,6 +260,15 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
+        NUM_SPLITS=splits,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if splits > 1:
+        _k._combine_splits_kernel[(num_ranges, max_query_len, num_heads)](
+            out, ws_acc, ws_m, ws_l, query_start_loc, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=splits,
+            num_warps=1 if splits * head_dim <= 1024 else 4,
+        )
     return out

@@ -19,6 +19,9 @@ Attention design (``_paged_attention_kernel``):
   Positions are visited only up to the tile's last query position. Tiles lying entirely at
   or before the tile's first query position need no mask; the rest apply the causal mask
   ``kv_pos <= q_pos``.
+* Split-KV ("flash decoding") for grids too small to fill the GPU (decode of few, long
+  requests): each program covers one of ``NUM_SPLITS`` slices of its KV range and writes fp32
+  partials; ``_combine_splits_kernel`` merges them with their softmax weights.
 * Online softmax (base 2, scale folded in) with fp32 statistics and accumulator; the score
   tile lives in registers only. fp16/bf16 inputs use the native tensor-core dot with fp32
   accumulation; ``FP32`` makes both dots exact float32 ("ieee", no tf32). The launcher also
@@ -172,16 +175,30 @@ def _paged_attention_kernel(
     stride_vc_c,
     stride_vc_h,
     stride_bt,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    num_heads,
     GROUP: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
-    """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads."""
+    """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
+
+    With ``NUM_SPLITS > 1`` program ``(r, tile * NUM_SPLITS + split, kv_head)`` covers only
+    the ``split``-th of ``NUM_SPLITS`` equal, ``BLOCK_N``-aligned parts of the tile's KV range
+    and writes its unnormalised partial result to contiguous fp32 workspaces: ``ws_acc``
+    ``[num_tokens, num_heads, NUM_SPLITS, HEAD_DIM]``, and ``ws_m`` / ``ws_l``
+    ``[num_tokens, num_heads, NUM_SPLITS]`` (running max, base 2, and sum);
+    ``_combine_splits_kernel`` merges them.
+    """
     rng = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
     kv_head = tl.program_id(2)
 
     q_lo = tl.load(query_start_loc_ptr + rng)
@@ -218,22 +235,74 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    for start_n in range(0, full_end, BLOCK_N):
+    kv_lo = 0
+    kv_hi = kv_len
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_len)
+
+    for start_n in range(kv_lo, tl.minimum(full_end, kv_hi), BLOCK_N):
         acc, m_i, l_i = _attn_kv_tile(
             acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
             kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
             stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32,
         )
-    for start_n in range(full_end, kv_len, BLOCK_N):
+    for start_n in range(tl.maximum(full_end, kv_lo), kv_hi, BLOCK_N):
         acc, m_i, l_i = _attn_kv_tile(
             acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
             kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
             stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
         )
 
-    acc = acc / l_i[:, None]
+    if NUM_SPLITS > 1:
+        # An empty split (kv_lo >= kv_len) leaves m = -1e30, l = 0: weight 0 when combined.
+        ws_row = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(ws_m_ptr + ws_row, m_i, mask=row_valid)
+        tl.store(ws_l_ptr + ws_row, l_i, mask=row_valid)
+    else:
+        acc = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h
+            + d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    query_start_loc_ptr,
+    stride_o_t,
+    stride_o_h,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Merge the split-KV partials of one (range, query token, head) into ``out``."""
+    rng = tl.program_id(0)
+    qi = tl.program_id(1)
+    head = tl.program_id(2)
+    q_lo = tl.load(query_start_loc_ptr + rng)
+    q_hi = tl.load(query_start_loc_ptr + rng + 1)
+    if qi >= q_hi - q_lo:
+        return
+    tok = (q_lo + qi).to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    ws_row = (tok * num_heads + head) * NUM_SPLITS + splits
+    m = tl.load(ws_m_ptr + ws_row)
+    l_sum = tl.load(ws_l_ptr + ws_row)
+    acc = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :])
+    w = tl.exp2(m - tl.max(m, 0))
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
     tl.store(
-        out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h + d[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
+        out_ptr + tok * stride_o_t + head * stride_o_h + d,
+        o.to(out_ptr.dtype.element_ty),
     )

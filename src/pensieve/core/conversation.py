@@ -1,0 +1,59 @@
+"""A conversation: its raw token history and where each chunk of its KV lives.
+
+Chunk ``i`` holds the KV of positions ``[i * C, (i + 1) * C)`` (``C = chunk_size``) and is in
+exactly one tier: on the GPU (a GPU block id), on the CPU (a CPU block id) or dropped (to be
+recomputed from ``token_ids``). Positions ``[0, kv_end)`` have KV in their chunk unless the chunk
+is dropped; ``len(chunks) == cdiv(kv_end, C)`` while the conversation is idle::
+
+    position   0 ........ 32 ....... 64 ....... 96 ...... kv_end ... len(token_ids)
+    chunk      [dropped   ][cpu       ][gpu      ][gpu    )  no KV yet (last output)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Tier(enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    DROPPED = "dropped"
+
+
+@dataclass
+class Chunk:
+    """One chunk of a conversation's KV: its tier and its block id in that tier (-1: none)."""
+
+    tier: Tier
+    block: int = -1
+
+
+@dataclass(eq=False)
+class Conversation:
+    """State kept across turns; owned by the tiered cache."""
+
+    conversation_id: str
+    token_ids: list[int] = field(default_factory=list)
+    """Raw history: every input and output of the turns completed so far."""
+    chunks: list[Chunk] = field(default_factory=list)
+    kv_end: int = 0
+    """Positions below this have KV (in a GPU or CPU chunk) or sit in a dropped chunk."""
+    last_active: float = 0.0
+    """When the last turn finished (or the conversation was created)."""
+    running: bool = False
+    """A turn is in flight: its chunks are pinned on the GPU and never evicted."""
+    ephemeral: bool = False
+    """A one-off request: its KV and history are freed when its turn ends."""
+    priority: float = 1.0
+    """Retention weight from the client (higher: kept longer)."""
+    keep_alive_s: float = 0.0
+    """Seconds after the last turn during which the conversation counts as not idle."""
+
+    def chunk_tokens(self, index: int, chunk_size: int) -> int:
+        """Positions of chunk ``index`` that hold (or held) KV."""
+        return max(0, min(chunk_size, self.kv_end - index * chunk_size))
+
+    def idle_time(self, now: float) -> float:
+        """How long the conversation has been idle, as the retention value sees it."""
+        return max(now - self.last_active - self.keep_alive_s, 1e-3)

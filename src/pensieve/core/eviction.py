@@ -1,0 +1,88 @@
+"""Eviction policies as strategies: which chunk leaves a tier first.
+
+Every policy orders candidate chunks of *idle* conversations (running ones are pinned) by a
+sortable key, lowest first. The cache evicts GPU chunks to the CPU tier (or drops them when a
+policy has no CPU tier), and drops CPU chunks, in that order. Policies are chosen by name:
+
+========== ============================================================ ========= ==========
+name       order                                                        CPU tier  keeps KV
+========== ============================================================ ========= ==========
+pensieve   retention value ``V = Cost(context_len) / idle_time``        yes       yes
+gpu-only   the same value                                               no        yes
+lru        least recently used conversation, all of its chunks at once  yes       yes
+prefix-lru LRU conversation, *tail* chunk first (a prefix cache)        yes       yes
+stateless  (nothing is kept after a turn)                               no        no
+========== ============================================================ ========= ==========
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pensieve.core.conversation import Conversation
+
+EvictionKey = tuple[float, float, str, float]
+"""(primary, secondary, conversation id, chunk order): compared as a tuple, lowest first."""
+
+ChunkCost = Callable[[int], float]
+"""Time to recompute one chunk whose context (last position + 1) is the argument."""
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """Base strategy: the retention value of Pensieve."""
+
+    name: str = "pensieve"
+    uses_cpu_tier: bool = True
+    keeps_kv: bool = True
+    whole_conversation: bool = False
+    """Evict every chunk of a conversation in a tier once one of them is chosen."""
+
+    def key(
+        self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
+    ) -> EvictionKey:
+        """Lower keys are evicted first."""
+        context_len = min((index + 1) * chunk_size, max(conv.kv_end, 1))
+        value = conv.priority * cost(context_len) / conv.idle_time(now)
+        return (value, conv.last_active, conv.conversation_id, float(index))
+
+
+@dataclass(frozen=True)
+class LRUPolicy(EvictionPolicy):
+    """Whole conversations, least recently used first (the paper's ablation)."""
+
+    name: str = "lru"
+    whole_conversation: bool = True
+
+    def key(
+        self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
+    ) -> EvictionKey:
+        return (conv.last_active, 0.0, conv.conversation_id, float(index))
+
+
+@dataclass(frozen=True)
+class PrefixLRUPolicy(EvictionPolicy):
+    """What prefix caches do (vLLM, SGLang): LRU, and within a sequence the tail first."""
+
+    name: str = "prefix-lru"
+
+    def key(
+        self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
+    ) -> EvictionKey:
+        return (conv.last_active, 0.0, conv.conversation_id, float(-index))
+
+
+POLICIES: dict[str, EvictionPolicy] = {
+    "pensieve": EvictionPolicy(),
+    "gpu-only": EvictionPolicy(name="gpu-only", uses_cpu_tier=False),
+    "lru": LRUPolicy(),
+    "prefix-lru": PrefixLRUPolicy(),
+    "stateless": EvictionPolicy(name="stateless", uses_cpu_tier=False, keeps_kv=False),
+}
+
+
+def get_policy(name: str) -> EvictionPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown cache_policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]

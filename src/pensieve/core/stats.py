@@ -1,0 +1,30 @@
+"""Cache counters: where each prompt token's KV came from, and what the tiers moved."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CacheStats:
+    """Token and event counters, in total or per request."""
+
+    gpu_hit_tokens: int = 0
+    """Context tokens whose KV was already on the GPU when the turn was admitted."""
+    cpu_hit_tokens: int = 0
+    """Context tokens whose KV was swapped in from the CPU tier."""
+    recomputed_tokens: int = 0
+    """History tokens whose KV had been dropped (or never kept) and was computed again."""
+    new_prompt_tokens: int = 0
+    """Tokens with no KV computed before: the new input (and the last answer's final token)."""
+    swapped_out_tokens: int = 0
+    swapped_in_tokens: int = 0
+    dropped_tokens: int = 0
+    suspended_requests: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def add(self, other: CacheStats) -> None:
+        for name, value in other.as_dict().items():
+            setattr(self, name, getattr(self, name) + value)
