@@ -35,11 +35,11 @@ def test_core_imports_no_torch() -> None:
     assert out.stdout.strip() == "clean"
 
 
-def test_block_pool_fifo_and_double_free() -> None:
+def test_block_pool_lowest_first_and_double_free() -> None:
     pool = BlockPool(4)
     assert pool.allocate(3) == [0, 1, 2]
     pool.free([1])
-    assert pool.allocate(2) == [3, 1]
+    assert pool.allocate(2) == [1, 3]
     with pytest.raises(OutOfBlocksError):
         pool.allocate(1)
     pool.free([0])

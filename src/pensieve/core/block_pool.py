@@ -1,12 +1,13 @@
 """A pool of KV blocks (one block = one chunk of ``chunk_size`` token slots, in every layer).
 
-Invariant: every block id in ``[0, num_blocks)`` is either free (in the free queue exactly once)
-or owned by exactly one caller. Allocation and freeing are O(1) per block.
+Invariant: every block id in ``[0, num_blocks)`` is either free (in the free heap exactly once)
+or owned by exactly one caller. Allocation takes the lowest free ids (O(log n) per block), so
+blocks handed out together tend to be consecutive: swaps then move long runs per copy.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 
 class OutOfBlocksError(RuntimeError):
@@ -14,13 +15,13 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Free-list allocator of integer block ids."""
+    """Lowest-id-first allocator of integer block ids."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a heap (sorted is a valid heap)
         self._is_free = [True] * num_blocks
 
     @property
@@ -31,7 +32,7 @@ class BlockPool:
         """Take ``n`` free blocks (lowest ids first on a fresh pool)."""
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
+        out = [heapq.heappop(self._free) for _ in range(n)]
         for b in out:
             self._is_free[b] = False
         return out
@@ -42,7 +43,7 @@ class BlockPool:
             if self._is_free[b]:
                 raise ValueError(f"block {b} freed twice")
             self._is_free[b] = True
-            self._free.append(b)
+            heapq.heappush(self._free, b)
 
     def is_free(self, block: int) -> bool:
         return self._is_free[block]

@@ -43,7 +43,9 @@ class Scheduler:
         return self.cache.stats.suspended_requests
 
     # ------------------------------------------------------------------ requests in and out
-    def check_new_turn(self, conversation_id: str | None, num_tokens: int) -> None:
+    def check_new_turn(
+        self, conversation_id: str | None, num_tokens: int, max_tokens: int = 1
+    ) -> None:
         """Raise ValueError if a turn of ``num_tokens`` context tokens cannot be accepted."""
         if conversation_id is not None and conversation_id in self._busy:
             raise ValueError(f"conversation {conversation_id!r} already has a turn in flight")
@@ -54,10 +56,11 @@ class Scheduler:
             )
         c = self.cache.chunk_size
         usable = self.cache.gpu.num_blocks - self.cache.decode_reserve_blocks
-        if -(-(num_tokens + 1) // c) > usable:
+        longest = min(num_tokens + max_tokens, self.config.max_model_len)
+        if -(-longest // c) > usable:
             raise ValueError(
-                f"context of {num_tokens} tokens needs more KV blocks than the GPU tier has "
-                f"({usable} usable blocks of {c} tokens)"
+                f"context of {num_tokens} tokens plus up to {max_tokens} generated needs more "
+                f"KV blocks than the GPU tier has ({usable} usable blocks of {c} tokens)"
             )
 
     def add_request(self, request: Request) -> None:
@@ -65,7 +68,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         cid = request.conversation_id
-        self.check_new_turn(cid, request.num_prompt_tokens)
+        self.check_new_turn(cid, request.num_prompt_tokens, request.sampling_params.max_tokens)
         if cid is not None:
             history = self.cache.conversation(cid).token_ids
             if request.prompt_token_ids[: len(history)] != history:

@@ -71,6 +71,7 @@ class TieredKVCache:
         self._reclaim_gpu: list[int] = []
         self._reclaim_cpu: list[int] = []
         self._plan = _StepPlan()
+        self._fresh_cpu: set[int] = set()  # CPU blocks that are swap-out targets this step
 
     # ------------------------------------------------------------------ conversations
     def conversation(self, conversation_id: str, ephemeral: bool = False) -> Conversation:
@@ -103,6 +104,7 @@ class TieredKVCache:
         if self.cpu is not None:
             self.cpu.free(self._reclaim_cpu)
         self._reclaim_cpu = []
+        self._fresh_cpu = set()
 
     def take_swap_plan(self) -> SwapPlan:
         p, self._plan = self._plan, _StepPlan()
@@ -300,6 +302,7 @@ class TieredKVCache:
             self._plan.swap_out.append((ch.block, cpu_block))
             self._reclaim_gpu.append(ch.block)
         ch.tier, ch.block = Tier.CPU, cpu_block
+        self._fresh_cpu.add(cpu_block)
         self.stats.swapped_out_tokens += tokens
 
     def _cpu_block_for(self, conv: Conversation, i: int, now: float) -> int | None:
@@ -316,10 +319,19 @@ class TieredKVCache:
             if mine < key:
                 return None
             vch = vconv.chunks[vi]
+            if vch.block in self._fresh_cpu:  # its copy is not issued yet: cancel it
+                self._cancel_swap_out(vch.block, vconv.chunk_tokens(vi, self.chunk_size))
             self.cpu.free([vch.block])
             vch.tier, vch.block = Tier.DROPPED, -1
             self.stats.dropped_tokens += vconv.chunk_tokens(vi, self.chunk_size)
         return self.cpu.allocate(1)[0]
+
+    def _cancel_swap_out(self, cpu_block: int, tokens: int) -> None:
+        """Forget this step's copy into ``cpu_block`` (its chunk is being dropped instead)."""
+        self._fresh_cpu.discard(cpu_block)
+        for plan in (self._plan.swap_out_first, self._plan.swap_out):
+            plan[:] = [(g, c) for g, c in plan if c != cpu_block]
+        self.stats.swapped_out_tokens -= tokens
 
     def _count(self, req: Request, st: CacheStats) -> None:
         self.stats.add(st)

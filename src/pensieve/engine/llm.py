@@ -67,8 +67,15 @@ class LLM:
         prompts: Sequence[Sequence[int] | str],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        conversation_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (token-id lists or strings); outputs in prompt order."""
+        """Generate for every prompt (token-id lists or strings); outputs in prompt order.
+
+        With ``conversation_ids``, prompt ``i`` is the *new turn* of conversation
+        ``conversation_ids[i]``: its context is every earlier input and output of that
+        conversation followed by the prompt, and only what is not cached is computed. A
+        conversation may appear once per call; ``None`` makes that prompt a one-off.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of prompts (each a list of ids or a string)")
         if sampling_params is None:
@@ -80,12 +87,18 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        convs = list(conversation_ids) if conversation_ids is not None else [None] * len(prompts)
+        if len(convs) != len(prompts):
+            raise ValueError(f"{len(convs)} conversation ids for {len(prompts)} prompts")
+        named = [c for c in convs if c is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("a conversation can take only one turn per generate() call")
         order: dict[str, int] = {}
         engine = self.engine
         try:
-            for i, (tok, p) in enumerate(zip(ids, params)):
+            for i, (tok, p, cid) in enumerate(zip(ids, params, convs)):
                 rid = f"gen-{next(self._counter)}"
-                engine.add_request(rid, tok, p)
+                engine.add_request(rid, tok, p, conversation_id=cid)
                 order[rid] = i
         except Exception:
             for rid in order:  # leave the engine as it was
@@ -103,3 +116,18 @@ class LLM:
             for r in final:
                 r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
         return final
+
+    def cache_stats(self) -> dict[str, int]:
+        """Counters since start: prompt tokens by source (``gpu_hit_tokens``,
+        ``cpu_hit_tokens``, ``recomputed_tokens``, ``new_prompt_tokens``), tier moves
+        (``swapped_out_tokens``, ``swapped_in_tokens``, ``dropped_tokens``),
+        ``suspended_requests``, and blocks per tier."""
+        return self.engine.cache_stats()
+
+    def conversation_history(self, conversation_id: str) -> list[int]:
+        """Every token of a conversation's completed turns."""
+        return self.engine.conversation_history(conversation_id)
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        """Free a conversation's KV in both tiers and forget its history."""
+        self.engine.delete_conversation(conversation_id)

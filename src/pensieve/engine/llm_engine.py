@@ -96,8 +96,8 @@ class LLMEngine:
         log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks (%.2f GiB), "
                  "chunk %d, policy %s", num_blocks, num_blocks * block_bytes / 2**30, self.device,
                  num_cpu_blocks, num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
-        self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config, cc.chunk_size,
-                                          self.device, self.dtype)
+        self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config,
+                                          cc.chunk_size, self.device, self.dtype)
         self.cache = TieredKVCache(num_blocks, num_cpu_blocks, cc.chunk_size, policy,
                                    self.cost_model.chunk_cost, cc.swap_out_threshold,
                                    cc.decode_reserve)
@@ -108,6 +108,9 @@ class LLMEngine:
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         )
         self.num_steps = 0
+        self.split_range_requests = 0
+        """Requests computed as two or more ranges in one step (dropped leading chunks
+        recomputed together with the new prompt)."""
         self.audit = False
         """Check the cache's block accounting after every scheduling step (tests)."""
 
@@ -151,7 +154,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id}: empty prompt")
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"request {request_id}: token ids out of range [0, {vocab}): {bad[:5]}")
+            raise ValueError(
+                f"request {request_id}: token ids out of range [0, {vocab}): {bad[:5]}")
         context = list(prompt_token_ids)
         if conversation_id is not None:
             conv = self.cache.conversations.get(conversation_id)
@@ -173,6 +177,7 @@ class LLMEngine:
     def cache_stats(self) -> dict[str, int]:
         """Totals since start: token sources, swaps, drops, suspensions, blocks in use."""
         out = self.cache.stats.as_dict()
+        out["split_range_requests"] = self.split_range_requests
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu
@@ -195,6 +200,7 @@ class LLMEngine:
             return []
         if self.audit:
             self.cache.check_integrity()
+        self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
         if self.audit:

@@ -15,6 +15,7 @@ import torch
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.layers.attention import AttentionMetadata
 from pensieve.runner.sampler import sample
+from pensieve.runner.swapper import KVSwapper
 
 
 @dataclass
@@ -56,13 +57,18 @@ class ModelRunner:
     """Owns the model and its KV caches on one device."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list[torch.Tensor], chunk_size: int
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        chunk_size: int,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.device = kv_caches[0].device
         self._pin = self.device.type == "cuda"
+        self.swapper = KVSwapper(kv_caches, num_cpu_blocks)
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
@@ -113,11 +119,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step; returns the sampled token of every request that samples."""
+        """Run one step: the step's swaps (pipelined with the layers), the model, sampling.
+
+        Every copy of the step has finished when this returns."""
         t0 = time.perf_counter()
-        if sched.is_empty:
-            return RunnerOutput(sampled_token_ids={})
+        layer_ready = self.swapper.start_step(sched.swaps)
+        if not sched.requests:
+            self.swapper.finish_step()
+            return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0)
         inp = self.prepare_inputs(sched)
+        inp.attn.layer_ready = layer_ready
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
         sampled = [s for s in sched.requests if s.sample]
         tokens: list[int] = []
@@ -130,6 +141,7 @@ class ModelRunner:
             )  # .tolist() inside synchronises with the device
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.swapper.finish_step()
         return RunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens)},
             step_time_s=time.perf_counter() - t0,
