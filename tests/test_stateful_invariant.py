@@ -8,6 +8,7 @@ the full history, and the block accounting is audited after every step.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -22,6 +23,7 @@ from pensieve.core.eviction import POLICIES
 VOCAB = 256
 CHUNK = 8
 TIERS = {"num_gpu_blocks": 24, "num_cpu_blocks": 6}  # 192 GPU-tier tokens, 48 CPU-tier
+DEVICE = os.environ.get("PENSIEVE_TEST_DEVICE", "cpu")  # "cuda" on the GPU machine
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ class Reference:
 
 
 def make_llm(path: str, policy: str, **kw: int) -> LLM:
-    llm = LLM(model=path, dtype="float32", device="cpu", chunk_size=CHUNK, cache_policy=policy,
+    llm = LLM(model=path, dtype="float32", device=DEVICE, chunk_size=CHUNK, cache_policy=policy,
               max_num_batched_tokens=64, **{**TIERS, **kw})
     llm.engine.audit = True
     return llm
