@@ -2,8 +2,9 @@
 
 bf16 rounding differs between any two implementations, so exact token equality is not
 expected. Both run greedy; the outputs must agree up to the first position where they differ,
-and there HF's log-probability of our token must be within ``TIE_NATS`` of its best one (a
-near-tie). Skipped without CUDA (CI has none); run on the H200.
+and there our token must be among HF's ``TOP_K`` most likely ones with a log-probability
+within ``TIE_NATS`` of HF's best (a near-tie), as vLLM's ``check_logprobs_close`` does.
+Skipped without CUDA (CI has none); run on the H200.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pensieve import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TIE_NATS = 0.15
+TIE_NATS = 0.5  # bf16 logits of magnitude ~10 are quantised in steps of 0.06
+TOP_K = 5
 MAX_NEW = 32
 
 
@@ -59,7 +61,9 @@ def test_bf16_greedy_close_to_hf(kind: str, tmp_path) -> None:  # noqa: ANN001
             if a != b:
                 logp = torch.log_softmax(g.scores[i][0].float(), dim=-1)
                 gap = (logp[b] - logp[a]).item()
-                assert gap < TIE_NATS, f"prompt {len(p)}: token {i} differs by {gap:.3f} nats"
+                rank = int((logp > logp[a]).sum())
+                assert rank < TOP_K and gap < TIE_NATS, (
+                    f"prompt {len(p)}: token {i} differs: rank {rank}, {gap:.3f} nats")
                 break
             agreed += 1
     assert agreed >= len(prompts) * MAX_NEW // 2, f"only {agreed} tokens agreed before ties"
