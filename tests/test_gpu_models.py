@@ -2,13 +2,17 @@
 
 bf16 rounding differs between any two implementations, so exact token equality is not
 expected. Both run greedy; the outputs must agree up to the first position where they differ,
-and there our token must be among HF's ``TOP_K`` most likely ones with a log-probability
-within ``TIE_NATS`` of HF's best (a near-tie), as vLLM's ``check_logprobs_close`` does.
+and there our token must be a near-tie in HF's own logits: among its ``TOP_K`` most likely
+tokens (as vLLM's ``check_logprobs_close`` asks) and within a few bf16 steps of HF's best
+logit (HF's bf16 logits are quantised: two tokens one step apart are a tie our float32 logits
+may break the other way). Random small models have flat distributions, so such ties come
+early; a wrong implementation diverges on tokens far from HF's choice.
 Skipped without CUDA (CI has none); run on the H200.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -19,8 +23,8 @@ from pensieve import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TIE_NATS = 0.5  # bf16 logits of magnitude ~10 are quantised in steps of 0.06
 TOP_K = 5
+TIE_STEPS = 2  # bf16 quantisation steps of the largest logit
 MAX_NEW = 32
 
 
@@ -59,11 +63,13 @@ def test_bf16_greedy_close_to_hf(kind: str, tmp_path) -> None:  # noqa: ANN001
         theirs = g.sequences[0, len(p):].tolist()
         for i, (a, b) in enumerate(zip(o.output_token_ids, theirs)):
             if a != b:
-                logp = torch.log_softmax(g.scores[i][0].float(), dim=-1)
-                gap = (logp[b] - logp[a]).item()
-                rank = int((logp > logp[a]).sum())
-                assert rank < TOP_K and gap < TIE_NATS, (
-                    f"prompt {len(p)}: token {i} differs: rank {rank}, {gap:.3f} nats")
+                logits = g.scores[i][0].float()
+                gap = (logits[b] - logits[a]).item()
+                step = 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
+                rank = int((logits > logits[a]).sum())
+                assert rank < TOP_K and gap <= TIE_STEPS * step, (
+                    f"prompt {len(p)}: token {i} differs: rank {rank}, logit gap {gap:.4f}, "
+                    f"bf16 step {step:.4f}")
                 break
             agreed += 1
-    assert agreed >= len(prompts) * MAX_NEW // 2, f"only {agreed} tokens agreed before ties"
+    assert agreed >= len(prompts), f"only {agreed} tokens agreed before the first ties"
