@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pensieve.layers.attention import number_attention_layers
 from pensieve.models import get_model_class
+from pensieve.models.demo import DEMO_NAME, ensure_demo_checkpoint
 from pensieve.models.presets import PRESETS, make_dummy_config
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
@@ -37,6 +38,8 @@ def resolve_config(model: str | os.PathLike | dict | PretrainedConfig) -> tuple[
             raise ValueError("a dict config needs a 'model_type' key (e.g. 'llama', 'opt')")
         return AutoConfig.for_model(d.pop("model_type"), **d), None
     path = os.fspath(model)
+    if path == DEMO_NAME:
+        path = ensure_demo_checkpoint()
     if os.path.isdir(path):
         return AutoConfig.from_pretrained(path, local_files_only=True), path
     if path in PRESETS:

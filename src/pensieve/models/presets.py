@@ -45,8 +45,6 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama2-13b": lambda: _llama(5120, 40, 40, 40, 13824),
     "llama2-13b-gqa10": lambda: _llama(5120, 40, 40, 10, 13824),
     "llama2-70b": lambda: _llama(8192, 80, 64, 8, 28672),
-    # the built-in demo: a small Llama with random weights, made locally (no download)
-    "demo": lambda: _llama(256, 4, 8, 2, 688, vocab_size=32000, max_position_embeddings=4096),
     "llama-tiny": lambda: _llama(64, 2, 4, 2, 128, vocab_size=1000, max_position_embeddings=512),
     "opt-125m": lambda: _opt(768, 12, 12, 3072),
     "opt-350m": lambda: _opt(1024, 24, 16, 4096, word_embed_proj_dim=512,

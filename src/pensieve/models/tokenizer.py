@@ -8,6 +8,10 @@ from typing import Any
 
 def load_tokenizer(model: str) -> Any:
     """The tokenizer saved beside a checkpoint; a clear error when there is none."""
+    if model == "demo":
+        from pensieve.models.demo import ensure_demo_checkpoint
+
+        model = ensure_demo_checkpoint()
     if not os.path.isdir(model):
         raise ValueError(
             f"model {model!r} has no tokenizer (a preset or the demo model): pass token ids, "
