@@ -1,4 +1,5 @@
-"""Command line: ``pensieve generate`` (offline batch generation with a throughput report)."""
+"""Command line: ``pensieve serve`` (the server), ``pensieve chat`` (a terminal client),
+``pensieve generate`` (offline batch generation with a throughput report)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--show", type=int, default=4, help="outputs to print")
     g.set_defaults(func=_generate)
+
+    from pensieve.server.main import add_serve_args, serve
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server with stateful conversations")
+    add_serve_args(s)
+    s.set_defaults(func=serve)
+
+    from pensieve.chat_client import add_chat_args, chat
+
+    c = sub.add_parser("chat", help="multi-turn chat in the terminal with a pensieve server")
+    add_chat_args(c)
+    c.set_defaults(func=chat)
     return p
 
 

@@ -26,6 +26,10 @@ from pensieve.core.request import Request, RequestStatus
 from pensieve.core.tiered_cache import TieredKVCache
 
 
+class ConversationBusyError(ValueError):
+    """A turn was submitted for a conversation whose previous turn is still in flight."""
+
+
 class Scheduler:
     """Decides, each step, which tokens of which requests to compute."""
 
@@ -39,6 +43,11 @@ class Scheduler:
         self._finished_ids: list[str] = []
 
     @property
+    def busy_conversations(self) -> set[str]:
+        """Conversations with a turn waiting or running."""
+        return self._busy
+
+    @property
     def num_suspended(self) -> int:
         return self.cache.stats.suspended_requests
 
@@ -48,7 +57,8 @@ class Scheduler:
     ) -> None:
         """Raise ValueError if a turn of ``num_tokens`` context tokens cannot be accepted."""
         if conversation_id is not None and conversation_id in self._busy:
-            raise ValueError(f"conversation {conversation_id!r} already has a turn in flight")
+            raise ConversationBusyError(
+                f"conversation {conversation_id!r} already has a turn in flight")
         if num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"context of {num_tokens} tokens leaves no room to generate within "

@@ -16,7 +16,7 @@ from pensieve.config import EngineConfig
 from pensieve.core.eviction import get_policy
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.costs import load_cost_model
 from pensieve.models.loader import load_model, resolve_config
@@ -108,6 +108,8 @@ class LLMEngine:
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         )
         self.num_steps = 0
+        self.last_sampled: dict[str, int] = {}
+        """Tokens sampled in the last step, by request id (for streaming)."""
         self.split_range_requests = 0
         """Requests computed as two or more ranges in one step (dropped leading chunks
         recomputed together with the new prompt)."""
@@ -172,12 +174,44 @@ class LLMEngine:
         return list(conv.token_ids) if conv is not None else []
 
     def delete_conversation(self, conversation_id: str) -> None:
+        """Free the conversation's KV in both tiers and forget its history (no-op if unknown)."""
         self.cache.delete(conversation_id)
+
+    def restore_conversation(self, conversation_id: str, token_ids: list[int]) -> None:
+        """Give a conversation its history without KV (after a restart: recomputed on use)."""
+        conv = self.cache.conversation(conversation_id)
+        if conv.running or conversation_id in self.scheduler.busy_conversations:
+            raise ConversationBusyError(f"conversation {conversation_id!r} has a turn running")
+        if not conv.token_ids:
+            conv.token_ids = list(token_ids)
+
+    def set_conversation_hints(self, conversation_id: str, priority: float | None = None,
+                               keep_alive_s: float | None = None) -> None:
+        """Retention hints: a higher priority or a keep-alive window keeps its KV longer."""
+        conv = self.cache.conversation(conversation_id)
+        if priority is not None:
+            if not priority > 0:
+                raise ValueError(f"priority must be > 0, got {priority}")
+            conv.priority = float(priority)
+        if keep_alive_s is not None:
+            if keep_alive_s < 0:
+                raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
+            conv.keep_alive_s = float(keep_alive_s)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def cache_stats(self) -> dict[str, int]:
         """Totals since start: token sources, swaps, drops, suspensions, blocks in use."""
         out = self.cache.stats.as_dict()
         out["split_range_requests"] = self.split_range_requests
+        out["swap_in_bytes"] = self.runner.swapper.bytes_in
+        out["swap_out_bytes"] = self.runner.swapper.bytes_out
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu
@@ -193,6 +227,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it."""
+        self.last_sampled = {}
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -202,6 +237,7 @@ class LLMEngine:
             self.cache.check_integrity()
         self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
         result = self.runner.execute(sched)
+        self.last_sampled = result.sampled_token_ids
         finished = self.scheduler.update_from_output(sched, result)
         if self.audit:
             self.cache.check_integrity()

@@ -1,0 +1,1 @@
+"""``pensieve serve``: an OpenAI-compatible HTTP server over the stateful engine."""

@@ -1,0 +1,172 @@
+"""The engine in its own thread, driven from asyncio.
+
+Every call into :class:`LLMEngine` happens on one engine thread; the event loop talks to it
+through a command queue and receives, per request, a stream of :class:`Update` objects on an
+``asyncio.Queue``. So the event loop never blocks on a model step, and the engine's state is
+never touched from two threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger("pensieve.server")
+
+
+@dataclass
+class Update:
+    """One event of a request: a new token, the finished output, or an error."""
+
+    token: int | None = None
+    output: RequestOutput | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Snapshot:
+    """Engine state for metrics, refreshed by the engine thread after each step."""
+
+    running: int = 0
+    waiting: int = 0
+    stats: dict[str, int] | None = None
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a background thread while requests are in flight."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Update]]] = {}
+        self.snapshot = Snapshot(stats=engine.cache_stats())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pensieve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._cmds.put(("noop", None))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ from the event loop
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread and return its result (or raise)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._cmds.put(("call", (fn, loop, fut)))
+        return await fut
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        conversation_id: str | None = None,
+    ) -> AsyncIterator[Update]:
+        """Yield each sampled token, then the finished output. Closing the iterator early (a
+        client that went away) aborts the request and frees its blocks."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Update] = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, conversation_id)))
+        done = False
+        try:
+            while True:
+                upd = await q.get()
+                if upd.error is not None:
+                    done = True
+                    raise upd.error
+                if upd.output is not None:
+                    done = True
+                    yield upd
+                    return
+                yield upd
+        finally:
+            if not done:
+                self._cmds.put(("abort", request_id))
+
+    # ------------------------------------------------------------------ engine thread
+    def _push(self, request_id: str, upd: Update) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        loop.call_soon_threadsafe(q.put_nowait, upd)
+        if upd.output is not None or upd.error is not None:
+            self._streams.pop(request_id, None)
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        eng = self.engine
+        if kind == "add":
+            rid, ids, params, cid = arg
+            try:
+                eng.add_request(rid, ids, params, conversation_id=cid)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting request
+                self._push(rid, Update(error=e))
+        elif kind == "abort":
+            eng.abort_request(arg)
+            self._streams.pop(arg, None)
+        elif kind == "call":
+            fn, loop, fut = arg
+            try:
+                res = fn(eng)
+            except Exception as e:  # noqa: BLE001
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, res)
+
+    def _refresh(self) -> None:
+        eng = self.engine
+        self.snapshot = Snapshot(eng.num_running, eng.num_waiting, eng.cache_stats())
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                if eng.has_unfinished():
+                    while True:
+                        self._handle(*self._cmds.get_nowait())
+                else:
+                    self._refresh()
+                    self._handle(*self._cmds.get(timeout=0.5))
+                    continue
+            except queue.Empty:
+                pass
+            if not eng.has_unfinished():
+                continue
+            try:
+                finished = eng.step()
+            except Exception as e:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                for rid in list(self._streams):
+                    eng.abort_request(rid)
+                    self._push(rid, Update(error=RuntimeError(f"engine step failed: {e}")))
+                continue
+            done = {o.request_id for o in finished}
+            for rid, tok in eng.last_sampled.items():
+                if rid not in done:
+                    self._push(rid, Update(token=tok))
+            for out in finished:
+                self._push(out.request_id, Update(output=out))
+            self._refresh()
+        log.info("engine thread stopped at %s", time.strftime("%X"))
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,67 @@
+"""Prometheus metrics: engine state read from the engine thread's snapshot, plus latencies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pensieve.server.async_engine import AsyncEngine
+
+_SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
+            "recomputed": "recomputed_tokens", "new": "new_prompt_tokens"}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.engine.snapshot
+        st = snap.stats or {}
+        g = GaugeMetricFamily("pensieve_requests_running", "Requests holding KV and computing")
+        g.add_metric([], snap.running)
+        yield g
+        g = GaugeMetricFamily("pensieve_requests_waiting", "Requests queued for admission")
+        g.add_metric([], snap.waiting)
+        yield g
+        c = CounterMetricFamily("pensieve_prompt_tokens", "Context tokens of admitted turns, by "
+                                "where their KV came from", labels=["source"])
+        for label, key in _SOURCES.items():
+            c.add_metric([label], st.get(key, 0))
+        yield c
+        c = CounterMetricFamily("pensieve_swap_bytes", "Bytes copied between the tiers",
+                                labels=["direction"])
+        c.add_metric(["in"], st.get("swap_in_bytes", 0))
+        c.add_metric(["out"], st.get("swap_out_bytes", 0))
+        yield c
+        c = CounterMetricFamily("pensieve_dropped_tokens", "KV tokens dropped from both tiers")
+        c.add_metric([], st.get("dropped_tokens", 0))
+        yield c
+        c = CounterMetricFamily("pensieve_suspended_requests", "Requests suspended mid-decode")
+        c.add_metric([], st.get("suspended_requests", 0))
+        yield c
+        used = GaugeMetricFamily("pensieve_blocks_used", "KV blocks in use", labels=["tier"])
+        total = GaugeMetricFamily("pensieve_blocks_total", "KV blocks", labels=["tier"])
+        for tier in ("gpu", "cpu"):
+            t = st.get(f"{tier}_blocks_total", 0)
+            used.add_metric([tier], t - st.get(f"{tier}_blocks_free", 0))
+            total.add_metric([tier], t)
+        yield used
+        yield total
+
+
+class Metrics:
+    """One registry per server."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("pensieve_time_to_first_token_seconds", "Time to first token",
+                              buckets=buckets, registry=self.registry)
+        self.latency = Histogram("pensieve_e2e_request_latency_seconds",
+                                 "Request latency, arrival to last token", buckets=buckets,
+                                 registry=self.registry)

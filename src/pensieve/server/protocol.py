@@ -1,0 +1,65 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with Pensieve's extensions."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = 0
+    n: int = Field(default=1, ge=1, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    conversation_id: str | None = None
+    """Pensieve: continue this conversation (send only the new messages)."""
+    keep_alive_s: float | None = Field(default=None, ge=0.0)
+    """Pensieve: the conversation's KV counts as fresh for this long after each turn."""
+    priority: float | None = Field(default=None, gt=0.0)
+    """Pensieve: retention weight of the conversation's KV (default 1)."""
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
