@@ -168,7 +168,7 @@ def create_app(state: ServerState) -> FastAPI:
         cid = body.conversation_id or request.headers.get("x-conversation-id")
         if cid is not None:
             stored = _owned(state, cid, tenant)
-            await _engine_call(state, lambda e: e.restore_conversation(cid, stored.token_ids))
+            await _restore(state, stored)
             turn = _Turn(tenant, cid, stored, [], [], ids, new_conversation=False)
         else:
             turn = _Turn(tenant, None, None, [], [], ids, new_conversation=False)
@@ -207,6 +207,16 @@ async def _engine_call(state: ServerState, fn: Any) -> Any:
         raise APIError(400, str(e)) from e
 
 
+async def _restore(state: ServerState, stored: StoredConversation) -> None:
+    """Make sure the engine knows the conversation (after a restart: history, no KV)."""
+
+    def fn(eng: Any) -> None:
+        eng.restore_conversation(stored.id, stored.token_ids)
+        eng.set_conversation_hints(stored.id, stored.priority, stored.keep_alive_s)
+
+    await _engine_call(state, fn)
+
+
 async def _resolve_turn(state: ServerState, tenant: str, cid: str | None,
                         msgs: list[dict[str, Any]]) -> _Turn:
     renderer = state.renderer
@@ -231,8 +241,7 @@ async def _resolve_turn(state: ServerState, tenant: str, cid: str | None,
                            param="messages")
         delta = renderer.continuation(prev, new)
         if delta is not None:
-            hist = stored.token_ids
-            await _engine_call(state, lambda e: e.restore_conversation(stored.id, hist))
+            await _restore(state, stored)
             return _Turn(tenant, stored.id, stored, prev, new, delta, new_conversation=False)
         if cid is not None and new is msgs:  # explicit id and a template we cannot extend
             raise APIError(400, "the chat template cannot extend this conversation")
@@ -331,6 +340,10 @@ class _Ctx:
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": text}]
         conv.token_ids = out.prompt_token_ids + out.output_token_ids
+        if self.body.priority is not None:
+            conv.priority = self.body.priority
+        if self.body.keep_alive_s is not None:
+            conv.keep_alive_s = self.body.keep_alive_s
         conv.turns = conv.turns + [{"context_len": len(out.prompt_token_ids),
                                     "output_len": len(out.output_token_ids)}]
         self.state.store.save_turn(conv)

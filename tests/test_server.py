@@ -1,0 +1,351 @@
+"""`pensieve serve` on localhost, driven by the official openai client (and httpx where the
+test needs raw HTTP): conversations both ways, KV reuse, persistence across SIGKILL, bad input,
+auth and tenant isolation, client disconnects."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pensieve import LLM, SamplingParams
+
+MAX_LEN = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, store: Path, cache_dir: Path, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        self.log = open(store.with_suffix(f".{self.port}.log"), "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pensieve.cli", "serve", "--port", str(self.port),
+             "--store", str(store), "--device", "cpu", "--num-gpu-blocks", "96",
+             "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
+             "--max-num-batched-tokens", "256", "--log-level", "warning", *extra],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, Path(self.log.name).read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError("server did not start")
+
+    def client(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def metric(self, name: str, key: str | None = None) -> float:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers).text
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, name
+        return float(m.group(1))
+
+    def wait_idle(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.metric("pensieve_requests_running") or self.metric("pensieve_requests_waiting"):
+            assert time.monotonic() < deadline, "requests still in flight"
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("store") / "conv.db", cache_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(server: Server, cache_dir: Path) -> LLM:
+    os.environ["PENSIEVE_CACHE_DIR"] = str(cache_dir)
+    return LLM(model="demo", device="cpu", num_gpu_blocks=96, max_num_batched_tokens=256,
+               max_model_len=MAX_LEN)
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+def _extra(obj: object, name: str) -> object:
+    return (getattr(obj, "model_extra", None) or {}).get(name)
+
+
+def _check_against_offline(srv: Server, offline: LLM, cid: str) -> list[dict]:
+    """Every turn's greedy answer equals the offline engine's from the same history."""
+    conv = httpx.get(f"{srv.url}/v1/conversations/{cid}").json()
+    ids = conv["token_ids"]
+    for t in conv["turns"]:
+        ctx, n = t["context_len"], t["output_len"]
+        out = offline.generate([ids[:ctx]], SamplingParams(max_tokens=n, temperature=0.0))[0]
+        assert out.output_token_ids == ids[ctx:ctx + n]
+    return conv["turns"]
+
+
+def test_implicit_conversation_reuses_kv_streaming_and_not(server: Server, offline: LLM) -> None:
+    client = server.client()
+    msgs = [{"role": "user", "content": "Tell me about memory palaces."}]
+    r1 = client.chat.completions.create(model="pensieve-demo", messages=msgs, **GREEDY)
+    cid = _extra(r1, "conversation_id")
+    assert isinstance(cid, str) and cid.startswith("conv-")
+    assert _extra(r1, "pensieve")["cache"]["gpu_hit_tokens"] == 0
+    hits_before = server.metric('pensieve_prompt_tokens_total{source="gpu_hit"}')
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And how do I build one?"}]
+    text, seen = "", set()
+    for chunk in client.chat.completions.create(model="pensieve-demo", messages=msgs,
+                                                stream=True, **GREEDY):
+        seen.add(_extra(chunk, "conversation_id"))
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    assert seen == {cid}  # recognised as the same conversation from the re-sent history
+    assert server.metric('pensieve_prompt_tokens_total{source="gpu_hit"}') > hits_before
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks!"}]
+    r3 = client.chat.completions.create(model="pensieve-demo", messages=msgs, **GREEDY)
+    assert _extra(r3, "conversation_id") == cid
+    assert _extra(r3, "pensieve")["cache"]["gpu_hit_tokens"] > 0
+    assert len(_check_against_offline(server, offline, cid)) == 3
+
+
+def test_explicit_conversation_id_sends_only_new_messages(server: Server, offline: LLM) -> None:
+    client = server.client()
+    r1 = client.chat.completions.create(
+        model="pensieve-demo", messages=[{"role": "user", "content": "Hello"}], **GREEDY)
+    cid = _extra(r1, "conversation_id")
+    for i, stream in enumerate([False, True, False]):
+        body = {"conversation_id": cid, "keep_alive_s": 30.0, "priority": 2.0}
+        new = [{"role": "user", "content": f"Question {i}?"}]
+        if stream:
+            chunks = list(client.chat.completions.create(
+                model="pensieve-demo", messages=new, stream=True, extra_body=body, **GREEDY))
+            assert {_extra(c, "conversation_id") for c in chunks} == {cid}
+        else:
+            r = client.chat.completions.create(model="pensieve-demo", messages=new,
+                                               extra_body=body, **GREEDY)
+            assert _extra(r, "conversation_id") == cid
+            assert _extra(r, "pensieve")["cache"]["gpu_hit_tokens"] > 0
+    turns = _check_against_offline(server, offline, cid)
+    assert len(turns) == 4
+    conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant"] * 4
+    assert conv["priority"] == 2.0 and conv["keep_alive_s"] == 30.0
+
+
+def test_completions_endpoint_and_models(server: Server) -> None:
+    client = server.client()
+    models = client.models.list().data
+    assert models[0].id == "pensieve-demo"
+    assert "random weights" in _extra(models[0], "description")
+    r = client.completions.create(model="pensieve-demo", prompt="Once upon a time",
+                                  max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    r2 = client.completions.create(model="pensieve-demo", prompt=[1, 415, 2936], max_tokens=3,
+                                   temperature=0)
+    assert r2.usage.prompt_tokens == 3
+
+
+def _post(srv: Server, path: str, **kw: object) -> httpx.Response:
+    return httpx.post(srv.url + path, timeout=60, **kw)  # type: ignore[arg-type]
+
+
+def _assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+def test_bad_input_gets_clear_4xx(server: Server) -> None:
+    path = "/v1/chat/completions"
+    hdr = {"content-type": "application/json"}
+    _assert_error(_post(server, path, content=b"{not json", headers=hdr), 400)
+    _assert_error(_post(server, path, json={"messages": "hi"}), 400)
+    _assert_error(_post(server, path, json={"messages": []}), 400)
+    _assert_error(_post(server, path, json={"messages": [{"role": "wizard", "content": "x"}]}),
+                  400)
+    user = [{"role": "user", "content": "hi"}]
+    for bad in ({"max_tokens": 0}, {"max_tokens": "many"}, {"max_tokens": MAX_LEN * 2},
+                {"temperature": -1}, {"top_p": 0}, {"n": 3}, {"stop": "a long stop string"}):
+        _assert_error(_post(server, path, json={"messages": user, **bad}), 400)
+    long = [{"role": "user", "content": "memory " * MAX_LEN}]
+    err = _assert_error(_post(server, path, json={"messages": long}), 400)
+    assert err["code"] == "context_length_exceeded"
+    err = _assert_error(_post(server, path, json={"messages": user, "conversation_id": "conv-x"}),
+                        404)
+    assert err["code"] == "conversation_not_found"
+    _assert_error(httpx.get(server.url + "/v1/conversations/conv-nope"), 404)
+    _assert_error(_post(server, "/v1/completions", json={"prompt": []}), 400)
+    _assert_error(_post(server, "/v1/completions", json={"prompt": [1, 10**9]}), 400)
+    server.wait_idle()  # nothing was left running by the rejected requests
+
+
+def test_second_turn_while_running_is_409(server: Server) -> None:
+    r = _post(server, "/v1/chat/completions",
+              json={"messages": [{"role": "user", "content": "start"}], "max_tokens": 2})
+    cid = r.json()["conversation_id"]
+    body = {"messages": [{"role": "user", "content": "long"}], "conversation_id": cid,
+            "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        next(lines)
+        second = _post(server, "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "x"}],
+                             "conversation_id": cid})
+        err = _assert_error(second, 409)
+        assert err["code"] == "conversation_busy"
+        _assert_error(httpx.delete(f"{server.url}/v1/conversations/{cid}"), 409)
+    server.wait_idle()
+
+
+def test_client_disconnect_aborts_and_leaves_conversation_unchanged(server: Server) -> None:
+    server.wait_idle()
+    r = _post(server, "/v1/chat/completions",
+              json={"messages": [{"role": "user", "content": "a story"}], "max_tokens": 4})
+    cid = r.json()["conversation_id"]
+    before = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
+    used = server.metric('pensieve_blocks_used{tier="gpu"}')
+    body = {"messages": [{"role": "user", "content": "go on"}], "conversation_id": cid,
+            "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
+        got = 0
+        for line in s.iter_lines():
+            got += line.startswith("data: ")
+            if got >= 3:
+                break  # leave mid-stream
+    server.wait_idle()
+    assert server.metric('pensieve_blocks_used{tier="gpu"}') == used  # blocks back
+    after = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
+    assert after == before  # the aborted turn was not recorded
+    # and the conversation still works
+    r2 = _post(server, "/v1/chat/completions",
+               json={"messages": [{"role": "user", "content": "again"}], "conversation_id": cid,
+                     "max_tokens": 3})
+    assert r2.status_code == 200 and r2.json()["conversation_id"] == cid
+
+
+def test_delete_conversation_frees_kv_and_history(server: Server) -> None:
+    server.wait_idle()
+    used = server.metric('pensieve_blocks_used{tier="gpu"}')
+    r = _post(server, "/v1/chat/completions",
+              json={"messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 4})
+    cid = r.json()["conversation_id"]
+    assert server.metric('pensieve_blocks_used{tier="gpu"}') > used
+    d = httpx.delete(f"{server.url}/v1/conversations/{cid}")
+    assert d.status_code == 200 and d.json()["deleted"] is True
+    assert server.metric('pensieve_blocks_used{tier="gpu"}') == used
+    _assert_error(httpx.get(f"{server.url}/v1/conversations/{cid}"), 404)
+
+
+def test_chat_terminal_client(server: Server) -> None:
+    from pensieve.cli import build_parser
+    from pensieve.chat_client import chat
+
+    args = build_parser().parse_args(["chat", "--url", server.url, "--max-tokens", "4",
+                                      "--temperature", "0"])
+    out = io.StringIO()
+    assert chat(args, stdin=io.StringIO("hello\nmore please\n/id\n/quit\n"), out=out) == 0
+    lines = out.getvalue().splitlines()
+    cid = next(line for line in lines if line.startswith("> conv-") or line.startswith("conv-"))
+    cid = cid.removeprefix("> ")
+    conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
+    assert len(conv["turns"]) == 2  # the second message continued the same conversation
+
+
+def test_auth_and_tenant_isolation(tmp_path: Path, cache_dir: Path) -> None:
+    srv = Server(tmp_path / "auth.db", cache_dir, "--api-key", "key-a", "--api-key", "key-b")
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        _assert_error(httpx.get(srv.url + "/v1/models"), 401)
+        _assert_error(httpx.get(srv.url + "/metrics",
+                                headers={"Authorization": "Bearer wrong"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            srv.client("wrong").models.list()
+        a, b = srv.client("key-a"), srv.client("key-b")
+        msgs = [{"role": "user", "content": "secret plans " * 20}]
+        ra = a.chat.completions.create(model="m", messages=msgs, **GREEDY)
+        cid = _extra(ra, "conversation_id")
+        hdr_b = {"Authorization": "Bearer key-b"}
+        _assert_error(httpx.get(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
+        _assert_error(httpx.delete(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
+        with pytest.raises(openai.NotFoundError):
+            b.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                      extra_body={"conversation_id": cid}, **GREEDY)
+        # B re-sends A's exact history: a new conversation of B's, with no hit on A's KV
+        follow = msgs + [{"role": "assistant", "content": ra.choices[0].message.content},
+                         {"role": "user", "content": "go on"}]
+        rb = b.chat.completions.create(model="m", messages=follow, **GREEDY)
+        assert _extra(rb, "conversation_id") != cid
+        assert _extra(rb, "pensieve")["cache"]["gpu_hit_tokens"] == 0
+        # while A doing the same continues its own conversation from cache
+        ra2 = a.chat.completions.create(model="m", messages=follow, **GREEDY)
+        assert _extra(ra2, "conversation_id") == cid
+        assert _extra(ra2, "pensieve")["cache"]["gpu_hit_tokens"] > 0
+    finally:
+        srv.stop()
+
+
+def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline: LLM) -> None:
+    store = tmp_path / "persist.db"
+    srv = Server(store, cache_dir)
+    client = srv.client()
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                       **GREEDY)
+    cid = _extra(r, "conversation_id")
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Next"}],
+                                   extra_body={"conversation_id": cid}, **GREEDY)
+    done = httpx.get(f"{srv.url}/v1/conversations/{cid}").json()
+    # load in flight: other conversations streaming long answers when the server dies
+    streams = [httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                            json={"messages": [{"role": "user", "content": f"load {i}"}],
+                                  "max_tokens": 400, "ignore_eos": True, "stream": True})
+               for i in range(3)]
+    opened = [s.__enter__() for s in streams]
+    for s in opened:
+        next(s.iter_lines())
+    srv.stop(signal.SIGKILL)
+    for s in streams:
+        try:
+            s.__exit__(None, None, None)
+        except httpx.HTTPError:
+            pass
+    srv2 = Server(store, cache_dir)
+    try:
+        again = httpx.get(f"{srv2.url}/v1/conversations/{cid}").json()
+        assert again["turns"] == done["turns"] and again["token_ids"] == done["token_ids"]
+        c2 = srv2.client()
+        r3 = c2.chat.completions.create(model="m", messages=[{"role": "user", "content": "Last"}],
+                                        extra_body={"conversation_id": cid}, **GREEDY)
+        assert _extra(r3, "pensieve")["cache"]["recomputed_tokens"] > 0  # KV was gone
+        turns = _check_against_offline(srv2, offline, cid)  # same as without the restart
+        assert len(turns) == 3
+    finally:
+        srv2.stop()
