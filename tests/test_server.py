@@ -266,8 +266,8 @@ def test_delete_conversation_frees_kv_and_history(server: Server) -> None:
 
 
 def test_chat_terminal_client(server: Server) -> None:
-    from pensieve.cli import build_parser
     from pensieve.chat_client import chat
+    from pensieve.cli import build_parser
 
     args = build_parser().parse_args(["chat", "--url", server.url, "--max-tokens", "4",
                                       "--temperature", "0"])
