@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,10 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.
 class LLMEngine:
     """A model on one device with its paged KV cache and scheduler."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
+        """Source of ``now`` for arrivals, idle times and token timestamps (seconds)."""
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         torch.manual_seed(mc.seed)
@@ -164,7 +167,7 @@ class LLMEngine:
             if conv is not None:
                 context = conv.token_ids + context
         req = Request(request_id, context, params,
-                      arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time,
                       eos_token_ids=self.eos_token_ids, conversation_id=conversation_id)
         self.scheduler.add_request(req)
 
@@ -220,7 +223,7 @@ class LLMEngine:
         return out
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id)
+        self.scheduler.abort_request(request_id, self.clock())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -228,7 +231,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it."""
         self.last_sampled = {}
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.clock())
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: KV cache too small for a request")
@@ -238,7 +241,7 @@ class LLMEngine:
         self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
         result = self.runner.execute(sched)
         self.last_sampled = result.sampled_token_ids
-        finished = self.scheduler.update_from_output(sched, result)
+        finished = self.scheduler.update_from_output(sched, result, self.clock())
         if self.audit:
             self.cache.check_integrity()
         self.num_steps += 1

@@ -1,0 +1,1 @@
+"""The multi-turn serving benchmark: workloads, load generation, metrics, a simulator."""
