@@ -55,9 +55,8 @@ class VirtualClock:
 
 
 class BenchEngine(Protocol):
-    """A system the load generator can drive, one step at a time, on ``clock``."""
-
-    clock: Clock
+    """A system the load generator can drive, one step at a time. It reads time from the
+    same :class:`Clock` the load generator is given (``LLMEngine(config, clock=clock.now)``)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
