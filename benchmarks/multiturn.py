@@ -1,0 +1,196 @@
+"""Multi-turn serving benchmark: systems side by side over a multi-turn trace.
+
+For each system and conversation arrival rate, drive a fresh engine with the load generator
+(`pensieve.bench.loadgen`) and record one summary line per point (throughput, P50/P90/P99
+latency, normalized latency and TTFT, prompt tokens by source) to ``<out>/points.jsonl``,
+every request to ``<out>/requests.jsonl``, and for Pensieve engines on a device every step's
+features and time to ``<out>/steps.jsonl`` (the simulator is calibrated from those).
+
+Systems: ``pensieve``, ``gpu-only``, ``lru``, ``prefix-lru``, ``stateless`` (Pensieve's engine
+under that cache policy) and ``hf`` (HF transformers' continuous batching, stateless).
+``--engine sim`` runs the same scheduler and cache on virtual time instead (``--step-cost``).
+
+    python benchmarks/multiturn.py --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
+        --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
+        --gpu-kv-gb 4 --cpu-kv-gb 22 --duration 60 --warmup 10 --out results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pensieve.bench.workload import load_workload, sharegpt_workload, ultrachat_synthetic
+from tqdm import tqdm
+
+from pensieve.bench.engine_api import VirtualClock, WallClock
+from pensieve.bench.loadgen import run_load
+from pensieve.bench.metrics import summarize
+
+DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_lengths.json.gz"
+
+
+def workload(args: argparse.Namespace) -> Any:
+    if args.workload == "ultrachat":
+        return ultrachat_synthetic(args.num_conversations or 5000, seed=args.seed)
+    if args.sharegpt:
+        return sharegpt_workload(args.sharegpt, max_conversations=args.num_conversations)
+    return load_workload(str(DEFAULT_CACHE))
+
+
+def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple[Any, Any]:
+    """A Pensieve engine (or the HF peer) on the device; returns (engine, step log list)."""
+    if system == "hf":
+        from pensieve.bench.hf_peer import HFContinuousBatchingEngine
+
+        return HFContinuousBatchingEngine(args.model, dtype=args.dtype, device=args.device,
+                                          clock=clock), None
+    from pensieve.bench.step_cost import features_of
+
+    from pensieve.engine.llm import build_engine_config
+    from pensieve.engine.llm_engine import LLMEngine
+
+    cfg = build_engine_config(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb, cache_policy=system,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs)
+    eng = LLMEngine(cfg, clock=clock.now)
+    steps: list[dict[str, Any]] = []
+    inner = eng.runner.execute
+
+    def execute(sched: Any) -> Any:
+        out = inner(sched)
+        steps.append({"system": system, **features_of(sched).as_dict(),
+                      "time_s": out.step_time_s})
+        return out
+
+    eng.runner.execute = execute
+    return eng, steps
+
+
+def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
+    from pensieve.bench.simulator import SimEngine
+    from pensieve.bench.step_cost import StepCostModel
+
+    from pensieve.core.config import SchedulerConfig
+    from pensieve.core.cost_model import CostModel
+
+    cost = StepCostModel.load(args.step_cost)
+    block_bytes = args.kv_bytes_per_token * args.chunk_size
+    gpu = int(args.gpu_kv_gb * 2**30 // block_bytes)
+    cpu = int(args.cpu_kv_gb * 2**30 // block_bytes)
+    chunk_cost = CostModel.load(args.cost_profile) if args.cost_profile else None
+    sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    return SimEngine(sc, gpu, cpu, args.chunk_size, system, chunk_cost, cost, clock)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default="stateless,gpu-only,pensieve")
+    ap.add_argument("--rates", default="0.1,0.2,0.3", help="conversation arrivals per second")
+    ap.add_argument("--engine", choices=["real", "sim"], default="real")
+    ap.add_argument("--model", default="llama2-13b-gqa10")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--workload", choices=["sharegpt", "ultrachat"], default="sharegpt")
+    ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the "
+                    "committed length cache of the packaged file)")
+    ap.add_argument("--num-conversations", type=int, default=None)
+    ap.add_argument("--think-time", type=float, default=60.0, help="mean seconds")
+    ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
+    ap.add_argument("--cpu-kv-gb", type=float, default=220.0)
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--warmup", type=float, default=60.0)
+    ap.add_argument("--drain", type=float, default=None)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
+    ap.add_argument("--cost-profile", default=None, help="sim: retention cost profile JSON")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
+                    help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")
+    ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--tag", default="", help="label stored with every point")
+    ap.add_argument("--out", default="results/multiturn")
+    args = ap.parse_args(argv)
+    if args.engine == "sim" and not args.step_cost:
+        ap.error("--engine sim needs --step-cost")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl = workload(args)
+    convs = list(wl.conversations)
+    import random
+
+    random.Random(args.seed).shuffle(convs)
+    print(f"workload {wl.name}: {len(convs)} conversations", file=sys.stderr)
+    vocab = 32000
+    for system in args.systems.split(","):
+        for rate in (float(r) for r in args.rates.split(",")):
+            t_start = time.time()
+            if args.engine == "sim":
+                clock: Any = VirtualClock()
+                engine, steps = build_sim(system, args, clock), None
+            else:
+                clock = WallClock()
+                engine, steps = build_real(system, args, clock)
+            bar = tqdm(desc=f"{system} @ {rate}/s", unit="req", leave=False)
+
+            def progress(n: int, total: int, bar: Any = bar) -> None:
+                bar.total = total
+                bar.update(n - bar.n)
+
+            res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
+                           vocab, seed=args.seed, drain_s=args.drain, progress=progress)
+            bar.close()
+            point = {"system": system, "conv_rate": rate, "engine": args.engine,
+                     "model": args.model, "think_time_s": args.think_time,
+                     "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
+                     "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
+                     "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
+                     **summarize(res, args.warmup)}
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in point.items()}
+            with open(out / "points.jsonl", "a") as f:
+                f.write(json.dumps(clean) + "\n")
+            with open(out / "requests.jsonl", "a") as f:
+                for r in res.records:
+                    f.write(json.dumps({"system": system, "conv_rate": rate, "tag": args.tag,
+                                        **r.as_dict()}) + "\n")
+            if steps:
+                with open(out / "steps.jsonl", "a") as f:
+                    for s in steps:
+                        f.write(json.dumps(s) + "\n")
+            print(f"{system:>10} rate {rate:5.2f}/s: {point['throughput_rps']:.3f} req/s, "
+                  f"P90 norm {point['normalized_latency_s_p90'] * 1e3:.1f} ms/tok, "
+                  f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
+                  f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "
+                  f"wall {point['wall_s']} s", flush=True)
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown:
+                shutdown()
+            del engine
+            gc.collect()
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except ImportError:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
