@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pensieve.bench.workload import load_workload, sharegpt_workload, ultrachat_synthetic
 from tqdm import tqdm
 
 from pensieve.bench.engine_api import VirtualClock, WallClock
 from pensieve.bench.loadgen import run_load
 from pensieve.bench.metrics import summarize
+from pensieve.bench.workload import load_workload, sharegpt_workload, ultrachat_synthetic
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_lengths.json.gz"
 
@@ -52,7 +52,6 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
         return HFContinuousBatchingEngine(args.model, dtype=args.dtype, device=args.device,
                                           clock=clock), None
     from pensieve.bench.step_cost import features_of
-
     from pensieve.engine.llm import build_engine_config
     from pensieve.engine.llm_engine import LLMEngine
 
@@ -67,7 +66,7 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
 
     def execute(sched: Any) -> Any:
         out = inner(sched)
-        steps.append({"system": system, **features_of(sched).as_dict(),
+        steps.append({"system": system, **features_of(sched).to_dict(),
                       "time_s": out.step_time_s})
         return out
 
@@ -78,7 +77,6 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
 def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
     from pensieve.bench.simulator import SimEngine
     from pensieve.bench.step_cost import StepCostModel
-
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
 
@@ -86,10 +84,12 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     block_bytes = args.kv_bytes_per_token * args.chunk_size
     gpu = int(args.gpu_kv_gb * 2**30 // block_bytes)
     cpu = int(args.cpu_kv_gb * 2**30 // block_bytes)
-    chunk_cost = CostModel.load(args.cost_profile) if args.cost_profile else None
+    chunk_cost = (CostModel.load(args.cost_profile) if args.cost_profile
+                  else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
     sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    return SimEngine(sc, gpu, cpu, args.chunk_size, system, chunk_cost, cost, clock)
+    return SimEngine(sc, gpu, cpu, cost, clock, chunk_cost, chunk_size=args.chunk_size,
+                     cache_policy=system, block_bytes=block_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

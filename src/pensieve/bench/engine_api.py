@@ -11,7 +11,7 @@ import time
 from typing import Protocol
 
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.llm_engine import RequestOutput
+from pensieve.engine.outputs import RequestOutput
 
 
 class Clock(Protocol):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +19,7 @@ from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.costs import load_cost_model
+from pensieve.engine.outputs import RequestOutput
 from pensieve.models.loader import load_model, resolve_config
 from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 
@@ -28,23 +28,6 @@ log = logging.getLogger("pensieve")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16}
-
-
-@dataclass
-class RequestOutput:
-    """A finished request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str | None
-    text: str | None = None
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    conversation_id: str | None = None
-    cache_stats: dict[str, int] | None = None
-    """Where this turn's context came from (gpu / cpu hits, recomputed, new) and moves."""
 
 
 def resolve_device(device: str) -> torch.device:

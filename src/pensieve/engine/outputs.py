@@ -1,0 +1,26 @@
+"""What the engine returns for a finished request (no torch: the benchmark and the simulator
+use it too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """A finished request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str | None
+    text: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    conversation_id: str | None = None
+    cache_stats: dict[str, int] | None = None
+    """Where this turn's context came from (gpu / cpu hits, recomputed, new) and moves."""
+
+
+__all__ = ["RequestOutput"]
