@@ -33,7 +33,8 @@ from pensieve.bench.loadgen import run_load
 from pensieve.bench.metrics import summarize
 from pensieve.bench.workload import load_workload, sharegpt_workload, ultrachat_synthetic
 
-DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_lengths.json.gz"
+DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_lengths.json.gz"
+"""The packaged ShareGPT file with its split pieces joined back into whole conversations."""
 
 
 def workload(args: argparse.Namespace) -> Any:
@@ -44,34 +45,49 @@ def workload(args: argparse.Namespace) -> Any:
     return load_workload(str(DEFAULT_CACHE))
 
 
+_SHARED: dict[str, Any] = {}
+
+
 def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple[Any, Any]:
-    """A Pensieve engine (or the HF peer) on the device; returns (engine, step log list)."""
+    """A Pensieve engine (or the HF peer) on the device; returns (engine, step log list).
+
+    All Pensieve systems share one engine (built once with the CPU tier, so the model, the KV
+    tensors and the pinned host memory are set up once), reset to empty tiers under the
+    system's cache policy before each point."""
     if system == "hf":
         from pensieve.bench.hf_peer import HFContinuousBatchingEngine
 
         return HFContinuousBatchingEngine(args.model, dtype=args.dtype, device=args.device,
-                                          clock=clock), None
+                                          clock=clock, kv_cache_gb=args.gpu_kv_gb,
+                                          max_batch_tokens=args.max_num_batched_tokens), None
     from pensieve.bench.step_cost import features_of
     from pensieve.engine.llm import build_engine_config
     from pensieve.engine.llm_engine import LLMEngine
 
-    cfg = build_engine_config(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-        gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb, cache_policy=system,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs)
-    eng = LLMEngine(cfg, clock=clock.now)
-    steps: list[dict[str, Any]] = []
-    inner = eng.runner.execute
+    if "engine" not in _SHARED:
+        cfg = build_engine_config(
+            model=args.model, load_format=args.load_format, dtype=args.dtype,
+            device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
+            cache_policy="pensieve", max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        eng = LLMEngine(cfg, clock=clock.now)
+        steps: list[dict[str, Any]] = []
+        inner = eng.runner.execute
 
-    def execute(sched: Any) -> Any:
-        out = inner(sched)
-        steps.append({"system": system, **features_of(sched).to_dict(),
-                      "time_s": out.step_time_s})
-        return out
+        def execute(sched: Any) -> Any:
+            out = inner(sched)
+            steps.append({"system": _SHARED["system"], **features_of(sched).to_dict(),
+                          "time_s": out.step_time_s})
+            return out
 
-    eng.runner.execute = execute
-    return eng, steps
+        eng.runner.execute = execute
+        _SHARED.update(engine=eng, steps=steps)
+    eng = _SHARED["engine"]
+    eng.clock = clock.now
+    eng.reset(system)
+    _SHARED["system"] = system
+    _SHARED["steps"].clear()
+    return eng, _SHARED["steps"]
 
 
 def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
@@ -139,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     for system in args.systems.split(","):
         for rate in (float(r) for r in args.rates.split(",")):
             t_start = time.time()
-            if args.engine == "sim":
-                clock: Any = VirtualClock()
-                engine, steps = build_sim(system, args, clock), None
-            else:
-                clock = WallClock()
-                engine, steps = build_real(system, args, clock)
+            try:
+                if args.engine == "sim":
+                    clock: Any = VirtualClock()
+                    engine, steps = build_sim(system, args, clock), None
+                else:
+                    clock = WallClock()
+                    engine, steps = build_real(system, args, clock)
+            except Exception as e:  # noqa: BLE001 - one system failing must not stop the rest
+                print(f"{system}: could not build: {type(e).__name__}: {e}", flush=True)
+                break
             bar = tqdm(desc=f"{system} @ {rate}/s", unit="req", leave=False)
 
             def progress(n: int, total: int, bar: Any = bar) -> None:
@@ -180,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             shutdown = getattr(engine, "shutdown", None)
             if shutdown:
                 shutdown()
-            del engine
-            gc.collect()
+            if engine is not _SHARED.get("engine"):
+                del engine
+                gc.collect()
             try:
                 import torch
 

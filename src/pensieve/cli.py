@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.set_defaults(func=serve)
 
+    from pensieve.bench.workload import add_workload_stats_args, workload_stats_cmd
+
+    b = sub.add_parser("bench", help="benchmark tools")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
+    add_workload_stats_args(w)
+    w.set_defaults(func=workload_stats_cmd)
+
     from pensieve.chat_client import add_chat_args, chat
 
     c = sub.add_parser("chat", help="multi-turn chat in the terminal with a pensieve server")

@@ -55,7 +55,8 @@ from pensieve.bench.engine_api import Clock, WallClock
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.core.stats import CacheStats
-from pensieve.engine.llm_engine import RequestOutput, resolve_device, resolve_dtype
+from pensieve.engine.llm_engine import resolve_device, resolve_dtype
+from pensieve.engine.outputs import RequestOutput
 
 log = logging.getLogger("pensieve.bench.hf_peer")
 
@@ -121,9 +122,14 @@ def build_hf_model(model_or_path: Any, dtype: str | torch.dtype = "auto",
         raise ValueError(f"dtype {tdtype} not supported; use float32, float16 or bfloat16")
     attn_kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if path is not None:
+        from transformers.utils import is_accelerate_available
+
+        # device_map needs accelerate; without it the weights load on the CPU and are moved
+        if dev.type != "cpu" and is_accelerate_available():
+            attn_kw["device_map"] = str(dev)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=tdtype, device_map=str(dev), local_files_only=True, **attn_kw)
-        return model.eval()
+            path, dtype=tdtype, local_files_only=True, **attn_kw)
+        return model.to(dev).eval()
     cfg = copy.deepcopy(hf_config)
     if "attn_implementation" not in attn_kw:
         attn_kw["attn_implementation"] = "sdpa"

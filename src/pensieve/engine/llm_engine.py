@@ -84,11 +84,8 @@ class LLMEngine:
                  num_cpu_blocks, num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
         self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config,
                                           cc.chunk_size, self.device, self.dtype)
-        self.cache = TieredKVCache(num_blocks, num_cpu_blocks, cc.chunk_size, policy,
-                                   self.cost_model.chunk_cost, cc.swap_out_threshold,
-                                   cc.decode_reserve)
-        self.scheduler = Scheduler(config.scheduler, self.cache)
         self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
+        self._new_cache(policy.name)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
@@ -101,6 +98,27 @@ class LLMEngine:
         recomputed together with the new prompt)."""
         self.audit = False
         """Check the cache's block accounting after every scheduling step (tests)."""
+
+    def _new_cache(self, cache_policy: str) -> None:
+        cc = self.config.cache
+        policy = get_policy(cache_policy)
+        cpu = self.runner.swapper.num_cpu_blocks if policy.uses_cpu_tier else 0
+        self.cache = TieredKVCache(self.kv_caches[0].shape[1], cpu, cc.chunk_size, policy,
+                                   self.cost_model.chunk_cost, cc.swap_out_threshold,
+                                   cc.decode_reserve)
+        self.scheduler = Scheduler(self.config.scheduler, self.cache)
+
+    def reset(self, cache_policy: str | None = None) -> None:
+        """Forget every request and conversation and start with empty tiers, optionally under
+        another cache policy; the model, the KV tensors and the pinned CPU tier are kept (the
+        benchmark runs many points on one engine). The CPU tier keeps the size it was built
+        with (none if the engine was built with a policy that has no CPU tier)."""
+        if self.scheduler.has_unfinished():
+            for rid in list(self.scheduler.requests):
+                self.scheduler.abort_request(rid, self.clock())
+        self._new_cache(cache_policy or self.cache.policy.name)
+        self.split_range_requests = 0
+        self.num_steps = 0
 
     def _num_cpu_blocks(self, block_bytes: int) -> int:
         cc = self.config.cache
