@@ -9,6 +9,9 @@ features and time to ``<out>/steps.jsonl`` (the simulator is calibrated from tho
 Systems: ``pensieve``, ``gpu-only``, ``lru``, ``prefix-lru``, ``stateless`` (Pensieve's engine
 under that cache policy) and ``hf`` (HF transformers' continuous batching, stateless).
 ``--engine sim`` runs the same scheduler and cache on virtual time instead (``--step-cost``).
+``--engine http --url URL`` drives a running ``pensieve serve`` over its HTTP API (the real
+path: streaming ``/v1/completions``, one server conversation per benchmark conversation); the
+server's ``--cache-policy`` is the system, so give one ``--systems`` name to record it.
 
     python benchmarks/multiturn.py --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
         --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
@@ -113,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="stateless,gpu-only,pensieve")
     ap.add_argument("--rates", default="0.1,0.2,0.3", help="conversation arrivals per second")
-    ap.add_argument("--engine", choices=["real", "sim"], default="real")
+    ap.add_argument("--engine", choices=["real", "sim", "http"], default="real")
+    ap.add_argument("--url", default=None, help="http: the server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=None, help="http: bearer key (if the server wants one)")
+    ap.add_argument("--max-connections", type=int, default=512,
+                    help="http: most requests in flight at once (keep above the peak load)")
     ap.add_argument("--model", default="llama2-13b-gqa10")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--dtype", default="bfloat16")
@@ -142,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.engine == "sim" and not args.step_cost:
         ap.error("--engine sim needs --step-cost")
+    if args.engine == "http" and not args.url:
+        ap.error("--engine http needs --url")
+    if args.engine == "http" and len(args.systems.split(",")) != 1:
+        ap.error("--engine http runs one system (the server's --cache-policy): give one "
+                 "--systems name")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.engine == "sim":
                     clock: Any = VirtualClock()
                     engine, steps = build_sim(system, args, clock), None
+                elif args.engine == "http":
+                    from pensieve.bench.http_engine import HTTPEngine
+
+                    clock = WallClock()
+                    engine, steps = HTTPEngine(args.url, api_key=args.api_key,
+                                               max_workers=args.max_connections,
+                                               clock=clock), None
                 else:
                     clock = WallClock()
                     engine, steps = build_real(system, args, clock)

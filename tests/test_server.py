@@ -349,3 +349,60 @@ def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline:
         assert len(turns) == 3
     finally:
         srv2.stop()
+
+
+def _sse(srv: Server, body: dict) -> list[dict]:
+    """The data objects of a streamed completion (without the closing [DONE])."""
+    import json
+
+    out = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as s:
+        assert s.status_code == 200, s.read()
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def test_completions_create_conversation_then_continue_with_new_tokens(
+        server: Server, offline: LLM) -> None:
+    server.wait_idle()
+    base = {"temperature": 0, "ignore_eos": True}
+    # without the flag a completion stays outside any conversation (as before)
+    plain = _post(server, "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **base})
+    assert plain.status_code == 200 and plain.json()["conversation_id"] is None
+    first = [11, 12, 13, 14, 15, 16, 17]
+    r1 = _post(server, "/v1/completions",
+               json={"prompt": first, "max_tokens": 5, "create_conversation": True, **base})
+    assert r1.status_code == 200, r1.text
+    cid = r1.json()["conversation_id"]
+    assert isinstance(cid, str) and cid.startswith("conv-") and len(cid) > 20
+    assert r1.headers["x-conversation-id"] == cid
+    assert r1.json()["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert r1.json()["pensieve"]["cache"]["gpu_hit_tokens"] == 0
+    # a later turn sends only its new tokens, streamed: every chunk names the conversation, the
+    # final one carries the turn's cache stats, the usage chunk the whole context
+    chunks = _sse(server, {"prompt": [21, 22, 23], "max_tokens": 4, "conversation_id": cid,
+                           "stream_options": {"include_usage": True}, **base})
+    assert {c["conversation_id"] for c in chunks} == {cid}
+    final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] == "length"
+    cache = final[0]["pensieve"]["cache"]
+    # the history's KV is reused, all but the last answer token (never fed back, so no KV)
+    assert cache["gpu_hit_tokens"] == 11 and cache["new_prompt_tokens"] == 3 + 1
+    assert chunks[-1]["object"] == "text_completion"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 15, "completion_tokens": 4,
+                                   "total_tokens": 19}
+    # a streamed first turn creates a conversation too; the two are distinct
+    chunks2 = _sse(server, {"prompt": first, "max_tokens": 3, "create_conversation": True,
+                            **base})
+    cid2 = chunks2[0]["conversation_id"]
+    assert cid2 != cid and {c["conversation_id"] for c in chunks2} == {cid2}
+    turns = _check_against_offline(server, offline, cid)  # greedy answers match offline
+    assert turns == [{"context_len": 7, "output_len": 5}, {"context_len": 15, "output_len": 4}]
+    assert len(_check_against_offline(server, offline, cid2)) == 1
+    # the conversation belongs to its tenant: an unknown id is refused as before
+    err = _assert_error(_post(server, "/v1/completions",
+                              json={"prompt": [1], "conversation_id": cid + "x"}), 404)
+    assert err["code"] == "conversation_not_found"

@@ -38,6 +38,9 @@ class EvictionPolicy:
     keeps_kv: bool = True
     whole_conversation: bool = False
     """Evict every chunk of a conversation in a tier once one of them is chosen."""
+    tail_first: bool = False
+    """Within a conversation, keys grow from the last chunk to the first (else first to last).
+    The cache relies on this order; it holds when ``Cost`` does not decrease with context."""
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
@@ -66,6 +69,7 @@ class PrefixLRUPolicy(EvictionPolicy):
     """What prefix caches do (vLLM, SGLang): LRU, and within a sequence the tail first."""
 
     name: str = "prefix-lru"
+    tail_first: bool = True
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int

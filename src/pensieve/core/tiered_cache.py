@@ -19,6 +19,8 @@ a running conversation has all its chunks on the GPU; an idle one has ``cdiv(kv_
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
@@ -251,32 +253,56 @@ class TieredKVCache:
         if short > 0:
             self._evict_gpu(short, now, urgent=False)
 
-    def _candidates(self, tier: Tier, now: float) -> list[tuple[EvictionKey, Conversation, int]]:
-        out = []
-        for conv in self.conversations.values():
-            if conv.running:
-                continue
-            for i, ch in enumerate(conv.chunks):
-                if ch.tier is tier:
-                    key = self.policy.key(conv, i, now, self.chunk_cost, self.chunk_size)
-                    out.append((key, conv, i))
-        out.sort(key=lambda t: t[0])
-        return out
+    def _victims(self, tier: Tier, now: float) -> Iterator[tuple[EvictionKey, Conversation, int]]:
+        """Chunks of idle conversations in ``tier``, lowest key first, produced lazily.
+
+        Within one conversation keys only grow in the policy's chunk order (leading chunks
+        first; the tail first for prefix caches), so a heap holds one candidate per
+        conversation: the cost of a step's eviction is the conversations touched, not every
+        chunk in the cache. The caller may move the chunk it was given out of ``tier`` before
+        asking for the next one."""
+        step = -1 if self.policy.tail_first else 1
+
+        def first(conv: Conversation, start: int) -> int | None:
+            n = len(conv.chunks)
+            i = start
+            while 0 <= i < n:
+                if conv.chunks[i].tier is tier:
+                    return i
+                i += step
+            return None
+
+        heap: list[tuple[EvictionKey, int, int]] = []
+        convs = [c for c in self.conversations.values() if not c.running]
+        for n, conv in enumerate(convs):
+            i = first(conv, 0 if step == 1 else len(conv.chunks) - 1)
+            if i is not None:
+                heap.append((self._key(conv, i, now), n, i))
+        heapq.heapify(heap)
+        while heap:
+            key, n, i = heapq.heappop(heap)
+            conv = convs[n]
+            if i < len(conv.chunks) and conv.chunks[i].tier is tier and not conv.running:
+                yield key, conv, i
+            j = first(conv, i + step) if not conv.running else None
+            if j is not None:
+                heapq.heappush(heap, (self._key(conv, j, now), n, j))
+
+    def _key(self, conv: Conversation, i: int, now: float) -> EvictionKey:
+        return self.policy.key(conv, i, now, self.chunk_cost, self.chunk_size)
 
     def _evictable_gpu_blocks(self) -> int:
-        return sum(
-            1
-            for conv in self.conversations.values()
-            if not conv.running
-            for ch in conv.chunks
-            if ch.tier is Tier.GPU
-        )
+        """GPU blocks held by idle conversations (every other taken block is pinned)."""
+        taken = self.gpu.num_blocks - self.gpu.num_free_blocks - len(self._reclaim_gpu)
+        pinned = sum(ch.tier is Tier.GPU for c in self.conversations.values() if c.running
+                     for ch in c.chunks)
+        return taken - pinned
 
     def _evict_gpu(self, n: int, now: float, urgent: bool) -> int:
         """Move (or drop) up to ``n`` idle GPU chunks, lowest key first; returns how many."""
         done = 0
         last: Conversation | None = None
-        for _, conv, i in self._candidates(Tier.GPU, now):
+        for _, conv, i in self._victims(Tier.GPU, now):
             whole = self.policy.whole_conversation and conv is last
             if done >= n and not whole:
                 break
@@ -311,11 +337,11 @@ class TieredKVCache:
         if self.cpu is None:
             return None
         if self.cpu.num_free_blocks == 0:
-            victims = self._candidates(Tier.CPU, now)
-            if not victims:
+            victim = next(self._victims(Tier.CPU, now), None)
+            if victim is None:
                 return None
-            key, vconv, vi = victims[0]
-            mine = self.policy.key(conv, i, now, self.chunk_cost, self.chunk_size)
+            key, vconv, vi = victim
+            mine = self._key(conv, i, now)
             if mine < key:
                 return None
             vch = vconv.chunks[vi]

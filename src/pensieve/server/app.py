@@ -4,7 +4,9 @@ Conversations, two ways. A client that re-sends the whole message list each turn
 client) is recognised: the longest prefix of its messages that ends with an assistant message
 and equals a stored conversation of the same tenant continues that conversation. A client
 that names ``conversation_id`` (body field or ``X-Conversation-Id`` header) sends only the new
-messages. Either way the response carries the conversation id, and only tokens whose KV is not
+messages. ``/v1/completions`` (token ids or text, no chat template) starts one only when asked
+(``create_conversation: true``) and continues it by ``conversation_id`` with the new tokens.
+Either way the response carries the conversation id, and only tokens whose KV is not
 cached are computed. Conversations belong to the API key that created them.
 """
 
@@ -170,6 +172,9 @@ def create_app(state: ServerState) -> FastAPI:
             stored = _owned(state, cid, tenant)
             await _restore(state, stored)
             turn = _Turn(tenant, cid, stored, [], [], ids, new_conversation=False)
+        elif body.create_conversation:
+            turn = _Turn(tenant, _new_conversation_id(), None, [], [], ids,
+                         new_conversation=True)
         else:
             turn = _Turn(tenant, None, None, [], [], ids, new_conversation=False)
         return await _run(state, body, turn, body.max_tokens or 16, request, chat=False)
@@ -188,6 +193,11 @@ class _Turn:
     prompt_ids: list[int]
     """The new turn's tokens (the engine prepends the conversation's history)."""
     new_conversation: bool
+
+
+def _new_conversation_id() -> str:
+    """An unguessable id (it is also the conversation's handle, so it must not be enumerable)."""
+    return "conv-" + secrets.token_urlsafe(18)
 
 
 def _owned(state: ServerState, cid: str, tenant: str) -> StoredConversation:
@@ -246,9 +256,8 @@ async def _resolve_turn(state: ServerState, tenant: str, cid: str | None,
         if cid is not None and new is msgs:  # explicit id and a template we cannot extend
             raise APIError(400, "the chat template cannot extend this conversation")
         new, prev, stored = msgs, [], None
-    fresh = "conv-" + secrets.token_urlsafe(18)
-    return _Turn(tenant, fresh, None, [], new, renderer.render(new, add_generation_prompt=True),
-                 new_conversation=True)
+    return _Turn(tenant, _new_conversation_id(), None, [], new,
+                 renderer.render(new, add_generation_prompt=True), new_conversation=True)
 
 
 # ---------------------------------------------------------------------- running a turn
@@ -376,7 +385,8 @@ class _Ctx:
         self.record(upd.output)
         return upd.output  # type: ignore[no-any-return]
 
-    def _chunk(self, delta: str, finish: str | None, first: bool = False) -> str:
+    def _chunk(self, delta: str, finish: str | None, first: bool = False,
+               extra: dict[str, Any] | None = None) -> str:
         if self.chat:
             d: dict[str, Any] = {"content": delta}
             if first:
@@ -389,7 +399,7 @@ class _Ctx:
             obj = "text_completion"
         body = {"id": self.rid, "object": obj, "created": self.created,
                 "model": self.state.model_name, "choices": [choice],
-                "conversation_id": self.turn.cid}
+                "conversation_id": self.turn.cid, **(extra or {})}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _delta(self, ids: list[int], final: bool) -> str:
@@ -410,11 +420,14 @@ class _Ctx:
                     self.record(out)
                     completed = True
                     tail = self._delta(out.output_token_ids, final=True)
-                    yield self._chunk(tail, out.finish_reason)
+                    yield self._chunk(tail, out.finish_reason,
+                                      extra={"pensieve": {"cache": out.cache_stats}})
                     opts = self.body.stream_options or {}
                     if opts.get("include_usage"):
                         usage = self.final_body(out)["usage"]
-                        payload = {"id": self.rid, "object": "chat.completion.chunk",
+                        payload = {"id": self.rid,
+                                   "object": "chat.completion.chunk" if self.chat
+                                   else "text_completion",
                                    "created": self.created, "model": self.state.model_name,
                                    "choices": [], "usage": usage,
                                    "conversation_id": self.turn.cid}

@@ -56,6 +56,10 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    create_conversation: bool = False
+    """Pensieve: without ``conversation_id``, start a new conversation whose first turn is this
+    prompt; the response carries its id, and later turns send it with only their new tokens.
+    (With ``conversation_id`` this is ignored: the named conversation continues.)"""
 
     @field_validator("prompt")
     @classmethod
