@@ -38,7 +38,7 @@ def main() -> None:
             continue
         r, s = real[key], sim[key]
         cells = []
-        for k, unit, scale in keys:
+        for k, _unit, scale in keys:
             a, b = r.get(k), s.get(k)
             if a is None or b is None:
                 cells.append("-")

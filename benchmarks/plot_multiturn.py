@@ -39,19 +39,32 @@ def by_system(points: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 def plot_throughput_latency(points: list[dict[str, Any]], out: str, target_ms: float | None,
                             title: str) -> None:
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for system, pts in by_system(points).items():
-        xs = [p["throughput_rps"] for p in pts]
-        ys = [(p["normalized_latency_s_p90"] or float("inf")) * 1e3 for p in pts]
-        ax.plot(xs, ys, "o-", label=system, color=COLORS.get(system))
-    if target_ms:
-        ax.axhline(target_ms, ls=":", color="k", lw=1, label=f"target {target_ms:g} ms/token")
-    ax.set_xlabel("throughput (requests/s)")
-    ax.set_ylabel("P90 normalized latency (ms/token)")
-    ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    """Throughput vs P50 and P90 normalized latency; a point whose percentile is infinite
+    (requests of the window still unfinished when the run stopped) is drawn as an x on top."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    finite = [(p.get(k) or 0) * 1e3 for p in points
+              for k in ("normalized_latency_s_p50", "normalized_latency_s_p90")
+              if p.get(k) is not None]
+    top = max(finite + [target_ms or 0]) * 2 if finite else 1000.0
+    for ax, key, name in ((axes[0], "normalized_latency_s_p50", "P50"),
+                          (axes[1], "normalized_latency_s_p90", "P90")):
+        for system, pts in by_system(points).items():
+            xs = [p["throughput_rps"] for p in pts]
+            ys = [p[key] * 1e3 if p.get(key) is not None else None for p in pts]
+            ax.plot([x for x, y in zip(xs, ys) if y is not None],
+                    [y for y in ys if y is not None], "o-", label=system,
+                    color=COLORS.get(system))
+            inf = [x for x, y in zip(xs, ys) if y is None]
+            if inf:
+                ax.plot(inf, [top] * len(inf), "x", color=COLORS.get(system), ms=9)
+        if target_ms:
+            ax.axhline(target_ms, ls=":", color="k", lw=1, label=f"target {target_ms:g} ms/token")
+        ax.set_xlabel("throughput (requests/s)")
+        ax.set_ylabel(f"{name} normalized latency (ms/token)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[1].legend(title="x: unfinished in window", fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(f"{out}_throughput_latency.png", dpi=130)
     plt.close(fig)

@@ -35,6 +35,8 @@ class RequestRecord:
     first_token: float | None = None
     finished: float | None = None
     cache: dict[str, int] = field(default_factory=dict)
+    error: bool = False
+    """The system answered with an error: counted as never finished."""
 
     @property
     def latency(self) -> float | None:
@@ -130,6 +132,10 @@ def run_load(
         for out in engine.step():
             rec = records.pop(out.request_id)
             in_flight -= 1
+            if out.finish_reason == "error":
+                rec.error = True
+                done.append(rec)  # the conversation stops here
+                continue
             rec.finished = (out.finish_time or clock.now()) - t0
             rec.first_token = (out.first_token_time - t0) if out.first_token_time else None
             rec.context_len = len(out.prompt_token_ids)

@@ -44,6 +44,7 @@ def summarize(result: LoadResult, warmup_s: float = 0.0) -> dict[str, Any]:
     out: dict[str, Any] = {
         "requests": len(recs),
         "finished": len(done),
+        "errors": sum(r.error for r in recs),
         "window_s": round(span, 3),
         "throughput_rps": len(done) / span,
         "output_tokens_per_s": sum(r.output_len for r in done) / span,
