@@ -211,9 +211,10 @@ class TieredKVCache:
         conv.running = False
         conv.last_active = now
         req.pending = []
+        cpu_victims = _Peekable(self, now)
         for i, ch in enumerate(conv.chunks):
             if ch.tier is Tier.GPU:
-                self._evict_chunk(conv, i, now, urgent=True)
+                self._evict_chunk(conv, i, now, True, cpu_victims)
         self.stats.suspended_requests += 1
         req.cache_stats.suspended_requests += 1
 
@@ -302,20 +303,23 @@ class TieredKVCache:
         """Move (or drop) up to ``n`` idle GPU chunks, lowest key first; returns how many."""
         done = 0
         last: Conversation | None = None
+        cpu_victims = _Peekable(self, now)
         for _, conv, i in self._victims(Tier.GPU, now):
             whole = self.policy.whole_conversation and conv is last
             if done >= n and not whole:
                 break
-            self._evict_chunk(conv, i, now, urgent)
+            self._evict_chunk(conv, i, now, urgent, cpu_victims)
             done += 1
             last = conv
         return done
 
-    def _evict_chunk(self, conv: Conversation, i: int, now: float, urgent: bool) -> None:
+    def _evict_chunk(
+        self, conv: Conversation, i: int, now: float, urgent: bool, cpu_victims: _Peekable
+    ) -> None:
         """One GPU chunk leaves the GPU: to a CPU block if the tier has or can make room."""
         ch = conv.chunks[i]
         tokens = conv.chunk_tokens(i, self.chunk_size)
-        cpu_block = self._cpu_block_for(conv, i, now)
+        cpu_block = self._cpu_block_for(conv, i, now, cpu_victims)
         if cpu_block is None:
             self.gpu.free([ch.block])
             ch.tier, ch.block = Tier.DROPPED, -1
@@ -331,19 +335,22 @@ class TieredKVCache:
         self._fresh_cpu.add(cpu_block)
         self.stats.swapped_out_tokens += tokens
 
-    def _cpu_block_for(self, conv: Conversation, i: int, now: float) -> int | None:
+    def _cpu_block_for(
+        self, conv: Conversation, i: int, now: float, cpu_victims: _Peekable
+    ) -> int | None:
         """A free CPU block, dropping the CPU chunk of lowest key if that key is lower than
         the incoming chunk's (else None: the incoming chunk is the one to drop)."""
         if self.cpu is None:
             return None
         if self.cpu.num_free_blocks == 0:
-            victim = next(self._victims(Tier.CPU, now), None)
+            victim = cpu_victims.peek()
             if victim is None:
                 return None
             key, vconv, vi = victim
             mine = self._key(conv, i, now)
             if mine < key:
                 return None
+            cpu_victims.pop()
             vch = vconv.chunks[vi]
             if vch.block in self._fresh_cpu:  # its copy is not issued yet: cancel it
                 self._cancel_swap_out(vch.block, vconv.chunk_tokens(vi, self.chunk_size))
@@ -391,3 +398,29 @@ class TieredKVCache:
             owners[b] = "<reclaim>"
         total = len(owners) + pool.num_free_blocks
         assert total == pool.num_blocks, f"{tier}: {total} accounted of {pool.num_blocks}"
+
+
+class _Peekable:
+    """The CPU tier's victims for one eviction pass, made on first use and then consumed.
+
+    A conversation with no CPU chunk when it is made is not in it: chunks that reach the CPU
+    during this pass are not dropped again in the same pass."""
+
+    def __init__(self, cache: TieredKVCache, now: float) -> None:
+        self._cache, self._now = cache, now
+        self._it: Iterator[tuple[EvictionKey, Conversation, int]] | None = None
+        self._head: tuple[EvictionKey, Conversation, int] | None = None
+
+    def peek(self) -> tuple[EvictionKey, Conversation, int] | None:
+        if self._it is None:
+            self._it = self._cache._victims(Tier.CPU, self._now)
+        while self._head is not None:
+            _, conv, i = self._head
+            if not conv.running and i < len(conv.chunks) and conv.chunks[i].tier is Tier.CPU:
+                return self._head
+            self._head = None
+        self._head = next(self._it, None)
+        return self._head
+
+    def pop(self) -> None:
+        self._head = None
