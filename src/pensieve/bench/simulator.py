@@ -17,15 +17,14 @@ simulator has no EOS unless ``eos_token_ids`` is given), so a turn runs to ``max
 ``max_model_len``) as the benchmark's ``ignore_eos`` turns do on the real engine; its history,
 as kept by the cache, is its context followed by those tokens.
 
-Pure Python: importing this module loads neither torch nor numpy (``pensieve.bench.engine_api``
-imports the real engine for its ``RequestOutput``, so this module defines a field-compatible
-:class:`RequestOutput` of its own and takes any clock with ``now()`` and ``sleep_until()``).
+Pure Python: importing this module loads neither torch nor numpy (``RequestOutput`` comes from
+the torch-free ``pensieve.engine.outputs``); it takes any clock with ``now()`` and
+``sleep_until()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pensieve.bench.step_cost import StepCostModel, StepFeatures, features_of
@@ -37,6 +36,7 @@ from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from pensieve.config import EngineConfig
@@ -49,23 +49,6 @@ class SimClock(Protocol):
     def now(self) -> float: ...
 
     def sleep_until(self, t: float) -> None: ...
-
-
-@dataclass
-class RequestOutput:
-    """A finished request; the same fields as :class:`pensieve.engine.llm_engine.
-    RequestOutput` (defined here so that the simulator does not import torch)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str | None
-    text: str | None = None
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    conversation_id: str | None = None
-    cache_stats: dict[str, int] | None = None
 
 
 class SimEngine:
