@@ -27,6 +27,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES_13B)
     ap.add_argument("--label", default="H200, llama2-13b-gqa10, bf16, dummy weights")
+    ap.add_argument("--relative", action="store_true",
+                    help="minimise relative errors per step (default: absolute seconds, which "
+                         "weighs the few long prefill-heavy steps as the run's time does)")
     args = ap.parse_args()
     recs = []
     for path in args.steps:
@@ -39,7 +42,7 @@ def main() -> None:
                 t = d.pop("time_s")
                 recs.append((StepFeatures.from_dict(d), t))
     model = StepCostModel.fit(recs, swap_copy_chunk_s=args.chunk_bytes / PCIE_BYTES_PER_S,
-                              label=args.label)
+                              relative=args.relative, label=args.label)
     model.save(args.out)
     err = relative_errors(model, recs)
     print(json.dumps({"records": len(recs), **{k: round(v, 4) for k, v in err.items()},

@@ -21,6 +21,14 @@ class ModelConfig:
     """auto (safetensors from the directory) or dummy (random weights, no files read)."""
     seed: int = 0
     """Seed for dummy weights and unseeded sampling."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (Megatron-style, one worker process per device: cuda:0..
+    N-1 over NCCL, or CPU processes over gloo). 1 runs in this process, as always."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pensieve.engine.llm_engine import LLMEngine, RequestOutput
 
 _FIELDS = {
     "model": ModelConfig, "dtype": ModelConfig, "device": ModelConfig,
-    "load_format": ModelConfig, "seed": ModelConfig,
+    "load_format": ModelConfig, "seed": ModelConfig, "tensor_parallel_size": ModelConfig,
     "chunk_size": CacheConfig, "num_gpu_blocks": CacheConfig, "gpu_kv_gb": CacheConfig,
     "gpu_memory_utilization": CacheConfig, "num_cpu_blocks": CacheConfig,
     "cpu_kv_gb": CacheConfig, "cache_policy": CacheConfig, "swap_out_threshold": CacheConfig,
@@ -116,6 +116,11 @@ class LLM:
             for r in final:
                 r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
         return final
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (``tensor_parallel_size > 1``; also done
+        when the LLM is garbage-collected or at exit). Idempotent."""
+        self.engine.shutdown()
 
     def cache_stats(self) -> dict[str, int]:
         """Counters since start: prompt tokens by source (``gpu_hit_tokens``,

@@ -52,6 +52,40 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.
     return _DTYPES[dtype]
 
 
+def size_cpu_tier(config: EngineConfig, device: torch.device, block_bytes: int) -> int:
+    """CPU-tier blocks of ``block_bytes`` each (per rank under tensor parallelism)."""
+    cc = config.cache
+    if cc.num_cpu_blocks is not None:
+        return cc.num_cpu_blocks
+    gb = cc.cpu_kv_gb if cc.cpu_kv_gb is not None else (32.0 if device.type == "cuda" else 1.0)
+    return int(gb * 2**30 // block_bytes)
+
+
+def size_gpu_tier(config: EngineConfig, device: torch.device, hf_config: object,
+                  dtype: torch.dtype, block_bytes: int) -> int:
+    """GPU-tier blocks of ``block_bytes`` each: the configured count or size, else what fits in
+    ``device``'s free memory (call it after the weights are loaded)."""
+    cc, sc = config.cache, config.scheduler
+    if cc.num_gpu_blocks is not None:
+        return cc.num_gpu_blocks
+    if cc.gpu_kv_gb is not None:
+        return max(1, int(cc.gpu_kv_gb * 2**30 // block_bytes))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        hidden = int(getattr(hf_config, "hidden_size", 4096))
+        inter = int(getattr(hf_config, "intermediate_size", None)
+                    or getattr(hf_config, "ffn_dim", 4 * hidden))
+        vocab = int(hf_config.vocab_size)  # type: ignore[attr-defined]
+        elem = torch.empty((), dtype=dtype).element_size()
+        activations = sc.max_num_batched_tokens * (8 * hidden + 3 * inter) * elem
+        activations += sc.max_num_seqs * vocab * 4 * 3 + 2**30
+        budget = free - (1 - cc.gpu_memory_utilization) * total - activations
+        return max(1, int(budget // block_bytes))
+    # CPU: enough for every running request to reach max_model_len, at most 2 GiB.
+    want = sc.max_num_seqs * -(-sc.max_model_len // cc.chunk_size)
+    return max(1, min(want, int(2 * 2**30 // block_bytes)))
+
+
 class LLMEngine:
     """A model on one device with its paged KV cache and scheduler."""
 
@@ -66,25 +100,30 @@ class LLMEngine:
         load_format = mc.load_format
         if path is None and load_format == "auto":
             load_format = "dummy"  # a preset shape has no checkpoint
-        self.model, self.hf_config = load_model(
-            path or hf_config, dtype=resolve_dtype(mc.dtype, self.device, hf_config),
-            device=self.device, load_format=load_format, seed=mc.seed,
-        )
-        self.dtype = next(self.model.parameters()).dtype
-        m = self.model
-        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, m.num_kv_heads,
-                                         m.head_dim, self.dtype)
-        num_blocks = self._num_blocks(block_bytes)
-        self.kv_caches = allocate_kv_caches(m.num_layers, num_blocks, cc.chunk_size,
-                                            m.num_kv_heads, m.head_dim, self.dtype, self.device)
         policy = get_policy(cc.cache_policy)
-        num_cpu_blocks = self._num_cpu_blocks(block_bytes) if policy.uses_cpu_tier else 0
-        log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks (%.2f GiB), "
-                 "chunk %d, policy %s", num_blocks, num_blocks * block_bytes / 2**30, self.device,
-                 num_cpu_blocks, num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
+        if mc.tensor_parallel_size > 1:
+            self._init_tensor_parallel(hf_config, path, load_format, policy.uses_cpu_tier)
+        else:
+            self.model, self.hf_config = load_model(
+                path or hf_config, dtype=resolve_dtype(mc.dtype, self.device, hf_config),
+                device=self.device, load_format=load_format, seed=mc.seed,
+            )
+            self.dtype = next(self.model.parameters()).dtype
+            m = self.model
+            block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, m.num_kv_heads,
+                                             m.head_dim, self.dtype)
+            num_blocks = self._num_blocks(block_bytes)
+            self.kv_caches = allocate_kv_caches(m.num_layers, num_blocks, cc.chunk_size,
+                                                m.num_kv_heads, m.head_dim, self.dtype,
+                                                self.device)
+            num_cpu_blocks = self._num_cpu_blocks(block_bytes) if policy.uses_cpu_tier else 0
+            log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks "
+                     "(%.2f GiB), chunk %d, policy %s", num_blocks,
+                     num_blocks * block_bytes / 2**30, self.device, num_cpu_blocks,
+                     num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
+            self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
         self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config,
                                           cc.chunk_size, self.device, self.dtype)
-        self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
         self._new_cache(policy.name)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (
@@ -103,7 +142,7 @@ class LLMEngine:
         cc = self.config.cache
         policy = get_policy(cache_policy)
         cpu = self.runner.swapper.num_cpu_blocks if policy.uses_cpu_tier else 0
-        self.cache = TieredKVCache(self.kv_caches[0].shape[1], cpu, cc.chunk_size, policy,
+        self.cache = TieredKVCache(self.runner.swapper.num_gpu_blocks, cpu, cc.chunk_size, policy,
                                    self.cost_model.chunk_cost, cc.swap_out_threshold,
                                    cc.decode_reserve)
         self.scheduler = Scheduler(self.config.scheduler, self.cache)
@@ -120,34 +159,31 @@ class LLMEngine:
         self.split_range_requests = 0
         self.num_steps = 0
 
+    def _init_tensor_parallel(self, hf_config: object, path: str | None, load_format: str,
+                              uses_cpu_tier: bool) -> None:
+        """``tensor_parallel_size > 1``: worker processes hold the model shards and each rank's
+        slice of both KV tiers (``pensieve.parallel``); this process keeps the scheduler and a
+        weightless (meta-device) model for its shapes."""
+        from pensieve.parallel.executor import TPExecutor
+
+        self.hf_config = hf_config
+        self.dtype = resolve_dtype(self.config.model.dtype, self.device, hf_config)
+        self.runner = TPExecutor(self.config, path or hf_config, hf_config, self.dtype,
+                                 load_format, self.device, uses_cpu_tier)
+        self.model = self.runner.model
+        self.kv_caches = []
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; a no-op otherwise)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def _num_cpu_blocks(self, block_bytes: int) -> int:
-        cc = self.config.cache
-        if cc.num_cpu_blocks is not None:
-            return cc.num_cpu_blocks
-        gb = cc.cpu_kv_gb if cc.cpu_kv_gb is not None else (
-            32.0 if self.device.type == "cuda" else 1.0)
-        return int(gb * 2**30 // block_bytes)
+        return size_cpu_tier(self.config, self.device, block_bytes)
 
     def _num_blocks(self, block_bytes: int) -> int:
-        cc, sc = self.config.cache, self.config.scheduler
-        if cc.num_gpu_blocks is not None:
-            return cc.num_gpu_blocks
-        if cc.gpu_kv_gb is not None:
-            return max(1, int(cc.gpu_kv_gb * 2**30 // block_bytes))
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            hidden = int(getattr(self.hf_config, "hidden_size", 4096))
-            inter = int(getattr(self.hf_config, "intermediate_size", None)
-                        or getattr(self.hf_config, "ffn_dim", 4 * hidden))
-            vocab = int(self.hf_config.vocab_size)
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            activations = sc.max_num_batched_tokens * (8 * hidden + 3 * inter) * elem
-            activations += sc.max_num_seqs * vocab * 4 * 3 + 2**30
-            budget = free - (1 - cc.gpu_memory_utilization) * total - activations
-            return max(1, int(budget // block_bytes))
-        # CPU: enough for every running request to reach max_model_len, at most 2 GiB.
-        want = sc.max_num_seqs * -(-sc.max_model_len // cc.chunk_size)
-        return max(1, min(want, int(2 * 2**30 // block_bytes)))
+        return size_gpu_tier(self.config, self.device, self.hf_config, self.dtype, block_bytes)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],

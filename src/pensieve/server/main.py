@@ -27,6 +27,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N devices (worker process per rank)")
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--gpu-kv-gb", type=float, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
@@ -59,6 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     max_len = args.max_model_len
     cfg = build_engine_config(
         model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
         chunk_size=args.chunk_size, gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
@@ -88,5 +91,6 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         aengine.shutdown()
+        engine.shutdown()
         store.close()
     return 0
