@@ -177,3 +177,18 @@ def test_bad_configs_raise_before_spawning(tmp_path) -> None:  # noqa: ANN001
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             LLM(model=str(tmp_path), device="cuda", tensor_parallel_size=2)
+
+
+def test_worker_error_comes_back_with_its_traceback() -> None:
+    """A rank that raises sends its traceback; the call raises, and every rank is stopped."""
+    from pensieve.core.outputs import SchedulerOutput, SwapPlan
+
+    llm = LLM(model="llama-tiny", dtype="float32", device="cpu", tensor_parallel_size=2,
+              num_gpu_blocks=8, num_cpu_blocks=4)
+    pids = llm.engine.runner.pids
+    bad = SchedulerOutput(requests=[], swaps=SwapPlan(swap_in=[(99, 0)]))  # no CPU block 99
+    with pytest.raises(RuntimeError, match=r"(?s)a worker failed.*CPU block out of range"):
+        llm.engine.runner.execute(bad)
+    assert _wait_gone(pids)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1))

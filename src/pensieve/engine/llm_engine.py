@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from pensieve.engine.costs import load_cost_model
 from pensieve.engine.outputs import RequestOutput
 from pensieve.models.loader import load_model, resolve_config
 from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+
+if TYPE_CHECKING:
+    from pensieve.parallel.executor import TPExecutor
 
 log = logging.getLogger("pensieve")
 
@@ -101,6 +105,7 @@ class LLMEngine:
         if path is None and load_format == "auto":
             load_format = "dummy"  # a preset shape has no checkpoint
         policy = get_policy(cc.cache_policy)
+        self.runner: ModelRunner | TPExecutor
         if mc.tensor_parallel_size > 1:
             self._init_tensor_parallel(hf_config, path, load_format, policy.uses_cpu_tier)
         else:

@@ -12,8 +12,10 @@ timeout (``PENSIEVE_TP_STEP_TIMEOUT_S``, default 600 s; start-up:
 ``PENSIEVE_TP_START_TIMEOUT_S``, default 1800 s).
 
 Tier sizes: every rank holds the same number of GPU-tier and CPU-tier blocks, each block its
-local KV heads. The driver sizes the CPU tier from the per-rank block bytes; each rank reports
-how many GPU-tier blocks fit on its device after loading its shard, and all use the minimum.
+local KV heads, so the scheduler's block ids mean the same on every rank. ``num_gpu_blocks`` /
+``num_cpu_blocks`` are per rank; ``gpu_kv_gb`` / ``gpu_memory_utilization`` apply to each
+rank's device (each rank reports how many blocks fit after loading its shard; all use the
+minimum); ``cpu_kv_gb`` is the host total, shared by the ranks' CPU tiers.
 
 Workers are stopped by :meth:`TPExecutor.shutdown` (``LLM.shutdown()`` /
 ``LLMEngine.shutdown()``), when the executor is garbage-collected, or at interpreter exit; they
@@ -83,16 +85,19 @@ class TPExecutor:
                  uses_cpu_tier: bool) -> None:
         world = config.model.tensor_parallel_size
         self.world = world
-        self.model = build_model(hf_config, dtype, "meta")
+        self.model: Any = build_model(hf_config, dtype, "meta")
         """The full (unsharded) model on the meta device: shapes for the engine and the cost
         model, no weights."""
         check_shardable(self.model, world)
         devices, backend = rank_devices(device, world)
         cc = config.cache
-        m = self.model
+        m: Any = self.model
         kv_heads = local_kv_heads(m.num_kv_heads, world)
         block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim, dtype)
-        num_cpu_blocks = size_cpu_tier(config, device, block_bytes) if uses_cpu_tier else 0
+        # cpu_kv_gb is the host's total (all ranks' tiers share its memory); gpu_kv_gb and
+        # gpu_memory_utilization apply to each rank's own device.
+        num_cpu_blocks = (size_cpu_tier(config, device, block_bytes * world)
+                          if uses_cpu_tier else 0)
         self.step_timeout_s = _env_seconds("PENSIEVE_TP_STEP_TIMEOUT_S", 600)
         start_timeout_s = _env_seconds("PENSIEVE_TP_START_TIMEOUT_S", 1800)
 
@@ -179,6 +184,7 @@ class TPExecutor:
         want = list(ranks)
         got: dict[int, Any] = {}
         rank_of = {id(c): r for r, c in enumerate(self._conns)}
+        by_id = {id(c): c for c in self._conns}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         deadline = time.monotonic() + timeout_s
         while len(got) < len(want):
@@ -187,7 +193,7 @@ class TPExecutor:
                 missing = [r for r in want if r not in got]
                 self._fail(f"no answer from rank(s) {missing} within {timeout_s:.0f} s")
             ready = wait([*self._conns, *sentinels], timeout=left)
-            conns = [c for c in ready if id(c) in rank_of]
+            conns = [by_id[id(c)] for c in ready if id(c) in by_id]
             for conn in conns:  # messages first: an error report beats the bare exit code
                 rank = rank_of[id(conn)]
                 try:

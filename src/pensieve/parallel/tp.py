@@ -53,15 +53,21 @@ def local_kv_heads(num_kv_heads: int, world: int) -> int:
 
 
 def _intermediate_size(hf_config: Any) -> int:
-    return int(getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", 0))
+    return int(getattr(hf_config, "intermediate_size", 0) or getattr(hf_config, "ffn_dim", 0))
 
 
-def check_shardable(model: nn.Module, world: int) -> None:
+def _family(model: Any) -> str | None:
+    if isinstance(model, LlamaForCausalLM):
+        return "llama"
+    return "opt" if isinstance(model, OPTForCausalLM) else None
+
+
+def check_shardable(model: Any, world: int) -> None:
     """Raise ValueError if ``model`` cannot be split over ``world`` ranks (before any process
     is started). The vocab needs no divisibility: it is padded."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
-    if not isinstance(model, LlamaForCausalLM | OPTForCausalLM):
+    if _family(model) is None:
         raise ValueError(f"tensor parallelism supports Llama/Mistral and OPT, not "
                          f"{type(model).__name__}")
     h, hkv = model.num_heads, model.num_kv_heads
@@ -191,7 +197,7 @@ def _vocab_rows(weight: torch.Tensor, sl: _Slicer) -> tuple[torch.Tensor, int]:
     return out, start
 
 
-def _shard_attention(attn: nn.Module, sl: _Slicer, o_name: str, group: Group) -> None:
+def _shard_attention(attn: Any, sl: _Slicer, o_name: str, group: Group) -> None:
     """Llama / OPT self-attention: fused qkv column-parallel, output projection row-parallel."""
     pa: PagedAttention = attn.attn
     h, hkv, dh = pa.num_heads, pa.num_kv_heads, pa.head_dim
@@ -207,12 +213,12 @@ def _shard_attention(attn: nn.Module, sl: _Slicer, o_name: str, group: Group) ->
         attn.q_size, attn.kv_size = len(q_heads) * dh, len(kv_heads) * dh
 
 
-def _shard_vocab(model: nn.Module, embed_owner: nn.Module, sl: _Slicer, group: Group) -> None:
+def _shard_vocab(model: Any, embed_owner: Any, sl: _Slicer, group: Group) -> None:
     old = embed_owner.embed_tokens
     tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is old.weight
     weight, start = _vocab_rows(old.weight, sl)
     embed_owner.embed_tokens = VocabParallelEmbedding(weight, start, group)
-    if isinstance(model, LlamaForCausalLM):
+    if _family(model) == "llama":
         if tied:
             model.lm_head.weight = embed_owner.embed_tokens.weight
         else:
@@ -224,12 +230,12 @@ def _shard_vocab(model: nn.Module, embed_owner: nn.Module, sl: _Slicer, group: G
         _gather_logits, model.compute_logits, model.vocab_size, sl.world, group)
 
 
-def shard_model(model: nn.Module, rank: int, world: int, group: Group = None) -> nn.Module:
+def shard_model(model: Any, rank: int, world: int, group: Group = None) -> Any:
     """Turn a full Llama/OPT model into rank ``rank``'s shard of ``world`` (in place; returns
     it). Collectives run on ``group`` (default: the default process group)."""
     check_shardable(model, world)
     sl = _Slicer(rank, world)
-    if isinstance(model, LlamaForCausalLM):
+    if _family(model) == "llama":
         for layer in model.model.layers:
             _shard_attention(layer.self_attn, sl, "o_proj", group)
             mlp = layer.mlp

@@ -105,6 +105,7 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
     # at a time (the lock) in RAM, only the shard on the device. Dummy weights are drawn on the
     # device itself, as with tensor_parallel_size=1 (same seed, same values).
     staging = device if spec.load_format == "dummy" else torch.device("cpu")
+    model: Any
     with load_lock:
         model, hf_config = load_model(spec.model_source, dtype=spec.dtype, device=staging,
                                       load_format=spec.load_format, seed=cfg.model.seed)

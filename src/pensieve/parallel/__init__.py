@@ -1,0 +1,6 @@
+"""Tensor parallelism (Megatron-style): ``LLM(..., tensor_parallel_size=N)``.
+
+``tp``: the model transform (column / row-parallel linears, split heads, vocab-parallel
+embedding and LM head). ``worker``: one rank's process. ``executor``: the driver side, a
+drop-in for ``ModelRunner`` in ``LLMEngine``. Nothing here is imported when N is 1.
+"""
