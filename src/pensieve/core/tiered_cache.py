@@ -56,6 +56,7 @@ class TieredKVCache:
         chunk_cost: ChunkCost,
         swap_out_threshold: float = 0.25,
         decode_reserve: float = 0.10,
+        swap_out_batch: float = 0.05,
     ) -> None:
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
@@ -67,6 +68,9 @@ class TieredKVCache:
             BlockPool(num_cpu_blocks) if policy.uses_cpu_tier and num_cpu_blocks > 0 else None
         )
         self.swap_out_threshold_blocks = int(swap_out_threshold * num_gpu_blocks)
+        self.swap_out_batch_blocks = int(swap_out_batch * num_gpu_blocks)
+        """Once under the threshold, free this many blocks beyond it: swaps go in batches
+        (longer copies, one eviction pass per batch instead of one per step)."""
         self.decode_reserve_blocks = int(decode_reserve * num_gpu_blocks)
         self.conversations: dict[str, Conversation] = {}
         self.stats = CacheStats()
@@ -252,7 +256,7 @@ class TieredKVCache:
             return
         short = self.swap_out_threshold_blocks - self.gpu.num_free_blocks - len(self._reclaim_gpu)
         if short > 0:
-            self._evict_gpu(short, now, urgent=False)
+            self._evict_gpu(short + self.swap_out_batch_blocks, now, urgent=False)
 
     def _victims(self, tier: Tier, now: float) -> Iterator[tuple[EvictionKey, Conversation, int]]:
         """Chunks of idle conversations in ``tier``, lowest key first, produced lazily.
