@@ -86,7 +86,7 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
         eng.runner.execute = execute
         _SHARED.update(engine=eng, steps=steps)
     eng = _SHARED["engine"]
-    eng.clock = clock.now
+    eng.now = clock.now
     eng.reset(system)
     _SHARED["system"] = system
     _SHARED["steps"].clear()

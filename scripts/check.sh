@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check src tests benchmarks
-mypy src/pensieve/core src/pensieve/config.py  # torch layers: ruff only
+mypy src/pensieve/core src/pensieve/config.py src/pensieve/engine/core.py \
+  src/pensieve/engine/outputs.py src/pensieve/bench/simulator.py src/pensieve/bench/step_cost.py
 python -m pytest -q -p no:cacheprovider "$@"

@@ -26,7 +26,7 @@ def KVCacheManager(num_blocks: int, chunk_size: int, watermark: float = 0.0) -> 
 def test_core_imports_no_torch() -> None:
     code = (
         "import sys, pensieve, pensieve.core.scheduler, pensieve.core.tiered_cache, "
-        "pensieve.core.outputs, pensieve.config\n"
+        "pensieve.core.outputs, pensieve.config, pensieve.engine.core, pensieve.bench.simulator\n"
         "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\nprint('clean')"
     )

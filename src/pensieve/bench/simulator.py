@@ -31,12 +31,9 @@ from pensieve.bench.step_cost import StepCostModel, StepFeatures, features_of
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
-from pensieve.core.outputs import RunnerOutput
-from pensieve.core.request import Request
-from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.scheduler import ConversationBusyError, Scheduler
+from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.core import EngineCore
 
 if TYPE_CHECKING:
     from pensieve.config import EngineConfig
@@ -51,7 +48,7 @@ class SimClock(Protocol):
     def sleep_until(self, t: float) -> None: ...
 
 
-class SimEngine:
+class SimEngine(EngineCore):
     """The scheduler and the tiered cache of Pensieve, stepped on a simulated clock."""
 
     def __init__(
@@ -87,18 +84,14 @@ class SimEngine:
         self.clock = clock
         self.step_cost = step_cost
         self.block_bytes = block_bytes
-        self.eos_token_ids = tuple(eos_token_ids)
         self.sample_token_id = sample_token_id
-        self.vocab_size = vocab_size
         # As LLMEngine.__init__ builds them (minus the tensors).
         policy = get_policy(cache_policy)
         num_cpu_blocks = num_cpu_blocks if policy.uses_cpu_tier else 0
-        self.cache = TieredKVCache(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, cost_fn,
-                                   swap_out_threshold, decode_reserve)
-        self.scheduler = Scheduler(scheduler_config, self.cache)
-        self.num_steps = 0
-        self.last_sampled: dict[str, int] = {}
-        self.split_range_requests = 0
+        self._init_core(scheduler_config,
+                        TieredKVCache(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, cost_fn,
+                                      swap_out_threshold, decode_reserve),
+                        clock.now, tuple(eos_token_ids), vocab_size)
         self.swap_in_chunks = 0
         self.swap_out_chunks = 0
         self.busy_time_s = 0.0
@@ -108,8 +101,6 @@ class SimEngine:
         records :meth:`StepCostModel.fit` takes)."""
         self.step_start_times: list[float] = []
         """Clock reading at the start of each step of :attr:`step_log`."""
-        self.audit = False
-        """Check the cache's block accounting after every scheduling step (tests)."""
 
     @classmethod
     def from_config(
@@ -143,79 +134,15 @@ class SimEngine:
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
                    block_bytes=block_bytes or 0, **kw)
 
-    # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None,
-                    conversation_id: str | None = None) -> None:
-        """Queue a request. With a ``conversation_id`` the prompt is the *new* turn's input: the
-        context is the conversation's history followed by it (as in ``LLMEngine``)."""
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id}: empty prompt")
-        hi = self.vocab_size
-        bad = [t for t in prompt_token_ids
-               if not (isinstance(t, int) and t >= 0 and (hi is None or t < hi))]
-        if bad:
-            raise ValueError(f"request {request_id}: bad token ids {bad[:5]}")
-        context = list(prompt_token_ids)
-        if conversation_id is not None:
-            conv = self.cache.conversations.get(conversation_id)
-            if conv is not None:
-                context = conv.token_ids + context
-        req = Request(request_id, context, params,
-                      arrival_time=self.clock.now() if arrival_time is None else arrival_time,
-                      eos_token_ids=self.eos_token_ids, conversation_id=conversation_id)
-        self.scheduler.add_request(req)
-
-    def conversation_history(self, conversation_id: str) -> list[int]:
-        conv = self.cache.conversations.get(conversation_id)
-        return list(conv.token_ids) if conv is not None else []
-
-    def delete_conversation(self, conversation_id: str) -> None:
-        if conversation_id in self.scheduler.busy_conversations:
-            raise ConversationBusyError(f"conversation {conversation_id!r} has a turn running")
-        self.cache.delete(conversation_id)
-
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id, self.clock.now())
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     def cache_stats(self) -> dict[str, int]:
         """The keys of ``LLMEngine.cache_stats`` (swap bytes from ``block_bytes``)."""
-        out = self.cache.stats.as_dict()
-        out["split_range_requests"] = self.split_range_requests
-        out["swap_in_bytes"] = self.swap_in_chunks * self.block_bytes
-        out["swap_out_bytes"] = self.swap_out_chunks * self.block_bytes
-        out["gpu_blocks_total"] = self.cache.gpu.num_blocks
-        out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
-        cpu = self.cache.cpu
-        out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
-        out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
-        return out
+        return self._core_stats(self.swap_in_chunks * self.block_bytes,
+                                self.swap_out_chunks * self.block_bytes)
 
     # ---------------------------------------------------------------- a step
-    def step(self) -> list[RequestOutput]:
-        """Schedule, advance the clock by the predicted step time, emit one token per sampling
-        request; returns the requests that finished."""
-        self.last_sampled = {}
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Advance the clock by the predicted step time; one token per sampling request."""
         start = self.clock.now()
-        sched = self.scheduler.schedule(start)
-        if sched.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress: KV cache too small for a request")
-            return []
-        if self.audit:
-            self.cache.check_integrity()
-        self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
         feats = features_of(sched)
         dt = self.step_cost.predict(feats)
         self.clock.sleep_until(start + dt)
@@ -225,20 +152,7 @@ class SimEngine:
         self.swap_in_chunks += feats.swap_in_chunks
         self.swap_out_chunks += feats.swap_out_chunks
         sampled = {s.request_id: self.sample_token_id for s in sched.requests if s.sample}
-        self.last_sampled = sampled
-        result = RunnerOutput(sampled_token_ids=sampled, step_time_s=dt)
-        finished = self.scheduler.update_from_output(sched, result, self.clock.now())
-        if self.audit:
-            self.cache.check_integrity()
-        self.num_steps += 1
-        return [
-            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                          r.finish_reason, arrival_time=r.arrival_time,
-                          first_token_time=r.first_token_time, finish_time=r.finish_time,
-                          conversation_id=r.conversation_id,
-                          cache_stats=r.cache_stats.as_dict())
-            for r in finished
-        ]
+        return RunnerOutput(sampled_token_ids=sampled, step_time_s=dt)
 
 
-__all__ = ["RequestOutput", "SimClock", "SimEngine"]
+__all__ = ["SimClock", "SimEngine"]

@@ -11,7 +11,8 @@ from tqdm import tqdm
 from pensieve.config import CacheConfig, EngineConfig, ModelConfig
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.llm_engine import LLMEngine, RequestOutput
+from pensieve.engine.llm_engine import LLMEngine
+from pensieve.engine.outputs import RequestOutput
 
 _FIELDS = {
     "model": ModelConfig, "dtype": ModelConfig, "device": ModelConfig,

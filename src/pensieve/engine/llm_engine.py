@@ -15,12 +15,10 @@ import torch
 
 from pensieve.config import EngineConfig
 from pensieve.core.eviction import get_policy
-from pensieve.core.request import Request
-from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.scheduler import ConversationBusyError, Scheduler
+from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.engine.core import EngineCore
 from pensieve.engine.costs import load_cost_model
-from pensieve.engine.outputs import RequestOutput
 from pensieve.models.loader import load_model, resolve_config
 from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 
@@ -90,13 +88,11 @@ def size_gpu_tier(config: EngineConfig, device: torch.device, hf_config: object,
     return max(1, min(want, int(2 * 2**30 // block_bytes)))
 
 
-class LLMEngine:
+class LLMEngine(EngineCore):
     """A model on one device with its paged KV cache and scheduler."""
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.clock = clock
-        """Source of ``now`` for arrivals, idle times and token timestamps (seconds)."""
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         torch.manual_seed(mc.seed)
@@ -129,40 +125,34 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
         self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config,
                                           cc.chunk_size, self.device, self.dtype)
-        self._new_cache(policy.name)
         eos = getattr(self.hf_config, "eos_token_id", None)
-        self.eos_token_ids: tuple[int, ...] = (
+        eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         )
-        self.num_steps = 0
-        self.last_sampled: dict[str, int] = {}
-        """Tokens sampled in the last step, by request id (for streaming)."""
-        self.split_range_requests = 0
-        """Requests computed as two or more ranges in one step (dropped leading chunks
-        recomputed together with the new prompt)."""
-        self.audit = False
-        """Check the cache's block accounting after every scheduling step (tests)."""
+        self._init_core(config.scheduler, self._make_cache(policy.name), clock, eos_ids,
+                        int(self.hf_config.vocab_size))
 
-    def _new_cache(self, cache_policy: str) -> None:
+    def _make_cache(self, cache_policy: str) -> TieredKVCache:
         cc = self.config.cache
         policy = get_policy(cache_policy)
         cpu = self.runner.swapper.num_cpu_blocks if policy.uses_cpu_tier else 0
-        self.cache = TieredKVCache(self.runner.swapper.num_gpu_blocks, cpu, cc.chunk_size, policy,
-                                   self.cost_model.chunk_cost, cc.swap_out_threshold,
-                                   cc.decode_reserve)
-        self.scheduler = Scheduler(self.config.scheduler, self.cache)
+        return TieredKVCache(self.runner.swapper.num_gpu_blocks, cpu, cc.chunk_size, policy,
+                             self.cost_model.chunk_cost, cc.swap_out_threshold,
+                             cc.decode_reserve)
 
     def reset(self, cache_policy: str | None = None) -> None:
         """Forget every request and conversation and start with empty tiers, optionally under
         another cache policy; the model, the KV tensors and the pinned CPU tier are kept (the
         benchmark runs many points on one engine). The CPU tier keeps the size it was built
         with (none if the engine was built with a policy that has no CPU tier)."""
-        if self.scheduler.has_unfinished():
-            for rid in list(self.scheduler.requests):
-                self.scheduler.abort_request(rid, self.clock())
-        self._new_cache(cache_policy or self.cache.policy.name)
-        self.split_range_requests = 0
-        self.num_steps = 0
+        self._install(self._make_cache(cache_policy or self.cache.policy.name))
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def cache_stats(self) -> dict[str, int]:
+        """Totals since start: token sources, swaps, drops, suspensions, blocks in use."""
+        return self._core_stats(self.runner.swapper.bytes_in, self.runner.swapper.bytes_out)
 
     def _init_tensor_parallel(self, hf_config: object, path: str | None, load_format: str,
                               uses_cpu_tier: bool) -> None:
@@ -189,109 +179,3 @@ class LLMEngine:
 
     def _num_blocks(self, block_bytes: int) -> int:
         return size_gpu_tier(self.config, self.device, self.hf_config, self.dtype, block_bytes)
-
-    # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None,
-                    conversation_id: str | None = None) -> None:
-        """Queue a request. With a ``conversation_id`` the prompt is the *new* turn's input: the
-        context is the conversation's history followed by it."""
-        vocab = int(self.hf_config.vocab_size)
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id}: empty prompt")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(
-                f"request {request_id}: token ids out of range [0, {vocab}): {bad[:5]}")
-        context = list(prompt_token_ids)
-        if conversation_id is not None:
-            conv = self.cache.conversations.get(conversation_id)
-            if conv is not None:
-                context = conv.token_ids + context
-        req = Request(request_id, context, params,
-                      arrival_time=self.clock() if arrival_time is None else arrival_time,
-                      eos_token_ids=self.eos_token_ids, conversation_id=conversation_id)
-        self.scheduler.add_request(req)
-
-    def conversation_history(self, conversation_id: str) -> list[int]:
-        """Every token of the conversation's completed turns (empty if unknown)."""
-        conv = self.cache.conversations.get(conversation_id)
-        return list(conv.token_ids) if conv is not None else []
-
-    def delete_conversation(self, conversation_id: str) -> None:
-        """Free the conversation's KV in both tiers and forget its history (no-op if unknown)."""
-        self.cache.delete(conversation_id)
-
-    def restore_conversation(self, conversation_id: str, token_ids: list[int]) -> None:
-        """Give a conversation its history without KV (after a restart: recomputed on use)."""
-        conv = self.cache.conversation(conversation_id)
-        if conv.running or conversation_id in self.scheduler.busy_conversations:
-            raise ConversationBusyError(f"conversation {conversation_id!r} has a turn running")
-        if not conv.token_ids:
-            conv.token_ids = list(token_ids)
-
-    def set_conversation_hints(self, conversation_id: str, priority: float | None = None,
-                               keep_alive_s: float | None = None) -> None:
-        """Retention hints: a higher priority or a keep-alive window keeps its KV longer."""
-        conv = self.cache.conversation(conversation_id)
-        if priority is not None:
-            if not priority > 0:
-                raise ValueError(f"priority must be > 0, got {priority}")
-            conv.priority = float(priority)
-        if keep_alive_s is not None:
-            if keep_alive_s < 0:
-                raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
-            conv.keep_alive_s = float(keep_alive_s)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    def cache_stats(self) -> dict[str, int]:
-        """Totals since start: token sources, swaps, drops, suspensions, blocks in use."""
-        out = self.cache.stats.as_dict()
-        out["split_range_requests"] = self.split_range_requests
-        out["swap_in_bytes"] = self.runner.swapper.bytes_in
-        out["swap_out_bytes"] = self.runner.swapper.bytes_out
-        out["gpu_blocks_total"] = self.cache.gpu.num_blocks
-        out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
-        cpu = self.cache.cpu
-        out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
-        out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
-        return out
-
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id, self.clock())
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the requests that finished in it."""
-        self.last_sampled = {}
-        sched = self.scheduler.schedule(self.clock())
-        if sched.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress: KV cache too small for a request")
-            return []
-        if self.audit:
-            self.cache.check_integrity()
-        self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
-        result = self.runner.execute(sched)
-        self.last_sampled = result.sampled_token_ids
-        finished = self.scheduler.update_from_output(sched, result, self.clock())
-        if self.audit:
-            self.cache.check_integrity()
-        self.num_steps += 1
-        return [
-            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                          r.finish_reason, arrival_time=r.arrival_time,
-                          first_token_time=r.first_token_time, finish_time=r.finish_time,
-                          conversation_id=r.conversation_id,
-                          cache_stats=r.cache_stats.as_dict())
-            for r in finished
-        ]

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
-from pensieve.engine.llm_engine import RequestOutput
+from pensieve.engine.outputs import RequestOutput
 from pensieve.server.async_engine import AsyncEngine
 from pensieve.server.chat import ChatRenderer
 from pensieve.server.metrics import Metrics

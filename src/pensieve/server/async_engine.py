@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.llm_engine import LLMEngine, RequestOutput
+from pensieve.engine.llm_engine import LLMEngine
+from pensieve.engine.outputs import RequestOutput
 
 log = logging.getLogger("pensieve.server")
 
