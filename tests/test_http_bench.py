@@ -5,17 +5,13 @@ conversation, later turns sending only their new tokens."""
 from __future__ import annotations
 
 import math
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from server_util import Server
 
 from pensieve.bench.engine_api import WallClock
 from pensieve.bench.http_engine import HTTPEngine
@@ -29,46 +25,10 @@ VOCAB = 32000  # the demo model's
 RATE, DURATION, SEED = 4.0, 1.0, 1  # four conversations arrive in the first second
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """``pensieve serve`` (demo model, CPU, small tiers) in a subprocess on a free port."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PENSIEVE_CACHE_DIR": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
-        self.log = open(tmp / "server.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pensieve.cli", "serve", "--port", str(self.port),
-             "--store", str(tmp / "conv.db"), "--device", "cpu", "--num-gpu-blocks", "96",
-             "--num-cpu-blocks", "64", "--max-model-len", "512",
-             "--max-num-batched-tokens", "256", "--cache-policy", "pensieve",
-             "--log-level", "warning"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, Path(self.log.name).read_text()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise TimeoutError("server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("http_bench"))
+    tmp = tmp_path_factory.mktemp("http_bench")
+    srv = Server(tmp / "conv.db", tmp / "cache")
     yield srv
     srv.stop()
 

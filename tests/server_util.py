@@ -1,0 +1,67 @@
+"""A `pensieve serve` subprocess for the tests (demo model, CPU, small tiers, free port)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+MAX_LEN = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, store: Path, cache_dir: Path, *extra: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        self.log = open(store.with_suffix(f".{self.port}.log"), "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pensieve.cli", "serve", "--port", str(self.port),
+             "--store", str(store), "--device", "cpu", "--num-gpu-blocks", "96",
+             "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
+             "--max-num-batched-tokens", "256", "--log-level", "warning", *extra],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, Path(self.log.name).read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError("server did not start")
+
+    def client(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def metric(self, name: str, key: str | None = None) -> float:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers).text
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, name
+        return float(m.group(1))
+
+    def wait_idle(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.metric("pensieve_requests_running") or self.metric("pensieve_requests_waiting"):
+            assert time.monotonic() < deadline, "requests still in flight"
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+        self.log.close()
