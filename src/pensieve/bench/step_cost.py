@@ -42,7 +42,6 @@ installed, else an active-set NNLS on numpy). No torch.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -50,6 +49,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pensieve.core.cost_model import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S
+from pensieve.core.jsonio import read_json_object, write_json_atomic
 from pensieve.core.outputs import SchedulerOutput
 
 FORMAT = "pensieve-step-cost"
@@ -356,23 +356,12 @@ class StepCostModel:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write as JSON (creating the parent directory; atomic replace)."""
-        path = os.fspath(path)
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> StepCostModel:
-        with open(os.fspath(path), encoding="utf-8") as f:
-            data = json.load(f)
-        if not isinstance(data, dict):
-            raise ValueError(f"{os.fspath(path)}: expected a JSON object")
-        return cls.from_dict(data)
+        """Read a file written by :meth:`save`; raises ValueError if it is not one."""
+        return cls.from_dict(read_json_object(path))
 
 
 def fit(records: Sequence[tuple[StepFeatures, float]], **kw: Any) -> StepCostModel:

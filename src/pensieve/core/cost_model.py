@@ -17,13 +17,14 @@ Pure Python (stdlib only): the scheduler evaluates it on the host for every chun
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from pensieve.core.jsonio import read_json_object, write_json_atomic
 
 FORMAT = "pensieve-cost-model"
 """Value of the ``format`` key of a saved profile."""
@@ -242,27 +243,12 @@ class CostModel:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write as JSON (creating the parent directory; atomic replace)."""
-        path = os.fspath(path)
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CostModel:
         """Read a file written by :meth:`save`; raises ValueError if it is not one."""
-        with open(os.fspath(path), encoding="utf-8") as f:
-            try:
-                data: object = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{os.fspath(path)}: not JSON ({e})") from e
-        if not isinstance(data, dict):
-            raise ValueError(f"{os.fspath(path)}: expected a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_object(path))
 
 
 def _sanitize(s: str) -> str:
