@@ -8,5 +8,5 @@ export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 out=${OUT:-results_tmp}; mkdir -p "$out"
 python benchmarks/multiturn.py --systems "$1" --rates "$2" --model llama2-13b-gqa10 \
   --load-format dummy --dtype bfloat16 --think-time 6 --gpu-kv-gb 8 --cpu-kv-gb 22 \
-  --duration 30 --warmup 5 --drain 15 --out "$out" --tag h200 2>&1 \
-  | grep -v "req/s\]\|it/s\]" | tee -a "$out/multiturn.log"
+  --duration 30 --warmup 5 --drain 15 --out "$out" --tag h200 2> "$out/progress.log" \
+  | tee -a "$out/multiturn.log"
