@@ -123,8 +123,8 @@ class LLMEngine(EngineCore):
                      num_blocks * block_bytes / 2**30, self.device, num_cpu_blocks,
                      num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
             self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
-        self.cost_model = load_cost_model(cc.cost_profile, self.model, self.hf_config,
-                                          cc.chunk_size, self.device, self.dtype)
+        self.cost_model = load_cost_model(cc.cost_profile, self.hf_config, cc.chunk_size,
+                                          self.device, self.dtype)
         eos = getattr(self.hf_config, "eos_token_id", None)
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
