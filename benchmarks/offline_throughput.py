@@ -37,17 +37,22 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-kv-gb", type=float, default=None)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_kv_gb=args.gpu_kv_gb)
+              gpu_kv_gb=args.gpu_kv_gb, tensor_parallel_size=args.tensor_parallel_size,
+              enforce_eager=args.enforce_eager)
     eng = llm.engine
     cfg = eng.hf_config
     model = eng.model
+    # With tensor parallelism the driver's model lives on "meta": its shapes are the full model's.
     n_params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    tp = args.tensor_parallel_size
     emb = cfg.vocab_size * cfg.hidden_size
     matmul_params = n_params - emb  # the input embedding is a gather, not a matmul
     elem = torch.empty((), dtype=eng.dtype).element_size()
@@ -72,6 +77,18 @@ def main() -> None:
         return out
 
     runner.execute = timed
+    engine_step = eng.step
+    host: list[float] = []  # per step: engine wall time outside the runner (scheduling etc.)
+
+    def timed_step():
+        n = len(steps)
+        t = time.perf_counter()
+        out = engine_step()
+        if len(steps) > n:
+            host.append(time.perf_counter() - t - steps[-1]["time"])
+        return out
+
+    eng.step = timed_step
     rng = random.Random(0)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len)]
                for _ in range(args.num_prompts)]
@@ -79,6 +96,7 @@ def main() -> None:
     llm.generate(prompts[: min(4, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True,
                                                                  temperature=0.0))  # warm-up
     steps.clear()
+    host.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     wall = time.perf_counter() - t0
@@ -102,21 +120,28 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu",
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "params_b": round(n_params / 1e9, 3),
+        "tensor_parallel_size": tp,
+        "cuda_graphs": eng.config.decode_graph_shape(eng.device.type) is not None,
+        "graph_steps": getattr(runner, "num_graph_steps", None),
+        "engine_host_ms_per_step": round(statistics.mean(host) * 1e3, 3) if host else None,
+        "engine_host_share": round(sum(host) / max(wall, 1e-9), 4),
         "wall_s": round(wall, 3),
         "total_tokens_per_s": round((pre_tokens + dec_tokens) / wall, 1),
         "output_tokens_per_s": round(args.num_prompts * args.output_len / wall, 1),
         "prefill": {"steps": len(pre), "tokens": pre_tokens, "time_s": round(pre_time, 3),
                     "tokens_per_s": round(pre_tokens / max(pre_time, 1e-9), 1),
                     "tflops": round(pre_flops / max(pre_time, 1e-9) / 1e12, 1),
-                    "ceiling_tflops": BF16_TFLOPS},
+                    "ceiling_tflops": tp * BF16_TFLOPS},
         "decode": {"steps": len(dec), "tokens": dec_tokens, "time_s": round(dec_time, 3),
                    "tokens_per_s": round(dec_tokens / max(dec_time, 1e-9), 1),
                    "hbm_gbps": round(dec_bytes / max(dec_time, 1e-9) / 1e9, 1),
                    "median_full_batch_step_ms": round(med * 1e3, 3),
-                   "floor_full_batch_step_ms": round(med_bytes / (HBM_TBPS * 1e12) * 1e3, 3),
-                   "ceiling_gbps": HBM_TBPS * 1000},
+                   "floor_full_batch_step_ms": round(med_bytes / (tp * HBM_TBPS * 1e12) * 1e3,
+                                                     3),
+                   "ceiling_gbps": tp * HBM_TBPS * 1000},
     }
     print(json.dumps(result, indent=2))
+    llm.shutdown()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -70,6 +70,21 @@ def test_greedy_matches_hf_under_pressure(checkpoint) -> None:  # noqa: ANN001
     assert llm.engine.cache.gpu.num_free_blocks == 36
 
 
+@pytest.mark.parametrize("pressure", [False, True])
+def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noqa: ANN001
+    """The decode-graph path (static buffers, batch padded to a bucket; run eagerly here, as
+    CUDA graphs need a GPU) gives the same greedy tokens as HF, suspensions included."""
+    path, prompts, expected = checkpoint
+    extra = dict(chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=36) if pressure else {}
+    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, **extra)
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(max_batch=8, max_blocks=512 // runner.chunk_size, capture=False)
+    assert runner.decode_graphs is not None and runner.decode_graphs.buckets == [1, 2, 4, 8]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outs] == expected
+    assert runner.num_graph_steps > 0
+
+
 def test_generate_validates_input(checkpoint) -> None:  # noqa: ANN001
     path, prompts, _ = checkpoint
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=256)

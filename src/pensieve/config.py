@@ -24,11 +24,19 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron-style, one worker process per device: cuda:0..
     N-1 over NCCL, or CPU processes over gloo). 1 runs in this process, as always."""
+    enforce_eager: bool = False
+    """Never replay decode steps from CUDA graphs (they are captured on CUDA otherwise)."""
+    cuda_graph_max_batch: int = 256
+    """Largest decode batch captured as a CUDA graph (capped by max_num_seqs); larger
+    decode batches and every step with prefill tokens run eagerly."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 1:
+            raise ValueError(
+                f"cuda_graph_max_batch must be an int >= 1, got {self.cuda_graph_max_batch!r}")
 
 
 @dataclass(frozen=True)
@@ -69,3 +77,11 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def decode_graph_shape(self, device_type: str) -> tuple[int, int] | None:
+        """(max batch, max blocks per request) of the decode CUDA graphs, or None for none."""
+        if device_type != "cuda" or self.model.enforce_eager:
+            return None
+        sc = self.scheduler
+        max_blocks = -(-sc.max_model_len // self.cache.chunk_size)
+        return min(self.model.cuda_graph_max_batch, sc.max_num_seqs), max_blocks

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BATCHING_MODES = ("unified", "separate")
+"""Values of :attr:`SchedulerConfig.batching`."""
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -19,6 +22,10 @@ class SchedulerConfig:
     """Split a long prompt over several steps instead of waiting for a budget that fits it."""
     watermark: float = 0.01
     """Fraction of KV blocks kept free when admitting new requests."""
+    batching: str = "unified"
+    """``unified``: each step mixes decodes, continuing prefills and newly admitted prompts under
+    one token budget. ``separate`` (vLLM 0.2 style, the paper's Figure 13 baseline): a step runs
+    prefill work only or decodes only, prefills first whenever there are any."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
@@ -30,3 +37,6 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(
+                f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")

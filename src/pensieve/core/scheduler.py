@@ -12,6 +12,11 @@ conversation's chunks to the GPU and returns what must be computed::
 
 If a running request cannot get a block, the most recently arrived running request is
 suspended: its KV goes to the CPU tier (or is dropped) and it returns to the front of the queue.
+
+``SchedulerConfig.batching="separate"`` is the vLLM 0.2 baseline instead: a step holds prefill
+work only (continuing prompts, then admitted turns, same order and limits) or decodes only
+(:func:`is_decode`). Prefill comes first whenever some can run; decodes wait. Admission is
+bounded by ``max_num_seqs`` and the GPU blocks, so prefill steps run out and decodes follow.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from pensieve.core.conversation import Conversation
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.tiered_cache import TieredKVCache
+
+
+def is_decode(req: Request, num_pending: int) -> bool:
+    """Whether computing ``num_pending`` tokens of ``req`` is a decode: the turn has sampled a
+    token and only that newest token's KV is left. Anything else (a new turn's prompt, a chunk
+    of it, recomputation of dropped history) is prefill work."""
+    return num_pending == 1 and bool(req.output_token_ids)
 
 
 class ConversationBusyError(ValueError):
@@ -109,6 +121,30 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         cache = self.cache
         cache.begin_step()
+        if self.config.batching == "separate":
+            # Prefill work first; decodes only when there is none that can run. A decode pass
+            # that suspended every running request leaves their recomputation to a prefill pass.
+            scheduled = self._fill(now, prefill=True)
+            if not scheduled:
+                scheduled = self._fill(now, prefill=False)
+            if not scheduled:
+                scheduled = self._fill(now, prefill=True)
+        else:
+            scheduled = self._fill(now, prefill=None)
+        cache.plan_background(now)
+        out = SchedulerOutput(
+            requests=scheduled,
+            swaps=cache.take_swap_plan(),
+            finished_request_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        return out
+
+    def _fill(self, now: float, prefill: bool | None) -> list[ScheduledRequest]:
+        """One step's requests under the token budget. ``prefill``: None takes every kind of
+        work (unified batches); True only prefill work, False only decodes (separate batches).
+        """
+        cache = self.cache
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
@@ -116,6 +152,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if prefill is not None and is_decode(req, req.num_pending) is prefill:
+                i += 1
+                continue
             n = min(req.num_pending, budget)
             conv = self._conversation_of(req)
             while not cache.grow(conv, req.pending_end(n), now):
@@ -130,12 +169,15 @@ class Scheduler:
                 continue
             break  # req itself was suspended; everything after it is too
 
-        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow.
+        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (and, with
+        # separate batches, while the head's work is of this step's kind).
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             conv = self._conversation_of(req)
             pending = cache.pending_for(req, conv)
             total = sum(hi - lo for lo, hi in pending)
+            if prefill is not None and is_decode(req, total) is prefill:
+                break
             if total > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(total, budget)
@@ -148,15 +190,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._take(req, conv, n))
             budget -= n
-
-        cache.plan_background(now)
-        out = SchedulerOutput(
-            requests=scheduled,
-            swaps=cache.take_swap_plan(),
-            finished_request_ids=self._finished_ids,
-        )
-        self._finished_ids = []
-        return out
+        return scheduled
 
     def _take(self, req: Request, conv: Conversation, n: int) -> ScheduledRequest:
         ranges = req.take(n)

@@ -14,6 +14,7 @@ import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.layers.attention import AttentionMetadata
+from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.sampler import sample
 from pensieve.runner.swapper import KVSwapper
 
@@ -62,6 +63,7 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         chunk_size: int,
         num_cpu_blocks: int = 0,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -69,6 +71,15 @@ class ModelRunner:
         self.device = kv_caches[0].device
         self._pin = self.device.type == "cuda"
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks)
+        self.decode_graphs = decode_graphs
+        """Replays decode-only steps from CUDA graphs when set (see runner.cuda_graph)."""
+        self.num_graph_steps = 0
+        """Steps run through :attr:`decode_graphs` so far."""
+
+    def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
+        """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.chunk_size,
+                                          max_batch, max_blocks, capture=capture)
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
@@ -127,13 +138,22 @@ class ModelRunner:
         if not sched.requests:
             self.swapper.finish_step()
             return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0)
-        inp = self.prepare_inputs(sched)
-        inp.attn.layer_ready = layer_ready
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
         sampled = [s for s in sched.requests if s.sample]
+        graphs = self.decode_graphs
+        logits: torch.Tensor | None = None
+        if graphs is not None and graphs.can_run(sched):
+            if layer_ready is not None:  # the graph cannot wait per layer: wait for all
+                layer_ready(len(self.kv_caches) - 1)
+            logits = graphs.run(sched)
+            self.num_graph_steps += 1
+        else:
+            inp = self.prepare_inputs(sched)
+            inp.attn.layer_ready = layer_ready
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
+            if sampled:
+                logits = self.model.compute_logits(hidden[inp.logits_indices])
         tokens: list[int] = []
-        if sampled:
-            logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if logits is not None:
             tokens = sample(
                 logits,
                 [s.sampling_params for s in sampled],

@@ -29,6 +29,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices (worker process per rank)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay decode steps from CUDA graphs")
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--gpu-kv-gb", type=float, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
@@ -61,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
     max_len = args.max_model_len
     cfg = build_engine_config(
         model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         chunk_size=args.chunk_size, gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
