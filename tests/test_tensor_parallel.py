@@ -6,6 +6,9 @@ For each, a TP=1 and a TP=2 engine go through the same calls in the same order (
 file order; each test compares the two after its own calls): batched prompts of different
 lengths, then a multi-turn workload whose tiers force swaps, drops, recomputation and
 suspensions. The scheduler is the same code in both, so even the cache counters must agree.
+
+``PENSIEVE_TEST_DEVICE=cuda`` runs the same tests on GPUs (ranks on cuda:0 and cuda:1 over
+NCCL, decode steps from CUDA graphs with the all-reduces captured inside them).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ VOCAB = 257  # odd: 129 rows per rank, the last one padding
 CHUNK = 8
 TIERS = {"num_gpu_blocks": 30, "num_cpu_blocks": 8}  # 240 GPU-tier tokens, 64 CPU-tier
 KINDS = ["llama-gqa", "llama-kv1", "opt"]
+DEVICE = os.environ.get("PENSIEVE_TEST_DEVICE", "cpu")
 
 
 def _hf_model(kind: str) -> transformers.PreTrainedModel:
@@ -42,7 +46,7 @@ def _hf_model(kind: str) -> transformers.PreTrainedModel:
 
 
 def _llm(path: str, tp: int) -> LLM:
-    llm = LLM(model=path, dtype="float32", device="cpu", chunk_size=CHUNK,
+    llm = LLM(model=path, dtype="float32", device=DEVICE, chunk_size=CHUNK,
               max_num_batched_tokens=64, tensor_parallel_size=tp, **TIERS)
     llm.engine.audit = True
     return llm
