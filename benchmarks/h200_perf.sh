@@ -10,7 +10,7 @@ log="$out/perf.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log"
 timeout 90 python -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -5 \
   | tee -a "$log"
-timeout 150 python benchmarks/decode_step.py --model llama2-13b-gqa10 --iters 10 \
+timeout 150 python benchmarks/decode_step.py --model llama2-13b-gqa10 --iters 10 --kv-gb 105 \
   --out "$out/decode_step.json" --plot "$out/decode_step.png" 2>>"$out/err.log" | tee -a "$log"
 for mode in graphs eager; do
   extra=""; [ "$mode" = eager ] && extra="--enforce-eager"

@@ -12,6 +12,9 @@ under that cache policy) and ``hf`` (HF transformers' continuous batching, state
 ``--engine http --url URL`` drives a running ``pensieve serve`` over its HTTP API (the real
 path: streaming ``/v1/completions``, one server conversation per benchmark conversation); the
 server's ``--cache-policy`` is the system, so give one ``--systems`` name to record it.
+``--batching separate`` runs Pensieve's engine (real or sim) with separate prefill and decode
+steps (vLLM 0.2 style, ``SchedulerConfig.batching``) instead of unified ones; each point
+records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ours to set).
 
     python benchmarks/multiturn.py --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
         --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
@@ -21,6 +24,7 @@ server's ``--cache-policy`` is the system, so give one ``--systems`` name to rec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -73,6 +77,8 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
             device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
             cache_policy="pensieve", max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
+                                                                     batching=args.batching))
         eng = LLMEngine(cfg, clock=clock.now)
         steps: list[dict[str, Any]] = []
         inner = eng.runner.execute
@@ -87,6 +93,8 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
         _SHARED.update(engine=eng, steps=steps)
     eng = _SHARED["engine"]
     eng.now = clock.now
+    if eng.scheduler_config.batching != args.batching:  # reset() builds the new scheduler
+        eng.scheduler_config = dataclasses.replace(eng.scheduler_config, batching=args.batching)
     eng.reset(system)
     _SHARED["system"] = system
     _SHARED["steps"].clear()
@@ -106,7 +114,8 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     chunk_cost = (CostModel.load(args.cost_profile) if args.cost_profile
                   else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
     sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                         batching=args.batching)
     return SimEngine(sc, gpu, cpu, cost, clock, chunk_cost, chunk_size=args.chunk_size,
                      cache_policy=system, block_bytes=block_bytes)
 
@@ -144,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
                     help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")
     ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--batching", choices=["unified", "separate"], default=None,
+                    help="Pensieve's steps: unified prefill+decode batches (default) or "
+                    "separate prefill and decode steps (vLLM 0.2 style; real and sim engines)")
     ap.add_argument("--tag", default="", help="label stored with every point")
     ap.add_argument("--out", default="results/multiturn")
     args = ap.parse_args(argv)
@@ -154,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "http" and len(args.systems.split(",")) != 1:
         ap.error("--engine http runs one system (the server's --cache-policy): give one "
                  "--systems name")
+    if args.batching is not None and args.engine == "http":
+        ap.error("--batching applies to the real and sim engines, not to a server (--engine "
+                 "http)")
+    if args.batching == "separate" and "hf" in args.systems.split(","):
+        ap.error("--batching separate applies to Pensieve's engine, not to the hf system")
+    args.batching = args.batching or "unified"
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
 
     random.Random(args.seed).shuffle(convs)
     print(f"workload {wl.name}: {len(convs)} conversations", file=sys.stderr)
-    vocab = 32000
     for system in args.systems.split(","):
         for rate in (float(r) for r in args.rates.split(",")):
             t_start = time.time()
@@ -190,10 +207,15 @@ def main(argv: list[str] | None = None) -> int:
                 bar.total = total
                 bar.update(n - bar.n)
 
+            # token ids < 32000 as always, fewer for a model with a smaller vocabulary (tiny
+            # presets on the CPU)
+            vocab = min(32000, getattr(engine, "vocab_size", None) or 32000)
             res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
                            vocab, seed=args.seed, drain_s=args.drain, progress=progress)
             bar.close()
+            batching = None if args.engine == "http" or system == "hf" else args.batching
             point = {"system": system, "conv_rate": rate, "engine": args.engine,
+                     "batching": batching,
                      "model": args.model, "think_time_s": args.think_time,
                      "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
                      "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
@@ -206,12 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             with open(out / "requests.jsonl", "a") as f:
                 for r in res.records:
                     f.write(json.dumps({"system": system, "conv_rate": rate, "tag": args.tag,
-                                        **r.as_dict()}) + "\n")
+                                        "batching": batching, **r.as_dict()}) + "\n")
             if steps:
                 with open(out / "steps.jsonl", "a") as f:
                     for s in steps:
                         f.write(json.dumps(s) + "\n")
-            print(f"{system:>10} rate {rate:5.2f}/s: {point['throughput_rps']:.3f} req/s, "
+            label = system if batching in (None, "unified") else f"{system}/{batching}"
+            print(f"{label:>10} rate {rate:5.2f}/s: {point['throughput_rps']:.3f} req/s, "
                   f"P90 norm {point['normalized_latency_s_p90'] * 1e3:.1f} ms/tok, "
                   f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
                   f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "

@@ -15,8 +15,10 @@ suspended: its KV goes to the CPU tier (or is dropped) and it returns to the fro
 
 ``SchedulerConfig.batching="separate"`` is the vLLM 0.2 baseline instead: a step holds prefill
 work only (continuing prompts, then admitted turns, same order and limits) or decodes only
-(:func:`is_decode`). Prefill comes first whenever some can run; decodes wait. Admission is
-bounded by ``max_num_seqs`` and the GPU blocks, so prefill steps run out and decodes follow.
+(:func:`is_decode`). Prefill comes first whenever some can run; decodes wait. A turn is then
+admitted only with GPU blocks for its whole prefill, so a prefill step never suspends anyone;
+admission is bounded by ``max_num_seqs`` and the blocks, so prefill steps run out and decodes
+follow. Decode steps suspend the newest request when blocks run out, as unified steps do.
 """
 
 from __future__ import annotations
@@ -182,7 +184,11 @@ class Scheduler:
                 break
             n = min(total, budget)
             req.pending = pending
-            if not cache.admit(req, conv, req.pending_end(n), now):
+            # Separate batches admit a turn only with blocks for all of its prefill (as vLLM
+            # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
+            # the last one's admission and prefill steps always run out.
+            end = req.pending_end(n if prefill is None else total)
+            if not cache.admit(req, conv, end, now):
                 req.pending = []
                 break
             self.waiting.popleft()
