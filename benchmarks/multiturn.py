@@ -76,7 +76,8 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
             model=args.model, load_format=args.load_format, dtype=args.dtype,
             device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
             cache_policy="pensieve", max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                      batching=args.batching))
         eng = LLMEngine(cfg, clock=clock.now)
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="real: split the model over N GPUs")
+    ap.add_argument("--enforce-eager", action="store_true", help="real: no decode CUDA graphs")
     ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
     ap.add_argument("--cost-profile", default=None, help="sim: retention cost profile JSON")
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
@@ -239,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
                   f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "
                   f"wall {point['wall_s']} s", flush=True)
-            shutdown = getattr(engine, "shutdown", None)
-            if shutdown:
-                shutdown()
-            if engine is not _SHARED.get("engine"):
+            if engine is not _SHARED.get("engine"):  # the shared engine stops at the end
+                shutdown = getattr(engine, "shutdown", None)
+                if shutdown:
+                    shutdown()
                 del engine
                 gc.collect()
             try:
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
             except ImportError:
                 pass
+    if "engine" in _SHARED:
+        _SHARED.pop("engine").shutdown()
     return 0
 
 

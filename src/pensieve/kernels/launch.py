@@ -161,6 +161,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     *,
     num_kv_splits: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -178,7 +179,9 @@ def paged_attention_triton(
     outside every range are not written. num_kv_splits: split each KV range over this many
     programs (a power of two; 1 = off) and merge the partials in a second kernel; ``None``
     picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
-    a few long requests). Returns out, ``[num_tokens, num_heads, head_dim]``.
+    a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
+    default choice (for tuning). Returns out,
+    ``[num_tokens, num_heads, head_dim]``.
     """
     _check_float("q", q, 3)
     _check_cache_pair(k_cache, v_cache)
@@ -229,9 +232,13 @@ def paged_attention_triton(
         return out
 
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = _attention_tiles(
-        max_query_len * group, head_dim, q.is_cuda
-    )
+    if tiles is None:
+        tiles = _attention_tiles(max_query_len * group, head_dim, q.is_cuda)
+    elif (len(tiles) != 4 or any(t < 1 or t & (t - 1) for t in tiles[:3])
+          or min(tiles[:2]) < 16 or tiles[3] < 1):
+        raise ValueError("tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two, "
+                         f"BLOCK_M and BLOCK_N >= 16, num_stages >= 1; got {tiles}")
+    block_m, block_n, num_warps, num_stages = tiles
     tiles = triton.cdiv(max_query_len * group, block_m)
     splits = num_kv_splits
     if splits is None:
