@@ -102,9 +102,9 @@ def main() -> None:
               f"{row['default_us']} us ({row['default_us'] / ideal:.2f}x), best {best} "
               f"{times[best]:.1f} us ({times[best] / ideal:.2f}x)", flush=True)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.out:  # after every config: a timeout keeps what ran
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _hf_model(kind: str) -> transformers.PreTrainedModel:
         return transformers.OPTForCausalLM(cfg).eval()
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2 if kind == "llama-gqa" else 1,
+        num_attention_heads=4, num_key_value_heads=2 if kind == "llama-gqa" else 1,
         max_position_embeddings=512, initializer_range=0.1)
     return transformers.LlamaForCausalLM(cfg).eval()
 

@@ -119,10 +119,15 @@ def store_kv_triton(
 
 
 def _attention_tiles(rows: int, head_dim: int, is_cuda: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows."""
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if head_dim <= 128 or not is_cuda else 32
-    return block_m, block_n, 4, 3
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows.
+
+    From the H200 sweep (``benchmarks/attention_tiles.py``, docs/performance.md): narrow KV
+    tiles (32) with two stages win at every query length; long query tiles (128 rows) win for
+    prefill. The interpreter (CPU tests) keeps the older, smaller tiles."""
+    if not is_cuda:
+        return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
+    block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(rows)))
+    return block_m, 32, 4, 2
 
 
 _MAX_SPLITS = 32

@@ -112,6 +112,13 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
         shard_model(model, rank, world)
         if staging != device:
             model.to(device)
+        elif device.type == "cuda":
+            # the full model was drawn here: give the dropped shards' memory back before the
+            # KV tier is sized from the free memory
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
     cc = cfg.cache
     block_bytes = kv_bytes_per_block(model.num_layers, cc.chunk_size, model.num_kv_heads,
                                      model.head_dim, spec.dtype)
