@@ -5,12 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/sim}; what=${2:-all}
-cost=docs/results/multiturn/step_cost_h200.json
+cost=${COST:-docs/results/multiturn/step_cost_h200.json}
 common=(--engine sim --step-cost "$cost" --warmup 150)
 mkdir -p "$out"
 if [[ $what == rates || $what == all ]]; then
   for s in ${SYSTEMS:-stateless gpu-only pensieve prefix-lru lru}; do
-    python benchmarks/multiturn.py "${common[@]}" --systems $s --rates 1,2,3,4 \
+    python benchmarks/multiturn.py "${common[@]}" --systems $s --rates ${RATES:-1,2,3,4} \
       --think-time 60 --gpu-kv-gb 40 --cpu-kv-gb 220 --duration 600 --drain 300 \
       --out "$out/rates" --tag paper-scale
   done

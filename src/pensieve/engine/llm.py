@@ -24,7 +24,7 @@ _FIELDS = {
     "decode_reserve": CacheConfig, "cost_profile": CacheConfig,
     "max_num_batched_tokens": SchedulerConfig, "max_num_seqs": SchedulerConfig,
     "max_model_len": SchedulerConfig, "enable_chunked_prefill": SchedulerConfig,
-    "watermark": SchedulerConfig,
+    "watermark": SchedulerConfig, "batching": SchedulerConfig,
 }
 
 

@@ -41,6 +41,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--batching", default="unified", choices=["unified", "separate"],
+                   help="unified: prefill and decode tokens share each step (default); "
+                        "separate: a step runs prefills or decodes, not both")
     p.add_argument("--log-level", default="info")
 
 
@@ -68,7 +71,7 @@ def serve(args: argparse.Namespace) -> int:
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, batching=args.batching,
     )
     engine = LLMEngine(cfg)
     _, path = resolve_config(args.model)
