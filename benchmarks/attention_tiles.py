@@ -83,7 +83,7 @@ def main() -> None:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             ideal = bench(partial(F.scaled_dot_product_attention, qq, kk, vv, enable_gqa=True,
                                   **mask_kw))
-        default = _attention_tiles(q_len * (H // HKV), D, True)
+        default = _attention_tiles(q_len * (H // HKV), q_len * (H // HKV), D, True)
         times = {}
         for t in options:
             try:

@@ -118,16 +118,25 @@ def store_kv_triton(
     )
 
 
-def _attention_tiles(rows: int, head_dim: int, is_cuda: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows.
+def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
+                     is_cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows of
+    the longest range and ``mean_rows`` per range on average.
 
-    From the H200 sweep (``benchmarks/attention_tiles.py``, docs/performance.md): narrow KV
-    tiles (32) with two stages win at every query length; long query tiles (128 rows) win for
-    prefill. The interpreter (CPU tests) keeps the older, smaller tiles."""
+    From the H200 runs (docs/performance.md, "Attention kernel"): where ranges are long on
+    average (prefill batches), 128-row query tiles with 32-position KV tiles and two stages
+    match FlashAttention; short ranges (decode) also prefer 32-position KV tiles. A batch
+    whose longest range is long but whose ranges are mostly short (prefill mixed into decodes)
+    would waste most of a 128-row tile on every decode range: it keeps the 64 x 64 tiles,
+    which were measured faster there. The interpreter (CPU tests) keeps the older tiles."""
+    older = min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
     if not is_cuda:
-        return min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
-    block_m = min(128 if head_dim <= 128 else 64, max(16, triton.next_power_of_2(rows)))
-    return block_m, 32, 4, 2
+        return older
+    if mean_rows >= 128 and head_dim <= 128:
+        return 128, 32, 4, 2
+    if rows <= 64:
+        return max(16, triton.next_power_of_2(rows)), 32, 4, 2
+    return older
 
 
 _MAX_SPLITS = 32
@@ -238,7 +247,8 @@ def paged_attention_triton(
 
     group = num_heads // num_kv_heads
     if tiles is None:
-        tiles = _attention_tiles(max_query_len * group, head_dim, q.is_cuda)
+        tiles = _attention_tiles(max_query_len * group, num_tokens * group / num_ranges,
+                                 head_dim, q.is_cuda)
     elif (len(tiles) != 4 or any(t < 1 or t & (t - 1) for t in tiles[:3])
           or min(tiles[:2]) < 16 or tiles[3] < 1):
         raise ValueError("tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two, "
