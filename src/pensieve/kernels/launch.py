@@ -129,7 +129,8 @@ def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
     whose longest range is long but whose ranges are mostly short (prefill mixed into decodes)
     would waste most of a 128-row tile on every decode range: it keeps the 64 x 64 tiles,
     which were measured faster there. The interpreter (CPU tests) keeps the older tiles."""
-    older = min(64, max(16, triton.next_power_of_2(rows))), 64, 4, 3
+    older = (min(64, max(16, triton.next_power_of_2(rows))),
+             64 if head_dim <= 128 or not is_cuda else 32, 4, 3)
     if not is_cuda:
         return older
     if mean_rows >= 128 and head_dim <= 128:
