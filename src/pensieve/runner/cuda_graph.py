@@ -150,21 +150,20 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"batch {n} exceeds the largest bucket {self.max_batch}")
 
-    def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Logits ``[n, vocab]`` of a decode step (caller checked :meth:`can_run`)."""
+    def fill(self, sched: SchedulerOutput) -> int:
+        """Write a decode step's inputs into the static buffers; returns its bucket."""
         n = len(sched.requests)
         bucket = self.bucket_for(n)
         b, c, mb = self.max_batch, self.chunk_size, self.max_blocks
         np64, np32 = self._np64, self._np32
         pos = np.fromiter((s.ranges[0].start_pos for s in sched.requests), np.int64, n)
-        np64[:n] = [s.ranges[0].token_ids[0] for s in sched.requests]
+        np64[:n] = np.fromiter((s.ranges[0].token_ids[0] for s in sched.requests), np.int64, n)
         np64[b : b + n] = pos
         tables = np32[2 * b + 1 :].reshape(b, mb)
         for i, s in enumerate(sched.requests):
             table = s.block_table
             tables[i, : len(table)] = table
-        idx = np.arange(n)
-        np64[2 * b : 2 * b + n] = tables[idx, pos // c].astype(np.int64) * c + pos % c
+        np64[2 * b : 2 * b + n] = tables[np.arange(n), pos // c].astype(np.int64) * c + pos % c
         np64[2 * b + n : 2 * b + bucket] = -1
         np32[: n + 1] = np.arange(n + 1)
         np32[n + 1 : bucket + 1] = n
@@ -172,9 +171,14 @@ class DecodeGraphs:
         # Everything is copied whole: one copy each, no per-bucket views to keep in sync.
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)
+        return bucket
+
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of a decode step (caller checked :meth:`can_run`)."""
+        bucket = self.fill(sched)
         if self.captured:
             self._graphs[bucket].replay()
             logits = self._logits[bucket]
         else:
             logits = self._forward(bucket)
-        return logits[:n]
+        return logits[: len(sched.requests)]
