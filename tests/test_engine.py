@@ -112,3 +112,22 @@ def test_per_prompt_params_and_seeds(checkpoint) -> None:  # noqa: ANN001
     assert a[0].output_token_ids == expected[2]
     assert a[1].output_token_ids == b[0].output_token_ids
     assert len(b[0].output_token_ids) == 8 and b[0].finish_reason == "length"
+
+
+def test_decode_graph_shape_follows_config() -> None:
+    """Graphs only on CUDA and not under enforce_eager; batch capped by max_num_seqs, tables
+    wide enough for max_model_len."""
+    from pensieve.config import CacheConfig, EngineConfig, ModelConfig
+    from pensieve.core.config import SchedulerConfig
+
+    cfg = EngineConfig(model=ModelConfig(cuda_graph_max_batch=64),
+                       cache=CacheConfig(chunk_size=32),
+                       scheduler=SchedulerConfig(max_num_seqs=48, max_model_len=1000))
+    assert cfg.decode_graph_shape("cuda") == (48, 32)  # ceil(1000 / 32)
+    assert cfg.decode_graph_shape("cpu") is None
+    eager = EngineConfig(model=ModelConfig(enforce_eager=True))
+    assert eager.decode_graph_shape("cuda") is None
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        ModelConfig(cuda_graph_max_batch=0)
+    llm = LLM(model="llama-tiny", dtype="float32", device="cpu", num_gpu_blocks=16)
+    assert llm.engine.runner.decode_graphs is None  # the CPU never captures
