@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pensieve.core.config import SchedulerConfig
+from pensieve.core.tiered_cache import cdiv
 
 
 @dataclass(frozen=True)
@@ -83,5 +84,5 @@ class EngineConfig:
         if device_type != "cuda" or self.model.enforce_eager:
             return None
         sc = self.scheduler
-        max_blocks = -(-sc.max_model_len // self.cache.chunk_size)
+        max_blocks = cdiv(sc.max_model_len, self.cache.chunk_size)
         return min(self.model.cuda_graph_max_batch, sc.max_num_seqs), max_blocks

@@ -255,11 +255,11 @@ def paged_attention_triton(
         raise ValueError("tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two, "
                          f"BLOCK_M and BLOCK_N >= 16, num_stages >= 1; got {tiles}")
     block_m, block_n, num_warps, num_stages = tiles
-    tiles = triton.cdiv(max_query_len * group, block_m)
+    num_tiles = triton.cdiv(max_query_len * group, block_m)
     splits = num_kv_splits
     if splits is None:
-        splits = _auto_splits(num_ranges * tiles * num_kv_heads, num_tokens, num_heads, head_dim,
-                              device)
+        splits = _auto_splits(num_ranges * num_tiles * num_kv_heads, num_tokens, num_heads,
+                              head_dim, device)
     if splits > 1:
         ws_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                              device=device)
@@ -267,7 +267,7 @@ def paged_attention_triton(
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    grid = (num_ranges, tiles * splits, num_kv_heads)
+    grid = (num_ranges, num_tiles * splits, num_kv_heads)
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
         float(scale) * _LOG2E,

@@ -63,7 +63,6 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         chunk_size: int,
         num_cpu_blocks: int = 0,
-        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -71,8 +70,8 @@ class ModelRunner:
         self.device = kv_caches[0].device
         self._pin = self.device.type == "cuda"
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks)
-        self.decode_graphs = decode_graphs
-        """Replays decode-only steps from CUDA graphs when set (see runner.cuda_graph)."""
+        self.decode_graphs: DecodeGraphs | None = None
+        """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
         self.num_graph_steps = 0
         """Steps run through :attr:`decode_graphs` so far."""
 
