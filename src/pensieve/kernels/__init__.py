@@ -1,9 +1,12 @@
-"""Attention kernels and their dispatch.
+"""Triton kernels and their dispatch.
 
-``store_kv`` and ``paged_attention`` take the same arguments as the references in
-:mod:`pensieve.kernels.reference`. On CUDA tensors they run the Triton kernels; on the CPU
-the pure-torch references, unless ``PENSIEVE_ATTENTION=triton`` (with ``TRITON_INTERPRET=1``,
-the Triton kernels then run through Triton's interpreter).
+``store_kv`` and ``paged_attention`` (attention), ``rms_norm``, ``rotary`` and
+``silu_and_mul`` (the decoder's fused element-wise ops) take the same arguments as the
+references in :mod:`pensieve.kernels.reference`. On CUDA tensors they run the Triton kernels;
+on the CPU the pure-torch references, unless ``PENSIEVE_ATTENTION=triton`` (with
+``TRITON_INTERPRET=1``, the Triton kernels then run through Triton's interpreter).
+``PENSIEVE_FUSED_OPS=0`` keeps the element-wise ops on their torch references on every device
+(to measure what the fusion buys).
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import os
 
 import torch
 
-from pensieve.kernels.reference import paged_attention_ref, store_kv_ref
+from pensieve.kernels.reference import (
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_ref,
+    silu_and_mul_ref,
+    store_kv_ref,
+)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -22,6 +31,10 @@ def _use_triton(t: torch.Tensor) -> bool:
     if choice == "triton":
         return True
     return t.is_cuda
+
+
+def _use_fused(t: torch.Tensor) -> bool:
+    return os.environ.get("PENSIEVE_FUSED_OPS", "1") != "0" and _use_triton(t)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
@@ -52,4 +65,35 @@ def paged_attention(  # noqa: ANN201
     )
 
 
-__all__ = ["paged_attention", "store_kv", "paged_attention_ref", "store_kv_ref"]
+def rms_norm(x, weight, eps: float, residual=None):  # noqa: ANN001, ANN201
+    """``(weight * rmsnorm(x + residual), x + residual)``; see :func:`reference.rms_norm_ref`.
+    The Triton path writes the sum into ``residual``'s storage: use the returned tensor."""
+    if _use_fused(x) and weight.dtype == x.dtype:
+        from pensieve.kernels.launch_fused import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary(q, k, cos, sin):  # noqa: ANN001, ANN201
+    """Rotary embedding of q ``[T, H, Dh]`` and k ``[T, Hkv, Dh]``: returns ``(q, k)``, which
+    the Triton path rotates in place (see :func:`reference.rotary_ref`)."""
+    half = cos.shape[-1] // 2
+    if _use_fused(q) and half >= 1 and not half & (half - 1):
+        from pensieve.kernels.launch_fused import rotary_triton
+
+        return rotary_triton(q, k, cos, sin)
+    return rotary_ref(q, cos, sin), rotary_ref(k, cos, sin)
+
+
+def silu_and_mul(x):  # noqa: ANN001, ANN201
+    """``silu(gate) * up`` for ``x = [gate | up]``; see :func:`reference.silu_and_mul_ref`."""
+    if _use_fused(x):
+        from pensieve.kernels.launch_fused import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)
+
+
+__all__ = ["paged_attention", "store_kv", "rms_norm", "rotary", "silu_and_mul",
+           "paged_attention_ref", "store_kv_ref", "rms_norm_ref", "rotary_ref", "silu_and_mul_ref"]

@@ -1,4 +1,4 @@
-"""Pure-torch references of the attention kernels: the tests' oracle and the engine's CPU path.
+"""Pure-torch references of the Triton kernels: the tests' oracle and the engine's CPU path.
 
 KV cache layout (one per layer and per K / V): ``[num_blocks, chunk_size, num_kv_heads,
 head_dim]``. A *slot* is ``block * chunk_size + offset``.
@@ -7,6 +7,7 @@ head_dim]``. A *slot* is ``block * chunk_size + offset``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv_ref(
@@ -77,3 +78,42 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HF's LlamaRMSNorm, after an optional residual add: ``x [T, D]`` (plus ``residual``) ->
+    ``(weight * normed, x + residual)``; normalised in float32, cast back, then scaled."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[T, heads, head_dim]``; cos/sin: ``[T, rotary_dim]`` in x's dtype, laid out
+    ``cat(freqs, freqs)``.
+
+    Rotates the first ``rotary_dim`` channels of each head (all of them unless the config has a
+    ``partial_rotary_factor``); returns a new ``[T, heads, head_dim]`` tensor.
+    """
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``x = [gate | up]`` ``[T, 2F]`` -> ``silu(gate) * up`` ``[T, F]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -102,23 +102,4 @@ class RotaryEmbedding(nn.Module):
         return f"rotary_dim={self.rotary_dim}, attention_scaling={self.attention_scaling}"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[T, heads, head_dim]``; cos/sin: ``[T, rotary_dim]`` in x's dtype.
-
-    Rotates the first ``rotary_dim`` channels of each head (all of them unless the config has a
-    ``partial_rotary_factor``); returns a new ``[T, heads, head_dim]`` tensor.
-    """
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
-    if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
-__all__ = ["RotaryEmbedding", "apply_rotary", "compute_inv_freq", "rope_config"]
+__all__ = ["RotaryEmbedding", "compute_inv_freq", "rope_config"]

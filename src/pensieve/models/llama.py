@@ -18,24 +18,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pensieve.kernels import rms_norm, rotary, silu_and_mul
 from pensieve.layers.attention import AttentionMetadata, PagedAttention
-from pensieve.layers.rotary import RotaryEmbedding, apply_rotary
+from pensieve.layers.rotary import RotaryEmbedding
 
 _ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    """HF LlamaRMSNorm (normalise in float32, cast back, then scale), after an optional
+    residual add: ``norm(x)`` -> out; ``norm(x, residual)`` -> ``(out, x + residual)``. On
+    CUDA one fused Triton kernel (:func:`pensieve.kernels.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x, residual=None):  # noqa: ANN001, ANN201
+        out, residual = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -64,8 +66,10 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2*Hkv) * Dh]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, Dh]
+        q, k = rotary(  # [T, H, Dh], [T, Hkv, Dh] (on CUDA rotated in place inside qkv)
+            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+            cos, sin,
+        )
         o = self.attn(q.view(t, -1), k.view(t, -1), v, kv_cache, meta)  # [T, H * Dh]
         return self.o_proj(o)  # [T, D]
 
@@ -81,9 +85,13 @@ class LlamaMLP(nn.Module):
         if act not in _ACTS:
             raise NotImplementedError(f"hidden_act {act!r}")
         self.act = _ACTS[act]
+        self.fused_silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        gate_up = self.gate_up_proj(x)  # [T, 2F]
+        if self.fused_silu:
+            return self.down_proj(silu_and_mul(gate_up))  # [T, D]
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] each
         return self.down_proj(self.act(gate) * up)  # [T, D]
 
 
@@ -95,9 +103,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv_cache, meta):  # noqa: ANN001, ANN201
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)  # [T, D]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, D]
+    def forward(self, h, residual, cos, sin, kv_cache, meta):  # noqa: ANN001, ANN201
+        """-> ``(mlp_out, residual)``: the layer's output hidden state is their sum, which the
+        next layer's (or the final) norm adds in its fused kernel. ``residual`` is None for
+        the first layer."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        a = self.self_attn(x, cos, sin, kv_cache, meta)  # [T, D]
+        x, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(x), residual  # [T, D] each
 
 
 class LlamaModel(nn.Module):
@@ -114,9 +130,10 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary_emb(positions)  # [T, Dh] float32 each
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)  # [T, D]
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]  # [T, D]
 
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
