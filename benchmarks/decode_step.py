@@ -21,6 +21,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -48,6 +49,55 @@ def decode_step(batch: int, ctx: int, chunk: int, rng: random.Random,
     return SchedulerOutput(requests=reqs, swaps=SwapPlan())
 
 
+@dataclass
+class Setup:
+    """A dummy-weight model and its KV caches, as every decode benchmark here builds them."""
+
+    model: torch.nn.Module
+    kv: list[torch.Tensor]
+    chunk: int
+    num_blocks: int
+    weight_bytes: int
+    kv_per_token: int
+
+    def fits(self, batch: int, ctx: int) -> bool:
+        """Whether ``batch`` requests of ``ctx`` tokens get distinct blocks."""
+        return batch * (ctx // self.chunk + 1) <= self.num_blocks
+
+    def floor_ms(self, batch: int, ctx: int) -> float:
+        """HBM floor of a decode step: every weight once, the K/V of ``ctx + 1`` tokens."""
+        return hbm_floor_ms(self.weight_bytes, self.kv_per_token, batch, ctx)
+
+    def graph_max_blocks(self, max_batch: int, max_ctx: int) -> int:
+        """Block-table width of the decode graphs: the engine's (on CUDA), or ``max_ctx``'s."""
+        shape = EngineConfig(model=ModelConfig(cuda_graph_max_batch=max_batch)).decode_graph_shape(
+            self.kv[0].device.type)
+        need = max_ctx // self.chunk + 1
+        return need if shape is None else max(shape[1], need)
+
+
+def hbm_floor_ms(weight_bytes: int, kv_per_token: int, batch: int, ctx: int) -> float:
+    return (weight_bytes + batch * (ctx + 1) * kv_per_token) / (HBM_TBPS * 1e12) * 1e3
+
+
+def setup(model_name: str, dtype: torch.dtype, kv_gb: float, device: torch.device,
+          chunk: int = 32) -> Setup:
+    """Load ``model_name`` (preset, ``demo`` or a directory) with dummy weights and allocate
+    ``kv_gb`` GiB of KV cache filled with random values."""
+    hf_config, path = resolve_config(model_name)
+    model, hf_config = load_model(path or hf_config, dtype=dtype, device=device,
+                                  load_format="dummy", seed=0)
+    block_bytes = kv_bytes_per_block(model.num_layers, chunk, model.num_kv_heads, model.head_dim,
+                                     dtype)
+    num_blocks = int(kv_gb * 2**30 // block_bytes)
+    kv = allocate_kv_caches(model.num_layers, num_blocks, chunk, model.num_kv_heads,
+                            model.head_dim, dtype, device)
+    for t in kv:
+        t.normal_(0, 0.5)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Setup(model, kv, chunk, num_blocks, weight_bytes, block_bytes // chunk)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama2-13b-gqa10")
@@ -63,26 +113,12 @@ def main() -> None:
 
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
-    hf_config, path = resolve_config(args.model)
-    model, hf_config = load_model(path or hf_config, dtype=dtype, device=device,
-                                  load_format="dummy", seed=0)
-    chunk = 32
-    block_bytes = kv_bytes_per_block(model.num_layers, chunk, model.num_kv_heads, model.head_dim,
-                                     dtype)
-    num_blocks = int(args.kv_gb * 2**30 // block_bytes)
-    kv = allocate_kv_caches(model.num_layers, num_blocks, chunk, model.num_kv_heads,
-                            model.head_dim, dtype, device)
-    for t in kv:
-        t.normal_(0, 0.5)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = block_bytes // chunk
+    su = setup(args.model, dtype, args.kv_gb, device)
+    model, kv, chunk, num_blocks = su.model, su.kv, su.chunk, su.num_blocks
+    weight_bytes, kv_per_token = su.weight_bytes, su.kv_per_token
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    max_ctx = max(contexts)
-    cfg = EngineConfig(model=ModelConfig(cuda_graph_max_batch=max(batches)))
-    shape = cfg.decode_graph_shape("cuda")
-    assert shape is not None
-    max_blocks = max(shape[1], max_ctx // chunk + 1)
+    max_blocks = su.graph_max_blocks(max(batches), max(contexts))
 
     eager = ModelRunner(model, kv, chunk)
     graphs = ModelRunner(model, kv, chunk)
@@ -96,10 +132,10 @@ def main() -> None:
     rows = []
     configs = [(b, c) for c in contexts for b in batches]
     for batch, ctx in tqdm(configs, desc="decode configs"):
-        if batch * (ctx // chunk + 1) > num_blocks:
+        if not su.fits(batch, ctx):
             rows.append({"batch": batch, "ctx": ctx, "skipped": "KV does not fit"})
             continue
-        floor_ms = (weight_bytes + batch * (ctx + 1) * kv_per_token) / (HBM_TBPS * 1e12) * 1e3
+        floor_ms = su.floor_ms(batch, ctx)
         row = {"batch": batch, "ctx": ctx, "floor_ms": round(floor_ms, 3)}
         for name, runner in (("eager", eager), ("graph", graphs)):
             sched = decode_step(batch, ctx, chunk, rng, free)

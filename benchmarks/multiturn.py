@@ -11,7 +11,9 @@ under that cache policy) and ``hf`` (HF transformers' continuous batching, state
 ``--engine sim`` runs the same scheduler and cache on virtual time instead (``--step-cost``).
 ``--engine http --url URL`` drives a running ``pensieve serve`` over its HTTP API (the real
 path: streaming ``/v1/completions``, one server conversation per benchmark conversation); the
-server's ``--cache-policy`` is the system, so give one ``--systems`` name to record it.
+server's ``--cache-policy`` is the system, so give one ``--systems`` name to record it; its
+point also records the client's ``http_errors``, ``http_throttled`` (turns that waited for one
+of the ``--max-connections``) and ``http_peak_in_flight`` (``benchmarks/h200_http.sh`` runs one).
 ``--batching separate`` runs Pensieve's engine (real or sim) with separate prefill and decode
 steps (vLLM 0.2 style, ``SchedulerConfig.batching``) instead of unified ones; each point
 records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ours to set).
@@ -226,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                      "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
                      "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
                      **summarize(res, args.warmup)}
+            if args.engine == "http":  # was the client a bottleneck, did requests fail?
+                point.update(http_errors=engine.errors, http_throttled=engine.throttled,
+                             http_peak_in_flight=engine.peak_in_flight,
+                             max_connections=args.max_connections)
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in point.items()}
             with open(out / "points.jsonl", "a") as f:

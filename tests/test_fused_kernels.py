@@ -3,10 +3,12 @@ against their pure-torch references, and a Llama forward with every Triton kerne
 the all-reference forward.
 
 Without CUDA the kernels run through Triton's interpreter (this is what CI runs); with CUDA
-natively. Half-precision results must equal the reference bit for bit where the kernel
-rounds exactly as torch's ops do (the residual sum, rotary); the RMSNorm and SiLU may differ
-by the order of a sum or the last ulp of ``exp``. (Triton's interpreter truncates to bf16
-rather than rounding to nearest, so on the CPU bf16 is compared within one ulp.)
+natively. The residual sum must equal the reference bit for bit in half precision (one
+rounding, as torch's add); the others within a few ulps: the RMSNorm sums in another order,
+the SiLU's ``exp`` may differ in its last bit, and on the GPU the compiler contracts the
+rotary's products and sum into FMAs, skipping the roundings torch does between them (the
+H200 run saw one-ulp differences there). Triton's interpreter truncates to bf16 rather than
+rounding to nearest, so on the CPU even the bf16 sum is compared within one ulp.
 """
 
 import os
@@ -100,8 +102,8 @@ def test_rotary_in_place_matches_reference(dtype, heads, kv_heads, head_dim, rot
     want_q, want_k = rotary_ref(q.clone(), cos, sin), rotary_ref(k.clone(), cos, sin)
     got_q, got_k = rotary_triton(q, k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
-    _check(got_q, want_q, dtype)
-    _check(got_k, want_k, dtype)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 

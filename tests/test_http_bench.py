@@ -4,10 +4,14 @@ conversation, later turns sending only their new tokens."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import random
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +21,7 @@ from pensieve.bench.engine_api import WallClock
 from pensieve.bench.http_engine import HTTPEngine
 from pensieve.bench.loadgen import arrival_times, run_load
 from pensieve.bench.metrics import summarize
-from pensieve.bench.workload import Conversation, Turn
+from pensieve.bench.workload import Conversation, Turn, Workload
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.outputs import RequestOutput
 
@@ -131,3 +135,37 @@ def test_run_load_over_http(server: Server) -> None:
     assert len(created) == n_convs
     for cid in created:
         assert httpx.get(f"{server.url}/v1/conversations/{cid}").status_code == 404
+
+
+def _multiturn_module():  # noqa: ANN202 - benchmarks/multiturn.py, a script
+    if "multiturn_bench" not in sys.modules:
+        script = Path(__file__).resolve().parents[1] / "benchmarks" / "multiturn.py"
+        spec = importlib.util.spec_from_file_location("multiturn_bench", script)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["multiturn_bench"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["multiturn_bench"]
+
+
+def test_multiturn_point_over_http(server: Server, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``multiturn.py --engine http`` (what benchmarks/h200_http.sh runs) records one point with
+    the client's counters: no failed request, no turn held back on the client."""
+    mt = _multiturn_module()
+    monkeypatch.setattr(mt, "workload", lambda args: Workload("tiny", _workload(4)))
+    rc = mt.main(["--engine", "http", "--url", server.url, "--systems", "pensieve",
+                  "--rates", str(RATE), "--duration", str(DURATION), "--warmup", "0",
+                  "--drain", "40", "--think-time", "0.2", "--max-connections", "8",
+                  "--model", "demo", "--seed", str(SEED), "--out", str(tmp_path)])
+    assert rc == 0
+    (point,) = [json.loads(line) for line in (tmp_path / "points.jsonl").open()]
+    assert point["engine"] == "http" and point["system"] == "pensieve"
+    assert point["batching"] is None
+    assert point["unfinished"] == 0 and point["errors"] == 0 and point["http_errors"] == 0
+    assert point["http_throttled"] == 0 and point["max_connections"] == 8
+    assert 1 <= point["http_peak_in_flight"] <= 4  # one turn per conversation at a time
+    assert point["finished"] == point["requests"] > 0
+    assert point["gpu_hit_rate"] > 0.3 and point["normalized_latency_s_p90"] is not None
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").open()]
+    assert len(records) == 3 * 4 and not any(r["error"] for r in records)
