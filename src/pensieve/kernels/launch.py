@@ -153,8 +153,14 @@ def _num_sms(device: torch.device) -> int:
 
 def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
                  device: torch.device) -> int:
-    """Split KV when the grid would fill under two waves of the GPU's SMs."""
-    target = 2 * _num_sms(device)
+    """Split KV when the grid has fewer than four programs per SM.
+
+    From the H200 decode sweep (docs/performance.md, ``attention_tiles.py --decode-batches``):
+    decode of 32 requests x 10 KV heads (320 programs on 132 SMs) ran at 1.44x the KV bytes'
+    HBM floor unsplit at 8k context and 1.06x with two splits; 64 requests and more ran best
+    unsplit. Splits do not depend on the context length, so a CUDA graph captured for a batch
+    size stays right for any context."""
+    target = 4 * _num_sms(device)
     if programs >= target:
         return 1
     splits = min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
