@@ -4,7 +4,7 @@
 #   h200x2_fused_points.sh "SYSTEMS:RATES[;SYSTEMS:RATES]" "SYSTEMS:RATES[;...]" [perf]
 # Each SYSTEMS:RATES is one multiturn.py process (model loaded once, systems x rates points).
 # With a third argument "perf", GPU 0 first runs the GPU kernel tests, decode_step.py and
-# profile_step.py. Everything lands in $OUT/points.tgz.
+# profile_step.py; with "tests", GPU 1 runs the kernel tests alongside its first model load. Everything lands in $OUT/points.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -13,6 +13,10 @@ mt=(--model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6
     --gpu-kv-gb 8 --cpu-kv-gb 22 --duration 60 --warmup 10 --drain 20 --tag h200-fused)
 run_gpu() {  # GPU LIST
   export CUDA_VISIBLE_DEVICES=$1
+  if [ "$1" = 1 ] && [ "${3:-}" = tests ]; then  # alongside GPU 1's model load
+    (timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+      tests/test_fused_kernels.py 2>&1 | tail -3 > "$w/tests_kernels.log") &
+  fi
   if [ "$1" = 0 ] && [ "${3:-}" = perf ]; then
     timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3 \
       > "$w/tests_kernels.log"
@@ -30,7 +34,7 @@ run_gpu() {  # GPU LIST
   done
 }
 run_gpu 0 "$1" "${3:-}" &
-run_gpu 1 "$2" &
+run_gpu 1 "$2" "${3:-}" &
 wait
 for g in 0 1; do
   gzip -f "$w/mt$g/requests.jsonl" "$w/mt$g/steps.jsonl" 2>/dev/null

@@ -468,3 +468,22 @@ def test_dispatch_through_pensieve_kernels(monkeypatch: pytest.MonkeyPatch) -> N
     ref = paged_attention_ref(b.q, expected[0], expected[1], *b.args()[3:],
                               out=torch.empty(b.q.shape, device=b.q.device))
     assert_close(got.view_as(b.q), ref, BF16)
+
+
+def test_compile_attention_kernels_runs_every_tile_choice() -> None:
+    """The serving warm-up runs each tile shape the launcher can pick, split and unsplit."""
+    tiles = launch.attention_tile_choices(32, HAS_CUDA)
+    assert launch._attention_tiles(1, 1, 32, HAS_CUDA) in tiles
+    assert launch._attention_tiles(4096, 4096, 32, HAS_CUDA) in tiles
+    n = launch.compile_attention_kernels(4, 2, 32, 16, F32, torch.device(DEVICE))
+    assert n == 2 * len(tiles)
+
+
+def test_split_count_beyond_the_combiner_raises() -> None:
+    q = torch.zeros(1, 4, 32, device=DEVICE)
+    cache = torch.zeros(1, 16, 2, 32, device=DEVICE)
+    z = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        paged_attention_triton(q, cache, cache, z.view(1, 1),
+                               torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), z, z,
+                               0.1, max_query_len=1, num_kv_splits=64)

@@ -141,6 +141,33 @@ def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
 
 
 _MAX_SPLITS = 32
+
+
+def attention_tile_choices(head_dim: int, is_cuda: bool) -> set[tuple[int, int, int, int]]:
+    """Every tile shape :func:`_attention_tiles` can pick for this head dim."""
+    rows = [2**i for i in range(17)]
+    return {_attention_tiles(r, m, head_dim, is_cuda) for r in rows for m in (1, 64, 128, r)
+            if m <= r}
+
+
+def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
+                              chunk_size: int, dtype: torch.dtype,
+                              device: torch.device) -> int:
+    """Compile, before serving, every attention kernel variant the launcher can choose (each
+    tile shape, split and unsplit, and the split combiner) by running each once on a
+    one-token problem. Otherwise Triton compiles a variant the first time a step needs it,
+    stalling that step for about a second. Returns the number of variants run."""
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    args = (q, cache, cache, zero.view(1, 1), qsl, zero, zero, head_dim**-0.5)
+    n = 0
+    for tiles in sorted(attention_tile_choices(head_dim, device.type == "cuda")):
+        for splits in (1, 2):
+            paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles)
+            n += 1
+    return n
 _WORKSPACE_BYTES = 256 << 20
 
 
@@ -230,9 +257,10 @@ def paged_attention_triton(
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
     if num_kv_splits is not None and (
         not isinstance(num_kv_splits, int) or num_kv_splits < 1
-        or num_kv_splits & (num_kv_splits - 1)
+        or num_kv_splits & (num_kv_splits - 1) or num_kv_splits > _MAX_SPLITS
     ):
-        raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits!r}")
+        raise ValueError(f"num_kv_splits must be a power of two in [1, {_MAX_SPLITS}], got "
+                         f"{num_kv_splits!r}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     if out is None:
@@ -281,7 +309,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        ws_acc, ws_m, ws_l, num_heads,
+        ws_acc, ws_m, ws_l, num_heads, splits,
         GROUP=group,
         CHUNK_SIZE=chunk_size,
         HEAD_DIM=head_dim,
@@ -289,15 +317,16 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
-        NUM_SPLITS=splits,
+        SPLIT=splits > 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if splits > 1:
         _k._combine_splits_kernel[(num_ranges, max_query_len, num_heads)](
             out, ws_acc, ws_m, ws_l, query_start_loc, out.stride(0), out.stride(1), num_heads,
+            splits,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=splits,
-            num_warps=1 if splits * head_dim <= 1024 else 4,
+            BLOCK_S=_MAX_SPLITS,
+            num_warps=4,
         )
     return out

@@ -20,7 +20,7 @@ Attention design (``_paged_attention_kernel``):
   or before the tile's first query position need no mask; the rest apply the causal mask
   ``kv_pos <= q_pos``.
 * Split-KV ("flash decoding") for grids too small to fill the GPU (decode of few, long
-  requests): each program covers one of ``NUM_SPLITS`` slices of its KV range and writes fp32
+  requests): each program covers one of ``num_splits`` slices of its KV range and writes fp32
   partials; ``_combine_splits_kernel`` merges them with their softmax weights.
 * Online softmax (base 2, scale folded in) with fp32 statistics and accumulator; the score
   tile lives in registers only. fp16/bf16 inputs use the native tensor-core dot with fp32
@@ -153,7 +153,7 @@ def _attn_kv_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -179,26 +179,29 @@ def _paged_attention_kernel(
     ws_m_ptr,
     ws_l_ptr,
     num_heads,
+    num_splits,
     GROUP: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
 
-    With ``NUM_SPLITS > 1`` program ``(r, tile * NUM_SPLITS + split, kv_head)`` covers only
-    the ``split``-th of ``NUM_SPLITS`` equal, ``BLOCK_N``-aligned parts of the tile's KV range
+    With ``SPLIT`` program ``(r, tile * num_splits + split, kv_head)`` covers only the
+    ``split``-th of ``num_splits`` equal, ``BLOCK_N``-aligned parts of the tile's KV range
     and writes its unnormalised partial result to contiguous fp32 workspaces: ``ws_acc``
-    ``[num_tokens, num_heads, NUM_SPLITS, HEAD_DIM]``, and ``ws_m`` / ``ws_l``
-    ``[num_tokens, num_heads, NUM_SPLITS]`` (running max, base 2, and sum);
-    ``_combine_splits_kernel`` merges them.
+    ``[num_tokens, num_heads, num_splits, HEAD_DIM]``, and ``ws_m`` / ``ws_l``
+    ``[num_tokens, num_heads, num_splits]`` (running max, base 2, and sum);
+    ``_combine_splits_kernel`` merges them. ``num_splits`` and the block table's row stride
+    are plain (unspecialised) ints, so a serving run compiles one kernel per tile shape and
+    ``SPLIT``, not one per split count or table width.
     """
     rng = tl.program_id(0)
-    tile = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
+    tile = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     kv_head = tl.program_id(2)
 
     q_lo = tl.load(query_start_loc_ptr + rng)
@@ -237,8 +240,8 @@ def _paged_attention_kernel(
 
     kv_lo = 0
     kv_hi = kv_len
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_len)
 
@@ -255,9 +258,9 @@ def _paged_attention_kernel(
             stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
         )
 
-    if NUM_SPLITS > 1:
+    if SPLIT:
         # An empty split (kv_lo >= kv_len) leaves m = -1e30, l = 0: weight 0 when combined.
-        ws_row = (tok * num_heads + head) * NUM_SPLITS + split
+        ws_row = (tok * num_heads + head) * num_splits + split
         tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=row_valid[:, None])
         tl.store(ws_m_ptr + ws_row, m_i, mask=row_valid)
@@ -272,7 +275,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     out_ptr,
     ws_acc_ptr,
@@ -282,10 +285,12 @@ def _combine_splits_kernel(
     stride_o_t,
     stride_o_h,
     num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """Merge the split-KV partials of one (range, query token, head) into ``out``."""
+    """Merge the split-KV partials of one (range, query token, head) into ``out``
+    (``BLOCK_S``: a power of two >= ``num_splits``)."""
     rng = tl.program_id(0)
     qi = tl.program_id(1)
     head = tl.program_id(2)
@@ -294,12 +299,14 @@ def _combine_splits_kernel(
     if qi >= q_hi - q_lo:
         return
     tok = (q_lo + qi).to(tl.int64)
-    splits = tl.arange(0, NUM_SPLITS)
+    splits = tl.arange(0, BLOCK_S)
+    valid = splits < num_splits
     d = tl.arange(0, HEAD_DIM)
-    ws_row = (tok * num_heads + head) * NUM_SPLITS + splits
-    m = tl.load(ws_m_ptr + ws_row)
-    l_sum = tl.load(ws_l_ptr + ws_row)
-    acc = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :])
+    ws_row = (tok * num_heads + head) * num_splits + splits
+    m = tl.load(ws_m_ptr + ws_row, mask=valid, other=-1.0e30)
+    l_sum = tl.load(ws_l_ptr + ws_row, mask=valid, other=0.0)
+    acc = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None],
+                  other=0.0)
     w = tl.exp2(m - tl.max(m, 0))
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
     tl.store(

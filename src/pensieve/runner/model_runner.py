@@ -7,16 +7,19 @@ lists, then copied to the device in one go (pinned, non-blocking on CUDA).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
-from pensieve.layers.attention import AttentionMetadata
+from pensieve.layers.attention import AttentionMetadata, PagedAttention
 from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.sampler import sample
 from pensieve.runner.swapper import KVSwapper
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +77,20 @@ class ModelRunner:
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
         self.num_graph_steps = 0
         """Steps run through :attr:`decode_graphs` so far."""
+        if self.device.type == "cuda":
+            self._compile_attention()
+
+    def _compile_attention(self) -> None:
+        from pensieve.kernels.launch import compile_attention_kernels
+
+        attn = next((m for m in self.model.modules() if isinstance(m, PagedAttention)), None)
+        if attn is None:
+            return
+        t0 = time.perf_counter()
+        c = self.kv_caches[0]
+        n = compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                      self.chunk_size, c.dtype, self.device)
+        log.info("compiled %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
         """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each."""
