@@ -112,6 +112,12 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     from pensieve.core.cost_model import CostModel
 
     cost = StepCostModel.load(args.step_cost)
+    if args.step_cost_set:  # what-if: e.g. per_prefill_step_s=0 (mixed steps as cheap as decode)
+        import dataclasses
+
+        sets = dict(kv.split("=", 1) for kv in args.step_cost_set.split(","))
+        cost = dataclasses.replace(cost, **{k: float(v) for k, v in sets.items()},
+                                   label=f"{cost.label} [what-if {args.step_cost_set}]")
     block_bytes = args.kv_bytes_per_token * args.chunk_size
     gpu = int(args.gpu_kv_gb * 2**30 // block_bytes)
     cpu = int(args.cpu_kv_gb * 2**30 // block_bytes)
@@ -156,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="real: split the model over N GPUs")
     ap.add_argument("--enforce-eager", action="store_true", help="real: no decode CUDA graphs")
     ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
+    ap.add_argument("--step-cost-set", default=None, metavar="NAME=VALUE,...",
+                    help="sim: override coefficients of --step-cost (a what-if), e.g. "
+                         "per_prefill_step_s=0")
     ap.add_argument("--cost-profile", default=None, help="sim: retention cost profile JSON")
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
                     help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")

@@ -92,7 +92,8 @@ def _random_features(rng: random.Random) -> StepFeatures:
     )
 
 
-TRUE = StepCostModel(base_s=4e-3, per_request_s=2e-5, per_prefill_token_s=4e-5,
+TRUE = StepCostModel(base_s=4e-3, per_prefill_step_s=9e-3, per_request_s=2e-5,
+                     per_prefill_token_s=4e-5,
                      per_decode_token_s=6e-5, per_attn_pair_s=3e-10, per_kv_read_token_s=2e-8,
                      per_swap_chunk_s=1e-5)
 

@@ -10,6 +10,7 @@ hardware rates, for when no calibration exists, and is labelled ``source="analyt
 The formula (all times in seconds)::
 
     compute = base_s
+            + per_prefill_step_s  * (num_prefill_tokens > 0)
             + per_request_s       * num_requests
             + per_prefill_token_s * num_prefill_tokens
             + per_decode_token_s  * num_decode_tokens
@@ -135,6 +136,7 @@ def features_of(sched: SchedulerOutput) -> StepFeatures:
 # --------------------------------------------------------------------------------- the model
 COEFFICIENTS: tuple[str, ...] = (
     "base_s",
+    "per_prefill_step_s",
     "per_request_s",
     "per_prefill_token_s",
     "per_decode_token_s",
@@ -148,6 +150,7 @@ COEFFICIENTS: tuple[str, ...] = (
 def _design_row(f: StepFeatures) -> list[float]:
     return [
         1.0,
+        1.0 if f.num_prefill_tokens > 0 else 0.0,
         float(f.num_requests),
         float(f.num_prefill_tokens),
         float(f.num_decode_tokens),
@@ -168,6 +171,9 @@ class StepCostModel:
 
     base_s: float = 0.0
     """Fixed per-step overhead (scheduling, launches; analytic: reading the weights once)."""
+    per_prefill_step_s: float = 0.0
+    """Extra fixed cost of a step with any multi-token range: the engine replays decode-only
+    steps from CUDA graphs and runs the others eagerly, one launch per kernel from Python."""
     per_request_s: float = 0.0
     """Per request in the batch (metadata, sampling)."""
     per_prefill_token_s: float = 0.0
@@ -210,6 +216,7 @@ class StepCostModel:
         """The compute part (everything but copies)."""
         return (
             self.base_s
+            + (self.per_prefill_step_s if f.num_prefill_tokens > 0 else 0.0)
             + self.per_request_s * f.num_requests
             + self.per_prefill_token_s * f.num_prefill_tokens
             + self.per_decode_token_s * f.num_decode_tokens
