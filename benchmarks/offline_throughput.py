@@ -38,14 +38,16 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-kv-gb", type=float, default=None)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--no-mixed-graphs", action="store_true",
+                    help="CUDA graphs for decode-only steps only")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_kv_gb=args.gpu_kv_gb, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, cuda_graph_mixed=not args.no_mixed_graphs)
     eng = llm.engine
     cfg = eng.hf_config
     model = eng.model
@@ -123,6 +125,7 @@ def main() -> None:
         "tensor_parallel_size": tp,
         "cuda_graphs": eng.config.decode_graph_shape(eng.device.type) is not None,
         "graph_steps": getattr(runner, "num_graph_steps", None),
+        "mixed_graph_steps": getattr(runner, "num_mixed_graph_steps", None),
         "engine_host_ms_per_step": round(statistics.mean(host) * 1e3, 3) if host else None,
         "engine_host_share": round(sum(host) / max(wall, 1e-9), 4),
         "wall_s": round(wall, 3),

@@ -85,6 +85,45 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool) -> None
     assert runner.num_graph_steps > 0
 
 
+@pytest.mark.parametrize("pressure", [False, True])
+def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noqa: ANN001
+    """Every step through the static-buffer graph paths (run eagerly here): prefill and mixed
+    steps padded to token buckets with empty range slots, decode steps to batch buckets; same
+    greedy tokens as HF, with chunked prefill, suspensions and recomputation under pressure."""
+    path, prompts, expected = checkpoint
+    extra = dict(chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=36) if pressure else {}
+    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, **extra)
+    runner = llm.engine.runner
+    max_blocks = 512 // runner.chunk_size
+    runner.enable_mixed_graphs(max_tokens=llm.engine.config.scheduler.max_num_batched_tokens,
+                               max_ranges=8, max_blocks=max_blocks, capture=False)
+    if pressure:
+        runner.enable_decode_graphs(max_batch=8, max_blocks=max_blocks, capture=False)
+    mixed = runner.mixed_graphs
+    assert mixed is not None and mixed.buckets[0] == 16
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outs] == expected
+    assert runner.num_mixed_graph_steps > 0
+    assert runner.num_graph_steps > 0 if pressure else runner.num_graph_steps == 0
+
+
+def test_token_buckets_and_mixed_graph_shape() -> None:
+    from pensieve.config import EngineConfig, ModelConfig
+    from pensieve.core.config import SchedulerConfig
+    from pensieve.runner.cuda_graph import token_buckets
+
+    assert token_buckets(100) == [16, 32, 64, 100]
+    b = token_buckets(8192)
+    assert b[:8] == [16, 32, 64, 128, 256, 512, 768, 1024] and b[-1] == 8192
+    assert all(y - x <= max(256, x // 4) for x, y in zip(b, b[1:]))
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64,
+                                                 max_model_len=2048))
+    assert cfg.mixed_graph_shape("cuda") == (4096, 64, 64)
+    assert cfg.mixed_graph_shape("cpu") is None
+    off = EngineConfig(model=ModelConfig(cuda_graph_mixed=False))
+    assert off.mixed_graph_shape("cuda") is None and off.decode_graph_shape("cuda") is not None
+
+
 def test_generate_validates_input(checkpoint) -> None:  # noqa: ANN001
     path, prompts, _ = checkpoint
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=256)

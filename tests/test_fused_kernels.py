@@ -176,3 +176,28 @@ def test_llama_forward_fused_matches_reference(monkeypatch, dtype) -> None:  # n
 
     torch.testing.assert_close(run("triton"), run("reference"), atol=0.15 if dtype == BF16
                                else 1e-4, rtol=0.05 if dtype == BF16 else 1e-4)
+
+
+def test_engine_graph_paths_with_triton_kernels(monkeypatch) -> None:  # noqa: ANN001
+    """The whole engine on the Triton kernels (interpreter here): steps through the mixed- and
+    decode-graph static buffers (the attention kernel's work-item grid) give the same greedy
+    tokens as the ordinary eager path."""
+    from pensieve import LLM, SamplingParams
+
+    monkeypatch.setenv("PENSIEVE_ATTENTION", "triton")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 13, 2, 7, 11, 3] * 3, [4, 8], [6] * 40]
+
+    def run(graphs: bool) -> list[list[int]]:
+        llm = LLM(model="llama-tiny", dtype="float32", device=DEVICE, max_model_len=128,
+                  chunk_size=16, max_num_batched_tokens=48)
+        r = llm.engine.runner
+        if graphs:
+            r.enable_mixed_graphs(max_tokens=48, max_ranges=4, max_blocks=8, capture=False)
+            r.enable_decode_graphs(max_batch=4, max_blocks=8, capture=False)
+        outs = [o.output_token_ids for o in llm.generate(prompts, greedy)]
+        if graphs:
+            assert r.num_mixed_graph_steps > 0 and r.num_graph_steps > 0
+        return outs
+
+    assert run(True) == run(False)

@@ -1,8 +1,9 @@
-"""Decode steps replayed from CUDA graphs give the tokens of the eager path (GPU only).
+"""Steps replayed from CUDA graphs give the tokens of the eager path (GPU only).
 
 Both engines are float32 on the same GPU with the same random checkpoint; the graph engine
-pads batches to its buckets (1, 2, 4, 8), so the padded rows and the empty ranges are covered,
-and a multi-turn round under a tiny GPU tier mixes swap-ins into decode steps.
+pads decode batches to its buckets (1, 2, 4, 8) and every other step to its token buckets (16,
+32, 64, 128) with empty range slots, so the padded rows and the empty ranges are covered, and
+a multi-turn round under a tiny GPU tier mixes swap-ins into graph steps.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN00
     assert graph.engine.runner.decode_graphs is not None
     assert graph.engine.runner.decode_graphs.buckets == [1, 2, 4, 8]
     assert eager.engine.runner.decode_graphs is None
+    assert graph.engine.runner.mixed_graphs is not None
+    assert graph.engine.runner.mixed_graphs.buckets == [16, 32, 64, 128]
+    assert eager.engine.runner.mixed_graphs is None
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 7, 40, 100, 3, 260)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -55,4 +59,5 @@ def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN00
                 for llm in (graph, eager)]
         assert outs[0] == outs[1], f"round {r}"
     assert graph.engine.runner.num_graph_steps > 0
+    assert graph.engine.runner.num_mixed_graph_steps > 0
     assert graph.cache_stats()["swapped_in_tokens"] > 0

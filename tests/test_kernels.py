@@ -487,3 +487,29 @@ def test_split_count_beyond_the_combiner_raises() -> None:
         paged_attention_triton(q, cache, cache, z.view(1, 1),
                                torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), z, z,
                                0.1, max_query_len=1, num_kv_splits=64)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype) -> None:
+    """The static-grid mode of CUDA graphs: a grid sized for a bound on the work items (the
+    rest exit), items cut for fixed tiles; prefill, decode and prefix ranges mixed."""
+    b = make_batch([[(0, 37)], [(40, 1)], [(5, 20), (25, 3)], [(0, 1)]],
+                   **shape_kw(group, False), chunk=16, dtype=dtype)
+    tiles = (16, 16, 4, 2)
+    qsl = b.query_start_loc.tolist()
+    qlens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+    items = launch.work_items_for(qlens, group, tiles[0])
+    bound = -(-sum(qlens) * group // tiles[0]) + len(qlens)
+    assert len(items) <= bound
+    work = torch.zeros(bound + 5, dtype=torch.int32, device=DEVICE)  # padded past the bound
+    work[: len(items)] = torch.tensor(items, dtype=torch.int32)
+    num = torch.tensor([len(items)], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention_triton(*b.args(), max_query_len=b.max_query_len, out=out, tiles=tiles,
+                           work_items=work, num_work_items=num)
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(out, ref, dtype)
+    with pytest.raises(ValueError, match="tiles"):
+        paged_attention_triton(*b.args(), max_query_len=b.max_query_len, work_items=work,
+                               num_work_items=num)

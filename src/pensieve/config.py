@@ -26,10 +26,13 @@ class ModelConfig:
     """Ranks the model is split over (Megatron-style, one worker process per device: cuda:0..
     N-1 over NCCL, or CPU processes over gloo). 1 runs in this process, as always."""
     enforce_eager: bool = False
-    """Never replay decode steps from CUDA graphs (they are captured on CUDA otherwise)."""
+    """Never replay steps from CUDA graphs (they are captured on CUDA otherwise)."""
     cuda_graph_max_batch: int = 256
-    """Largest decode batch captured as a CUDA graph (capped by max_num_seqs); larger
-    decode batches and every step with prefill tokens run eagerly."""
+    """Largest decode batch captured as a CUDA graph (capped by max_num_seqs), and the most
+    query ranges of a mixed-step graph; larger steps run eagerly."""
+    cuda_graph_mixed: bool = True
+    """Also replay steps with prefill tokens from CUDA graphs (per token bucket up to
+    max_num_batched_tokens); False: only decode-only steps."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -86,3 +89,11 @@ class EngineConfig:
         sc = self.scheduler
         max_blocks = cdiv(sc.max_model_len, self.cache.chunk_size)
         return min(self.model.cuda_graph_max_batch, sc.max_num_seqs), max_blocks
+
+    def mixed_graph_shape(self, device_type: str) -> tuple[int, int, int] | None:
+        """(max tokens, max query ranges, max blocks per request) of the mixed-step CUDA
+        graphs, or None for none."""
+        decode = self.decode_graph_shape(device_type)
+        if decode is None or not self.model.cuda_graph_mixed:
+            return None
+        return self.scheduler.max_num_batched_tokens, decode[0], decode[1]

@@ -18,6 +18,7 @@ _FIELDS = {
     "model": ModelConfig, "dtype": ModelConfig, "device": ModelConfig,
     "load_format": ModelConfig, "seed": ModelConfig, "tensor_parallel_size": ModelConfig,
     "enforce_eager": ModelConfig, "cuda_graph_max_batch": ModelConfig,
+    "cuda_graph_mixed": ModelConfig,
     "chunk_size": CacheConfig, "num_gpu_blocks": CacheConfig, "gpu_kv_gb": CacheConfig,
     "gpu_memory_utilization": CacheConfig, "num_cpu_blocks": CacheConfig,
     "cpu_kv_gb": CacheConfig, "cache_policy": CacheConfig, "swap_out_threshold": CacheConfig,

@@ -81,6 +81,8 @@ def size_gpu_tier(config: EngineConfig, device: torch.device, hf_config: object,
         elem = torch.empty((), dtype=dtype).element_size()
         activations = sc.max_num_batched_tokens * (8 * hidden + 3 * inter) * elem
         activations += sc.max_num_seqs * vocab * 4 * 3 + 2**30
+        if config.mixed_graph_shape(device.type) is not None:
+            activations *= 2  # the mixed-step graphs' pool, beside the eager allocator's
         budget = free - (1 - cc.gpu_memory_utilization) * total - activations
         return max(1, int(budget // block_bytes))
     # CPU: enough for every running request to reach max_model_len, at most 2 GiB.
@@ -129,6 +131,12 @@ class LLMEngine(EngineCore):
                 self.runner.enable_decode_graphs(*graph_shape)
                 log.info("captured decode CUDA graphs for batches up to %d in %.1f s",
                          graph_shape[0], time.perf_counter() - t0)
+            mixed_shape = config.mixed_graph_shape(self.device.type)
+            if mixed_shape is not None:
+                t0 = time.perf_counter()
+                self.runner.enable_mixed_graphs(*mixed_shape)
+                log.info("captured mixed-step CUDA graphs for up to %d tokens in %.1f s",
+                         mixed_shape[0], time.perf_counter() - t0)
         self.cost_model = load_cost_model(cc.cost_profile, self.hf_config, cc.chunk_size,
                                           self.device, self.dtype)
         eos = getattr(self.hf_config, "eos_token_id", None)

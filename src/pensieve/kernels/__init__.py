@@ -49,15 +49,18 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN00
 
 def paged_attention(  # noqa: ANN201
     q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table, scale,
-    max_query_len: int, out=None,  # noqa: ANN001
+    max_query_len: int, out=None, work_items=None, num_work_items=None, tiles=None,  # noqa: ANN001
 ):
-    """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`."""
+    """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`.
+    ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode (see
+    :func:`launch.paged_attention_triton`); the reference computes the same without them."""
     if _use_triton(q):
         from pensieve.kernels.launch import paged_attention_triton
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
-            scale, max_query_len=max_query_len, out=out,
+            scale, max_query_len=max_query_len, out=out, tiles=tiles, work_items=work_items,
+            num_work_items=num_work_items,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,

@@ -150,6 +150,16 @@ def attention_tile_choices(head_dim: int, is_cuda: bool) -> set[tuple[int, int, 
             if m <= r}
 
 
+def work_items_for(query_lens: list[int], group: int, block_m: int) -> list[int]:
+    """Work items of the static-grid mode: ``range * 65536 + tile`` for every ``block_m``-row
+    tile of every range (rows = query tokens x ``group`` query heads per KV head). At most
+    ``cdiv(total_tokens * group, block_m) + len(query_lens)`` items."""
+    items: list[int] = []
+    for r, q in enumerate(query_lens):
+        items.extend(r * 65536 + t for t in range(triton.cdiv(q * group, block_m)))
+    return items
+
+
 def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
                               chunk_size: int, dtype: torch.dtype,
                               device: torch.device) -> int:
@@ -210,6 +220,8 @@ def paged_attention_triton(
     *,
     num_kv_splits: int | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    work_items: torch.Tensor | None = None,
+    num_work_items: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -228,7 +240,10 @@ def paged_attention_triton(
     programs (a power of two; 1 = off) and merge the partials in a second kernel; ``None``
     picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
     a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
-    default choice (for tuning). Returns out,
+    default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
+    graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
+    ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for), no KV splits;
+    the grid is ``max_items`` whatever the ranges. Returns out,
     ``[num_tokens, num_heads, head_dim]``.
     """
     _check_float("q", q, 3)
@@ -281,6 +296,7 @@ def paged_attention_triton(
         return out
 
     group = num_heads // num_kv_heads
+    tiles_arg = tiles
     if tiles is None:
         tiles = _attention_tiles(max_query_len * group, num_tokens * group / num_ranges,
                                  head_dim, q.is_cuda)
@@ -290,10 +306,22 @@ def paged_attention_triton(
                          f"BLOCK_M and BLOCK_N >= 16, num_stages >= 1; got {tiles}")
     block_m, block_n, num_warps, num_stages = tiles
     num_tiles = triton.cdiv(max_query_len * group, block_m)
-    splits = num_kv_splits
-    if splits is None:
-        splits = _auto_splits(num_ranges * num_tiles * num_kv_heads, num_tokens, num_heads,
-                              head_dim, device)
+    worklist = work_items is not None
+    if worklist:
+        if num_work_items is None or tiles_arg is None:
+            raise ValueError("work_items needs num_work_items and the tiles it was cut for")
+        if num_kv_splits not in (None, 1):
+            raise ValueError("work_items runs without KV splits")
+        _check_index("work_items", work_items, 1)
+        _check_index("num_work_items", num_work_items, 1)
+        for name, t in (("work_items", work_items), ("num_work_items", num_work_items)):
+            _check_device(name, t, device)
+        splits = 1
+    else:
+        splits = num_kv_splits
+        if splits is None:
+            splits = _auto_splits(num_ranges * num_tiles * num_kv_heads, num_tokens, num_heads,
+                                  head_dim, device)
     if splits > 1:
         ws_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                              device=device)
@@ -301,7 +329,10 @@ def paged_attention_triton(
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    grid = (num_ranges, num_tiles * splits, num_kv_heads)
+    grid = ((work_items.shape[0], 1, num_kv_heads) if work_items is not None
+            else (num_ranges, num_tiles * splits, num_kv_heads))
+    work = work_items if work_items is not None else query_start_loc  # unused unless WORKLIST
+    num_work = num_work_items if num_work_items is not None else query_start_loc
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
         float(scale) * _LOG2E,
@@ -309,7 +340,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        ws_acc, ws_m, ws_l, num_heads, splits,
+        ws_acc, ws_m, ws_l, num_heads, splits, work, num_work,
         GROUP=group,
         CHUNK_SIZE=chunk_size,
         HEAD_DIM=head_dim,
@@ -318,6 +349,7 @@ def paged_attention_triton(
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
         SPLIT=splits > 1,
+        WORKLIST=worklist,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -180,6 +180,8 @@ def _paged_attention_kernel(
     ws_l_ptr,
     num_heads,
     num_splits,
+    work_ptr,
+    num_work_ptr,
     GROUP: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -187,6 +189,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
     SPLIT: tl.constexpr,
+    WORKLIST: tl.constexpr,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
 
@@ -198,10 +201,24 @@ def _paged_attention_kernel(
     ``_combine_splits_kernel`` merges them. ``num_splits`` and the block table's row stride
     are plain (unspecialised) ints, so a serving run compiles one kernel per tile shape and
     ``SPLIT``, not one per split count or table width.
+
+    With ``WORKLIST`` (no split) the grid is ``(max_items, 1, num_kv_heads)``: program ``i``
+    takes work item ``work[i] = range * 65536 + tile`` if ``i < num_work[0]`` and exits
+    otherwise. The grid then depends only on a bound of the item count, not on the ranges, so
+    a step whose ranges change from step to step can replay from a CUDA graph.
     """
-    rng = tl.program_id(0)
-    tile = tl.program_id(1) // num_splits
-    split = tl.program_id(1) % num_splits
+    if WORKLIST:
+        item = tl.program_id(0)
+        if item >= tl.load(num_work_ptr):
+            return
+        packed = tl.load(work_ptr + item)
+        rng = packed // 65536
+        tile = packed % 65536
+        split = 0
+    else:
+        rng = tl.program_id(0)
+        tile = tl.program_id(1) // num_splits
+        split = tl.program_id(1) % num_splits
     kv_head = tl.program_id(2)
 
     q_lo = tl.load(query_start_loc_ptr + rng)

@@ -38,6 +38,14 @@ class AttentionMetadata:
     layer_ready: Callable[[int], None] | None = None
     """Called with the layer index before the layer touches its KV cache: the runner makes the
     compute stream wait there for that layer's swap-in (pipelined swap-in)."""
+    work_items: torch.Tensor | None = None
+    """Static-grid attention (steps replayed from CUDA graphs with ranges that vary): ``[W]``
+    int32 work items, see :func:`pensieve.kernels.launch.work_items_for`; None: grid from
+    ``max_query_len``."""
+    num_work_items: torch.Tensor | None = None
+    """``[1]`` int32: how many of ``work_items`` are real."""
+    tiles: tuple[int, int, int, int] | None = None
+    """The attention tiles ``work_items`` were cut for (None: the launcher chooses)."""
 
 
 class PagedAttention(nn.Module):
@@ -73,6 +81,7 @@ class PagedAttention(nn.Module):
         out = paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
             meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
+            work_items=meta.work_items, num_work_items=meta.num_work_items, tiles=meta.tiles,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 

@@ -130,6 +130,9 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
     graph_shape = cfg.decode_graph_shape(device.type)
     if graph_shape is not None:  # every rank captures: the all-reduces are in the graphs
         runner.enable_decode_graphs(*graph_shape)
+    mixed_shape = cfg.mixed_graph_shape(device.type)
+    if mixed_shape is not None:
+        runner.enable_mixed_graphs(*mixed_shape)
     conn.send(("ok", None))
     while True:
         msg = conn.recv()

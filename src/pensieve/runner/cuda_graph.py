@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode-only steps (:class:`DecodeGraphs`) and every other
+step that fits (:class:`MixedGraphs`).
 
 A decode-only step (every request computes exactly one token and samples it) launches the same
 ~15 kernels per layer every time; from Python that costs tens of milliseconds of host time per
@@ -20,6 +21,13 @@ synchronised (sampling reads the tokens), so the host buffers are free to overwr
 
 ``capture=False`` runs the very same padded static-buffer forward eagerly: that is how the CPU
 tests check the padding against the ordinary path, and what runs where CUDA graphs cannot.
+
+Mixed steps (prefill ranges, with or without decodes) have ranges of any number and length,
+and the attention kernel's grid normally follows them. :class:`MixedGraphs` captures per
+*token bucket* with a fixed number of range slots and runs the attention kernel in its
+static-grid mode: the host cuts the step's ranges into work items for fixed tiles
+(:func:`pensieve.kernels.launch.work_items_for`), and the grid is the bound on the item count
+of the bucket, the surplus programs exiting at once.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ import numpy as np
 import torch
 
 from pensieve.core.outputs import SchedulerOutput
-from pensieve.layers.attention import AttentionMetadata
+from pensieve.core.tiered_cache import cdiv
+from pensieve.layers.attention import AttentionMetadata, PagedAttention
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -37,6 +46,38 @@ def batch_buckets(max_batch: int) -> list[int]:
     sizes += list(range(8, max_batch, 8))
     sizes.append(max_batch)
     return sorted(set(sizes))
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, ..., 512, then multiples of 256 to 2048, then of 512, up to and including
+    ``max_tokens`` (a padded step wastes at most a quarter of its tokens above 512)."""
+    sizes = [b for b in (16, 32, 64, 128, 256, 512) if b < max_tokens]
+    sizes += [b for b in range(768, min(max_tokens, 2048 + 1), 256) if b < max_tokens]
+    sizes += [b for b in range(2560, max_tokens, 512)]
+    sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+def _capture(buckets: list[int], forward, device: torch.device):  # noqa: ANN001, ANN202
+    """One graph per bucket, largest first, sharing one memory pool; returns (graphs, outputs)."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for bucket in reversed(buckets):
+            for _ in range(2):  # compile and autotune outside the capture
+                forward(bucket)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[bucket] = forward(bucket)
+            pool = graph.pool()
+            graphs[bucket] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs
 
 
 def is_decode_step(sched: SchedulerOutput) -> bool:
@@ -119,21 +160,7 @@ class DecodeGraphs:
         self._np32[: b + 1] = np.arange(b + 1)
         self._dev64.copy_(self._host64)
         self._dev32.copy_(self._host32)
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bucket in reversed(self.buckets):
-                for _ in range(2):  # compile and autotune outside the capture
-                    self._forward(bucket)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[bucket] = self._forward(bucket)
-                pool = graph.pool()
-                self._graphs[bucket] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        self._graphs, self._logits = _capture(self.buckets, self._forward, self.device)
         self.captured = True
 
     # ------------------------------------------------------------------ one step
@@ -182,3 +209,181 @@ class DecodeGraphs:
         else:
             logits = self._forward(bucket)
         return logits[: len(sched.requests)]
+
+
+MIXED_TILES = (64, 64, 4, 3)
+"""Attention tiles of mixed-step graphs: the shape the launcher picks for batches of short
+and long ranges together (docs/performance.md, "Attention kernel")."""
+
+
+class MixedGraphs:
+    """Static-buffer forward of any step with up to ``max_tokens`` tokens in up to
+    ``max_ranges`` query ranges (of at most as many requests), captured per token bucket.
+
+    Padding: tokens past the step's get slot ``-1`` and belong to no range; range slots past
+    the step's are empty (``query_start_loc`` repeats the token count) and have no work items;
+    the logits rows past the sampled requests' are garbage and never read.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        chunk_size: int,
+        max_tokens: int,
+        max_ranges: int,
+        max_blocks: int,
+        capture: bool = True,
+    ) -> None:
+        if min(max_tokens, max_ranges, max_blocks) < 1:
+            raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
+                             f"{max_blocks} must be >= 1")
+        attn = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+        if attn is None:
+            raise ValueError("the model has no PagedAttention layer")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.chunk_size = chunk_size
+        self.max_tokens = max_tokens
+        self.max_ranges = max_ranges
+        self.max_blocks = max_blocks
+        self.group = attn.num_heads // attn.num_kv_heads
+        self.buckets = token_buckets(max_tokens)
+        self.device = device = kv_caches[0].device
+        t, r, mb = max_tokens, max_ranges, max_blocks
+        self.max_items = self._items_bound(t)
+        pin = device.type == "cuda"
+        # int64: [ids | positions | slots | logits rows]
+        # int32: [query_start_loc | start_pos | range_table | tables | work items | item count]
+        self._n64 = 3 * t + r
+        self._n32 = (r + 1) + 2 * r + r * mb + self.max_items + 1
+        self._host64 = torch.zeros(self._n64, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(self._n32, dtype=torch.int32, pin_memory=pin)
+        self._np64 = self._host64.numpy()
+        self._np32 = self._host32.numpy()
+        self._dev64 = torch.zeros(self._n64, dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(self._n32, dtype=torch.int32, device=device)
+        d64, d32 = self._dev64, self._dev32
+        self.input_ids, self.positions = d64[:t], d64[t : 2 * t]
+        self.slot_mapping, self.logits_rows = d64[2 * t : 3 * t], d64[3 * t :]
+        o = r + 1
+        self.query_start_loc = d32[:o]
+        self.range_start_pos, self.range_table = d32[o : o + r], d32[o + r : o + 2 * r]
+        o += 2 * r
+        self.block_tables = d32[o : o + r * mb].view(r, mb)
+        o += r * mb
+        self.work_items, self.num_work_items = d32[o : o + self.max_items], d32[-1:]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.captured = False
+        if capture:
+            self.capture()
+
+    def _items_bound(self, tokens: int) -> int:
+        return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges
+
+    # ------------------------------------------------------------------ forward on the buffers
+    def _forward(self, bucket: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc,
+            range_start_pos=self.range_start_pos,
+            range_table=self.range_table,
+            block_tables=self.block_tables,
+            max_query_len=bucket,
+            work_items=self.work_items[: self._items_bound(bucket)],
+            num_work_items=self.num_work_items,
+            tiles=MIXED_TILES,
+        )
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
+                            meta)
+        return self.model.compute_logits(hidden[self.logits_rows])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per token bucket (dummy inputs: no ranges, no work items)."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+        t = self.max_tokens
+        self._np64[:] = 0
+        self._np64[2 * t : 3 * t] = -1
+        self._np32[:] = 0
+        self._dev64.copy_(self._host64)
+        self._dev32.copy_(self._host32)
+        self._graphs, self._logits = _capture(self.buckets, self._forward, self.device)
+        self.captured = True
+
+    # ------------------------------------------------------------------ one step
+    def can_run(self, sched: SchedulerOutput) -> bool:
+        reqs = sched.requests
+        if not reqs or len(reqs) > self.max_ranges:
+            return False
+        ranges = sum(len(s.ranges) for s in reqs)
+        tokens = sum(r.query_len for s in reqs for r in s.ranges)
+        return (0 < tokens <= self.max_tokens and ranges <= self.max_ranges
+                and all(len(s.block_table) <= self.max_blocks for s in reqs))
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} tokens exceed the largest bucket {self.max_tokens}")
+
+    def fill(self, sched: SchedulerOutput) -> int:
+        """Write a step's inputs into the static buffers; returns its bucket."""
+        from pensieve.kernels.launch import work_items_for
+
+        t_max, r_max, mb, c = self.max_tokens, self.max_ranges, self.max_blocks, self.chunk_size
+        np64, np32 = self._np64, self._np32
+        ids, positions = np64[:t_max], np64[t_max : 2 * t_max]
+        slots, rows = np64[2 * t_max : 3 * t_max], np64[3 * t_max :]
+        qsl = np32[: r_max + 1]
+        start, rtab = np32[r_max + 1 : 2 * r_max + 1], np32[2 * r_max + 1 : 3 * r_max + 1]
+        o = 3 * r_max + 1
+        tables = np32[o : o + r_max * mb].reshape(r_max, mb)
+        work = np32[o + r_max * mb : o + r_max * mb + self.max_items]
+        t = r = k = 0
+        qlens: list[int] = []
+        for i, s in enumerate(sched.requests):
+            table = np.asarray(s.block_table, dtype=np.int64)
+            tables[i, : len(table)] = table
+            for rng in s.ranges:
+                n = rng.query_len
+                pos = np.arange(rng.start_pos, rng.start_pos + n, dtype=np.int64)
+                ids[t : t + n] = rng.token_ids
+                positions[t : t + n] = pos
+                slots[t : t + n] = table[pos // c] * c + pos % c
+                start[r], rtab[r] = rng.start_pos, i
+                t += n
+                r += 1
+                qsl[r] = t
+                qlens.append(n)
+            if s.sample:
+                rows[k] = t - 1
+                k += 1
+        bucket = self.bucket_for(t)
+        ids[t:bucket] = 0
+        positions[t:bucket] = 0
+        slots[t:bucket] = -1
+        qsl[0] = 0
+        qsl[r + 1 :] = t
+        start[r:] = 0
+        rtab[r:] = 0
+        rows[k:] = 0
+        items = work_items_for(qlens, self.group, MIXED_TILES[0])
+        work[: len(items)] = items
+        np32[-1] = len(items)
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+        return bucket
+
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits ``[num sampled requests, vocab]`` of the step (caller checked
+        :meth:`can_run`); the step's K/V are written either way."""
+        bucket = self.fill(sched)
+        if self.captured:
+            self._graphs[bucket].replay()
+            logits = self._logits[bucket]
+        else:
+            logits = self._forward(bucket)
+        return logits[: sum(1 for s in sched.requests if s.sample)]

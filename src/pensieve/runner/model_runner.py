@@ -15,7 +15,7 @@ import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.layers.attention import AttentionMetadata, PagedAttention
-from pensieve.runner.cuda_graph import DecodeGraphs
+from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
 from pensieve.runner.sampler import sample
 from pensieve.runner.swapper import KVSwapper
 
@@ -75,8 +75,13 @@ class ModelRunner:
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks)
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
+        self.mixed_graphs: MixedGraphs | None = None
+        """Replays the other steps that fit from CUDA graphs once :meth:`enable_mixed_graphs`
+        ran."""
         self.num_graph_steps = 0
         """Steps run through :attr:`decode_graphs` so far."""
+        self.num_mixed_graph_steps = 0
+        """Steps run through :attr:`mixed_graphs` so far."""
         if self.device.type == "cuda":
             self._compile_attention()
 
@@ -96,6 +101,12 @@ class ModelRunner:
         """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each."""
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.chunk_size,
                                           max_batch, max_blocks, capture=capture)
+
+    def enable_mixed_graphs(self, max_tokens: int, max_ranges: int, max_blocks: int,
+                            capture: bool = True) -> None:
+        """Capture steps of up to ``max_tokens`` tokens in ``max_ranges`` query ranges."""
+        self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.chunk_size, max_tokens,
+                                        max_ranges, max_blocks, capture=capture)
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
@@ -162,6 +173,12 @@ class ModelRunner:
                 layer_ready(len(self.kv_caches) - 1)
             logits = graphs.run(sched)
             self.num_graph_steps += 1
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(sched):
+            if layer_ready is not None:
+                layer_ready(len(self.kv_caches) - 1)
+            out = self.mixed_graphs.run(sched)
+            logits = out if sampled else None
+            self.num_mixed_graph_steps += 1
         else:
             inp = self.prepare_inputs(sched)
             inp.attn.layer_ready = layer_ready

@@ -30,7 +30,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices (worker process per rank)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="never replay decode steps from CUDA graphs")
+                   help="never replay steps from CUDA graphs")
+    p.add_argument("--no-mixed-graphs", action="store_true",
+                   help="replay only decode-only steps from CUDA graphs")
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--gpu-kv-gb", type=float, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
@@ -67,7 +69,8 @@ def serve(args: argparse.Namespace) -> int:
     cfg = build_engine_config(
         model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        chunk_size=args.chunk_size, gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
+        cuda_graph_mixed=not args.no_mixed_graphs, chunk_size=args.chunk_size,
+        gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
