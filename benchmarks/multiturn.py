@@ -81,7 +81,7 @@ def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple
             cache_policy="pensieve", max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-            cuda_graph_mixed=not args.no_mixed_graphs)
+            cuda_graph_mixed=args.mixed_graphs)
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                      batching=args.batching))
         eng = LLMEngine(cfg, clock=clock.now)
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="real: split the model over N GPUs")
     ap.add_argument("--enforce-eager", action="store_true", help="real: no CUDA graphs")
-    ap.add_argument("--no-mixed-graphs", action="store_true",
-                    help="real: CUDA graphs for decode-only steps only")
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="real: CUDA graphs for steps with prefill tokens too")
     ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
     ap.add_argument("--step-cost-set", default=None, metavar="NAME=VALUE,...",
                     help="sim: override coefficients of --step-cost (a what-if), e.g. "

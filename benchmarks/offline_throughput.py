@@ -39,15 +39,15 @@ def main() -> None:
     ap.add_argument("--gpu-kv-gb", type=float, default=None)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--no-mixed-graphs", action="store_true",
-                    help="CUDA graphs for decode-only steps only")
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="CUDA graphs for steps with prefill tokens too")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_kv_gb=args.gpu_kv_gb, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, cuda_graph_mixed=not args.no_mixed_graphs)
+              enforce_eager=args.enforce_eager, cuda_graph_mixed=args.mixed_graphs)
     eng = llm.engine
     cfg = eng.hf_config
     model = eng.model

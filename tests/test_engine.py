@@ -116,11 +116,12 @@ def test_token_buckets_and_mixed_graph_shape() -> None:
     b = token_buckets(8192)
     assert b[:8] == [16, 32, 64, 128, 256, 512, 768, 1024] and b[-1] == 8192
     assert all(y - x <= max(256, x // 4) for x, y in zip(b, b[1:]))
-    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64,
+    cfg = EngineConfig(model=ModelConfig(cuda_graph_mixed=True),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64,
                                                  max_model_len=2048))
     assert cfg.mixed_graph_shape("cuda") == (4096, 64, 64)
     assert cfg.mixed_graph_shape("cpu") is None
-    off = EngineConfig(model=ModelConfig(cuda_graph_mixed=False))
+    off = EngineConfig()  # the default: decode-only graphs
     assert off.mixed_graph_shape("cuda") is None and off.decode_graph_shape("cuda") is not None
 
 

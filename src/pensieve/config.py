@@ -30,9 +30,10 @@ class ModelConfig:
     cuda_graph_max_batch: int = 256
     """Largest decode batch captured as a CUDA graph (capped by max_num_seqs), and the most
     query ranges of a mixed-step graph; larger steps run eagerly."""
-    cuda_graph_mixed: bool = True
+    cuda_graph_mixed: bool = False
     """Also replay steps with prefill tokens from CUDA graphs (per token bucket up to
-    max_num_batched_tokens); False: only decode-only steps."""
+    max_num_batched_tokens). Off by default: tested on the CPU (static buffers, the attention
+    kernel's work-item grid under Triton's interpreter) but not yet run on a GPU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -31,8 +31,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N devices (worker process per rank)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay steps from CUDA graphs")
-    p.add_argument("--no-mixed-graphs", action="store_true",
-                   help="replay only decode-only steps from CUDA graphs")
+    p.add_argument("--mixed-graphs", action="store_true",
+                   help="also replay steps with prefill tokens from CUDA graphs (experimental: "
+                        "not yet run on a GPU)")
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--gpu-kv-gb", type=float, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
@@ -69,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     cfg = build_engine_config(
         model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        cuda_graph_mixed=not args.no_mixed_graphs, chunk_size=args.chunk_size,
+        cuda_graph_mixed=args.mixed_graphs, chunk_size=args.chunk_size,
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
