@@ -17,7 +17,7 @@ setup=(--engine sim --step-cost "$cost" --think-time 6 --gpu-kv-gb 8 --cpu-kv-gb
 run() {  # NAME SET
   extra=(); [ -n "$2" ] && extra=(--step-cost-set "$2")
   python benchmarks/multiturn.py "${setup[@]}" "${extra[@]}" \
-    --systems stateless,pensieve,gpu-only,prefix-lru --rates "${WHATIF_RATES:-2,2.5,3,3.5,4}" \
+    --systems stateless,pensieve,gpu-only,prefix-lru --rates "${WHATIF_RATES:-0.6,0.8,1,1.2,1.4}" \
     --duration 360 --warmup 120 --drain 60 --tag "$1" --out "$out/$1" > "$out/$1.log" 2>&1
 }
 run measured "" & run no_mixed_penalty per_prefill_step_s=0 & wait

@@ -87,7 +87,73 @@ def is_decode_step(sched: SchedulerOutput) -> bool:
     )
 
 
-class DecodeGraphs:
+class _StepGraphs:
+    """What both graph kinds share: two pinned host buffers (int64, int32) mirrored by device
+    buffers the graphs read, one graph per bucket, and the replay of a filled step.
+    Subclasses lay out the buffers, and define ``_forward(bucket)``, ``_dummy_inputs()`` (what
+    the buffers hold during capture), ``fill(sched) -> bucket`` and ``_rows(sched)`` (how
+    many logits rows the step samples)."""
+
+    buckets: list[int]
+
+    def _init_buffers(self, n64: int, n32: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.device = device
+        self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self._np64 = self._host64.numpy()
+        self._np32 = self._host32.numpy()
+        self._dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.captured = False
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dummy_inputs(self) -> None:
+        raise NotImplementedError
+
+    def fill(self, sched: SchedulerOutput) -> int:
+        raise NotImplementedError
+
+    def _rows(self, sched: SchedulerOutput) -> int:
+        raise NotImplementedError
+
+    def _copy_in(self, non_blocking: bool = True) -> None:
+        """Everything is copied whole: one copy each, no per-bucket views to keep in sync."""
+        self._dev64.copy_(self._host64, non_blocking=non_blocking)
+        self._dev32.copy_(self._host32, non_blocking=non_blocking)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per bucket, largest first, sharing one memory pool."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+        self._dummy_inputs()
+        self._copy_in(non_blocking=False)
+        self._graphs, self._logits = _capture(self.buckets, self._forward, self.device)
+        self.captured = True
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} exceeds the largest bucket {self.buckets[-1]}")
+
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits of the step's sampled requests (caller checked ``can_run``)."""
+        bucket = self.fill(sched)
+        if self.captured:
+            self._graphs[bucket].replay()
+            logits = self._logits[bucket]
+        else:
+            logits = self._forward(bucket)
+        return logits[: self._rows(sched)]
+
+
+class DecodeGraphs(_StepGraphs):
     """Static-buffer decode forward for batches up to ``max_batch``, captured per bucket."""
 
     def __init__(
@@ -108,18 +174,9 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.buckets = batch_buckets(max_batch)
         device = kv_caches[0].device
-        self.device = device
         b = max_batch
-        pin = device.type == "cuda"
         # int64: [ids | positions | slots]; int32: [query_start_loc | start_pos | tables]
-        self._n64 = 3 * b
-        self._n32 = (b + 1) + b + b * max_blocks
-        self._host64 = torch.zeros(self._n64, dtype=torch.int64, pin_memory=pin)
-        self._host32 = torch.zeros(self._n32, dtype=torch.int32, pin_memory=pin)
-        self._np64 = self._host64.numpy()
-        self._np32 = self._host32.numpy()
-        self._dev64 = torch.zeros(self._n64, dtype=torch.int64, device=device)
-        self._dev32 = torch.zeros(self._n32, dtype=torch.int32, device=device)
+        self._init_buffers(3 * b, (b + 1) + b + b * max_blocks, device)
         self.input_ids = self._dev64[:b]
         self.positions = self._dev64[b : 2 * b]
         self.slot_mapping = self._dev64[2 * b :]
@@ -127,9 +184,6 @@ class DecodeGraphs:
         self.range_start_pos = self._dev32[b + 1 : 2 * b + 1]
         self.block_tables = self._dev32[2 * b + 1 :].view(b, max_blocks)
         self.range_table = torch.arange(b, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self.captured = False
         if capture:
             self.capture()
 
@@ -147,21 +201,16 @@ class DecodeGraphs:
                             meta)
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per bucket, largest first, sharing one memory pool."""
-        if self.device.type != "cuda":
-            raise RuntimeError("CUDA graphs need the model on a CUDA device")
-        # Dummy inputs: every token skips the KV store and attends to position 0 of block 0.
+    def _dummy_inputs(self) -> None:
+        """Every token skips the KV store and attends to position 0 of block 0."""
         b = self.max_batch
         self._np64[:] = 0
         self._np64[2 * b :] = -1
         self._np32[:] = 0
         self._np32[: b + 1] = np.arange(b + 1)
-        self._dev64.copy_(self._host64)
-        self._dev32.copy_(self._host32)
-        self._graphs, self._logits = _capture(self.buckets, self._forward, self.device)
-        self.captured = True
+
+    def _rows(self, sched: SchedulerOutput) -> int:
+        return len(sched.requests)
 
     # ------------------------------------------------------------------ one step
     def can_run(self, sched: SchedulerOutput) -> bool:
@@ -170,12 +219,6 @@ class DecodeGraphs:
             and is_decode_step(sched)
             and all(len(s.block_table) <= self.max_blocks for s in sched.requests)
         )
-
-    def bucket_for(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"batch {n} exceeds the largest bucket {self.max_batch}")
 
     def fill(self, sched: SchedulerOutput) -> int:
         """Write a decode step's inputs into the static buffers; returns its bucket."""
@@ -195,20 +238,8 @@ class DecodeGraphs:
         np32[: n + 1] = np.arange(n + 1)
         np32[n + 1 : bucket + 1] = n
         np32[b + 1 : b + 1 + n] = pos
-        # Everything is copied whole: one copy each, no per-bucket views to keep in sync.
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+        self._copy_in()
         return bucket
-
-    def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Logits ``[n, vocab]`` of a decode step (caller checked :meth:`can_run`)."""
-        bucket = self.fill(sched)
-        if self.captured:
-            self._graphs[bucket].replay()
-            logits = self._logits[bucket]
-        else:
-            logits = self._forward(bucket)
-        return logits[: len(sched.requests)]
 
 
 MIXED_TILES = (64, 64, 4, 3)
@@ -216,7 +247,7 @@ MIXED_TILES = (64, 64, 4, 3)
 and long ranges together (docs/performance.md, "Attention kernel")."""
 
 
-class MixedGraphs:
+class MixedGraphs(_StepGraphs):
     """Static-buffer forward of any step with up to ``max_tokens`` tokens in up to
     ``max_ranges`` query ranges (of at most as many requests), captured per token bucket.
 
@@ -249,20 +280,12 @@ class MixedGraphs:
         self.max_blocks = max_blocks
         self.group = attn.num_heads // attn.num_kv_heads
         self.buckets = token_buckets(max_tokens)
-        self.device = device = kv_caches[0].device
         t, r, mb = max_tokens, max_ranges, max_blocks
         self.max_items = self._items_bound(t)
-        pin = device.type == "cuda"
         # int64: [ids | positions | slots | logits rows]
         # int32: [query_start_loc | start_pos | range_table | tables | work items | item count]
-        self._n64 = 3 * t + r
-        self._n32 = (r + 1) + 2 * r + r * mb + self.max_items + 1
-        self._host64 = torch.zeros(self._n64, dtype=torch.int64, pin_memory=pin)
-        self._host32 = torch.zeros(self._n32, dtype=torch.int32, pin_memory=pin)
-        self._np64 = self._host64.numpy()
-        self._np32 = self._host32.numpy()
-        self._dev64 = torch.zeros(self._n64, dtype=torch.int64, device=device)
-        self._dev32 = torch.zeros(self._n32, dtype=torch.int32, device=device)
+        self._init_buffers(3 * t + r, (r + 1) + 2 * r + r * mb + self.max_items + 1,
+                           kv_caches[0].device)
         d64, d32 = self._dev64, self._dev32
         self.input_ids, self.positions = d64[:t], d64[t : 2 * t]
         self.slot_mapping, self.logits_rows = d64[2 * t : 3 * t], d64[3 * t :]
@@ -273,9 +296,6 @@ class MixedGraphs:
         self.block_tables = d32[o : o + r * mb].view(r, mb)
         o += r * mb
         self.work_items, self.num_work_items = d32[o : o + self.max_items], d32[-1:]
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self.captured = False
         if capture:
             self.capture()
 
@@ -299,19 +319,15 @@ class MixedGraphs:
                             meta)
         return self.model.compute_logits(hidden[self.logits_rows])
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per token bucket (dummy inputs: no ranges, no work items)."""
-        if self.device.type != "cuda":
-            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+    def _dummy_inputs(self) -> None:
+        """No ranges, no work items; every token skips the KV store."""
         t = self.max_tokens
         self._np64[:] = 0
         self._np64[2 * t : 3 * t] = -1
         self._np32[:] = 0
-        self._dev64.copy_(self._host64)
-        self._dev32.copy_(self._host32)
-        self._graphs, self._logits = _capture(self.buckets, self._forward, self.device)
-        self.captured = True
+
+    def _rows(self, sched: SchedulerOutput) -> int:
+        return sum(1 for s in sched.requests if s.sample)
 
     # ------------------------------------------------------------------ one step
     def can_run(self, sched: SchedulerOutput) -> bool:
@@ -322,12 +338,6 @@ class MixedGraphs:
         tokens = sum(r.query_len for s in reqs for r in s.ranges)
         return (0 < tokens <= self.max_tokens and ranges <= self.max_ranges
                 and all(len(s.block_table) <= self.max_blocks for s in reqs))
-
-    def bucket_for(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"{n} tokens exceed the largest bucket {self.max_tokens}")
 
     def fill(self, sched: SchedulerOutput) -> int:
         """Write a step's inputs into the static buffers; returns its bucket."""
@@ -373,17 +383,5 @@ class MixedGraphs:
         items = work_items_for(qlens, self.group, MIXED_TILES[0])
         work[: len(items)] = items
         np32[-1] = len(items)
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+        self._copy_in()
         return bucket
-
-    def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Logits ``[num sampled requests, vocab]`` of the step (caller checked
-        :meth:`can_run`); the step's K/V are written either way."""
-        bucket = self.fill(sched)
-        if self.captured:
-            self._graphs[bucket].replay()
-            logits = self._logits[bucket]
-        else:
-            logits = self._forward(bucket)
-        return logits[: sum(1 for s in sched.requests if s.sample)]
