@@ -125,18 +125,8 @@ class LLMEngine(EngineCore):
                      num_blocks * block_bytes / 2**30, self.device, num_cpu_blocks,
                      num_cpu_blocks * block_bytes / 2**30, cc.chunk_size, policy.name)
             self.runner = ModelRunner(self.model, self.kv_caches, cc.chunk_size, num_cpu_blocks)
-            graph_shape = config.decode_graph_shape(self.device.type)
-            if graph_shape is not None:
-                t0 = time.perf_counter()
-                self.runner.enable_decode_graphs(*graph_shape)
-                log.info("captured decode CUDA graphs for batches up to %d in %.1f s",
-                         graph_shape[0], time.perf_counter() - t0)
-            mixed_shape = config.mixed_graph_shape(self.device.type)
-            if mixed_shape is not None:
-                t0 = time.perf_counter()
-                self.runner.enable_mixed_graphs(*mixed_shape)
-                log.info("captured mixed-step CUDA graphs for up to %d tokens in %.1f s",
-                         mixed_shape[0], time.perf_counter() - t0)
+            self.runner.capture_graphs(config.decode_graph_shape(self.device.type),
+                                       config.mixed_graph_shape(self.device.type))
         self.cost_model = load_cost_model(cc.cost_profile, self.hf_config, cc.chunk_size,
                                           self.device, self.dtype)
         eos = getattr(self.hf_config, "eos_token_id", None)

@@ -86,6 +86,11 @@ class PagedAttention(nn.Module):
         return out.reshape(n, self.num_heads * self.head_dim)
 
 
+def first_attention(model: nn.Module) -> PagedAttention | None:
+    """The model's first :class:`PagedAttention` (they all share heads and head dim)."""
+    return next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+
+
 def number_attention_layers(model: nn.Module) -> int:
     """Give each PagedAttention its layer index (module order is layer order); returns count."""
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]

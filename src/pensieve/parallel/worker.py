@@ -127,12 +127,8 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
     kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
                                    model.num_kv_heads, model.head_dim, spec.dtype, device)
     runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks)
-    graph_shape = cfg.decode_graph_shape(device.type)
-    if graph_shape is not None:  # every rank captures: the all-reduces are in the graphs
-        runner.enable_decode_graphs(*graph_shape)
-    mixed_shape = cfg.mixed_graph_shape(device.type)
-    if mixed_shape is not None:
-        runner.enable_mixed_graphs(*mixed_shape)
+    # every rank captures: the all-reduces are in the graphs
+    runner.capture_graphs(cfg.decode_graph_shape(device.type), cfg.mixed_graph_shape(device.type))
     conn.send(("ok", None))
     while True:
         msg = conn.recv()

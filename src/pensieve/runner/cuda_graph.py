@@ -37,7 +37,7 @@ import torch
 
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.tiered_cache import cdiv
-from pensieve.layers.attention import AttentionMetadata, PagedAttention
+from pensieve.layers.attention import AttentionMetadata, first_attention
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -269,7 +269,7 @@ class MixedGraphs(_StepGraphs):
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")
-        attn = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+        attn = first_attention(model)
         if attn is None:
             raise ValueError("the model has no PagedAttention layer")
         self.model = model

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
-from pensieve.layers.attention import AttentionMetadata, PagedAttention
+from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
 from pensieve.runner.sampler import sample
 from pensieve.runner.swapper import KVSwapper
@@ -88,7 +88,7 @@ class ModelRunner:
     def _compile_attention(self) -> None:
         from pensieve.kernels.launch import compile_attention_kernels
 
-        attn = next((m for m in self.model.modules() if isinstance(m, PagedAttention)), None)
+        attn = first_attention(self.model)
         if attn is None:
             return
         t0 = time.perf_counter()
@@ -96,6 +96,18 @@ class ModelRunner:
         n = compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                       self.chunk_size, c.dtype, self.device)
         log.info("compiled %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
+
+    def capture_graphs(self, decode_shape: tuple[int, int] | None,
+                       mixed_shape: tuple[int, int, int] | None) -> None:
+        """Capture the CUDA graphs of ``EngineConfig.decode_graph_shape`` /
+        ``mixed_graph_shape`` (None: that kind not at all), logging how long each took."""
+        for kind, shape, enable in (("decode", decode_shape, self.enable_decode_graphs),
+                                    ("mixed-step", mixed_shape, self.enable_mixed_graphs)):
+            if shape is not None:
+                t0 = time.perf_counter()
+                enable(*shape)
+                log.info("captured %s CUDA graphs %s in %.1f s", kind, shape,
+                         time.perf_counter() - t0)
 
     def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
         """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each."""
@@ -166,19 +178,18 @@ class ModelRunner:
             self.swapper.finish_step()
             return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0)
         sampled = [s for s in sched.requests if s.sample]
-        graphs = self.decode_graphs
+        graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
+                       if g is not None and g.can_run(sched)), None)
         logits: torch.Tensor | None = None
-        if graphs is not None and graphs.can_run(sched):
-            if layer_ready is not None:  # the graph cannot wait per layer: wait for all
+        if graphs is not None:
+            if layer_ready is not None:  # a graph cannot wait per layer: wait for all
                 layer_ready(len(self.kv_caches) - 1)
-            logits = graphs.run(sched)
-            self.num_graph_steps += 1
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(sched):
-            if layer_ready is not None:
-                layer_ready(len(self.kv_caches) - 1)
-            out = self.mixed_graphs.run(sched)
+            out = graphs.run(sched)
             logits = out if sampled else None
-            self.num_mixed_graph_steps += 1
+            if graphs is self.decode_graphs:
+                self.num_graph_steps += 1
+            else:
+                self.num_mixed_graph_steps += 1
         else:
             inp = self.prepare_inputs(sched)
             inp.attn.layer_ready = layer_ready
