@@ -72,10 +72,13 @@ class SwapPlan:
        in this very step; complete before the step's compute touches any KV.
     2. ``swap_in`` (cpu_block, gpu_block): layer by layer; layer i's attention waits for
        layer i's copies only (pipelined with compute).
-    3. ``swap_out`` (gpu_block, cpu_block): ahead-of-time evictions; their GPU blocks are
-       reclaimed by the scheduler only at the next step.
+    3. ``swap_out`` (gpu_block, cpu_block): ahead-of-time evictions, issued in the
+       background: they may still be in flight when the step ends and overlap later steps.
+       Their GPU blocks are reclaimed by the cache only once the runner reports the copy done
+       (:attr:`RunnerOutput.swap_outs_in_flight`); nothing writes those blocks until then.
 
-    All copies of a step are complete when the runner returns its RunnerOutput.
+    Urgent swap-outs and swap-ins are complete when the runner returns its RunnerOutput.
+    Background swap-out batches complete in the order they were planned.
     """
 
     swap_out_first: list[tuple[int, int]] = field(default_factory=list)
@@ -113,3 +116,7 @@ class RunnerOutput:
     """Next token for every scheduled request with ``sample=True``."""
     step_time_s: float = 0.0
     """Wall time of the step as seen by the runner (synchronised on CUDA)."""
+    swap_outs_in_flight: int = 0
+    """Background swap-out batches (one per step whose plan had ``swap_out``) whose copies
+    are still running after this step, this step's included. They complete in plan order, so
+    the cache reclaims the GPU blocks of every older batch. 0: every copy is done."""
