@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.tiered_cache import cdiv
+from pensieve.core.tiered_cache import TieredKVCache, cdiv
+
+DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
+"""One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
+assumes on CUDA: the zero-copy swap kernel's rate on the H200, about 45 GB/s each way whatever
+the block ids (the copies before it: 7-55 GB/s by pattern, ``docs/results/swap_bandwidth.json``).
+Measure another interconnect with ``benchmarks/swap_bandwidth.py`` and pass the figure."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,14 @@ class CacheConfig:
     """Fraction of GPU blocks new turns may not take, kept for running decodes."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
+    swap_bandwidth_gbps: float | str | None = "auto"
+    """Measured one-way rate (GB/s, 1e9 bytes per second) of chunk copies between the tiers on
+    this interconnect. The cache swaps a CPU-tier chunk in only where that is cheaper than
+    recomputing it (``chunk bytes / rate``, all layers, against the cost model's Cost(l)), and
+    the simulator moves chunks at this rate. ``"auto"``: DEFAULT_SWAP_BANDWIDTH_GBPS (45) on
+    CUDA, off on the CPU (there a swap is a host memcpy, far cheaper than recomputing);
+    ``"off"`` or None: always swap in. Under tensor parallelism each rank moves its own slice
+    over its own link, so the time per chunk is one rank's slice over this rate."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
@@ -75,6 +92,45 @@ class CacheConfig:
         from pensieve.core.eviction import get_policy
 
         get_policy(self.cache_policy)  # raises on an unknown name
+        bw = self.swap_bandwidth_gbps
+        if isinstance(bw, str):
+            if bw not in ("auto", "off"):
+                raise ValueError("swap_bandwidth_gbps must be a positive number of GB/s, "
+                                 f"'auto' or 'off', got {bw!r}")
+        elif bw is not None:
+            if isinstance(bw, bool) or not isinstance(bw, int | float) \
+                    or not math.isfinite(bw) or bw <= 0:
+                raise ValueError("swap_bandwidth_gbps must be a positive, finite number of "
+                                 f"GB/s, 'auto' or 'off', got {bw!r}")
+            object.__setattr__(self, "swap_bandwidth_gbps", float(bw))
+
+    def swap_bandwidth(self, device_type: str) -> float | None:
+        """The one-way swap rate in GB/s on a device of this type, or None (always swap)."""
+        bw = self.swap_bandwidth_gbps
+        if bw == "auto":
+            return DEFAULT_SWAP_BANDWIDTH_GBPS if device_type == "cuda" else None
+        if bw is None or isinstance(bw, str):
+            return None
+        return float(bw)
+
+
+def swap_chunk_seconds(block_bytes: int, bandwidth_gbps: float | None) -> float | None:
+    """Seconds to copy one chunk (``block_bytes``: K and V of all layers) one way at
+    ``bandwidth_gbps``; None when there is no rate (the cache then always swaps in)."""
+    if bandwidth_gbps is None:
+        return None
+    if block_bytes <= 0 or not bandwidth_gbps > 0:
+        raise ValueError(f"need block_bytes > 0 and a positive rate, got {block_bytes} bytes "
+                         f"at {bandwidth_gbps} GB/s")
+    return block_bytes / (bandwidth_gbps * 1e9)
+
+
+def tiered_cache_swap_kwargs(swap_chunk_s: float | None) -> dict[str, Any]:
+    """``{"swap_chunk_s": swap_chunk_s}`` for :class:`TieredKVCache`'s constructor, or ``{}``
+    while the cache does not take that parameter (it then always swaps in)."""
+    if "swap_chunk_s" in inspect.signature(TieredKVCache).parameters:
+        return {"swap_chunk_s": swap_chunk_s}
+    return {}
 
 
 @dataclass(frozen=True)

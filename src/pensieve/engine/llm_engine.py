@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pensieve.config import EngineConfig
+from pensieve.config import EngineConfig, swap_chunk_seconds, tiered_cache_swap_kwargs
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.tiered_cache import TieredKVCache
@@ -119,6 +119,7 @@ class LLMEngine(EngineCore):
             self.kv_caches = allocate_kv_caches(m.num_layers, num_blocks, cc.chunk_size,
                                                 m.num_kv_heads, m.head_dim, self.dtype,
                                                 self.device)
+            self.block_bytes = block_bytes
             num_cpu_blocks = self._num_cpu_blocks(block_bytes) if policy.uses_cpu_tier else 0
             log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks "
                      "(%.2f GiB), chunk %d, policy %s", num_blocks,
@@ -129,6 +130,13 @@ class LLMEngine(EngineCore):
                                        config.mixed_graph_shape(self.device.type))
         self.cost_model = load_cost_model(cc.cost_profile, self.hf_config, cc.chunk_size,
                                           self.device, self.dtype)
+        bw = cc.swap_bandwidth(self.device.type)
+        self.swap_chunk_s = swap_chunk_seconds(self.block_bytes, bw)
+        """Seconds to move one chunk one way between the tiers (one rank's slice under tensor
+        parallelism) at ``swap_bandwidth_gbps``; None: the cache always swaps in."""
+        if self.swap_chunk_s is not None:
+            log.info("swap vs recompute: %.1f GB/s one way, %.1f us per chunk (%d bytes)", bw,
+                     self.swap_chunk_s * 1e6, self.block_bytes)
         eos = getattr(self.hf_config, "eos_token_id", None)
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
@@ -142,7 +150,7 @@ class LLMEngine(EngineCore):
         cpu = self.runner.swapper.num_cpu_blocks if policy.uses_cpu_tier else 0
         return TieredKVCache(self.runner.swapper.num_gpu_blocks, cpu, cc.chunk_size, policy,
                              self.cost_model.chunk_cost, cc.swap_out_threshold,
-                             cc.decode_reserve)
+                             cc.decode_reserve, **tiered_cache_swap_kwargs(self.swap_chunk_s))
 
     def reset(self, cache_policy: str | None = None) -> None:
         """Forget every request and conversation and start with empty tiers, optionally under
@@ -164,6 +172,7 @@ class LLMEngine(EngineCore):
         slice of both KV tiers (``pensieve.parallel``); this process keeps the scheduler and a
         weightless (meta-device) model for its shapes."""
         from pensieve.parallel.executor import TPExecutor
+        from pensieve.parallel.tp import local_kv_heads
 
         self.hf_config = hf_config
         self.dtype = resolve_dtype(self.config.model.dtype, self.device, hf_config)
@@ -171,6 +180,12 @@ class LLMEngine(EngineCore):
                                  load_format, self.device, uses_cpu_tier)
         self.model = self.runner.model
         self.kv_caches = []
+        m = self.model
+        world = self.config.model.tensor_parallel_size
+        self.block_bytes = kv_bytes_per_block(m.num_layers, self.config.cache.chunk_size,
+                                              local_kv_heads(m.num_kv_heads, world), m.head_dim,
+                                              self.dtype)
+        """One rank's bytes per chunk: the ranks copy their slices at once, each on its link."""
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (idempotent; a no-op otherwise)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -11,6 +12,23 @@ from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("pensieve.server")
+
+
+def swap_bandwidth_arg(text: str) -> float | str:
+    """``--swap-bandwidth-gbps``: a positive number of GB/s, ``auto`` or ``off``."""
+    t = text.strip().lower()
+    if t in ("auto", "off"):
+        return t
+    if t == "none":
+        return "off"
+    try:
+        v = float(t)
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of GB/s, 'auto' or 'off', got {text!r}")
+    return v
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +57,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--cpu-kv-gb", type=float, default=None)
     p.add_argument("--num-cpu-blocks", type=int, default=None)
+    p.add_argument("--swap-bandwidth-gbps", type=swap_bandwidth_arg, default="auto",
+                   metavar="GBPS|auto|off",
+                   help="measured one-way rate of KV copies between the tiers (GB/s; "
+                        "benchmarks/swap_bandwidth.py); the cache swaps a CPU-tier chunk in only "
+                        "where that beats recomputing it. auto (default): 45 on CUDA, off on the "
+                        "CPU; off: always swap in")
     p.add_argument("--cache-policy", default="pensieve",
                    choices=["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"])
     p.add_argument("--max-model-len", type=int, default=16384)
@@ -77,6 +101,8 @@ def serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
     )
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(
+        cfg.cache, swap_bandwidth_gbps=args.swap_bandwidth_gbps))
     engine = LLMEngine(cfg)
     _, path = resolve_config(args.model)
     demo = is_demo(path)
