@@ -121,8 +121,37 @@ def test_token_buckets_and_mixed_graph_shape() -> None:
                                                  max_model_len=2048))
     assert cfg.mixed_graph_shape("cuda") == (4096, 64, 64)
     assert cfg.mixed_graph_shape("cpu") is None
-    off = EngineConfig()  # the default: decode-only graphs
+    off = EngineConfig(model=ModelConfig(cuda_graph_mixed=False))  # decode-only graphs
     assert off.mixed_graph_shape("cuda") is None and off.decode_graph_shape("cuda") is not None
+    eager = EngineConfig(model=ModelConfig(cuda_graph_mixed=True, enforce_eager=True))
+    assert eager.mixed_graph_shape("cuda") is None and eager.decode_graph_shape("cuda") is None
+
+
+def test_serve_mixed_graph_flags() -> None:
+    """``--mixed-graphs`` / ``--no-mixed-graphs`` set it; neither leaves the config default;
+    ``--enforce-eager`` turns every graph off whatever the mixed flag says."""
+    import argparse
+
+    from pensieve.config import ModelConfig
+    from pensieve.engine.llm import build_engine_config
+    from pensieve.server.main import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+
+    def cfg(*argv: str):  # noqa: ANN202
+        a = p.parse_args(list(argv))
+        return build_engine_config(enforce_eager=a.enforce_eager,
+                                   cuda_graph_mixed=a.mixed_graphs)
+
+    default = ModelConfig().cuda_graph_mixed
+    assert cfg().model.cuda_graph_mixed is default
+    assert cfg("--mixed-graphs").model.cuda_graph_mixed is True
+    assert cfg("--no-mixed-graphs").model.cuda_graph_mixed is False
+    assert cfg("--no-mixed-graphs").mixed_graph_shape("cuda") is None
+    assert cfg("--mixed-graphs").mixed_graph_shape("cuda") is not None
+    eager = cfg("--enforce-eager", "--mixed-graphs")
+    assert eager.mixed_graph_shape("cuda") is None and eager.decode_graph_shape("cuda") is None
 
 
 def test_generate_validates_input(checkpoint) -> None:  # noqa: ANN001

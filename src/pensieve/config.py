@@ -41,8 +41,10 @@ class ModelConfig:
     query ranges of a mixed-step graph; larger steps run eagerly."""
     cuda_graph_mixed: bool = False
     """Also replay steps with prefill tokens from CUDA graphs (per token bucket up to
-    max_num_batched_tokens). Off by default: tested on the CPU (static buffers, the attention
-    kernel's work-item grid under Triton's interpreter) but not yet run on a GPU."""
+    max_num_batched_tokens); False (``--no-mixed-graphs``): only decode-only steps.
+    ``enforce_eager`` turns every graph off, and the CPU never captures. Tested on the CPU
+    (static buffers, the attention kernel's work-item grid under Triton's interpreter); on a
+    GPU by tests/test_gpu_graphs.py."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -49,9 +49,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N devices (worker process per rank)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay steps from CUDA graphs")
-    p.add_argument("--mixed-graphs", action="store_true",
-                   help="also replay steps with prefill tokens from CUDA graphs (experimental: "
-                        "not yet run on a GPU)")
+    p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="also replay steps with prefill tokens from CUDA graphs, or with "
+                        "--no-mixed-graphs only decode-only steps (default: "
+                        "ModelConfig.cuda_graph_mixed; --enforce-eager turns all graphs off)")
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--gpu-kv-gb", type=float, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
