@@ -145,6 +145,7 @@ def test_serve_mixed_graph_flags() -> None:
                                    cuda_graph_mixed=a.mixed_graphs)
 
     default = ModelConfig().cuda_graph_mixed
+    assert default is True  # on by default on CUDA (the CPU never captures)
     assert cfg().model.cuda_graph_mixed is default
     assert cfg("--mixed-graphs").model.cuda_graph_mixed is True
     assert cfg("--no-mixed-graphs").model.cuda_graph_mixed is False

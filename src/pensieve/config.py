@@ -39,7 +39,7 @@ class ModelConfig:
     cuda_graph_max_batch: int = 256
     """Largest decode batch captured as a CUDA graph (capped by max_num_seqs), and the most
     query ranges of a mixed-step graph; larger steps run eagerly."""
-    cuda_graph_mixed: bool = False
+    cuda_graph_mixed: bool = True
     """Also replay steps with prefill tokens from CUDA graphs (per token bucket up to
     max_num_batched_tokens); False (``--no-mixed-graphs``): only decode-only steps.
     ``enforce_eager`` turns every graph off, and the CPU never captures. Tested on the CPU
