@@ -112,10 +112,10 @@ def test_token_buckets_and_mixed_graph_shape() -> None:
     from pensieve.core.config import SchedulerConfig
     from pensieve.runner.cuda_graph import token_buckets
 
-    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(100) == [16, 32, 64, 96, 100]
     b = token_buckets(8192)
-    assert b[:8] == [16, 32, 64, 128, 256, 512, 768, 1024] and b[-1] == 8192
-    assert all(y - x <= max(256, x // 4) for x, y in zip(b, b[1:]))
+    assert b[:13] == [16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert b[-1] == 8192 and all(y - x <= max(32, x // 2) for x, y in zip(b, b[1:]))
     cfg = EngineConfig(model=ModelConfig(cuda_graph_mixed=True),
                        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64,
                                                  max_model_len=2048))

@@ -43,7 +43,7 @@ def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN00
     assert graph.engine.runner.decode_graphs.buckets == [1, 2, 4, 8]
     assert eager.engine.runner.decode_graphs is None
     assert graph.engine.runner.mixed_graphs is not None
-    assert graph.engine.runner.mixed_graphs.buckets == [16, 32, 64, 128]
+    assert graph.engine.runner.mixed_graphs.buckets == [16, 32, 64, 96, 128]
     assert eager.engine.runner.mixed_graphs is None
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 7, 40, 100, 3, 260)]
