@@ -350,3 +350,25 @@ def test_completions_create_conversation_then_continue_with_new_tokens(
     err = _assert_error(_post(server, "/v1/completions",
                               json={"prompt": [1], "conversation_id": cid + "x"}), 404)
     assert err["code"] == "conversation_not_found"
+
+
+def test_metrics_step_accounting(server: Server) -> None:
+    """/metrics exports the engine's own step accounting: steps, computed tokens by kind and
+    executor seconds grow by what a request computed."""
+    server.wait_idle()
+    steps = server.metric('pensieve_steps_total{kind="prefill"}')
+    prefill = server.metric('pensieve_computed_tokens_total{kind="prefill"}')
+    decode = server.metric('pensieve_computed_tokens_total{kind="decode"}')
+    secs = server.metric('pensieve_step_execute_seconds_total{kind="prefill"}')
+    r = _post(server, "/v1/chat/completions",
+              json={"messages": [{"role": "user", "content": "count the steps"}],
+                    "max_tokens": 5, "ignore_eos": True})
+    usage = r.json()["usage"]
+    server.wait_idle()
+    assert server.metric('pensieve_steps_total{kind="prefill"}') > steps
+    assert server.metric('pensieve_computed_tokens_total{kind="prefill"}') - prefill == \
+        usage["prompt_tokens"]
+    # the first output token is sampled by the prefill step; each later one is a decode
+    assert server.metric('pensieve_computed_tokens_total{kind="decode"}') - decode == 4
+    assert server.metric('pensieve_step_execute_seconds_total{kind="prefill"}') > secs
+    assert server.metric('pensieve_scheduler_seconds_total{phase="schedule"}') > 0

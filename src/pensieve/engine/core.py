@@ -8,6 +8,7 @@ turn enters the scheduler, how a step runs and what comes out of it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from pensieve.core.config import SchedulerConfig
@@ -17,6 +18,7 @@ from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.step_record import StepRecord
 
 
 class EngineCore:
@@ -42,6 +44,8 @@ class EngineCore:
         recomputed together with the new prompt)."""
         self.audit = False
         """Check the cache's block accounting after every scheduling step (tests)."""
+        self.step_observers: list[Callable[[StepRecord], None]] = []
+        """Called with a :class:`StepRecord` after every executed step (metrics, benchmarks)."""
 
     def _install(self, cache: TieredKVCache) -> None:
         """Start over with ``cache`` (empty tiers) and a new scheduler; in-flight turns are
@@ -133,7 +137,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update; returns the requests that finished in this step."""
         self.last_sampled = {}
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule(self.now())
+        t1 = time.perf_counter()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: KV cache too small for a request")
@@ -141,9 +147,15 @@ class EngineCore:
         if self.audit:
             self.cache.check_integrity()
         self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
+        t2 = time.perf_counter()
         result = self._execute(sched)
+        t3 = time.perf_counter()
         self.last_sampled = result.sampled_token_ids
         finished = self.scheduler.update_from_output(sched, result, self.now())
+        if self.step_observers:
+            rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3)
+            for observe in self.step_observers:
+                observe(rec)
         if self.audit:
             self.cache.check_integrity()
         self.num_steps += 1

@@ -20,6 +20,7 @@ from typing import Any
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.step_record import StepTotals
 
 log = logging.getLogger("pensieve.server")
 
@@ -40,6 +41,8 @@ class Snapshot:
     running: int = 0
     waiting: int = 0
     stats: dict[str, int] | None = None
+    steps: dict[str, float] | None = None
+    """:class:`~pensieve.engine.step_record.StepTotals` since the server started."""
 
 
 class AsyncEngine:
@@ -49,7 +52,9 @@ class AsyncEngine:
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Update]]] = {}
-        self.snapshot = Snapshot(stats=engine.cache_stats())
+        self.step_totals = StepTotals()
+        engine.step_observers.append(self.step_totals)
+        self.snapshot = Snapshot(stats=engine.cache_stats(), steps=self.step_totals.as_dict())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pensieve-engine", daemon=True)
         self._thread.start()
@@ -128,7 +133,8 @@ class AsyncEngine:
 
     def _refresh(self) -> None:
         eng = self.engine
-        self.snapshot = Snapshot(eng.num_running, eng.num_waiting, eng.cache_stats())
+        self.snapshot = Snapshot(eng.num_running, eng.num_waiting, eng.cache_stats(),
+                                 self.step_totals.as_dict())
 
     def _loop(self) -> None:
         eng = self.engine

@@ -51,6 +51,38 @@ class _EngineCollector(Collector):
             total.add_metric([tier], t)
         yield used
         yield total
+        yield from _step_metrics(snap.steps or {})
+
+
+def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
+    """The engine's own step accounting (``StepTotals``): what a benchmark differences over its
+    window to get per-token step costs and host time per step."""
+    c = CounterMetricFamily("pensieve_steps", "Engine steps, by whether they computed prefill "
+                            "tokens", labels=["kind"])
+    c.add_metric(["prefill"], st.get("prefill_steps", 0))
+    c.add_metric(["decode"], st.get("steps", 0) - st.get("prefill_steps", 0))
+    yield c
+    c = CounterMetricFamily("pensieve_step_execute_seconds", "Executor time of engine steps "
+                            "(swaps, forward, sampling), by step kind", labels=["kind"])
+    c.add_metric(["prefill"], st.get("prefill_step_execute_s", 0.0))
+    c.add_metric(["decode"], st.get("decode_step_execute_s", 0.0))
+    yield c
+    c = CounterMetricFamily("pensieve_computed_tokens", "Tokens computed, prefill (prompts and "
+                            "recomputed history) or decode", labels=["kind"])
+    c.add_metric(["prefill"], st.get("prefill_tokens", 0))
+    c.add_metric(["decode"], st.get("decode_tokens", 0))
+    yield c
+    c = CounterMetricFamily("pensieve_scheduler_seconds", "Host time of the scheduler, by phase",
+                            labels=["phase"])
+    c.add_metric(["schedule"], st.get("schedule_s", 0.0))
+    c.add_metric(["update"], st.get("update_s", 0.0))
+    yield c
+    c = CounterMetricFamily("pensieve_swap_chunks", "Chunks planned between the tiers",
+                            labels=["kind"])
+    c.add_metric(["in"], st.get("swap_in_chunks", 0))
+    c.add_metric(["out"], st.get("swap_out_chunks", 0))
+    c.add_metric(["out_urgent"], st.get("urgent_swap_out_chunks", 0))
+    yield c
 
 
 class Metrics:

@@ -1,0 +1,100 @@
+"""What one engine step did and what it cost, for observers (metrics, benchmarks, profilers).
+
+:class:`EngineCore.step <pensieve.engine.core.EngineCore.step>` builds one :class:`StepRecord`
+per executed step and hands it to every function in ``EngineCore.step_observers``; nothing
+else reaches into the engine to time it. :class:`StepTotals` is the usual observer: running
+sums a server exports on ``/metrics`` and a benchmark differences over its window, so "per
+computed prefill token" costs and host time per step come from the serving process itself.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: its work, its tier traffic and its times (seconds, host wall clock)."""
+
+    num_requests: int
+    prefill_tokens: int
+    """Tokens computed for prompts and recomputed history (every range that is not a decode)."""
+    decode_tokens: int
+    swap_in_chunks: int
+    swap_out_chunks: int
+    """Ahead-of-time (background) swap-outs planned in this step."""
+    urgent_swap_out_chunks: int
+    """Swap-outs whose GPU blocks this very step reuses (the step waits for them)."""
+    swap_outs_in_flight: int
+    schedule_s: float
+    """``Scheduler.schedule()``: admission, eviction, swap planning (host)."""
+    execute_s: float
+    """The executor's step: inputs, swaps, forward, sampling, up to the sampled ids."""
+    update_s: float
+    """``Scheduler.update_from_output()``: appending tokens, stop rules, ending turns (host)."""
+    step_time_s: float
+    """The executor's own step time (``RunnerOutput.step_time_s``: virtual in the simulator)."""
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.prefill_tokens > 0
+
+    @staticmethod
+    def of(sched: SchedulerOutput, out: RunnerOutput, schedule_s: float, execute_s: float,
+           update_s: float) -> StepRecord:
+        prefill = decode = 0
+        for s in sched.requests:
+            n = s.num_scheduled_tokens
+            if n == 1 and s.num_output_tokens > 0:
+                decode += 1
+            else:
+                prefill += n
+        sw = sched.swaps
+        return StepRecord(len(sched.requests), prefill, decode, len(sw.swap_in),
+                          len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
+                          schedule_s, execute_s, update_s, out.step_time_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepTotals:
+    """Running sums over steps, split by whether a step computed prefill tokens."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    swap_in_chunks: int = 0
+    swap_out_chunks: int = 0
+    urgent_swap_out_chunks: int = 0
+    schedule_s: float = 0.0
+    update_s: float = 0.0
+    execute_s: float = 0.0
+    prefill_step_execute_s: float = 0.0
+    """Executor time of the steps that computed prefill tokens (decodes in them included)."""
+    decode_step_execute_s: float = 0.0
+
+    def __call__(self, r: StepRecord) -> None:
+        self.steps += 1
+        self.prefill_tokens += r.prefill_tokens
+        self.decode_tokens += r.decode_tokens
+        self.swap_in_chunks += r.swap_in_chunks
+        self.swap_out_chunks += r.swap_out_chunks
+        self.urgent_swap_out_chunks += r.urgent_swap_out_chunks
+        self.schedule_s += r.schedule_s
+        self.update_s += r.update_s
+        self.execute_s += r.execute_s
+        if r.has_prefill:
+            self.prefill_steps += 1
+            self.prefill_step_execute_s += r.execute_s
+        else:
+            self.decode_step_execute_s += r.execute_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
