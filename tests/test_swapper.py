@@ -2,25 +2,55 @@
 
 The reference applies a SwapPlan one pair at a time, in the documented order
 (swap_out_first, swap_in, swap_out). Every test runs on the CPU (the engine's CPU path: no
-streams, swap-ins at ``layer_ready``); the ``cuda`` cases run the same plans on the GPU and add
-races that only the copy stream's events prevent (the compute stream is stalled with
-``torch.cuda._sleep`` so that a missing wait reads or writes too early).
+streams, swap-ins at ``layer_ready``), with both copy methods (the kernel one through Triton's
+interpreter); the ``cuda`` cases run the same plans on the GPU and add races that only the
+copy streams' events prevent (the compute stream is stalled with ``torch.cuda._sleep`` so that
+a missing wait reads or writes too early).
+
+The kernel method's stream ordering (two copy streams, background swap-outs outliving their
+step) is checked on the CPU by running the swapper's real issue logic against a simulator of
+streams and events (:class:`SimStreams`) that executes the enqueued work in random orders
+that respect only the waits the swapper asked for; the simulator is first shown to catch a
+missing wait.
 """
 
 from __future__ import annotations
 
-import random
-import zlib
+import os
 
-import pytest
 import torch
 
-from pensieve.core.outputs import SwapPlan
-from pensieve.runner.swapper import KVSwapper
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+from collections import deque  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from pensieve.core.outputs import SwapPlan  # noqa: E402
+from pensieve.kernels import triton_swap  # noqa: E402
+from pensieve.runner import swapper as swapper_mod  # noqa: E402
+from pensieve.runner.swapper import (  # noqa: E402
+    InFlight,
+    KVSwapper,
+    StepWaits,
+    pop_completed,
+    step_waits,
+)
+
+if not torch.cuda.is_available():
+    importlib.reload(triton_swap)  # imported before the interpreter was chosen
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
+METHODS = ["kernel", "dma"]
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +66,9 @@ def make_caches(
             for _ in range(layers)]
 
 
-def make_swapper(caches: list[torch.Tensor], cpu_blocks: int) -> KVSwapper:
-    sw = KVSwapper(caches, cpu_blocks)
+def make_swapper(caches: list[torch.Tensor], cpu_blocks: int, method: str | None = None,
+                 **kw: Any) -> KVSwapper:
+    sw = KVSwapper(caches, cpu_blocks, method, **kw)
     for c in sw.cpu_caches:
         c.copy_(torch.randn(c.shape).to(c.dtype))
     return sw
@@ -90,14 +121,16 @@ PATTERNS = ["contiguous", "scattered", "mixed"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("cpu_pattern", PATTERNS)
 @pytest.mark.parametrize("gpu_pattern", PATTERNS)
 @pytest.mark.parametrize("chunk,layers,dtype", [(4, 2, torch.bfloat16), (8, 3, torch.float32)])
 def test_round_trip_restores_bytes_in_other_blocks(
-    device: str, cpu_pattern: str, gpu_pattern: str, chunk: int, layers: int, dtype: torch.dtype
+    device: str, method: str, cpu_pattern: str, gpu_pattern: str, chunk: int, layers: int,
+    dtype: torch.dtype,
 ) -> None:
     rng = random.Random(f"{cpu_pattern}{gpu_pattern}{chunk}")
-    sw = make_swapper(make_caches(layers, 40, chunk, dtype=dtype, device=device), 32)
+    sw = make_swapper(make_caches(layers, 40, chunk, dtype=dtype, device=device), 32, method)
     n = 9
     src = block_ids(rng, n, 20, gpu_pattern)
     dst = [20 + i for i in block_ids(rng, n, 20, gpu_pattern)]  # disjoint from src
@@ -118,12 +151,20 @@ def test_round_trip_restores_bytes_in_other_blocks(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method,stacked", [("kernel", True), ("kernel", False), ("dma", True),
+                                            ("dma", False)])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_plans_match_reference(device: str, seed: int) -> None:
-    """Several steps of random plans; the lists may share blocks (order decides the result)."""
+def test_random_plans_match_reference(device: str, method: str, stacked: bool,
+                                      seed: int) -> None:
+    """Several steps of random plans; the lists may share blocks (order decides the result).
+    ``stacked``: the caches are views of one allocation (one launch covers every layer)."""
     rng = random.Random(seed)
     gpu_blocks, cpu_blocks = 48, 40
-    sw = make_swapper(make_caches(3, gpu_blocks, 4, device=device), cpu_blocks)
+    caches = make_caches(3, gpu_blocks, 4, device=device)
+    if stacked:
+        caches = list(torch.stack(caches).unbind(0))
+    sw = make_swapper(caches, cpu_blocks, method)
+    assert (sw._gpu_stack is not None) == stacked
     gpu, cpu = snapshot(sw)
     for _ in range(5):
         lists = []
@@ -141,9 +182,10 @@ def test_random_plans_match_reference(device: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_swap_out_first_then_swap_in_into_the_same_gpu_block(device: str) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_swap_out_first_then_swap_in_into_the_same_gpu_block(device: str, method: str) -> None:
     """An urgent eviction frees GPU block 5 for a swap-in in the same step."""
-    sw = make_swapper(make_caches(device=device), 8)
+    sw = make_swapper(make_caches(device=device), 8, method)
     old = [g[:, 5].cpu().clone() for g in sw.gpu_caches]
     new = [c[:, 6].clone() for c in sw.cpu_caches]
     run_step(sw, SwapPlan(swap_out_first=[(5, 2)], swap_in=[(6, 5)]))
@@ -153,8 +195,10 @@ def test_swap_out_first_then_swap_in_into_the_same_gpu_block(device: str) -> Non
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_swap_in_reads_a_cpu_block_before_swap_out_overwrites_it(device: str) -> None:
-    sw = make_swapper(make_caches(device=device), 8)
+@pytest.mark.parametrize("method", METHODS)
+def test_swap_in_reads_a_cpu_block_before_swap_out_overwrites_it(device: str,
+                                                                  method: str) -> None:
+    sw = make_swapper(make_caches(device=device), 8, method)
     in_data = [c[:, 3].clone() for c in sw.cpu_caches]
     out_data = [g[:, 7].cpu().clone() for g in sw.gpu_caches]
     run_step(sw, SwapPlan(swap_in=[(3, 1)], swap_out=[(7, 3)]))
@@ -282,8 +326,9 @@ def test_no_cpu_tier() -> None:
     SwapPlan(swap_out=[(1, 3), (2, 3)]),             # two chunks into one cpu block
     SwapPlan(swap_out=[(1, 3), (1, 4)]),
 ])
-def test_invalid_plans_are_rejected(plan: SwapPlan) -> None:
-    sw = make_swapper(make_caches(), 8)
+@pytest.mark.parametrize("method", METHODS)
+def test_invalid_plans_are_rejected(plan: SwapPlan, method: str) -> None:
+    sw = make_swapper(make_caches(), 8, method)
     gpu, cpu = snapshot(sw)
     with pytest.raises(ValueError):
         sw.start_step(plan)
@@ -382,3 +427,438 @@ def test_cuda_swap_out_waits_for_earlier_compute_writes() -> None:
     sw.finish_step()
     for c in sw.cpu_caches:
         assert bool((c[:, cpu] == 3).all())
+
+
+# ---------------------------------------------------------------- ordering logic (pure)
+
+
+def test_step_waits_without_conflicts() -> None:
+    plan = SwapPlan(swap_out_first=[(1, 1)], swap_in=[(2, 3)], swap_out=[(4, 5)])
+    assert step_waits(plan, []) == StepWaits(-1, False)
+    busy = [InFlight(frozenset({6, 7}), frozenset({8})), InFlight(frozenset({9}), frozenset())]
+    assert step_waits(plan, busy) == StepWaits(-1, False)
+
+
+def test_step_waits_in_stream_waits_for_the_newest_conflicting_batch() -> None:
+    busy = [InFlight(frozenset({1}), frozenset({10})), InFlight(frozenset({2}), frozenset({11})),
+            InFlight(frozenset({3}), frozenset({12}))]
+    # a swap-in reads CPU block 2 while batch 1 still writes it
+    assert step_waits(SwapPlan(swap_in=[(2, 0)]), busy).in_after == 1
+    # an urgent swap-out writes CPU block 3 (freed, reused) that batch 2 still writes
+    assert step_waits(SwapPlan(swap_out_first=[(0, 3)]), busy).in_after == 2
+    # a swap-in overwrites GPU block 10 that batch 0 still reads
+    assert step_waits(SwapPlan(swap_in=[(5, 10)]), busy).in_after == 0
+    # several: the newest one (its event covers the older: one stream)
+    assert step_waits(SwapPlan(swap_in=[(1, 0), (3, 4)]), busy).in_after == 2
+    # reading a GPU block an in-flight batch reads, or writing a CPU block a background batch
+    # writes later on the same stream: no wait
+    assert step_waits(SwapPlan(swap_out_first=[(10, 7)]), busy).in_after == -1
+    assert step_waits(SwapPlan(swap_out=[(20, 1)]), busy) == StepWaits(-1, False)
+
+
+@pytest.mark.parametrize("plan,wait", [
+    (SwapPlan(swap_in=[(3, 1)], swap_out=[(7, 3)]), True),        # CPU block read, then written
+    (SwapPlan(swap_out_first=[(2, 3)], swap_out=[(7, 3)]), True),  # CPU block written twice
+    (SwapPlan(swap_in=[(4, 7)], swap_out=[(7, 3)]), True),         # GPU block written, then read
+    (SwapPlan(swap_out_first=[(7, 1)], swap_out=[(7, 3)]), False),  # GPU block read twice
+    (SwapPlan(swap_in=[(4, 1)], swap_out=[(7, 3)]), False),
+    (SwapPlan(swap_in=[(3, 1)]), False),
+])
+def test_step_waits_out_stream_after_in_stream(plan: SwapPlan, wait: bool) -> None:
+    assert step_waits(plan, []).out_after_in is wait
+
+
+def test_pop_completed_stops_at_the_first_running_batch() -> None:
+    fifo = deque([1, 2, 3, 4])
+    assert pop_completed(fifo, lambda b: b in (1, 3)) == 3
+    assert list(fifo) == [2, 3, 4]
+    assert pop_completed(fifo, lambda b: True) == 0
+    assert pop_completed(deque(), lambda b: False) == 0
+
+
+def test_stacked_layer_views() -> None:
+    from pensieve.runner.model_runner import allocate_kv_caches
+
+    caches = allocate_kv_caches(3, 5, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    stack = swapper_mod._stacked(caches)
+    assert stack is not None and stack.shape == (3, 2, 5, 4, 2, 8)
+    assert all(stack[i].data_ptr() == c.data_ptr() for i, c in enumerate(caches))
+    assert swapper_mod._stacked(make_caches()) is None
+    base = torch.zeros(4, 2, 5, 4, 2, 8)
+    assert swapper_mod._stacked([base[0], base[1], base[3]]) is None  # uneven spacing
+    assert swapper_mod._stacked([base[2], base[1]]) is None  # descending
+
+
+def test_method_choice() -> None:
+    assert make_swapper(make_caches(), 4).method == "dma"  # CPU default
+    assert make_swapper(make_caches(), 4, "kernel").method == "kernel"
+    with pytest.raises(ValueError):
+        KVSwapper(make_caches(), 4, "memcpy")
+
+
+# ---------------------------------------------------------------- streams, simulated
+
+
+class SimEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+
+class SimStreams:
+    """:class:`~pensieve.runner.swapper.Streams` on the CPU: each stream is a queue of work,
+    executed in a random order that respects stream order and the waits only (work may run
+    at any time after it is enqueued, or as late as a host wait forces it)."""
+
+    def __init__(self, rng: random.Random, eagerness: float = 0.5) -> None:
+        self.in_stream, self.out_stream = "in", "out"
+        self.queues: dict[str, deque[tuple[str, Any]]] = {
+            "in": deque(), "out": deque(), "compute": deque()}
+        self.rng = rng
+        self.eagerness = eagerness
+
+    def _q(self, stream: str | None) -> deque[tuple[str, Any]]:
+        return self.queues["compute" if stream is None else stream]
+
+    def record(self, stream: str | None) -> SimEvent:
+        event = SimEvent()
+        self._q(stream).append(("record", event))
+        self.progress()
+        return event
+
+    def wait(self, stream: str | None, event: SimEvent) -> None:
+        self._q(stream).append(("wait", event))
+
+    def upload(self, stream: str, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+    def run(self, stream: str | None, fn: Callable[[], None]) -> None:
+        self._q(stream).append(("run", fn))
+        self.progress()
+
+    def query(self, event: SimEvent) -> bool:
+        self.progress()
+        return event.done
+
+    def synchronize(self, event: SimEvent) -> None:
+        if self.rng.random() < self.eagerness:
+            while not event.done:  # everything ready may run meanwhile
+                assert self.step(), "deadlock: the event can never complete"
+        else:
+            self.force(event)
+
+    def force(self, event: SimEvent) -> None:
+        """Run only what ``event`` depends on: its stream up to its record, and whatever the
+        waits on the way depend on."""
+        queue = next((q for q in self.queues.values() if ("record", event) in q), None)
+        while not event.done:
+            assert queue, "deadlock: the event is never recorded"
+            kind, x = queue[0]
+            if kind == "wait" and not x.done:
+                self.force(x)
+                continue
+            queue.popleft()
+            if kind == "record":
+                x.done = True
+            elif kind == "run":
+                x()
+
+    def step(self) -> bool:
+        ready = [q for q in self.queues.values()
+                 if q and not (q[0][0] == "wait" and not q[0][1].done)]
+        if not ready:
+            return False
+        kind, x = self.rng.choice(ready).popleft()
+        if kind == "record":
+            x.done = True
+        elif kind == "run":
+            x()
+        return True
+
+    def progress(self) -> None:
+        while self.rng.random() < self.eagerness and self.step():
+            pass
+
+    def drain(self) -> None:
+        while self.step():
+            pass
+        assert not any(self.queues.values()), "work left behind a wait that never completes"
+
+
+def simulate(seed: int, steps: int = 8) -> None:
+    """Random plans over small pools (blocks collide often) on the kernel method's stream
+    logic, with a compute stream that reads each layer's swapped-in blocks after
+    ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
+    the swap-ins' destinations (new tokens) and free ones, never a block a background batch
+    reported in flight may still read (the contract of ``end_step``'s count). Checks the
+    reads, the counts and both tiers against the sequential reference."""
+    rng = random.Random(seed)
+    layers, g_blocks, c_blocks = 2, 14, 12
+    caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
+    sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
+    sw = make_swapper(caches, c_blocks, "kernel", streams=sim)
+    sw._triton = False  # the torch reference of the kernel: the streams are under test here
+    gpu, cpu = snapshot(sw)
+    busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
+    out_events: list[Any] = []
+    for step in range(steps):
+        reading = set().union(*busy)
+
+        def pick(pool: list[int], n: int) -> list[int]:
+            return rng.sample(pool, min(n, len(pool)))
+
+        out_first = pick([g for g in range(g_blocks) if g not in reading], rng.choice([0, 1, 2]))
+        swap_in_g = pick([g for g in range(g_blocks) if g not in out_first], rng.choice([0, 2, 3]))
+        swap_out_g = pick(range(g_blocks), rng.choice([0, 0, 2, 3]))
+        # compute writes: blocks of the step that no copy still reads
+        writable = [g for g in range(g_blocks) if g not in reading and g not in swap_out_g]
+        writes = pick(writable, rng.choice([0, 1, 3]))
+        plan = SwapPlan(
+            swap_out_first=list(zip(out_first, pick(range(c_blocks), len(out_first)),
+                                    strict=True)),
+            swap_in=list(zip(pick(range(c_blocks), len(swap_in_g)), swap_in_g, strict=True)),
+            swap_out=list(zip(swap_out_g, pick(range(c_blocks), len(swap_out_g)), strict=True)),
+        )
+        ready = sw.start_step(plan)
+        if plan.swap_out:
+            out_events.append(sw._in_flight[-1].event)
+        reads: dict[int, torch.Tensor] = {}
+        for layer in range(layers):
+            if ready is not None:
+                ready(layer)
+
+            def compute(layer: int = layer, value: float = step * 10.0 + layer + 1,
+                        reads: dict[int, torch.Tensor] = reads, dst: list[int] = swap_in_g,
+                        writes: list[int] = writes) -> None:
+                reads[layer] = caches[layer][:, dst].clone()
+                caches[layer][:, writes] = value
+
+            sim.run(None, compute)
+        sim.synchronize(sim.record(None))  # the runner's sync of the compute stream
+        n = sw.end_step()
+        assert n == sum(not e.done for e in out_events), "end_step miscounts"
+        # the sequential reference
+        for layer in range(layers):
+            g_l, c_l = gpu[layer], cpu[layer]
+            for g, c in plan.swap_out_first:
+                c_l[:, c] = g_l[:, g]
+            for c, g in plan.swap_in:
+                g_l[:, g] = c_l[:, c]
+            assert torch.equal(reads[layer], g_l[:, swap_in_g]), f"step {step} layer {layer}"
+            g_l[:, writes] = step * 10.0 + layer + 1
+            for g, c in plan.swap_out:
+                c_l[:, c] = g_l[:, g]
+        if plan.swap_out:
+            busy.append(frozenset(swap_out_g))
+        busy = busy[len(busy) - n:] if n else []
+    sw.finish_step()
+    sim.drain()
+    assert_tiers(sw, gpu, cpu)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_simulated_streams_match_reference(seed: int) -> None:
+    simulate(seed)
+
+
+def _fails(seeds: range) -> int:
+    failed = 0
+    for seed in seeds:
+        try:
+            simulate(seed)
+        except AssertionError:
+            failed += 1
+    return failed
+
+
+def test_simulator_catches_missing_cross_stream_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation is sharp enough: without the hazard waits some seeds go wrong."""
+    monkeypatch.setattr(swapper_mod, "step_waits", lambda plan, busy: StepWaits(-1, False))
+    assert _fails(range(60)) > 0
+
+
+def test_simulator_catches_an_undercounted_end_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reporting batches done too early lets the compute stream overwrite their sources."""
+    def pop_all(fifo: deque[Any], done: Callable[[Any], bool]) -> int:
+        fifo.clear()
+        return 0
+
+    monkeypatch.setattr(swapper_mod, "pop_completed", pop_all)
+    assert _fails(range(60)) > 0
+
+
+def test_simulated_background_batches_stay_in_flight_across_steps() -> None:
+    """A stalled out stream: counts grow one per step with a swap-out, and a later swap-in of
+    a CPU block still being written waits for that batch."""
+    sim = SimStreams(random.Random(0), eagerness=0.0)  # nothing runs unless waited for
+    caches = list(torch.stack(make_caches(2, 8, 2, 1, 4, torch.float32)).unbind(0))
+    sw = make_swapper(caches, 8, "kernel", streams=sim)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    plans = [SwapPlan(swap_out=[(0, 0), (1, 1)]), SwapPlan(swap_out=[(2, 2)]),
+             SwapPlan(swap_in=[(1, 5)]), SwapPlan()]
+    counts = []
+    for plan in plans:
+        sw.start_step(plan)
+        counts.append(sw.end_step())
+        apply_reference(gpu, cpu, plan)
+    # step 3's swap-in of CPU block 1 forced batch 0 (and only it) through
+    assert counts == [1, 2, 1, 1]
+    assert sw.swap_outs_in_flight == 1
+    sw.finish_step()
+    assert sw.end_step() == 0
+    assert_tiers(sw, gpu, cpu)
+
+
+def test_simulated_background_false_waits_at_end_step() -> None:
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, "kernel", streams=sim,
+                      background=False)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    plan = SwapPlan(swap_out=[(0, 3)])
+    sw.start_step(plan)
+    assert sw.end_step() == 0
+    apply_reference(gpu, cpu, plan)
+    assert_tiers(sw, gpu, cpu)
+
+
+# ---------------------------------------------------------------- CUDA: background swap-outs
+
+
+def stacked_swapper(layers: int = 4, blocks: int = 256, **kw: Any) -> KVSwapper:
+    """The engine's layout: per-layer views of one allocation (one launch for all layers)."""
+    from pensieve.runner.model_runner import allocate_kv_caches
+
+    caches = allocate_kv_caches(layers, blocks, 32, 8, 128, torch.float16, torch.device("cuda"))
+    for c in caches:
+        c.copy_(torch.randn(c.shape, device="cuda").half())
+    sw = make_swapper(caches, blocks, "kernel", **kw)
+    torch.cuda.synchronize()
+    return sw
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_default_is_the_kernel_on_one_allocation() -> None:
+    sw = stacked_swapper(layers=2, blocks=8)
+    assert sw.method == "kernel" and sw._gpu_stack is not None
+    assert KVSwapper(make_caches(device="cuda"), 4).method == "kernel"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_background_swap_out_outlives_its_step() -> None:
+    """end_step does not wait for a background batch (here held back by a stalled compute
+    stream); a later swap-in of its CPU blocks waits for it; counts fall to 0 once done."""
+    sw = stacked_swapper()
+    gpu_src = random.Random(0).sample(range(256), 64)
+    cpu = random.Random(1).sample(range(256), 64)
+    original = [g[:, gpu_src].clone() for g in sw.gpu_caches]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    assert sw.start_step(SwapPlan(swap_out=list(zip(gpu_src, cpu, strict=True)))) is None
+    t0 = time.perf_counter()
+    assert sw.end_step() == 1
+    assert time.perf_counter() - t0 < 0.005  # did not wait for the ~25 ms stall
+    # next step: the same CPU blocks come back into other GPU blocks
+    dst = [g for g in range(256) if g not in gpu_src][:64]
+    ready = sw.start_step(SwapPlan(swap_in=list(zip(cpu, dst, strict=True))))
+    assert ready is not None
+    didx = torch.tensor(dst, device="cuda")
+    reads = []
+    for layer, g in enumerate(sw.gpu_caches):
+        ready(layer)
+        reads.append(g.index_select(1, didx))
+    torch.cuda.current_stream().synchronize()
+    assert sw.end_step() == 0  # the swap-in waited for the batch, so it is done too
+    for layer, r in enumerate(reads):
+        assert torch.equal(r, original[layer]), f"layer {layer}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_end_step_counts_batches_in_plan_order() -> None:
+    sw = stacked_swapper()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4 * SLEEP_CYCLES)
+    counts = []
+    for i in range(3):
+        sw.start_step(SwapPlan(swap_out=[(10 * i + j, 10 * i + j) for j in range(8)]))
+        counts.append(sw.end_step())
+    assert counts == [1, 2, 3]
+    torch.cuda.synchronize()
+    assert sw.end_step() == 0
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_background_false_waits() -> None:
+    sw = stacked_swapper(background=False)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    sw.start_step(SwapPlan(swap_out=[(3, 4)]))
+    assert sw.end_step() == 0
+    assert torch.equal(sw.cpu_caches[0][:, 4], sw.gpu_caches[0][:, 3].cpu())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_urgent_swap_out_waits_for_a_background_write_to_its_cpu_block() -> None:
+    """CPU block 5 is written by a held-back background batch, then (freed and reused) by
+    the next step's urgent swap-out: the later write must win."""
+    sw = stacked_swapper()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    sw.start_step(SwapPlan(swap_out=[(1, 5), (2, 6)]))
+    assert sw.end_step() == 1
+    ready = sw.start_step(SwapPlan(swap_out_first=[(9, 5)]))
+    assert ready is not None
+    sw.finish_step()
+    for layer in range(sw.num_layers):
+        assert torch.equal(sw.cpu_caches[layer][:, 5], sw.gpu_caches[layer][:, 9].cpu())
+        assert torch.equal(sw.cpu_caches[layer][:, 6], sw.gpu_caches[layer][:, 2].cpu())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("stacked", [True, False])
+def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool) -> None:
+    """Random plans over small pools (blocks collide), end_step between steps (batches stay
+    in flight), the compute stream stalled at random; swapped-in blocks read at layer_ready."""
+    rng = random.Random(seed)
+    layers, g_blocks, c_blocks = 3, 48, 40
+    caches = make_caches(layers, g_blocks, 32, 8, 128, torch.float16, "cuda")
+    if stacked:
+        caches = list(torch.stack(caches).unbind(0))
+    sw = make_swapper(caches, c_blocks, "kernel")
+    assert (sw._gpu_stack is not None) == stacked
+    torch.cuda.synchronize()
+    gpu, cpu = snapshot(sw)
+    for step in range(8):
+        lists = []
+        for _ in range(3):
+            n = rng.choice([0, 2, 5, 11])
+            lists.append(list(zip(rng.sample(range(g_blocks), n), rng.sample(range(c_blocks), n),
+                                  strict=True)))
+        plan = SwapPlan(swap_out_first=lists[0], swap_in=[(c, g) for g, c in lists[1]],
+                        swap_out=lists[2])
+        if rng.random() < 0.5:
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+        ready = sw.start_step(plan)
+        dst = [g for _, g in plan.swap_in]
+        reads = []
+        for layer, g in enumerate(sw.gpu_caches):
+            if ready is not None:
+                ready(layer)
+            reads.append(g[:, dst].clone())
+        torch.cuda.current_stream().synchronize()
+        sw.end_step()
+        apply_reference(gpu, cpu, SwapPlan(swap_out_first=plan.swap_out_first,
+                                           swap_in=plan.swap_in))
+        for layer in range(layers):
+            assert torch.equal(reads[layer].cpu(), gpu[layer][:, dst]), f"{step=} {layer=}"
+        apply_reference(gpu, cpu, SwapPlan(swap_out=plan.swap_out))
+    sw.finish_step()
+    assert sw.end_step() == 0
+    assert_tiers(sw, gpu, cpu)

@@ -117,3 +117,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """``x = [gate | up]`` ``[T, 2F]`` -> ``silu(gate) * up`` ``[T, F]``."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swap_blocks_ref(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+    """``dst[:, :, d] = src[:, :, s]`` for every row ``(s, d)`` of ``pairs``: whole KV blocks of
+    every layer, K and V (the swapper's copy; see :mod:`pensieve.kernels.triton_swap`).
+
+    src, dst: ``[layers, 2, blocks, chunk_size, num_kv_heads, head_dim]`` of one dtype (block
+    counts may differ; devices too); pairs: ``[n, 2]`` int64 with distinct dst ids.
+    """
+    if pairs.numel() == 0:
+        return
+    s = pairs[:, 0].to(src.device)
+    d = pairs[:, 1].to(dst.device)
+    dst[:, :, d] = src[:, :, s].to(dst.device)

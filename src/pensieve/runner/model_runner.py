@@ -44,9 +44,11 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per layer."""
-    shape = (2, num_blocks, chunk_size, num_kv_heads, head_dim)
-    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    """One ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per layer: the views
+    (``unbind(0)``) of one ``[num_layers, 2, num_blocks, ...]`` allocation, so that one swap
+    kernel reaches every layer from one base pointer and a layer stride."""
+    shape = (num_layers, 2, num_blocks, chunk_size, num_kv_heads, head_dim)
+    return list(torch.empty(shape, dtype=dtype, device=device).unbind(0))
 
 
 def kv_bytes_per_block(
@@ -66,13 +68,23 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         chunk_size: int,
         num_cpu_blocks: int = 0,
+        swap_method: str | None = None,
+        background_swap_out: bool | None = None,
     ) -> None:
+        """``swap_method``: the swapper's (``"kernel"`` / ``"dma"``; None: its default).
+        ``background_swap_out``: let background swap-outs outlive their step (reported in
+        :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank
+        ``torch.distributed`` group (tensor parallelism), where only rank 0's count reaches
+        the scheduler while every rank's copies must be done before it reuses the blocks."""
         self.model = model
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.device = kv_caches[0].device
         self._pin = self.device.type == "cuda"
-        self.swapper = KVSwapper(kv_caches, num_cpu_blocks)
+        if background_swap_out is None:
+            background_swap_out = not _multi_rank()
+        self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
+                                 background=background_swap_out)
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
         self.mixed_graphs: MixedGraphs | None = None
@@ -171,12 +183,15 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step: the step's swaps (pipelined with the layers), the model, sampling.
 
-        Every copy of the step has finished when this returns."""
+        The step's urgent swap-outs and swap-ins have finished when this returns; background
+        swap-outs may still run (:attr:`RunnerOutput.swap_outs_in_flight`). A step without
+        requests waits for every copy in flight and reports 0."""
         t0 = time.perf_counter()
         layer_ready = self.swapper.start_step(sched.swaps)
         if not sched.requests:
             self.swapper.finish_step()
-            return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0)
+            return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0,
+                                swap_outs_in_flight=0)
         sampled = [s for s in sched.requests if s.sample]
         graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
                        if g is not None and g.can_run(sched)), None)
@@ -204,9 +219,18 @@ class ModelRunner:
                 [s.num_output_tokens for s in sampled],
             )  # .tolist() inside synchronises with the device
         elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.swapper.finish_step()
+            # the compute stream only: a device-wide sync would wait for background copies
+            torch.cuda.current_stream(self.device).synchronize()
+        in_flight = self.swapper.end_step()
         return RunnerOutput(
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens)},
             step_time_s=time.perf_counter() - t0,
+            swap_outs_in_flight=in_flight,
         )
+
+
+def _multi_rank() -> bool:
+    """Whether this process is one rank of a multi-rank ``torch.distributed`` group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -1,51 +1,197 @@
 """The CPU tier of the KV cache and the copies between it and the GPU tier.
 
-Owns one host tensor per layer, ``[2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]``
-(K then V, the GPU caches' layout and dtype), and executes each step's :class:`SwapPlan`.
+Owns one host tensor ``[num_layers, 2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]``
+(per layer K then V, the GPU caches' layout and dtype; :attr:`KVSwapper.cpu_caches` are its
+per-layer views) and executes each step's :class:`SwapPlan`.
 
-Ordering. One step's copies are issued in the order :class:`SwapPlan` documents, and each copy
-touches a single layer, so for every layer the three lists apply one after the other::
+Semantics. For every layer the three lists of a plan apply one after the other::
 
     swap_out_first (all layers) -> swap_in (layer 0, 1, ...) -> swap_out (all layers)
 
 A GPU block may be both a ``swap_out_first`` source and a ``swap_in`` destination (its old
 content reaches the CPU first); a CPU block may be both a ``swap_in`` source and a ``swap_out``
-destination (it is read first). Within one list, GPU ids and CPU ids must be distinct.
+destination (it is read first). Within one list, GPU ids and CPU ids must be distinct. Steps
+apply in order: a later step's copies see every earlier step's copies done.
 
-CUDA. All copies run on one dedicated copy stream, so GPU-to-CPU copies wait behind swap-ins
-(PCIe contention: swap-in first). The copy stream first waits for an event recorded on the
-current (compute) stream in :meth:`KVSwapper.start_step`: copies never read a block before the
-compute stream's earlier writes to it are done, nor overwrite one it may still read. An event
-is recorded after each layer's swap-ins; ``layer_ready(i)`` makes the compute stream wait on
-layer i's event (which follows every ``swap_out_first`` copy too), so layer i's attention sees
-its swapped-in KV and never writes a block before its old content is copied out. Background
-``swap_out`` sources are blocks nothing writes during the step. :meth:`KVSwapper.finish_step`
-blocks the host until the copy stream is idle. Staging buffers and index tensors are allocated
-on the copy stream and only used there (or kept referenced until ``finish_step``).
+Methods. ``"kernel"`` (default on CUDA): one Triton gather/scatter launch copies a whole list
+(or one layer of it) with the GPU reading and writing the pinned, device-mapped CPU tier
+directly (:mod:`pensieve.kernels.triton_swap`), so scattered block ids cost no more than
+consecutive ones. ``"dma"`` (default on the CPU, where it is plain tensor copies): one
+``cudaMemcpy`` per run of consecutive CPU ids per layer for K and for V, through a staging
+buffer when the GPU ids of a run are not consecutive (the method before the kernel, kept for
+comparison).
 
-Bandwidth. Copies are batched per layer: a swap-out gathers its GPU blocks with one
-``index_select`` into a device staging buffer ``[2, n, chunk_size, num_kv_heads, head_dim]``,
-then copies each maximal run of consecutive CPU block ids with one copy for K and one for V; a
-swap-in does the reverse (copies per CPU run into staging, one ``index_copy_``). When every CPU
-run is also a run of consecutive GPU ids, the copies go straight between the tiers instead.
+CUDA, kernel method: two copy streams and the compute (current) stream.
 
-The host tier is pinned (page-locked with ``cudaHostRegister``, exact size) when the GPU caches
-are on CUDA. When they are on the CPU the same code runs without streams: ``swap_out_first``
-at ``start_step``, layer i's swap-ins at ``layer_ready(i)`` (so a caller that forgets to call
-it reads stale KV on the CPU as well), the rest at ``finish_step``.
+- The *in* stream (high priority) runs ``swap_out_first`` (one launch, all layers), then the
+  swap-ins, one launch per layer with an event after each: ``layer_ready(i)`` makes the
+  compute stream wait for layer i's event (which follows every ``swap_out_first`` copy too),
+  so layer i's attention sees its swapped-in KV and never writes a block before its old
+  content is copied out.
+- The *out* stream runs the background ``swap_out`` (one launch, all layers), concurrently
+  with the in stream (PCIe is full duplex). It is not waited for at the end of the step: each
+  such batch joins a FIFO of batches in flight (its event, its index tensor, the CPU blocks it
+  writes, the GPU blocks it reads). They complete in plan order (one stream).
+- Both copy streams first wait for an event recorded on the compute stream in
+  :meth:`~KVSwapper.start_step`: no copy reads a block before the compute stream's earlier
+  writes to it are done, nor overwrites one it may still read.
+- Hazards across streams and steps (:func:`step_waits`, a pure function): the in stream waits
+  for the newest in-flight batch that writes a CPU block the in stream reads (a swap-in of a
+  chunk still being swapped out) or writes (``swap_out_first`` into a CPU block freed and
+  reused), or that reads a GPU block a swap-in overwrites; the out stream waits for the in
+  stream's work of the step when its ``swap_out`` writes a CPU block the step's swap-ins read
+  or its ``swap_out_first`` writes, or reads a GPU block a swap-in writes (the plan order).
+- :meth:`~KVSwapper.end_step` waits for the step's in-stream work only (the compute stream's
+  sync has normally covered it already) and returns how many background batches are still in
+  flight (completed ones are popped from the front with ``Event.query``).
+  :meth:`~KVSwapper.finish_step` waits for everything.
+
+Index tensors are uploaded on the stream that uses them and kept referenced until that work
+is known done. The DMA method on CUDA keeps the earlier scheme: every copy on one stream, and
+:meth:`~KVSwapper.end_step` blocks until all of them are done (they share a staging buffer).
+
+The host tier is page-locked and device-mapped (``cudaHostRegister``, portable and mapped,
+exact size) when the GPU caches are on CUDA. On the CPU the copies are synchronous:
+``swap_out_first`` at ``start_step``, layer i's swap-ins at ``layer_ready(i)`` (so a caller
+that forgets to call it reads stale KV on the CPU as well), the rest at ``end_step`` /
+``finish_step``; nothing is ever in flight. The kernel method on the CPU runs the Triton
+kernel through the interpreter when ``TRITON_INTERPRET=1``, else its torch reference.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from pensieve.core.outputs import SwapPlan
 
 LayerReady = Callable[[int], None]
+METHODS = ("kernel", "dma")
+
+
+# ---------------------------------------------------------------------- ordering (pure)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What a background swap-out batch still in flight touches."""
+
+    cpu_writes: frozenset[int]
+    gpu_reads: frozenset[int]
+
+
+@dataclass(frozen=True)
+class StepWaits:
+    """Cross-stream waits one step needs (see the module docstring)."""
+
+    in_after: int
+    """Index in the in-flight FIFO of the newest batch the in stream must wait for (its event
+    covers every older batch: one stream), or -1."""
+    out_after_in: bool
+    """Whether the out stream waits for the step's in-stream work before its swap-outs."""
+
+
+def step_waits(plan: SwapPlan, in_flight: Sequence[InFlight]) -> StepWaits:
+    """The waits that order ``plan``'s copies after ``in_flight`` (oldest first) and its
+    background swap-outs after its own urgent copies and swap-ins, where they touch the same
+    blocks (the plan order of the module docstring)."""
+    in_cpu = {c for c, _ in plan.swap_in}
+    in_cpu.update(c for _, c in plan.swap_out_first)
+    in_gpu = {g for _, g in plan.swap_in}
+    after = -1
+    if in_cpu or in_gpu:
+        for i, b in enumerate(in_flight):
+            if not (b.cpu_writes.isdisjoint(in_cpu) and b.gpu_reads.isdisjoint(in_gpu)):
+                after = i
+    out_after_in = bool(plan.swap_out) and not (
+        in_cpu.isdisjoint(c for _, c in plan.swap_out)
+        and in_gpu.isdisjoint(g for g, _ in plan.swap_out)
+    )
+    return StepWaits(after, out_after_in)
+
+
+def pop_completed(fifo: deque[Any], done: Callable[[Any], bool]) -> int:
+    """Pop the completed batches from the front of ``fifo`` (they complete in order); returns
+    how many remain."""
+    while fifo and done(fifo[0]):
+        fifo.popleft()
+    return len(fifo)
+
+
+# ---------------------------------------------------------------------- streams
+
+
+class Streams(Protocol):
+    """The stream operations of the kernel method (``None`` = the current, compute stream).
+    :class:`CudaStreams` on CUDA; the tests substitute a simulator that runs enqueued work in
+    any order the waits allow."""
+
+    in_stream: Any
+    out_stream: Any
+
+    def record(self, stream: Any) -> Any:
+        """Record and return a new event on ``stream``."""
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make ``stream``'s later work wait for ``event``."""
+
+    def upload(self, stream: Any, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        """``[n, 2]`` int64 tensor of ``pairs`` usable by ``stream``'s later work."""
+
+    def run(self, stream: Any, fn: Callable[[], None]) -> None:
+        """Enqueue the device work ``fn`` issues on ``stream``."""
+
+    def query(self, event: Any) -> bool:
+        """Whether ``event`` has completed (does not block)."""
+
+    def synchronize(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+
+
+class CudaStreams:
+    """:class:`Streams` on a CUDA device: a high-priority in stream, a normal out stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # High priority: swap-ins are on the step's critical path.
+        self.in_stream = torch.cuda.Stream(device, priority=-1)
+        self.out_stream = torch.cuda.Stream(device)
+
+    def _s(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device) if stream is None else stream
+
+    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self._s(stream))
+        return event
+
+    def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event) -> None:
+        self._s(stream).wait_event(event)
+
+    def upload(self, stream: torch.cuda.Stream, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        host = torch.tensor(pairs, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(stream):  # allocated for, and copied on, that stream
+            return host.to(self.device, non_blocking=True)
+
+    def run(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+
+# ---------------------------------------------------------------------- DMA batching
 
 
 class _Runs:
@@ -77,7 +223,7 @@ class _Runs:
 
 @dataclass
 class _Batch:
-    """One list of a plan, sorted by CPU block and cut into runs of consecutive CPU ids."""
+    """DMA: one list of a plan, sorted by CPU block and cut into runs of consecutive CPU ids."""
 
     n: int
     cpu: _Runs
@@ -94,25 +240,60 @@ class _Batch:
 
 @dataclass
 class _Step:
-    """Copies of the step in flight, kept referenced until :meth:`KVSwapper.finish_step`."""
+    """The step's copies not known complete, kept referenced until :meth:`KVSwapper.end_step`.
 
-    out_first: _Batch | None
-    swap_in: _Batch | None
-    swap_out: _Batch | None
+    ``out_first``, ``swap_in``, ``swap_out``: a :class:`_Batch` (DMA), an ``[n, 2]`` pair tensor
+    (kernel) or None."""
+
+    out_first: Any = None
+    swap_in: Any = None
+    swap_out: Any = None
     next_in_layer: int = 0
-    """Host path only: first layer whose swap-ins have not run yet."""
-    events: list[torch.cuda.Event] | None = None
+    """Synchronous path only: first layer whose swap-ins have not run yet."""
+    events: list[Any] | None = None
+    in_done: Any = None
+    """Kernel streams: event after the step's in-stream work (None if it had none)."""
+
+
+@dataclass
+class _OutBatch:
+    """A background swap-out batch in flight (kernel streams)."""
+
+    event: Any
+    pairs: torch.Tensor
+    touches: InFlight
+
+
+# ---------------------------------------------------------------------- the swapper
 
 
 class KVSwapper:
     """The CPU tier plus the step's swap copies (see the module docstring for the rules).
 
     ``gpu_caches``: one ``[2, num_gpu_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per
-    layer (K then V), as ``allocate_kv_caches`` makes them. ``num_cpu_blocks`` may be 0 (no
-    CPU tier; only empty plans then).
+    layer (K then V), as ``allocate_kv_caches`` makes them: views of one
+    ``[num_layers, 2, ...]`` tensor let one kernel launch cover every layer (separate tensors
+    work too, one launch per layer). ``num_cpu_blocks`` may be 0 (no CPU tier; only empty
+    plans then).
+
+    ``method``: ``"kernel"`` or ``"dma"``; None: ``PENSIEVE_SWAP_METHOD`` if set, else kernel
+    on CUDA and DMA on the CPU. ``num_programs``: the kernel's persistent grid (None:
+    :data:`~pensieve.kernels.launch_swap.DEFAULT_PROGRAMS`). ``background``: False makes
+    :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
+    parallelism, where only rank 0's count reaches the scheduler). ``streams``: for tests, a
+    :class:`Streams` to run the kernel method's stream logic on CPU tensors.
     """
 
-    def __init__(self, gpu_caches: list[torch.Tensor], num_cpu_blocks: int) -> None:
+    def __init__(
+        self,
+        gpu_caches: list[torch.Tensor],
+        num_cpu_blocks: int,
+        method: str | None = None,
+        *,
+        num_programs: int | None = None,
+        background: bool = True,
+        streams: Streams | None = None,
+    ) -> None:
         if not gpu_caches:
             raise ValueError("no KV caches")
         first = gpu_caches[0]
@@ -135,25 +316,54 @@ class KVSwapper:
         self.block_bytes = 2 * first[0, 0].numel() * first.element_size()
         """Bytes of K and V of one block in one layer."""
         self._cuda = self.device.type == "cuda"
+        method = method or os.environ.get("PENSIEVE_SWAP_METHOD") or (
+            "kernel" if self._cuda else "dma")
+        if method not in METHODS:
+            raise ValueError(f"swap method {method!r} not in {METHODS}")
+        if streams is not None and (self._cuda or method != "kernel"):
+            raise ValueError("streams= is for the kernel method on CPU tensors (tests)")
+        self.method = method
+        from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
+
+        self.num_programs = num_programs or DEFAULT_PROGRAMS
+        """Persistent grid of each kernel launch (may be changed between steps)."""
+        self.background = background
         shape = (2, num_cpu_blocks, *self.block_shape)
         self._host = torch.empty((self.num_layers, *shape), dtype=first.dtype)
         self.pinned = self._cuda and self._host.numel() > 0
-        """Whether the CPU tier is page-locked (needed for asynchronous copies)."""
+        """Whether the CPU tier is page-locked (and device-mapped)."""
+        self._host_view: Any = self._host
+        """What the kernel gets for the CPU tier: a MappedHost on CUDA, else the tensor."""
         if self.pinned:
-            _register(self._host)
-            weakref.finalize(self, _unregister, self._host)
+            from pensieve.kernels.launch_swap import register_host, unregister_host
+
+            self._host_view = register_host(self._host, self.device)
+            weakref.finalize(self, unregister_host, self._host)
         self.cpu_caches: list[torch.Tensor] = list(self._host.unbind(0))
         """One ``[2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per layer."""
-        # High priority: the swap-in scatter kernels should not queue behind compute kernels.
-        self._stream = torch.cuda.Stream(self.device, priority=-1) if self._cuda else None
+        self._gpu_stack = _stacked(gpu_caches)
+        """``[num_layers, 2, ...]`` view of the GPU caches when they are evenly spaced views of
+        one storage; None: one launch per layer."""
+        self._triton = self._cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        self._streams: Streams | None = streams
+        self._stream: torch.cuda.Stream | None = None  # DMA on CUDA
+        if self._cuda and method == "kernel":
+            self._streams = CudaStreams(self.device)
+        elif self._cuda:
+            # High priority: the swap-in scatter kernels should not queue behind compute.
+            self._stream = torch.cuda.Stream(self.device, priority=-1)
         self._staging = torch.empty(0, dtype=first.dtype, device=self.device)
         self._step: _Step | None = None
+        self._in_flight: deque[_OutBatch] = deque()
         self.bytes_in = 0
         """Cumulative bytes copied CPU -> GPU (K and V, all layers)."""
         self.bytes_out = 0
         """Cumulative bytes copied GPU -> CPU."""
         self.num_copies = 0
-        """Cumulative host<->device copy calls issued (two per run per layer: K and V)."""
+        """Cumulative copy calls issued: host<->device memcpys (DMA: two per run per layer, K
+        and V) or kernel launches."""
+        if self._cuda and method == "kernel" and num_cpu_blocks and self.num_gpu_blocks:
+            self._compile()
 
     # ------------------------------------------------------------------ step API
 
@@ -161,19 +371,21 @@ class KVSwapper:
     def start_step(self, plan: SwapPlan) -> LayerReady | None:
         """Issue the plan's copies; returns the ``layer_ready`` callback, or None if no wait.
 
-        On CUDA every copy is enqueued on the copy stream before this returns (the host does
-        not wait); the callback makes the *current* stream wait for layer i. A step still in
-        flight is finished first.
+        On CUDA every copy is enqueued before this returns (the host does not wait); the
+        callback makes the *current* stream wait for layer i. A step not yet ended is ended
+        first (:meth:`end_step`). Raises ValueError (and copies nothing) on an invalid plan.
         """
         if self._step is not None:
-            self.finish_step()
+            self.end_step()
         if plan.is_empty:
             return None
-        if self._cuda:
-            return self._start_cuda(plan)
+        if self._streams is not None:
+            return self._start_streams(plan)
+        if self._stream is not None:
+            return self._start_dma_cuda(plan)
         step = self._prepare(plan)
-        for layer in range(self.num_layers):
-            self._copy_out(step.out_first, layer)
+        for_all = range(self.num_layers)
+        self._apply(step.out_first, False, for_all)
         self._step = step
         if step.swap_in is None:
             return None
@@ -181,30 +393,155 @@ class KVSwapper:
         def layer_ready(i: int) -> None:
             self._check_layer(i)
             with torch.inference_mode():
-                while step.next_in_layer <= i:
-                    self._copy_in(step.swap_in, step.next_in_layer)
-                    step.next_in_layer += 1
+                if step.next_in_layer <= i:
+                    self._apply(step.swap_in, True, range(step.next_in_layer, i + 1))
+                    step.next_in_layer = i + 1
 
         return layer_ready
 
-    def finish_step(self) -> None:
-        """Block until every copy of the step is complete (no-op when none is in flight)."""
+    def end_step(self) -> int:
+        """End the step: wait for what it needs and return how many background swap-out
+        batches are still in flight (this step's included; 0 when all are done).
+
+        Kernel method on CUDA: waits for the step's urgent swap-outs and swap-ins only (the
+        compute stream's sync has normally covered them) and polls the background batches
+        (with ``background=False`` waits for them too). DMA and the CPU: every copy of the
+        step is complete on return (0)."""
         step, self._step = self._step, None
+        if self._streams is None:
+            self._finish_sync(step)
+            return 0
+        st = self._streams
+        if step is not None and step.in_done is not None:
+            st.synchronize(step.in_done)
+        if not self.background:
+            self._drain()
+        return pop_completed(self._in_flight, lambda b: st.query(b.event))
+
+    def finish_step(self) -> None:
+        """Block until every copy issued so far is complete, background swap-outs of earlier
+        steps included (no-op when none is in flight)."""
+        self.end_step()
+        self._drain()
+
+    @property
+    def swap_outs_in_flight(self) -> int:
+        """Background batches not yet seen complete (as of the last :meth:`end_step`)."""
+        return len(self._in_flight)
+
+    # ------------------------------------------------------------------ kernel, streams
+
+    def _start_streams(self, plan: SwapPlan) -> LayerReady | None:
+        st = self._streams
+        assert st is not None
+        self._validate(plan)
+        waits = step_waits(plan, [b.touches for b in self._in_flight])
+        self._count(plan)
+        layers = self.num_layers
+        step = _Step()
+        compute_done = st.record(None)
+        events: list[Any] = []
+        if plan.swap_out_first or plan.swap_in:
+            s = st.in_stream
+            st.wait(s, compute_done)
+            if waits.in_after >= 0:
+                st.wait(s, self._in_flight[waits.in_after].event)
+            if plan.swap_out_first:
+                step.out_first = st.upload(s, plan.swap_out_first)
+                st.run(s, functools.partial(self._kernel, step.out_first, False, 0, layers))
+            if plan.swap_in:
+                step.swap_in = st.upload(s, plan.swap_in)
+                for layer in range(layers):
+                    st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
+                                                layer + 1))
+                    events.append(st.record(s))
+            else:
+                events = [st.record(s)] * layers
+            step.in_done = events[-1]
+        if plan.swap_out:
+            s = st.out_stream
+            st.wait(s, compute_done)
+            if waits.out_after_in:
+                st.wait(s, step.in_done)
+            pairs = st.upload(s, plan.swap_out)
+            st.run(s, functools.partial(self._kernel, pairs, False, 0, layers))
+            touches = InFlight(frozenset(c for _, c in plan.swap_out),
+                               frozenset(g for g, _ in plan.swap_out))
+            self._in_flight.append(_OutBatch(st.record(s), pairs, touches))
+        step.events = events
+        self._step = step
+        if not events:
+            return None
+
+        def layer_ready(i: int) -> None:
+            self._check_layer(i)
+            st.wait(None, events[i])
+
+        return layer_ready
+
+    def _drain(self) -> None:
+        if self._in_flight:
+            assert self._streams is not None
+            self._streams.synchronize(self._in_flight[-1].event)
+            self._in_flight.clear()
+
+    def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int) -> None:
+        """Copy ``pairs`` (src, dst) for layers ``[start, stop)``: CPU -> GPU if ``to_gpu``."""
+        if self._gpu_stack is not None:
+            spans = [(self._gpu_stack[start:stop], self._host_view[start:stop])]
+        else:
+            spans = [(self.gpu_caches[i].unsqueeze(0), self._host_view[i:i + 1])
+                     for i in range(start, stop)]
+        for gpu, host in spans:
+            src, dst = (host, gpu) if to_gpu else (gpu, host)
+            if self._triton:
+                from pensieve.kernels.launch_swap import swap_blocks_triton
+
+                swap_blocks_triton(src, dst, pairs, num_programs=self.num_programs)
+            else:
+                from pensieve.kernels.reference import swap_blocks_ref
+
+                swap_blocks_ref(src, dst, pairs)
+            self.num_copies += 1
+
+    def _compile(self) -> None:
+        """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
+        block 0 to CPU block 0 and back, which changes no GPU byte."""
+        assert self._streams is not None
+        pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        layers = self.num_layers
+        s = self._streams.in_stream
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self._kernel(pairs, False, 0, layers)
+            self._kernel(pairs, True, 0, 1)
+        s.synchronize()
+        self.num_copies = 0
+
+    # ------------------------------------------------------------------ synchronous paths
+
+    def _apply(self, obj: Any, to_gpu: bool, layers: range) -> None:
+        """Run one list's copies for ``layers`` now (DMA batch or kernel pairs)."""
+        if obj is None or not layers:
+            return
+        if isinstance(obj, _Batch):
+            for layer in layers:
+                (self._copy_in if to_gpu else self._copy_out)(obj, layer)
+        else:
+            self._kernel(obj, to_gpu, layers.start, layers.stop)
+
+    def _finish_sync(self, step: _Step | None) -> None:
         if step is None:
             return
         if self._stream is not None:
             self._stream.synchronize()
             return
         with torch.inference_mode():
-            while step.next_in_layer < self.num_layers:
-                self._copy_in(step.swap_in, step.next_in_layer)
-                step.next_in_layer += 1
-            for layer in range(self.num_layers):
-                self._copy_out(step.swap_out, layer)
+            self._apply(step.swap_in, True, range(step.next_in_layer, self.num_layers))
+            step.next_in_layer = self.num_layers
+            self._apply(step.swap_out, False, range(self.num_layers))
 
-    # ------------------------------------------------------------------ internals
-
-    def _start_cuda(self, plan: SwapPlan) -> LayerReady | None:
+    def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
         assert self._stream is not None
         compute = torch.cuda.current_stream(self.device)
         compute_done = torch.cuda.Event()
@@ -237,37 +574,64 @@ class KVSwapper:
 
         return layer_ready
 
+    # ------------------------------------------------------------------ plans
+
     def _check_layer(self, i: int) -> None:
         if not 0 <= i < self.num_layers:
             raise IndexError(f"layer {i} not in [0, {self.num_layers})")
 
-    def _prepare(self, plan: SwapPlan) -> _Step:
-        """Validate and batch the three lists; grow the staging buffer to the largest."""
-        out_first = self._batch([(g, c) for g, c in plan.swap_out_first], "swap_out_first")
-        swap_in = self._batch([(g, c) for c, g in plan.swap_in], "swap_in")
-        swap_out = self._batch([(g, c) for g, c in plan.swap_out], "swap_out")
-        staged = [b.n for b in (out_first, swap_in, swap_out) if b is not None and b.gpu is None]
-        need = 2 * max(staged, default=0) * self.gpu_caches[0][0, 0].numel()
-        if need > self._staging.numel():
-            self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
+    def _count(self, plan: SwapPlan) -> None:
         n_out = len(plan.swap_out_first) + len(plan.swap_out)
         self.bytes_out += n_out * self.num_layers * self.block_bytes
         self.bytes_in += len(plan.swap_in) * self.num_layers * self.block_bytes
-        return _Step(out_first, swap_in, swap_out)
 
-    def _batch(self, pairs: Sequence[tuple[int, int]], what: str) -> _Batch | None:
-        """``pairs``: (gpu_block, cpu_block). Sorted by CPU block, cut into maximal runs."""
+    def _validate(self, plan: SwapPlan) -> None:
+        self._check_pairs(plan.swap_out_first, "swap_out_first", gpu_first=True)
+        self._check_pairs(plan.swap_in, "swap_in", gpu_first=False)
+        self._check_pairs(plan.swap_out, "swap_out", gpu_first=True)
+
+    def _check_pairs(self, pairs: Sequence[tuple[int, int]], what: str, gpu_first: bool) -> None:
+        if not pairs:
+            return
+        gpu = [p[0] if gpu_first else p[1] for p in pairs]
+        cpu = [p[1] if gpu_first else p[0] for p in pairs]
+        if min(gpu) < 0 or max(gpu) >= self.num_gpu_blocks:
+            raise ValueError(f"{what}: GPU block out of range [0, {self.num_gpu_blocks})")
+        if min(cpu) < 0 or max(cpu) >= self.num_cpu_blocks:
+            raise ValueError(f"{what}: CPU block out of range [0, {self.num_cpu_blocks})")
+        if len(set(gpu)) != len(gpu) or len(set(cpu)) != len(cpu):
+            raise ValueError(f"{what}: repeated GPU or CPU block")
+
+    def _prepare(self, plan: SwapPlan) -> _Step:
+        """Synchronous and DMA paths: validate, then batch the three lists (DMA: runs and
+        staging, grown to the largest list; kernel: pair tensors)."""
+        self._validate(plan)
+        if self.method == "kernel":
+            def t(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
+                return torch.tensor(pairs, dtype=torch.int64) if pairs else None
+
+            step = _Step(t(plan.swap_out_first), t(plan.swap_in), t(plan.swap_out))
+        else:
+            out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
+            swap_in = self._batch([(g, c) for c, g in plan.swap_in])
+            swap_out = self._batch([(g, c) for g, c in plan.swap_out])
+            staged = [b.n for b in (out_first, swap_in, swap_out)
+                      if b is not None and b.gpu is None]
+            need = 2 * max(staged, default=0) * self.gpu_caches[0][0, 0].numel()
+            if need > self._staging.numel():
+                self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
+            step = _Step(out_first, swap_in, swap_out)
+        self._count(plan)
+        return step
+
+    def _batch(self, pairs: Sequence[tuple[int, int]]) -> _Batch | None:
+        """``pairs``: (gpu_block, cpu_block), validated. Sorted by CPU block, cut into
+        maximal runs."""
         if not pairs:
             return None
         pairs = sorted(pairs, key=lambda p: p[1])
         gpu = [g for g, _ in pairs]
         cpu = [c for _, c in pairs]
-        if min(gpu) < 0 or max(gpu) >= self.num_gpu_blocks:
-            raise ValueError(f"{what}: GPU block out of range [0, {self.num_gpu_blocks})")
-        if cpu[0] < 0 or cpu[-1] >= self.num_cpu_blocks:
-            raise ValueError(f"{what}: CPU block out of range [0, {self.num_cpu_blocks})")
-        if len(set(gpu)) != len(gpu) or len(set(cpu)) != len(cpu):
-            raise ValueError(f"{what}: repeated GPU or CPU block")
         rows = [0]  # first row of each run
         direct = True
         for j in range(1, len(pairs)):
@@ -292,7 +656,7 @@ class KVSwapper:
         )
 
     def _copy_out(self, b: _Batch | None, layer: int) -> None:
-        """GPU -> CPU copies of one layer (on the current stream)."""
+        """DMA: GPU -> CPU copies of one layer (on the current stream)."""
         if b is None:
             return
         gpu, cpu = self.gpu_caches[layer], self.cpu_caches[layer]
@@ -308,7 +672,7 @@ class KVSwapper:
         self.num_copies += len(dst)
 
     def _copy_in(self, b: _Batch | None, layer: int) -> None:
-        """CPU -> GPU copies of one layer (on the current stream)."""
+        """DMA: CPU -> GPU copies of one layer (on the current stream)."""
         if b is None:
             return
         gpu, cpu = self.gpu_caches[layer], self.cpu_caches[layer]
@@ -325,17 +689,23 @@ class KVSwapper:
         self.num_copies += len(dst)
 
 
-def _register(t: torch.Tensor) -> None:
-    """Page-lock a host tensor in place: exact size, unlike ``pin_memory=True`` whose caching
-    allocator rounds every allocation up to a power of two (up to 2x the host RAM)."""
-    nbytes = t.numel() * t.element_size()
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister({nbytes / 2**30:.1f} GiB CPU tier): error {err}")
+def _stacked(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[L, 2, N, C, Hkv, D]`` view of per-layer caches that are evenly spaced views of one
+    storage (``allocate_kv_caches``), else None."""
+    first = caches[0]
+    if len(caches) == 1:
+        return first.unsqueeze(0)
+    esize = first.element_size()
+    step = caches[1].data_ptr() - first.data_ptr()
+    if step <= 0 or step % esize:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for i, c in enumerate(caches):
+        if (c.untyped_storage().data_ptr() != storage
+                or c.data_ptr() != first.data_ptr() + i * step):
+            return None
+    last_end = caches[-1].storage_offset() + caches[-1].numel()
+    if last_end > first.untyped_storage().nbytes() // esize:
+        return None
+    return first.as_strided((len(caches), *first.shape), (step // esize, *first.stride()))
 
-
-def _unregister(t: torch.Tensor) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    except Exception:  # interpreter shutdown: the process releases the memory anyway
-        pass

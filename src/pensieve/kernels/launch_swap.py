@@ -1,0 +1,220 @@
+"""Launcher of the block-copy kernel (:mod:`pensieve.kernels.triton_swap`): argument checks,
+word size, tile, persistent grid; and the view of pinned host memory a CUDA kernel uses.
+
+Same semantics as :func:`pensieve.kernels.reference.swap_blocks_ref`; every check raises
+:class:`ValueError`. No check synchronises with the device, so block ids are trusted.
+
+Host memory. A kernel reaches the CPU tier through its device-mapped address: the tier is
+page-locked with ``cudaHostRegister(..., cudaHostRegisterPortable | cudaHostRegisterMapped)``
+(:func:`register_host`) and passed as a :class:`MappedHost` (the CPU tensor, for shapes and
+strides, plus the address the device sees). With unified addressing (every 64-bit CUDA
+platform) that address equals the host pointer; :func:`host_device_pointer` asks the driver
+anyway. Triton takes any object with ``data_ptr()`` and ``dtype`` as a pointer argument and
+its launcher accepts mapped host memory (``cuPointerGetAttribute`` knows it).
+
+On the CPU (tests), with ``TRITON_INTERPRET=1`` set before :mod:`~pensieve.kernels.triton_swap`
+is imported, the same kernel runs through Triton's interpreter over two plain CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from pensieve.kernels import triton_swap as _k
+
+DEFAULT_PROGRAMS = 32
+"""Persistent grid size (programs, at most one per SM in practice) of one copy launch.
+``benchmarks/swap_bandwidth.py --sweep`` measures the bandwidth per program count."""
+DEFAULT_TILE_BYTES = 16384
+"""Bytes each program moves per loop iteration (its loads in flight)."""
+DEFAULT_NUM_WARPS = 4
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_MAPPED = 2
+
+
+class _Pointer:
+    """A Triton pointer argument: an address as the device sees it and an element dtype."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self._ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+@dataclass(frozen=True)
+class MappedHost:
+    """Pinned host memory mapped into ``device``'s address space: ``tensor`` (a CPU tensor:
+    shape, strides, dtype) and ``device_ptr``, the device address of ``tensor.data_ptr()``.
+    ``m[a:b]`` slices dim 0 (layers) like the tensor."""
+
+    tensor: torch.Tensor
+    device_ptr: int
+    device: torch.device
+
+    def __getitem__(self, index: slice) -> MappedHost:
+        t = self.tensor[index]
+        return MappedHost(t, self.device_ptr + (t.data_ptr() - self.tensor.data_ptr()),
+                          self.device)
+
+
+def register_host(t: torch.Tensor, device: torch.device) -> MappedHost:
+    """Page-lock the CPU tensor ``t`` in place (exact size, unlike ``pin_memory=True``, whose
+    caching allocator rounds every allocation up to a power of two), mapped into the device's
+    address space; returns its :class:`MappedHost`. Undo with :func:`unregister_host`."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("register_host needs a contiguous CPU tensor")
+    nbytes = t.numel() * t.element_size()
+    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+    with torch.cuda.device(device):
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, flags))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister({nbytes / 2**30:.1f} GiB, mapped): error {err}")
+        return MappedHost(t, host_device_pointer(t.data_ptr()), device)
+
+
+def unregister_host(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:  # interpreter shutdown: the process releases the memory anyway
+        pass
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def host_device_pointer(host_ptr: int) -> int:
+    """Device address of registered, mapped host memory at ``host_ptr`` (the current device's
+    context): ``cudaHostGetDevicePointer`` where torch exposes it, else the driver's
+    ``cuMemHostGetDevicePointer``, else the host pointer itself (unified addressing)."""
+    cudart = torch.cuda.cudart()
+    get = getattr(cudart, "cudaHostGetDevicePointer", None)
+    if get is not None:  # not exposed by torch up to 2.11 at least
+        try:
+            res = get(host_ptr, 0)
+            if isinstance(res, tuple) and len(res) == 2 and int(res[0]) == 0:
+                return int(res[1])
+        except Exception:  # unknown binding signature: ask the driver
+            pass
+    lib = _libcuda()
+    if lib is not None:
+        dev = ctypes.c_uint64(0)
+        fn = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
+        err = fn(ctypes.byref(dev), ctypes.c_void_p(host_ptr), ctypes.c_uint(0))
+        if err == 0:
+            return int(dev.value)
+    return host_ptr
+
+
+def _word_size(nbytes: list[int]) -> int:
+    """Widest word (8, 4, 2, 1 bytes) that divides every size and address in ``nbytes``."""
+    for w in (8, 4, 2, 1):
+        if all(n % w == 0 for n in nbytes):
+            return w
+    return 1
+
+
+def _shape_of(x: torch.Tensor | MappedHost) -> torch.Tensor:
+    return x.tensor if isinstance(x, MappedHost) else x
+
+
+def _check_tier(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 6 or t.shape[1] != 2:
+        raise ValueError(f"{name} {tuple(t.shape)} is not [layers, 2, blocks, C, Hkv, D]")
+    c, h, d = t.shape[3:]
+    if t.numel() and (t.stride(5) != 1 or t.stride(4) != d or t.stride(3) != h * d):
+        raise ValueError(f"{name}: a block must be contiguous, got strides {t.stride()}")
+
+
+def swap_blocks_triton(
+    src: torch.Tensor | MappedHost,
+    dst: torch.Tensor | MappedHost,
+    pairs: torch.Tensor,
+    *,
+    num_programs: int = DEFAULT_PROGRAMS,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+    num_warps: int = DEFAULT_NUM_WARPS,
+) -> None:
+    """``dst[:, :, d] = src[:, :, s]`` for every row ``(s, d)`` of ``pairs``: whole blocks of
+    every layer, K and V, on the current stream.
+
+    src, dst: ``[layers, 2, blocks, chunk_size, num_kv_heads, head_dim]`` of one dtype, same
+    layers and block shape (block counts may differ), each block contiguous (any strides
+    above it; a layer range ``t[a:b]`` is fine). On CUDA each is a CUDA tensor or a
+    :class:`MappedHost` of that device; without CUDA both are CPU tensors (interpreter).
+    pairs: ``[n, 2]`` int64, contiguous, on the kernel's device; the dst ids of one call must be
+    distinct (else which source wins is undefined). ``num_programs``: persistent grid bound.
+    """
+    s_t, d_t = _shape_of(src), _shape_of(dst)
+    _check_tier("src", s_t)
+    _check_tier("dst", d_t)
+    if s_t.dtype != d_t.dtype:
+        raise ValueError(f"src {s_t.dtype} and dst {d_t.dtype} differ in dtype")
+    if s_t.shape[0] != d_t.shape[0] or s_t.shape[3:] != d_t.shape[3:]:
+        raise ValueError(f"src {tuple(s_t.shape)} and dst {tuple(d_t.shape)}: layers or block "
+                         "shape differ")
+    if pairs.dim() != 2 or pairs.shape[1] != 2 or pairs.dtype != torch.int64:
+        raise ValueError(f"pairs must be [n, 2] int64, got {tuple(pairs.shape)} {pairs.dtype}")
+    if pairs.numel() and not pairs.is_contiguous():
+        raise ValueError("pairs must be contiguous")
+    if num_programs < 1 or tile_bytes < 1 or num_warps < 1:
+        raise ValueError("num_programs, tile_bytes and num_warps must be >= 1")
+    devices = {x.device for x in (src, dst) if isinstance(x, MappedHost) or x.is_cuda}
+    if len(devices) > 1:
+        raise ValueError(f"src and dst are on different devices {devices}")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "cuda":
+        for name, x in (("src", src), ("dst", dst)):
+            if not isinstance(x, MappedHost) and x.device != device:
+                raise ValueError(f"{name} is a {x.device} tensor: pass host memory as MappedHost")
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("src and dst are CPU tensors: the kernel needs CUDA (one side may be "
+                         "MappedHost), or TRITON_INTERPRET=1 set before "
+                         "pensieve.kernels.triton_swap is imported")
+    if pairs.device != device:
+        raise ValueError(f"pairs is on {pairs.device}, expected {device}")
+    layers = s_t.shape[0]
+    n = pairs.shape[0]
+    if n == 0 or layers == 0:
+        return
+    esize = s_t.element_size()
+    block_bytes = math.prod(s_t.shape[3:]) * esize
+    addrs = [src.device_ptr if isinstance(src, MappedHost) else src.data_ptr(),
+             dst.device_ptr if isinstance(dst, MappedHost) else dst.data_ptr()]
+    w = _word_size([block_bytes, *addrs,
+                    *(st * esize for t in (s_t, d_t) for st in t.stride()[:3])])
+    word = _WORDS[w]
+    block_words = block_bytes // w
+    tile = min(triton.next_power_of_2(max(1, tile_bytes // w)),
+               triton.next_power_of_2(block_words))
+    strides = [st * esize // w for t in (s_t, d_t) for st in t.stride()[:3]]
+    if device.type == "cuda":
+        ptrs: list[object] = [_Pointer(a, word) for a in addrs]
+        guard: contextlib.AbstractContextManager[object] = torch.cuda.device(device)
+    else:  # the interpreter needs real tensors: the same bytes seen as words
+        ptrs = [t.flatten(3).view(word) for t in (s_t, d_t)]
+        guard = contextlib.nullcontext()
+    grid = (min(num_programs, n * layers * 2),)
+    with guard:
+        _k._swap_blocks_kernel[grid](
+            ptrs[0], ptrs[1], pairs, n, layers, *strides,
+            BLOCK_WORDS=block_words, TILE=tile, num_warps=num_warps,
+        )
