@@ -8,9 +8,28 @@ an executor that moves a clock forward by :meth:`StepCostModel.predict` of each 
 :class:`~pensieve.bench.step_cost.StepFeatures`. One step::
 
     sched = scheduler.schedule(now)              # the real admission, eviction and swap plans
-    dt = step_cost.predict(features_of(sched))   # calibrated (or analytic) step time
+    compute = step_cost.compute_time(features_of(sched))   # calibrated (or analytic) compute
+    copies = transfers.step(now, sched.swaps, compute)     # measured rates, copy streams
+    dt = compute + copies.exposed_copy_s
     clock.sleep_until(now + dt)                  # a VirtualClock jumps; a WallClock would wait
-    scheduler.update_from_output(sched, <token 0 for every sampling request>, clock.now())
+    scheduler.update_from_output(sched, <token 0 for every sampling request,
+                                         copies.swap_outs_in_flight>, clock.now())
+
+Tier copies (:class:`~pensieve.bench.step_cost.TransferModel`, default 45 GB/s each way, or
+``TransferModel.load`` of a measured JSON such as ``docs/results/swap_bandwidth.json``): the
+step waits for its urgent swap-outs in full and for its swap-ins only beyond its compute
+(pipelined per layer; ``pipelined=False`` for steps replayed from CUDA graphs, which the runner
+makes wait for every swap-in first); background swap-outs run concurrently on the host-bound direction and
+may outlive the step, and the step reports how many batches are still copying
+(``RunnerOutput.swap_outs_in_flight``), as the runner does, so the cache reclaims their GPU
+blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`` and
+``per_swap_chunk_s`` of the step-cost model (the copies before the swap kernel) are not used
+then; ``transfer=None`` restores them (every copy done within its step, as before).
+
+Every step is also kept as a :class:`SimStepRecord` (:attr:`SimEngine.step_records`): what
+the host of the real engine sees of a step (``pensieve.engine.step_record.StepRecord``'s
+token and swap counts, same definitions) plus the cache's token sources of the turns admitted
+in it and the simulated exposed copy time.
 
 Every sampled token is ``sample_token_id`` (0 by default, not an end-of-sequence id: the
 simulator has no EOS unless ``eos_token_ids`` is given), so a turn runs to ``max_tokens`` (or
@@ -24,10 +43,19 @@ the torch-free ``pensieve.engine.outputs``); it takes any clock with ``now()`` a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pensieve.bench.step_cost import StepCostModel, StepFeatures, features_of
+from pensieve.bench.step_cost import (
+    StepCostModel,
+    StepFeatures,
+    TransferModel,
+    TransferTimeline,
+    features_of,
+)
+from pensieve.config import tiered_cache_swap_kwargs
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
@@ -46,6 +74,66 @@ class SimClock(Protocol):
     def now(self) -> float: ...
 
     def sleep_until(self, t: float) -> None: ...
+
+
+DEFAULT_TRANSFER = TransferModel(source="default")
+"""45 GB/s each way, no launch latency, swap-ins pipelined with the compute."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimStepRecord:
+    """One simulated step, with what the real engine's host records of a step (the same
+    names and definitions as ``pensieve.engine.step_record.StepRecord``) and what only the
+    simulator knows (the compute and exposed copy time, when background copies end)."""
+
+    start_s: float
+    """Clock reading when the step began."""
+    step_time_s: float
+    """Simulated duration: ``compute_s + exposed_copy_s``."""
+    compute_s: float
+    exposed_copy_s: float
+    """Copy time the step waited for beyond its compute (urgent swap-outs, swap-ins beyond
+    the compute, waits for batches in flight)."""
+    num_requests: int
+    prefill_tokens: int
+    """Tokens computed in ranges that are not a decode (new input, recomputed history)."""
+    decode_tokens: int
+    cached_tokens: int
+    """Context tokens of the turns admitted in this step whose KV was reused rather than
+    computed (``gpu_hit_tokens + cpu_hit_tokens``)."""
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    recomputed_tokens: int
+    new_prompt_tokens: int
+    dropped_tokens: int
+    swap_in_chunks: int
+    swap_out_chunks: int
+    """Background (ahead-of-time) swap-outs planned in this step."""
+    urgent_swap_out_chunks: int
+    swap_outs_in_flight: int
+    """Background batches still copying when the step ended (this step's included)."""
+    background_done_at: float | None
+    """When this step's background batch completes (None: it had none)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "new_prompt_tokens",
+            "dropped_tokens")
+
+
+def prefill_decode_tokens(sched: SchedulerOutput) -> tuple[int, int]:
+    """(prefill, decode) tokens as the real engine's step record counts them: a request with
+    one scheduled token and some output is a decode, everything else is prefill."""
+    prefill = decode = 0
+    for s in sched.requests:
+        n = s.num_scheduled_tokens
+        if n == 1 and s.num_output_tokens > 0:
+            decode += 1
+        else:
+            prefill += n
+    return prefill, decode
 
 
 class SimEngine(EngineCore):
@@ -67,11 +155,19 @@ class SimEngine(EngineCore):
         eos_token_ids: tuple[int, ...] = (),
         sample_token_id: int = 0,
         vocab_size: int | None = None,
+        transfer: TransferModel | None = DEFAULT_TRANSFER,
+        swap_bandwidth_gbps: float | str | None = "auto",
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``block_bytes``: K+V bytes of
-        one chunk over all layers, only to report ``swap_in_bytes`` / ``swap_out_bytes``.
-        ``vocab_size``: if given, prompt token ids are checked against it as the engine does."""
+        one chunk over all layers: the bytes each swapped chunk moves (copy times) and the
+        ``swap_in_bytes`` / ``swap_out_bytes`` reported (0: copies take no time).
+        ``vocab_size``: if given, prompt token ids are checked against it as the engine does.
+        ``transfer``: the copy model (module docstring); None: the step-cost model's own swap
+        terms, every copy done within its step. ``swap_bandwidth_gbps``: the rate the cache
+        weighs swap-in against recomputation with, as ``CacheConfig.swap_bandwidth_gbps`` does
+        on the engine: ``"auto"`` the transfer model's swap-in rate (off without a transfer
+        model or ``block_bytes``), ``"off"``/None always swap in, or a number of GB/s."""
         if isinstance(chunk_cost, CostModel):
             if chunk_cost.chunk_size != chunk_size:
                 raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
@@ -85,12 +181,22 @@ class SimEngine(EngineCore):
         self.step_cost = step_cost
         self.block_bytes = block_bytes
         self.sample_token_id = sample_token_id
+        if block_bytes < 0:
+            raise ValueError(f"block_bytes must be >= 0, got {block_bytes}")
+        self.transfer = transfer
+        self.transfers = (TransferTimeline(transfer, block_bytes) if transfer is not None
+                          else None)
+        """The copy streams' state across steps (None: copies within each step)."""
+        self.swap_chunk_s = _swap_chunk_s(swap_bandwidth_gbps, transfer, block_bytes)
+        """Seconds per chunk the cache weighs swap-in against recomputation with (None:
+        always swap in), as ``LLMEngine.swap_chunk_s``."""
         # As LLMEngine.__init__ builds them (minus the tensors).
         policy = get_policy(cache_policy)
         num_cpu_blocks = num_cpu_blocks if policy.uses_cpu_tier else 0
         self._init_core(scheduler_config,
                         TieredKVCache(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, cost_fn,
-                                      swap_out_threshold, decode_reserve),
+                                      swap_out_threshold, decode_reserve,
+                                      **tiered_cache_swap_kwargs(self.swap_chunk_s)),
                         clock.now, tuple(eos_token_ids), vocab_size)
         self.swap_in_chunks = 0
         self.swap_out_chunks = 0
@@ -101,6 +207,12 @@ class SimEngine(EngineCore):
         records :meth:`StepCostModel.fit` takes)."""
         self.step_start_times: list[float] = []
         """Clock reading at the start of each step of :attr:`step_log`."""
+        self.step_records: list[SimStepRecord] = []
+        """One :class:`SimStepRecord` per step, in order."""
+        self.exposed_copy_s = 0.0
+        """Total simulated time steps waited for copies beyond their compute."""
+        self._sources_of: object = None
+        self._sources_last: dict[str, int] = {}
 
     @classmethod
     def from_config(
@@ -129,6 +241,7 @@ class SimEngine(EngineCore):
                 raise ValueError("the simulator needs num_cpu_blocks, or cpu_kv_gb and "
                                  "block_bytes")
             cpu = int(cc.cpu_kv_gb * 2**30 // block_bytes)
+        kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
         return cls(config.scheduler, gpu, cpu, step_cost, clock, chunk_cost,
                    chunk_size=cc.chunk_size, cache_policy=cc.cache_policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
@@ -144,15 +257,61 @@ class SimEngine(EngineCore):
         """Advance the clock by the predicted step time; one token per sampling request."""
         start = self.clock.now()
         feats = features_of(sched)
-        dt = self.step_cost.predict(feats)
+        compute = self.step_cost.compute_time(feats)
+        in_flight = 0
+        done_at: float | None = None
+        if self.transfers is None:
+            dt = self.step_cost.predict(feats)
+        else:
+            tr = self.transfers.step(start, sched.swaps, compute)
+            feats = dataclasses.replace(feats, exposed_copy_s=tr.exposed_copy_s)
+            dt = self.step_cost.predict(feats)  # compute + exposed copy time
+            in_flight, done_at = tr.swap_outs_in_flight, tr.background_done_at
         self.clock.sleep_until(start + dt)
         self.step_log.append((feats, dt))
         self.step_start_times.append(start)
         self.busy_time_s += dt
+        self.exposed_copy_s += dt - compute
         self.swap_in_chunks += feats.swap_in_chunks
         self.swap_out_chunks += feats.swap_out_chunks
+        self.step_records.append(self._record(sched, start, dt, compute, in_flight, done_at))
         sampled = {s.request_id: self.sample_token_id for s in sched.requests if s.sample}
-        return RunnerOutput(sampled_token_ids=sampled, step_time_s=dt)
+        return RunnerOutput(sampled_token_ids=sampled, step_time_s=dt,
+                            swap_outs_in_flight=in_flight)
+
+    def _record(self, sched: SchedulerOutput, start: float, dt: float, compute: float,
+                in_flight: int, done_at: float | None) -> SimStepRecord:
+        stats = self.cache.stats
+        now = {k: int(getattr(stats, k)) for k in _SOURCES}
+        if stats is not self._sources_of:  # a new cache: its counters start at zero
+            self._sources_of, self._sources_last = stats, dict.fromkeys(_SOURCES, 0)
+        d = {k: now[k] - self._sources_last[k] for k in _SOURCES}
+        self._sources_last = now
+        prefill, decode = prefill_decode_tokens(sched)
+        sw = sched.swaps
+        return SimStepRecord(
+            start_s=start, step_time_s=dt, compute_s=compute, exposed_copy_s=dt - compute,
+            num_requests=len(sched.requests), prefill_tokens=prefill, decode_tokens=decode,
+            cached_tokens=d["gpu_hit_tokens"] + d["cpu_hit_tokens"], **d,
+            swap_in_chunks=len(sw.swap_in), swap_out_chunks=len(sw.swap_out),
+            urgent_swap_out_chunks=len(sw.swap_out_first), swap_outs_in_flight=in_flight,
+            background_done_at=done_at)
 
 
-__all__ = ["SimClock", "SimEngine"]
+def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,
+                  block_bytes: int) -> float | None:
+    if bandwidth == "auto":
+        if transfer is None or block_bytes <= 0:
+            return None
+        return transfer.in_seconds(block_bytes)
+    if bandwidth is None or bandwidth == "off":
+        return None
+    if isinstance(bandwidth, str) or isinstance(bandwidth, bool) or not bandwidth > 0:
+        raise ValueError(f"swap_bandwidth_gbps must be a positive number of GB/s, 'auto' or "
+                         f"'off', got {bandwidth!r}")
+    if block_bytes <= 0:
+        raise ValueError("a swap_bandwidth_gbps needs block_bytes > 0")
+    return block_bytes / (float(bandwidth) * 1e9)
+
+
+__all__ = ["DEFAULT_TRANSFER", "SimClock", "SimEngine", "SimStepRecord", "prefill_decode_tokens"]

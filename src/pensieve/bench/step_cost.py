@@ -37,21 +37,31 @@ With ``swap_copy_chunk_s = 0`` the model is linear in its coefficients and :meth
 non-negative least-squares solve; otherwise :meth:`fit` alternates (subtract the exposed copy
 time predicted by the current coefficients, refit) until the coefficients settle.
 
+Those two swap terms describe the runner the step records were measured on (one copy stream,
+every copy done when the step returns). The copies of the swap kernel are modelled apart, as
+measured rather than fitted: :class:`TransferModel` (rates in GB/s each way, e.g. from
+``benchmarks/swap_bandwidth.py``'s JSON) and :class:`TransferTimeline` (background swap-outs
+that outlive their step) give each simulated step its exposed copy time, carried in
+``StepFeatures.exposed_copy_s``; :meth:`StepCostModel.predict` then adds that to the fitted
+compute instead of its own swap terms. Step-cost JSON files of version 1 load unchanged.
+
 Pure Python plus numpy (only :meth:`StepCostModel.fit` needs numpy; scipy's NNLS is used when
 installed, else an active-set NNLS on numpy). No torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pensieve.core.cost_model import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S
 from pensieve.core.jsonio import read_json_object, write_json_atomic
-from pensieve.core.outputs import SchedulerOutput
+from pensieve.core.outputs import SchedulerOutput, SwapPlan
 
 FORMAT = "pensieve-step-cost"
 FORMAT_VERSION = 1
@@ -84,6 +94,11 @@ class StepFeatures:
     urgent_swap_out_chunks: int = 0
     """``len(SwapPlan.swap_out_first)`` (included in ``swap_out_chunks``): copied before the
     step's compute, so never hidden behind it."""
+    exposed_copy_s: float | None = None
+    """Copy time the step waited for beyond its compute, when known: the simulator's
+    :class:`TransferModel` sets it (then :meth:`StepCostModel.predict` adds it instead of the
+    model's own copy terms, and :meth:`StepCostModel.fit` subtracts it); None when not known
+    (:func:`features_of`, records measured on the real engine)."""
 
     @property
     def num_tokens(self) -> int:
@@ -102,8 +117,10 @@ class StepFeatures:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown step feature(s) {sorted(unknown)}")
-        vals: dict[str, Any] = {k: (float(v) if k == "attn_pairs" else int(v))
-                                for k, v in d.items()}
+        vals: dict[str, Any] = {
+            k: (None if v is None else float(v)) if k == "exposed_copy_s"
+            else float(v) if k == "attn_pairs" else int(v)
+            for k, v in d.items()}
         return cls(**vals)
 
 
@@ -156,7 +173,7 @@ def _design_row(f: StepFeatures) -> list[float]:
         float(f.num_decode_tokens),
         float(f.attn_pairs),
         float(f.kv_read_tokens),
-        float(f.swap_chunks),
+        float(f.swap_chunks) if f.exposed_copy_s is None else 0.0,
     ]
 
 
@@ -225,7 +242,10 @@ class StepCostModel:
         )
 
     def exposed_copy_time(self, f: StepFeatures, compute: float | None = None) -> float:
-        """Copy time not hidden behind ``compute``: urgent copies in full, the rest beyond it."""
+        """Copy time not hidden behind ``compute``: urgent copies in full, the rest beyond it
+        (``f.exposed_copy_s`` instead when the features carry it)."""
+        if f.exposed_copy_s is not None:
+            return f.exposed_copy_s
         if self.swap_copy_chunk_s == 0.0:
             return 0.0
         c = self.compute_time(f) if compute is None else compute
@@ -234,8 +254,13 @@ class StepCostModel:
         return urgent + max(0.0, overlap - c)
 
     def predict(self, f: StepFeatures) -> float:
-        """Seconds for a step with features ``f``."""
+        """Seconds for a step with features ``f``: compute plus exposed copy time. When ``f``
+        carries ``exposed_copy_s`` (a :class:`TransferModel` computed it) that is the whole
+        copy part: ``swap_copy_chunk_s`` and ``per_swap_chunk_s`` describe the copies of the
+        runner the model was fitted on and are not added."""
         c = self.compute_time(f)
+        if f.exposed_copy_s is not None:
+            return c + f.exposed_copy_s
         return c + self.exposed_copy_time(f, c) + self.per_swap_chunk_s * f.swap_chunks
 
     # ---------------------------------------------------------------------------- priors
@@ -312,9 +337,11 @@ class StepCostModel:
         ``relative``: weight each record by ``1 / measured`` (minimise squared *relative*
         errors, so short decode steps count as much as long prefills). ``swap_copy_chunk_s``
         fixes the physical copy time (see the module docstring); with it > 0 the fit alternates
-        between the exposed copy time and the linear solve. Features that are zero on every
-        record get coefficient 0. The fitted model carries the median and P90 relative error on
-        ``records`` (:func:`relative_errors`).
+        between the exposed copy time and the linear solve. A record whose features carry
+        ``exposed_copy_s`` (a simulated step, or a measured one whose copy wait is known) has
+        that subtracted and takes no part in ``per_swap_chunk_s``, as :meth:`predict` treats
+        it. Features that are zero on every record get coefficient 0. The fitted model carries
+        the median and P90 relative error on ``records`` (:func:`relative_errors`).
         """
         import numpy as np
 
@@ -456,11 +483,265 @@ def _nnls_active_set(a: Any, b: Any, max_iter: int | None = None) -> Any:
     return x
 
 
+# ------------------------------------------------------------------------ tier transfers
+TRANSFER_FORMAT = "pensieve-transfer"
+DEFAULT_SWAP_GBPS = 45.0
+"""One-way rate of the swap kernel on the H200 (GB/s), each direction, any block pattern; the
+same figure as :data:`pensieve.config.DEFAULT_SWAP_BANDWIDTH_GBPS`."""
+PREFERRED_CASES = ("kernel", "contig", "direct")
+"""Rows of a ``benchmarks/swap_bandwidth.py`` result used when no case is named: the swap
+kernel's if present, else the copies of consecutive CPU ids (what the CPU-tier allocator mostly
+hands out), else consecutive ids on both sides."""
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """How long a step's copies between the tiers take, as measured on the interconnect, and
+    how much of them the step waits for. It mirrors the runner's swap kernel path
+    (:mod:`pensieve.runner.swapper`):
+
+    * an *in* stream runs the step's urgent swap-outs (``SwapPlan.swap_out_first``), then its
+      swap-ins layer by layer; the compute waits for the urgent copies (exposed in full), and
+      layer i's attention for layer i's swap-ins only, so swap-ins are exposed only beyond the
+      compute, plus ``latency_s`` and the first layer's share;
+    * an *out* stream runs the background swap-outs (``SwapPlan.swap_out``) concurrently (PCIe
+      is full duplex), one batch per step in plan order, not waited for by the step: a batch
+      still in flight at the step's end counts in ``RunnerOutput.swap_outs_in_flight``, and
+      its GPU blocks are reclaimed only once it is done;
+    * a swap-in or urgent copy touching a CPU block that a batch in flight writes (or a GPU
+      block it reads) waits for that batch; a background batch touching blocks of the step's
+      in-stream copies waits for them (``step_waits`` of the runner);
+    * urgent swap-outs take the host-bound direction first: background batches in flight are
+      pushed back by the urgent copy's duration.
+
+    Times: ``nbytes / (gbps * 1e9)`` per copy, plus ``latency_s`` once per launch (urgent
+    copy, the first layer of the swap-ins, a background batch). The state across steps (the
+    out stream's queue) lives in :class:`TransferTimeline`.
+    """
+
+    swap_in_gbps: float = DEFAULT_SWAP_GBPS
+    """Host-to-device rate, GB/s (1e9 bytes per second)."""
+    swap_out_gbps: float = DEFAULT_SWAP_GBPS
+    """Device-to-host rate, GB/s."""
+    latency_s: float = 0.0
+    """Fixed time of one copy launch before data moves (the swap-ins' first layer waits for
+    it); 0 by default. The copies before the kernel (``docs/results/swap_overlap.json``: 64 to
+    1024 chunks swapped in under a 51 ms step) left 8-11 ms exposed beyond this model's
+    transfer time, mostly host-side issue work the kernel removes; measure the kernel's."""
+    num_layers: int | None = None
+    """Swap-ins are pipelined per layer: with L layers layer 0's share ``T / L`` is always
+    exposed and the last layer's compute ``C / L`` follows the last copy. None: the limit of
+    many layers (exposed ``max(0, T - C)``)."""
+    pipelined: bool = True
+    """False: the step waits for all its swap-ins before computing (what a step replayed from
+    a CUDA graph does in the runner, ``ModelRunner.execute``): exposed ``T`` in full."""
+    source: str = ""
+    """Where the rates come from (a file, "default")."""
+
+    def __post_init__(self) -> None:
+        for name in ("swap_in_gbps", "swap_out_gbps"):
+            v = float(getattr(self, name))
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive, finite rate in GB/s, got {v}")
+            object.__setattr__(self, name, v)
+        lat = float(self.latency_s)
+        if not math.isfinite(lat) or lat < 0:
+            raise ValueError(f"latency_s must be finite and >= 0, got {lat}")
+        object.__setattr__(self, "latency_s", lat)
+        if self.num_layers is not None and (isinstance(self.num_layers, bool)
+                                            or not isinstance(self.num_layers, int)
+                                            or self.num_layers < 1):
+            raise ValueError(f"num_layers must be None or an int >= 1, got {self.num_layers!r}")
+
+    def in_seconds(self, nbytes: float) -> float:
+        """Transfer time of ``nbytes`` host-to-device (no latency)."""
+        return nbytes / (self.swap_in_gbps * 1e9)
+
+    def out_seconds(self, nbytes: float) -> float:
+        """Transfer time of ``nbytes`` device-to-host (no latency)."""
+        return nbytes / (self.swap_out_gbps * 1e9)
+
+    def swap_in_finish(self, copy_start: float, compute_start: float, transfer_s: float,
+                       compute_s: float) -> float:
+        """When a step ends whose compute (``compute_s``, from ``compute_start``) waits, layer
+        by layer, for swap-ins that take ``transfer_s`` from ``copy_start``."""
+        if transfer_s <= 0.0:
+            return compute_start + compute_s
+        first = copy_start + self.latency_s
+        if not self.pipelined:
+            return max(compute_start, first + transfer_s) + compute_s
+        n = self.num_layers
+        a = transfer_s / n if n else 0.0
+        c = compute_s / n if n else 0.0
+        # layer i computes after copy i ends (first + (i + 1) a): the latest of the two ends
+        return max(compute_start + compute_s, first + a + compute_s, first + transfer_s + c)
+
+    # ------------------------------------------------------------------ storage
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": TRANSFER_FORMAT, "version": 1,
+                **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TransferModel:
+        if d.get("format", TRANSFER_FORMAT) != TRANSFER_FORMAT:
+            raise ValueError(f"not a transfer model (format {d.get('format')!r})")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known - {"format", "version"}
+        if unknown:
+            raise ValueError(f"unknown transfer model key(s) {sorted(unknown)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], case: str | None = None,
+             **overrides: Any) -> TransferModel:
+        """Rates from a JSON file: one written by :meth:`save`; an object with
+        ``swap_in_gbps`` and ``swap_out_gbps`` (and optionally ``latency_s``); or the output
+        of ``benchmarks/swap_bandwidth.py`` (``rows`` of ``case``, ``dir``, ``bytes``, ``s``),
+        where each direction's rate is the byte-weighted one over the rows of ``case`` (by
+        default the first of :data:`PREFERRED_CASES` present) in that direction. ``overrides``
+        set other fields (``latency_s``, ``num_layers``, ``pipelined``)."""
+        d = read_json_object(path)
+        src = os.fspath(path)
+        if d.get("format") == TRANSFER_FORMAT:
+            return dataclasses.replace(cls.from_dict(d), **overrides)
+        if "swap_in_gbps" in d and "swap_out_gbps" in d:
+            kw: dict[str, Any] = {"swap_in_gbps": d["swap_in_gbps"],
+                                  "swap_out_gbps": d["swap_out_gbps"], "source": src}
+            if "latency_s" in d:
+                kw["latency_s"] = d["latency_s"]
+            return cls(**{**kw, **overrides})
+        rows = d.get("rows")
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"{src}: no swap_in_gbps/swap_out_gbps and no measured rows")
+        cases = [r.get("case") for r in rows if r.get("dir") in ("in", "out")]
+        if case is None:
+            case = next((c for c in PREFERRED_CASES if c in cases), None)
+            if case is None:
+                raise ValueError(f"{src}: none of the cases {list(PREFERRED_CASES)}; name one "
+                                 f"of {sorted(set(map(str, cases)))}")
+        rates: dict[str, float] = {}
+        for direction in ("in", "out"):
+            sel = [r for r in rows if r.get("case") == case and r.get("dir") == direction]
+            nbytes = sum(float(r["bytes"]) for r in sel)
+            secs = sum(float(r["s"]) for r in sel)
+            if not sel or secs <= 0:
+                raise ValueError(f"{src}: no '{direction}' rows of case {case!r} (cases: "
+                                 f"{sorted(set(map(str, cases)))})")
+            rates[direction] = nbytes / secs / 1e9
+        return cls(**{"swap_in_gbps": rates["in"], "swap_out_gbps": rates["out"],
+                      "source": f"{src} [{case}]", **overrides})
+
+
+@dataclass(frozen=True)
+class StepTransfer:
+    """What the copies did to one step (:meth:`TransferTimeline.step`)."""
+
+    step_s: float
+    """The step's duration: compute plus exposed copy time."""
+    exposed_copy_s: float
+    """Time the step waited for copies beyond its compute."""
+    swap_outs_in_flight: int
+    """Background batches still copying when the step ends, this step's included."""
+    swap_in_s: float = 0.0
+    """Transfer time of the step's swap-ins (no latency)."""
+    urgent_s: float = 0.0
+    """Transfer time of its urgent swap-outs."""
+    background_s: float = 0.0
+    """Transfer time of its background swap-out batch."""
+    background_done_at: float | None = None
+    """When its background batch completes (None: it had none)."""
+
+
+@dataclass
+class _Batch:
+    done_at: float
+    cpu_writes: frozenset[int]
+    gpu_reads: frozenset[int]
+
+
+class TransferTimeline:
+    """The copy streams of :class:`TransferModel` over a run: absolute times on the caller's
+    clock, a FIFO of background batches in flight. One :meth:`step` per engine step, in order,
+    with non-decreasing start times."""
+
+    def __init__(self, model: TransferModel, block_bytes: int) -> None:
+        if block_bytes < 0:
+            raise ValueError(f"block_bytes must be >= 0, got {block_bytes}")
+        self.model = model
+        self.block_bytes = block_bytes
+        self.in_flight: deque[_Batch] = deque()
+        self.out_free_at = -math.inf
+        """When the out stream has finished every batch queued so far."""
+
+    def step(self, start: float, plan: SwapPlan, compute_s: float) -> StepTransfer:
+        """Advance by one step that starts at ``start``, copies ``plan`` and computes for
+        ``compute_s`` seconds. Within the step times are relative to ``start`` (a step with
+        no copy to wait for lasts exactly ``compute_s``)."""
+        m, bb = self.model, self.block_bytes
+        t_urgent = m.out_seconds(len(plan.swap_out_first) * bb)
+        t_in = m.in_seconds(len(plan.swap_in) * bb)
+        t_bg = m.out_seconds(len(plan.swap_out) * bb)
+        # Batches that finished before the step began are gone (the runner pops them too).
+        self._pop(start)
+        in_cpu = {c for c, _ in plan.swap_in}
+        in_cpu.update(c for _, c in plan.swap_out_first)
+        in_gpu = {g for _, g in plan.swap_in}
+        in_start = 0.0  # the in stream: urgent swap-outs, then swap-ins
+        if in_cpu or in_gpu:  # hazards with batches in flight: wait for the newest one
+            for b in self.in_flight:
+                if not (b.cpu_writes.isdisjoint(in_cpu) and b.gpu_reads.isdisjoint(in_gpu)):
+                    in_start = max(in_start, b.done_at - start)
+        compute_start = 0.0
+        copy_start = in_start
+        if plan.swap_out_first:
+            urgent = m.latency_s + t_urgent
+            copy_start = in_start + urgent
+            compute_start = copy_start  # nothing touches KV before the urgent copies are done
+            for b in self.in_flight:  # they take the host-bound direction first
+                if b.done_at > start + in_start:
+                    b.done_at += urgent
+            if self.out_free_at > start + in_start:
+                self.out_free_at += urgent
+            self.out_free_at = max(self.out_free_at, start + copy_start)
+        end = m.swap_in_finish(copy_start, compute_start, t_in, compute_s)
+        in_done = copy_start + (m.latency_s + t_in if plan.swap_in else 0.0)
+        done_at: float | None = None
+        if plan.swap_out:
+            out_cpu = {c for _, c in plan.swap_out}
+            out_gpu = {g for g, _ in plan.swap_out}
+            b_start = max(start, self.out_free_at)
+            if not (in_cpu.isdisjoint(out_cpu) and in_gpu.isdisjoint(out_gpu)):
+                b_start = max(b_start, start + in_done)
+            done_at = b_start + m.latency_s + t_bg
+            self.out_free_at = done_at
+            self.in_flight.append(_Batch(done_at, frozenset(out_cpu), frozenset(out_gpu)))
+        self._pop(start + end)
+        return StepTransfer(step_s=end, exposed_copy_s=max(0.0, end - compute_s),
+                            swap_outs_in_flight=len(self.in_flight), swap_in_s=t_in,
+                            urgent_s=t_urgent, background_s=t_bg, background_done_at=done_at)
+
+    def _pop(self, t: float) -> None:
+        while self.in_flight and self.in_flight[0].done_at <= t:
+            self.in_flight.popleft()
+
+    @property
+    def next_done_at(self) -> float | None:
+        """When the oldest background batch in flight completes (None: nothing in flight)."""
+        return self.in_flight[0].done_at if self.in_flight else None
+
+
 __all__ = [
     "COEFFICIENTS",
+    "DEFAULT_SWAP_GBPS",
     "H200_PCIE_BYTES_PER_S",
     "StepCostModel",
     "StepFeatures",
+    "StepTransfer",
+    "TransferModel",
+    "TransferTimeline",
     "features_of",
     "fit",
     "nnls",

@@ -1,0 +1,471 @@
+"""The simulator's tier-transfer model: rates as measured, swap-ins pipelined with the compute,
+urgent swap-outs exposed, background swap-outs that outlive their step (reported as
+``RunnerOutput.swap_outs_in_flight`` so the cache reclaims their GPU blocks only when the
+simulated copy is done), per-step records, and compatibility with existing step-cost files."""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pensieve.bench.engine_api import VirtualClock
+from pensieve.bench.simulator import DEFAULT_TRANSFER, SimEngine, prefill_decode_tokens
+from pensieve.bench.step_cost import (
+    PREFERRED_CASES,
+    StepCostModel,
+    StepFeatures,
+    TransferModel,
+    TransferTimeline,
+    features_of,
+    relative_errors,
+)
+from pensieve.core.config import SchedulerConfig
+from pensieve.core.conversation import Tier
+from pensieve.core.cost_model import CostModel
+from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.tiered_cache import TieredKVCache
+
+ROOT = Path(__file__).resolve().parent.parent
+BB = 32 * 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA chunk, all layers, K+V, bf16: 6.55 MB
+
+
+def pairs(n: int, gpu0: int = 0, cpu0: int = 0) -> list[tuple[int, int]]:
+    return [(gpu0 + i, cpu0 + i) for i in range(n)]
+
+
+# ------------------------------------------------------------------------ TransferModel
+
+
+def test_model_defaults_and_validation() -> None:
+    m = TransferModel()
+    assert m.swap_in_gbps == m.swap_out_gbps == 45.0 and m.latency_s == 0.0
+    assert m.in_seconds(45e9) == pytest.approx(1.0) and m.out_seconds(4.5e9) == 0.1
+    assert DEFAULT_TRANSFER.swap_in_gbps == 45.0
+    for bad in ({"swap_in_gbps": 0}, {"swap_out_gbps": -1}, {"swap_in_gbps": float("inf")},
+                {"latency_s": -1e-3}, {"num_layers": 0}, {"num_layers": 2.5}):
+        with pytest.raises(ValueError):
+            TransferModel(**bad)  # type: ignore[arg-type]
+
+
+def test_swap_in_exposed_only_beyond_compute() -> None:
+    """Layer i's attention waits for layer i's copies only: exposed = latency + max(T/L,
+    T - C + C/L); continuous (L = None): latency + max(0, T - C); unpipelined: latency + T."""
+    lat = 1e-3
+    for n_layers in (None, 1, 4, 40):
+        m = TransferModel(latency_s=lat, num_layers=n_layers)
+        for t, c in ((0.010, 0.050), (0.050, 0.010), (0.030, 0.030)):
+            end = m.swap_in_finish(0.0, 0.0, t, c)
+            if n_layers is None:
+                want = lat + max(0.0, t - c)
+            else:
+                want = lat + max(t / n_layers, t - c + c / n_layers)
+            assert end - c == pytest.approx(want), (n_layers, t, c)
+    # one layer: no overlap at all; unpipelined: the same, whatever the layers
+    assert TransferModel(num_layers=1).swap_in_finish(0, 0, 0.02, 0.05) == pytest.approx(0.07)
+    assert TransferModel(pipelined=False, num_layers=40).swap_in_finish(
+        0, 0, 0.02, 0.05) == pytest.approx(0.07)
+    # nothing to copy: the compute alone, no latency
+    assert TransferModel(latency_s=1.0).swap_in_finish(0, 0, 0.0, 0.05) == 0.05
+
+
+def test_load_measured_json(tmp_path: Path) -> None:
+    path = ROOT / "docs" / "results" / "swap_bandwidth.json"
+    rows = json.loads(path.read_text())["rows"]
+    m = TransferModel.load(path)
+    present = {r["case"] for r in rows}
+    case = next(c for c in PREFERRED_CASES if c in present)
+    for direction, got in (("in", m.swap_in_gbps), ("out", m.swap_out_gbps)):
+        sel = [r for r in rows if r["case"] == case and r["dir"] == direction]
+        assert got == pytest.approx(sum(r["bytes"] for r in sel) / sum(r["s"] for r in sel)
+                                    / 1e9)
+    assert f"[{case}]" in m.source
+    direct = TransferModel.load(path, case="direct", latency_s=2e-4, num_layers=40)
+    assert 40 < direct.swap_in_gbps < 56 and direct.latency_s == 2e-4
+    assert direct.num_layers == 40
+    with pytest.raises(ValueError, match="no 'in' rows"):
+        TransferModel.load(path, case="bogus")
+    # explicit rates, and the model's own format
+    p = tmp_path / "rates.json"
+    p.write_text(json.dumps({"swap_in_gbps": 30, "swap_out_gbps": 20, "latency_s": 1e-4}))
+    r = TransferModel.load(p)
+    assert (r.swap_in_gbps, r.swap_out_gbps, r.latency_s) == (30.0, 20.0, 1e-4)
+    saved = tmp_path / "transfer.json"
+    TransferModel(swap_in_gbps=12, num_layers=8, pipelined=False).save(saved)
+    assert TransferModel.load(saved) == TransferModel(swap_in_gbps=12, num_layers=8,
+                                                      pipelined=False)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError):
+        TransferModel.load(bad)
+
+
+# ------------------------------------------------------------------------ TransferTimeline
+
+
+def test_background_swap_out_completes_after_its_transfer_time() -> None:
+    """A background batch of n chunks at 45 GB/s takes n * BB / 45e9 s from the step's start,
+    is not waited for, and stays in flight over every step that ends before it is done."""
+    tl = TransferTimeline(TransferModel(), BB)
+    n = 256  # 1.68 GB: 37.3 ms
+    copy_s = n * BB / 45e9
+    r = tl.step(10.0, SwapPlan(swap_out=pairs(n)), compute_s=0.005)
+    assert r.step_s == pytest.approx(0.005) and r.exposed_copy_s == 0.0
+    assert r.swap_outs_in_flight == 1
+    assert r.background_done_at == pytest.approx(10.0 + copy_s)
+    t = 10.005
+    counts = []
+    while t < 10.0 + copy_s + 0.02:
+        counts.append((t, tl.step(t, SwapPlan(), compute_s=0.005).swap_outs_in_flight))
+        t += 0.005
+    for start, k in counts:
+        assert k == (1 if start + 0.005 < 10.0 + copy_s else 0), (start, k)
+    assert tl.in_flight == deque_empty()
+
+
+def deque_empty() -> object:
+    from collections import deque
+
+    return deque()
+
+
+def test_background_batches_queue_in_plan_order() -> None:
+    tl = TransferTimeline(TransferModel(swap_out_gbps=10.0), BB)
+    one = BB / 10e9
+    a = tl.step(0.0, SwapPlan(swap_out=pairs(10)), 0.001)
+    b = tl.step(0.001, SwapPlan(swap_out=pairs(10, 100, 100)), 0.001)
+    assert a.background_done_at == pytest.approx(10 * one)
+    assert b.background_done_at == pytest.approx(20 * one)  # behind the first: one stream
+    assert b.swap_outs_in_flight == 2
+    idle = tl.step(10 * one + 1e-9, SwapPlan(), 0.001)
+    assert idle.swap_outs_in_flight == 1 and tl.next_done_at == pytest.approx(20 * one)
+
+
+def test_swap_in_runs_beside_background_and_is_exposed_beyond_compute() -> None:
+    m = TransferModel(latency_s=1e-4)
+    tl = TransferTimeline(m, BB)
+    t_in = 64 * BB / 45e9  # 9.3 ms
+    # swap-ins shorter than the compute: only the latency shows
+    r = tl.step(0.0, SwapPlan(swap_in=pairs(64), swap_out=pairs(64, 100, 100)), 0.020)
+    assert r.exposed_copy_s == pytest.approx(1e-4)
+    assert r.background_done_at == pytest.approx(1e-4 + 64 * BB / 45e9)  # full duplex
+    # longer than the compute: the rest shows
+    tl2 = TransferTimeline(m, BB)
+    r2 = tl2.step(0.0, SwapPlan(swap_in=pairs(64)), 0.004)
+    assert r2.exposed_copy_s == pytest.approx(1e-4 + t_in - 0.004)
+    assert r2.step_s == pytest.approx(0.004 + r2.exposed_copy_s)
+
+
+def test_urgent_swap_outs_are_exposed_and_go_first() -> None:
+    tl = TransferTimeline(TransferModel(), BB)
+    bg = tl.step(0.0, SwapPlan(swap_out=pairs(100)), 0.001)
+    before = bg.background_done_at
+    assert before is not None
+    u = 10 * BB / 45e9
+    r = tl.step(0.001, SwapPlan(swap_out_first=pairs(10, 500, 500)), 0.002)
+    assert r.exposed_copy_s == pytest.approx(u)  # in full, not behind the background batch
+    assert tl.next_done_at == pytest.approx(before + u)  # which the urgent copy delayed
+
+
+def test_swap_in_of_a_chunk_still_being_swapped_out_waits_for_it() -> None:
+    tl = TransferTimeline(TransferModel(), BB)
+    out = tl.step(0.0, SwapPlan(swap_out=[(5, 7)]), 0.0001)
+    done = out.background_done_at
+    assert done is not None and out.swap_outs_in_flight == 1
+    # CPU block 7 is read back (its chunk's conversation returned) while still being written
+    r = tl.step(0.0001, SwapPlan(swap_in=[(7, 9)]), 0.0001)
+    t_in = BB / 45e9
+    assert t_in > 0.0001  # the copy outlasts the compute it overlaps
+    assert 0.0001 + r.step_s == pytest.approx(done + t_in)
+    # an unrelated CPU block does not wait
+    tl2 = TransferTimeline(TransferModel(), BB)
+    tl2.step(0.0, SwapPlan(swap_out=[(5, 7)]), 0.0001)
+    r2 = tl2.step(0.0001, SwapPlan(swap_in=[(8, 9)]), 0.0001)
+    assert r2.exposed_copy_s == pytest.approx(t_in - 0.0001)  # only beyond the compute
+
+
+def test_background_batch_after_conflicting_in_stream_work() -> None:
+    """A background swap-out into a CPU block a swap-in of the same step reads waits for the
+    in stream (plan order: the chunk is read before it is overwritten)."""
+    tl = TransferTimeline(TransferModel(), BB)
+    t_in = 10 * BB / 45e9
+    r = tl.step(0.0, SwapPlan(swap_in=pairs(10, 0, 0), swap_out=[(50, 3)]), 0.1)
+    assert r.background_done_at == pytest.approx(t_in + BB / 45e9)
+    tl2 = TransferTimeline(TransferModel(), BB)
+    r2 = tl2.step(0.0, SwapPlan(swap_in=pairs(10, 0, 0), swap_out=[(50, 30)]), 0.1)
+    assert r2.background_done_at == pytest.approx(BB / 45e9)
+
+
+# ------------------------------------------------------------------------ SimEngine
+
+CHUNK = 8
+COST = CostModel.analytic(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                          head_dim=16, intermediate_size=128, chunk_size=CHUNK)
+STEP = StepCostModel(base_s=4e-3, per_prefill_step_s=2e-3, per_request_s=1e-5,
+                     per_prefill_token_s=4e-5, per_decode_token_s=1e-5,
+                     per_kv_read_token_s=1e-8, per_swap_chunk_s=1e-3, swap_copy_chunk_s=5e-4)
+
+
+def make_sim(transfer: TransferModel | None, clock: VirtualClock, block_bytes: int = BB,
+             **kw: object) -> SimEngine:
+    sim = SimEngine(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                    max_model_len=512),
+                    24, 12, STEP, clock, COST, chunk_size=CHUNK, cache_policy="pensieve",
+                    block_bytes=block_bytes, vocab_size=256, transfer=transfer,
+                    **kw)  # type: ignore[arg-type]
+    sim.audit = True
+    return sim
+
+
+def _one_request(rid: str, ntok: int, out: int = 0) -> ScheduledRequest:
+    return ScheduledRequest(rid, [0], [QueryRange(0, [1] * ntok)], sample=True,
+                            sampling_params=SamplingParams(max_tokens=4),
+                            num_output_tokens=out)
+
+
+def test_execute_reports_in_flight_and_exposed_time() -> None:
+    clock = VirtualClock()
+    sim = make_sim(TransferModel(swap_out_gbps=1.0), clock)
+    sched = SchedulerOutput([_one_request("a", 5)], SwapPlan(swap_out=pairs(3)))
+    out = sim._execute(sched)
+    compute = STEP.compute_time(features_of(sched))
+    assert out.step_time_s == pytest.approx(compute) and clock.now() == pytest.approx(compute)
+    assert out.swap_outs_in_flight == 1
+    rec = sim.step_records[-1]
+    assert rec.exposed_copy_s == pytest.approx(0.0)
+    assert rec.background_done_at == pytest.approx(3 * BB / 1e9)
+    assert rec.swap_out_chunks == 3 and rec.urgent_swap_out_chunks == 0
+    # later steps see it in flight until 3 * BB / 1 GB/s = 19.7 ms have passed
+    seen = []
+    while clock.now() < 0.03:
+        k = sim._execute(SchedulerOutput([_one_request("a", 1, 1)])).swap_outs_in_flight
+        seen.append((clock.now(), k))  # the step's end
+    assert all(k == (1 if t < 3 * BB / 1e9 else 0) for t, k in seen)
+    assert seen[0][1] == 1
+    assert seen[-1][1] == 0
+    # urgent copies: exposed in full, as are swap-ins beyond the compute
+    urgent = sim._execute(SchedulerOutput([_one_request("a", 1, 1)],
+                                          SwapPlan(swap_out_first=pairs(2, 10, 10))))
+    f = features_of(SchedulerOutput([_one_request("a", 1, 1)]))
+    assert urgent.step_time_s == pytest.approx(STEP.compute_time(f) + 2 * BB / 1e9)
+    assert sim.step_records[-1].exposed_copy_s == pytest.approx(2 * BB / 1e9)
+
+
+def test_legacy_copies_without_a_transfer_model() -> None:
+    clock = VirtualClock()
+    sim = make_sim(None, clock)
+    sched = SchedulerOutput([_one_request("a", 5)], SwapPlan(swap_in=pairs(2),
+                                                             swap_out=pairs(30, 10, 10)))
+    out = sim._execute(sched)
+    f = features_of(sched)
+    assert out.step_time_s == pytest.approx(STEP.predict(f))
+    assert out.swap_outs_in_flight == 0 and sim.step_log[-1][0].exposed_copy_s is None
+    assert sim.step_records[-1].exposed_copy_s == pytest.approx(STEP.predict(f)
+                                                                - STEP.compute_time(f))
+
+
+def drive(sim: SimEngine, clock: VirtualClock, seed: int, check: bool,
+          num_convs: int = 6, turns: int = 4) -> None:
+    """Staggered multi-turn conversations; with ``check``, after every step the GPU blocks of
+    the background batches still in flight are neither free nor held by any chunk."""
+    rng = random.Random(seed)
+    plan = {f"c{c}": [(rng.randrange(8, 30), rng.randrange(4, 12)) for _ in range(turns)]
+            for c in range(num_convs)}
+    arrivals = sorted((0.01 * i, cid, 0) for i, cid in enumerate(plan))
+    pending = list(arrivals)
+    live = 0
+    while pending or live:
+        pending.sort()
+        while pending and pending[0][0] <= clock.now():
+            _, cid, k = pending.pop(0)
+            n_in, n_out = plan[cid][k]
+            sim.add_request(f"{cid}-t{k}", [rng.randrange(1, 256) for _ in range(n_in)],
+                            SamplingParams(max_tokens=n_out, ignore_eos=True),
+                            conversation_id=cid)
+            live += 1
+        if not live:
+            clock.sleep_until(pending[0][0])
+            continue
+        for out in sim.step():
+            live -= 1
+            cid, k = out.conversation_id, int(out.request_id.rsplit("t", 1)[1])
+            if k + 1 < turns:
+                pending.append((clock.now() + rng.expovariate(1 / 0.05), cid, k + 1))
+        if check:
+            _check_in_flight_blocks(sim)
+
+
+def _check_in_flight_blocks(sim: SimEngine) -> None:
+    assert sim.transfers is not None
+    cache = sim.cache
+    held = {ch.block for conv in cache.conversations.values() for ch in conv.chunks
+            if ch.tier is Tier.GPU}
+    for b in sim.transfers.in_flight:
+        for g in b.gpu_reads:
+            assert not cache.gpu.is_free(g), f"GPU block {g} free while its copy runs"
+            assert g not in held, f"GPU block {g} reused while its copy runs"
+
+
+def test_sim_runs_with_slow_background_copies_and_records_steps() -> None:
+    clock = VirtualClock()
+    sim = make_sim(TransferModel(swap_in_gbps=20.0, swap_out_gbps=0.5, latency_s=1e-4,
+                                 num_layers=40), clock)
+    drive(sim, clock, seed=1, check=False)
+    recs = sim.step_records
+    assert len(recs) == sim.num_steps == len(sim.step_log)
+    assert any(r.swap_outs_in_flight > 0 for r in recs)
+    assert any(r.swap_outs_in_flight > 1 for r in recs)  # batches outlive several steps
+    assert [r.step_time_s for r in recs] == [dt for _, dt in sim.step_log]
+    assert sum(r.exposed_copy_s for r in recs) == pytest.approx(sim.exposed_copy_s)
+    assert sim.exposed_copy_s > 0
+    for (f, dt), r in zip(sim.step_log, recs, strict=True):
+        assert f.exposed_copy_s == pytest.approx(r.exposed_copy_s)
+        assert dt == pytest.approx(r.compute_s + r.exposed_copy_s)
+    stats = sim.cache.stats
+    assert sum(r.cached_tokens for r in recs) == stats.gpu_hit_tokens + stats.cpu_hit_tokens
+    assert sum(r.recomputed_tokens for r in recs) == stats.recomputed_tokens
+    assert sum(r.new_prompt_tokens for r in recs) == stats.new_prompt_tokens
+    assert sum(r.swap_in_chunks for r in recs) == sim.swap_in_chunks
+    assert sum(r.swap_out_chunks + r.urgent_swap_out_chunks for r in recs) == \
+        sim.swap_out_chunks
+    assert sum(r.prefill_tokens + r.decode_tokens for r in recs) == \
+        sum(f.num_tokens for f, _ in sim.step_log)
+    assert json.dumps([r.as_dict() for r in recs[:3]])
+    # the exposed copy time makes the step log refit exactly (compute coefficients recovered)
+    m = StepCostModel.fit(sim.step_log, swap_copy_chunk_s=STEP.swap_copy_chunk_s)
+    assert relative_errors(m, sim.step_log)["max"] < 1e-6
+    assert m.per_swap_chunk_s == 0.0  # copies are the transfer model's, not a coefficient
+
+
+def _cache_honours_in_flight() -> bool:
+    import pensieve.core.scheduler as sched_mod
+    import pensieve.core.tiered_cache as cache_mod
+
+    return "swap_outs_in_flight" in (inspect.getsource(sched_mod)
+                                     + inspect.getsource(cache_mod))
+
+
+def test_cache_reclaims_gpu_blocks_only_when_the_simulated_copy_is_done() -> None:
+    if not _cache_honours_in_flight():
+        pytest.skip("the cache does not read RunnerOutput.swap_outs_in_flight yet")
+    for seed in range(3):
+        clock = VirtualClock()
+        sim = make_sim(TransferModel(swap_in_gbps=20.0, swap_out_gbps=0.5), clock)
+        drive(sim, clock, seed=seed, check=True)
+        assert any(r.swap_outs_in_flight > 1 for r in sim.step_records)
+
+
+def test_step_record_counts_match_the_engine_record() -> None:
+    step_record = pytest.importorskip("pensieve.engine.step_record")
+    from pensieve.core.outputs import RunnerOutput
+
+    p = SamplingParams(max_tokens=4)
+    sched = SchedulerOutput([
+        ScheduledRequest("a", [0], [QueryRange(0, [1] * 7)], True, p, 0),
+        ScheduledRequest("b", [1], [QueryRange(9, [1])], True, p, 3),
+        ScheduledRequest("c", [2], [QueryRange(0, [1])], True, p, 0),  # a 1-token prompt
+        ScheduledRequest("d", [3], [QueryRange(0, [1] * 3), QueryRange(40, [1] * 2)], True,
+                         p, 0),
+    ], SwapPlan(swap_out_first=pairs(1), swap_in=pairs(2, 5, 5), swap_out=pairs(3, 9, 9)))
+    rec = step_record.StepRecord.of(sched, RunnerOutput({}), 0.0, 0.0, 0.0)
+    assert (rec.prefill_tokens, rec.decode_tokens) == prefill_decode_tokens(sched) == (13, 1)
+    clock = VirtualClock()
+    sim = make_sim(TransferModel(), clock)
+    sim._execute(sched)
+    mine = sim.step_records[-1]
+    for name in ("num_requests", "prefill_tokens", "decode_tokens", "swap_in_chunks",
+                 "swap_out_chunks", "urgent_swap_out_chunks"):
+        assert getattr(mine, name) == getattr(rec, name), name
+
+
+def test_sim_hands_swap_chunk_seconds_to_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pensieve.bench.simulator as sim_mod
+    import pensieve.config as config_mod
+
+    seen: list[float | None] = []
+
+    class Recording(TieredKVCache):
+        def __init__(self, *args: object, swap_chunk_s: float | None = None,
+                     **kw: object) -> None:
+            seen.append(swap_chunk_s)
+            if "swap_chunk_s" in inspect.signature(TieredKVCache).parameters:
+                kw["swap_chunk_s"] = swap_chunk_s
+            super().__init__(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_mod, "TieredKVCache", Recording)
+    monkeypatch.setattr(config_mod, "TieredKVCache", Recording)
+    clock = VirtualClock()
+    assert make_sim(TransferModel(swap_in_gbps=30.0), clock).swap_chunk_s == \
+        pytest.approx(BB / 30e9)
+    assert seen[-1] == pytest.approx(BB / 30e9)
+    assert make_sim(TransferModel(), clock, swap_bandwidth_gbps="off").swap_chunk_s is None
+    assert make_sim(None, clock).swap_chunk_s is None and seen[-1] is None
+    assert make_sim(TransferModel(), clock, swap_bandwidth_gbps=9.0).swap_chunk_s == \
+        pytest.approx(BB / 9e9)
+    assert make_sim(TransferModel(), clock, block_bytes=0).swap_chunk_s is None
+    with pytest.raises(ValueError):
+        make_sim(TransferModel(), clock, swap_bandwidth_gbps="fast")
+    with pytest.raises(ValueError):
+        make_sim(TransferModel(), clock, block_bytes=0, swap_bandwidth_gbps=9.0)
+
+    from pensieve.config import CacheConfig, EngineConfig
+
+    cfg = EngineConfig(cache=CacheConfig(chunk_size=CHUNK, num_gpu_blocks=24, num_cpu_blocks=8,
+                                         swap_bandwidth_gbps=15.0))
+    sim = SimEngine.from_config(cfg, STEP, clock, COST, block_bytes=BB)
+    assert sim.swap_chunk_s == pytest.approx(BB / 15e9) and seen[-1] == sim.swap_chunk_s
+    off = EngineConfig(cache=CacheConfig(chunk_size=CHUNK, num_gpu_blocks=24, num_cpu_blocks=8,
+                                         swap_bandwidth_gbps="off"))
+    assert SimEngine.from_config(off, STEP, clock, COST, block_bytes=BB).swap_chunk_s is None
+
+
+# ------------------------------------------------------------------------ compatibility
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs" / "results").glob("*/step_cost*.json")))
+def test_existing_step_cost_files_load_and_predict_as_before(path: Path) -> None:
+    m = StepCostModel.load(path)
+    f = StepFeatures(num_prefill_tokens=100, num_decode_tokens=20, num_requests=21,
+                     attn_pairs=1e5, kv_read_tokens=30_000, swap_in_chunks=10,
+                     swap_out_chunks=6, urgent_swap_out_chunks=2)
+    c = m.compute_time(f)
+    assert m.predict(f) == pytest.approx(c + m.exposed_copy_time(f, c)
+                                         + m.per_swap_chunk_s * f.swap_chunks)
+    import dataclasses
+
+    known = dataclasses.replace(f, exposed_copy_s=0.0123)
+    assert m.predict(known) == pytest.approx(c + 0.0123)
+    assert StepCostModel.from_dict(m.to_dict()) == m
+
+
+def test_old_step_records_still_fit(tmp_path: Path) -> None:
+    src = ROOT / "docs" / "results" / "multiturn" / "steps.jsonl.gz"
+    with gzip.open(src, "rt") as fh:
+        lines = [next(fh) for _ in range(400)]
+    recs = []
+    for line in lines:
+        d = json.loads(line)
+        assert "exposed_copy_s" not in d
+        d.pop("system")
+        t = d.pop("time_s")
+        recs.append((StepFeatures.from_dict(d), t))
+    assert all(f.exposed_copy_s is None for f, _ in recs)
+    m = StepCostModel.fit(recs, swap_copy_chunk_s=BB / 55e9)
+    assert m.fit_num_records == 400
+    # new records (exposed_copy_s written, maybe null) read back too
+    f = recs[0][0]
+    assert StepFeatures.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+    # and the refit script runs on such a file
+    small = tmp_path / "steps.jsonl"
+    small.write_text("".join(lines))
+    out = tmp_path / "fit.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_step_cost.py"), str(small),
+                    "--out", str(out)], check=True, capture_output=True)
+    assert StepCostModel.load(out).fit_num_records == 400
