@@ -469,3 +469,26 @@ def test_old_step_records_still_fit(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_step_cost.py"), str(small),
                     "--out", str(out)], check=True, capture_output=True)
     assert StepCostModel.load(out).fit_num_records == 400
+
+
+def test_copy_waits_match_the_runner() -> None:
+    """The simulated ordering is the runner's (``pensieve.runner.swapper.step_waits``) on
+    random plans against random batches in flight."""
+    swapper = pytest.importorskip("pensieve.runner.swapper")
+    if not hasattr(swapper, "step_waits"):
+        pytest.skip("the runner has no step_waits yet")
+    from pensieve.bench.step_cost import copy_waits
+
+    rng = random.Random(0)
+
+    def some(n: int, lo: int = 0, hi: int = 12) -> list[tuple[int, int]]:
+        return [(rng.randrange(lo, hi), rng.randrange(lo, hi)) for _ in range(n)]
+
+    for _ in range(500):
+        plan = SwapPlan(swap_out_first=some(rng.randrange(3)), swap_in=some(rng.randrange(4)),
+                        swap_out=some(rng.randrange(4)))
+        batches = [swapper.InFlight(frozenset(rng.sample(range(12), rng.randrange(4))),
+                                    frozenset(rng.sample(range(12), rng.randrange(4))))
+                   for _ in range(rng.randrange(4))]
+        want = swapper.step_waits(plan, batches)
+        assert copy_waits(plan, batches) == (want.in_after, want.out_after_in)

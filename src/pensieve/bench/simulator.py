@@ -18,11 +18,11 @@ an executor that moves a clock forward by :meth:`StepCostModel.predict` of each 
 Tier copies (:class:`~pensieve.bench.step_cost.TransferModel`, default 45 GB/s each way, or
 ``TransferModel.load`` of a measured JSON such as ``docs/results/swap_bandwidth.json``): the
 step waits for its urgent swap-outs in full and for its swap-ins only beyond its compute
-(pipelined per layer; ``pipelined=False`` for steps replayed from CUDA graphs, which the runner
-makes wait for every swap-in first); background swap-outs run concurrently on the host-bound direction and
-may outlive the step, and the step reports how many batches are still copying
-(``RunnerOutput.swap_outs_in_flight``), as the runner does, so the cache reclaims their GPU
-blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`` and
+(pipelined per layer; ``pipelined=False`` for steps replayed from CUDA graphs, which the
+runner makes wait for every swap-in first); background swap-outs run concurrently on the
+host-bound direction and may outlive the step, and the step reports how many batches are still
+copying (``RunnerOutput.swap_outs_in_flight``), as the runner does, so the cache reclaims their
+GPU blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`` and
 ``per_swap_chunk_s`` of the step-cost model (the copies before the swap kernel) are not used
 then; ``transfer=None`` restores them (every copy done within its step, as before).
 

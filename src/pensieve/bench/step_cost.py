@@ -662,6 +662,25 @@ class _Batch:
     gpu_reads: frozenset[int]
 
 
+def copy_waits(plan: SwapPlan, in_flight: Sequence[Any]) -> tuple[int, bool]:
+    """The runner's ordering of a step's copies (``pensieve.runner.swapper.step_waits``, here
+    without torch): the index in ``in_flight`` (oldest first; items with ``cpu_writes`` and
+    ``gpu_reads``) of the newest background batch the in stream must wait for, or -1; and
+    whether the step's background swap-outs wait for its in-stream copies."""
+    in_cpu = {c for c, _ in plan.swap_in}
+    in_cpu.update(c for _, c in plan.swap_out_first)
+    in_gpu = {g for _, g in plan.swap_in}
+    after = -1
+    if in_cpu or in_gpu:
+        for i, b in enumerate(in_flight):
+            if not (b.cpu_writes.isdisjoint(in_cpu) and b.gpu_reads.isdisjoint(in_gpu)):
+                after = i
+    out_after_in = bool(plan.swap_out) and not (
+        in_cpu.isdisjoint(c for _, c in plan.swap_out)
+        and in_gpu.isdisjoint(g for g, _ in plan.swap_out))
+    return after, out_after_in
+
+
 class TransferTimeline:
     """The copy streams of :class:`TransferModel` over a run: absolute times on the caller's
     clock, a FIFO of background batches in flight. One :meth:`step` per engine step, in order,
@@ -686,14 +705,9 @@ class TransferTimeline:
         t_bg = m.out_seconds(len(plan.swap_out) * bb)
         # Batches that finished before the step began are gone (the runner pops them too).
         self._pop(start)
-        in_cpu = {c for c, _ in plan.swap_in}
-        in_cpu.update(c for _, c in plan.swap_out_first)
-        in_gpu = {g for _, g in plan.swap_in}
-        in_start = 0.0  # the in stream: urgent swap-outs, then swap-ins
-        if in_cpu or in_gpu:  # hazards with batches in flight: wait for the newest one
-            for b in self.in_flight:
-                if not (b.cpu_writes.isdisjoint(in_cpu) and b.gpu_reads.isdisjoint(in_gpu)):
-                    in_start = max(in_start, b.done_at - start)
+        after, out_after_in = copy_waits(plan, self.in_flight)
+        # the in stream (urgent swap-outs, then swap-ins) waits for a conflicting batch
+        in_start = max(0.0, self.in_flight[after].done_at - start) if after >= 0 else 0.0
         compute_start = 0.0
         copy_start = in_start
         if plan.swap_out_first:
@@ -710,14 +724,13 @@ class TransferTimeline:
         in_done = copy_start + (m.latency_s + t_in if plan.swap_in else 0.0)
         done_at: float | None = None
         if plan.swap_out:
-            out_cpu = {c for _, c in plan.swap_out}
-            out_gpu = {g for g, _ in plan.swap_out}
             b_start = max(start, self.out_free_at)
-            if not (in_cpu.isdisjoint(out_cpu) and in_gpu.isdisjoint(out_gpu)):
+            if out_after_in:
                 b_start = max(b_start, start + in_done)
             done_at = b_start + m.latency_s + t_bg
             self.out_free_at = done_at
-            self.in_flight.append(_Batch(done_at, frozenset(out_cpu), frozenset(out_gpu)))
+            self.in_flight.append(_Batch(done_at, frozenset(c for _, c in plan.swap_out),
+                                         frozenset(g for g, _ in plan.swap_out)))
         self._pop(start + end)
         return StepTransfer(step_s=end, exposed_copy_s=max(0.0, end - compute_s),
                             swap_outs_in_flight=len(self.in_flight), swap_in_s=t_in,
@@ -742,6 +755,7 @@ __all__ = [
     "StepTransfer",
     "TransferModel",
     "TransferTimeline",
+    "copy_waits",
     "features_of",
     "fit",
     "nnls",
