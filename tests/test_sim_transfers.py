@@ -492,3 +492,24 @@ def test_copy_waits_match_the_runner() -> None:
                    for _ in range(rng.randrange(4))]
         want = swapper.step_waits(plan, batches)
         assert copy_waits(plan, batches) == (want.in_after, want.out_after_in)
+
+
+def test_graph_steps_wait_for_all_swap_ins_and_empty_steps_drain() -> None:
+    m = TransferModel(graph_max_tokens=512)
+    assert m.waits_for_all_swap_ins(512) and not m.waits_for_all_swap_ins(513)
+    assert not m.waits_for_all_swap_ins(None) and not m.waits_for_all_swap_ins(0)
+    assert TransferModel(pipelined=False).waits_for_all_swap_ins(10_000)
+    with pytest.raises(ValueError):
+        TransferModel(graph_max_tokens=-1)
+    t_in = 64 * BB / 45e9
+    small = TransferTimeline(m, BB).step(0.0, SwapPlan(swap_in=pairs(64)), 0.020, 100)
+    big = TransferTimeline(m, BB).step(0.0, SwapPlan(swap_in=pairs(64)), 0.020, 1000)
+    assert small.exposed_copy_s == pytest.approx(t_in)  # a graph step: copy, then compute
+    assert big.exposed_copy_s == pytest.approx(0.0)  # eager: hidden behind the compute
+    # a step with no request waits for every batch in flight and reports none
+    tl = TransferTimeline(TransferModel(), BB)
+    first = tl.step(0.0, SwapPlan(swap_out=pairs(100)), 0.001, 10)
+    assert first.swap_outs_in_flight == 1 and first.background_done_at is not None
+    drain = tl.step(0.002, SwapPlan(), 0.0005, 0)
+    assert drain.swap_outs_in_flight == 0 and not tl.in_flight
+    assert 0.002 + drain.step_s == pytest.approx(first.background_done_at)

@@ -263,7 +263,7 @@ class SimEngine(EngineCore):
         if self.transfers is None:
             dt = self.step_cost.predict(feats)
         else:
-            tr = self.transfers.step(start, sched.swaps, compute)
+            tr = self.transfers.step(start, sched.swaps, compute, sched.num_scheduled_tokens)
             feats = dataclasses.replace(feats, exposed_copy_s=tr.exposed_copy_s)
             dt = self.step_cost.predict(feats)  # compute + exposed copy time
             in_flight, done_at = tr.swap_outs_in_flight, tr.background_done_at

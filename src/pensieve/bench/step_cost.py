@@ -533,8 +533,12 @@ class TransferModel:
     exposed and the last layer's compute ``C / L`` follows the last copy. None: the limit of
     many layers (exposed ``max(0, T - C)``)."""
     pipelined: bool = True
-    """False: the step waits for all its swap-ins before computing (what a step replayed from
-    a CUDA graph does in the runner, ``ModelRunner.execute``): exposed ``T`` in full."""
+    """False: every step waits for all its swap-ins before computing (what a step replayed
+    from a CUDA graph does in the runner, ``ModelRunner.execute``): exposed ``T`` in full."""
+    graph_max_tokens: int = 0
+    """Steps of at most this many tokens are taken to run from CUDA graphs and so wait for
+    all their swap-ins (the engine on CUDA replays mixed steps up to 512 tokens when
+    ``cuda_graph_mixed`` is on); larger steps run eagerly, pipelined. 0: none."""
     source: str = ""
     """Where the rates come from (a file, "default")."""
 
@@ -552,6 +556,10 @@ class TransferModel:
                                             or not isinstance(self.num_layers, int)
                                             or self.num_layers < 1):
             raise ValueError(f"num_layers must be None or an int >= 1, got {self.num_layers!r}")
+        if isinstance(self.graph_max_tokens, bool) or not isinstance(self.graph_max_tokens, int) \
+                or self.graph_max_tokens < 0:
+            raise ValueError(f"graph_max_tokens must be an int >= 0, got "
+                             f"{self.graph_max_tokens!r}")
 
     def in_seconds(self, nbytes: float) -> float:
         """Transfer time of ``nbytes`` host-to-device (no latency)."""
@@ -561,14 +569,22 @@ class TransferModel:
         """Transfer time of ``nbytes`` device-to-host (no latency)."""
         return nbytes / (self.swap_out_gbps * 1e9)
 
+    def waits_for_all_swap_ins(self, num_tokens: int | None) -> bool:
+        """Whether a step of ``num_tokens`` tokens (None: unknown) computes only after all of
+        its swap-ins (not :attr:`pipelined`, or a CUDA-graph step)."""
+        if not self.pipelined:
+            return True
+        return num_tokens is not None and 0 < num_tokens <= self.graph_max_tokens
+
     def swap_in_finish(self, copy_start: float, compute_start: float, transfer_s: float,
-                       compute_s: float) -> float:
+                       compute_s: float, pipelined: bool | None = None) -> float:
         """When a step ends whose compute (``compute_s``, from ``compute_start``) waits, layer
-        by layer, for swap-ins that take ``transfer_s`` from ``copy_start``."""
+        by layer (or, not ``pipelined``, all at once), for swap-ins that take ``transfer_s``
+        from ``copy_start``. ``pipelined`` defaults to :attr:`pipelined`."""
         if transfer_s <= 0.0:
             return compute_start + compute_s
         first = copy_start + self.latency_s
-        if not self.pipelined:
+        if not (self.pipelined if pipelined is None else pipelined):
             return max(compute_start, first + transfer_s) + compute_s
         n = self.num_layers
         a = transfer_s / n if n else 0.0
@@ -695,10 +711,14 @@ class TransferTimeline:
         self.out_free_at = -math.inf
         """When the out stream has finished every batch queued so far."""
 
-    def step(self, start: float, plan: SwapPlan, compute_s: float) -> StepTransfer:
+    def step(self, start: float, plan: SwapPlan, compute_s: float,
+             num_tokens: int | None = None) -> StepTransfer:
         """Advance by one step that starts at ``start``, copies ``plan`` and computes for
         ``compute_s`` seconds. Within the step times are relative to ``start`` (a step with
-        no copy to wait for lasts exactly ``compute_s``)."""
+        no copy to wait for lasts exactly ``compute_s``). ``num_tokens``: the step's tokens,
+        if known: small steps may be CUDA-graph steps (:attr:`TransferModel.graph_max_tokens`),
+        and a step with none (no request) waits for every copy in flight, as the runner's
+        does, and reports none in flight."""
         m, bb = self.model, self.block_bytes
         t_urgent = m.out_seconds(len(plan.swap_out_first) * bb)
         t_in = m.in_seconds(len(plan.swap_in) * bb)
@@ -720,7 +740,8 @@ class TransferTimeline:
             if self.out_free_at > start + in_start:
                 self.out_free_at += urgent
             self.out_free_at = max(self.out_free_at, start + copy_start)
-        end = m.swap_in_finish(copy_start, compute_start, t_in, compute_s)
+        end = m.swap_in_finish(copy_start, compute_start, t_in, compute_s,
+                               not m.waits_for_all_swap_ins(num_tokens))
         in_done = copy_start + (m.latency_s + t_in if plan.swap_in else 0.0)
         done_at: float | None = None
         if plan.swap_out:
@@ -731,6 +752,9 @@ class TransferTimeline:
             self.out_free_at = done_at
             self.in_flight.append(_Batch(done_at, frozenset(c for _, c in plan.swap_out),
                                          frozenset(g for g, _ in plan.swap_out)))
+        if num_tokens == 0 and self.in_flight:  # a step without requests drains the copies
+            end = max(end, self.in_flight[-1].done_at - start)
+            self.in_flight.clear()
         self._pop(start + end)
         return StepTransfer(step_s=end, exposed_copy_s=max(0.0, end - compute_s),
                             swap_outs_in_flight=len(self.in_flight), swap_in_s=t_in,
