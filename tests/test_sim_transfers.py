@@ -331,6 +331,8 @@ def test_sim_runs_with_slow_background_copies_and_records_steps() -> None:
     stats = sim.cache.stats
     assert sum(r.cached_tokens for r in recs) == stats.gpu_hit_tokens + stats.cpu_hit_tokens
     assert sum(r.recomputed_tokens for r in recs) == stats.recomputed_tokens
+    assert sum(r.cpu_recomputed_tokens for r in recs) == getattr(stats, "cpu_recomputed_tokens",
+                                                                 0)
     assert sum(r.new_prompt_tokens for r in recs) == stats.new_prompt_tokens
     assert sum(r.swap_in_chunks for r in recs) == sim.swap_in_chunks
     assert sum(r.swap_out_chunks + r.urgent_swap_out_chunks for r in recs) == \
@@ -356,10 +358,13 @@ def test_cache_reclaims_gpu_blocks_only_when_the_simulated_copy_is_done() -> Non
     if not _cache_honours_in_flight():
         pytest.skip("the cache does not read RunnerOutput.swap_outs_in_flight yet")
     for seed in range(3):
-        clock = VirtualClock()
-        sim = make_sim(TransferModel(swap_in_gbps=20.0, swap_out_gbps=0.5), clock)
-        drive(sim, clock, seed=seed, check=True)
-        assert any(r.swap_outs_in_flight > 1 for r in sim.step_records)
+        for bw in ("auto", "off"):  # swap-or-recompute by cost, or always swap in
+            clock = VirtualClock()
+            sim = make_sim(TransferModel(swap_in_gbps=20.0, swap_out_gbps=0.5), clock,
+                           swap_bandwidth_gbps=bw)
+            drive(sim, clock, seed=seed, check=True)
+            assert any(r.swap_outs_in_flight > 1 for r in sim.step_records)
+            assert any(r.swap_in_chunks for r in sim.step_records)
 
 
 def test_step_record_counts_match_the_engine_record() -> None:

@@ -107,7 +107,9 @@ def test_real_cache_receives_it_when_it_takes_it() -> None:
 
     e2 = LLMEngine(cfg)
     assert e2.swap_chunk_s == pytest.approx(e2.block_bytes / 10e9)
-    assert getattr(e2.cache, "swap_chunk_s", e2.swap_chunk_s) == e2.swap_chunk_s
+    assert e2.cache.swap_chunk_s == e2.swap_chunk_s
+    e2.reset("pensieve")
+    assert e2.cache.swap_chunk_s == e2.swap_chunk_s
 
 
 def test_serve_flag() -> None:

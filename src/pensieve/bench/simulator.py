@@ -104,6 +104,9 @@ class SimStepRecord:
     gpu_hit_tokens: int
     cpu_hit_tokens: int
     recomputed_tokens: int
+    cpu_recomputed_tokens: int
+    """Of ``recomputed_tokens``: tokens on the CPU tier recomputed rather than swapped in
+    (the cache's swap-or-recompute choice; 0 where the cache does not count them)."""
     new_prompt_tokens: int
     dropped_tokens: int
     swap_in_chunks: int
@@ -119,8 +122,8 @@ class SimStepRecord:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-_SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "new_prompt_tokens",
-            "dropped_tokens")
+_SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "cpu_recomputed_tokens",
+            "new_prompt_tokens", "dropped_tokens")
 
 
 def prefill_decode_tokens(sched: SchedulerOutput) -> tuple[int, int]:
@@ -282,7 +285,7 @@ class SimEngine(EngineCore):
     def _record(self, sched: SchedulerOutput, start: float, dt: float, compute: float,
                 in_flight: int, done_at: float | None) -> SimStepRecord:
         stats = self.cache.stats
-        now = {k: int(getattr(stats, k)) for k in _SOURCES}
+        now = {k: int(getattr(stats, k, 0)) for k in _SOURCES}
         if stats is not self._sources_of:  # a new cache: its counters start at zero
             self._sources_of, self._sources_last = stats, dict.fromkeys(_SOURCES, 0)
         d = {k: now[k] - self._sources_last[k] for k in _SOURCES}
