@@ -1,26 +1,37 @@
 """Swap bandwidth between the GPU tier and the pinned CPU tier, through KVSwapper.
 
-Llama 2-13B GQA shape by default (40 layers, 10 KV heads, head_dim 128, bf16, chunk 32: 160 KB
-of K+V per chunk per layer). For each chunk count and each block-id pattern it times one step
-(``start_step`` .. ``finish_step``, host wall clock after a device synchronize; median of
-``--reps`` after a warm-up) moving that many chunks in, out, or both (in and out in the same
-step, one copy stream, so they run one after the other: swap-in first)::
+Llama 2-13B GQA-10 shape by default (40 layers, 10 KV heads, head_dim 128, bf16, chunk 32:
+80 KB per K or V chunk per layer, 160 KB of K+V). The GPU caches are the engine's layout
+(views of one allocation). For each copy method (``kernel``: the Triton gather/scatter over
+the device-mapped CPU tier; ``dma``: one cudaMemcpy per run of consecutive CPU ids through a
+staging buffer) and each chunk count it times one step moving that many chunks with GPU and
+CPU block ids drawn at random (random order, scattered)::
 
-    direct     CPU ids and GPU ids consecutive: copies straight between the tiers
-    contig     CPU ids consecutive, GPU ids random: gather/scatter kernel + one copy per K/V
-    scattered  CPU ids pairwise non-adjacent, GPU ids random: one copy per chunk for K and V
-    naive      one copy per chunk per layer for K and for V, straight into/out of the GPU cache
+    in       swap_in: per-layer launches (kernel) or per-layer copies (dma)
+    out      background swap_out
+    in+out   both in one step, disjoint blocks: the kernel runs them on two streams at once,
+             DMA on one stream one after the other
 
-beside raw single copies (H2D, D2H and both at once on two streams) and the 55 GB/s reference
-(H200, large copies, one direction). ``enqueue`` is the host time of ``start_step``;
-``layer0`` the device time until layer 0's swap-ins are usable by the compute stream.
+Times are host wall clock from ``start_step`` to ``finish_step`` (after a device
+synchronize; median of ``--reps`` after a warm-up). ``GB/s`` is per direction (in+out: each
+way, i.e. the bytes of one direction over the step's time). ``enqueue`` is the host time of
+``start_step``; ``step`` the host time of ``start_step`` + ``end_step`` (what a serving step
+waits for: swap-ins yes, background swap-outs no); ``layer0`` the device time until layer 0's
+swap-ins are usable by the compute stream. Raw single copies (H2D, D2H, both on two
+streams) and the H200's 55 GB/s one-way reference give the ceiling.
 
-    python benchmarks/swap_bandwidth.py --out swap_bandwidth.json
+``--sweep-programs`` / ``--sweep-tiles`` time the kernel per persistent grid size and per
+tile at ``--sweep-chunks`` chunks, and how much a bf16 GEMM loop on the compute stream
+slows down while in+out copies run beside it (``gemm x``: its time with copies / alone), to
+pick ``DEFAULT_PROGRAMS`` by measurement.
+
+    python benchmarks/swap_bandwidth.py --out swap_bandwidth.json --plot swap_bandwidth.png
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -30,9 +41,13 @@ from collections.abc import Callable
 import torch
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS, DEFAULT_TILE_BYTES
+from pensieve.runner.model_runner import allocate_kv_caches
 from pensieve.runner.swapper import KVSwapper
 
 REFERENCE_GBPS = 55.0  # measured on the H200: large pinned copies, one direction
+TARGET_GBPS = 45.0  # issue 13: each way, scattered ids, 64-1024 chunks
+CONCURRENT_GBPS = 46.6  # H200 raw H2D + D2H at once, each way
 
 
 def timed(fn: Callable[[], dict[str, float]], reps: int) -> dict[str, float]:
@@ -60,6 +75,8 @@ def swapper_step(sw: KVSwapper, plan: SwapPlan) -> Callable[[], dict[str, float]
             ready(0)  # the compute stream waits for layer 0's swap-ins
             l0 = torch.cuda.Event(enable_timing=True)
             l0.record()
+        sw.end_step()
+        out["step_s"] = time.perf_counter() - t0
         sw.finish_step()
         if l0 is not None:
             l0.synchronize()
@@ -69,36 +86,13 @@ def swapper_step(sw: KVSwapper, plan: SwapPlan) -> Callable[[], dict[str, float]
     return step
 
 
-def naive_step(
-    sw: KVSwapper, pairs: list[tuple[int, int]], direction: str, stream: torch.cuda.Stream
-) -> Callable[[], dict[str, float]]:
-    """``pairs``: (gpu, cpu). Two copies (K, V) per chunk per layer, no batching."""
-
-    def step() -> dict[str, float]:
-        t0 = time.perf_counter()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for gpu, cpu in zip(sw.gpu_caches, sw.cpu_caches, strict=True):
-                for g, c in pairs:
-                    for kv in (0, 1):
-                        if direction == "in":
-                            gpu[kv, g].copy_(cpu[kv, c], non_blocking=True)
-                        else:
-                            cpu[kv, c].copy_(gpu[kv, g], non_blocking=True)
-        enqueue = time.perf_counter() - t0
-        stream.synchronize()
-        return {"enqueue_s": enqueue}
-
-    return step
-
-
 def raw_copies(sw: KVSwapper, nbytes: int, reps: int) -> list[dict]:
     """One large copy per direction, and both directions at once on two streams."""
     elems = nbytes // sw.cpu_caches[0].element_size()
-    host = sw.cpu_caches[0].view(-1)[:elems]
-    dev = sw.gpu_caches[0].view(-1)[:elems]
-    host2 = sw.cpu_caches[1].view(-1)[:elems]
-    dev2 = sw.gpu_caches[1].view(-1)[:elems]
+    host = sw.cpu_caches[0].reshape(-1)[:elems]
+    dev = sw.gpu_caches[0].reshape(-1)[:elems]
+    host2 = sw.cpu_caches[1].reshape(-1)[:elems]
+    dev2 = sw.gpu_caches[1].reshape(-1)[:elems]
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def h2d() -> dict[str, float]:
@@ -119,29 +113,165 @@ def raw_copies(sw: KVSwapper, nbytes: int, reps: int) -> list[dict]:
         return {}
 
     rows = []
-    for name, fn, moved in (("raw H2D", h2d, nbytes), ("raw D2H", d2h, nbytes),
-                            ("raw H2D+D2H (2 streams)", both, 2 * nbytes)):
+    for name, fn, direction in (("raw", h2d, "in"), ("raw", d2h, "out"),
+                                ("raw 2 streams", both, "in+out")):
         t = timed(fn, reps)
-        rows.append({"case": name, "dir": "-", "chunks": 0, "runs": 1, "bytes": moved, **t})
+        rows.append({"method": name, "dir": direction, "chunks": 0, "bytes": nbytes, **t})
     return rows
 
 
-def plans(n: int, pattern: str, num_gpu: int, num_cpu: int, rng: random.Random) -> dict:
-    """Swap-in and swap-out pairs (gpu, cpu) of ``n`` chunks for one pattern."""
+def plans(n: int, pattern: str, num_gpu: int, num_cpu: int, rng: random.Random
+          ) -> dict[str, list[tuple[int, int]]]:
+    """Swap-in and swap-out pairs (gpu, cpu) of ``n`` chunks each, on disjoint GPU blocks and
+    disjoint CPU blocks (so in+out may run concurrently). ``random``: both sides in random
+    order; ``direct``: consecutive on both sides; ``scattered``: CPU ids pairwise
+    non-adjacent, GPU ids random."""
     if pattern == "direct":
         g_in, g_out = list(range(n)), list(range(num_gpu - n, num_gpu))
-    else:
-        g_in, g_out = rng.sample(range(num_gpu), n), rng.sample(range(num_gpu), n)
-    if pattern == "scattered":
-        c_in, c_out = rng.sample(range(0, num_cpu, 2), n), rng.sample(range(0, num_cpu, 2), n)
-    else:
         c_in, c_out = list(range(n)), list(range(num_cpu - n, num_cpu))
+    else:
+        g = rng.sample(range(num_gpu), 2 * n)
+        g_in, g_out = g[:n], g[n:]
+        pool = range(0, num_cpu, 2) if pattern == "scattered" else range(num_cpu)
+        c = rng.sample(pool, 2 * n)
+        c_in, c_out = c[:n], c[n:]
     return {"in": list(zip(g_in, c_in, strict=True)), "out": list(zip(g_out, c_out, strict=True))}
 
 
-def runs_of(cpu_ids: list[int]) -> int:
-    s = sorted(cpu_ids)
-    return 1 + sum(b != a + 1 for a, b in zip(s[:-1], s[1:], strict=True))
+def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: int,
+                num_cpu: int, step_bytes: int, reps: int, seed: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        for pattern in patterns:
+            p = plans(n, pattern, num_gpu, num_cpu, random.Random(f"{seed}{n}{pattern}"))
+            swap_in = [(c, g) for g, c in p["in"]]
+            for direction, plan in (("in", SwapPlan(swap_in=swap_in)),
+                                    ("out", SwapPlan(swap_out=p["out"])),
+                                    ("in+out", SwapPlan(swap_in=swap_in, swap_out=p["out"]))):
+                t = timed(swapper_step(sw, plan), reps)
+                rows.append({"method": sw.method, "pattern": pattern, "dir": direction,
+                             "chunks": n, "programs": sw.num_programs if sw.method == "kernel"
+                             else None, "bytes": n * step_bytes, **t})
+    return rows
+
+
+def sweep_rows(sw: KVSwapper, programs: list[int], tiles: list[int], n: int, num_gpu: int,
+               num_cpu: int, step_bytes: int, reps: int, seed: int, gemm_n: int) -> list[dict]:
+    """Kernel bandwidth per (programs, tile) and the GEMM slowdown beside in+out copies."""
+    p = plans(n, "random", num_gpu, num_cpu, random.Random(seed))
+    swap_in = [(c, g) for g, c in p["in"]]
+    both = SwapPlan(swap_in=swap_in, swap_out=p["out"])
+    a = torch.randn(gemm_n, gemm_n, device="cuda", dtype=torch.bfloat16)
+
+    def gemms(k: int, plan: SwapPlan | None = None) -> float:
+        """Host time of ``k`` GEMMs on the compute stream, beside ``plan``'s copies if given
+        (issued first; the compute stream alone is synchronised, not the copy streams)."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if plan is not None:
+            sw.start_step(plan)
+        for _ in range(k):
+            a @ a
+        torch.cuda.current_stream().synchronize()
+        t = time.perf_counter() - t0
+        sw.finish_step()
+        return t
+
+    gemms(2)
+    one = statistics.median(gemms(1) for _ in range(5))
+    rows = []
+    for tile in tiles:
+        sw.tile_bytes = tile
+        for prog in programs:
+            sw.num_programs = prog
+            for direction, plan in (("in", SwapPlan(swap_in=swap_in)),
+                                    ("out", SwapPlan(swap_out=p["out"])), ("in+out", both)):
+                t = timed(swapper_step(sw, plan), reps)
+                row = {"method": "kernel", "pattern": "random", "dir": direction, "chunks": n,
+                       "programs": prog, "tile_bytes": tile, "bytes": n * step_bytes, **t}
+                if direction == "in+out" and tile == tiles[0]:
+                    k = max(1, round(t["s"] / one))  # as long as the copies, alone
+                    alone, beside = [], []
+                    for _ in range(3):
+                        alone.append(gemms(k))
+                        beside.append(gemms(k, both))
+                    row["gemm_slowdown"] = statistics.median(beside) / statistics.median(alone)
+                rows.append(row)
+    sw.num_programs = DEFAULT_PROGRAMS
+    sw.tile_bytes = None
+    return rows
+
+
+def fmt_table(rows: list[dict]) -> str:
+    lines = [f"{'method':<15}{'pattern':>9}{'dir':>8}{'chunks':>7}{'prog':>6}{'tile':>7}"
+             f"{'MB/dir':>9}{'ms':>9}{'GB/s':>8}{'vs 45':>7}{'enqueue':>9}{'step':>9}"
+             f"{'layer0':>8}{'gemm x':>8}"]
+    for r in rows:
+        def ms(key: str, r: dict = r) -> str:
+            return f"{r[key] * 1e3:.2f}" if key in r else "-"
+
+        prog = str(r.get("programs") or "-")
+        tile = f"{r['tile_bytes'] // 1024}K" if r.get("tile_bytes") else "-"
+        gx = f"{r['gemm_slowdown']:.2f}" if "gemm_slowdown" in r else "-"
+        lines.append(
+            f"{r['method']:<15}{r.get('pattern', '-'):>9}{r['dir']:>8}{r['chunks']:>7}"
+            f"{prog:>6}{tile:>7}{r['bytes'] / 1e6:>9.1f}{ms('s'):>9}{r['gbps']:>8.1f}"
+            f"{r['gbps'] / TARGET_GBPS:>7.0%}{ms('enqueue_s'):>9}{ms('step_s'):>9}"
+            f"{ms('layer0_s'):>8}{gx:>8}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, sweep = result["rows"], result["sweep"]
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(14 if sweep else 8, 5),
+                             squeeze=False)
+    ax = axes[0][0]
+    series = sorted({(r["method"], r["dir"]) for r in rows if r["chunks"] and
+                     r.get("pattern") == "random"})
+    sizes = sorted({r["chunks"] for r in rows if r["chunks"]})
+    width = 0.8 / max(1, len(series))
+    for i, (method, direction) in enumerate(series):
+        ys = [next((r["gbps"] for r in rows if r["method"] == method and r["dir"] == direction
+                    and r["chunks"] == n and r.get("pattern") == "random"), 0.0) for n in sizes]
+        ax.bar([j + i * width for j in range(len(sizes))], ys, width,
+               label=f"{method} {direction}")
+    for r in rows:
+        if r["method"].startswith("raw"):
+            ax.axhline(r["gbps"], ls=":", lw=1, color="gray")
+    ax.axhline(TARGET_GBPS, ls="--", color="red", label=f"target {TARGET_GBPS:.0f} GB/s")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(n) for n in sizes])
+    ax.set_xlabel("chunks per step (random GPU and CPU ids)")
+    ax.set_ylabel("GB/s per direction")
+    ax.set_title(f"{result['device']}: swap bandwidth (dotted: raw copies)")
+    ax.legend(fontsize=7)
+    if sweep:
+        ax = axes[0][1]
+        tiles = sorted({r["tile_bytes"] for r in sweep})
+        for tile in tiles:
+            for direction in ("in", "out", "in+out"):
+                pts = sorted((r["programs"], r["gbps"]) for r in sweep
+                             if r["tile_bytes"] == tile and r["dir"] == direction)
+                ax.plot([p for p, _ in pts], [g for _, g in pts], marker="o",
+                        label=f"{direction}, tile {tile // 1024}K")
+        ax.axhline(TARGET_GBPS, ls="--", color="red")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("programs (persistent grid)")
+        ax.set_ylabel("GB/s per direction")
+        ax.set_title(f"kernel sweep, {sweep[0]['chunks']} chunks")
+        ax.legend(fontsize=7)
+        slow = sorted((r["programs"], r["gemm_slowdown"]) for r in sweep
+                      if "gemm_slowdown" in r)
+        if slow:
+            ax2 = ax.twinx()
+            ax2.plot([p for p, _ in slow], [s for _, s in slow], "k--", marker="x")
+            ax2.set_ylabel("GEMM time beside in+out copies / alone (black)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -152,77 +282,100 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--methods", nargs="+", default=["kernel", "dma"], choices=["kernel", "dma"])
+    ap.add_argument("--patterns", nargs="+", default=["random"],
+                    choices=["random", "direct", "scattered"])
+    ap.add_argument("--programs", type=int, default=DEFAULT_PROGRAMS,
+                    help="kernel programs for the main rows")
+    ap.add_argument("--sweep-programs", type=int, nargs="*", default=[8, 16, 32, 64, 132])
+    ap.add_argument("--sweep-tiles", type=int, nargs="*", default=[DEFAULT_TILE_BYTES, 8192,
+                                                                     32768])
+    ap.add_argument("--sweep-chunks", type=int, default=256)
+    ap.add_argument("--gemm-n", type=int, default=8192, help="GEMM size of the sweep's probe")
     ap.add_argument("--gpu-blocks", type=int, default=None,
-                    help="GPU blocks per layer (default: 1.25 x the largest size)")
+                    help="GPU blocks per layer (default: 2.5 x the largest size)")
     ap.add_argument("--cpu-blocks", type=int, default=None,
                     help="CPU blocks per layer (default: 2 x the largest size)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-naive", action="store_true", help="skip the one-copy-per-chunk rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--plot", default=None, help="write the PNG figure here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
 
+    import triton
+
     dtype = getattr(torch, args.dtype)
-    biggest = max(args.sizes)
-    num_gpu = args.gpu_blocks or biggest + biggest // 4
-    num_cpu = args.cpu_blocks or 2 * biggest
-    shape = (2, num_gpu, args.chunk, args.kv_heads, args.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(args.layers)]
-    t0 = time.perf_counter()
-    sw = KVSwapper(caches, num_cpu)
-    pin_s = time.perf_counter() - t0
-    step_bytes = sw.block_bytes * args.layers  # one chunk, all layers
+    biggest = max([*args.sizes, args.sweep_chunks if args.sweep_programs else 0])
+    num_gpu = args.gpu_blocks or 2 * biggest + biggest // 2
+    num_cpu = args.cpu_blocks or (4 if "scattered" in args.patterns else 2) * biggest
+    caches = allocate_kv_caches(args.layers, num_gpu, args.chunk, args.kv_heads, args.head_dim,
+                                dtype, torch.device("cuda"))
+    for c in caches:
+        c.normal_()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    step_bytes = 0
     gib = 2**30
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"{args.layers} layers, {sw.block_bytes / 1024:.0f} KB per chunk per layer; "
-          f"GPU tier {num_gpu * step_bytes / gib:.1f} GiB, "
-          f"CPU tier {num_cpu * step_bytes / gib:.1f} GiB (pinned in {pin_s:.1f} s)")
+    rows: list[dict] = []
+    sweep: list[dict] = []
+    pin_s: dict[str, float] = {}
+    header = ""
+    for method in args.methods:
+        t0 = time.perf_counter()
+        sw = KVSwapper(caches, num_cpu, method, num_programs=args.programs)
+        pin_s[method] = time.perf_counter() - t0
+        step_bytes = sw.block_bytes * args.layers  # one chunk, all layers
+        if not header:
+            header = (f"{torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  "
+                      f"triton {triton.__version__}\n{args.layers} layers, "
+                      f"{sw.block_bytes / 1024:.0f} KB per chunk per layer (K+V); GPU tier "
+                      f"{num_gpu * step_bytes / gib:.1f} GiB ({num_gpu} blocks), CPU tier "
+                      f"{num_cpu * step_bytes / gib:.1f} GiB ({num_cpu} blocks)")
+            print(header, flush=True)
+            rows += raw_copies(sw, min(256 * 2**20, num_cpu * sw.block_bytes // 2), args.reps)
+        print(f"{method}: CPU tier pinned and mapped (and kernel compiled) in "
+              f"{pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs",
+              flush=True)
+        rows += method_rows(sw, args.sizes, args.patterns, num_gpu, num_cpu, step_bytes,
+                            args.reps, args.seed)
+        if method == "kernel" and args.sweep_programs:
+            sweep = sweep_rows(sw, args.sweep_programs, args.sweep_tiles or [DEFAULT_TILE_BYTES],
+                               args.sweep_chunks, num_gpu, num_cpu, step_bytes, args.reps,
+                               args.seed, args.gemm_n)
+        del sw
+        gc.collect()
 
-    rng = random.Random(args.seed)
-    raw_bytes = min(256 * 2**20, min(num_cpu, num_gpu) * sw.block_bytes // 2)
-    rows = raw_copies(sw, raw_bytes, args.reps)
-    side = torch.cuda.Stream()
-    for n in args.sizes:
-        for pattern in ("direct", "contig", "scattered"):
-            p = plans(n, pattern, num_gpu, num_cpu, rng)
-            swap_in = [(c, g) for g, c in p["in"]]
-            for direction, plan in (("in", SwapPlan(swap_in=swap_in)),
-                                    ("out", SwapPlan(swap_out=p["out"])),
-                                    ("in+out", SwapPlan(swap_in=swap_in, swap_out=p["out"]))):
-                t = timed(swapper_step(sw, plan), args.reps)
-                moved = (len(plan.swap_in) + len(plan.swap_out)) * step_bytes
-                rows.append({"case": pattern, "dir": direction, "chunks": n,
-                             "runs": runs_of([c for _, c in p["in"]]), "bytes": moved, **t})
-        if not args.no_naive:
-            p = plans(n, "scattered", num_gpu, num_cpu, rng)
-            for direction in ("in", "out"):
-                t = timed(naive_step(sw, p[direction], direction, side), args.reps)
-                rows.append({"case": "naive", "dir": direction, "chunks": n, "runs": n,
-                             "bytes": n * step_bytes, **t})
-
-    print(f"\n{'case':<24}{'dir':>7}{'chunks':>7}{'runs':>6}{'MB':>9}{'ms':>9}{'GB/s':>8}"
-          f"{'vs 55':>7}{'enqueue':>9}{'layer0':>8}")
-    for r in rows:
+    for r in rows + sweep:
         r["gbps"] = r["bytes"] / r["s"] / 1e9
-        r["vs_reference"] = r["gbps"] / REFERENCE_GBPS
-        enq = f"{r['enqueue_s'] * 1e3:.2f}" if "enqueue_s" in r else "-"
-        l0 = f"{r['layer0_s'] * 1e3:.2f}" if "layer0_s" in r else "-"
-        print(f"{r['case']:<24}{r['dir']:>7}{r['chunks']:>7}{r['runs']:>6}"
-              f"{r['bytes'] / 1e6:>9.1f}{r['s'] * 1e3:>9.2f}{r['gbps']:>8.1f}"
-              f"{r['vs_reference']:>7.0%}{enq:>9}{l0:>8}")
-    print("\nGB = 1e9 bytes; ms = median wall time of one step; enqueue/layer0 in ms.")
+        r["vs_target"] = r["gbps"] / TARGET_GBPS
+    print("\n" + fmt_table(rows))
+    if sweep:
+        print(f"\nkernel sweep ({args.sweep_chunks} chunks, random ids; gemm x: {args.gemm_n}^3 "
+              "bf16 GEMMs beside in+out copies / alone)\n" + fmt_table(sweep))
+    print(f"\nGB = 1e9 bytes; GB/s per direction; ms = median wall time of one step; "
+          f"enqueue/step/layer0 in ms; kernel default {DEFAULT_PROGRAMS} programs, "
+          f"{DEFAULT_TILE_BYTES // 1024} KB tiles; targets {TARGET_GBPS} GB/s each way "
+          f"({CONCURRENT_GBPS} concurrent raw), reference {REFERENCE_GBPS} one way.")
+    result = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__,
+              "triton": triton.__version__,
+              "config": vars(args) | {"gpu_blocks": num_gpu, "cpu_blocks": num_cpu,
+                                      "chunk_bytes_per_layer": step_bytes // args.layers,
+                                      "pin_s": pin_s, "default_programs": DEFAULT_PROGRAMS,
+                                      "default_tile_bytes": DEFAULT_TILE_BYTES},
+              "reference_gbps": REFERENCE_GBPS, "target_gbps": TARGET_GBPS,
+              "rows": rows, "sweep": sweep}
     if args.out:
-        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "config": vars(args) | {"gpu_blocks": num_gpu, "cpu_blocks": num_cpu,
-                                          "chunk_bytes_per_layer": sw.block_bytes,
-                                          "pin_s": pin_s},
-                  "reference_gbps": REFERENCE_GBPS, "rows": rows}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
+    if args.plot:
+        try:
+            plot(result, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"no plot: {e}")
 
 
 if __name__ == "__main__":

@@ -862,3 +862,23 @@ def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool) -> N
     sw.finish_step()
     assert sw.end_step() == 0
     assert_tiers(sw, gpu, cpu)
+
+
+def test_kernel_knobs_between_steps() -> None:
+    """num_programs and tile_bytes change the launches, not the result."""
+    rng = random.Random(3)
+    caches = list(torch.stack(make_caches(3, 20, 4, 2, 8)).unbind(0))
+    sw = make_swapper(caches, 16, "kernel", num_programs=2)
+    gpu, cpu = snapshot(sw)
+    for programs, tile in ((2, None), (5, 32), (64, 8)):
+        sw.num_programs, sw.tile_bytes = programs, tile
+        g = rng.sample(range(20), 6)
+        c = rng.sample(range(16), 6)
+        plan = SwapPlan(swap_in=list(zip(c[:3], g[:3], strict=True)),
+                        swap_out=list(zip(g[3:], c[3:], strict=True)))
+        run_step(sw, plan)
+        apply_reference(gpu, cpu, plan)
+        assert_tiers(sw, gpu, cpu)
+    assert all(s[2].num_programs == 64 for s in sw._spans or [])
+    with pytest.raises(ValueError):
+        sw.num_programs = 0

@@ -144,6 +144,116 @@ def _check_tier(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: a block must be contiguous, got strides {t.stride()}")
 
 
+class BlockCopy:
+    """A validated copy of whole blocks from one tier to another: ``copy(pairs)`` does
+    ``dst[l, :, d] = src[l, :, s]`` for every row ``(s, d)`` of ``pairs``, every layer ``l`` of
+    ``[start, stop)`` (default: all) and K and V, on the current stream.
+
+    src, dst: ``[layers, 2, blocks, chunk_size, num_kv_heads, head_dim]`` of one dtype, same
+    layers and block shape (block counts may differ), each block contiguous (any strides
+    above it; a layer range ``t[a:b]`` is fine). On CUDA each is a CUDA tensor or a
+    :class:`MappedHost` of that device; without CUDA both are CPU tensors (interpreter).
+    Shapes, strides and the word size are checked once here; each call checks only
+    ``pairs``: ``[n, 2]`` int64, contiguous, on the kernel's device, dst ids distinct within
+    a call (else which source wins is undefined; ids are not checked against the tiers).
+    ``num_programs`` (the persistent grid bound) may be changed between calls.
+    """
+
+    def __init__(
+        self,
+        src: torch.Tensor | MappedHost,
+        dst: torch.Tensor | MappedHost,
+        *,
+        num_programs: int = DEFAULT_PROGRAMS,
+        tile_bytes: int = DEFAULT_TILE_BYTES,
+        num_warps: int = DEFAULT_NUM_WARPS,
+    ) -> None:
+        s_t, d_t = _shape_of(src), _shape_of(dst)
+        _check_tier("src", s_t)
+        _check_tier("dst", d_t)
+        if s_t.dtype != d_t.dtype:
+            raise ValueError(f"src {s_t.dtype} and dst {d_t.dtype} differ in dtype")
+        if s_t.shape[0] != d_t.shape[0] or s_t.shape[3:] != d_t.shape[3:]:
+            raise ValueError(f"src {tuple(s_t.shape)} and dst {tuple(d_t.shape)}: layers or "
+                             "block shape differ")
+        if num_programs < 1 or tile_bytes < 1 or num_warps < 1:
+            raise ValueError("num_programs, tile_bytes and num_warps must be >= 1")
+        devices = {x.device for x in (src, dst) if isinstance(x, MappedHost) or x.is_cuda}
+        if len(devices) > 1:
+            raise ValueError(f"src and dst are on different devices {devices}")
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type == "cuda":
+            for name, x in (("src", src), ("dst", dst)):
+                if not isinstance(x, MappedHost) and x.device != device:
+                    raise ValueError(f"{name} is a {x.device} tensor: pass host memory as "
+                                     "MappedHost")
+        elif os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("src and dst are CPU tensors: the kernel needs CUDA (one side may "
+                             "be MappedHost), or TRITON_INTERPRET=1 set before "
+                             "pensieve.kernels.triton_swap is imported")
+        self.device = device
+        self.num_layers = s_t.shape[0]
+        self.num_programs = num_programs
+        self.num_warps = num_warps
+        esize = s_t.element_size()
+        block_bytes = math.prod(s_t.shape[3:]) * esize
+        addrs = [x.device_ptr if isinstance(x, MappedHost) else x.data_ptr() for x in (src, dst)]
+        w = _word_size([block_bytes, *addrs,
+                        *(st * esize for t in (s_t, d_t) for st in t.stride()[:3])])
+        self.word = _WORDS[w]
+        self.word_bytes = w
+        self.block_words = block_bytes // w
+        self.tile_bytes = tile_bytes
+        self._strides = [st * esize // w for t in (s_t, d_t) for st in t.stride()[:3]]
+        self._addrs = addrs
+        self._layer_bytes = [s_t.stride(0) * esize, d_t.stride(0) * esize]
+        # the interpreter needs real tensors: the same bytes seen as words
+        self._words = (None if device.type == "cuda"
+                       else [t.flatten(3).view(self.word) for t in (s_t, d_t)])
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes each program moves per loop iteration (rounded to a power-of-two number of
+        words, at most the next power of two above a block); may be changed between calls."""
+        return self.tile * self.word_bytes
+
+    @tile_bytes.setter
+    def tile_bytes(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"tile_bytes {value} < 1")
+        self.tile = min(triton.next_power_of_2(max(1, value // self.word_bytes)),
+                        triton.next_power_of_2(max(1, self.block_words)))
+
+    def __call__(self, pairs: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        stop = self.num_layers if stop is None else stop
+        if not 0 <= start <= stop <= self.num_layers:
+            raise ValueError(f"layers [{start}, {stop}) not in [0, {self.num_layers}]")
+        if pairs.dim() != 2 or pairs.shape[1] != 2 or pairs.dtype != torch.int64:
+            raise ValueError(f"pairs must be [n, 2] int64, got {tuple(pairs.shape)} "
+                             f"{pairs.dtype}")
+        if pairs.device != self.device:
+            raise ValueError(f"pairs is on {pairs.device}, expected {self.device}")
+        n = pairs.shape[0]
+        if n == 0 or start == stop or self.block_words == 0:
+            return
+        if not pairs.is_contiguous():
+            raise ValueError("pairs must be contiguous")
+        layers = stop - start
+        grid = (min(self.num_programs, n * layers * 2),)
+        if self._words is None:
+            ptrs: list[object] = [_Pointer(a + start * lb, self.word)
+                                  for a, lb in zip(self._addrs, self._layer_bytes, strict=True)]
+            guard: contextlib.AbstractContextManager[object] = torch.cuda.device(self.device)
+        else:
+            ptrs = [t[start:stop] for t in self._words]
+            guard = contextlib.nullcontext()
+        with guard:
+            _k._swap_blocks_kernel[grid](
+                ptrs[0], ptrs[1], pairs, n, layers, *self._strides,
+                BLOCK_WORDS=self.block_words, TILE=self.tile, num_warps=self.num_warps,
+            )
+
+
 def swap_blocks_triton(
     src: torch.Tensor | MappedHost,
     dst: torch.Tensor | MappedHost,
@@ -154,67 +264,7 @@ def swap_blocks_triton(
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> None:
     """``dst[:, :, d] = src[:, :, s]`` for every row ``(s, d)`` of ``pairs``: whole blocks of
-    every layer, K and V, on the current stream.
-
-    src, dst: ``[layers, 2, blocks, chunk_size, num_kv_heads, head_dim]`` of one dtype, same
-    layers and block shape (block counts may differ), each block contiguous (any strides
-    above it; a layer range ``t[a:b]`` is fine). On CUDA each is a CUDA tensor or a
-    :class:`MappedHost` of that device; without CUDA both are CPU tensors (interpreter).
-    pairs: ``[n, 2]`` int64, contiguous, on the kernel's device; the dst ids of one call must be
-    distinct (else which source wins is undefined). ``num_programs``: persistent grid bound.
-    """
-    s_t, d_t = _shape_of(src), _shape_of(dst)
-    _check_tier("src", s_t)
-    _check_tier("dst", d_t)
-    if s_t.dtype != d_t.dtype:
-        raise ValueError(f"src {s_t.dtype} and dst {d_t.dtype} differ in dtype")
-    if s_t.shape[0] != d_t.shape[0] or s_t.shape[3:] != d_t.shape[3:]:
-        raise ValueError(f"src {tuple(s_t.shape)} and dst {tuple(d_t.shape)}: layers or block "
-                         "shape differ")
-    if pairs.dim() != 2 or pairs.shape[1] != 2 or pairs.dtype != torch.int64:
-        raise ValueError(f"pairs must be [n, 2] int64, got {tuple(pairs.shape)} {pairs.dtype}")
-    if pairs.numel() and not pairs.is_contiguous():
-        raise ValueError("pairs must be contiguous")
-    if num_programs < 1 or tile_bytes < 1 or num_warps < 1:
-        raise ValueError("num_programs, tile_bytes and num_warps must be >= 1")
-    devices = {x.device for x in (src, dst) if isinstance(x, MappedHost) or x.is_cuda}
-    if len(devices) > 1:
-        raise ValueError(f"src and dst are on different devices {devices}")
-    device = devices.pop() if devices else torch.device("cpu")
-    if device.type == "cuda":
-        for name, x in (("src", src), ("dst", dst)):
-            if not isinstance(x, MappedHost) and x.device != device:
-                raise ValueError(f"{name} is a {x.device} tensor: pass host memory as MappedHost")
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("src and dst are CPU tensors: the kernel needs CUDA (one side may be "
-                         "MappedHost), or TRITON_INTERPRET=1 set before "
-                         "pensieve.kernels.triton_swap is imported")
-    if pairs.device != device:
-        raise ValueError(f"pairs is on {pairs.device}, expected {device}")
-    layers = s_t.shape[0]
-    n = pairs.shape[0]
-    if n == 0 or layers == 0:
-        return
-    esize = s_t.element_size()
-    block_bytes = math.prod(s_t.shape[3:]) * esize
-    addrs = [src.device_ptr if isinstance(src, MappedHost) else src.data_ptr(),
-             dst.device_ptr if isinstance(dst, MappedHost) else dst.data_ptr()]
-    w = _word_size([block_bytes, *addrs,
-                    *(st * esize for t in (s_t, d_t) for st in t.stride()[:3])])
-    word = _WORDS[w]
-    block_words = block_bytes // w
-    tile = min(triton.next_power_of_2(max(1, tile_bytes // w)),
-               triton.next_power_of_2(block_words))
-    strides = [st * esize // w for t in (s_t, d_t) for st in t.stride()[:3]]
-    if device.type == "cuda":
-        ptrs: list[object] = [_Pointer(a, word) for a in addrs]
-        guard: contextlib.AbstractContextManager[object] = torch.cuda.device(device)
-    else:  # the interpreter needs real tensors: the same bytes seen as words
-        ptrs = [t.flatten(3).view(word) for t in (s_t, d_t)]
-        guard = contextlib.nullcontext()
-    grid = (min(num_programs, n * layers * 2),)
-    with guard:
-        _k._swap_blocks_kernel[grid](
-            ptrs[0], ptrs[1], pairs, n, layers, *strides,
-            BLOCK_WORDS=block_words, TILE=tile, num_warps=num_warps,
-        )
+    every layer, K and V, on the current stream (one-off :class:`BlockCopy`; see it for the
+    arguments)."""
+    BlockCopy(src, dst, num_programs=num_programs, tile_bytes=tile_bytes,
+              num_warps=num_warps)(pairs)

@@ -325,8 +325,8 @@ class KVSwapper:
         self.method = method
         from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
 
-        self.num_programs = num_programs or DEFAULT_PROGRAMS
-        """Persistent grid of each kernel launch (may be changed between steps)."""
+        self._num_programs = num_programs or DEFAULT_PROGRAMS
+        self._tile_bytes: int | None = None
         self.background = background
         shape = (2, num_cpu_blocks, *self.block_shape)
         self._host = torch.empty((self.num_layers, *shape), dtype=first.dtype)
@@ -345,6 +345,9 @@ class KVSwapper:
         """``[num_layers, 2, ...]`` view of the GPU caches when they are evenly spaced views of
         one storage; None: one launch per layer."""
         self._triton = self._cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        self._spans: list[tuple[int, int, Any, Any]] | None = None
+        """Kernel method: ``(first_layer, end_layer, to_gpu, to_host)`` copies covering the
+        layers (one span when the caches are stacked), built at first use."""
         self._streams: Streams | None = streams
         self._stream: torch.cuda.Stream | None = None  # DMA on CUDA
         if self._cuda and method == "kernel":
@@ -485,24 +488,59 @@ class KVSwapper:
             self._streams.synchronize(self._in_flight[-1].event)
             self._in_flight.clear()
 
+    @property
+    def num_programs(self) -> int:
+        """Persistent grid of each kernel launch (may be changed between steps)."""
+        return self._num_programs
+
+    @num_programs.setter
+    def num_programs(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"num_programs {value} < 1")
+        self._num_programs = value
+        for _, _, to_gpu, to_host in self._spans or []:
+            to_gpu.num_programs = to_host.num_programs = value
+
+    @property
+    def tile_bytes(self) -> int | None:
+        """Bytes per program per loop iteration of the kernel (None: the launcher's
+        default); may be changed between steps (the benchmark's sweep)."""
+        return self._tile_bytes
+
+    @tile_bytes.setter
+    def tile_bytes(self, value: int | None) -> None:
+        from pensieve.kernels.launch_swap import DEFAULT_TILE_BYTES
+
+        self._tile_bytes = value
+        for _, _, to_gpu, to_host in self._spans or []:
+            to_gpu.tile_bytes = to_host.tile_bytes = value or DEFAULT_TILE_BYTES
+
+    def _make_spans(self) -> list[tuple[int, int, Any, Any]]:
+        if self._gpu_stack is not None:
+            pieces = [(0, self.num_layers, self._gpu_stack, self._host_view)]
+        else:
+            pieces = [(i, i + 1, c.unsqueeze(0), self._host_view[i:i + 1])
+                      for i, c in enumerate(self.gpu_caches)]
+        if self._triton:
+            from pensieve.kernels.launch_swap import BlockCopy
+
+            def make(src: Any, dst: Any) -> Any:
+                copy = BlockCopy(src, dst, num_programs=self._num_programs)
+                if self._tile_bytes is not None:
+                    copy.tile_bytes = self._tile_bytes
+                return copy
+        else:
+            make = _RefCopy
+        return [(a, b, make(host, gpu), make(gpu, host)) for a, b, gpu, host in pieces]
+
     def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int) -> None:
         """Copy ``pairs`` (src, dst) for layers ``[start, stop)``: CPU -> GPU if ``to_gpu``."""
-        if self._gpu_stack is not None:
-            spans = [(self._gpu_stack[start:stop], self._host_view[start:stop])]
-        else:
-            spans = [(self.gpu_caches[i].unsqueeze(0), self._host_view[i:i + 1])
-                     for i in range(start, stop)]
-        for gpu, host in spans:
-            src, dst = (host, gpu) if to_gpu else (gpu, host)
-            if self._triton:
-                from pensieve.kernels.launch_swap import swap_blocks_triton
-
-                swap_blocks_triton(src, dst, pairs, num_programs=self.num_programs)
-            else:
-                from pensieve.kernels.reference import swap_blocks_ref
-
-                swap_blocks_ref(src, dst, pairs)
-            self.num_copies += 1
+        if self._spans is None:
+            self._spans = self._make_spans()
+        for a, b, copy_in, copy_out in self._spans:
+            if a < stop and start < b:
+                (copy_in if to_gpu else copy_out)(pairs, max(start, a) - a, min(stop, b) - a)
+                self.num_copies += 1
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
@@ -687,6 +725,21 @@ class KVSwapper:
             torch._foreach_copy_(dst, src, non_blocking=True)
             gpu.index_copy_(1, b.index, buf)
         self.num_copies += len(dst)
+
+
+class _RefCopy:
+    """The kernel's torch reference with :class:`~pensieve.kernels.launch_swap.BlockCopy`'s
+    call signature (the kernel method on the CPU without Triton's interpreter)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.src, self.dst = src, dst
+        self.num_programs = 1
+        self.tile_bytes = 0
+
+    def __call__(self, pairs: torch.Tensor, start: int, stop: int) -> None:
+        from pensieve.kernels.reference import swap_blocks_ref
+
+        swap_blocks_ref(self.src[start:stop], self.dst[start:stop], pairs)
 
 
 def _stacked(caches: list[torch.Tensor]) -> torch.Tensor | None:
