@@ -107,6 +107,38 @@ def test_load_measured_json(tmp_path: Path) -> None:
         TransferModel.load(bad)
 
 
+def test_load_kernel_benchmark_rows(tmp_path: Path) -> None:
+    """The swap kernel's benchmark writes ``method`` and ``pattern`` per row: by default the
+    kernel's rows of random block ids, one-way directions only, byte-weighted."""
+    def row(method: str, pattern: str | None, d: str, chunks: int, gbps: float) -> dict:
+        nbytes = chunks * BB
+        r = {"method": method, "dir": d, "chunks": chunks, "bytes": nbytes,
+             "s": nbytes / (gbps * 1e9)}
+        if pattern is not None:
+            r["pattern"] = pattern
+        return r
+
+    rows = [row("raw", None, "in", 0, 55.0), row("raw", None, "out", 0, 55.0),
+            row("kernel", "random", "in", 64, 40.0), row("kernel", "random", "in", 1024, 46.0),
+            row("kernel", "random", "out", 64, 42.0), row("kernel", "random", "in+out", 64, 30),
+            row("kernel", "random", "out", 1024, 48.0), row("kernel", "direct", "in", 64, 50.0),
+            row("kernel", "direct", "out", 64, 50.0), row("dma", "random", "in", 64, 8.0),
+            row("dma", "random", "out", 64, 8.5)]
+    p = tmp_path / "swap_bandwidth.json"
+    p.write_text(json.dumps({"rows": rows, "sweep": []}))
+    m = TransferModel.load(p)
+    want_in = (64 + 1024) * BB / (64 * BB / 40e9 + 1024 * BB / 46e9) / 1e9
+    want_out = (64 + 1024) * BB / (64 * BB / 42e9 + 1024 * BB / 48e9) / 1e9
+    assert m.swap_in_gbps == pytest.approx(want_in) and m.swap_out_gbps == pytest.approx(want_out)
+    assert m.source.endswith("[kernel, random]")
+    dma = TransferModel.load(p, case="dma")
+    assert (dma.swap_in_gbps, dma.swap_out_gbps) == (pytest.approx(8.0), pytest.approx(8.5))
+    direct = TransferModel.load(p, pattern="direct", num_layers=40)
+    assert direct.swap_in_gbps == pytest.approx(50.0) and direct.num_layers == 40
+    with pytest.raises(ValueError, match="method 'kernel', pattern 'scattered'"):
+        TransferModel.load(p, pattern="scattered")
+
+
 # ------------------------------------------------------------------------ TransferTimeline
 
 

@@ -489,9 +489,11 @@ DEFAULT_SWAP_GBPS = 45.0
 """One-way rate of the swap kernel on the H200 (GB/s), each direction, any block pattern; the
 same figure as :data:`pensieve.config.DEFAULT_SWAP_BANDWIDTH_GBPS`."""
 PREFERRED_CASES = ("kernel", "contig", "direct")
-"""Rows of a ``benchmarks/swap_bandwidth.py`` result used when no case is named: the swap
-kernel's if present, else the copies of consecutive CPU ids (what the CPU-tier allocator mostly
-hands out), else consecutive ids on both sides."""
+"""Rows of a ``benchmarks/swap_bandwidth.py`` result used when no case is named. Results with
+a ``method`` per row (the swap kernel's benchmark): the ``kernel`` method's rows of the
+``random`` block pattern (any ids, what serving produces). Older results with a ``case`` per
+row (before the kernel): the first of these present: ``kernel``, ``contig`` (consecutive CPU
+ids, what the CPU-tier allocator mostly handed out), ``direct``."""
 
 
 @dataclass(frozen=True)
@@ -612,13 +614,16 @@ class TransferModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], case: str | None = None,
-             **overrides: Any) -> TransferModel:
+             pattern: str | None = None, **overrides: Any) -> TransferModel:
         """Rates from a JSON file: one written by :meth:`save`; an object with
         ``swap_in_gbps`` and ``swap_out_gbps`` (and optionally ``latency_s``); or the output
-        of ``benchmarks/swap_bandwidth.py`` (``rows`` of ``case``, ``dir``, ``bytes``, ``s``),
-        where each direction's rate is the byte-weighted one over the rows of ``case`` (by
-        default the first of :data:`PREFERRED_CASES` present) in that direction. ``overrides``
-        set other fields (``latency_s``, ``num_layers``, ``pipelined``)."""
+        of ``benchmarks/swap_bandwidth.py`` (``rows`` with ``dir``, ``bytes``, ``s``), where
+        each direction's rate is the byte-weighted one (total bytes over total time) over the
+        selected rows of that direction (``in``, ``out``; the ``in+out`` rows are not used).
+        Rows are selected by ``case``: the ``method`` (default ``kernel``) and ``pattern``
+        (default ``random``) in results that have them, else the older ``case`` (default: see
+        :data:`PREFERRED_CASES`). ``overrides`` set other fields (``latency_s``,
+        ``num_layers``, ``pipelined``, ``graph_max_tokens``)."""
         d = read_json_object(path)
         src = os.fspath(path)
         if d.get("format") == TRANSFER_FORMAT:
@@ -632,23 +637,33 @@ class TransferModel:
         rows = d.get("rows")
         if not isinstance(rows, list) or not rows:
             raise ValueError(f"{src}: no swap_in_gbps/swap_out_gbps and no measured rows")
-        cases = [r.get("case") for r in rows if r.get("dir") in ("in", "out")]
-        if case is None:
-            case = next((c for c in PREFERRED_CASES if c in cases), None)
+        if any("method" in r for r in rows):  # the swap kernel's benchmark
+            case = case or "kernel"
+            pattern = pattern or "random"
+            sel_all = [r for r in rows if r.get("method") == case and r.get("chunks")
+                       and r.get("pattern", pattern) == pattern]
+            what = f"method {case!r}, pattern {pattern!r}"
+            label = f"{case}, {pattern}"
+        else:
+            cases = [r.get("case") for r in rows if r.get("dir") in ("in", "out")]
             if case is None:
-                raise ValueError(f"{src}: none of the cases {list(PREFERRED_CASES)}; name one "
-                                 f"of {sorted(set(map(str, cases)))}")
+                case = next((c for c in PREFERRED_CASES if c in cases), None)
+                if case is None:
+                    raise ValueError(f"{src}: none of the cases {list(PREFERRED_CASES)}; name "
+                                     f"one of {sorted(set(map(str, cases)))}")
+            sel_all = [r for r in rows if r.get("case") == case]
+            what = f"case {case!r}"
+            label = case
         rates: dict[str, float] = {}
         for direction in ("in", "out"):
-            sel = [r for r in rows if r.get("case") == case and r.get("dir") == direction]
+            sel = [r for r in sel_all if r.get("dir") == direction]
             nbytes = sum(float(r["bytes"]) for r in sel)
             secs = sum(float(r["s"]) for r in sel)
             if not sel or secs <= 0:
-                raise ValueError(f"{src}: no '{direction}' rows of case {case!r} (cases: "
-                                 f"{sorted(set(map(str, cases)))})")
+                raise ValueError(f"{src}: no '{direction}' rows of {what}")
             rates[direction] = nbytes / secs / 1e9
         return cls(**{"swap_in_gbps": rates["in"], "swap_out_gbps": rates["out"],
-                      "source": f"{src} [{case}]", **overrides})
+                      "source": f"{src} [{label}]", **overrides})
 
 
 @dataclass(frozen=True)
