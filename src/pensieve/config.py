@@ -81,12 +81,14 @@ class CacheConfig:
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"
     """Measured one-way rate (GB/s, 1e9 bytes per second) of chunk copies between the tiers on
-    this interconnect. The cache swaps a CPU-tier chunk in only where that is cheaper than
-    recomputing it (``chunk bytes / rate``, all layers, against the cost model's Cost(l)), and
-    the simulator moves chunks at this rate. ``"auto"``: DEFAULT_SWAP_BANDWIDTH_GBPS (45) on
-    CUDA, off on the CPU (there a swap is a host memcpy, far cheaper than recomputing);
-    ``"off"`` or None: always swap in. Under tensor parallelism each rank moves its own slice
-    over its own link, so the time per chunk is one rank's slice over this rate."""
+    this interconnect. The engine passes ``chunk bytes (all layers) / rate`` to the cache as
+    ``swap_chunk_s``, with which it brings a CPU-tier chunk back by swap-in or by recomputation
+    (the cost model's Cost(l)), whichever is expected sooner (see ``TieredKVCache``); the
+    simulator's cache does the same with its transfer model's rate. ``"auto"``:
+    DEFAULT_SWAP_BANDWIDTH_GBPS (45) on CUDA, off on the CPU (there a swap is a host memcpy,
+    far cheaper than recomputing); ``"off"`` or None: always swap in. Under tensor
+    parallelism each rank moves its own slice over its own link, so the time per chunk is one
+    rank's slice over this rate."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
