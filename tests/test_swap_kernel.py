@@ -1,9 +1,10 @@
 """The swapper's block-copy kernel (kernels/triton_swap.py) against its torch reference.
 
 Without CUDA the kernel runs on CPU tensors through Triton's interpreter (what CI runs). With
-CUDA it runs natively, one side being pinned, device-mapped host memory (``MappedHost``), as
-the swapper uses it. Comparisons are bit for bit (the kernel copies raw words): the inputs
-carry NaN payloads and negative zeros that any float conversion would change.
+CUDA the same cases run natively on GPU tensors, and the ``gpu`` cases copy between the GPU
+and pinned, device-mapped host memory (``MappedHost``), as the swapper uses it. Comparisons
+are bit for bit (the kernel copies raw words): the inputs are random bits, NaN payloads and
+negative zeros included, which any float conversion would change.
 """
 
 import os
@@ -24,6 +25,7 @@ from pensieve.kernels.launch_swap import MappedHost, swap_blocks_triton  # noqa:
 from pensieve.kernels.reference import swap_blocks_ref  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA:
     importlib.reload(triton_swap)
 
@@ -37,13 +39,11 @@ def _seed(request: pytest.FixtureRequest) -> None:
 
 
 def tier(layers: int, blocks: int, block: tuple[int, int, int], dtype: torch.dtype,
-         device: str = "cpu") -> torch.Tensor:
+         device: str = DEVICE) -> torch.Tensor:
     """Random bits (NaN payloads, -0.0 and all) of ``[layers, 2, blocks, *block]``."""
-    shape = (layers, 2, blocks, *block)
-    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16)
-    if dtype == F32:
-        bits = torch.randint(-(2**31), 2**31, shape, dtype=torch.int64).to(torch.int32)
-    return bits.view(dtype).to(device)
+    per = torch.empty((), dtype=dtype).element_size() // 2  # int16 halves per element
+    shape = (layers, 2, blocks, *block[:-1], block[-1] * per)
+    return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16).view(dtype).to(device)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,8 @@ def random_pairs(rng: random.Random, n: int, n_src: int, n_dst: int) -> torch.Te
     """``n`` pairs, sources and destinations in random order, destinations distinct."""
     src = [rng.randrange(n_src) for _ in range(n)]  # sources may repeat
     dst = rng.sample(range(n_dst), n)
-    return torch.tensor(list(zip(src, dst, strict=True)), dtype=torch.int64).view(-1, 2)
+    pairs = torch.tensor(list(zip(src, dst, strict=True)), dtype=torch.int64).view(-1, 2)
+    return pairs.to(DEVICE)
 
 
 def check(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, **kw: int) -> None:
@@ -130,8 +131,8 @@ def test_strided_tiers() -> None:
 def test_empty_is_a_no_op() -> None:
     src, dst = tier(2, 4, (4, 2, 8), BF16), tier(2, 4, (4, 2, 8), BF16)
     before = bits(dst)
-    swap_blocks_triton(src, dst, torch.zeros(0, 2, dtype=torch.int64))
-    swap_blocks_triton(src[:0], dst[:0], torch.tensor([[0, 1]]))
+    swap_blocks_triton(src, dst, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE))
+    swap_blocks_triton(src[:0], dst[:0], torch.tensor([[0, 1]], device=DEVICE))
     assert torch.equal(bits(dst), before)
 
 
@@ -139,7 +140,7 @@ def test_empty_is_a_no_op() -> None:
                                   "pairs_shape", "noncontig_block", "programs"])
 def test_launcher_rejects(case: str) -> None:
     src, dst = tier(2, 4, (4, 2, 8), BF16), tier(2, 5, (4, 2, 8), BF16)
-    pairs = torch.tensor([[0, 1]])
+    pairs = torch.tensor([[0, 1]], device=DEVICE)
     kw: dict[str, int] = {}
     if case == "ndim":
         src = src[0]
@@ -199,19 +200,19 @@ def test_cuda_mapped_host_matches_reference(mapped, dtype: torch.dtype, directio
                                             programs: int) -> None:
     rng = random.Random(f"{dtype}{direction}{programs}")
     layers, block = 4, (32, 10, 128)
-    dev = tier(layers, 300, block, dtype, "cuda")
-    host = tier(layers, 500, block, dtype)
+    dev = tier(layers, 200, block, dtype, "cuda")
+    host = tier(layers, 300, block, dtype, "cpu")
     m = mapped(host)
-    n = 200
+    n = 150
     if direction == "in":
-        pairs = random_pairs(rng, n, 500, 300)
+        pairs = random_pairs(rng, n, 300, 200).cpu()
         want = dev.cpu()
         swap_blocks_ref(host, want, pairs)
         swap_blocks_triton(m, dev, pairs.cuda(), num_programs=programs)
         torch.cuda.synchronize()
         assert torch.equal(bits(dev), bits(want))
     else:
-        pairs = random_pairs(rng, n, 300, 500)
+        pairs = random_pairs(rng, n, 200, 300).cpu()
         want = host.clone()
         swap_blocks_ref(dev.cpu(), want, pairs)
         swap_blocks_triton(dev, m, pairs.cuda(), num_programs=programs)
@@ -224,9 +225,9 @@ def test_cuda_mapped_host_matches_reference(mapped, dtype: torch.dtype, directio
 def test_cuda_layer_slices_of_mapped_host(mapped) -> None:  # noqa: ANN001
     rng = random.Random(0)
     dev = tier(5, 40, (32, 10, 128), BF16, "cuda")
-    host = tier(5, 60, (32, 10, 128), BF16)
+    host = tier(5, 60, (32, 10, 128), BF16, "cpu")
     m = mapped(host)
-    pairs = random_pairs(rng, 30, 60, 40)
+    pairs = random_pairs(rng, 30, 60, 40).cpu()
     want = dev.cpu()
     swap_blocks_ref(host[2:4], want[2:4], pairs)
     swap_blocks_triton(m[2:4], dev[2:4], pairs.cuda())
@@ -250,4 +251,5 @@ def test_cuda_device_pointer_of_mapped_host(mapped) -> None:  # noqa: ANN001
 def test_cuda_rejects_plain_cpu_tensor() -> None:
     dev = tier(1, 4, (4, 2, 8), BF16, "cuda")
     with pytest.raises(ValueError):
-        swap_blocks_triton(tier(1, 4, (4, 2, 8), BF16), dev, torch.tensor([[0, 0]]).cuda())
+        swap_blocks_triton(tier(1, 4, (4, 2, 8), BF16, "cpu"), dev,
+                           torch.tensor([[0, 0]]).cuda())
