@@ -116,7 +116,7 @@ def raw_copies(sw: KVSwapper, nbytes: int, reps: int) -> list[dict]:
     for name, fn, direction in (("raw", h2d, "in"), ("raw", d2h, "out"),
                                 ("raw 2 streams", both, "in+out")):
         t = timed(fn, reps)
-        rows.append({"method": name, "dir": direction, "chunks": 0, "bytes": nbytes, **t})
+        add(rows, {"method": name, "dir": direction, "chunks": 0, "bytes": nbytes, **t})
     return rows
 
 
@@ -149,9 +149,9 @@ def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: i
                                     ("out", SwapPlan(swap_out=p["out"])),
                                     ("in+out", SwapPlan(swap_in=swap_in, swap_out=p["out"]))):
                 t = timed(swapper_step(sw, plan), reps)
-                rows.append({"method": sw.method, "pattern": pattern, "dir": direction,
-                             "chunks": n, "programs": sw.num_programs if sw.method == "kernel"
-                             else None, "bytes": n * step_bytes, **t})
+                add(rows, {"method": sw.method, "pattern": pattern, "dir": direction,
+                           "chunks": n, "programs": sw.num_programs if sw.method == "kernel"
+                           else None, "bytes": n * step_bytes, **t})
     return rows
 
 
@@ -196,29 +196,41 @@ def sweep_rows(sw: KVSwapper, programs: list[int], tiles: list[int], n: int, num
                         alone.append(gemms(k))
                         beside.append(gemms(k, both))
                     row["gemm_slowdown"] = statistics.median(beside) / statistics.median(alone)
-                rows.append(row)
-    sw.num_programs = DEFAULT_PROGRAMS
+                add(rows, row)
     sw.tile_bytes = None
     return rows
 
 
-def fmt_table(rows: list[dict]) -> str:
-    lines = [f"{'method':<15}{'pattern':>9}{'dir':>8}{'chunks':>7}{'prog':>6}{'tile':>7}"
-             f"{'MB/dir':>9}{'ms':>9}{'GB/s':>8}{'vs 45':>7}{'enqueue':>9}{'step':>9}"
-             f"{'layer0':>8}{'gemm x':>8}"]
-    for r in rows:
-        def ms(key: str, r: dict = r) -> str:
-            return f"{r[key] * 1e3:.2f}" if key in r else "-"
+HEADER = (f"{'method':<15}{'pattern':>9}{'dir':>8}{'chunks':>7}{'prog':>6}{'tile':>7}"
+          f"{'MB/dir':>9}{'ms':>9}{'GB/s':>8}{'vs 45':>7}{'enqueue':>9}{'step':>9}"
+          f"{'layer0':>8}{'gemm x':>8}")
 
-        prog = str(r.get("programs") or "-")
-        tile = f"{r['tile_bytes'] // 1024}K" if r.get("tile_bytes") else "-"
-        gx = f"{r['gemm_slowdown']:.2f}" if "gemm_slowdown" in r else "-"
-        lines.append(
-            f"{r['method']:<15}{r.get('pattern', '-'):>9}{r['dir']:>8}{r['chunks']:>7}"
+
+def fmt_row(r: dict) -> str:
+    def ms(key: str) -> str:
+        return f"{r[key] * 1e3:.2f}" if key in r else "-"
+
+    prog = str(r.get("programs") or "-")
+    t = r.get("tile_bytes")
+    tile = "-" if not t else f"{t // 1024}K" if t >= 1024 else f"{t}B"
+    gx = f"{r['gemm_slowdown']:.2f}" if "gemm_slowdown" in r else "-"
+    return (f"{r['method']:<15}{r.get('pattern', '-'):>9}{r['dir']:>8}{r['chunks']:>7}"
             f"{prog:>6}{tile:>7}{r['bytes'] / 1e6:>9.1f}{ms('s'):>9}{r['gbps']:>8.1f}"
             f"{r['gbps'] / TARGET_GBPS:>7.0%}{ms('enqueue_s'):>9}{ms('step_s'):>9}"
             f"{ms('layer0_s'):>8}{gx:>8}")
-    return "\n".join(lines)
+
+
+def fmt_table(rows: list[dict]) -> str:
+    return "\n".join([HEADER, *(fmt_row(r) for r in rows)])
+
+
+def add(rows: list[dict], row: dict) -> None:
+    """Append a measured row (GB/s per direction) and print it at once (a run cut short by a
+    timeout still shows what it measured)."""
+    row["gbps"] = row["bytes"] / row["s"] / 1e9
+    row["vs_target"] = row["gbps"] / TARGET_GBPS
+    rows.append(row)
+    print(fmt_row(row), flush=True)
 
 
 def plot(result: dict, path: str) -> None:
@@ -296,7 +308,8 @@ def main() -> None:
     ap.add_argument("--gpu-blocks", type=int, default=None,
                     help="GPU blocks per layer (default: 2.5 x the largest size)")
     ap.add_argument("--cpu-blocks", type=int, default=None,
-                    help="CPU blocks per layer (default: 2 x the largest size)")
+                    help="CPU blocks per layer (default: 2 x the largest size, 4 x with "
+                         "--patterns scattered)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -333,7 +346,7 @@ def main() -> None:
                       f"{sw.block_bytes / 1024:.0f} KB per chunk per layer (K+V); GPU tier "
                       f"{num_gpu * step_bytes / gib:.1f} GiB ({num_gpu} blocks), CPU tier "
                       f"{num_cpu * step_bytes / gib:.1f} GiB ({num_cpu} blocks)")
-            print(header, flush=True)
+            print(header + "\n\n" + HEADER, flush=True)
             rows += raw_copies(sw, min(256 * 2**20, num_cpu * sw.block_bytes // 2), args.reps)
         print(f"{method}: CPU tier pinned and mapped (and kernel compiled) in "
               f"{pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs",
@@ -341,15 +354,14 @@ def main() -> None:
         rows += method_rows(sw, args.sizes, args.patterns, num_gpu, num_cpu, step_bytes,
                             args.reps, args.seed)
         if method == "kernel" and args.sweep_programs:
+            print(f"kernel sweep ({args.sweep_chunks} chunks, random ids; gemm x: "
+                  f"{args.gemm_n}^3 bf16 GEMMs beside in+out copies / alone)", flush=True)
             sweep = sweep_rows(sw, args.sweep_programs, args.sweep_tiles or [DEFAULT_TILE_BYTES],
                                args.sweep_chunks, num_gpu, num_cpu, step_bytes, args.reps,
                                args.seed, args.gemm_n)
         del sw
         gc.collect()
 
-    for r in rows + sweep:
-        r["gbps"] = r["bytes"] / r["s"] / 1e9
-        r["vs_target"] = r["gbps"] / TARGET_GBPS
     print("\n" + fmt_table(rows))
     if sweep:
         print(f"\nkernel sweep ({args.sweep_chunks} chunks, random ids; gemm x: {args.gemm_n}^3 "
