@@ -1,4 +1,4 @@
-"""Multi-turn chat workloads for the benchmark: ShareGPT (real) and UltraChat (synthetic).
+"""Multi-turn chat workloads for the benchmark: ShareGPT (real), UltraChat and agentic (synthetic).
 
 This module holds the workload data types (:class:`Turn`, :class:`Conversation`,
 :class:`Workload`), the lengths cache (:func:`save_workload` / :func:`load_workload`), the
@@ -35,7 +35,11 @@ UltraChat
     sigma 1.0 -- user questions vary from a few words to pasted paragraphs; output sigma 0.6 --
     the generated answers are consistently long), rounded and clipped to at least one token.
 
-CLI: ``pensieve bench workload-stats [--sharegpt PATH] [--max-conversations N] [--ultrachat-n N]``
+Agentic
+    Synthetic long sessions of tool rounds with short answers: :mod:`pensieve.bench.agentic`.
+
+CLI: ``pensieve bench workload-stats [--sharegpt PATH] [--max-conversations N] [--ultrachat-n N]
+[--agentic-n N]``
 (or ``python -m pensieve.bench.workload``) prints our statistics beside the paper's.
 """
 
@@ -229,7 +233,8 @@ def workload_stats(w: Workload) -> dict[str, float]:
 
     Means per turn are over all turns of all conversations (total tokens / total turns).
     ``mean_final_context`` is the context length at the end of the last turn (all inputs and
-    outputs, no chat-template tokens). Percentiles are nearest-rank.
+    outputs, no chat-template tokens); ``mean_turn_context`` the mean over turns of the context
+    a turn is sent with (its history plus its new input). Percentiles are nearest-rank.
     """
     n = len(w.conversations)
     turn_counts = sorted(len(c.turns) for c in w.conversations)
@@ -237,6 +242,12 @@ def workload_stats(w: Workload) -> dict[str, float]:
     tot_in = sum(t.input_len for c in w.conversations for t in c.turns)
     tot_out = sum(t.output_len for c in w.conversations for t in c.turns)
     finals = [c.total_tokens for c in w.conversations]
+    turn_ctx = 0  # context a turn is sent with: the history plus its new input
+    for c in w.conversations:
+        hist = 0
+        for t in c.turns:
+            turn_ctx += hist + t.input_len
+            hist += t.input_len + t.output_len
     nan = float("nan")
     return {
         "conversations": n,
@@ -245,6 +256,7 @@ def workload_stats(w: Workload) -> dict[str, float]:
         "mean_output_tokens": tot_out / n_turns if n_turns else nan,
         "total_turns": n_turns,
         "mean_final_context": sum(finals) / n if n else nan,
+        "mean_turn_context": turn_ctx / n_turns if n_turns else nan,
         "max_final_context": max(finals) if finals else nan,
         "p50_turns": _nearest_rank(turn_counts, 50),
         "p90_turns": _nearest_rank(turn_counts, 90),
@@ -257,6 +269,7 @@ _ROWS = [
     ("mean_input_tokens", "mean new input tokens / turn", "{:.2f}"),
     ("mean_output_tokens", "mean output tokens / turn", "{:.2f}"),
     ("mean_final_context", "mean context at last turn", "{:.1f}"),
+    ("mean_turn_context", "mean context a turn is sent with", "{:.1f}"),
     ("max_final_context", "max context at last turn", "{:,.0f}"),
     ("p50_turns", "P50 turns", "{:.0f}"),
     ("p90_turns", "P90 turns", "{:.0f}"),
@@ -264,19 +277,21 @@ _ROWS = [
 
 
 def format_table(ours: dict[str, dict[str, float]]) -> str:
-    """A text table: for each data set, our value beside the paper's (Table 2) value."""
+    """A text table: for each data set, our value beside the paper's (Table 2) value (data
+    sets the paper does not have, such as the synthetic agentic one, get one column)."""
     names = list(ours)
     head = ["metric"]
     for nm in names:
-        head += [f"{nm} (ours)", f"{nm} (paper)"]
+        head += [f"{nm} (ours)", f"{nm} (paper)"] if nm in PAPER_TABLE2 else [f"{nm} (ours)"]
     rows = [head]
     for key, label, fmt in _ROWS:
         row = [label]
         for nm in names:
             v = ours[nm].get(key)
-            p = PAPER_TABLE2.get(nm, {}).get(key)
             row.append("-" if v is None or v != v else fmt.format(v))
-            row.append("-" if p is None else fmt.format(p))
+            if nm in PAPER_TABLE2:
+                p = PAPER_TABLE2[nm].get(key)
+                row.append("-" if p is None else fmt.format(p))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = []
@@ -314,7 +329,11 @@ def add_workload_stats_args(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--ultrachat-n", type=int, default=100_000,
                         help="synthetic UltraChat conversations to draw (default 100000; the "
                              "paper's set has 1,468,352; 0 = skip)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the synthetic UltraChat")
+    parser.add_argument("--agentic-n", type=int, default=20_000,
+                        help="synthetic agentic sessions to draw (pensieve.bench.agentic; "
+                             "default 20000; 0 = skip)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for the synthetic UltraChat and agentic workloads")
     parser.add_argument("--write-cache", metavar="OUT", default=None,
                         help="also save the parsed ShareGPT lengths to OUT (.json.gz)")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead")
@@ -370,6 +389,12 @@ def workload_stats_cmd(args: argparse.Namespace) -> int:
     if args.ultrachat_n:
         w_uc = ultrachat_synthetic(args.ultrachat_n, seed=args.seed, max_context=max_context)
         ours["UltraChat"] = workload_stats(w_uc)
+    agentic_n = getattr(args, "agentic_n", 0)
+    if agentic_n:
+        from pensieve.bench.agentic import agentic_workload  # builds this module's types
+
+        ours["Agentic"] = workload_stats(agentic_workload(agentic_n, seed=args.seed,
+                                                          max_context=max_context))
     if not ours:
         print("no workload to report", file=sys.stderr)
         return 1
@@ -384,6 +409,9 @@ def workload_stats_cmd(args: argparse.Namespace) -> int:
                 print("  counts: " + ", ".join(f"{k}={v}" for k, v in c.items()))
         if args.ultrachat_n:
             print(f"UltraChat: synthetic, {args.ultrachat_n:,} drawn (seed {args.seed})")
+        if agentic_n:
+            print(f"Agentic: synthetic sessions (pensieve.bench.agentic), {agentic_n:,} drawn "
+                  f"(seed {args.seed})")
     return 0
 
 
