@@ -136,3 +136,151 @@ def test_percentile_and_capacity() -> None:
     assert capacity_at(pts, 0.10) == pytest.approx(2.0)
     assert capacity_at(pts, 0.01) == 0.0
     assert capacity_at(pts, 1.0) == pytest.approx(3.0)
+
+
+class ProbedEngine(FakeEngine):
+    """FakeEngine with the state ``engine_probe`` reads from Pensieve's engine."""
+
+    num_waiting = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.queue)
+
+    def cache_stats(self) -> dict[str, int]:
+        used = sum(self.history.values()) // 32
+        return {"gpu_blocks_total": 1000, "gpu_blocks_free": 1000 - used,
+                "cpu_blocks_total": 0, "cpu_blocks_free": 0, "swap_in_bytes": 0,
+                "swap_out_bytes": 0, "dropped_tokens": 0}
+
+
+def test_samples_once_a_second_with_engine_state() -> None:
+    convs = [Conversation(f"x{i}", [Turn(5, 10), Turn(3, 20), Turn(2, 5)]) for i in range(3)]
+    clock = VirtualClock()
+    eng = ProbedEngine(clock)
+    res = run_load(eng, clock, convs, conv_rate=0.5, think_time_s=2.0, duration_s=40.0,
+                   vocab_size=100, seed=3, drain_s=1000.0)
+    ts = [s["t"] for s in res.samples]
+    assert ts[0] == 0.0 and ts == sorted(ts)
+    # one sample in each second (taken at the first chance: a step here takes <= 0.2 s)
+    assert [int(t) for t in ts] == list(range(len(ts)))
+    assert all(t - int(t) <= 0.2 + 1e-9 for t in ts)
+    assert len(ts) >= int(res.end_s)
+    n_convs = len({r.conversation for r in res.records})
+    for s in res.samples:
+        # sessions in flight: arrived and not done; recompute it from the records
+        started = {r.conversation for r in res.records if r.turn == 0 and r.sent <= s["t"]}
+        over = {r.conversation for r in res.records
+                if r.turn == 2 and r.finished is not None and r.finished <= s["t"]}
+        assert s["sessions_in_flight"] == len(started - over)
+        assert s["sessions_started"] == len(started)
+        assert 0 <= s["requests_in_flight"] <= s["sessions_in_flight"]
+        assert s["gpu_blocks_total"] == 1000 and 0 <= s["gpu_blocks_used"] <= 1000
+        assert "requests_running" in s and s["requests_waiting"] == 0
+    fins = [s["requests_finished"] for s in res.samples]
+    assert fins == sorted(fins) and 3 * n_convs - 3 <= fins[-1] <= 3 * n_convs
+    # the engine's own probe() wins over cache_stats
+    eng.probe = lambda: {"gpu_blocks_used": 7}  # type: ignore[attr-defined]
+    res = run_load(eng, clock, convs[:1], 0.5, 2.0, 5.0, 100, seed=3, drain_s=100.0,
+                   sample_interval_s=2.0)
+    assert all(s["gpu_blocks_used"] == 7 and "gpu_blocks_total" not in s for s in res.samples)
+    res = run_load(eng, clock, convs[:1], 0.5, 2.0, 5.0, 100, seed=3, drain_s=100.0,
+                   sample_interval_s=None)
+    assert res.samples == []
+
+
+class SlowEngine(FakeEngine):
+    """Twice as slow per token, and keeps every prompt it is sent."""
+
+    def __init__(self, clock: VirtualClock, per_token: float) -> None:
+        super().__init__(clock)
+        self.per_token = per_token
+        self.prompts: dict[str, list[int]] = {}
+
+    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None,  # type: ignore[no-untyped-def]
+                    conversation_id=None) -> None:
+        self.prompts[request_id] = list(prompt_token_ids)
+        super().add_request(request_id, prompt_token_ids, params, arrival_time, conversation_id)
+
+    def step(self) -> list[_Out]:
+        outs = super().step()
+        self.clock.advance((self.per_token - 0.01) * len(outs[0].output_token_ids))
+        return outs
+
+
+def test_same_prompts_and_think_times_for_every_system() -> None:
+    convs = [Conversation(f"x{i}", [Turn(6, 10), Turn(4, 20), Turn(3, 5)]) for i in range(4)]
+    runs = []
+    for per_token in (0.01, 0.03):
+        clock = VirtualClock()
+        eng = SlowEngine(clock, per_token)
+        res = run_load(eng, clock, convs, 1.0, 2.0, 4.0, 1000, seed=5, drain_s=1000.0)
+        assert res.unfinished == 0
+        runs.append((eng, {r.request_id: r for r in res.records}))
+    (fast, a), (slow, b) = runs
+    assert fast.prompts == slow.prompts and len(fast.prompts) == len(a) > 3
+    for rid, ra in a.items():  # think time = next turn's send - this turn's finish
+        nxt = f"{rid.split('-')[0]}-t{ra.turn + 1}"
+        if nxt in a:
+            assert a[nxt].sent - ra.finished == pytest.approx(b[nxt].sent - b[rid].finished)
+
+
+def _result_with_samples(series: dict[str, list[float]], duration: float = 20.0
+                         ) -> LoadResult:
+    n = len(next(iter(series.values())))
+    samples = [{"t": float(i), **{k: v[i] for k, v in series.items()}} for i in range(n)]
+    recs = [_rec(float(i), 1.0, 10) for i in range(int(duration))]
+    return LoadResult(recs, duration_s=duration, end_s=duration + 5, unfinished=0,
+                      samples=samples)
+
+
+def test_steady_state_flag() -> None:
+    flat = {"sessions_in_flight": [50.0 + (i % 3) for i in range(25)],
+            "gpu_blocks_used": [900.0 + (i % 5) for i in range(25)],
+            "gpu_blocks_total": [1000.0] * 25,
+            "cpu_blocks_used": [0.0] * 25,
+            "requests_running": [10.0 + (i % 2) for i in range(25)],
+            "requests_waiting": [float(i % 2) for i in range(25)]}  # near zero: noise
+    s = summarize(_result_with_samples(flat), warmup_s=4.0)
+    st = s["steady"]
+    assert s["steady_state"] is True and st["steady"] is True and st["unsteady"] == []
+    assert st["samples"] == [8, 8]  # [4, 12) and [12, 20)
+    assert st["halves"]["sessions_in_flight"][0] == pytest.approx(
+        sum(50 + (i % 3) for i in range(4, 12)) / 8)
+    assert st["halves"]["throughput_rps"] == [1.0, 1.0]
+    assert st["rel_tol"] == 0.1
+    # a population still ramping up, and a queue that keeps growing, are not steady
+    ramp = dict(flat, sessions_in_flight=[5.0 * i for i in range(25)],
+                requests_waiting=[float(i) for i in range(25)])
+    st = summarize(_result_with_samples(ramp), warmup_s=4.0)["steady"]
+    assert st["steady"] is False
+    assert st["unsteady"] == ["sessions_in_flight", "requests_waiting"]
+    # a tier still filling (15% more blocks in the second half) is not steady either
+    filling = dict(flat, gpu_blocks_used=[600.0 + 15 * i for i in range(25)])
+    assert summarize(_result_with_samples(filling), warmup_s=4.0)["steady"]["unsteady"] == [
+        "gpu_blocks_used"]
+    # no samples in the second half: unknown
+    st = summarize(_result_with_samples({"sessions_in_flight": [1.0] * 10}), 4.0)["steady"]
+    assert st["steady"] is None
+    # no samples at all: no steady keys
+    assert "steady" not in summarize(LoadResult([_rec(1.0, 1.0, 10)], 5.0, 6.0, 0), 0.0)
+
+
+def test_prefill_computed_and_cached() -> None:
+    recs = [_rec(1.0, 2.0, 10, {"gpu_hit_tokens": 6, "cpu_hit_tokens": 1,
+                                "recomputed_tokens": 0, "new_prompt_tokens": 3}),
+            _rec(2.0, 2.0, 10, {"recomputed_tokens": 8, "new_prompt_tokens": 2})]
+    s = summarize(LoadResult(recs, duration_s=5.0, end_s=9.0, unfinished=0), warmup_s=1.0)
+    assert s["prefill_cached_tokens"] == 7 and s["prefill_computed_tokens"] == 13
+    assert s["prefill_cached_rate"] == pytest.approx(7 / 20)
+    assert s["prompt_tokens_per_s"] == pytest.approx(20 / 4.0)
+    # a server that reports only usage.prompt_tokens_details.cached_tokens
+    recs = [_rec(1.0, 2.0, 10, {"usage_cached_tokens": 4})]
+    s = summarize(LoadResult(recs, duration_s=5.0, end_s=9.0, unfinished=0), warmup_s=1.0)
+    assert s["prefill_cached_tokens"] == 4 and s["prefill_computed_tokens"] == 6
+    s = summarize(LoadResult([_rec(1.0, 2.0, 10)], 5.0, 9.0, 0), warmup_s=1.0)
+    assert s["prefill_cached_tokens"] is None and math.isnan(s["prefill_cached_rate"])
+    # generated tokens, where known, set the normalized latency and the token throughput
+    r = _rec(1.0, 2.0, 10)
+    r.output_tokens = 4
+    assert r.normalized_latency == pytest.approx(0.5)

@@ -1,14 +1,18 @@
 """What the load generator needs from a system under test, and the clocks it runs on.
 
-Three kinds of system implement :class:`BenchEngine`: Pensieve's :class:`LLMEngine` (any cache
+Four kinds of system implement :class:`BenchEngine`: Pensieve's :class:`LLMEngine` (any cache
 policy, on a real device), the simulator (the same scheduler and cache, virtual time advanced
-by a calibrated step-cost model) and the HF transformers continuous-batching peer.
+by a calibrated step-cost model), the HF transformers continuous-batching peer and a server
+over HTTP (:mod:`pensieve.bench.http_engine`).
+
+:func:`engine_probe` reads the state the load generator samples once a second to show whether
+a run is at steady state: KV blocks used per tier, requests running and waiting.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.outputs import RequestOutput
@@ -76,3 +80,39 @@ class BenchEngine(Protocol):
 
     def cache_stats(self) -> dict[str, int]:
         ...
+
+
+PROBE_KEYS = ("gpu_blocks_used", "gpu_blocks_total", "cpu_blocks_used", "cpu_blocks_total",
+              "requests_running", "requests_waiting", "swap_in_bytes", "swap_out_bytes",
+              "dropped_tokens")
+"""What :func:`engine_probe` reports where the system knows it (the last three are running
+totals since the engine started)."""
+
+
+def engine_probe(engine: Any) -> dict[str, float]:
+    """The engine's state now, cheaply: the engine's own ``probe()`` if it has one (the HTTP
+    engine returns its latest scrape of the server's ``/metrics``), else blocks per tier and
+    swap / drop totals from ``cache_stats()`` and requests from ``num_running`` /
+    ``num_waiting`` (Pensieve's engine and the simulator). Missing values are left out."""
+    probe = getattr(engine, "probe", None)
+    if callable(probe):
+        return dict(probe())
+    out: dict[str, float] = {}
+    stats = getattr(engine, "cache_stats", None)
+    st = stats() if callable(stats) else {}
+    for tier in ("gpu", "cpu"):
+        total = st.get(f"{tier}_blocks_total")
+        free = st.get(f"{tier}_blocks_free")
+        if total is not None and free is not None:
+            out[f"{tier}_blocks_used"] = total - free
+            out[f"{tier}_blocks_total"] = total
+    for key in ("swap_in_bytes", "swap_out_bytes", "dropped_tokens"):
+        if key in st:
+            out[key] = st[key]
+    for key, attr in (("requests_running", "num_running"), ("requests_waiting", "num_waiting")):
+        v = getattr(engine, attr, None)
+        if isinstance(v, int):
+            out[key] = v
+    if "requests_running" not in out and "running_requests" in st:  # the HF peer
+        out["requests_running"] = st["running_requests"]
+    return out
