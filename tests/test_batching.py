@@ -187,7 +187,13 @@ def drive(batching: str, convs: Turns, starts: list[int], setup: dict[str, int |
         cache.check_integrity()
         step += 1
         if not out.requests:
-            assert not s.has_unfinished(), "an empty step with work queued (the engine raises)"
+            if out.is_empty and not cache.has_pending_swap_outs:
+                assert not s.has_unfinished(), "an empty step with work queued (the engine raises)"
+                continue
+            # copies only (or background swap-outs to wait for): the engine runs the step and
+            # the runner reports every copy done
+            s.update_from_output(out, RunnerOutput({}), float(step))
+            cache.check_integrity()
             continue
         kinds.append(step_kinds(out))
         sampled = {}

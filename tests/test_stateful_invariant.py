@@ -123,20 +123,28 @@ def test_all_policies_match_hf_from_full_history(hf_checkpoint, workload: Worklo
         assert got == want, f"policy {policy} diverged"
 
 
-def test_every_path_runs_and_matches(hf_checkpoint) -> None:  # noqa: ANN001
-    """A workload built to hit every path under the pensieve policy; counters prove it."""
-    path, model = hf_checkpoint
+def every_path_workload() -> Workload:
+    """Five conversations, three rounds; later rounds return to early conversations after the
+    tiers filled up, so their leading chunks were moved to the CPU or dropped."""
     rng = random.Random(3)
-    ref = Reference(model)
-    # five conversations, three rounds; later rounds return to early conversations after the
-    # tiers filled up, so their leading chunks were moved to the CPU or dropped.
     workload: Workload = []
     for r in range(3):  # the last round's long answers outgrow the GPU tier: suspensions
         rnd = [(c, [rng.randrange(VOCAB) for _ in range(rng.randint(18, 30))], 40 if r == 2 else 10)
                for c in range(5)]
         workload.append(rnd if r != 1 else rnd[::-1])
+    return workload
+
+
+def test_every_path_runs_and_matches(hf_checkpoint) -> None:  # noqa: ANN001
+    """A workload built to hit every path under the pensieve policy; counters prove it."""
+    path, model = hf_checkpoint
+    ref = Reference(model)
+    workload = every_path_workload()
     want = expected(ref, workload)
     llm = make_llm(path, "pensieve", num_gpu_blocks=30, num_cpu_blocks=8)
+    # The exact retention order (no re-key interval): the workload was built for it, and its
+    # turns are milliseconds apart, the scale of the default interval's approximation.
+    llm.engine.cache.key_refresh_s = 0.0
     assert run(llm, workload) == want
     stats = llm.cache_stats()
     for counter in ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "new_prompt_tokens",
@@ -146,3 +154,20 @@ def test_every_path_runs_and_matches(hf_checkpoint) -> None:  # noqa: ANN001
     # every policy agrees on the same workload
     for policy in POLICIES:
         assert run(make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8), workload) == want
+
+
+@pytest.mark.parametrize("policy", ["pensieve", "lru", "prefix-lru"])
+def test_swap_or_recompute_by_cost_matches(hf_checkpoint, policy: str) -> None:  # noqa: ANN001
+    """With a swap time per chunk near the recompute cost of one chunk, admission swaps some CPU
+    chunks in and recomputes others (the cheaper way for each): outputs are unchanged."""
+    path, model = hf_checkpoint
+    workload = every_path_workload()
+    want = expected(Reference(model), workload)
+    llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8)
+    cache = llm.engine.cache
+    cache.key_refresh_s = 0.0
+    cache.swap_chunk_s = 0.7 * cache.chunk_cost(CHUNK)
+    assert run(llm, workload) == want
+    stats = llm.cache_stats()
+    assert stats["cpu_recomputed_tokens"] > 0 and stats["cpu_hit_tokens"] > 0, stats
+    assert stats["cpu_recomputed_tokens"] <= stats["recomputed_tokens"]

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import random
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pensieve.core.config import SchedulerConfig
 from pensieve.core.conversation import Tier
 from pensieve.core.eviction import get_policy
+from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.engine.core import EngineCore
 
 C = 4
 
@@ -54,9 +62,11 @@ def test_pensieve_evicts_older_conversation_and_leading_chunks_first() -> None:
     assert plan.swap_out == [(0, 0), (1, 1)] and not plan.swap_out_first
     assert tiers(cache, "A") == ["cpu", "cpu", "gpu"]
     assert tiers(cache, "B") == ["gpu", "gpu", "gpu"]
-    assert cache.gpu.num_free_blocks == 2  # reclaimed lazily, at the next step
+    assert cache.gpu.num_free_blocks == 2  # reclaimed once the runner reports the copy done
     cache.check_integrity()
     cache.begin_step()
+    assert cache.gpu.num_free_blocks == 2
+    cache.reclaim_swap_outs(0)
     assert cache.gpu.num_free_blocks == 4
     assert cache.stats.swapped_out_tokens == 8
 
@@ -172,3 +182,470 @@ def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="cache_policy"):
         get_policy("fifo")
     assert Tier("gpu") is Tier.GPU
+
+
+# --------------------------------------------------------------------------- the eviction index
+IDS = [f"c{k}" for k in range(6)]
+
+
+def brute_victim(cache: TieredKVCache, tier: Tier) -> tuple[object, str, int] | None:
+    """The reference: the idle chunk of lowest key in ``tier``, over every chunk, at ``now``."""
+    best = None
+    for conv in cache.conversations.values():
+        if conv.running:
+            continue
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is tier:
+                k = cache.policy.key(conv, i, cache._now, cache.chunk_cost, cache.chunk_size)
+                if best is None or k < best[0]:
+                    best = (k, conv.conversation_id, i)
+    return best
+
+
+def reference_pass(cache: TieredKVCache, n: int, now: float) -> tuple[dict[str, list[Tier]], int]:
+    """What an eviction pass of ``n`` GPU chunks must do, by brute force over every chunk: the
+    lowest GPU chunk leaves (with ``whole_conversation``, the rest of its conversation too); it
+    goes to a free CPU block, or displaces the lowest CPU chunk if that one's key is not
+    higher, or else is dropped. Returns every conversation's tiers after it, and the count."""
+    convs = cache.conversations
+    tiers = {cid: [ch.tier for ch in conv.chunks] for cid, conv in convs.items()}
+    free = cache.cpu.num_free_blocks if cache.cpu is not None else 0
+
+    def lowest(tier: Tier) -> tuple[object, str, int] | None:
+        return min(((cache.policy.key(convs[cid], i, now, cache.chunk_cost, C), cid, i)
+                    for cid, ts in tiers.items() if not convs[cid].running
+                    for i, t in enumerate(ts) if t is tier), default=None)
+
+    done, last = 0, None
+    while (top := lowest(Tier.GPU)) is not None:
+        k, cid, i = top
+        if done >= n and not (cache.policy.whole_conversation and cid == last):
+            break
+        if cache.cpu is None:
+            tiers[cid][i] = Tier.DROPPED
+        elif free:
+            tiers[cid][i], free = Tier.CPU, free - 1
+        else:
+            v = lowest(Tier.CPU)
+            if v is None or k < v[0]:  # type: ignore[operator]
+                tiers[cid][i] = Tier.DROPPED
+            else:
+                tiers[v[1]][v[2]], tiers[cid][i] = Tier.DROPPED, Tier.CPU
+        done, last = done + 1, cid
+    return tiers, done
+
+
+class CheckedCache(TieredKVCache):
+    """Checks every eviction choice of the index against :func:`brute_victim`, and every
+    eviction pass against :func:`reference_pass`."""
+
+    exact = True
+    choices = 0
+    passes = 0
+
+    def _peek_victim(self, tier: Tier):  # noqa: ANN202
+        got = super()._peek_victim(tier)
+        if self.exact:
+            want = brute_victim(self, tier)
+            mine = None if got is None else (got[0], got[1].conversation_id, got[2])
+            assert mine == want, (tier, mine, want)
+            self.choices += 1
+        return got
+
+    def _evict_gpu(self, n: int, now: float, urgent: bool) -> int:
+        if not self.exact:
+            return super()._evict_gpu(n, now, urgent)
+        want = reference_pass(self, n, now)
+        done = super()._evict_gpu(n, now, urgent)
+        got = {cid: [ch.tier for ch in conv.chunks] for cid, conv in self.conversations.items()}
+        assert (got, done) == want
+        self.passes += 1
+        return done
+
+
+class Driver:
+    """Random operations on a cache, as the scheduler would issue them."""
+
+    def __init__(self, cache: TieredKVCache) -> None:
+        self.cache = cache
+        self.now = 0.0
+        self.running: dict[str, Request] = {}
+        self.suspended: dict[str, Request] = {}
+        self.turns = 0
+
+    def do(self, kind: str, a: int, b: int, dt: float) -> None:
+        cache = self.cache
+        self.now += dt
+        idle = [c for c in IDS if c not in self.running]
+        run = sorted(self.running)
+        if kind == "admit" and idle:
+            cid = idle[a % len(idle)]
+            conv = cache.conversation(cid)
+            req = self.suspended.pop(cid, None)
+            if req is None:
+                if len(conv.token_ids) > 40:
+                    cache.delete(cid)
+                    conv = cache.conversation(cid)
+                req = Request(f"{cid}#{self.turns}", conv.token_ids + [1 + b % 7] * (1 + b % 13),
+                              SamplingParams(max_tokens=99), conversation_id=cid)
+                self.turns += 1
+            pending = cache.pending_for(req, conv)
+            total = sum(hi - lo for lo, hi in pending)
+            n = 1 + (a * 7 + b) % total
+            req.pending = pending
+            spare = None if b % 4 == 0 else (b % 3) * 6
+            if cache.admit(req, conv, req.pending_end(n), self.now, spare_tokens=spare):
+                n += req.num_pending - total
+                assert spare is None or req.num_pending - total <= spare
+                req.take(n)
+                self.running[cid] = req
+            else:
+                req.pending = []
+                if req.output_token_ids or req.num_tokens > len(conv.token_ids) + 13:
+                    self.suspended[cid] = req  # keep a suspended turn waiting
+        elif kind in ("grow", "end") and run:
+            cid = run[a % len(run)]
+            req, conv = self.running[cid], cache.conversations[cid]
+            if not req.pending:
+                req.append_output(9)
+            n = req.num_pending if kind == "end" else min(req.num_pending, 1 + b % 9)
+            if cache.grow(conv, req.pending_end(n), self.now):
+                req.take(n)
+                if kind == "end" and not req.pending:
+                    req.append_output(9)
+                    cache.end_turn(req, conv, self.now)
+                    del self.running[cid]
+            else:
+                cache.suspend(req, conv, self.now)
+                self.suspended[cid] = self.running.pop(cid)
+        elif kind == "suspend" and run:
+            cid = run[a % len(run)]
+            cache.suspend(self.running[cid], cache.conversations[cid], self.now)
+            self.suspended[cid] = self.running.pop(cid)
+        elif kind == "abort" and (run or self.suspended):
+            pool = run + sorted(self.suspended)
+            cid = pool[a % len(pool)]
+            req = self.running.pop(cid, None) or self.suspended.pop(cid)
+            cache.abort_turn(req, cache.conversations[cid], self.now)
+        elif kind == "delete":
+            free = [c for c in idle if c not in self.suspended]
+            if free:
+                cache.delete(free[a % len(free)])
+        elif kind == "hint" and idle:
+            cache.set_hints(cache.conversation(idle[a % len(idle)]), priority=0.5 + b % 4,
+                            keep_alive_s=(a % 3) * 0.7)
+        elif kind == "step":
+            cache.plan_background(self.now)
+            cache.take_swap_plan()
+            cache.reclaim_swap_outs(a % (len(cache._reclaim_groups) + 1))
+            cache.begin_step()
+        cache.check_integrity()
+
+
+KINDS = ["admit", "admit", "grow", "grow", "end", "end", "suspend", "abort", "delete", "hint",
+         "step", "step"]
+
+
+@st.composite
+def operations(draw: st.DrawFn) -> list[tuple[str, int, int, float]]:
+    """A random operation sequence, from a drawn seed (long sequences that reach full tiers)."""
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    return [(rng.choice(KINDS), rng.randint(0, 50), rng.randint(0, 50),
+             rng.choice([0.0, 0.0, 0.05, 0.4, 3.0])) for _ in range(draw(st.integers(1, 120)))]
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(policy=st.sampled_from(["pensieve", "lru", "prefix-lru", "gpu-only"]), ops=operations(),
+       gpu=st.integers(6, 20), cpu=st.integers(0, 8),
+       swap_chunk_s=st.sampled_from([None, 0.0, 0.4, 1.5, 100.0]),
+       threshold=st.sampled_from([0.0, 0.25, 0.5]), reserve=st.sampled_from([0.0, 0.1]))
+def test_index_evicts_as_brute_force_and_stays_consistent(
+        policy: str, ops: list[tuple[str, int, int, float]], gpu: int, cpu: int,
+        swap_chunk_s: float | None, threshold: float, reserve: float) -> None:
+    """Random admit / grow / end / suspend / abort / delete / hints / steps (with background
+    swap-outs left in flight): every victim the index picks is the brute-force lowest key over
+    every idle chunk and every eviction pass does what :func:`reference_pass` does (exact: lru
+    and prefix-lru always, pensieve with key_refresh_s = 0), and the index and the counts
+    match a full recomputation after every operation."""
+    cache = CheckedCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
+                         decode_reserve=reserve, key_refresh_s=0.0, swap_chunk_s=swap_chunk_s)
+    d = Driver(cache)
+    for op in ops:
+        d.do(*op)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ops=operations(), gpu=st.integers(6, 20), cpu=st.integers(0, 8))
+def test_index_stays_consistent_with_a_refresh_interval(
+        ops: list[tuple[str, int, int, float]], gpu: int, cpu: int) -> None:
+    """With the default re-key interval the pensieve order is approximate, but the index always
+    equals a full recomputation at its evaluation time."""
+    cache = CheckedCache(gpu, cpu, C, get_policy("pensieve"), cost, swap_out_threshold=0.5,
+                         decode_reserve=0.0)
+    cache.exact = False
+    d = Driver(cache)
+    for op in ops:
+        d.do(*op)
+
+
+def test_brute_force_check_sees_evictions() -> None:
+    """The property test's checker runs (a fixed sequence that evicts in both tiers)."""
+    cache = CheckedCache(8, 2, C, get_policy("pensieve"), cost, swap_out_threshold=0.75,
+                         decode_reserve=0.0, key_refresh_s=0.0)
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=10.0)
+    cache.plan_background(now=20.0)
+    assert cache.choices >= 6 and cache.passes == 1  # GPU and CPU victims, and the pass
+    assert tiers(cache, "A") == ["dropped", "dropped", "cpu"]
+
+
+def test_refresh_interval_rekeys_as_time_passes() -> None:
+    """Keys are evaluated at t_e in [now, now + key_refresh_s]: within the interval the
+    snapshot order holds; once now leaves it, the index is re-keyed at the new time."""
+    cache = make("pensieve", gpu=12, cpu=8)
+    cache.key_refresh_s = 5.0
+    # A: long idle, long context (costly); B: recent, short context (cheap)
+    turn(cache, "A", 28, now=0.0)   # 7 chunks, Cost ~1.3 per chunk at the tail
+    turn(cache, "B", 4, now=9.0)    # 1 chunk
+    cache._refresh(9.5)  # evaluated at 14.5: A idle 14.5, B idle 5.5
+    assert cache._t_eval == 14.5
+    key_a = cache._gpu_index.live[cache.conversations["A"]][2]
+    assert key_a == cache.policy.key(cache.conversations["A"], 0, 14.5, cost, C)
+    cache._refresh(12.0)  # still inside [9.5, 14.5]: no re-key
+    assert cache._t_eval == 14.5
+    cache._refresh(20.0)
+    assert cache._t_eval == 25.0
+    cache.check_integrity()
+
+
+def test_hints_rekey_idle_conversations() -> None:
+    cache = make("pensieve", gpu=8, cpu=4)
+    cache.key_refresh_s = 0.0
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=10.0)
+    cache.set_hints(cache.conversations["A"], priority=100.0)  # A is now worth keeping
+    cache.plan_background(now=20.0)
+    assert tiers(cache, "A") == ["gpu"] * 3 and tiers(cache, "B") == ["cpu", "cpu", "gpu"]
+    cache.check_integrity()
+
+
+# --------------------------------------------------------------------------- reclaim groups
+def test_background_swap_outs_reclaimed_when_reported_done() -> None:
+    """Each step's background swap-outs are one group; groups are freed oldest first as the
+    runner reports fewer batches in flight (2, then 1, then 0)."""
+    cache = make("pensieve", gpu=8, cpu=8, threshold=0.5)
+    turn(cache, "A", 12, now=0.0)   # blocks 0-2
+    turn(cache, "B", 12, now=10.0)  # blocks 3-5; 2 free, threshold 4
+    cache.plan_background(now=20.0)
+    g1 = [g for g, _ in cache.take_swap_plan().swap_out]
+    assert g1 == [0, 1]
+    cache.reclaim_swap_outs(1)  # still copying
+    cache.begin_step()
+    assert cache.gpu.num_free_blocks == 2 and cache.has_pending_swap_outs
+    turn(cache, "C", 8, now=21.0)   # takes both free blocks (6, 7)
+    cache.plan_background(now=22.0)  # 0 free + 2 pending: 2 more go
+    g2 = [g for g, _ in cache.take_swap_plan().swap_out]
+    assert len(g2) == 2 and not set(g1) & set(g2)
+    cache.check_integrity()
+    cache.reclaim_swap_outs(2)  # both groups in flight
+    assert cache.gpu.num_free_blocks == 0
+    cache.begin_step()
+    assert cache.gpu.num_free_blocks == 0  # a new step frees nothing by itself
+    cache.reclaim_swap_outs(1)  # the older group is done
+    assert sorted(cache.gpu._free) == sorted(g1)
+    cache.check_integrity()
+    cache.reclaim_swap_outs(0)
+    assert sorted(cache.gpu._free) == sorted(g1 + g2) and not cache.has_pending_swap_outs
+    cache.check_integrity()
+    with pytest.raises(ValueError, match="in flight"):
+        cache.reclaim_swap_outs(1)
+
+
+def test_plan_background_counts_every_pending_reclaim() -> None:
+    cache = make("pensieve", gpu=8, cpu=8, threshold=0.5)
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=10.0)
+    cache.plan_background(now=20.0)
+    cache.take_swap_plan()
+    cache.reclaim_swap_outs(1)
+    cache.begin_step()
+    cache.plan_background(now=21.0)  # 2 free + 2 pending = the threshold: nothing more
+    assert cache.take_swap_plan().is_empty
+
+
+def test_cancelled_background_swap_out_frees_its_gpu_block_at_once() -> None:
+    """A chunk swapped out in the background and dropped in the same step never copies: its
+    GPU block is free at once, not held for a copy that is not issued."""
+    cache = make("pensieve", gpu=8, cpu=2, threshold=0.75)
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=10.0)
+    cache.plan_background(now=20.0)  # A0, A1 cancelled (dropped), A2 and B0 copied
+    plan = cache.take_swap_plan()
+    assert [g for g, _ in plan.swap_out] == [2, 3]
+    assert cache.gpu.num_free_blocks == 4  # 2 free before + A0's and A1's blocks
+    cache.reclaim_swap_outs(0)
+    assert cache.gpu.num_free_blocks == 6
+    cache.check_integrity()
+
+
+class _CopyingEngine(EngineCore):
+    """An executor whose background copies finish only when a step waits for them: a step
+    without requests (the runner then waits), or ``finish_every`` steps after they start."""
+
+    def __init__(self, cache: TieredKVCache, finish_every: int) -> None:
+        self.clock = 0.0
+        self._init_core(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                        max_model_len=256), cache, lambda: self.clock, (), None)
+        self.audit = True
+        self.finish_every = finish_every
+        self.in_flight: list[int] = []  # step of each batch in flight
+        self.reports: list[int] = []
+        self.empty_steps = 0
+
+    def _execute(self, sched):  # noqa: ANN001, ANN202
+        self.clock += 1.0
+        if sched.swaps.swap_out:
+            self.in_flight.append(self.num_steps)
+        if not sched.requests:
+            self.empty_steps += 1
+            self.in_flight = []
+        while self.in_flight and self.num_steps - self.in_flight[0] >= self.finish_every:
+            self.in_flight.pop(0)
+        self.reports.append(len(self.in_flight))
+        return RunnerOutput({s.request_id: 1 for s in sched.requests if s.sample},
+                            swap_outs_in_flight=len(self.in_flight))
+
+
+def test_engine_runs_an_empty_step_to_reclaim_instead_of_stalling() -> None:
+    """Every free GPU block is pending reclaim and the next turn needs them: the engine runs a
+    step without requests (the runner waits for the copies, reports 0) instead of raising."""
+    cache = TieredKVCache(16, 16, 4, get_policy("pensieve"), cost, swap_out_threshold=0.5,
+                          decode_reserve=0.0)
+    eng = _CopyingEngine(cache, finish_every=10**9)  # copies never finish on their own
+    eng.add_request("a", [1] * 39, SamplingParams(max_tokens=1), conversation_id="A")
+    while eng.has_unfinished():
+        eng.step()  # A: 10 blocks, then idle; 6 free < 8: 2 of A's go in the background
+    eng.add_request("b", [2] * 60, SamplingParams(max_tokens=4), conversation_id="B")
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 50
+    assert eng.empty_steps >= 1
+    assert cache.stats.swapped_out_tokens > 0
+    cache.check_integrity()
+
+
+def test_engine_reclaims_exactly_as_reported() -> None:
+    """Copies that finish two steps after they start: blocks come back exactly then."""
+    cache = TieredKVCache(32, 32, 4, get_policy("pensieve"), cost, swap_out_threshold=0.5,
+                          decode_reserve=0.0)
+    eng = _CopyingEngine(cache, finish_every=2)
+    for k in range(6):
+        eng.add_request(f"r{k}", [k + 1] * 17, SamplingParams(max_tokens=3),
+                        conversation_id=f"c{k}")
+    pending: list[int] = []
+    while eng.has_unfinished():
+        eng.step()
+        pending.append(len(cache._reclaim_groups))
+        assert pending[-1] == eng.reports[-1]
+    assert max(eng.reports) >= 1
+
+
+# --------------------------------------------------------------------------- swap or recompute
+def _with_cpu_chunks(swap_chunk_s: float | None) -> tuple[TieredKVCache, Request]:
+    """A (3 chunks, kv_end 12) entirely on the CPU, ready for its next turn of 2 tokens."""
+    cache = make("pensieve", gpu=12, cpu=12, threshold=0.0)
+    cache.swap_chunk_s = swap_chunk_s
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=1.0)
+    cache._evict_gpu(3, now=2.0, urgent=False)  # A's three chunks
+    cache.take_swap_plan()
+    cache.reclaim_swap_outs(0)
+    cache.begin_step()
+    conv = cache.conversations["A"]
+    assert tiers(cache, "A") == ["cpu"] * 3
+    req = Request("A2", conv.token_ids + [2, 3], SamplingParams(), conversation_id="A")
+    req.pending = cache.pending_for(req, conv)
+    return cache, req
+
+
+@pytest.mark.parametrize(("swap_chunk_s", "spare", "swapped", "pending"), [
+    (None, None, [0, 1, 2], [(12, 15)]),       # always swap
+    (0.0, None, [0, 1, 2], [(12, 15)]),        # free copies: swap
+    (0.5, None, [0, 1], [(8, 15)]),            # 1.04 > 0.5, 1.08 > 1.0, 1.12 < 1.5: recompute
+    (100.0, None, [], [(0, 15)]),              # slow link: recompute all
+    (100.0, 4, [1, 2], [(0, 4), (12, 15)]),    # ...but only what fits the step's spare tokens
+])
+def test_admit_swaps_or_recomputes_by_cost(swap_chunk_s: float | None, spare: int | None,
+                                           swapped: list[int],
+                                           pending: list[tuple[int, int]]) -> None:
+    cache, req = _with_cpu_chunks(swap_chunk_s)
+    conv = cache.conversations["A"]
+    cpu_before = cache.cpu.num_free_blocks
+    assert cache.admit(req, conv, 15, now=3.0, spare_tokens=spare)
+    plan = cache.take_swap_plan()
+    assert [conv.block_table.index(g) for _, g in plan.swap_in] == swapped
+    assert req.pending == pending
+    recomputed = 4 * (3 - len(swapped))
+    st = req.cache_stats
+    assert (st.cpu_hit_tokens, st.swapped_in_tokens) == (4 * len(swapped),) * 2
+    assert (st.recomputed_tokens, st.cpu_recomputed_tokens) == (recomputed, recomputed)
+    assert cache.cpu.num_free_blocks == cpu_before + 3 - len(swapped)  # recomputed: freed now
+    cache.check_integrity()
+
+
+def test_congested_link_pushes_toward_recompute() -> None:
+    """The same chunks and rate as the 0.5 s case above, with 2 background swap-outs still in
+    flight ahead of them on the copy stream: only the first is swapped in."""
+    cache, req = _with_cpu_chunks(0.5)
+    cache._reclaim_groups.append([])  # stand-ins for two blocks still copying out
+    cache._reclaim_group_blocks = 2
+    conv = cache.conversations["A"]
+    assert cache.admit(req, conv, 15, now=3.0)
+    # 1.04 < 0.5 * 3 = 1.5: recompute; then 1.04 + 1.08 > 1.5: swap; 2.12 > 2.0: swap
+    assert [conv.block_table.index(g) for _, g in cache.take_swap_plan().swap_in] == [1, 2]
+    assert req.pending == [(0, 4), (12, 15)]
+
+
+def test_recomputing_a_chunk_cancels_its_swap_out_of_this_step() -> None:
+    """A chunk evicted urgently this step and admitted again in the same step, recomputed:
+    its copy is cancelled and the counters say it never left."""
+    cache = make("pensieve", gpu=6, cpu=6, threshold=0.0)
+    cache.swap_chunk_s = 100.0
+    turn(cache, "A", 8, now=0.0)  # 2 chunks (blocks 0, 1), idle
+    conv_b = cache.conversation("B")
+    b = Request("B1", [5] * 24, SamplingParams(), conversation_id="B")
+    b.pending = cache.pending_for(b, conv_b)
+    assert cache.admit(b, conv_b, 24, now=1.0)  # 6 blocks, 4 free: A's 2 chunks go urgently
+    assert tiers(cache, "A") == ["cpu", "cpu"] and cache.stats.swapped_out_tokens == 8
+    cache.abort_turn(b, conv_b, now=1.5)  # B gives its blocks back
+    conv = cache.conversations["A"]
+    a = Request("A2", conv.token_ids + [1], SamplingParams(), conversation_id="A")
+    a.pending = cache.pending_for(a, conv)
+    assert cache.admit(a, conv, a.num_tokens, now=2.0)
+    plan = cache.take_swap_plan()
+    assert plan.swap_out_first == [] and plan.swap_in == []
+    assert cache.stats.swapped_out_tokens == 0 and a.cache_stats.cpu_recomputed_tokens == 8
+    cache.check_integrity()
+
+
+def test_scheduler_recomputes_only_within_the_step_budget() -> None:
+    """The scheduler passes the budget left beyond the turn's share: CPU chunks are recomputed
+    only as far as they fit this step, the rest are swapped in, and the step stays in budget."""
+    cache, _ = _with_cpu_chunks(100.0)
+    conv = cache.conversations["A"]
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=64), cache)
+    req = Request("A2", conv.token_ids + [2, 3], SamplingParams(max_tokens=1),
+                  conversation_id="A")
+    s.add_request(req)
+    out = s.schedule(now=5.0)
+    (sr,) = out.requests
+    # 3 tokens of the turn (12..14) + 5 spare: chunk 0 (4 tokens) recomputed, 1 and 2 swapped
+    assert [(r.start_pos, r.query_len) for r in sr.ranges] == [(0, 4), (12, 3)]
+    assert sr.num_scheduled_tokens == 7 and sr.sample
+    assert len(out.swaps.swap_in) == 2
+    assert req.cache_stats.cpu_recomputed_tokens == 4
+    done = s.update_from_output(out, RunnerOutput({"A2": 9}), now=6.0)
+    assert [r.request_id for r in done] == ["A2"]
+    cache.check_integrity()

@@ -37,6 +37,21 @@ class BlockPool:
             self._is_free[b] = False
         return out
 
+    def allocate_one(self) -> int:
+        """Take the lowest free block (``allocate(1)[0]`` without the list)."""
+        if not self._free:
+            raise OutOfBlocksError("asked for 1 block, 0 free")
+        b = heapq.heappop(self._free)
+        self._is_free[b] = False
+        return b
+
+    def free_one(self, block: int) -> None:
+        """Give one block back (``free([block])`` without the list)."""
+        if self._is_free[block]:
+            raise ValueError(f"block {block} freed twice")
+        self._is_free[block] = True
+        heapq.heappush(self._free, block)
+
     def free(self, blocks: list[int]) -> None:
         """Give blocks back; freeing a block that is already free is a bug and raises."""
         for b in blocks:

@@ -49,6 +49,9 @@ class Conversation:
     """Retention weight from the client (higher: kept longer)."""
     keep_alive_s: float = 0.0
     """Seconds after the last turn during which the conversation counts as not idle."""
+    block_table: list[int] = field(default_factory=list)
+    """While running: the GPU block of each chunk, kept by the cache as chunks are added (the
+    scheduler copies it into each step's output). Empty while idle."""
 
     def chunk_tokens(self, index: int, chunk_size: int) -> int:
         """Positions of chunk ``index`` that hold (or held) KV."""

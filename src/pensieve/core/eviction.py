@@ -41,6 +41,9 @@ class EvictionPolicy:
     tail_first: bool = False
     """Within a conversation, keys grow from the last chunk to the first (else first to last).
     The cache relies on this order; it holds when ``Cost`` does not decrease with context."""
+    time_dependent: bool = True
+    """The key depends on ``now`` (the cache re-keys its eviction index as time passes);
+    False: it depends only on the conversation and the chunk, and the index stays exact."""
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
@@ -57,6 +60,7 @@ class LRUPolicy(EvictionPolicy):
 
     name: str = "lru"
     whole_conversation: bool = True
+    time_dependent: bool = False
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
@@ -70,6 +74,7 @@ class PrefixLRUPolicy(EvictionPolicy):
 
     name: str = "prefix-lru"
     tail_first: bool = True
+    time_dependent: bool = False
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int

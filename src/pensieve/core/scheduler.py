@@ -28,7 +28,7 @@ from collections import deque
 
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.conversation import Conversation
-from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pensieve.core.outputs import QueryRange, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.tiered_cache import TieredKVCache
 
@@ -151,25 +151,35 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; suspend the newest when blocks run out.
+        chunk_size = cache.chunk_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if prefill is not None and is_decode(req, req.num_pending) is prefill:
-                i += 1
-                continue
-            n = min(req.num_pending, budget)
-            conv = self._conversation_of(req)
-            while not cache.grow(conv, req.pending_end(n), now):
-                victim = self.running[-1]
-                self._suspend(victim, now)
-                if victim is req:
-                    break
+            pending = req.pending
+            if len(pending) == 1:  # the usual case (a decode, a prompt's rest): no sums
+                lo, hi = pending[0]
+                num_pending = hi - lo
             else:
-                scheduled.append(self._take(req, conv, n))
-                budget -= n
+                num_pending = req.num_pending
+            if prefill is not None and is_decode(req, num_pending) is prefill:
                 i += 1
                 continue
-            break  # req itself was suspended; everything after it is too
+            n = min(num_pending, budget)
+            end = lo + n if len(pending) == 1 else req.pending_end(n)
+            conv = self._conversation_of(req)
+            if end > len(conv.chunks) * chunk_size:  # it needs blocks
+                suspended = False
+                while not cache.grow(conv, end, now):
+                    victim = self.running[-1]
+                    self._suspend(victim, now)
+                    if victim is req:
+                        suspended = True
+                        break
+                if suspended:
+                    break  # req itself was suspended; everything after it is too
+            scheduled.append(self._take(req, conv, n))
+            budget -= n
+            i += 1
 
         # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (and, with
         # separate batches, while the head's work is of this step's kind).
@@ -188,9 +198,10 @@ class Scheduler:
             # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
             # the last one's admission and prefill steps always run out.
             end = req.pending_end(n if prefill is None else total)
-            if not cache.admit(req, conv, end, now):
+            if not cache.admit(req, conv, end, now, spare_tokens=budget - n):
                 req.pending = []
                 break
+            n += req.num_pending - total  # CPU chunks the cache chose to recompute
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -199,12 +210,17 @@ class Scheduler:
         return scheduled
 
     def _take(self, req: Request, conv: Conversation, n: int) -> ScheduledRequest:
-        ranges = req.take(n)
+        pending = req.pending
+        if len(pending) == 1 and n == pending[0][1] - pending[0][0]:  # a decode, a whole prompt
+            lo, hi = pending.pop()
+            ranges = [QueryRange(lo, req.token_ids_range(lo, hi))]
+        else:
+            ranges = req.take(n)
         return ScheduledRequest(
             request_id=req.request_id,
-            block_table=self.cache.block_table(conv),
+            block_table=list(conv.block_table),
             ranges=ranges,
-            sample=not req.pending,
+            sample=not pending,
             sampling_params=req.sampling_params,
             num_output_tokens=len(req.output_token_ids),
         )
@@ -219,7 +235,8 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, result: RunnerOutput, now: float | None = None
     ) -> list[Request]:
-        """Advance requests by what the step computed; returns requests that finished."""
+        """Advance requests by what the step computed; returns requests that finished. The GPU
+        blocks of background swap-outs the runner no longer reports in flight are reclaimed."""
         now = time.monotonic() if now is None else now
         finished: list[Request] = []
         for s in sched.requests:
@@ -236,6 +253,7 @@ class Scheduler:
                 self.cache.end_turn(req, self._conversation_of(req), now)
                 self._finish(req, status)
                 finished.append(req)
+        self.cache.reclaim_swap_outs(result.swap_outs_in_flight)
         return finished
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:

@@ -15,6 +15,9 @@ class CacheStats:
     """Context tokens whose KV was swapped in from the CPU tier."""
     recomputed_tokens: int = 0
     """History tokens whose KV had been dropped (or never kept) and was computed again."""
+    cpu_recomputed_tokens: int = 0
+    """Of ``recomputed_tokens``: tokens whose KV was on the CPU tier but recomputed, because
+    that was expected to be sooner than swapping it in (not in ``cpu_hit_tokens``)."""
     new_prompt_tokens: int = 0
     """Tokens with no KV computed before: the new input (and the last answer's final token)."""
     swapped_out_tokens: int = 0

@@ -2,25 +2,73 @@
 
 Owns two block pools (GPU and CPU), the conversations, and the copies each step needs. The
 scheduler asks it to *admit* a turn (bring the conversation's chunks to the GPU: swap CPU
-chunks in, plan recomputation of dropped ones, add blocks for new tokens), to *grow* a running
-turn, to *suspend* or *end* one. Room is made by evicting chunks of idle conversations in the
-order of an :class:`~pensieve.core.eviction.EvictionPolicy`.
+chunks in or recompute them, plan recomputation of dropped ones, add blocks for new tokens), to
+*grow* a running turn, to *suspend* or *end* one. Room is made by evicting chunks of idle
+conversations in the order of an :class:`~pensieve.core.eviction.EvictionPolicy`.
 
-Block life cycle, and why reclaiming is lazy. A GPU block sent to the CPU ahead of time stays
-taken until the next step (its copy runs beside this step's compute); a CPU block whose chunk
-was swapped in likewise (a swap-out planned in the same step must not overwrite it before it is
-read). Urgent evictions (``swap_out_first``) free their GPU block at once: the runner copies
-them before the step touches any KV.
+Block life cycle, and why reclaiming is lazy. A GPU block sent to the CPU ahead of time
+(``SwapPlan.swap_out``, a *background* swap-out) stays taken until the runner reports its copy
+done: each step's background swap-outs form one *reclaim group*, groups wait in a FIFO, and
+:meth:`TieredKVCache.reclaim_swap_outs` (called by the scheduler with
+``RunnerOutput.swap_outs_in_flight``) frees the oldest groups until only that many remain.
+A CPU block whose chunk was swapped in stays taken until the next step (a swap-out planned in
+the same step must not overwrite it before it is read). Urgent evictions (``swap_out_first``)
+free their GPU block at once: the runner copies them before the step touches any KV.
+
+Eviction index: cost of a step is what it changes, not what the cache holds. Per tier (GPU,
+CPU) the cache keeps the *eviction candidates*: each idle conversation with a chunk in that
+tier, with its first such chunk in the policy's chunk order (leading chunks first; the tail
+first for ``tail_first`` policies). Within a conversation keys only grow in that order (when
+``Cost`` does not decrease with context), so the lowest key of the tier is the lowest of the
+candidates. Candidates sit in a heap with lazy invalidation (each entry carries a sequence
+number; the live one is recorded per conversation). A conversation's entry changes only when
+it is evicted from, admitted (it leaves the index), ends, suspends or is aborted (it is
+indexed again from scratch, one pass over its chunks), gets retention hints, or a chunk of it
+enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
+
+The approximation (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
+idle_time(now)`` depends on ``now``, so two conversations' order changes over time and no
+static heap is exact. Every key in the index is evaluated at one time ``t_e``: when an eviction
+starts at a ``now`` outside ``[t_e - R, t_e]`` the whole index is re-keyed
+(``O(candidates)``) with ``t_e = now + R``, and entries pushed in between are keyed at ``t_e``
+too. So eviction follows the policy's exact order as it will be at some ``t_e`` with ``now <=
+t_e <= now + R``, a re-key at most every ``R`` seconds. The error: the value ratio of two
+conversations idle since ``a`` and ``b``, ``(t - a) / (t - b)``, is taken up to ``R`` later than
+``now`` (closer to 1), which matters only between conversations that went idle within a few
+``R`` of each other. Evaluating ahead of ``now``, not behind it, keeps conversations that went
+idle since the last re-key ordered by their idle time instead of all at the ``idle_time``
+floor. The comparison of an incoming chunk's key with the CPU tier's lowest (drop one or the
+other) uses ``t_e`` too. ``R = 0`` re-keys at every new ``now``: exact, at ``O(candidates)``
+per step. Keys of ``lru`` and ``prefix-lru`` do not depend on ``now``: their order is always
+exact.
+
+Swap or recompute (``swap_chunk_s``). A CPU chunk of an admitted turn is brought back by a
+swap-in, or, when that is expected to take longer, recomputed (its CPU block freed, its
+positions pending like a dropped chunk's). The two ways use different resources that run side
+by side: the copy stream, which serves copies in order, and the GPU's compute. A chunk goes to
+the one that would have it sooner given what that resource already has this step (greedy list
+scheduling on two machines): swap when ``swap_chunk_s * (1 + queued) <= recompute_s +
+chunk_cost(l)``, where ``queued`` counts the chunk copies already on the stream this step
+(urgent swap-outs and swap-ins planned so far, plus background swap-outs still in flight as last
+reported) and ``recompute_s`` the recomputation planned so far this step (dropped chunks and
+chunks already chosen for recomputation). So a quiet stream swaps, and a stream busy with
+swap-outs (thrash) pushes chunks toward recomputation, until both finish about together.
+The step's other compute (new prompts, decodes) is not counted, which errs toward
+recomputation when it is large. Recomputation is only chosen for chunks that fit the step's
+token budget (the scheduler passes what is left), so it never delays a turn by a step; with
+``swap_chunk_s = None`` every CPU chunk is swapped in.
 
 Invariants (:meth:`check_integrity`): each GPU and CPU block is free, held by exactly one chunk
 of its tier, or waiting to be reclaimed, never two of these; each chunk is in exactly one tier;
-a running conversation has all its chunks on the GPU; an idle one has ``cdiv(kv_end, C)``.
+a running conversation has all its chunks on the GPU; an idle one has ``cdiv(kv_end, C)``; the
+eviction index and the running counts equal a full recomputation.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
@@ -31,6 +79,8 @@ from pensieve.core.request import Request
 from pensieve.core.stats import CacheStats
 
 Interval = tuple[int, int]
+Victim = tuple[EvictionKey, Conversation, int]
+"""(key, conversation, chunk index) of an eviction candidate."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,9 +89,71 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class _StepPlan:
-    swap_out_first: list[tuple[int, int]] = field(default_factory=list)
+    swap_out_first: dict[int, int] = field(default_factory=dict)
+    """cpu_block -> gpu_block of urgent swap-outs, in plan order."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: dict[int, int] = field(default_factory=dict)
+    """cpu_block -> gpu_block of background swap-outs, in plan order."""
+
+
+class _TierIndex:
+    """Eviction candidates of one tier: per idle conversation with a chunk in the tier, the
+    index of its first such chunk in the policy's order and that chunk's key; a heap of
+    ``(key, seq, conversation, chunk index)`` whose entry is live iff its ``seq`` is the one
+    recorded for the conversation (older entries are skipped when they surface)."""
+
+    __slots__ = ("live", "heap", "_seq")
+
+    def __init__(self) -> None:
+        self.live: dict[Conversation, tuple[int, int, EvictionKey]] = {}
+        """conversation -> (chunk index, seq, key) of its live entry."""
+        self.heap: list[tuple[EvictionKey, int, Conversation, int]] = []
+        self._seq = 0
+
+    def set(self, conv: Conversation, index: int, key: EvictionKey) -> None:
+        self._seq += 1
+        self.live[conv] = (index, self._seq, key)
+        heapq.heappush(self.heap, (key, self._seq, conv, index))
+        if len(self.heap) > 2 * len(self.live) + 64:
+            self._rebuild(self.live)
+
+    def discard(self, conv: Conversation) -> None:
+        self.live.pop(conv, None)
+
+    def replace_top(self, conv: Conversation, index: int, key: EvictionKey) -> None:
+        """Like :meth:`set`, when ``conv``'s live entry is the heap's top (:meth:`peek` just
+        returned it): one sift."""
+        self._seq += 1
+        self.live[conv] = (index, self._seq, key)
+        heapq.heapreplace(self.heap, (key, self._seq, conv, index))
+
+    def pop_top(self, conv: Conversation) -> None:
+        """Like :meth:`discard`, when ``conv``'s live entry is the heap's top."""
+        del self.live[conv]
+        heapq.heappop(self.heap)
+
+    def peek(self) -> Victim | None:
+        heap, live = self.heap, self.live
+        while heap:
+            key, seq, conv, index = heap[0]
+            entry = live.get(conv)
+            if entry is not None and entry[1] == seq:
+                return key, conv, index
+            heapq.heappop(heap)
+        return None
+
+    def rekey(self, key_of: dict[Conversation, EvictionKey]) -> None:
+        """Every candidate's key anew (same chunk)."""
+        self._rebuild({c: (i, s, key_of[c]) for c, (i, s, _) in self.live.items()})
+
+    def _rebuild(self, live: dict[Conversation, tuple[int, int, EvictionKey]]) -> None:
+        self.live = {}
+        self.heap = []
+        for conv, (index, _, key) in live.items():
+            self._seq += 1
+            self.live[conv] = (index, self._seq, key)
+            self.heap.append((key, self._seq, conv, index))
+        heapq.heapify(self.heap)
 
 
 class TieredKVCache:
@@ -57,12 +169,25 @@ class TieredKVCache:
         swap_out_threshold: float = 0.25,
         decode_reserve: float = 0.10,
         swap_out_batch: float = 0.05,
+        key_refresh_s: float = 0.5,
+        swap_chunk_s: float | None = None,
     ) -> None:
+        """``key_refresh_s``: how stale (seconds) the time-dependent eviction keys may get
+        before the index is re-keyed (see the module docstring). ``swap_chunk_s``: seconds to
+        move one chunk (all layers) one way between the tiers at the measured rate; with it,
+        admission recomputes a CPU chunk instead of swapping it in when that is expected to be
+        sooner (see the module docstring); None: always swap in."""
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
+        if not key_refresh_s >= 0.0:
+            raise ValueError(f"key_refresh_s must be >= 0, got {key_refresh_s}")
+        if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
+            raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
         self.chunk_size = chunk_size
         self.policy = policy
         self.chunk_cost = chunk_cost
+        self.key_refresh_s = key_refresh_s
+        self.swap_chunk_s = swap_chunk_s
         self.gpu = BlockPool(num_gpu_blocks)
         self.cpu: BlockPool | None = (
             BlockPool(num_cpu_blocks) if policy.uses_cpu_tier and num_cpu_blocks > 0 else None
@@ -74,10 +199,23 @@ class TieredKVCache:
         self.decode_reserve_blocks = int(decode_reserve * num_gpu_blocks)
         self.conversations: dict[str, Conversation] = {}
         self.stats = CacheStats()
-        self._reclaim_gpu: list[int] = []
+        self._reclaim_groups: deque[list[int]] = deque()
+        """GPU blocks of each earlier step's background swap-outs, oldest first."""
+        self._reclaim_group_blocks = 0
         self._reclaim_cpu: list[int] = []
         self._plan = _StepPlan()
-        self._fresh_cpu: set[int] = set()  # CPU blocks that are swap-out targets this step
+        self._pinned_gpu = 0
+        """GPU blocks held by running conversations (all of their chunks)."""
+        self._gpu_index = _TierIndex()
+        self._cpu_index = _TierIndex()
+        self._t_eval = -math.inf
+        """The time at which the index's keys are evaluated (module docstring)."""
+        self._now = -math.inf
+        """``now`` of the eviction under way."""
+        self._step = -1 if policy.tail_first else 1
+        self._costs: dict[int, float] = {}
+        self._step_recompute_s = 0.0
+        """Recomputation planned this step (seconds of compute, by ``chunk_cost``)."""
 
     # ------------------------------------------------------------------ conversations
     def conversation(self, conversation_id: str, ephemeral: bool = False) -> Conversation:
@@ -95,26 +233,65 @@ class TieredKVCache:
             return
         if conv.running:
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
+        self._unindex(conv)
         self._free_chunks(conv, 0)
         del self.conversations[conversation_id]
 
+    def set_hints(self, conv: Conversation, priority: float | None = None,
+                  keep_alive_s: float | None = None) -> None:
+        """Change the retention hints the policy's key reads (and the key with them)."""
+        if priority is not None:
+            conv.priority = float(priority)
+        if keep_alive_s is not None:
+            conv.keep_alive_s = float(keep_alive_s)
+        if not conv.running:
+            for index in (self._gpu_index, self._cpu_index):
+                entry = index.live.get(conv)
+                if entry is not None:
+                    index.set(conv, entry[0], self._key(conv, entry[0]))
+
     def block_table(self, conv: Conversation) -> list[int]:
         """GPU blocks of a running conversation, chunk by chunk."""
+        if conv.running:
+            return list(conv.block_table)
         return [c.block for c in conv.chunks]
+
+    @property
+    def has_pending_swap_outs(self) -> bool:
+        """Background swap-outs whose GPU blocks are not reclaimed yet (copies may run)."""
+        return bool(self._reclaim_groups)
 
     # ------------------------------------------------------------------ a step
     def begin_step(self) -> None:
-        """Reclaim blocks whose copies finished with the previous step."""
-        self.gpu.free(self._reclaim_gpu)
-        self._reclaim_gpu = []
+        """Reclaim CPU blocks whose chunks were swapped in by the previous step."""
         if self.cpu is not None:
             self.cpu.free(self._reclaim_cpu)
         self._reclaim_cpu = []
-        self._fresh_cpu = set()
+        self._step_recompute_s = 0.0
 
     def take_swap_plan(self) -> SwapPlan:
+        """This step's copies; its background swap-outs become a reclaim group."""
         p, self._plan = self._plan, _StepPlan()
-        return SwapPlan(p.swap_out_first, p.swap_in, p.swap_out)
+        out = [(g, c) for c, g in p.swap_out.items()]
+        if out:
+            self._reclaim_groups.append([g for g, _ in out])
+            self._reclaim_group_blocks += len(out)
+        return SwapPlan([(g, c) for c, g in p.swap_out_first.items()], p.swap_in, out)
+
+    def reclaim_swap_outs(self, in_flight: int) -> None:
+        """The runner reports ``in_flight`` background swap-out batches still copying (they
+        finish in plan order): free the GPU blocks of every older one."""
+        if not 0 <= in_flight <= len(self._reclaim_groups):
+            raise ValueError(f"{in_flight} swap-out batches reported in flight, "
+                             f"{len(self._reclaim_groups)} were planned and not yet reclaimed")
+        while len(self._reclaim_groups) > in_flight:
+            group = self._reclaim_groups.popleft()
+            self.gpu.free(group)
+            self._reclaim_group_blocks -= len(group)
+
+    def _pending_reclaim_gpu(self) -> int:
+        """GPU blocks that become free once background copies finish."""
+        return self._reclaim_group_blocks + len(self._plan.swap_out)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
@@ -135,44 +312,92 @@ class TieredKVCache:
             holes.append(tail)
         return holes
 
-    def admit(self, req: Request, conv: Conversation, first_end: int, now: float) -> bool:
+    def admit(self, req: Request, conv: Conversation, first_end: int, now: float,
+              spare_tokens: int | None = None) -> bool:
         """Pin the conversation on the GPU for this turn, with blocks up to ``first_end``.
 
         Returns False, changing nothing, when the GPU cannot make room while keeping the
         decode reserve free. On success sets ``req.pending`` and counts the turn's sources.
+        ``spare_tokens``: tokens of this step's budget left beyond the turn's share (bounds
+        CPU chunks chosen for recomputation; None: no bound). Positions so chosen join
+        ``req.pending`` before ``first_end``, so the blocks up to ``first_end`` still suffice.
         """
         c = self.chunk_size
-        missing = [i for i, ch in enumerate(conv.chunks) if ch.tier is not Tier.GPU]
-        need = len(missing) + max(0, cdiv(first_end, c) - len(conv.chunks))
+        chunks = conv.chunks
+        on_gpu = sum(1 for ch in chunks if ch.tier is Tier.GPU)
+        need = len(chunks) - on_gpu + max(0, cdiv(first_end, c) - len(chunks))
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
+        if shortfall > 0 and self._evictable_gpu_blocks() - on_gpu < shortfall:
+            return False
+        self._unindex(conv)
         conv.running = True  # pinned: never its own victim
         if shortfall > 0:
-            if self._evictable_gpu_blocks() < shortfall:
-                conv.running = False
-                return False
             self._evict_gpu(shortfall, now, urgent=True)
-        req.pending = self.pending_for(req, conv)
         st = CacheStats()
-        for i, ch in enumerate(conv.chunks):
-            tokens = conv.chunk_tokens(i, c)
-            if ch.tier is Tier.GPU:
-                st.gpu_hit_tokens += tokens
-            elif ch.tier is Tier.CPU:
-                block = self.gpu.allocate(1)[0]
-                self._plan.swap_in.append((ch.block, block))
-                self._reclaim_cpu.append(ch.block)
-                ch.tier, ch.block = Tier.GPU, block
-                st.cpu_hit_tokens += tokens
-                st.swapped_in_tokens += tokens
+        if self.swap_chunk_s is not None and self.cpu is not None:
+            st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
+        req.pending = self.pending_for(req, conv)
+        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self._reclaim_cpu
+        kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
+        table: list[int] = []
+        hit = swapped = recomputed = 0
+        for i, ch in enumerate(chunks):
+            tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
+            tier = ch.tier
+            if tier is gpu_tier:
+                hit += tokens
             else:
-                ch.tier, ch.block = Tier.GPU, self.gpu.allocate(1)[0]
-                st.recomputed_tokens += tokens
+                block = gpu.allocate_one()
+                if tier is cpu_tier:
+                    swap_in.append((ch.block, block))
+                    reclaim_cpu.append(ch.block)
+                    swapped += tokens
+                else:
+                    recomputed += tokens
+                ch.tier, ch.block = gpu_tier, block
+            table.append(ch.block)
+        conv.block_table = table
+        st.gpu_hit_tokens += hit
+        st.cpu_hit_tokens += swapped
+        st.swapped_in_tokens += swapped
+        st.recomputed_tokens += recomputed
+        self._pinned_gpu += len(chunks)
         history_kv = max(len(conv.token_ids) - 1, 0)  # KV that existed after the last turn
         st.recomputed_tokens += max(0, history_kv - conv.kv_end)
         st.new_prompt_tokens += req.num_tokens - max(conv.kv_end, history_kv)
         self._extend(conv, first_end)
         self._count(req, st)
         return True
+
+    def _choose_recompute(self, conv: Conversation, spare_tokens: int | None) -> int:
+        """Turn the CPU chunks that are sooner recomputed than swapped in into dropped ones
+        (module docstring); returns their tokens."""
+        swap_s = self.swap_chunk_s
+        assert swap_s is not None
+        c = self.chunk_size
+        chunks = conv.chunks
+        recompute_s = self._step_recompute_s
+        for i, ch in enumerate(chunks):
+            if ch.tier is Tier.DROPPED:
+                recompute_s += self._cost(min((i + 1) * c, conv.kv_end))
+        queued = (len(self._plan.swap_out_first) + len(self._plan.swap_in)
+                  + self._reclaim_group_blocks)
+        spare = math.inf if spare_tokens is None else spare_tokens
+        converted = 0
+        for i, ch in enumerate(chunks):
+            if ch.tier is not Tier.CPU:
+                continue
+            tokens = conv.chunk_tokens(i, c)
+            cost = self._cost(min((i + 1) * c, conv.kv_end))
+            if recompute_s + cost < swap_s * (1 + queued) and tokens <= spare:
+                self._drop_cpu_chunk(conv, i)
+                recompute_s += cost
+                spare -= tokens
+                converted += tokens
+            else:
+                queued += 1
+        self._step_recompute_s = recompute_s
+        return converted
 
     def grow(self, conv: Conversation, end: int, now: float) -> bool:
         """Give a running conversation blocks up to position ``end``; False if impossible."""
@@ -184,43 +409,62 @@ class TieredKVCache:
         return True
 
     def _extend(self, conv: Conversation, end: int) -> None:
+        """More GPU chunks for a running conversation, up to position ``end``."""
         need = cdiv(end, self.chunk_size) - len(conv.chunks)
-        for b in self.gpu.allocate(max(need, 0)):
-            conv.chunks.append(Chunk(Tier.GPU, b))
+        if need <= 0:
+            return
+        blocks = self.gpu.allocate(need)
+        conv.chunks.extend(Chunk(Tier.GPU, b) for b in blocks)
+        conv.block_table.extend(blocks)
+        self._pinned_gpu += need
 
     # ------------------------------------------------------------------ ending a turn
     def end_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn finished: record it in the history; keep, or free, its KV."""
+        self._release(conv)
         self._settle(conv, req.pending, req.num_tokens)
         conv.token_ids = req.all_token_ids
-        conv.running = False
         conv.last_active = now
         if conv.ephemeral:
             self.delete(conv.conversation_id)
-        elif not self.policy.keeps_kv:
+            return
+        if not self.policy.keeps_kv:
             self._free_chunks(conv, 0)
+        self._index(conv)
 
     def abort_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn is abandoned: the conversation stays as it was before it."""
         if conv.running:
+            self._release(conv)
             self._settle(conv, req.pending, req.num_tokens)
-            conv.running = False
         self._truncate(conv, min(conv.kv_end, len(conv.token_ids)))
         if conv.ephemeral:
             self.delete(conv.conversation_id)
+        else:
+            self._index(conv)
 
     def suspend(self, req: Request, conv: Conversation, now: float) -> None:
         """Take a running turn off the GPU: its chunks go to the CPU (or are dropped)."""
+        self._refresh(now)
+        self._release(conv)
         self._settle(conv, req.pending, req.num_tokens)
-        conv.running = False
         conv.last_active = now
         req.pending = []
-        cpu_victims = _Peekable(self, now)
+        self._index(conv)  # idle: its chunks that reach the CPU compete there like any other
         for i, ch in enumerate(conv.chunks):
             if ch.tier is Tier.GPU:
-                self._evict_chunk(conv, i, now, True, cpu_victims)
+                self._evict_chunk(conv, i, True)
+                if conv.chunks[i].tier is Tier.CPU:
+                    self._entered_cpu(conv, i)
+        self._gpu_index.discard(conv)
         self.stats.suspended_requests += 1
         req.cache_stats.suspended_requests += 1
+
+    def _release(self, conv: Conversation) -> None:
+        """A running conversation stops running (its chunks are all on the GPU)."""
+        self._pinned_gpu -= len(conv.chunks)
+        conv.running = False
+        conv.block_table = []
 
     def _settle(self, conv: Conversation, pending: list[Interval], num_tokens: int) -> None:
         """Make the chunk map true after a turn stops: positions still pending have no KV."""
@@ -240,134 +484,220 @@ class TieredKVCache:
         self._free_chunks(conv, cdiv(kv_end, self.chunk_size))
 
     def _free_chunks(self, conv: Conversation, keep: int) -> None:
-        """Free the blocks of chunks ``keep..`` and forget those chunks."""
-        for ch in conv.chunks[keep:]:
+        """Free the blocks of chunks ``keep..`` and forget those chunks (of an idle
+        conversation, or one being released)."""
+        for i in range(keep, len(conv.chunks)):
+            ch = conv.chunks[i]
             if ch.tier is Tier.GPU:
                 self.gpu.free([ch.block])
             elif ch.tier is Tier.CPU and self.cpu is not None:
+                self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
                 self.cpu.free([ch.block])
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
 
+    # ------------------------------------------------------------------ eviction index
+    def _cost(self, context_len: int) -> float:
+        """``chunk_cost``, memoised (it is a pure function of the context length)."""
+        v = self._costs.get(context_len)
+        if v is None:
+            v = self._costs[context_len] = self.chunk_cost(context_len)
+        return v
+
+    def _key(self, conv: Conversation, i: int) -> EvictionKey:
+        """Chunk ``i``'s key at the index's evaluation time."""
+        return self.policy.key(conv, i, self._t_eval, self._cost, self.chunk_size)
+
+    def _refresh(self, now: float) -> None:
+        """An eviction starts at ``now``: re-key the index unless ``now`` is still within
+        ``key_refresh_s`` before its evaluation time."""
+        self._now = now
+        t_eval = self._t_eval
+        if not self.policy.time_dependent or t_eval - self.key_refresh_s <= now <= t_eval:
+            return
+        self._t_eval = now + self.key_refresh_s
+        for index in (self._gpu_index, self._cpu_index):
+            index.rekey({conv: self._key(conv, i) for conv, (i, _, _) in index.live.items()})
+
+    def _first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
+        """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order."""
+        chunks = conv.chunks
+        if self._step > 0:
+            for i in range(max(start, 0), len(chunks)):
+                if chunks[i].tier is tier:
+                    return i
+        else:
+            for i in range(min(start, len(chunks) - 1), -1, -1):
+                if chunks[i].tier is tier:
+                    return i
+        return None
+
+    def _start(self, conv: Conversation) -> int:
+        return 0 if self._step > 0 else len(conv.chunks) - 1
+
+    def _advance(self, index: _TierIndex, tier: Tier, conv: Conversation, start: int) -> None:
+        """The conversation's candidate in ``tier`` is its first chunk there from ``start``."""
+        i = self._first(conv, tier, start)
+        if i is None:
+            index.discard(conv)
+        else:
+            index.set(conv, i, self._key(conv, i))
+
+    def _index(self, conv: Conversation) -> None:
+        """(Re)index an idle conversation from scratch (its chunks or its key changed)."""
+        self._advance(self._gpu_index, Tier.GPU, conv, self._start(conv))
+        self._advance(self._cpu_index, Tier.CPU, conv, self._start(conv))
+
+    def _unindex(self, conv: Conversation) -> None:
+        self._gpu_index.discard(conv)
+        self._cpu_index.discard(conv)
+
+    def _entered_cpu(self, conv: Conversation, i: int) -> None:
+        """Chunk ``i`` of an idle conversation just reached the CPU tier."""
+        entry = self._cpu_index.live.get(conv)
+        if entry is None or (i - entry[0]) * self._step < 0:
+            self._cpu_index.set(conv, i, self._key(conv, i))
+
+    def _peek_victim(self, tier: Tier) -> Victim | None:
+        """The idle chunk of lowest key in ``tier``."""
+        return (self._gpu_index if tier is Tier.GPU else self._cpu_index).peek()
+
     # ------------------------------------------------------------------ eviction
     def plan_background(self, now: float) -> None:
-        """Ahead-of-time swap-out while free GPU blocks are under the threshold."""
+        """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
+        under the threshold."""
         if self.cpu is None:
             return
-        short = self.swap_out_threshold_blocks - self.gpu.num_free_blocks - len(self._reclaim_gpu)
+        short = (self.swap_out_threshold_blocks - self.gpu.num_free_blocks
+                 - self._pending_reclaim_gpu())
         if short > 0:
             self._evict_gpu(short + self.swap_out_batch_blocks, now, urgent=False)
 
-    def _victims(self, tier: Tier, now: float) -> Iterator[tuple[EvictionKey, Conversation, int]]:
-        """Chunks of idle conversations in ``tier``, lowest key first, produced lazily.
-
-        Within one conversation keys only grow in the policy's chunk order (leading chunks
-        first; the tail first for prefix caches), so a heap holds one candidate per
-        conversation: the cost of a step's eviction is the conversations touched, not every
-        chunk in the cache. The caller may move the chunk it was given out of ``tier`` before
-        asking for the next one."""
-        step = -1 if self.policy.tail_first else 1
-
-        def first(conv: Conversation, start: int) -> int | None:
-            n = len(conv.chunks)
-            i = start
-            while 0 <= i < n:
-                if conv.chunks[i].tier is tier:
-                    return i
-                i += step
-            return None
-
-        heap: list[tuple[EvictionKey, int, int]] = []
-        convs = [c for c in self.conversations.values() if not c.running]
-        for n, conv in enumerate(convs):
-            i = first(conv, 0 if step == 1 else len(conv.chunks) - 1)
-            if i is not None:
-                heap.append((self._key(conv, i, now), n, i))
-        heapq.heapify(heap)
-        while heap:
-            key, n, i = heapq.heappop(heap)
-            conv = convs[n]
-            if i < len(conv.chunks) and conv.chunks[i].tier is tier and not conv.running:
-                yield key, conv, i
-            j = first(conv, i + step) if not conv.running else None
-            if j is not None:
-                heapq.heappush(heap, (self._key(conv, j, now), n, j))
-
-    def _key(self, conv: Conversation, i: int, now: float) -> EvictionKey:
-        return self.policy.key(conv, i, now, self.chunk_cost, self.chunk_size)
-
     def _evictable_gpu_blocks(self) -> int:
-        """GPU blocks held by idle conversations (every other taken block is pinned)."""
-        taken = self.gpu.num_blocks - self.gpu.num_free_blocks - len(self._reclaim_gpu)
-        pinned = sum(ch.tier is Tier.GPU for c in self.conversations.values() if c.running
-                     for ch in c.chunks)
-        return taken - pinned
+        """GPU blocks held by idle conversations (every other taken block is pinned or
+        waiting to be reclaimed)."""
+        taken = self.gpu.num_blocks - self.gpu.num_free_blocks - self._pending_reclaim_gpu()
+        return taken - self._pinned_gpu
 
     def _evict_gpu(self, n: int, now: float, urgent: bool) -> int:
-        """Move (or drop) up to ``n`` idle GPU chunks, lowest key first; returns how many."""
+        """Move (or drop) up to ``n`` idle GPU chunks, lowest key first; returns how many.
+
+        The hot loop of the cache: one pass per chunk, the victim's next GPU chunk replacing it
+        at the top of the GPU index (one sift)."""
+        self._refresh(now)
+        whole = self.policy.whole_conversation
+        gpu_index, cpu_index = self._gpu_index, self._cpu_index
+        step, c = self._step, self.chunk_size
+        gpu, cpu, stats, plan = self.gpu, self.cpu, self.stats, self._plan
+        gpu_tier, cpu_tier = Tier.GPU, Tier.CPU
         done = 0
         last: Conversation | None = None
-        cpu_victims = _Peekable(self, now)
-        for _, conv, i in self._victims(Tier.GPU, now):
-            whole = self.policy.whole_conversation and conv is last
-            if done >= n and not whole:
+        while True:
+            top = self._peek_victim(gpu_tier)
+            if top is None:
                 break
-            self._evict_chunk(conv, i, now, urgent, cpu_victims)
+            key, conv, i = top
+            if done >= n and not (whole and conv is last):
+                break
+            chunks = conv.chunks
+            ch = chunks[i]
+            tokens = min(c, conv.kv_end - i * c)
+            cpu_block = -1
+            if cpu is not None:
+                if cpu.num_free_blocks:
+                    cpu_block = cpu.allocate_one()
+                else:
+                    victim = self._peek_victim(cpu_tier)
+                    if victim is not None and not key < victim[0]:
+                        self._drop_cpu_victim(victim[1], victim[2])
+                        cpu_block = cpu.allocate_one()
+            if cpu_block < 0:
+                gpu.free_one(ch.block)
+                ch.tier, ch.block = Tier.DROPPED, -1
+                stats.dropped_tokens += tokens
+            else:
+                if urgent:
+                    plan.swap_out_first[cpu_block] = ch.block
+                    gpu.free_one(ch.block)
+                else:
+                    plan.swap_out[cpu_block] = ch.block
+                ch.tier, ch.block = cpu_tier, cpu_block
+                stats.swapped_out_tokens += tokens
+            # the conversation's next GPU chunk takes its place in the GPU index
+            j: int | None = i + step
+            if not (0 <= i + step < len(chunks) and chunks[i + step].tier is gpu_tier):
+                j = self._first(conv, gpu_tier, i + step)
+            if j is None:
+                gpu_index.pop_top(conv)
+            else:
+                gpu_index.replace_top(conv, j, self._key(conv, j))
+            if cpu_block >= 0:  # chunk i reached the CPU: the CPU index's cursor moves back?
+                entry = cpu_index.live.get(conv)
+                if entry is None or (i - entry[0]) * step < 0:
+                    cpu_index.set(conv, i, key)
             done += 1
             last = conv
         return done
 
-    def _evict_chunk(
-        self, conv: Conversation, i: int, now: float, urgent: bool, cpu_victims: _Peekable
-    ) -> None:
-        """One GPU chunk leaves the GPU: to a CPU block if the tier has or can make room."""
+    def _evict_chunk(self, conv: Conversation, i: int, urgent: bool) -> None:
+        """One GPU chunk leaves the GPU outside an eviction pass (a suspension): to a CPU block
+        if the tier has or can make room. The caller updates the conversation's index."""
         ch = conv.chunks[i]
         tokens = conv.chunk_tokens(i, self.chunk_size)
-        cpu_block = self._cpu_block_for(conv, i, now, cpu_victims)
+        cpu_block = self._cpu_block_for(conv, i)
         if cpu_block is None:
-            self.gpu.free([ch.block])
+            self.gpu.free_one(ch.block)
             ch.tier, ch.block = Tier.DROPPED, -1
             self.stats.dropped_tokens += tokens
             return
         if urgent:
-            self._plan.swap_out_first.append((ch.block, cpu_block))
-            self.gpu.free([ch.block])
+            self._plan.swap_out_first[cpu_block] = ch.block
+            self.gpu.free_one(ch.block)
         else:
-            self._plan.swap_out.append((ch.block, cpu_block))
-            self._reclaim_gpu.append(ch.block)
+            self._plan.swap_out[cpu_block] = ch.block
         ch.tier, ch.block = Tier.CPU, cpu_block
-        self._fresh_cpu.add(cpu_block)
         self.stats.swapped_out_tokens += tokens
 
-    def _cpu_block_for(
-        self, conv: Conversation, i: int, now: float, cpu_victims: _Peekable
-    ) -> int | None:
+    def _cpu_block_for(self, conv: Conversation, i: int) -> int | None:
         """A free CPU block, dropping the CPU chunk of lowest key if that key is lower than
         the incoming chunk's (else None: the incoming chunk is the one to drop)."""
-        if self.cpu is None:
+        cpu = self.cpu
+        if cpu is None:
             return None
-        if self.cpu.num_free_blocks == 0:
-            victim = cpu_victims.peek()
-            if victim is None:
+        if cpu.num_free_blocks == 0:
+            victim = self._peek_victim(Tier.CPU)
+            if victim is None or self._key(conv, i) < victim[0]:
                 return None
-            key, vconv, vi = victim
-            mine = self._key(conv, i, now)
-            if mine < key:
-                return None
-            cpu_victims.pop()
-            vch = vconv.chunks[vi]
-            if vch.block in self._fresh_cpu:  # its copy is not issued yet: cancel it
-                self._cancel_swap_out(vch.block, vconv.chunk_tokens(vi, self.chunk_size))
-            self.cpu.free([vch.block])
-            vch.tier, vch.block = Tier.DROPPED, -1
-            self.stats.dropped_tokens += vconv.chunk_tokens(vi, self.chunk_size)
-        return self.cpu.allocate(1)[0]
+            self._drop_cpu_victim(victim[1], victim[2])
+        return cpu.allocate_one()
+
+    def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
+        """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
+        self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
+        self._drop_cpu_chunk(conv, i)
+        j = self._first(conv, Tier.CPU, i + self._step)
+        if j is None:
+            self._cpu_index.pop_top(conv)
+        else:
+            self._cpu_index.replace_top(conv, j, self._key(conv, j))
+
+    def _drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
+        """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed)."""
+        assert self.cpu is not None
+        ch = conv.chunks[i]
+        self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
+        self.cpu.free_one(ch.block)
+        ch.tier, ch.block = Tier.DROPPED, -1
 
     def _cancel_swap_out(self, cpu_block: int, tokens: int) -> None:
-        """Forget this step's copy into ``cpu_block`` (its chunk is being dropped instead)."""
-        self._fresh_cpu.discard(cpu_block)
-        for plan in (self._plan.swap_out_first, self._plan.swap_out):
-            plan[:] = [(g, c) for g, c in plan if c != cpu_block]
+        """Forget this step's copy into ``cpu_block``, if any (its chunk leaves the CPU tier
+        before the copy is issued); a background one's GPU block is free at once."""
+        gpu_block = self._plan.swap_out_first.pop(cpu_block, None)
+        if gpu_block is None:
+            gpu_block = self._plan.swap_out.pop(cpu_block, None)
+            if gpu_block is None:
+                return
+            self.gpu.free([gpu_block])
         self.stats.swapped_out_tokens -= tokens
 
     def _count(self, req: Request, st: CacheStats) -> None:
@@ -376,18 +706,28 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ audit
     def check_integrity(self) -> None:
-        """Raise AssertionError if any block or chunk is accounted for twice or not at all."""
-        self._check_pool(self.gpu, Tier.GPU, self._reclaim_gpu)
+        """Raise AssertionError if any block or chunk is accounted for twice or not at all, or
+        if the eviction index or a running count differs from a full recomputation."""
+        groups = [b for g in self._reclaim_groups for b in g]
+        assert self._reclaim_group_blocks == len(groups), "reclaim group count"
+        self._check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()))
         if self.cpu is not None:
             self._check_pool(self.cpu, Tier.CPU, self._reclaim_cpu)
+        pinned = 0
         for conv in self.conversations.values():
             n = len(conv.chunks)
             if conv.running:
                 assert all(ch.tier is Tier.GPU for ch in conv.chunks), conv.conversation_id
+                assert conv.block_table == [ch.block for ch in conv.chunks], conv.conversation_id
+                pinned += n
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
+                assert not conv.block_table, conv.conversation_id
             for ch in conv.chunks:
                 assert (ch.block >= 0) == (ch.tier is not Tier.DROPPED), ch
+        assert pinned == self._pinned_gpu, f"pinned GPU blocks {self._pinned_gpu} != {pinned}"
+        self._check_index(self._gpu_index, Tier.GPU)
+        self._check_index(self._cpu_index, Tier.CPU)
 
     def _check_pool(self, pool: BlockPool, tier: Tier, reclaim: list[int]) -> None:
         owners: dict[int, str] = {}
@@ -403,28 +743,16 @@ class TieredKVCache:
         total = len(owners) + pool.num_free_blocks
         assert total == pool.num_blocks, f"{tier}: {total} accounted of {pool.num_blocks}"
 
-
-class _Peekable:
-    """The CPU tier's victims for one eviction pass, made on first use and then consumed.
-
-    A conversation with no CPU chunk when it is made is not in it: chunks that reach the CPU
-    during this pass are not dropped again in the same pass."""
-
-    def __init__(self, cache: TieredKVCache, now: float) -> None:
-        self._cache, self._now = cache, now
-        self._it: Iterator[tuple[EvictionKey, Conversation, int]] | None = None
-        self._head: tuple[EvictionKey, Conversation, int] | None = None
-
-    def peek(self) -> tuple[EvictionKey, Conversation, int] | None:
-        if self._it is None:
-            self._it = self._cache._victims(Tier.CPU, self._now)
-        while self._head is not None:
-            _, conv, i = self._head
-            if not conv.running and i < len(conv.chunks) and conv.chunks[i].tier is Tier.CPU:
-                return self._head
-            self._head = None
-        self._head = next(self._it, None)
-        return self._head
-
-    def pop(self) -> None:
-        self._head = None
+    def _check_index(self, index: _TierIndex, tier: Tier) -> None:
+        want: dict[Conversation, int] = {}
+        for conv in self.conversations.values():
+            i = None if conv.running else self._first(conv, tier, self._start(conv))
+            if i is not None:
+                want[conv] = i
+        got = {conv: i for conv, (i, _, _) in index.live.items()}
+        assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
+        heap = {seq: (key, conv, i) for key, seq, conv, i in index.heap}
+        for conv, (i, seq, key) in index.live.items():
+            assert self.conversations.get(conv.conversation_id) is conv, conv.conversation_id
+            assert key == self._key(conv, i), (tier, conv.conversation_id, i, "stale key")
+            assert heap.get(seq) == (key, conv, i), (tier, conv.conversation_id, "not in heap")

@@ -127,11 +127,7 @@ class EngineCore:
             raise ValueError(f"priority must be > 0, got {priority}")
         if keep_alive_s is not None and keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
-        conv = self.cache.conversation(conversation_id)
-        if priority is not None:
-            conv.priority = float(priority)
-        if keep_alive_s is not None:
-            conv.keep_alive_s = float(keep_alive_s)
+        self.cache.set_hints(self.cache.conversation(conversation_id), priority, keep_alive_s)
 
     # ---------------------------------------------------------------- a step
     def step(self) -> list[RequestOutput]:
@@ -140,10 +136,12 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(self.now())
         t1 = time.perf_counter()
-        if sched.is_empty:
+        if sched.is_empty and not self.cache.has_pending_swap_outs:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: KV cache too small for a request")
             return []
+        # An empty step while background swap-outs are still copying runs too: the runner
+        # waits for the copies and reports them done, and their GPU blocks are reclaimed.
         if self.audit:
             self.cache.check_integrity()
         self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
