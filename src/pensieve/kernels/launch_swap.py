@@ -77,6 +77,8 @@ def register_host(t: torch.Tensor, device: torch.device) -> MappedHost:
     address space; returns its :class:`MappedHost`. Undo with :func:`unregister_host`."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("register_host needs a contiguous CPU tensor")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     nbytes = t.numel() * t.element_size()
     flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
     with torch.cuda.device(device):
