@@ -6,7 +6,6 @@ simulated copy is done), per-step records, and compatibility with existing step-
 from __future__ import annotations
 
 import gzip
-import inspect
 import json
 import random
 import subprocess
@@ -31,7 +30,6 @@ from pensieve.core.conversation import Tier
 from pensieve.core.cost_model import CostModel
 from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.tiered_cache import TieredKVCache
 
 ROOT = Path(__file__).resolve().parent.parent
 BB = 32 * 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA chunk, all layers, K+V, bf16: 6.55 MB
@@ -378,17 +376,7 @@ def test_sim_runs_with_slow_background_copies_and_records_steps() -> None:
     assert m.per_swap_chunk_s == 0.0  # copies are the transfer model's, not a coefficient
 
 
-def _cache_honours_in_flight() -> bool:
-    import pensieve.core.scheduler as sched_mod
-    import pensieve.core.tiered_cache as cache_mod
-
-    return "swap_outs_in_flight" in (inspect.getsource(sched_mod)
-                                     + inspect.getsource(cache_mod))
-
-
 def test_cache_reclaims_gpu_blocks_only_when_the_simulated_copy_is_done() -> None:
-    if not _cache_honours_in_flight():
-        pytest.skip("the cache does not read RunnerOutput.swap_outs_in_flight yet")
     for seed in range(3):
         for bw in ("auto", "off"):  # swap-or-recompute by cost, or always swap in
             clock = VirtualClock()
@@ -422,28 +410,14 @@ def test_step_record_counts_match_the_engine_record() -> None:
         assert getattr(mine, name) == getattr(rec, name), name
 
 
-def test_sim_hands_swap_chunk_seconds_to_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pensieve.bench.simulator as sim_mod
-    import pensieve.config as config_mod
-
-    seen: list[float | None] = []
-
-    class Recording(TieredKVCache):
-        def __init__(self, *args: object, swap_chunk_s: float | None = None,
-                     **kw: object) -> None:
-            seen.append(swap_chunk_s)
-            if "swap_chunk_s" in inspect.signature(TieredKVCache).parameters:
-                kw["swap_chunk_s"] = swap_chunk_s
-            super().__init__(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(sim_mod, "TieredKVCache", Recording)
-    monkeypatch.setattr(config_mod, "TieredKVCache", Recording)
+def test_sim_hands_swap_chunk_seconds_to_the_cache() -> None:
     clock = VirtualClock()
-    assert make_sim(TransferModel(swap_in_gbps=30.0), clock).swap_chunk_s == \
-        pytest.approx(BB / 30e9)
-    assert seen[-1] == pytest.approx(BB / 30e9)
+    sim30 = make_sim(TransferModel(swap_in_gbps=30.0), clock)
+    assert sim30.swap_chunk_s == pytest.approx(BB / 30e9)
+    assert sim30.cache.swap_chunk_s == sim30.swap_chunk_s
     assert make_sim(TransferModel(), clock, swap_bandwidth_gbps="off").swap_chunk_s is None
-    assert make_sim(None, clock).swap_chunk_s is None and seen[-1] is None
+    legacy = make_sim(None, clock)
+    assert legacy.swap_chunk_s is None and legacy.cache.swap_chunk_s is None
     assert make_sim(TransferModel(), clock, swap_bandwidth_gbps=9.0).swap_chunk_s == \
         pytest.approx(BB / 9e9)
     assert make_sim(TransferModel(), clock, block_bytes=0).swap_chunk_s is None
@@ -457,7 +431,8 @@ def test_sim_hands_swap_chunk_seconds_to_the_cache(monkeypatch: pytest.MonkeyPat
     cfg = EngineConfig(cache=CacheConfig(chunk_size=CHUNK, num_gpu_blocks=24, num_cpu_blocks=8,
                                          swap_bandwidth_gbps=15.0))
     sim = SimEngine.from_config(cfg, STEP, clock, COST, block_bytes=BB)
-    assert sim.swap_chunk_s == pytest.approx(BB / 15e9) and seen[-1] == sim.swap_chunk_s
+    assert sim.swap_chunk_s == pytest.approx(BB / 15e9)
+    assert sim.cache.swap_chunk_s == sim.swap_chunk_s
     off = EngineConfig(cache=CacheConfig(chunk_size=CHUNK, num_gpu_blocks=24, num_cpu_blocks=8,
                                          swap_bandwidth_gbps="off"))
     assert SimEngine.from_config(off, STEP, clock, COST, block_bytes=BB).swap_chunk_s is None

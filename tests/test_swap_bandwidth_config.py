@@ -14,7 +14,6 @@ from pensieve.config import (
     CacheConfig,
     EngineConfig,
     swap_chunk_seconds,
-    tiered_cache_swap_kwargs,
 )
 from pensieve.core.tiered_cache import TieredKVCache
 
@@ -49,32 +48,12 @@ def test_swap_chunk_seconds() -> None:
         swap_chunk_seconds(block, 0.0)
 
 
-def test_cache_kwargs_follow_the_cache_signature() -> None:
-    takes = "swap_chunk_s" in inspect.signature(TieredKVCache).parameters
-    assert tiered_cache_swap_kwargs(1e-4) == ({"swap_chunk_s": 1e-4} if takes else {})
-
-
-def test_engine_hands_seconds_per_chunk_to_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever the real cache takes today, the engine computes ``block_bytes / rate`` and
-    passes it to a cache that accepts ``swap_chunk_s`` (here a recording subclass)."""
-    import pensieve.config as config_mod
-    import pensieve.engine.llm_engine as eng_mod
+def test_engine_hands_seconds_per_chunk_to_the_cache() -> None:
+    """The engine computes ``block_bytes / rate`` and the cache gets it as ``swap_chunk_s``,
+    also after ``reset``; on the CPU "auto" is off (always swap in)."""
     from pensieve.engine.llm import build_engine_config
     from pensieve.engine.llm_engine import LLMEngine
 
-    seen: list[float | None] = []
-
-    class Recording(TieredKVCache):
-        def __init__(self, *args: object, swap_chunk_s: float | None = None,
-                     **kw: object) -> None:
-            seen.append(swap_chunk_s)
-            params = inspect.signature(TieredKVCache).parameters
-            if "swap_chunk_s" in params:
-                kw["swap_chunk_s"] = swap_chunk_s
-            super().__init__(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(eng_mod, "TieredKVCache", Recording)
-    monkeypatch.setattr(config_mod, "TieredKVCache", Recording)
     cfg = build_engine_config(model="llama-tiny", dtype="float32", device="cpu",
                               num_gpu_blocks=16, num_cpu_blocks=16)
     fast = EngineConfig(cfg.model, CacheConfig(num_gpu_blocks=16, num_cpu_blocks=16,
@@ -83,33 +62,13 @@ def test_engine_hands_seconds_per_chunk_to_the_cache(monkeypatch: pytest.MonkeyP
     m = eng.model
     assert eng.block_bytes == 2 * m.num_layers * 32 * m.num_kv_heads * m.head_dim * 4
     assert eng.swap_chunk_s == pytest.approx(eng.block_bytes / 2.5e9)
-    assert seen == [eng.swap_chunk_s]
+    assert eng.cache.swap_chunk_s == eng.swap_chunk_s
     eng.reset("lru")  # a new cache, same figure
-    assert seen[-1] == eng.swap_chunk_s and len(seen) == 2
+    assert eng.cache.swap_chunk_s == eng.swap_chunk_s and eng.cache.policy.name == "lru"
 
     auto = LLMEngine(cfg)  # CPU device, "auto": off
-    assert auto.swap_chunk_s is None and seen[-1] is None
-
-
-def test_real_cache_receives_it_when_it_takes_it() -> None:
-    if "swap_chunk_s" not in inspect.signature(TieredKVCache).parameters:
-        pytest.skip("TieredKVCache has no swap_chunk_s parameter yet")
-    from pensieve.engine.llm import LLM
-
-    llm = LLM(model="llama-tiny", dtype="float32", device="cpu", num_gpu_blocks=16,
-              num_cpu_blocks=16)
-    assert llm.engine.swap_chunk_s is None
-    eng = llm.engine
-    cfg = EngineConfig(eng.config.model, CacheConfig(num_gpu_blocks=16, num_cpu_blocks=16,
-                                                     swap_bandwidth_gbps=10.0),
-                       eng.config.scheduler)
-    from pensieve.engine.llm_engine import LLMEngine
-
-    e2 = LLMEngine(cfg)
-    assert e2.swap_chunk_s == pytest.approx(e2.block_bytes / 10e9)
-    assert e2.cache.swap_chunk_s == e2.swap_chunk_s
-    e2.reset("pensieve")
-    assert e2.cache.swap_chunk_s == e2.swap_chunk_s
+    assert auto.swap_chunk_s is None and auto.cache.swap_chunk_s is None
+    assert inspect.signature(TieredKVCache).parameters["swap_chunk_s"].default is None  # its own
 
 
 def test_serve_flag() -> None:

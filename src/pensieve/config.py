@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.tiered_cache import TieredKVCache, cdiv
+from pensieve.core.tiered_cache import cdiv
 
 DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
@@ -127,14 +125,6 @@ def swap_chunk_seconds(block_bytes: int, bandwidth_gbps: float | None) -> float 
         raise ValueError(f"need block_bytes > 0 and a positive rate, got {block_bytes} bytes "
                          f"at {bandwidth_gbps} GB/s")
     return block_bytes / (bandwidth_gbps * 1e9)
-
-
-def tiered_cache_swap_kwargs(swap_chunk_s: float | None) -> dict[str, Any]:
-    """``{"swap_chunk_s": swap_chunk_s}`` for :class:`TieredKVCache`'s constructor, or ``{}``
-    while the cache does not take that parameter (it then always swaps in)."""
-    if "swap_chunk_s" in inspect.signature(TieredKVCache).parameters:
-        return {"swap_chunk_s": swap_chunk_s}
-    return {}
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,6 @@ from pensieve.bench.step_cost import (
     TransferTimeline,
     features_of,
 )
-from pensieve.config import tiered_cache_swap_kwargs
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
@@ -199,7 +198,7 @@ class SimEngine(EngineCore):
         self._init_core(scheduler_config,
                         TieredKVCache(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, cost_fn,
                                       swap_out_threshold, decode_reserve,
-                                      **tiered_cache_swap_kwargs(self.swap_chunk_s)),
+                                      swap_chunk_s=self.swap_chunk_s),
                         clock.now, tuple(eos_token_ids), vocab_size)
         self.swap_in_chunks = 0
         self.swap_out_chunks = 0

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pensieve.config import EngineConfig, swap_chunk_seconds, tiered_cache_swap_kwargs
+from pensieve.config import EngineConfig, swap_chunk_seconds
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.tiered_cache import TieredKVCache
@@ -150,7 +150,7 @@ class LLMEngine(EngineCore):
         cpu = self.runner.swapper.num_cpu_blocks if policy.uses_cpu_tier else 0
         return TieredKVCache(self.runner.swapper.num_gpu_blocks, cpu, cc.chunk_size, policy,
                              self.cost_model.chunk_cost, cc.swap_out_threshold,
-                             cc.decode_reserve, **tiered_cache_swap_kwargs(self.swap_chunk_s))
+                             cc.decode_reserve, swap_chunk_s=self.swap_chunk_s)
 
     def reset(self, cache_policy: str | None = None) -> None:
         """Forget every request and conversation and start with empty tiers, optionally under
