@@ -9,11 +9,27 @@ features and time to ``<out>/steps.jsonl`` (the simulator is calibrated from tho
 Systems: ``pensieve``, ``gpu-only``, ``lru``, ``prefix-lru``, ``stateless`` (Pensieve's engine
 under that cache policy) and ``hf`` (HF transformers' continuous batching, stateless).
 ``--engine sim`` runs the same scheduler and cache on virtual time instead (``--step-cost``).
-``--engine http --url URL`` drives a running ``pensieve serve`` over its HTTP API (the real
-path: streaming ``/v1/completions``, one server conversation per benchmark conversation); the
-server's ``--cache-policy`` is the system, so give one ``--systems`` name to record it; its
-point also records the client's ``http_errors``, ``http_throttled`` (turns that waited for one
-of the ``--max-connections``) and ``http_peak_in_flight`` (``benchmarks/h200_http.sh`` runs one).
+``--engine http --url URL`` drives a running server over its HTTP API; the server's
+``--cache-policy`` is the system, so give one ``--systems`` name to record it. ``--api chat``
+is an ordinary OpenAI chat client: streaming ``/v1/chat/completions`` re-sending the whole
+message history each turn, tokens counted from ``usage`` (``pensieve.bench.http_engine``;
+``--no-ignore-eos`` for servers that reject ``ignore_eos``); ``--api completions`` (default)
+is Pensieve's token-id path (streaming ``/v1/completions``, one server conversation per
+benchmark conversation). Its point also records the client's ``http_errors``,
+``http_throttled`` (turns that waited for one of the ``--max-connections``),
+``http_peak_in_flight`` and, for chat, ``http_history_misses`` (turns whose history the server
+did not recognise) and ``tokens_per_word`` (``benchmarks/h200_http.sh`` runs one completions
+point, ``benchmarks/churn_points.sh`` chat points of two servers side by side).
+
+``--workload agentic`` (``pensieve.bench.agentic``): long sessions (8-24 turns) of ~300-token
+inputs and ~100-token answers. Steady state: once a second the load generator samples sessions
+in flight, KV blocks used per tier and requests running / waiting (in process from the engine,
+over HTTP from the server's ``/metrics``); each point's series goes to
+``<out>/timeseries.jsonl`` and the point gets ``steady_state`` (True when every one of those
+means moved by at most 10% between the window's halves, plus a floor of one request or 1% of a
+tier: ``pensieve.bench.metrics.steady_state``) and ``steady`` (the halves' means).
+``--warmup auto`` is 1.5 mean session lifetimes (turns x (think time + ~20 ms a token of
+answer)); a shorter warm-up gets a warning.
 ``--batching separate`` runs Pensieve's engine (real or sim) with separate prefill and decode
 steps (vLLM 0.2 style, ``SchedulerConfig.batching``) instead of unified ones; each point
 records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ours to set).
@@ -48,6 +64,10 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_leng
 
 
 def workload(args: argparse.Namespace) -> Any:
+    if args.workload == "agentic":
+        from pensieve.bench.agentic import agentic_workload
+
+        return agentic_workload(args.num_conversations or 5000, seed=args.seed)
     if args.workload == "ultrachat":
         return ultrachat_synthetic(args.num_conversations or 5000, seed=args.seed)
     if args.sharegpt:
@@ -141,11 +161,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None, help="http: bearer key (if the server wants one)")
     ap.add_argument("--max-connections", type=int, default=512,
                     help="http: most requests in flight at once (keep above the peak load)")
+    ap.add_argument("--api", choices=["completions", "chat"], default="completions",
+                    help="http: Pensieve's /v1/completions with token ids and conversation "
+                         "ids, or an ordinary OpenAI chat client re-sending the history")
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                    help="http: do not send ignore_eos (servers that reject it; answers may "
+                         "then end early)")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="http chat: one word per prompt token, no tokens-per-word "
+                         "calibration against the server")
+    ap.add_argument("--http-model", default=None,
+                    help="http: the requests' model field (default: the server's first model)")
+    ap.add_argument("--keep-conversations", action="store_true",
+                    help="http: do not delete the server conversations a point created")
+    ap.add_argument("--sample-interval", type=float, default=1.0,
+                    help="seconds between samples of the run's state (0: none)")
     ap.add_argument("--model", default="llama2-13b-gqa10")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--workload", choices=["sharegpt", "ultrachat"], default="sharegpt")
+    ap.add_argument("--workload", choices=["sharegpt", "ultrachat", "agentic"],
+                    default="sharegpt")
     ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the "
                     "committed length cache of the packaged file)")
     ap.add_argument("--num-conversations", type=int, default=None)
@@ -153,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
     ap.add_argument("--cpu-kv-gb", type=float, default=220.0)
     ap.add_argument("--duration", type=float, default=600.0)
-    ap.add_argument("--warmup", type=float, default=60.0)
+    ap.add_argument("--warmup", default="60",
+                    help="seconds before the window, or 'auto' (1.5 mean session lifetimes)")
     ap.add_argument("--drain", type=float, default=None)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -185,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "http" and len(args.systems.split(",")) != 1:
         ap.error("--engine http runs one system (the server's --cache-policy): give one "
                  "--systems name")
+    if args.api == "chat" and args.engine != "http":
+        ap.error("--api chat applies to --engine http")
     if args.batching is not None and args.engine == "http":
         ap.error("--batching applies to the real and sim engines, not to a server (--engine "
                  "http)")
@@ -200,6 +239,21 @@ def main(argv: list[str] | None = None) -> int:
 
     random.Random(args.seed).shuffle(convs)
     print(f"workload {wl.name}: {len(convs)} conversations", file=sys.stderr)
+    from pensieve.bench.agentic import session_lifetime_s
+
+    lifetime = session_lifetime_s(convs, args.think_time)
+    if args.warmup == "auto":
+        args.warmup = round(1.5 * lifetime, 1)
+        print(f"warm-up {args.warmup} s (1.5 x the mean session lifetime, ~{lifetime:.0f} s)",
+              file=sys.stderr)
+    else:
+        args.warmup = float(args.warmup)
+        if args.warmup < lifetime:
+            print(f"warning: warm-up {args.warmup:g} s is shorter than one mean session "
+                  f"lifetime (~{lifetime:.0f} s: turns x (think time + ~20 ms a token of "
+                  "answer)); the window may not be at steady state", file=sys.stderr)
+    if args.warmup >= args.duration:
+        ap.error(f"--warmup {args.warmup} leaves no window in --duration {args.duration}")
     for system in args.systems.split(","):
         for rate in (float(r) for r in args.rates.split(",")):
             t_start = time.time()
@@ -211,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                     from pensieve.bench.http_engine import HTTPEngine
 
                     clock = WallClock()
-                    engine, steps = HTTPEngine(args.url, api_key=args.api_key,
-                                               max_workers=args.max_connections,
-                                               clock=clock), None
+                    engine, steps = HTTPEngine(
+                        args.url, api_key=args.api_key, model=args.http_model,
+                        max_workers=args.max_connections, clock=clock,
+                        delete_conversations=not args.keep_conversations, api=args.api,
+                        ignore_eos=args.ignore_eos, calibrate=args.calibrate,
+                        metrics_interval_s=args.sample_interval or None), None
                 else:
                     clock = WallClock()
                     engine, steps = build_real(system, args, clock)
@@ -230,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
             # presets on the CPU)
             vocab = min(32000, getattr(engine, "vocab_size", None) or 32000)
             res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
-                           vocab, seed=args.seed, drain_s=args.drain, progress=progress)
+                           vocab, seed=args.seed, drain_s=args.drain, progress=progress,
+                           sample_interval_s=args.sample_interval or None)
             bar.close()
             batching = None if args.engine == "http" or system == "hf" else args.batching
             point = {"system": system, "conv_rate": rate, "engine": args.engine,
-                     "batching": batching,
+                     "batching": batching, "workload": wl.name,
+                     "api": args.api if args.engine == "http" else None,
+                     "session_lifetime_est_s": round(lifetime, 1),
                      "model": args.model, "think_time_s": args.think_time,
                      "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
                      "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
@@ -244,10 +304,20 @@ def main(argv: list[str] | None = None) -> int:
                 point.update(http_errors=engine.errors, http_throttled=engine.throttled,
                              http_peak_in_flight=engine.peak_in_flight,
                              max_connections=args.max_connections)
+                if args.api == "chat":
+                    point.update(http_history_misses=engine.history_misses,
+                                 tokens_per_word=round(engine.tokens_per_word, 4),
+                                 ignore_eos=args.ignore_eos)
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in point.items()}
             with open(out / "points.jsonl", "a") as f:
                 f.write(json.dumps(clean) + "\n")
+            if res.samples:
+                with open(out / "timeseries.jsonl", "a") as f:
+                    f.write(json.dumps({k: point[k] for k in (
+                        "system", "conv_rate", "engine", "api", "workload", "tag",
+                        "warmup_s", "duration_s")} | {"drain_s": args.drain,
+                                                      "samples": res.samples}) + "\n")
             with open(out / "requests.jsonl", "a") as f:
                 for r in res.records:
                     f.write(json.dumps({"system": system, "conv_rate": rate, "tag": args.tag,
@@ -261,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"P90 norm {point['normalized_latency_s_p90'] * 1e3:.1f} ms/tok, "
                   f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
                   f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "
-                  f"wall {point['wall_s']} s", flush=True)
+                  f"steady {point.get('steady_state')}, wall {point['wall_s']} s", flush=True)
             if engine is not _SHARED.get("engine"):  # the shared engine stops at the end
                 shutdown = getattr(engine, "shutdown", None)
                 if shutdown:

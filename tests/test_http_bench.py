@@ -1,6 +1,7 @@
 """The multi-turn load generator over the HTTP API: ``run_load`` drives a real ``pensieve serve``
-(demo model, CPU) through :class:`HTTPEngine`, one server conversation per benchmark
-conversation, later turns sending only their new tokens."""
+(demo model, CPU) through :class:`HTTPEngine`: Pensieve's completions path (one server
+conversation per benchmark conversation, later turns sending only their new tokens) and an
+ordinary OpenAI chat client (the whole history re-sent each turn, recognised by the server)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from server_util import Server
 
 from pensieve.bench.engine_api import WallClock
-from pensieve.bench.http_engine import HTTPEngine
+from pensieve.bench.http_engine import CHAT_WORDS, HTTPEngine, parse_metrics, words_text
 from pensieve.bench.loadgen import arrival_times, run_load
 from pensieve.bench.metrics import summarize
 from pensieve.bench.workload import Conversation, Turn, Workload
@@ -57,6 +58,9 @@ class _Recording:
 
     def cache_stats(self) -> dict[str, int]:
         return self.engine.cache_stats()
+
+    def probe(self) -> dict[str, float]:
+        return self.engine.probe()
 
 
 def _workload(n: int) -> list[Conversation]:
@@ -169,3 +173,189 @@ def test_multiturn_point_over_http(server: Server, tmp_path: Path,
     assert point["gpu_hit_rate"] > 0.3 and point["normalized_latency_s_p90"] is not None
     records = [json.loads(line) for line in (tmp_path / "requests.jsonl").open()]
     assert len(records) == 3 * 4 and not any(r["error"] for r in records)
+
+
+# ---------------------------------------------------------------------- the chat client
+class _RecordingTransport(httpx.AsyncBaseTransport):
+    """Passes requests on and keeps the JSON bodies of chat completions."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.bodies: list[dict] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/chat/completions"):
+            self.bodies.append(json.loads(request.content))
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _RecordingHTTPEngine(HTTPEngine):
+    async def _open(self) -> httpx.AsyncClient:
+        self.transport = _RecordingTransport()
+        return httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout,
+                                 transport=self.transport)
+
+
+def test_chat_words_are_one_token_each() -> None:
+    from transformers import AutoTokenizer
+
+    from pensieve.models.demo import TOKENIZER_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    assert len(set(CHAT_WORDS)) == len(CHAT_WORDS) >= 400
+    ids = list(range(0, 300 * 97, 97))
+    text = words_text(ids)
+    assert len(text.split()) == 300
+    assert len(tok.encode("x " + text, add_special_tokens=False)) == 301
+    assert words_text(ids, tokens_per_word=2.0).split() == text.split()[:150]
+
+
+def test_parse_metrics() -> None:
+    text = """# HELP pensieve_requests_running Requests
+pensieve_requests_running 3.0
+pensieve_requests_waiting 1.0
+pensieve_blocks_used{tier="gpu"} 120.0
+pensieve_blocks_used{tier="cpu"} 7.0
+pensieve_blocks_total{tier="gpu"} 1310.0
+pensieve_blocks_total{tier="cpu"} 3604.0
+pensieve_swap_bytes_total{direction="in"} 3.69e+10
+pensieve_swap_bytes_total{direction="out"} 6.65e+10
+pensieve_dropped_tokens_total 66421.0
+pensieve_prompt_tokens_total{source="new"} 5.0
+"""
+    assert parse_metrics(text) == {
+        "requests_running": 3, "requests_waiting": 1, "gpu_blocks_used": 120,
+        "cpu_blocks_used": 7, "gpu_blocks_total": 1310, "cpu_blocks_total": 3604,
+        "swap_in_bytes": 3.69e10, "swap_out_bytes": 6.65e10, "dropped_tokens": 66421}
+    vllm = ('vllm:num_requests_running{model_name="m"} 4.0\n'
+            'vllm:num_requests_waiting{model_name="m"} 0.0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
+    assert parse_metrics(vllm) == {"requests_running": 4, "requests_waiting": 0,
+                                   "gpu_cache_usage": 0.25}
+
+
+def test_chat_client_over_http(server: Server) -> None:
+    """An ordinary OpenAI chat client: the whole history each turn, nothing Pensieve-specific
+    in the body; the server recognises the history and serves it from its KV cache."""
+    convs = _workload(4)
+    clock = WallClock()
+    engine = _RecordingHTTPEngine(server.url, clock=clock, max_workers=8, api="chat",
+                                  metrics_interval_s=0.2)
+    rec = _Recording(engine)
+    try:
+        assert engine.tokens_per_word == pytest.approx(1.0, abs=0.02)  # calibrated
+        assert engine.model == "pensieve-demo"  # the server's first model
+        res = run_load(rec, clock, convs, RATE, think_time_s=0.2, duration_s=DURATION,
+                       vocab_size=VOCAB, seed=SEED, drain_s=60.0, sample_interval_s=0.5)
+        assert res.unfinished == 0 and engine.errors == 0, engine.error_messages
+        assert engine.history_misses == 0
+        n_convs = len({r.conversation for r in res.records})
+        assert n_convs == 4 and len(res.records) == 12
+        by_conv: dict[str, list] = {}
+        for r in res.records:
+            by_conv.setdefault(r.conversation, []).append(r)
+        for recs in by_conv.values():
+            recs.sort(key=lambda r: r.turn)
+            prev_ctx = prev_out = 0
+            for r in recs:
+                out = rec.outputs[r.request_id]
+                assert out.finish_reason == "length"
+                assert r.output_tokens == r.output_len  # ignore_eos: exactly max_tokens
+                history = prev_ctx + prev_out
+                # the new turn adds its words (one token each) plus the template's few tokens
+                assert r.input_len <= r.context_len - history <= r.input_len + 12
+                c = r.cache
+                if r.turn == 0:
+                    assert c["gpu_hit_tokens"] == 0
+                else:  # the re-sent history's KV was kept (all but the last answer token's)
+                    assert c["gpu_hit_tokens"] == history - 1
+                assert c["new_prompt_tokens"] + c["gpu_hit_tokens"] == r.context_len
+                assert r.sent <= r.first_token <= r.finished
+                prev_ctx, prev_out = r.context_len, r.output_tokens
+        # the requests: ordinary OpenAI chat bodies, the history re-sent verbatim
+        bodies = [b for b in engine.transport.bodies if b.get("stream")]
+        assert len(bodies) == 12
+        for b in bodies:
+            assert set(b) == {"model", "messages", "max_tokens", "temperature", "stream",
+                              "stream_options", "ignore_eos"}
+            assert b["stream_options"] == {"include_usage": True} and b["ignore_eos"] is True
+            roles = [m["role"] for m in b["messages"]]
+            assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        longest = {}
+        for b in bodies:
+            first = b["messages"][0]["content"]
+            if len(b["messages"]) > len(longest.get(first, [])):
+                longest[first] = b["messages"]
+        assert len(longest) == 4 and all(len(m) == 5 for m in longest.values())
+        # the assistant messages are exactly what the server stored for the conversation
+        created = list(engine._created)
+        stored = [httpx.get(f"{server.url}/v1/conversations/{cid}").json()["messages"]
+                  for cid in created]
+        by_first = {m[0]["content"]: m for m in stored}
+        for first, msgs in longest.items():
+            assert by_first[first][:5] == msgs
+        # the time series: the client's sessions and the server's /metrics
+        assert res.samples and all("gpu_blocks_used" in s for s in res.samples[2:])
+        assert max(s["sessions_in_flight"] for s in res.samples) >= 1
+        assert all(s["gpu_blocks_total"] == 96 and s["cpu_blocks_total"] == 64
+                   for s in res.samples if "gpu_blocks_total" in s)
+        s = summarize(res)
+        assert s["prefill_cached_tokens"] > 0 and s["prefill_computed_tokens"] > 0
+        assert s["prefill_cached_tokens"] + s["prefill_computed_tokens"] == sum(
+            r.context_len for r in res.records if r.sent < DURATION)  # the window's
+        assert "steady" in s
+    finally:
+        engine.shutdown()
+    assert len(created) == 4 + 2  # the sessions and the two calibration requests
+    for cid in created:  # deleted at shutdown
+        assert httpx.get(f"{server.url}/v1/conversations/{cid}").status_code == 404
+
+    # without ignore_eos the body has none, and the answer may end early
+    plain = _RecordingHTTPEngine(server.url, api="chat", ignore_eos=False, calibrate=False,
+                                 metrics_interval_s=None)
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0.0)
+        plain.add_request("one", [1, 2, 3], params, conversation_id="solo")
+        got: list[RequestOutput] = []
+        deadline = time.monotonic() + 30
+        while plain.has_unfinished() and time.monotonic() < deadline:
+            got += plain.step()
+        assert len(got) == 1 and got[0].finish_reason in ("length", "stop")
+        assert 1 <= len(got[0].output_token_ids) <= 5
+        (body,) = plain.transport.bodies
+        assert "ignore_eos" not in body and body["messages"] == [
+            {"role": "user", "content": words_text([1, 2, 3])}]
+        assert plain.probe() == {}
+    finally:
+        plain.shutdown()
+
+
+def test_multiturn_chat_point_over_http(server: Server, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``multiturn.py --engine http --api chat`` (what benchmarks/churn_points.sh runs): the
+    point, its steady-state summary and its time series."""
+    mt = _multiturn_module()
+    monkeypatch.setattr(mt, "workload", lambda args: Workload("tiny", _workload(4)))
+    rc = mt.main(["--engine", "http", "--api", "chat", "--url", server.url,
+                  "--systems", "pensieve", "--rates", str(RATE), "--duration", "3",
+                  "--warmup", "1", "--drain", "60", "--think-time", "0.2",
+                  "--max-connections", "8", "--model", "demo", "--seed", str(SEED),
+                  "--sample-interval", "0.25", "--out", str(tmp_path)])
+    assert rc == 0
+    (point,) = [json.loads(line) for line in (tmp_path / "points.jsonl").open()]
+    assert point["api"] == "chat" and point["workload"] == "tiny"
+    assert point["http_errors"] == 0 and point["http_history_misses"] == 0
+    assert point["tokens_per_word"] == pytest.approx(1.0, abs=0.02) and point["ignore_eos"]
+    assert point["unfinished"] == 0 and point["finished"] == point["requests"] > 0
+    assert point["prefill_cached_tokens"] > 0 and point["prompt_tokens_per_s"] > 0
+    assert point["steady_state"] in (True, False)
+    st = point["steady"]
+    assert st["samples"][0] > 0 and st["samples"][1] > 0
+    assert {"sessions_in_flight", "gpu_blocks_used", "requests_running"} <= set(st["halves"])
+    (series,) = [json.loads(line) for line in (tmp_path / "timeseries.jsonl").open()]
+    assert series["system"] == "pensieve" and series["warmup_s"] == 1.0
+    assert series["duration_s"] == 3.0 and len(series["samples"]) >= 8
+    assert "gpu_blocks_used" in series["samples"][-1]
