@@ -156,7 +156,11 @@ class LLMEngine(EngineCore):
         """Forget every request and conversation and start with empty tiers, optionally under
         another cache policy; the model, the KV tensors and the pinned CPU tier are kept (the
         benchmark runs many points on one engine). The CPU tier keeps the size it was built
-        with (none if the engine was built with a policy that has no CPU tier)."""
+        with (none if the engine was built with a policy that has no CPU tier). Copies still in
+        flight finish first: the new cache may hand their blocks out at once."""
+        finish = getattr(self.runner.swapper, "finish_step", None)  # TP ranks hold no copies
+        if finish is not None:
+            finish()
         self._install(self._make_cache(cache_policy or self.cache.policy.name))
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:

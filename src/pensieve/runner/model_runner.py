@@ -35,6 +35,12 @@ class StepInputs:
     """``[S]`` int64 index into ``T`` of the token each sampled request samples from."""
 
 
+GRAPH_SWAP_IN_WAIT_S = 3e-3
+"""The longest wait for swap-ins worth a graph replay (an eager step with prefill costs ~5-7 ms
+more host time than its graph on the H200: benchmarks/mixed_step.py)."""
+SWAP_GBPS = 47.0
+"""The swap kernel's swap-in rate on the H200, random block ids (benchmarks/swap_bandwidth.py)."""
+
 def allocate_kv_caches(
     num_layers: int,
     num_blocks: int,
@@ -90,6 +96,12 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         """Replays the other steps that fit from CUDA graphs once :meth:`enable_mixed_graphs`
         ran."""
+        self.graph_max_swap_in = max(1, int(GRAPH_SWAP_IN_WAIT_S * SWAP_GBPS * 1e9
+                                            / max(1, self.swapper.num_layers
+                                                  * self.swapper.block_bytes)))
+        """Steps with more swap-ins than this run eagerly, layer-pipelined: a graph replay must
+        wait for every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S``
+        at the swap kernel's rate), which costs more than the eager step's launch time."""
         self.num_graph_steps = 0
         """Steps run through :attr:`decode_graphs` so far."""
         self.num_mixed_graph_steps = 0
@@ -193,8 +205,10 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0,
                                 swap_outs_in_flight=0)
         sampled = [s for s in sched.requests if s.sample]
-        graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
-                       if g is not None and g.can_run(sched)), None)
+        graphs = None
+        if len(sched.swaps.swap_in) <= self.graph_max_swap_in:
+            graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
+                           if g is not None and g.can_run(sched)), None)
         logits: torch.Tensor | None = None
         if graphs is not None:
             if layer_ready is not None:  # a graph cannot wait per layer: wait for all
