@@ -1,16 +1,24 @@
 """Swap bandwidth between the GPU tier and the pinned CPU tier, through KVSwapper.
 
 Llama 2-13B GQA-10 shape by default (40 layers, 10 KV heads, head_dim 128, bf16, chunk 32:
-80 KB per K or V chunk per layer, 160 KB of K+V). The GPU caches are the engine's layout
-(views of one allocation). For each copy method (``kernel``: the Triton gather/scatter over
-the device-mapped CPU tier; ``dma``: one cudaMemcpy per run of consecutive CPU ids through a
-staging buffer) and each chunk count it times one step moving that many chunks with GPU and
-CPU block ids drawn at random (random order, scattered)::
+80 KB per K or V chunk per layer, 160 KB of K+V, 6.5 MB for all layers). The GPU caches are
+the engine's layout (views of one allocation). For each copy method of ``KVSwapper``
 
-    in       swap_in: per-layer launches (kernel) or per-layer copies (dma)
+    kernel   the Triton gather/scatter over the device-mapped CPU tier (SMs, both ways)
+    hybrid   chunk-major CPU tier; swap-in as kernel (layer-pipelined), swap-out through the
+             copy engines: device-side gather into staging, one cudaMemcpy per run of
+             consecutive CPU ids (>= 6.5 MB), pieces of --staging-chunks through two halves
+    staged   as hybrid, and swap-in through the copy engines too (per-run cudaMemcpy into a
+             staging buffer, then a device-side scatter; not layer-pipelined)
+    dma      one cudaMemcpy per run of consecutive CPU ids per layer (80 KB pieces)
+
+and each chunk count it times one step moving that many chunks with GPU and CPU block ids
+drawn at random (random order, scattered)::
+
+    in       swap_in
     out      background swap_out
-    in+out   both in one step, disjoint blocks: the kernel runs them on two streams at once,
-             DMA on one stream one after the other
+    in+out   both in one step, disjoint blocks: on two streams at once (kernel, hybrid,
+             staged), DMA on one stream one after the other
 
 Times are host wall clock from ``start_step`` to ``finish_step`` (after a device
 synchronize; median of ``--reps`` after a warm-up). ``GB/s`` is per direction (in+out: each
@@ -20,10 +28,10 @@ waits for: swap-ins yes, background swap-outs no); ``layer0`` the device time un
 swap-ins are usable by the compute stream. Raw single copies (H2D, D2H, both on two
 streams) and the H200's 55 GB/s one-way reference give the ceiling.
 
-``--sweep-programs`` / ``--sweep-tiles`` time the kernel per persistent grid size and per
-tile at ``--sweep-chunks`` chunks, and how much a bf16 GEMM loop on the compute stream
-slows down while in+out copies run beside it (``gemm x``: its time with copies / alone), to
-pick ``DEFAULT_PROGRAMS`` by measurement.
+``--sweep-programs`` / ``--sweep-tiles`` time the ``--sweep-methods`` per persistent grid
+size and per tile at ``--sweep-chunks`` chunks, and how much a bf16 GEMM loop on the compute
+stream slows down while in+out copies run beside it (``gemm x``: its time with copies /
+alone), to pick ``DEFAULT_PROGRAMS`` by measurement.
 
     python benchmarks/swap_bandwidth.py --out swap_bandwidth.json --plot swap_bandwidth.png
 """
@@ -43,7 +51,7 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS, DEFAULT_TILE_BYTES
 from pensieve.runner.model_runner import allocate_kv_caches
-from pensieve.runner.swapper import KVSwapper
+from pensieve.runner.swapper import DEFAULT_STAGING_CHUNKS, METHODS, STREAM_METHODS, KVSwapper
 
 REFERENCE_GBPS = 55.0  # measured on the H200: large pinned copies, one direction
 TARGET_GBPS = 45.0  # issue 13: each way, scattered ids, 64-1024 chunks
@@ -87,11 +95,13 @@ def swapper_step(sw: KVSwapper, plan: SwapPlan) -> Callable[[], dict[str, float]
 
 
 def raw_copies(sw: KVSwapper, nbytes: int, reps: int) -> list[dict]:
-    """One large copy per direction, and both directions at once on two streams."""
-    elems = nbytes // sw.cpu_caches[0].element_size()
-    host = sw.cpu_caches[0].reshape(-1)[:elems]
+    """One large copy per direction, and both directions at once on two streams (two
+    disjoint pieces of the pinned CPU tier, whatever its layout)."""
+    elems = nbytes // sw.host_tier.element_size()
+    flat = sw.host_tier.view(-1)
+    assert flat.numel() >= 2 * elems
+    host, host2 = flat[:elems], flat[elems:2 * elems]
     dev = sw.gpu_caches[0].reshape(-1)[:elems]
-    host2 = sw.cpu_caches[1].reshape(-1)[:elems]
     dev2 = sw.gpu_caches[1].reshape(-1)[:elems]
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -150,8 +160,9 @@ def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: i
                                     ("in+out", SwapPlan(swap_in=swap_in, swap_out=p["out"]))):
                 t = timed(swapper_step(sw, plan), reps)
                 add(rows, {"method": sw.method, "pattern": pattern, "dir": direction,
-                           "chunks": n, "programs": sw.num_programs if sw.method == "kernel"
-                           else None, "bytes": n * step_bytes, **t})
+                           "chunks": n, "programs": sw.num_programs
+                           if sw.method in STREAM_METHODS else None,
+                           "bytes": n * step_bytes, **t})
     return rows
 
 
@@ -187,7 +198,7 @@ def sweep_rows(sw: KVSwapper, programs: list[int], tiles: list[int], n: int, num
             for direction, plan in (("in", SwapPlan(swap_in=swap_in)),
                                     ("out", SwapPlan(swap_out=p["out"])), ("in+out", both)):
                 t = timed(swapper_step(sw, plan), reps)
-                row = {"method": "kernel", "pattern": "random", "dir": direction, "chunks": n,
+                row = {"method": sw.method, "pattern": "random", "dir": direction, "chunks": n,
                        "programs": prog, "tile_bytes": tile, "bytes": n * step_bytes, **t}
                 if direction == "in+out" and tile == tiles[0]:
                     k = max(1, round(t["s"] / one))  # as long as the copies, alone
@@ -264,24 +275,33 @@ def plot(result: dict, path: str) -> None:
     if sweep:
         ax = axes[0][1]
         tiles = sorted({r["tile_bytes"] for r in sweep})
-        for tile in tiles:
-            for direction in ("in", "out", "in+out"):
-                pts = sorted((r["programs"], r["gbps"]) for r in sweep
-                             if r["tile_bytes"] == tile and r["dir"] == direction)
-                ax.plot([p for p, _ in pts], [g for _, g in pts], marker="o",
-                        label=f"{direction}, tile {tile // 1024}K")
+        methods = sorted({r["method"] for r in sweep})
+        for method in methods:
+            for tile in tiles:
+                for direction in ("in", "out", "in+out"):
+                    pts = sorted((r["programs"], r["gbps"]) for r in sweep
+                                 if r["tile_bytes"] == tile and r["dir"] == direction
+                                 and r["method"] == method)
+                    ax.plot([p for p, _ in pts], [g for _, g in pts], marker="o",
+                            ls="-" if method == "kernel" else "--",
+                            label=f"{method} {direction}, tile {tile // 1024}K")
         ax.axhline(TARGET_GBPS, ls="--", color="red")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("programs (persistent grid)")
         ax.set_ylabel("GB/s per direction")
-        ax.set_title(f"kernel sweep, {sweep[0]['chunks']} chunks")
-        ax.legend(fontsize=7)
-        slow = sorted((r["programs"], r["gemm_slowdown"]) for r in sweep
-                      if "gemm_slowdown" in r)
-        if slow:
-            ax2 = ax.twinx()
-            ax2.plot([p for p, _ in slow], [s for _, s in slow], "k--", marker="x")
+        ax.set_title(f"program / tile sweep, {sweep[0]['chunks']} chunks")
+        ax.legend(fontsize=6)
+        ax2 = None
+        for method in methods:
+            slow = sorted((r["programs"], r["gemm_slowdown"]) for r in sweep
+                          if "gemm_slowdown" in r and r["method"] == method)
+            if slow:
+                ax2 = ax2 or ax.twinx()
+                ax2.plot([p for p, _ in slow], [s for _, s in slow], "k-" if method == "kernel"
+                         else "k:", marker="x", label=f"gemm x, {method}")
+        if ax2 is not None:
             ax2.set_ylabel("GEMM time beside in+out copies / alone (black)")
+            ax2.legend(fontsize=6, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -295,14 +315,18 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--methods", nargs="+", default=["kernel", "dma"], choices=["kernel", "dma"])
+    ap.add_argument("--methods", nargs="+", default=["kernel", "hybrid", "staged", "dma"],
+                    choices=list(METHODS))
     ap.add_argument("--patterns", nargs="+", default=["random"],
                     choices=["random", "direct", "scattered"])
     ap.add_argument("--programs", type=int, default=DEFAULT_PROGRAMS,
                     help="kernel programs for the main rows")
-    ap.add_argument("--sweep-programs", type=int, nargs="*", default=[8, 16, 32, 64, 132])
-    ap.add_argument("--sweep-tiles", type=int, nargs="*", default=[DEFAULT_TILE_BYTES, 8192,
-                                                                     32768])
+    ap.add_argument("--staging-chunks", type=int, default=DEFAULT_STAGING_CHUNKS,
+                    help="hybrid / staged: chunks per staging piece and half")
+    ap.add_argument("--sweep-methods", nargs="*", default=["kernel", "hybrid"],
+                    choices=list(STREAM_METHODS))
+    ap.add_argument("--sweep-programs", type=int, nargs="*", default=[16, 32])
+    ap.add_argument("--sweep-tiles", type=int, nargs="*", default=[16384, 32768])
     ap.add_argument("--sweep-chunks", type=int, default=256)
     ap.add_argument("--gemm-n", type=int, default=8192, help="GEMM size of the sweep's probe")
     ap.add_argument("--gpu-blocks", type=int, default=None,
@@ -337,7 +361,8 @@ def main() -> None:
     header = ""
     for method in args.methods:
         t0 = time.perf_counter()
-        sw = KVSwapper(caches, num_cpu, method, num_programs=args.programs)
+        sw = KVSwapper(caches, num_cpu, method, num_programs=args.programs,
+                       staging_chunks=args.staging_chunks)
         pin_s[method] = time.perf_counter() - t0
         step_bytes = sw.block_bytes * args.layers  # one chunk, all layers
         if not header:
@@ -348,23 +373,26 @@ def main() -> None:
                       f"{num_cpu * step_bytes / gib:.1f} GiB ({num_cpu} blocks)")
             print(header + "\n\n" + HEADER, flush=True)
             rows += raw_copies(sw, min(256 * 2**20, num_cpu * sw.block_bytes // 2), args.reps)
-        print(f"{method}: CPU tier pinned and mapped (and kernel compiled) in "
-              f"{pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs",
-              flush=True)
+        print(f"{method}: CPU tier ({sw.host_layout}) pinned and mapped (and kernel compiled) "
+              f"in {pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs"
+              + (f"; staging {args.staging_chunks} chunks per piece, 2 halves"
+                 if method in ("hybrid", "staged") else ""), flush=True)
         rows += method_rows(sw, args.sizes, args.patterns, num_gpu, num_cpu, step_bytes,
                             args.reps, args.seed)
-        if method == "kernel" and args.sweep_programs:
-            print(f"kernel sweep ({args.sweep_chunks} chunks, random ids; gemm x: "
+        if method in args.sweep_methods and args.sweep_programs:
+            print(f"{method} sweep ({args.sweep_chunks} chunks, random ids; gemm x: "
                   f"{args.gemm_n}^3 bf16 GEMMs beside in+out copies / alone)", flush=True)
-            sweep = sweep_rows(sw, args.sweep_programs, args.sweep_tiles or [DEFAULT_TILE_BYTES],
-                               args.sweep_chunks, num_gpu, num_cpu, step_bytes, args.reps,
-                               args.seed, args.gemm_n)
+            sweep += sweep_rows(sw, args.sweep_programs,
+                                args.sweep_tiles or [DEFAULT_TILE_BYTES], args.sweep_chunks,
+                                num_gpu, num_cpu, step_bytes, args.reps, args.seed,
+                                args.gemm_n)
+            sw.num_programs = args.programs
         del sw
         gc.collect()
 
     print("\n" + fmt_table(rows))
     if sweep:
-        print(f"\nkernel sweep ({args.sweep_chunks} chunks, random ids; gemm x: {args.gemm_n}^3 "
+        print(f"\nsweep ({args.sweep_chunks} chunks, random ids; gemm x: {args.gemm_n}^3 "
               "bf16 GEMMs beside in+out copies / alone)\n" + fmt_table(sweep))
     print(f"\nGB = 1e9 bytes; GB/s per direction; ms = median wall time of one step; "
           f"enqueue/step/layer0 in ms; kernel default {DEFAULT_PROGRAMS} programs, "

@@ -128,6 +128,23 @@ def test_strided_tiers() -> None:
     check(src, dst, random_pairs(rng, 4, 10, 6), num_programs=5)
 
 
+@pytest.mark.parametrize("direction", ["in", "out"])
+@pytest.mark.parametrize("start,stop", [(0, 3), (1, 2)])
+def test_chunk_major_tier(direction: str, start: int, stop: int) -> None:
+    """The hybrid swapper's host tier: ``[blocks, L, 2, C, Hkv, D]`` seen as ``[L, 2, blocks,
+    ...]`` (permuted strides), either way, with layer ranges."""
+    rng = random.Random(f"{direction}{start}")
+    host = tier(3, 10, (4, 2, 8), BF16).permute(2, 0, 1, 3, 4, 5).contiguous()
+    host = host.permute(1, 2, 0, 3, 4, 5)
+    dev = tier(3, 8, (4, 2, 8), BF16)
+    src, dst = (host, dev) if direction == "in" else (dev, host)
+    pairs = random_pairs(rng, 5, src.shape[2], dst.shape[2])
+    want = dst.clone()
+    swap_blocks_ref(src[start:stop], want[start:stop], pairs)
+    swap_blocks_triton(src[start:stop], dst[start:stop], pairs, num_programs=4)
+    assert torch.equal(bits(dst), bits(want))
+
+
 def test_empty_is_a_no_op() -> None:
     src, dst = tier(2, 4, (4, 2, 8), BF16), tier(2, 4, (4, 2, 8), BF16)
     before = bits(dst)
@@ -233,6 +250,36 @@ def test_cuda_layer_slices_of_mapped_host(mapped) -> None:  # noqa: ANN001
     swap_blocks_triton(m[2:4], dev[2:4], pairs.cuda())
     torch.cuda.synchronize()
     assert torch.equal(bits(dev), bits(want))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_cuda_chunk_major_mapped_host(mapped, direction: str) -> None:  # noqa: ANN001
+    """The hybrid swapper's host tier: chunk-major pinned memory, ``MappedHost.permute`` to
+    the kernel's ``[L, 2, blocks, ...]`` view; all layers and a layer slice."""
+    rng = random.Random(direction)
+    layers, block = 5, (32, 10, 128)
+    dev = tier(layers, 64, block, BF16, "cuda")
+    host = tier(layers, 80, block, BF16, "cpu").permute(2, 0, 1, 3, 4, 5).contiguous()
+    m = mapped(host).permute(1, 2, 0, 3, 4, 5)
+    view = host.permute(1, 2, 0, 3, 4, 5)
+    assert m.device_ptr == host.data_ptr() and m.tensor.stride() == view.stride()
+    for start, stop in ((0, layers), (2, 4)):
+        if direction == "in":
+            pairs = random_pairs(rng, 40, 80, 64).cpu()
+            want = dev.cpu()
+            swap_blocks_ref(view[start:stop], want[start:stop], pairs)
+            swap_blocks_triton(m[start:stop], dev[start:stop], pairs.cuda())
+            torch.cuda.synchronize()
+            assert torch.equal(bits(dev), bits(want))
+        else:
+            pairs = random_pairs(rng, 40, 64, 80).cpu()
+            want = view.clone()
+            swap_blocks_ref(dev[start:stop].cpu(), want[start:stop], pairs)
+            swap_blocks_triton(dev[start:stop], m[start:stop], pairs.cuda())
+            torch.cuda.synchronize()
+            assert torch.equal(bits(view), bits(want))
 
 
 @pytest.mark.gpu

@@ -59,7 +59,7 @@ class _Pointer:
 class MappedHost:
     """Pinned host memory mapped into ``device``'s address space: ``tensor`` (a CPU tensor:
     shape, strides, dtype) and ``device_ptr``, the device address of ``tensor.data_ptr()``.
-    ``m[a:b]`` slices dim 0 (layers) like the tensor."""
+    ``m[a:b]`` slices dim 0 (layers) like the tensor; ``m.permute(...)`` reorders dims."""
 
     tensor: torch.Tensor
     device_ptr: int
@@ -69,6 +69,12 @@ class MappedHost:
         t = self.tensor[index]
         return MappedHost(t, self.device_ptr + (t.data_ptr() - self.tensor.data_ptr()),
                           self.device)
+
+    def permute(self, *dims: int) -> MappedHost:
+        """The same memory with its dims reordered (e.g. a chunk-major tier ``[blocks, L, 2,
+        C, Hkv, D]`` seen as ``[L, 2, blocks, C, Hkv, D]`` by ``permute(1, 2, 0, 3, 4, 5)``;
+        the kernel takes any strides above a block)."""
+        return MappedHost(self.tensor.permute(*dims), self.device_ptr, self.device)
 
 
 def register_host(t: torch.Tensor, device: torch.device) -> MappedHost:

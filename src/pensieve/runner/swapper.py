@@ -1,8 +1,16 @@
 """The CPU tier of the KV cache and the copies between it and the GPU tier.
 
-Owns one host tensor ``[num_layers, 2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]``
-(per layer K then V, the GPU caches' layout and dtype; :attr:`KVSwapper.cpu_caches` are its
-per-layer views) and executes each step's :class:`SwapPlan`.
+Owns one pinned host tensor holding, per layer, K then V of every CPU block, in the GPU caches'
+dtype; :attr:`KVSwapper.cpu_caches` are its per-layer ``[2, num_cpu_blocks, chunk_size,
+num_kv_heads, head_dim]`` views, whatever the layout (:attr:`KVSwapper.host_layout`):
+
+- ``"layer-major"`` (methods ``kernel`` and ``dma``): ``[num_layers, 2, num_cpu_blocks, C,
+  Hkv, D]``; each per-layer view is contiguous (one chunk of one layer's K = one piece);
+- ``"chunk-major"`` (methods ``hybrid`` and ``staged``): ``[num_cpu_blocks, num_layers, 2, C,
+  Hkv, D]``, so one chunk of every layer is one contiguous piece (6.5 MB for Llama 2-13B) and
+  a run of consecutive CPU blocks one larger piece; the per-layer views are strided (not
+  contiguous: ``reshape(-1)`` on them copies). :attr:`KVSwapper.host_tier` is the whole
+  tensor in either layout.
 
 Semantics. For every layer the three lists of a plan apply one after the other::
 
@@ -13,15 +21,29 @@ content reaches the CPU first); a CPU block may be both a ``swap_in`` source and
 destination (it is read first). Within one list, GPU ids and CPU ids must be distinct. Steps
 apply in order: a later step's copies see every earlier step's copies done.
 
-Methods. ``"kernel"`` (default on CUDA): one Triton gather/scatter launch copies a whole list
-(or one layer of it) with the GPU reading and writing the pinned, device-mapped CPU tier
-directly (:mod:`pensieve.kernels.triton_swap`), so scattered block ids cost no more than
-consecutive ones. ``"dma"`` (default on the CPU, where it is plain tensor copies): one
-``cudaMemcpy`` per run of consecutive CPU ids per layer for K and for V, through a staging
-buffer when the GPU ids of a run are not consecutive (the method before the kernel, kept for
-comparison).
+Methods (:data:`METHODS`; ``PENSIEVE_SWAP_METHOD`` picks one when the constructor is given
+None):
 
-CUDA, kernel method: two copy streams and the compute (current) stream.
+- ``"kernel"`` (default on CUDA): one Triton gather/scatter launch copies a whole list (or one
+  layer of it) with the GPU's SMs reading and writing the pinned, device-mapped CPU tier
+  directly (:mod:`pensieve.kernels.triton_swap`), so scattered block ids cost no more than
+  consecutive ones. Both directions through the SMs.
+- ``"hybrid"``: chunk-major host tier. Swap-ins and ``swap_out_first`` as ``kernel`` (SMs,
+  zero-copy; swap-ins layer-pipelined). Background ``swap_out`` through the copy engines: the
+  kernel gathers the chunks device-to-device into a contiguous device staging buffer ``[n,
+  L, 2, C, Hkv, D]`` (rows in CPU-id order), then one ``cudaMemcpyAsync`` per maximal run of
+  consecutive CPU ids (one chunk of all layers or more per copy). Staged in pieces of at most
+  ``staging_chunks`` chunks through two staging halves (so the staging memory is bounded, 2 x
+  ``staging_chunks`` chunks, and the gather of piece k+1 overlaps the copy of piece k).
+- ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well: one
+  ``cudaMemcpyAsync`` per run of consecutive CPU ids into a device staging buffer (at most
+  ``staging_chunks`` chunks at a time), then a device-side scatter launch into the GPU
+  cache. Not layer-pipelined: every layer waits for all of the step's swap-ins.
+- ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
+  of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
+  of a run are not consecutive (the method before the kernel, kept for comparison).
+
+CUDA, kernel, hybrid and staged methods: copy streams and the compute (current) stream.
 
 - The *in* stream (high priority) runs ``swap_out_first`` (one launch, all layers), then the
   swap-ins, one launch per layer with an event after each: ``layer_ready(i)`` makes the
@@ -32,6 +54,14 @@ CUDA, kernel method: two copy streams and the compute (current) stream.
   with the in stream (PCIe is full duplex). It is not waited for at the end of the step: each
   such batch joins a FIFO of batches in flight (its event, its index tensor, the CPU blocks it
   writes, the GPU blocks it reads). They complete in plan order (one stream).
+- ``hybrid`` / ``staged``: the out stream runs the gathers into the staging halves and the
+  *dma* stream the device-to-host copies, each piece's copies after its gather (an event),
+  each gather into a half after the copies of the piece that used that half before (the
+  half's "free" event, kept across batches and steps). The batch's event is recorded on the
+  dma stream after its last copy: it covers the batch's gathers, and every older batch (one
+  dma stream), so the FIFO and the hazard waits below are unchanged. A batch keeps its index
+  tensor and staging halves referenced until it is popped complete. ``staged`` swap-ins run
+  on the in stream: copies into the in-staging buffer, then the scatter, piece by piece.
 - Both copy streams first wait for an event recorded on the compute stream in
   :meth:`~KVSwapper.start_step`: no copy reads a block before the compute stream's earlier
   writes to it are done, nor overwrites one it may still read.
@@ -47,15 +77,20 @@ CUDA, kernel method: two copy streams and the compute (current) stream.
   :meth:`~KVSwapper.finish_step` waits for everything.
 
 Index tensors are uploaded on the stream that uses them and kept referenced until that work
-is known done. The DMA method on CUDA keeps the earlier scheme: every copy on one stream, and
-:meth:`~KVSwapper.end_step` blocks until all of them are done (they share a staging buffer).
+is known done. The staging buffers grow on demand (never beyond ``staging_chunks`` chunks per
+half) and are allocated on the first swap that needs them; a replaced buffer stays referenced
+by the batches still using it. The DMA method on CUDA keeps the earlier scheme: every copy on
+one stream, and :meth:`~KVSwapper.end_step` blocks until all of them are done (they share a
+staging buffer).
 
 The host tier is page-locked and device-mapped (``cudaHostRegister``, portable and mapped,
 exact size) when the GPU caches are on CUDA. On the CPU the copies are synchronous:
 ``swap_out_first`` at ``start_step``, layer i's swap-ins at ``layer_ready(i)`` (so a caller
 that forgets to call it reads stale KV on the CPU as well), the rest at ``end_step`` /
 ``finish_step``; nothing is ever in flight. The kernel method on the CPU runs the Triton
-kernel through the interpreter when ``TRITON_INTERPRET=1``, else its torch reference.
+kernel through the interpreter when ``TRITON_INTERPRET=1``, else its torch reference; the
+hybrid and staged methods run the same issue logic as on CUDA (pieces, halves, runs) with
+every operation executed at once (``staged`` swap-ins at the first ``layer_ready``).
 """
 
 from __future__ import annotations
@@ -73,7 +108,14 @@ import torch
 from pensieve.core.outputs import SwapPlan
 
 LayerReady = Callable[[int], None]
-METHODS = ("kernel", "dma")
+METHODS = ("kernel", "hybrid", "staged", "dma")
+CHUNK_MAJOR = ("hybrid", "staged")
+"""Methods with the chunk-major host tier and the staged (copy-engine) swap-outs."""
+STREAM_METHODS = ("kernel", "hybrid", "staged")
+"""Methods run through :class:`Streams` (CUDA, or a test's simulator)."""
+DEFAULT_STAGING_CHUNKS = 64
+"""Chunks per staging half (hybrid and staged): the device staging memory is at most 2 x this
+(out) + this (staged in) chunks of all layers (13B: 6.5 MB each)."""
 
 
 # ---------------------------------------------------------------------- ordering (pure)
@@ -135,6 +177,8 @@ class Streams(Protocol):
 
     in_stream: Any
     out_stream: Any
+    dma_stream: Any
+    """The hybrid methods' device-to-host copies of staged swap-outs."""
 
     def record(self, stream: Any) -> Any:
         """Record and return a new event on ``stream``."""
@@ -163,6 +207,7 @@ class CudaStreams:
         # High priority: swap-ins are on the step's critical path.
         self.in_stream = torch.cuda.Stream(device, priority=-1)
         self.out_stream = torch.cuda.Stream(device)
+        self.dma_stream = torch.cuda.Stream(device)
 
     def _s(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device) if stream is None else stream
@@ -189,6 +234,47 @@ class CudaStreams:
 
     def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
+
+
+class _Immediate:
+    """:class:`Streams` that run every operation at once (the synchronous path: the hybrid
+    methods' staging logic on the CPU)."""
+
+    in_stream = out_stream = dma_stream = None
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def upload(self, stream: Any, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+    def run(self, stream: Any, fn: Callable[[], None]) -> None:
+        fn()
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+
+_IMMEDIATE = _Immediate()
+
+
+def runs_of(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive values in ``ids`` (in list order): ``(first index, first
+    id, length)`` each."""
+    out: list[tuple[int, int, int]] = []
+    for j, c in enumerate(ids):
+        if out and c == out[-1][1] + out[-1][2] and j == out[-1][0] + out[-1][2]:
+            row, first, n = out[-1]
+            out[-1] = (row, first, n + 1)
+        else:
+            out.append((j, c, 1))
+    return out
 
 
 # ---------------------------------------------------------------------- DMA batching
@@ -243,7 +329,8 @@ class _Step:
     """The step's copies not known complete, kept referenced until :meth:`KVSwapper.end_step`.
 
     ``out_first``, ``swap_in``, ``swap_out``: a :class:`_Batch` (DMA), an ``[n, 2]`` pair tensor
-    (kernel) or None."""
+    (kernel), a :class:`_Staged` (hybrid swap-outs, staged swap-ins, synchronous path), or
+    None; on CUDA also the references that staged work keeps alive."""
 
     out_first: Any = None
     swap_in: Any = None
@@ -256,11 +343,20 @@ class _Step:
 
 
 @dataclass
+class _Staged:
+    """A list run through the staging buffers: ``pairs`` (src, dst) as the plan gives them."""
+
+    pairs: list[tuple[int, int]]
+
+
+@dataclass
 class _OutBatch:
     """A background swap-out batch in flight (kernel streams)."""
 
     event: Any
-    pairs: torch.Tensor
+    refs: Any
+    """What its work uses and must stay allocated until ``event``: the index tensor, and the
+    staging halves (hybrid, staged)."""
     touches: InFlight
 
 
@@ -276,12 +372,14 @@ class KVSwapper:
     work too, one launch per layer). ``num_cpu_blocks`` may be 0 (no CPU tier; only empty
     plans then).
 
-    ``method``: ``"kernel"`` or ``"dma"``; None: ``PENSIEVE_SWAP_METHOD`` if set, else kernel
-    on CUDA and DMA on the CPU. ``num_programs``: the kernel's persistent grid (None:
-    :data:`~pensieve.kernels.launch_swap.DEFAULT_PROGRAMS`). ``background``: False makes
+    ``method``: one of :data:`METHODS` (see the module docstring); None:
+    ``PENSIEVE_SWAP_METHOD`` if set, else kernel on CUDA and DMA on the CPU. ``num_programs``:
+    the kernel's persistent grid (None: :data:`~pensieve.kernels.launch_swap.DEFAULT_PROGRAMS`).
+    ``staging_chunks``: chunks per staging piece and half of the hybrid and staged methods
+    (None: :data:`DEFAULT_STAGING_CHUNKS`). ``background``: False makes
     :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
     parallelism, where only rank 0's count reaches the scheduler). ``streams``: for tests, a
-    :class:`Streams` to run the kernel method's stream logic on CPU tensors.
+    :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
     """
 
     def __init__(
@@ -291,6 +389,7 @@ class KVSwapper:
         method: str | None = None,
         *,
         num_programs: int | None = None,
+        staging_chunks: int | None = None,
         background: bool = True,
         streams: Streams | None = None,
     ) -> None:
@@ -320,37 +419,65 @@ class KVSwapper:
             "kernel" if self._cuda else "dma")
         if method not in METHODS:
             raise ValueError(f"swap method {method!r} not in {METHODS}")
-        if streams is not None and (self._cuda or method != "kernel"):
-            raise ValueError("streams= is for the kernel method on CPU tensors (tests)")
+        if streams is not None and (self._cuda or method not in STREAM_METHODS):
+            raise ValueError(f"streams= is for the {STREAM_METHODS} methods on CPU tensors "
+                             "(tests)")
+        if staging_chunks is not None and staging_chunks < 1:
+            raise ValueError(f"staging_chunks {staging_chunks} < 1")
         self.method = method
         from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
 
         self._num_programs = num_programs or DEFAULT_PROGRAMS
         self._tile_bytes: int | None = None
         self.background = background
-        shape = (2, num_cpu_blocks, *self.block_shape)
-        self._host = torch.empty((self.num_layers, *shape), dtype=first.dtype)
+        self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS
+        """Hybrid and staged methods: chunks per staging piece and half."""
+        chunk_major = method in CHUNK_MAJOR
+        self.host_layout = "chunk-major" if chunk_major else "layer-major"
+        """``"layer-major"``: :attr:`host_tier` is ``[L, 2, num_cpu_blocks, C, Hkv, D]``;
+        ``"chunk-major"``: ``[num_cpu_blocks, L, 2, C, Hkv, D]``."""
+        if chunk_major:
+            self._host = torch.empty((num_cpu_blocks, self.num_layers, 2, *self.block_shape),
+                                     dtype=first.dtype)
+            layers = self._host.permute(1, 2, 0, 3, 4, 5)
+        else:
+            self._host = torch.empty((self.num_layers, 2, num_cpu_blocks, *self.block_shape),
+                                     dtype=first.dtype)
+            layers = self._host
         self.pinned = self._cuda and self._host.numel() > 0
         """Whether the CPU tier is page-locked (and device-mapped)."""
-        self._host_view: Any = self._host
-        """What the kernel gets for the CPU tier: a MappedHost on CUDA, else the tensor."""
+        self._host_view: Any = layers
+        """What the kernel gets for the CPU tier, ``[L, 2, num_cpu_blocks, ...]`` (strided when
+        chunk-major): a MappedHost on CUDA, else the tensor."""
         if self.pinned:
             from pensieve.kernels.launch_swap import register_host, unregister_host
 
-            self._host_view = register_host(self._host, self.device)
+            mapped = register_host(self._host, self.device)
+            self._host_view = mapped.permute(1, 2, 0, 3, 4, 5) if chunk_major else mapped
             weakref.finalize(self, unregister_host, self._host)
-        self.cpu_caches: list[torch.Tensor] = list(self._host.unbind(0))
-        """One ``[2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per layer."""
+        self.cpu_caches: list[torch.Tensor] = list(layers.unbind(0))
+        """One ``[2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]`` view per layer of
+        :attr:`host_tier` (contiguous only when layer-major)."""
         self._gpu_stack = _stacked(gpu_caches)
         """``[num_layers, 2, ...]`` view of the GPU caches when they are evenly spaced views of
         one storage; None: one launch per layer."""
         self._triton = self._cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        self._spans: list[tuple[int, int, Any, Any]] | None = None
-        """Kernel method: ``(first_layer, end_layer, to_gpu, to_host)`` copies covering the
-        layers (one span when the caches are stacked), built at first use."""
+        self._copies: dict[tuple[str, bool], list[tuple[int, int, Any]]] = {}
+        """Kernel launches per (other tier, towards the GPU): ``(first_layer, end_layer, copy)``
+        covering the layers (one span when the caches are stacked), built at first use. Other
+        tiers: ``"host"``, the out-staging halves ``"out0"`` / ``"out1"``, the in-staging
+        buffer ``"in"``."""
+        self._out_stage: list[torch.Tensor] = []
+        """Hybrid, staged: the two ``[rows, L, 2, C, Hkv, D]`` device staging halves of the
+        swap-outs (rows <= staging_chunks; grown on demand)."""
+        self._half_free: list[Any] = [None, None]
+        """Event after the last copy out of each half (None: free)."""
+        self._next_half = 0
+        self._in_stage: torch.Tensor | None = None
+        """Staged: the ``[rows, L, 2, C, Hkv, D]`` device staging buffer of the swap-ins."""
         self._streams: Streams | None = streams
         self._stream: torch.cuda.Stream | None = None  # DMA on CUDA
-        if self._cuda and method == "kernel":
+        if self._cuda and method in STREAM_METHODS:
             self._streams = CudaStreams(self.device)
         elif self._cuda:
             # High priority: the swap-in scatter kernels should not queue behind compute.
@@ -364,8 +491,9 @@ class KVSwapper:
         """Cumulative bytes copied GPU -> CPU."""
         self.num_copies = 0
         """Cumulative copy calls issued: host<->device memcpys (DMA: two per run per layer, K
-        and V) or kernel launches."""
-        if self._cuda and method == "kernel" and num_cpu_blocks and self.num_gpu_blocks:
+        and V; hybrid and staged: one per run of consecutive CPU ids per piece, all layers)
+        plus kernel launches."""
+        if self._cuda and method in STREAM_METHODS and num_cpu_blocks and self.num_gpu_blocks:
             self._compile()
 
     # ------------------------------------------------------------------ step API
@@ -396,9 +524,7 @@ class KVSwapper:
         def layer_ready(i: int) -> None:
             self._check_layer(i)
             with torch.inference_mode():
-                if step.next_in_layer <= i:
-                    self._apply(step.swap_in, True, range(step.next_in_layer, i + 1))
-                    step.next_in_layer = i + 1
+                self._sync_in(step, i + 1)
 
         return layer_ready
 
@@ -428,6 +554,11 @@ class KVSwapper:
         self._drain()
 
     @property
+    def host_tier(self) -> torch.Tensor:
+        """The whole CPU tier, contiguous, in :attr:`host_layout`."""
+        return self._host
+
+    @property
     def swap_outs_in_flight(self) -> int:
         """Background batches not yet seen complete (as of the last :meth:`end_step`)."""
         return len(self._in_flight)
@@ -452,7 +583,10 @@ class KVSwapper:
             if plan.swap_out_first:
                 step.out_first = st.upload(s, plan.swap_out_first)
                 st.run(s, functools.partial(self._kernel, step.out_first, False, 0, layers))
-            if plan.swap_in:
+            if plan.swap_in and self.method == "staged":
+                step.swap_in = self._issue_in_staged(st, s, plan.swap_in)
+                events = [st.record(s)] * layers
+            elif plan.swap_in:
                 step.swap_in = st.upload(s, plan.swap_in)
                 for layer in range(layers):
                     st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
@@ -466,11 +600,15 @@ class KVSwapper:
             st.wait(s, compute_done)
             if waits.out_after_in:
                 st.wait(s, step.in_done)
-            pairs = st.upload(s, plan.swap_out)
-            st.run(s, functools.partial(self._kernel, pairs, False, 0, layers))
+            if self.method in CHUNK_MAJOR:
+                event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
+            else:
+                refs = st.upload(s, plan.swap_out)
+                st.run(s, functools.partial(self._kernel, refs, False, 0, layers))
+                event = st.record(s)
             touches = InFlight(frozenset(c for _, c in plan.swap_out),
                                frozenset(g for g, _ in plan.swap_out))
-            self._in_flight.append(_OutBatch(st.record(s), pairs, touches))
+            self._in_flight.append(_OutBatch(event, refs, touches))
         step.events = events
         self._step = step
         if not events:
@@ -498,8 +636,9 @@ class KVSwapper:
         if value < 1:
             raise ValueError(f"num_programs {value} < 1")
         self._num_programs = value
-        for _, _, to_gpu, to_host in self._spans or []:
-            to_gpu.num_programs = to_host.num_programs = value
+        for spans in self._copies.values():
+            for _, _, copy in spans:
+                copy.num_programs = value
 
     @property
     def tile_bytes(self) -> int | None:
@@ -512,14 +651,27 @@ class KVSwapper:
         from pensieve.kernels.launch_swap import DEFAULT_TILE_BYTES
 
         self._tile_bytes = value
-        for _, _, to_gpu, to_host in self._spans or []:
-            to_gpu.tile_bytes = to_host.tile_bytes = value or DEFAULT_TILE_BYTES
+        for spans in self._copies.values():
+            for _, _, copy in spans:
+                copy.tile_bytes = value or DEFAULT_TILE_BYTES
 
-    def _make_spans(self) -> list[tuple[int, int, Any, Any]]:
+    def _tier(self, name: str) -> Any:
+        """``[L, 2, blocks, C, Hkv, D]`` view of the tier ``name`` (see :attr:`_copies`)."""
+        if name == "host":
+            return self._host_view
+        t = self._in_stage if name == "in" else self._out_stage[int(name[-1])]
+        assert t is not None
+        return t.permute(1, 2, 0, 3, 4, 5)
+
+    def _copier(self, name: str, to_gpu: bool) -> list[tuple[int, int, Any]]:
+        spans = self._copies.get((name, to_gpu))
+        if spans is not None:
+            return spans
+        other = self._tier(name)
         if self._gpu_stack is not None:
-            pieces = [(0, self.num_layers, self._gpu_stack, self._host_view)]
+            pieces = [(0, self.num_layers, self._gpu_stack, other)]
         else:
-            pieces = [(i, i + 1, c.unsqueeze(0), self._host_view[i:i + 1])
+            pieces = [(i, i + 1, c.unsqueeze(0), other[i:i + 1])
                       for i, c in enumerate(self.gpu_caches)]
         if self._triton:
             from pensieve.kernels.launch_swap import BlockCopy
@@ -531,20 +683,108 @@ class KVSwapper:
                 return copy
         else:
             make = _RefCopy
-        return [(a, b, make(host, gpu), make(gpu, host)) for a, b, gpu, host in pieces]
+        spans = [(a, b, make(o, g) if to_gpu else make(g, o)) for a, b, g, o in pieces]
+        self._copies[(name, to_gpu)] = spans
+        return spans
 
-    def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int) -> None:
-        """Copy ``pairs`` (src, dst) for layers ``[start, stop)``: CPU -> GPU if ``to_gpu``."""
-        if self._spans is None:
-            self._spans = self._make_spans()
-        for a, b, copy_in, copy_out in self._spans:
+    def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int,
+                tier: str = "host") -> None:
+        """Copy ``pairs`` (src, dst) for layers ``[start, stop)`` between the GPU caches and
+        ``tier`` (see :attr:`_copies`): towards the GPU if ``to_gpu``."""
+        for a, b, copy in self._copier(tier, to_gpu):
             if a < stop and start < b:
-                (copy_in if to_gpu else copy_out)(pairs, max(start, a) - a, min(stop, b) - a)
+                copy(pairs, max(start, a) - a, min(stop, b) - a)
                 self.num_copies += 1
+
+    # ------------------------------------------------------------------ staged (hybrid)
+
+    def _grow_out(self, rows: int) -> None:
+        """Out-staging halves of at least ``rows`` rows. Replaced halves stay referenced by
+        the batches still using them; the new ones are free."""
+        if self._out_stage and self._out_stage[0].shape[0] >= rows:
+            return
+        first = self.gpu_caches[0]
+        shape = (rows, self.num_layers, 2, *self.block_shape)
+        with torch.inference_mode(False):  # written outside inference mode too (simulator)
+            self._out_stage = [torch.empty(shape, dtype=first.dtype, device=self.device)
+                               for _ in range(2)]
+        self._half_free = [None, None]
+        for key in [k for k in self._copies if k[0] in ("out0", "out1")]:
+            del self._copies[key]
+
+    def _grow_in(self, rows: int) -> None:
+        if self._in_stage is not None and self._in_stage.shape[0] >= rows:
+            return
+        first = self.gpu_caches[0]
+        with torch.inference_mode(False):
+            self._in_stage = torch.empty((rows, self.num_layers, 2, *self.block_shape),
+                                         dtype=first.dtype, device=self.device)
+        self._copies.pop(("in", True), None)
+
+    def _dma_rows(self, stage: torch.Tensor, runs: list[tuple[int, int, int]],
+                  to_host: bool) -> None:
+        """Copy the runs ``(stage row, CPU block, length)`` between ``stage`` and the host
+        tier (both chunk-major: one contiguous piece per run), on the current stream."""
+        lengths = [n for _, _, n in runs]
+        rows = _Runs([r for r, _, _ in runs], lengths, stage.shape[0]).views(stage)
+        host = _Runs([c for _, c, _ in runs], lengths, self.num_cpu_blocks).views(self._host)
+        if to_host:
+            torch._foreach_copy_(host, rows, non_blocking=True)
+        else:
+            torch._foreach_copy_(rows, host, non_blocking=True)
+        self.num_copies += len(runs)
+
+    def _wait_half_free(self, st: Streams, stream: Any, h: int) -> None:
+        """``stream`` waits until the copies out of half ``h`` issued so far are done."""
+        if self._half_free[h] is not None:
+            st.wait(stream, self._half_free[h])
+
+    def _issue_out_staged(self, st: Streams, pairs: list[tuple[int, int]], gather: Any,
+                          dma: Any) -> tuple[Any, list[Any]]:
+        """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
+        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
+        returns the event after the last copy and what must stay referenced until then."""
+        size = self.staging_chunks
+        order = sorted(pairs, key=lambda p: p[1])
+        self._grow_out(min(len(order), size))
+        idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
+        refs: list[Any] = [idx, *self._out_stage]
+        event = None
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
+            h, self._next_half = self._next_half, self._next_half ^ 1
+            self._wait_half_free(st, gather, h)
+            st.run(gather, functools.partial(self._kernel, idx[k:k + len(piece)], False, 0,
+                                             self.num_layers, f"out{h}"))
+            st.wait(dma, st.record(gather))
+            runs = runs_of([c for _, c in piece])
+            st.run(dma, functools.partial(self._dma_rows, self._out_stage[h], runs, True))
+            event = self._half_free[h] = st.record(dma)
+        return event, refs
+
+    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]]
+                         ) -> list[Any]:
+        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream``: per piece of at most
+        :attr:`staging_chunks`, copies of the runs into the in-staging buffer, then a scatter
+        into the GPU caches (one stream: a piece's copies wait for the previous scatter).
+        Returns what must stay referenced until the stream's work is done."""
+        size = self.staging_chunks
+        order = sorted(pairs, key=lambda p: p[0])
+        self._grow_in(min(len(order), size))
+        assert self._in_stage is not None
+        idx = st.upload(stream, [(j % size, g) for j, (_, g) in enumerate(order)])
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
+            runs = runs_of([c for c, _ in piece])
+            st.run(stream, functools.partial(self._dma_rows, self._in_stage, runs, False))
+            st.run(stream, functools.partial(self._kernel, idx[k:k + len(piece)], True, 0,
+                                             self.num_layers, "in"))
+        return [idx, self._in_stage]
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
-        block 0 to CPU block 0 and back, which changes no GPU byte."""
+        block 0 to CPU block 0 and back, which changes no GPU byte (hybrid, staged: through
+        the staging buffers too, which allocates them with one row)."""
         assert self._streams is not None
         pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
         layers = self.num_layers
@@ -553,6 +793,14 @@ class KVSwapper:
         with torch.cuda.stream(s):
             self._kernel(pairs, False, 0, layers)
             self._kernel(pairs, True, 0, 1)
+            if self.method in CHUNK_MAJOR:
+                self._grow_out(1)
+                self._kernel(pairs, False, 0, layers, "out0")
+                self._kernel(pairs, False, 0, layers, "out1")
+            if self.method == "staged":
+                self._grow_in(1)
+                self._kernel(pairs, False, 0, layers, "in")  # fills row 0 of the buffer
+                self._kernel(pairs, True, 0, layers, "in")
         s.synchronize()
         self.num_copies = 0
 
@@ -565,8 +813,22 @@ class KVSwapper:
         if isinstance(obj, _Batch):
             for layer in layers:
                 (self._copy_in if to_gpu else self._copy_out)(obj, layer)
+        elif isinstance(obj, _Staged):  # every layer at once
+            if to_gpu:
+                self._issue_in_staged(_IMMEDIATE, None, obj.pairs)
+            else:
+                self._issue_out_staged(_IMMEDIATE, obj.pairs, None, None)
         else:
             self._kernel(obj, to_gpu, layers.start, layers.stop)
+
+    def _sync_in(self, step: _Step, upto: int) -> None:
+        """Synchronous path: run the swap-ins of layers below ``upto`` not run yet (staged:
+        all layers at the first call)."""
+        if step.next_in_layer < upto:
+            if isinstance(step.swap_in, _Staged):
+                upto = self.num_layers
+            self._apply(step.swap_in, True, range(step.next_in_layer, upto))
+            step.next_in_layer = upto
 
     def _finish_sync(self, step: _Step | None) -> None:
         if step is None:
@@ -575,8 +837,7 @@ class KVSwapper:
             self._stream.synchronize()
             return
         with torch.inference_mode():
-            self._apply(step.swap_in, True, range(step.next_in_layer, self.num_layers))
-            step.next_in_layer = self.num_layers
+            self._sync_in(step, self.num_layers)
             self._apply(step.swap_out, False, range(self.num_layers))
 
     def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
@@ -644,11 +905,17 @@ class KVSwapper:
         """Synchronous and DMA paths: validate, then batch the three lists (DMA: runs and
         staging, grown to the largest list; kernel: pair tensors)."""
         self._validate(plan)
-        if self.method == "kernel":
+        if self.method in STREAM_METHODS:
             def t(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
                 return torch.tensor(pairs, dtype=torch.int64) if pairs else None
 
-            step = _Step(t(plan.swap_out_first), t(plan.swap_in), t(plan.swap_out))
+            def staged(pairs: list[tuple[int, int]]) -> _Staged | None:
+                return _Staged(list(pairs)) if pairs else None
+
+            chunk_major = self.method in CHUNK_MAJOR
+            step = _Step(t(plan.swap_out_first),
+                         staged(plan.swap_in) if self.method == "staged" else t(plan.swap_in),
+                         staged(plan.swap_out) if chunk_major else t(plan.swap_out))
         else:
             out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
             swap_in = self._batch([(g, c) for c, g in plan.swap_in])
