@@ -49,8 +49,12 @@ class EvictionPolicy:
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
     ) -> EvictionKey:
         """Lower keys are evicted first."""
-        context_len = min((index + 1) * chunk_size, max(conv.kv_end, 1))
-        value = conv.priority * cost(context_len) / conv.idle_time(now)
+        # min((index + 1) * chunk_size, max(kv_end, 1)) and Conversation.idle_time(now),
+        # spelled out: the cache computes this for every chunk it evicts
+        end, kv_end = (index + 1) * chunk_size, conv.kv_end
+        context_len = end if end < kv_end else (kv_end if kv_end > 1 else 1)
+        idle = now - conv.last_active - conv.keep_alive_s
+        value = conv.priority * cost(context_len) / (idle if idle > 1e-3 else 1e-3)
         return (value, conv.last_active, conv.conversation_id, float(index))
 
 

@@ -151,7 +151,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; suspend the newest when blocks run out.
-        chunk_size = cache.chunk_size
+        chunk_size, conversations = cache.chunk_size, cache.conversations
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -166,7 +166,8 @@ class Scheduler:
                 continue
             n = min(num_pending, budget)
             end = lo + n if len(pending) == 1 else req.pending_end(n)
-            conv = self._conversation_of(req)
+            cid = req.conversation_id  # a running turn's conversation exists
+            conv = conversations[cid if cid is not None else req.request_id]
             if end > len(conv.chunks) * chunk_size:  # it needs blocks
                 suspended = False
                 while not cache.grow(conv, end, now):
@@ -216,14 +217,9 @@ class Scheduler:
             ranges = [QueryRange(lo, req.token_ids_range(lo, hi))]
         else:
             ranges = req.take(n)
-        return ScheduledRequest(
-            request_id=req.request_id,
-            block_table=list(conv.block_table),
-            ranges=ranges,
-            sample=not pending,
-            sampling_params=req.sampling_params,
-            num_output_tokens=len(req.output_token_ids),
-        )
+        # (request_id, block_table, ranges, sample, sampling_params, num_output_tokens)
+        return ScheduledRequest(req.request_id, conv.block_table[:], ranges, not pending,
+                                req.sampling_params, len(req.output_token_ids))
 
     def _suspend(self, req: Request, now: float) -> None:
         self.running.remove(req)

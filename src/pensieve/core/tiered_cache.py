@@ -253,7 +253,7 @@ class TieredKVCache:
     def block_table(self, conv: Conversation) -> list[int]:
         """GPU blocks of a running conversation, chunk by chunk."""
         if conv.running:
-            return list(conv.block_table)
+            return conv.block_table[:]
         return [c.block for c in conv.chunks]
 
     @property
@@ -624,9 +624,7 @@ class TieredKVCache:
                 ch.tier, ch.block = cpu_tier, cpu_block
                 stats.swapped_out_tokens += tokens
             # the conversation's next GPU chunk takes its place in the GPU index
-            j: int | None = i + step
-            if not (0 <= i + step < len(chunks) and chunks[i + step].tier is gpu_tier):
-                j = self._first(conv, gpu_tier, i + step)
+            j = self._first(conv, gpu_tier, i + step)
             if j is None:
                 gpu_index.pop_top(conv)
             else:
