@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the "
                     "committed length cache of the packaged file)")
     ap.add_argument("--num-conversations", type=int, default=None)
+    ap.add_argument("--length-scale", type=float, default=1.0,
+                    help="multiply every turn's input and answer length (>= 1 token): small "
+                         "loads for smoke tests on the CPU")
     ap.add_argument("--think-time", type=float, default=60.0, help="mean seconds")
     ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
     ap.add_argument("--cpu-kv-gb", type=float, default=220.0)
@@ -235,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wl = workload(args)
     convs = list(wl.conversations)
+    if args.length_scale != 1.0:
+        from pensieve.bench.workload import Conversation, Turn
+
+        def scaled(n: int) -> int:
+            return max(1, round(n * args.length_scale))
+
+        convs = [Conversation(c.conv_id, [Turn(scaled(t.input_len), scaled(t.output_len))
+                                          for t in c.turns]) for c in convs]
     import random
 
     random.Random(args.seed).shuffle(convs)
@@ -295,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                      "batching": batching, "workload": wl.name,
                      "api": args.api if args.engine == "http" else None,
                      "session_lifetime_est_s": round(lifetime, 1),
+                     "length_scale": args.length_scale,
                      "model": args.model, "think_time_s": args.think_time,
                      "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
                      "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,

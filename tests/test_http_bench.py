@@ -247,6 +247,12 @@ def test_chat_client_over_http(server: Server) -> None:
     rec = _Recording(engine)
     try:
         assert engine.tokens_per_word == pytest.approx(1.0, abs=0.02)  # calibrated
+        # ... and the calibration's two conversations are gone again (the earlier tests
+        # deleted theirs): no KV held
+        deadline = time.monotonic() + 5
+        while server.metric('pensieve_blocks_used{tier="gpu"}') and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.metric('pensieve_blocks_used{tier="gpu"}') == 0
         assert engine.model == "pensieve-demo"  # the server's first model
         res = run_load(rec, clock, convs, RATE, think_time_s=0.2, duration_s=DURATION,
                        vocab_size=VOCAB, seed=SEED, drain_s=60.0, sample_interval_s=0.5)
@@ -309,7 +315,7 @@ def test_chat_client_over_http(server: Server) -> None:
         assert "steady" in s
     finally:
         engine.shutdown()
-    assert len(created) == 4 + 2  # the sessions and the two calibration requests
+    assert len(created) == 4  # the sessions' (the calibration's were deleted at once)
     for cid in created:  # deleted at shutdown
         assert httpx.get(f"{server.url}/v1/conversations/{cid}").status_code == 404
 

@@ -23,7 +23,8 @@ token each in Llama/Mistral-class 32k SentencePiece vocabularies), one per promp
 load generator drew (``word = CHAT_WORDS[id % len]``), so every system sees the same texts for
 the same seed. With ``calibrate`` the client first measures the served tokenizer: two one-token
 requests of 64 and 320 words give the prompt tokens per word from ``usage``, and a turn of
-``n`` tokens then sends ``round(n / tokens_per_word)`` words (``tokens_per_word`` records it).
+``n`` tokens then sends ``round(n / tokens_per_word)`` words (``tokens_per_word`` records it);
+a Pensieve server's conversations of those two requests are deleted at once.
 Whatever the calibration, the points report what ``usage`` counted.
 
 ``"completions"`` -- Pensieve's token-id path: each turn is a streaming ``POST /v1/completions``
@@ -396,8 +397,8 @@ class HTTPEngine:
                                    f"{r.text[:300]}")
             doc = r.json()
             counts.append(int(doc["usage"]["prompt_tokens"]))
-            if doc.get("conversation_id"):
-                self._created.append(str(doc["conversation_id"]))
+            if doc.get("conversation_id"):  # Pensieve kept it: not part of the load
+                await self._delete(str(doc["conversation_id"]))
         per_word = (counts[1] - counts[0]) / (_CALIBRATION_WORDS[1] - _CALIBRATION_WORDS[0])
         if not 0.25 <= per_word <= 8:
             log.warning("calibration: %.3f tokens per word is implausible; using 1", per_word)
