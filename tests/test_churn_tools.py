@@ -1,0 +1,87 @@
+"""The churn benchmark's helpers: chat model directory, time-series plot, side-by-side summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str) -> ModuleType:
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+def test_chat_model_dir(tmp_path: Path) -> None:
+    from pensieve.models.loader import resolve_config
+    from pensieve.models.tokenizer import load_tokenizer
+
+    d = _script("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "m"),
+                                        {"num_hidden_layers": 1})
+    cfg, path = resolve_config(str(d))
+    assert path == str(d) and cfg.num_hidden_layers == 1
+    assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (5120, 10, 32000)
+    tok = load_tokenizer(str(d))
+    assert len(tok) == 32000 and tok.chat_template
+    with pytest.raises(SystemExit):
+        _script("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"))  # 1000 tokens
+
+
+def _series(system: str, grow: float) -> dict:
+    samples = [{"t": float(t), "sessions_in_flight": 10 + grow * t, "requests_in_flight": 3,
+                "gpu_blocks_used": 50.0, "gpu_blocks_total": 100.0, "cpu_blocks_used": t,
+                "cpu_blocks_total": 100.0, "requests_running": 3, "requests_waiting": 0}
+               for t in range(60)]
+    return {"system": system, "conv_rate": 0.5, "engine": "http", "api": "chat",
+            "workload": "Agentic", "tag": "t", "warmup_s": 20.0, "duration_s": 50.0,
+            "drain_s": 10.0, "samples": samples}
+
+
+def test_plot_timeseries(tmp_path: Path) -> None:
+    ts = tmp_path / "timeseries.jsonl"
+    ts.write_text("\n".join(json.dumps(_series(s, g)) for s, g in
+                            (("stateless", 0.5), ("pensieve", 0.0))) + "\n")
+    out = tmp_path / "churn"
+    assert _script("plot_timeseries").main([str(ts), "--out", str(out)]) == 0
+    png = Path(f"{out}_timeseries.png")
+    assert png.is_file() and png.stat().st_size > 10_000
+
+
+def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = {"conv_rate": 0.7, "engine": "http", "api": "chat", "workload": "Agentic",
+            "warmup_s": 210.0, "duration_s": 420.0, "finished": 90, "requests": 100,
+            "unfinished": 3, "throughput_rps": 9.1, "output_tokens_per_s": 950.0,
+            "prompt_tokens_per_s": 27000.0, "normalized_latency_s_p50": 0.0187,
+            "normalized_latency_s_p90": None, "ttft_s_p50": 0.05, "ttft_s_p90": 0.1,
+            "latency_s_p50": 1.9, "latency_s_p90": 2.9, "mean_context_len": 2957,
+            "prefill_computed_tokens": 953413, "prefill_cached_tokens": 5507331,
+            "gpu_hit_rate": 0.57, "cpu_hit_rate": 0.28, "recomputed_rate": 0.04,
+            "new_prompt_rate": 0.1, "steady_state": False,
+            "steady": {"steady": False, "steady_within_noise": True,
+                       "unsteady": ["sessions_in_flight"],
+                       "halves": {"sessions_in_flight": [59.4, 68.1]}},
+            "http_errors": 0, "http_history_misses": 0, "tokens_per_word": 1.0}
+    pts = tmp_path / "points.jsonl"
+    pts.write_text(json.dumps({**base, "system": "stateless"}) + "\n"
+                   + json.dumps({**base, "system": "pensieve", "tag": "x"}) + "\n")
+    mod = _script("churn_summary")
+    assert mod.main([str(pts)]) == 0
+    out = capsys.readouterr().out
+    assert "stateless @ 0.7/s" in out and "pensieve @ 0.7/s" in out
+    assert "18.7 / inf/-" in out  # P90 unfinished in the window: infinite
+    assert "953,413 / 5,507,331" in out and "59.4 -> 68.1" in out
+    assert "no / yes" in out and "sessions" in out
+    assert mod.main([str(pts), "--tag", "x"]) == 0
+    assert "stateless" not in capsys.readouterr().out
