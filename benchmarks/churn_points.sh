@@ -109,8 +109,12 @@ if [ "$mode" = inproc ]; then
   start_est=${START_EST:-90}  # model load + graph capture inside multiturn.py
   left=$(( budget - start_est - drain - 40 ))
   if [ $(( warmup + window )) -gt "$left" ]; then
-    window=$(( left - warmup )); [ "$window" -lt 60 ] && window=60
-    say "window cut to $window s to fit BUDGET_S=$budget"
+    window=$(( left - warmup ))
+    if [ "$window" -lt 60 ]; then
+      window=60; warmup=$(( left - window )); [ "$warmup" -lt 10 ] && warmup=10
+      say "warm-up cut to $warmup s: the window is unlikely to be at steady state"
+    fi
+    say "window cut to $window s to fit BUDGET_S=$budget (START_EST=$start_est s assumed)"
   fi
   for s in A B; do
     if [ $s = A ]; then sys=$sys_a; g=$gpu_a; else sys=$sys_b; g=$gpu_b; fi
@@ -212,7 +216,11 @@ trap 'stop_servers INT; finish' EXIT
 elapsed=$(( $(date +%s) - t_start ))
 left=$(( budget - elapsed - 45 ))  # 45 s: client start, /metrics, stopping, plot, tar
 if [ $(( warmup + window + drain )) -gt "$left" ]; then
-  window=$(( left - warmup - drain )); [ "$window" -lt 60 ] && window=60
+  window=$(( left - warmup - drain ))
+  if [ "$window" -lt 60 ]; then  # keep a 60 s window; the warm-up gives way (say so)
+    window=60; warmup=$(( left - drain - window )); [ "$warmup" -lt 10 ] && warmup=10
+    say "warm-up cut to $warmup s: the window is unlikely to be at steady state"
+  fi
   say "window cut to $window s to fit BUDGET_S=$budget"
 fi
 duration=$(( warmup + window ))
