@@ -27,9 +27,13 @@ in flight, KV blocks used per tier and requests running / waiting (in process fr
 over HTTP from the server's ``/metrics``); each point's series goes to
 ``<out>/timeseries.jsonl`` and the point gets ``steady_state`` (True when every one of those
 means moved by at most 10% between the window's halves, plus a floor of one request or 1% of a
-tier: ``pensieve.bench.metrics.steady_state``) and ``steady`` (the halves' means).
-``--warmup auto`` is 1.5 mean session lifetimes (turns x (think time + ~20 ms a token of
-answer)); a shorter warm-up gets a warning.
+tier: ``pensieve.bench.metrics.steady_state``) and ``steady`` (the halves' means, and
+``steady_within_noise``: the same check, also passing a difference within two standard errors
+of the window's own scatter -- at a few sessions a second the arrivals alone move the halves by
+10-20%). ``--warmup auto`` is 1.5 mean session lifetimes (turns x (think time + ~20 ms a token
+of answer)); a shorter warm-up gets a warning. Tiers that are never emptied by an ordinary
+client fill at about rate x 5k tokens/s on the agentic load, so at low rates they take longer
+than a session lifetime to reach their steady occupancy: the time series shows when.
 ``--batching separate`` runs Pensieve's engine (real or sim) with separate prefill and decode
 steps (vLLM 0.2 style, ``SchedulerConfig.batching``) instead of unified ones; each point
 records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ours to set).
