@@ -36,7 +36,8 @@ def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN00
     hf.save_pretrained(tmp_path, safe_serialization=True)
     common = dict(model=str(tmp_path), dtype="float32", device="cuda", chunk_size=16,
                   max_num_batched_tokens=128, max_model_len=1024, num_gpu_blocks=40,
-                  num_cpu_blocks=64, cuda_graph_max_batch=8, cuda_graph_mixed=True)
+                  num_cpu_blocks=64, cuda_graph_max_batch=8, cuda_graph_mixed=True,
+                  swap_bandwidth_gbps="off")  # always swap: the test is about swap-ins
     graph = LLM(**common)
     eager = LLM(**common, enforce_eager=True)
     assert graph.engine.runner.decode_graphs is not None

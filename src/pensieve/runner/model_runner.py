@@ -77,7 +77,8 @@ class ModelRunner:
         swap_method: str | None = None,
         background_swap_out: bool | None = None,
     ) -> None:
-        """``swap_method``: the swapper's (``"kernel"`` / ``"dma"``; None: its default).
+        """``swap_method``: the swapper's (``"hybrid"``, ``"kernel"``, ``"staged"``, ``"dma"``;
+        None: its default, hybrid on CUDA).
         ``background_swap_out``: let background swap-outs outlive their step (reported in
         :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank
         ``torch.distributed`` group (tensor parallelism), where only rank 0's count reaches

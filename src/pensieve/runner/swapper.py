@@ -24,17 +24,23 @@ apply in order: a later step's copies see every earlier step's copies done.
 Methods (:data:`METHODS`; ``PENSIEVE_SWAP_METHOD`` picks one when the constructor is given
 None):
 
-- ``"kernel"`` (default on CUDA): one Triton gather/scatter launch copies a whole list (or one
+- ``"kernel"``: one Triton gather/scatter launch copies a whole list (or one
   layer of it) with the GPU's SMs reading and writing the pinned, device-mapped CPU tier
   directly (:mod:`pensieve.kernels.triton_swap`), so scattered block ids cost no more than
   consecutive ones. Both directions through the SMs.
-- ``"hybrid"``: chunk-major host tier. Swap-ins and ``swap_out_first`` as ``kernel`` (SMs,
-  zero-copy; swap-ins layer-pipelined). Background ``swap_out`` through the copy engines: the
-  kernel gathers the chunks device-to-device into a contiguous device staging buffer ``[n,
-  L, 2, C, Hkv, D]`` (rows in CPU-id order), then one ``cudaMemcpyAsync`` per maximal run of
-  consecutive CPU ids (one chunk of all layers or more per copy). Staged in pieces of at most
-  ``staging_chunks`` chunks through two staging halves (so the staging memory is bounded, 2 x
-  ``staging_chunks`` chunks, and the gather of piece k+1 overlaps the copy of piece k).
+- ``"hybrid"`` (default on CUDA): chunk-major host tier. Swap-ins and ``swap_out_first`` as
+  ``kernel`` (SMs, zero-copy; swap-ins layer-pipelined). Background ``swap_out`` through the
+  copy engines: the kernel gathers the chunks device-to-device into a contiguous device staging
+  buffer ``[n, L, 2, C, Hkv, D]`` (rows in CPU-id order), then one ``cudaMemcpyAsync`` per
+  maximal run of consecutive CPU ids (one chunk of all layers or more per copy). Staged in
+  pieces of at most ``staging_chunks`` chunks through two staging halves (so the staging memory
+  is bounded, 2 x ``staging_chunks`` chunks, and the gather of piece k+1 overlaps the copy of
+  piece k).
+  Chosen by measurement (H200, 13B GQA-10 shape, random block ids, 64-1024 chunks,
+  ``benchmarks/swap_bandwidth.py``): in 45.6-48.6 GB/s and out 46.5-53.7 GB/s alone (kernel:
+  46.6-48.7 / 49.7-50.2), in + out together 30.5-33.4 GB/s each way (kernel: 27-29), and a
+  GEMM beside in + out copies slowed 1.12-1.18x (kernel: 1.36-1.43x: SM copies both ways take
+  compute from the model).
 - ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well: one
   ``cudaMemcpyAsync`` per run of consecutive CPU ids into a device staging buffer (at most
   ``staging_chunks`` chunks at a time), then a device-side scatter launch into the GPU
@@ -416,7 +422,7 @@ class KVSwapper:
         """Bytes of K and V of one block in one layer."""
         self._cuda = self.device.type == "cuda"
         method = method or os.environ.get("PENSIEVE_SWAP_METHOD") or (
-            "kernel" if self._cuda else "dma")
+            "hybrid" if self._cuda else "dma")
         if method not in METHODS:
             raise ValueError(f"swap method {method!r} not in {METHODS}")
         if streams is not None and (self._cuda or method not in STREAM_METHODS):
