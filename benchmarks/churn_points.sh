@@ -100,6 +100,7 @@ finish() {  # gather what there is into $OUT, print the summary
     say "no points"
   fi
   cp "$log" "$w/run.log"
+  rm -rf "$w"/conversations_*.db* "$w/model"  # the servers' stores, the chat model directory
   tar czf "$out/churn.tgz" -C "$w" . && rm -rf "$w"
   say "done"
 }
@@ -173,14 +174,19 @@ done
 srv_a=${pids[0]}; srv_b=${pids[1]}
 
 stop_servers() {  # $1: the first signal, INT (up) or TERM (still starting); see h200_http.sh
-  local sig pid
-  for pid in "$srv_a" "$srv_b"; do
-    for sig in "${1:-INT}" TERM KILL; do
-      kill -0 "$pid" 2>/dev/null || break
-      [ "$sig" = KILL ] && say "server $pid did not stop: killing it"
-      kill -"$sig" "$pid" 2>/dev/null
-      for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  local sig pid alive
+  for sig in "${1:-INT}" TERM KILL; do  # both servers at once
+    alive=()
+    for pid in "$srv_a" "$srv_b"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
+    [ ${#alive[@]} -eq 0 ] && break
+    [ "$sig" = KILL ] && say "server(s) ${alive[*]} did not stop: killing"
+    kill -"$sig" "${alive[@]}" 2>/dev/null
+    for _ in $(seq 30); do
+      kill -0 "${alive[@]}" 2>/dev/null || break  # true while any is alive
+      sleep 0.5
     done
+  done
+  for pid in "$srv_a" "$srv_b"; do
     wait "$pid" 2>/dev/null
     say "server $pid exit status $?"
   done
