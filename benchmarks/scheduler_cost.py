@@ -236,6 +236,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, label: str = "",
     """Median and p90 per step against sessions held; ``compare``: another run's JSON, drawn
     in grey (e.g. before a change)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -251,6 +252,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, label: str = "",
     ax.axhline(0.5, color="grey", lw=0.8, ls=":", label="0.5 ms target")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("sessions held")
     ax.set_ylabel("schedule() + update_from_output(): CPU ms per step")
     ax.set_title(title, fontsize=9)
