@@ -37,7 +37,8 @@ dropped: the floor set by the running batch, one ``ScheduledRequest`` per runnin
 chunks held (GPU + CPU blocks in use, mean over timed steps), waiting turns (mean at step
 start), running, and per-step rates of swapped / dropped chunks. A table goes to stdout, JSON to
 ``--out``, a PNG (cost vs sessions held) to ``--plot``. Host timings are of one thread on
-whatever else the machine runs: compare runs made side by side.
+whatever else the machine runs (a shared VM's timings move by tens of percent between runs):
+compare runs made side by side, and use ``--repeat``.
 """
 
 from __future__ import annotations
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     default=(50, 500), help="generated tokens per turn: uniform in LO,HI")
     ap.add_argument("--policy", default="pensieve")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each size this many times (same work) and report the run of "
+                         "median cost; every run's median and p90 go to the JSON")
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. before)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
@@ -302,7 +306,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'chunks held':>11} {'waiting':>7} {'running':>7} {'out/step':>8} {'in/step':>7} "
           f"{'drop/step':>9} {'wall s':>6}", flush=True)
     for n in sizes:
-        r = run_size(n, args)
+        runs = sorted((run_size(n, args) for _ in range(args.repeat)),
+                      key=lambda r: r["median_ms"])
+        r = runs[len(runs) // 2]  # the run of median cost (all runs are the same work)
+        r["repeat_median_ms"] = [x["median_ms"] for x in runs]
+        r["repeat_p90_ms"] = [x["p90_ms"] for x in runs]
         rows.append(r)
         quiet = r["quiet_median_ms"]
         print(f"{n:>8} {r['median_ms']:>9.3f} {r['p90_ms']:>8.3f} {r['mean_ms']:>8.3f} "

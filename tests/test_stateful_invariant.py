@@ -142,9 +142,6 @@ def test_every_path_runs_and_matches(hf_checkpoint) -> None:  # noqa: ANN001
     workload = every_path_workload()
     want = expected(ref, workload)
     llm = make_llm(path, "pensieve", num_gpu_blocks=30, num_cpu_blocks=8)
-    # The exact retention order (no re-key interval): the workload was built for it, and its
-    # turns are milliseconds apart, the scale of the default interval's approximation.
-    llm.engine.cache.key_refresh_s = 0.0
     assert run(llm, workload) == want
     stats = llm.cache_stats()
     for counter in ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "new_prompt_tokens",
@@ -165,7 +162,6 @@ def test_swap_or_recompute_by_cost_matches(hf_checkpoint, policy: str) -> None: 
     want = expected(Reference(model), workload)
     llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8)
     cache = llm.engine.cache
-    cache.key_refresh_s = 0.0
     cache.swap_chunk_s = 0.7 * cache.chunk_cost(CHUNK)
     assert run(llm, workload) == want
     stats = llm.cache_stats()

@@ -358,31 +358,19 @@ def operations(draw: st.DrawFn) -> list[tuple[str, int, int, float]]:
 @given(policy=st.sampled_from(["pensieve", "lru", "prefix-lru", "gpu-only"]), ops=operations(),
        gpu=st.integers(6, 20), cpu=st.integers(0, 8),
        swap_chunk_s=st.sampled_from([None, 0.0, 0.4, 1.5, 100.0]),
-       threshold=st.sampled_from([0.0, 0.25, 0.5]), reserve=st.sampled_from([0.0, 0.1]))
+       threshold=st.sampled_from([0.0, 0.25, 0.5]), reserve=st.sampled_from([0.0, 0.1]),
+       refresh=st.sampled_from([0.0, 0.5, 5.0]))
 def test_index_evicts_as_brute_force_and_stays_consistent(
         policy: str, ops: list[tuple[str, int, int, float]], gpu: int, cpu: int,
-        swap_chunk_s: float | None, threshold: float, reserve: float) -> None:
+        swap_chunk_s: float | None, threshold: float, reserve: float, refresh: float) -> None:
     """Random admit / grow / end / suspend / abort / delete / hints / steps (with background
-    swap-outs left in flight): every victim the index picks is the brute-force lowest key over
-    every idle chunk and every eviction pass does what :func:`reference_pass` does (exact: lru
-    and prefix-lru always, pensieve with key_refresh_s = 0), and the index and the counts
-    match a full recomputation after every operation."""
+    swap-outs left in flight): every victim the index picks is the brute-force lowest key (at
+    ``now``) over every idle chunk, and every eviction pass does what :func:`reference_pass`
+    does, whatever the re-key interval; the index and the counts match a full recomputation
+    after every operation."""
     cache = CheckedCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
-                         decode_reserve=reserve, key_refresh_s=0.0, swap_chunk_s=swap_chunk_s)
-    d = Driver(cache)
-    for op in ops:
-        d.do(*op)
-
-
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(ops=operations(), gpu=st.integers(6, 20), cpu=st.integers(0, 8))
-def test_index_stays_consistent_with_a_refresh_interval(
-        ops: list[tuple[str, int, int, float]], gpu: int, cpu: int) -> None:
-    """With the default re-key interval the pensieve order is approximate, but the index always
-    equals a full recomputation at its evaluation time."""
-    cache = CheckedCache(gpu, cpu, C, get_policy("pensieve"), cost, swap_out_threshold=0.5,
-                         decode_reserve=0.0)
-    cache.exact = False
+                         decode_reserve=reserve, key_refresh_s=refresh,
+                         swap_chunk_s=swap_chunk_s)
     d = Driver(cache)
     for op in ops:
         d.do(*op)
@@ -400,8 +388,8 @@ def test_brute_force_check_sees_evictions() -> None:
 
 
 def test_refresh_interval_rekeys_as_time_passes() -> None:
-    """Keys are evaluated at t_e in [now, now + key_refresh_s]: within the interval the
-    snapshot order holds; once now leaves it, the index is re-keyed at the new time."""
+    """Keys are evaluated at t_e in [now, now + key_refresh_s] (lower bounds of the keys at
+    now); once now leaves that interval, the index is re-keyed at the new time."""
     cache = make("pensieve", gpu=12, cpu=8)
     cache.key_refresh_s = 5.0
     # A: long idle, long context (costly); B: recent, short context (cheap)
@@ -413,8 +401,33 @@ def test_refresh_interval_rekeys_as_time_passes() -> None:
     assert key_a == cache.policy.key(cache.conversations["A"], 0, 14.5, cost, C)
     cache._refresh(12.0)  # still inside [9.5, 14.5]: no re-key
     assert cache._t_eval == 14.5
+    # the victim is exact at now = 12 although the heap holds keys at 14.5
+    _, conv, i = cache._peek_victim(Tier.GPU)
+    assert (conv.conversation_id, i) == brute_victim(cache, Tier.GPU)[1:]
+    cache.check_integrity()
     cache._refresh(20.0)
     assert cache._t_eval == 25.0
+    cache.check_integrity()
+
+
+def test_exact_order_where_a_snapshot_would_be_wrong() -> None:
+    """Two conversations whose order flips between now and t_e: at now = 10, B (idle since 9,
+    priority 0.2) is worth more than A (idle since 0); at 14.5 it is worth less. The index,
+    keyed at 14.5, still evicts A first at 10."""
+    cache = make("pensieve", gpu=20, cpu=20)
+    cache.key_refresh_s = 4.5
+    turn(cache, "A", 4, now=0.0)  # 1 chunk, Cost 1.04
+    turn(cache, "B", 4, now=9.0)
+    a, b = cache.conversations["A"], cache.conversations["B"]
+    cache.set_hints(b, priority=0.2)
+    key = cache.policy.key
+    assert key(a, 0, 10.0, cost, C) < key(b, 0, 10.0, cost, C)
+    assert key(b, 0, 14.5, cost, C) < key(a, 0, 14.5, cost, C)
+    cache._refresh(10.0)
+    assert cache._t_eval == 14.5
+    assert cache._gpu_index.peek()[1] is b  # the lower bounds alone would pick B
+    _, conv, _ = cache._peek_victim(Tier.GPU)
+    assert conv is a
     cache.check_integrity()
 
 

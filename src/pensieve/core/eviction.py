@@ -42,8 +42,9 @@ class EvictionPolicy:
     """Within a conversation, keys grow from the last chunk to the first (else first to last).
     The cache relies on this order; it holds when ``Cost`` does not decrease with context."""
     time_dependent: bool = True
-    """The key depends on ``now`` (the cache re-keys its eviction index as time passes);
-    False: it depends only on the conversation and the chunk, and the index stays exact."""
+    """The key depends on ``now``; it must not grow as ``now`` advances while the
+    conversation stays idle (the cache's index keeps keys at a later time as lower bounds).
+    False: it depends only on the conversation and the chunk."""
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int

@@ -10,6 +10,11 @@ conversation's chunks to the GPU and returns what must be computed::
 
     [dropped: recompute][on CPU: swap in][on GPU][new prompt: compute]
 
+(With ``swap_chunk_s`` the cache recomputes the CPU chunks that would take longer to swap in,
+within the budget the step has left: they join the step's computed positions.) The GPU blocks
+of background swap-outs are reclaimed in :meth:`Scheduler.update_from_output`, as the runner
+reports their copies done.
+
 If a running request cannot get a block, the most recently arrived running request is
 suspended: its KV goes to the CPU tier (or is dropped) and it returns to the front of the queue.
 

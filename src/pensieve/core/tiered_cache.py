@@ -26,21 +26,21 @@ it is evicted from, admitted (it leaves the index), ends, suspends or is aborted
 indexed again from scratch, one pass over its chunks), gets retention hints, or a chunk of it
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
-The approximation (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
-idle_time(now)`` depends on ``now``, so two conversations' order changes over time and no
-static heap is exact. Every key in the index is evaluated at one time ``t_e``: when an eviction
-starts at a ``now`` outside ``[t_e - R, t_e]`` the whole index is re-keyed
-(``O(candidates)``) with ``t_e = now + R``, and entries pushed in between are keyed at ``t_e``
-too. So eviction follows the policy's exact order as it will be at some ``t_e`` with ``now <=
-t_e <= now + R``, a re-key at most every ``R`` seconds. The error: the value ratio of two
-conversations idle since ``a`` and ``b``, ``(t - a) / (t - b)``, is taken up to ``R`` later than
-``now`` (closer to 1), which matters only between conversations that went idle within a few
-``R`` of each other. Evaluating ahead of ``now``, not behind it, keeps conversations that went
-idle since the last re-key ordered by their idle time instead of all at the ``idle_time``
-floor. The comparison of an incoming chunk's key with the CPU tier's lowest (drop one or the
-other) uses ``t_e`` too. ``R = 0`` re-keys at every new ``now``: exact, at ``O(candidates)``
-per step. Keys of ``lru`` and ``prefix-lru`` do not depend on ``now``: their order is always
-exact.
+Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
+idle_time(now)`` depends on ``now``, so conversations' order changes over time and no static
+heap holds it. It only falls while a conversation stays idle, though, so a key evaluated at a
+later time is a lower bound of the key now. The index keeps every entry keyed at one time
+``t_e >= now`` (lower bounds); when an eviction at ``now`` finds a lower bound at the top of the
+heap, it evaluates that entry at ``now`` and puts it back, until the top is exact: no other
+chunk can then have a lower key, so the eviction order is the policy's exact order at ``now``.
+Entries evaluated at ``now`` are keyed at ``t_e`` again when time moves on; once ``now`` passes
+``t_e``, the whole index is re-keyed (``O(candidates)``) at ``t_e = now + R``. ``R`` trades
+that re-key (at most once per ``R`` seconds) against extra evaluations within an eviction:
+entries whose bound at ``t_e`` is far below their key now (conversations idle for less than a
+few ``R``) surface and are evaluated once per eviction time. ``R = 0`` re-keys at every new
+``now``. Keys of ``lru`` and ``prefix-lru`` do not depend on ``now`` and are used as they are.
+A policy whose time-dependent key could grow while a conversation stays idle would break the
+lower bounds (``EvictionPolicy.time_dependent``).
 
 Swap or recompute (``swap_chunk_s``). A CPU chunk of an admitted turn is brought back by a
 swap-in, or, when that is expected to take longer, recomputed (its CPU block freed, its
@@ -98,21 +98,22 @@ class _StepPlan:
 
 class _TierIndex:
     """Eviction candidates of one tier: per idle conversation with a chunk in the tier, the
-    index of its first such chunk in the policy's order and that chunk's key; a heap of
-    ``(key, seq, conversation, chunk index)`` whose entry is live iff its ``seq`` is the one
-    recorded for the conversation (older entries are skipped when they surface)."""
+    index of its first such chunk in the policy's order, that chunk's key and the time the key
+    was evaluated at; a heap of ``(key, seq, conversation, chunk index)`` whose entry is live
+    iff its ``seq`` is the one recorded for the conversation (older entries are skipped when
+    they surface)."""
 
     __slots__ = ("live", "heap", "_seq")
 
     def __init__(self) -> None:
-        self.live: dict[Conversation, tuple[int, int, EvictionKey]] = {}
-        """conversation -> (chunk index, seq, key) of its live entry."""
+        self.live: dict[Conversation, tuple[int, int, EvictionKey, float]] = {}
+        """conversation -> (chunk index, seq, key, evaluation time) of its live entry."""
         self.heap: list[tuple[EvictionKey, int, Conversation, int]] = []
         self._seq = 0
 
-    def set(self, conv: Conversation, index: int, key: EvictionKey) -> None:
+    def set(self, conv: Conversation, index: int, key: EvictionKey, t: float) -> None:
         self._seq += 1
-        self.live[conv] = (index, self._seq, key)
+        self.live[conv] = (index, self._seq, key, t)
         heapq.heappush(self.heap, (key, self._seq, conv, index))
         if len(self.heap) > 2 * len(self.live) + 64:
             self._rebuild(self.live)
@@ -120,11 +121,11 @@ class _TierIndex:
     def discard(self, conv: Conversation) -> None:
         self.live.pop(conv, None)
 
-    def replace_top(self, conv: Conversation, index: int, key: EvictionKey) -> None:
+    def replace_top(self, conv: Conversation, index: int, key: EvictionKey, t: float) -> None:
         """Like :meth:`set`, when ``conv``'s live entry is the heap's top (:meth:`peek` just
         returned it): one sift."""
         self._seq += 1
-        self.live[conv] = (index, self._seq, key)
+        self.live[conv] = (index, self._seq, key, t)
         heapq.heapreplace(self.heap, (key, self._seq, conv, index))
 
     def pop_top(self, conv: Conversation) -> None:
@@ -142,16 +143,16 @@ class _TierIndex:
             heapq.heappop(heap)
         return None
 
-    def rekey(self, key_of: dict[Conversation, EvictionKey]) -> None:
-        """Every candidate's key anew (same chunk)."""
-        self._rebuild({c: (i, s, key_of[c]) for c, (i, s, _) in self.live.items()})
+    def rekey(self, key_of: dict[Conversation, EvictionKey], t: float) -> None:
+        """Every candidate's key anew (same chunk), evaluated at ``t``."""
+        self._rebuild({c: (i, s, key_of[c], t) for c, (i, s, _, _) in self.live.items()})
 
-    def _rebuild(self, live: dict[Conversation, tuple[int, int, EvictionKey]]) -> None:
+    def _rebuild(self, live: dict[Conversation, tuple[int, int, EvictionKey, float]]) -> None:
         self.live = {}
         self.heap = []
-        for conv, (index, _, key) in live.items():
+        for conv, (index, _, key, t) in live.items():
             self._seq += 1
-            self.live[conv] = (index, self._seq, key)
+            self.live[conv] = (index, self._seq, key, t)
             self.heap.append((key, self._seq, conv, index))
         heapq.heapify(self.heap)
 
@@ -172,8 +173,9 @@ class TieredKVCache:
         key_refresh_s: float = 0.5,
         swap_chunk_s: float | None = None,
     ) -> None:
-        """``key_refresh_s``: how stale (seconds) the time-dependent eviction keys may get
-        before the index is re-keyed (see the module docstring). ``swap_chunk_s``: seconds to
+        """``key_refresh_s``: how far ahead (seconds) time-dependent eviction keys are
+        evaluated, i.e. how often at most the whole index is re-keyed; the eviction order is
+        exact whatever its value (see the module docstring). ``swap_chunk_s``: seconds to
         move one chunk (all layers) one way between the tiers at the measured rate; with it,
         admission recomputes a CPU chunk instead of swapping it in when that is expected to be
         sooner (see the module docstring); None: always swap in."""
@@ -209,9 +211,14 @@ class TieredKVCache:
         self._gpu_index = _TierIndex()
         self._cpu_index = _TierIndex()
         self._t_eval = -math.inf
-        """The time at which the index's keys are evaluated (module docstring)."""
+        """``t_e``: the index's keys are evaluated at ``t_e`` (lower bounds while ``now <=
+        t_e``), or exactly at :attr:`_now` for the entries in :attr:`_exact` (module
+        docstring)."""
         self._now = -math.inf
-        """``now`` of the eviction under way."""
+        """``now`` of the last eviction (and of the one under way)."""
+        self._exact: list[tuple[_TierIndex, Conversation]] = []
+        """Entries keyed at ``_now`` (not ``t_e``): keyed again at ``t_e`` when time moves."""
+        self._time_dependent = policy.time_dependent
         self._step = -1 if policy.tail_first else 1
         self._costs: dict[int, float] = {}
         self._step_recompute_s = 0.0
@@ -248,7 +255,7 @@ class TieredKVCache:
             for index in (self._gpu_index, self._cpu_index):
                 entry = index.live.get(conv)
                 if entry is not None:
-                    index.set(conv, entry[0], self._key(conv, entry[0]))
+                    index.set(conv, entry[0], self._key(conv, entry[0]), self._t_eval)
 
     def block_table(self, conv: Conversation) -> list[int]:
         """GPU blocks of a running conversation, chunk by chunk."""
@@ -505,19 +512,34 @@ class TieredKVCache:
         return v
 
     def _key(self, conv: Conversation, i: int) -> EvictionKey:
-        """Chunk ``i``'s key at the index's evaluation time."""
+        """Chunk ``i``'s key at ``t_e`` (a lower bound of its key at any ``now <= t_e``)."""
         return self.policy.key(conv, i, self._t_eval, self._cost, self.chunk_size)
 
+    def _key_now(self, conv: Conversation, i: int) -> EvictionKey:
+        """Chunk ``i``'s key now (during an eviction)."""
+        return self.policy.key(conv, i, self._now, self._cost, self.chunk_size)
+
     def _refresh(self, now: float) -> None:
-        """An eviction starts at ``now``: re-key the index unless ``now`` is still within
-        ``key_refresh_s`` before its evaluation time."""
-        self._now = now
-        t_eval = self._t_eval
-        if not self.policy.time_dependent or t_eval - self.key_refresh_s <= now <= t_eval:
+        """An eviction starts at ``now``. Keys evaluated at an earlier ``now`` are keyed at
+        ``t_e`` again (they would not be lower bounds any more); all keys are re-evaluated at
+        ``now + key_refresh_s`` once ``now`` passes ``t_e``."""
+        if now == self._now:
             return
-        self._t_eval = now + self.key_refresh_s
-        for index in (self._gpu_index, self._cpu_index):
-            index.rekey({conv: self._key(conv, i) for conv, (i, _, _) in index.live.items()})
+        self._now = now
+        if not self._time_dependent:
+            return
+        t_e = self._t_eval
+        if not t_e - self.key_refresh_s <= now <= t_e:
+            t_e = self._t_eval = now + self.key_refresh_s
+            for index in (self._gpu_index, self._cpu_index):
+                index.rekey({conv: self._key(conv, i) for conv, (i, _, _, _) in
+                             index.live.items()}, t_e)
+        else:
+            for index, conv in self._exact:
+                entry = index.live.get(conv)
+                if entry is not None and entry[3] != t_e:
+                    index.set(conv, entry[0], self._key(conv, entry[0]), t_e)
+        self._exact.clear()
 
     def _first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
         """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order."""
@@ -541,7 +563,7 @@ class TieredKVCache:
         if i is None:
             index.discard(conv)
         else:
-            index.set(conv, i, self._key(conv, i))
+            index.set(conv, i, self._key(conv, i), self._t_eval)
 
     def _index(self, conv: Conversation) -> None:
         """(Re)index an idle conversation from scratch (its chunks or its key changed)."""
@@ -556,11 +578,25 @@ class TieredKVCache:
         """Chunk ``i`` of an idle conversation just reached the CPU tier."""
         entry = self._cpu_index.live.get(conv)
         if entry is None or (i - entry[0]) * self._step < 0:
-            self._cpu_index.set(conv, i, self._key(conv, i))
+            self._cpu_index.set(conv, i, self._key(conv, i), self._t_eval)
 
     def _peek_victim(self, tier: Tier) -> Victim | None:
-        """The idle chunk of lowest key in ``tier``."""
-        return (self._gpu_index if tier is Tier.GPU else self._cpu_index).peek()
+        """The idle chunk of lowest key in ``tier`` now (during an eviction at ``_now``).
+
+        Entries keyed at ``t_e`` hold lower bounds: while the lowest entry is one, it is keyed
+        again at ``now`` (exact) and goes back in the heap; once the lowest is exact, no other
+        chunk's key can be lower."""
+        index = self._gpu_index if tier is Tier.GPU else self._cpu_index
+        if not self._time_dependent:
+            return index.peek()
+        now = self._now
+        while (top := index.peek()) is not None:
+            _, conv, i = top
+            if index.live[conv][3] == now:
+                return top
+            index.replace_top(conv, i, self._key_now(conv, i), now)
+            self._exact.append((index, conv))
+        return None
 
     # ------------------------------------------------------------------ eviction
     def plan_background(self, now: float) -> None:
@@ -590,6 +626,8 @@ class TieredKVCache:
         step, c = self._step, self.chunk_size
         gpu, cpu, stats, plan = self.gpu, self.cpu, self.stats, self._plan
         gpu_tier, cpu_tier = Tier.GPU, Tier.CPU
+        # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
+        exact = self._exact if self._time_dependent else []
         done = 0
         last: Conversation | None = None
         while True:
@@ -627,12 +665,14 @@ class TieredKVCache:
             j = self._first(conv, gpu_tier, i + step)
             if j is None:
                 gpu_index.pop_top(conv)
-            else:
-                gpu_index.replace_top(conv, j, self._key(conv, j))
+            else:  # keyed now (exact, for this eviction); at t_e again when time moves
+                gpu_index.replace_top(conv, j, self._key_now(conv, j), now)
+                exact.append((gpu_index, conv))
             if cpu_block >= 0:  # chunk i reached the CPU: the CPU index's cursor moves back?
                 entry = cpu_index.live.get(conv)
                 if entry is None or (i - entry[0]) * step < 0:
-                    cpu_index.set(conv, i, key)
+                    cpu_index.set(conv, i, key, now)
+                    exact.append((cpu_index, conv))
             done += 1
             last = conv
         return done
@@ -664,7 +704,7 @@ class TieredKVCache:
             return None
         if cpu.num_free_blocks == 0:
             victim = self._peek_victim(Tier.CPU)
-            if victim is None or self._key(conv, i) < victim[0]:
+            if victim is None or self._key_now(conv, i) < victim[0]:
                 return None
             self._drop_cpu_victim(victim[1], victim[2])
         return cpu.allocate_one()
@@ -677,7 +717,9 @@ class TieredKVCache:
         if j is None:
             self._cpu_index.pop_top(conv)
         else:
-            self._cpu_index.replace_top(conv, j, self._key(conv, j))
+            self._cpu_index.replace_top(conv, j, self._key_now(conv, j), self._now)
+            if self._time_dependent:
+                self._exact.append((self._cpu_index, conv))
 
     def _drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed)."""
@@ -747,10 +789,16 @@ class TieredKVCache:
             i = None if conv.running else self._first(conv, tier, self._start(conv))
             if i is not None:
                 want[conv] = i
-        got = {conv: i for conv, (i, _, _) in index.live.items()}
+        got = {conv: i for conv, (i, _, _, _) in index.live.items()}
         assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
         heap = {seq: (key, conv, i) for key, seq, conv, i in index.heap}
-        for conv, (i, seq, key) in index.live.items():
-            assert self.conversations.get(conv.conversation_id) is conv, conv.conversation_id
-            assert key == self._key(conv, i), (tier, conv.conversation_id, i, "stale key")
-            assert heap.get(seq) == (key, conv, i), (tier, conv.conversation_id, "not in heap")
+        exact = {id(c) for x, c in self._exact if x is index}
+        for conv, (i, seq, key, t) in index.live.items():
+            cid = conv.conversation_id
+            assert self.conversations.get(cid) is conv, cid
+            assert key == self.policy.key(conv, i, t, self._cost, self.chunk_size), (
+                tier, cid, i, "stale key")
+            assert heap.get(seq) == (key, conv, i), (tier, cid, "not in heap")
+            if self._time_dependent:  # a lower bound (at t_e), or exact now and listed
+                assert t == self._t_eval or (t == self._now and id(conv) in exact), (
+                    tier, cid, t, "keyed at neither t_e nor now")
