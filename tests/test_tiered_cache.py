@@ -376,6 +376,21 @@ def test_index_evicts_as_brute_force_and_stays_consistent(
         d.do(*op)
 
 
+def test_many_evictions_at_one_now_keep_the_exact_list_bounded() -> None:
+    """Evictions that all happen at the same now (a clock that does not move) turn the
+    entries they keyed at now back into bounds once the list grows: still exact, bounded."""
+    cache = CheckedCache(40, 0, C, get_policy("gpu-only"), cost, swap_out_threshold=0.0,
+                         decode_reserve=0.0, key_refresh_s=5.0)
+    cache._exact_max = 0
+    d = Driver(cache)
+    rng = random.Random(5)
+    for _ in range(400):
+        d.do(rng.choice(["admit", "end", "end", "grow"]), rng.randrange(50), rng.randrange(50),
+             0.0)
+        assert len(cache._exact) <= 2 * len(cache._gpu_index.live) + 2 * 40
+    assert cache.choices > 50
+
+
 def test_brute_force_check_sees_evictions() -> None:
     """The property test's checker runs (a fixed sequence that evicts in both tiers)."""
     cache = CheckedCache(8, 2, C, get_policy("pensieve"), cost, swap_out_threshold=0.75,

@@ -160,6 +160,9 @@ class _TierIndex:
 class TieredKVCache:
     """GPU and CPU block pools plus every conversation's chunk map."""
 
+    _exact_max = 1024
+    """Entries keyed at one ``now`` kept listed before they are made bounds again anyway."""
+
     def __init__(
         self,
         num_gpu_blocks: int,
@@ -524,6 +527,8 @@ class TieredKVCache:
         ``t_e`` again (they would not be lower bounds any more); all keys are re-evaluated at
         ``now + key_refresh_s`` once ``now`` passes ``t_e``."""
         if now == self._now:
+            if len(self._exact) > self._exact_max + 2 * len(self._gpu_index.live):
+                self._rebound()  # many evictions at one now: bounds again (still valid)
             return
         self._now = now
         if not self._time_dependent:
@@ -534,11 +539,17 @@ class TieredKVCache:
             for index in (self._gpu_index, self._cpu_index):
                 index.rekey({conv: self._key(conv, i) for conv, (i, _, _, _) in
                              index.live.items()}, t_e)
+            self._exact.clear()
         else:
-            for index, conv in self._exact:
-                entry = index.live.get(conv)
-                if entry is not None and entry[3] != t_e:
-                    index.set(conv, entry[0], self._key(conv, entry[0]), t_e)
+            self._rebound()
+
+    def _rebound(self) -> None:
+        """Entries keyed at ``now`` are keyed at ``t_e`` again (lower bounds)."""
+        t_e = self._t_eval
+        for index, conv in self._exact:
+            entry = index.live.get(conv)
+            if entry is not None and entry[3] != t_e:
+                index.set(conv, entry[0], self._key(conv, entry[0]), t_e)
         self._exact.clear()
 
     def _first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
