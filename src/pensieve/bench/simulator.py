@@ -16,7 +16,7 @@ an executor that moves a clock forward by :meth:`StepCostModel.predict` of each 
                                          copies.swap_outs_in_flight>, clock.now())
 
 Tier copies (:class:`~pensieve.bench.step_cost.TransferModel`, default 45 GB/s each way, or
-``TransferModel.load`` of a measured JSON such as ``docs/results/swap_bandwidth.json``): the
+``TransferModel.load`` of a measured JSON such as ``docs/results/swap/swap_bandwidth.json``): the
 step waits for its urgent swap-outs in full and for its swap-ins only beyond its compute
 (pipelined per layer; ``pipelined=False`` for steps replayed from CUDA graphs, which the
 runner makes wait for every swap-in first); background swap-outs run concurrently on the
