@@ -57,3 +57,31 @@ def test_engine_calls_observers_once_per_step() -> None:
         eng.step()
     assert len(seen) == eng.num_steps == 3
     assert seen[0].prefill_tokens == 39 and [s.decode_tokens for s in seen] == [0, 1, 1]
+
+
+def test_step_totals_script_reads_metrics_text() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_totals.py"
+    spec = importlib.util.spec_from_file_location("step_totals", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = "\n".join([
+        "# HELP pensieve_steps_total Engine steps",
+        'pensieve_steps_total{kind="prefill"} 10.0',
+        'pensieve_steps_total{kind="decode"} 30.0',
+        'pensieve_step_execute_seconds_total{kind="prefill"} 2.0',
+        'pensieve_step_execute_seconds_total{kind="decode"} 3.0',
+        'pensieve_computed_tokens_total{kind="prefill"} 1e4',
+        'pensieve_scheduler_seconds_total{phase="schedule"} 0.03',
+        'pensieve_scheduler_seconds_total{phase="update"} 0.01',
+        'pensieve_swap_chunks_total{kind="out"} 3.0',
+        'pensieve_swap_chunks_total{kind="out_urgent"} 1.0',
+    ])
+    c = mod.costs(mod.parse(text))
+    assert c["us_per_prefill_token"] == 200.0          # 2 s / 10k tokens
+    assert c["us_per_prefill_token_net"] == 100.0      # minus 10 steps x 0.1 s of decodes
+    assert c["decode_step_ms"] == 100.0 and c["scheduler_ms_per_step"] == 1.0
+    assert c["urgent_swap_out_share"] == 0.25

@@ -1,0 +1,103 @@
+"""Per-token step costs from a server's own step accounting (its ``/metrics``).
+
+``pensieve serve`` exports, since it started, the executor seconds and the number of steps by
+step kind (``prefill``: the step computed prompt or recomputed-history tokens, with the decodes
+that rode along; ``decode``: decodes only), the tokens computed by kind, the scheduler's host
+seconds and the chunks moved between the tiers. This prints, per server:
+
+- ``us / prefill token``: executor seconds of prefill steps / prefill tokens computed (what
+  issue 13 compares between policies);
+- ``us / prefill token, net``: the same after taking out what the step's decodes would have
+  cost alone (the mean decode-step time per prefill step);
+- decode step mean, scheduler host ms per step, urgent share of swap-outs.
+
+Input: ``metrics_end.txt`` files (what ``benchmarks/churn_points.sh`` saves in ``churn.tgz``), a
+``churn.tgz`` itself, or a server URL (``http://host:port``)::
+
+    python benchmarks/step_totals.py docs/results/churn/stateless_pensieve_0.7/churn.tgz
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+_LINE = re.compile(r'^(pensieve_[a-z_]+)(?:\{(\w+)="([^"]*)"\})? ([0-9.eE+-]+)$')
+
+
+def parse(text: str) -> dict[str, float]:
+    """``name`` or ``name:label`` -> value, for the pensieve_* samples of a metrics page."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if m:
+            name, _, label, value = m.groups()
+            out[f"{name}:{label}" if label else name] = float(value)
+    return out
+
+
+def costs(m: dict[str, float]) -> dict[str, float]:
+    steps_p = m.get("pensieve_steps_total:prefill", 0.0)
+    steps_d = m.get("pensieve_steps_total:decode", 0.0)
+    sec_p = m.get("pensieve_step_execute_seconds_total:prefill", 0.0)
+    sec_d = m.get("pensieve_step_execute_seconds_total:decode", 0.0)
+    tok_p = m.get("pensieve_computed_tokens_total:prefill", 0.0)
+    decode_step = sec_d / steps_d if steps_d else 0.0
+    sched = (m.get("pensieve_scheduler_seconds_total:schedule", 0.0)
+             + m.get("pensieve_scheduler_seconds_total:update", 0.0))
+    out_bg = m.get("pensieve_swap_chunks_total:out", 0.0)
+    out_urgent = m.get("pensieve_swap_chunks_total:out_urgent", 0.0)
+    return {
+        "prefill_steps": steps_p, "decode_steps": steps_d,
+        "prefill_tokens": tok_p,
+        "us_per_prefill_token": 1e6 * sec_p / tok_p if tok_p else 0.0,
+        "us_per_prefill_token_net": 1e6 * (sec_p - steps_p * decode_step) / tok_p
+        if tok_p else 0.0,
+        "prefill_step_ms": 1e3 * sec_p / steps_p if steps_p else 0.0,
+        "decode_step_ms": 1e3 * decode_step,
+        "scheduler_ms_per_step": 1e3 * sched / (steps_p + steps_d) if steps_p + steps_d else 0.0,
+        "swap_in_chunks": m.get("pensieve_swap_chunks_total:in", 0.0),
+        "swap_out_chunks": out_bg + out_urgent,
+        "urgent_swap_out_share": out_urgent / (out_bg + out_urgent) if out_bg + out_urgent
+        else 0.0,
+    }
+
+
+def sources(arg: str) -> list[tuple[str, str]]:
+    """(name, metrics text) for each server the argument names."""
+    if arg.startswith("http://") or arg.startswith("https://"):
+        import httpx
+
+        return [(arg, httpx.get(arg.rstrip("/") + "/metrics", timeout=10).text)]
+    p = Path(arg)
+    if p.suffix in (".tgz", ".gz"):
+        found = []
+        with tarfile.open(p) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith("metrics_end.txt"):
+                    f = tar.extractfile(member)
+                    if f is not None:
+                        found.append((f"{p.parent.name}/{member.name}", f.read().decode()))
+        return found
+    return [(str(p), p.read_text())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("inputs", nargs="+", help="metrics_end.txt, churn.tgz or http://host:port")
+    args = ap.parse_args(argv)
+    keys = ("us_per_prefill_token", "us_per_prefill_token_net", "prefill_step_ms",
+            "decode_step_ms", "scheduler_ms_per_step", "urgent_swap_out_share")
+    print(f"{'server':48} " + " ".join(f"{k:>26}" for k in keys))
+    for arg in args.inputs:
+        for name, text in sources(arg):
+            c = costs(parse(text))
+            print(f"{name[-48:]:48} " + " ".join(f"{c[k]:26.3f}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
