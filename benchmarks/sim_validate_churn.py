@@ -1,0 +1,541 @@
+"""Re-validate the simulator against the real H200 churn points, with the transfer cost as measured.
+
+Real points (``benchmarks/churn_points.sh``: two ``pensieve serve`` servers side by side on
+H200s, an OpenAI chat client over HTTP, agentic workload, seed 0, think time 5 s, Llama 2-13B
+shape with 10 KV heads in bf16, GPU tier 40 GB, CPU tier 60 GB):
+
+* ``docs/results/churn/stateless_pensieve_0.7`` -- stateless and pensieve at 0.7 sessions/s,
+  arrivals for 404 s, window 210-404 s, drain 25 s;
+* ``docs/results/churn/prefixlru_pensieve_1.2`` -- prefix-lru and pensieve at 1.2 sessions/s,
+  arrivals for 319 s, window 180-319 s, drain 25 s.
+
+Each point's set-up (rate, think time, tiers, warm-up, duration) is read from its
+``points.jsonl``; each server's own totals at the end (steps and executor seconds by step kind,
+computed tokens, swap chunks) from ``metrics_end.txt`` inside ``churn.tgz``.
+
+The simulator (:class:`~pensieve.bench.simulator.SimEngine`, the same scheduler and tiered
+cache) runs the same load through ``pensieve.bench.loadgen.run_load`` (the load generator of
+``benchmarks/multiturn.py``: same workload, shuffle, seed, arrivals and think times), with
+
+* copies: ``TransferModel.load(swap_bandwidth.json, case="hybrid")`` -- the byte-weighted
+  rates of the engine's default swap method ("hybrid") on random block ids, swap-ins
+  pipelined over the 40 layers, and steps of <= 512 tokens (mixed-step CUDA graphs, on by
+  default) waiting for all their swap-ins;
+* the chat template: each turn's input gets ``--template-tokens`` (8) more tokens, as the
+  server's chat template adds (the real ``context_len`` grows ~8 tokens a turn over the
+  workload's lengths);
+* step cost: (a) the fused-era fit (``docs/results/multiturn_fused/step_cost_h200_fused.json``,
+  fitted on steps measured before mixed-step graphs and the swap kernel), as is; (b) that fit
+  recalibrated on the real servers' aggregate totals (below).
+
+Recalibration (``calibrate``): three numbers are fitted, by non-negative least squares on
+relative errors, to the real servers' *mean executor seconds per step* of each kind
+(decode-only steps; steps with prefill tokens) of the *fit* points (``metrics_end.txt``:
+seconds / steps), given the simulated steps' features: a factor ``alpha`` on the fused fit's
+per-step terms (``base_s``, ``per_request_s``, ``per_kv_read_token_s``,
+``per_decode_token_s``), and new ``per_prefill_step_s`` and ``per_prefill_token_s`` (on the
+real prefill tokens per prefill step); ``per_attn_pair_s`` and the copies stay as they are,
+and the servers' scheduler seconds per step are added to ``base_s`` (host time). Per step, not
+in total, because both engines are busy almost all the time (total step seconds ~ the run's
+length whatever a step costs). The simulated features depend on the model (batch sizes follow
+step times), so the fit alternates with simulator runs (``--calib-iters``, default 2).
+Cross-validation: fit on the 0.7 pair and report the 1.2 pair, and the reverse (the 1.2
+pair's prefill steps all carry ~800 tokens, so there ``per_prefill_token_s`` is held at the
+fused fit's value). A third model fitted on all four points is the one the what-if uses (its
+errors are in-sample and are labelled so).
+
+What-if (``--whatif``): the ShareGPT set-up of ``benchmarks/sim_fused_whatif.sh`` ("both costs
+removed", 1.24x in docs/benchmarks.md): 8 GB GPU / 22 GB CPU tiers, think time 6 s, 360 s of
+arrivals, window 120-360 s, 60 s drain, stateless / prefix-lru / pensieve at a few rates, with
+the recalibrated model and the measured copies; capacity at P90 100 and 150 ms/token.
+
+    python benchmarks/sim_validate_churn.py --out docs/results/sim_churn          # ~10 min
+    python benchmarks/sim_validate_churn.py --out /tmp/x --tiny                   # a smoke test
+
+Writes ``<out>/sim_validate_churn.json`` (every real and simulated number, the fitted models,
+the what-if points), ``<out>/step_cost_churn_*.json`` (the recalibrated models),
+``<out>/sim_validate_churn.png`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import tarfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from pensieve.bench.engine_api import VirtualClock  # noqa: E402
+from pensieve.bench.loadgen import run_load  # noqa: E402
+from pensieve.bench.metrics import capacity_at, summarize  # noqa: E402
+from pensieve.bench.step_cost import StepCostModel, TransferModel, nnls  # noqa: E402
+
+CHURN = ROOT / "docs" / "results" / "churn"
+PAIRS = {"0.7": CHURN / "stateless_pensieve_0.7", "1.2": CHURN / "prefixlru_pensieve_1.2"}
+FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
+SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
+KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
+CHUNK = 32
+GRAPH_MAX_TOKENS = 512
+SCALED = ("base_s", "per_request_s", "per_kv_read_token_s", "per_decode_token_s")
+METRICS = (  # (key, label, scale)
+    ("throughput_rps", "throughput (req/s)", 1.0),
+    ("normalized_latency_s_p50", "P50 norm. latency (ms/tok)", 1e3),
+    ("normalized_latency_s_p90", "P90 norm. latency (ms/tok)", 1e3),
+    ("ttft_s_p50", "P50 TTFT (s)", 1.0),
+    ("prefill_computed_tokens", "prefill computed (window)", 1.0),
+    ("prefill_step_s", "prefill-step s (run)", 1.0),
+    ("decode_step_s", "decode-step s (run)", 1.0),
+    ("prefill_steps", "prefill steps (run)", 1.0),
+    ("decode_steps", "decode steps (run)", 1.0),
+    ("steps", "steps (run)", 1.0),
+    ("prefill_tokens_run", "prefill tokens (run)", 1.0),
+)
+
+
+# ------------------------------------------------------------------------ real points
+def _metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, val = line.rpartition(" ")
+        try:
+            out[name] = float(val)
+        except ValueError:
+            pass
+    return out
+
+
+def load_real() -> list[dict[str, Any]]:
+    """The four real points with their servers' end totals."""
+    real = []
+    for pair, d in PAIRS.items():
+        with tarfile.open(d / "churn.tgz") as tf:
+            for side in ("A", "B"):
+                def member(name: str, side: str = side) -> str:
+                    f = tf.extractfile(f"./{side}/{name}")
+                    assert f is not None
+                    return f.read().decode()
+                p = json.loads(member("points.jsonl").splitlines()[0])
+                m = _metrics(member("metrics_end.txt"))
+                def g(k: str, m: dict[str, float] = m) -> float:
+                    return m.get(k, 0.0)
+                p.update(
+                    pair=pair,
+                    prefill_step_s=g('pensieve_step_execute_seconds_total{kind="prefill"}'),
+                    decode_step_s=g('pensieve_step_execute_seconds_total{kind="decode"}'),
+                    prefill_steps=g('pensieve_steps_total{kind="prefill"}'),
+                    decode_steps=g('pensieve_steps_total{kind="decode"}'),
+                    prefill_tokens_run=g('pensieve_computed_tokens_total{kind="prefill"}'),
+                    decode_tokens_run=g('pensieve_computed_tokens_total{kind="decode"}'),
+                    scheduler_s=g('pensieve_scheduler_seconds_total{phase="schedule"}')
+                    + g('pensieve_scheduler_seconds_total{phase="update"}'),
+                    swap_in_chunks=g('pensieve_swap_chunks_total{kind="in"}'),
+                    swap_out_chunks=g('pensieve_swap_chunks_total{kind="out"}')
+                    + g('pensieve_swap_chunks_total{kind="out_urgent"}'),
+                    urgent_swap_out_chunks=g('pensieve_swap_chunks_total{kind="out_urgent"}'))
+                p["steps"] = p["prefill_steps"] + p["decode_steps"]
+                real.append(p)
+    return real
+
+
+# ------------------------------------------------------------------------ simulator
+def transfer_model() -> TransferModel:
+    return TransferModel.load(SWAP, case="hybrid", num_layers=40,
+                              graph_max_tokens=GRAPH_MAX_TOKENS)
+
+
+def conversations(workload: str, seed: int, template_tokens: int, length_scale: float,
+                  ) -> list[Any]:
+    from pensieve.bench.workload import Conversation, Turn, load_workload
+
+    if workload == "agentic":
+        from pensieve.bench.agentic import agentic_workload
+
+        convs = list(agentic_workload(5000, seed=seed).conversations)
+    else:
+        convs = list(load_workload(str(ROOT / "benchmarks" / "data"
+                                       / "sharegpt_merged_lengths.json.gz")).conversations)
+    if template_tokens or length_scale != 1.0:
+        def sc(n: int) -> int:
+            return max(1, round(n * length_scale))
+        convs = [Conversation(c.conv_id, [Turn(sc(t.input_len) + template_tokens,
+                                               sc(t.output_len)) for t in c.turns])
+                 for c in convs]
+    random.Random(seed).shuffle(convs)  # as benchmarks/multiturn.py
+    return convs
+
+
+def sim_point(job: dict[str, Any]) -> dict[str, Any]:
+    """One simulated point: summary over the window plus run totals by step kind (and the
+    aggregated design of each kind, for the recalibration)."""
+    from pensieve.bench.simulator import SimEngine
+    from pensieve.bench.step_cost import _design_row
+    from pensieve.core.config import SchedulerConfig
+    from pensieve.core.cost_model import CostModel
+
+    t0 = time.time()
+    cost = StepCostModel.from_dict(job["cost"])
+    block_bytes = KV_BYTES_PER_TOKEN * CHUNK
+    gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
+    cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
+    clock = VirtualClock()
+    eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
+                                    max_model_len=16384),
+                    gpu, cpu, cost, clock,
+                    CostModel.analytic(40, 5120, 40, 10, 128, 13824, CHUNK), chunk_size=CHUNK,
+                    cache_policy=job["system"], block_bytes=block_bytes,
+                    transfer=transfer_model())
+    convs = conversations(job["workload"], job["seed"], job["template_tokens"],
+                          job.get("length_scale", 1.0))
+    res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
+                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0)
+    p = {"system": job["system"], "conv_rate": job["rate"], "pair": job.get("pair"),
+         "model": job.get("model_name"), "unfinished": res.unfinished,
+         **summarize(res, job["warmup"])}
+    p.pop("steady", None)
+    kinds: dict[str, dict[str, Any]] = {
+        k: {"n": 0, "s": 0.0, "exposed_s": 0.0, "design": [0.0] * 8, "prefill_tokens": 0}
+        for k in ("prefill", "decode")}
+    for f, dt in eng.step_log:
+        k = kinds["prefill" if f.num_prefill_tokens > 0 else "decode"]
+        k["n"] += 1
+        k["s"] += dt
+        k["exposed_s"] += dt - cost.compute_time(f)
+        k["prefill_tokens"] += f.num_prefill_tokens
+        k["design"] = [a + b for a, b in zip(k["design"], _design_row(f))]
+    p.update(prefill_step_s=kinds["prefill"]["s"], decode_step_s=kinds["decode"]["s"],
+             prefill_steps=kinds["prefill"]["n"], decode_steps=kinds["decode"]["n"],
+             steps=kinds["prefill"]["n"] + kinds["decode"]["n"],
+             prefill_tokens_run=kinds["prefill"]["prefill_tokens"],
+             swap_in_chunks=eng.swap_in_chunks, swap_out_chunks=eng.swap_out_chunks,
+             exposed_copy_s=eng.exposed_copy_s, kinds=kinds,
+             sim_wall_s=round(time.time() - t0, 1))
+    return p
+
+
+def run_jobs(jobs: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
+    if workers <= 1 or len(jobs) <= 1:
+        return [sim_point(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=workers) as ex:
+        return list(ex.map(sim_point, jobs))
+
+
+def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
+              args: argparse.Namespace, pairs: tuple[str, ...]) -> list[dict[str, Any]]:
+    jobs = []
+    for r in real:
+        if r["pair"] not in pairs:
+            continue
+        duration, warmup = r["duration_s"], r["warmup_s"]
+        if args.tiny:  # a smoke test: short run, small load
+            duration, warmup = 40.0, 20.0
+        jobs.append({"system": r["system"], "rate": r["conv_rate"], "pair": r["pair"],
+                     "think": r["think_time_s"], "gpu_kv_gb": r["gpu_kv_gb"],
+                     "cpu_kv_gb": r["cpu_kv_gb"], "duration": duration, "warmup": warmup,
+                     "drain": 25.0 if not args.tiny else 10.0, "seed": args.seed,
+                     "workload": "agentic", "template_tokens": args.template_tokens,
+                     "length_scale": 0.2 if args.tiny else 1.0,
+                     "cost": cost.to_dict(), "model_name": name})
+    return jobs
+
+
+# ------------------------------------------------------------------------ recalibration
+def calibrate(base: StepCostModel, sims: list[dict[str, Any]], real: list[dict[str, Any]],
+              label: str) -> tuple[StepCostModel, dict[str, Any]]:
+    """Fit (alpha, per_prefill_step_s, per_prefill_token_s) to the real servers' *mean*
+    executor seconds per step of each kind (decode-only, with prefill) of the points in
+    ``sims`` (matched by pair and system). Per step, not in total: both engines are busy
+    almost all the time, so their total step seconds are ~the run's length whatever a step
+    costs; what a step costs shows in how many steps fit in it. A decode step's predicted mean
+    is ``alpha x`` the base fit's per-step terms of the simulated decode steps (mean requests,
+    KV reads) plus their attention and exposed copy time; a prefill step's also has
+    ``per_prefill_step_s + per_prefill_token_s x`` the *real* prefill tokens per prefill step
+    (the simulator computes 10-25% more prefill tokens than the servers did), with the
+    simulated attention pairs per prefill token. When the fit points' prefill tokens per step
+    differ by less than 2x (the 1.2 pair: 770 and 800), the two prefill terms cannot be told
+    apart and ``per_prefill_token_s`` is held at the base fit's value. The servers' scheduler
+    seconds per step (host time outside the executor) are added to ``base_s``."""
+    import numpy as np
+
+    from pensieve.bench.step_cost import COEFFICIENTS
+
+    ix = {c: i for i, c in enumerate(COEFFICIENTS)}
+    rows, ys, tok_per_step = [], [], []
+    host_s = host_n = 0.0
+    for s in sims:
+        r = next(x for x in real if x["pair"] == s["pair"] and x["system"] == s["system"])
+        host_s += r["scheduler_s"]
+        host_n += r["steps"]
+        for kind in ("prefill", "decode"):
+            k = s["kinds"][kind]
+            d = k["design"]
+            n = k["n"]
+            if n == 0 or not r[f"{kind}_steps"]:
+                continue
+            shared = sum(getattr(base, c) * d[ix[c]] for c in SCALED) / n
+            tok = r["prefill_tokens_run"] / r["prefill_steps"] if kind == "prefill" else 0.0
+            sim_tok = d[ix["per_prefill_token_s"]]
+            attn_per_tok = d[ix["per_attn_pair_s"]] / sim_tok if sim_tok else 0.0
+            fixed = base.per_attn_pair_s * attn_per_tok * tok + k["exposed_s"] / n
+            y = r[f"{kind}_step_s"] / r[f"{kind}_steps"]
+            rows.append([shared, 1.0 if kind == "prefill" else 0.0, tok])
+            ys.append((y, fixed))
+            if kind == "prefill":
+                tok_per_step.append(tok)
+    a = np.array(rows)
+    y = np.array([v - f for v, f in ys])
+    tot = np.array([v for v, _ in ys])
+    w = 1.0 / tot
+    hold = max(tok_per_step) < 2 * min(tok_per_step)
+    if hold:  # the prefill terms are not identifiable: keep the base per-token cost
+        y = y - a[:, 2] * base.per_prefill_token_s
+        coef2 = nnls(a[:, :2] * w[:, None], y * w)
+        coef = np.array([coef2[0], coef2[1], base.per_prefill_token_s])
+        pred = a[:, :2] @ coef2 + a[:, 2] * base.per_prefill_token_s
+        y = y + a[:, 2] * base.per_prefill_token_s
+    else:
+        coef = nnls(a * w[:, None], y * w)
+        pred = a @ coef
+    alpha, pps, ppt = (float(c) for c in coef)
+    host = host_s / host_n if host_n else 0.0
+    scaled = {c: getattr(base, c) * alpha for c in SCALED}
+    scaled["base_s"] += host
+    model = dataclasses.replace(
+        base, **scaled, per_prefill_step_s=pps, per_prefill_token_s=ppt, source="fit",
+        label=f"{base.label} -> recalibrated on churn server totals ({label})",
+        fit_num_records=len(ys), fit_median_rel_err=None, fit_p90_rel_err=None)
+    return model, {"alpha": alpha, "per_prefill_step_s": pps, "per_prefill_token_s": ppt,
+                   "per_prefill_token_held": hold, "host_s_per_step": host,
+                   "residual_rel": [float(v) for v in (pred - y) / tot]}
+
+
+def fit_loop(base: StepCostModel, real: list[dict[str, Any]], pairs: tuple[str, ...],
+             args: argparse.Namespace, name: str, first: list[dict[str, Any]],
+             log: list[str]) -> tuple[StepCostModel, list[dict[str, Any]], list[dict]]:
+    sims = [s for s in first if s["pair"] in pairs]
+    model, info = calibrate(base, sims, real, name)
+    infos = [info]
+    for it in range(1, args.calib_iters):
+        sims = run_jobs(real_jobs(real, model, f"{name} iter {it}", args, pairs), args.workers)
+        model, info = calibrate(base, sims, real, name)
+        infos.append(info)
+    msg = (f"{name}: alpha {info['alpha']:.3f}, per_prefill_step "
+           f"{info['per_prefill_step_s'] * 1e3:.2f} ms, per_prefill_token "
+           f"{info['per_prefill_token_s'] * 1e6:.2f} us"
+           f"{' (held)' if info['per_prefill_token_held'] else ''}, host "
+           f"{info['host_s_per_step'] * 1e3:.3f} ms/step "
+           f"(residuals {', '.join(f'{v:+.1%}' for v in info['residual_rel'])})")
+    print(msg, flush=True)
+    log.append(msg)
+    return model, sims, infos
+
+
+# ------------------------------------------------------------------------ output
+def rel(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or not real or not math.isfinite(sim):
+        return None
+    return (sim - real) / real
+
+
+def table(real: list[dict[str, Any]], sims: dict[str, list[dict[str, Any]]]) -> str:
+    lines = []
+    for r in real:
+        head = f"{r['system']} @ {r['conv_rate']}/s (pair {r['pair']})"
+        cols = list(sims)
+        lines.append(f"\n{head}\n{'metric':<28}{'real':>12}" + "".join(
+            f"{c[:22]:>24}" for c in cols))
+        for key, lab, sc in METRICS:
+            rv = r.get(key)
+            row = f"{lab:<28}{_fmt(rv, sc):>12}"
+            for c in cols:
+                s = next((x for x in sims[c] if x["pair"] == r["pair"]
+                          and x["system"] == r["system"]), None)
+                sv = s.get(key) if s else None
+                e = rel(sv, rv)
+                row += f"{_fmt(sv, sc):>14} {'' if e is None else f'{e:+.1%}':>9}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None, sc: float) -> str:
+    if v is None:
+        return "-"
+    v = v * sc
+    if not math.isfinite(v):
+        return "inf"
+    if abs(v) >= 1e4:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def plot(real: list[dict[str, Any]], sims: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("throughput_rps", "throughput (req/s)"),
+            ("normalized_latency_s_p50", "P50 norm. latency"),
+            ("normalized_latency_s_p90", "P90 norm. latency"), ("ttft_s_p50", "P50 TTFT"),
+            ("prefill_step_s", "prefill-step s"), ("decode_step_s", "decode-step s")]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    labels = [f"{r['system']}\n@{r['conv_rate']}" for r in real]
+    width = 0.8 / max(1, len(sims))
+    for ax, (k, t) in zip(axes.flat, keys):
+        for j, (name, pts) in enumerate(sims.items()):
+            errs = []
+            for r in real:
+                s = next((x for x in pts if x["pair"] == r["pair"]
+                          and x["system"] == r["system"]), None)
+                e = rel(s.get(k) if s else None, r.get(k))
+                errs.append(100 * e if e is not None else float("nan"))
+            ax.bar([i + j * width for i in range(len(real))], errs, width, label=name)
+        ax.axhline(0, color="k", lw=0.8)
+        for y in (-10, 10):
+            ax.axhline(y, color="grey", ls=":", lw=0.8)
+        ax.set_xticks([i + width * (len(sims) - 1) / 2 for i in range(len(real))], labels,
+                      fontsize=8)
+        ax.set_title(f"{t}: sim vs real (%)")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("Simulator vs real H200 churn points (agentic, HTTP chat, 40/60 GB tiers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/results/sim_churn")
+    ap.add_argument("--step-cost", default=str(FUSED), help="the step-cost fit to start from")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--template-tokens", type=int, default=8)
+    ap.add_argument("--calib-iters", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--whatif-rates", default="0.5,0.6,0.8,1.0,1.2")
+    ap.add_argument("--whatif-systems", default="stateless,prefix-lru,pensieve")
+    ap.add_argument("--no-whatif", dest="whatif", action="store_false")
+    ap.add_argument("--tiny", action="store_true",
+                    help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
+                         "one what-if rate")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.calib_iters = 1
+        args.whatif_rates = "1.0"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    log: list[str] = []
+    real = load_real()
+    base = StepCostModel.load(args.step_cost)
+    tm = transfer_model()
+    msg = (f"copies: {tm.source}: in {tm.swap_in_gbps:.1f} GB/s, out {tm.swap_out_gbps:.1f} "
+           f"GB/s, 40 layers pipelined, steps <= {GRAPH_MAX_TOKENS} tokens wait for swap-ins")
+    print(msg, flush=True)
+    log.append(msg)
+
+    # (a) the old fit as is, all four points
+    as_is = run_jobs(real_jobs(real, base, "fused fit as is", args, ("0.7", "1.2")),
+                     args.workers)
+    print(table(real, {"fused fit as is": as_is}), flush=True)
+
+    # (b) cross-validated recalibration, (c) all four
+    m07, fit07, info07 = fit_loop(base, real, ("0.7",), args, "fit on 0.7 pair", as_is, log)
+    m12, fit12, info12 = fit_loop(base, real, ("1.2",), args, "fit on 1.2 pair", as_is, log)
+    m_all, _, info_all = fit_loop(base, real, ("0.7", "1.2"), args, "fit on all four",
+                                  as_is, log)
+    cross = run_jobs(real_jobs(real, m12, "fit on 1.2 -> 0.7", args, ("0.7",))
+                     + real_jobs(real, m07, "fit on 0.7 -> 1.2", args, ("1.2",)), args.workers)
+    allfit = run_jobs(real_jobs(real, m_all, "fit on all four (in-sample)", args,
+                                ("0.7", "1.2")), args.workers)
+    insample = fit07 + fit12  # the last calibration pass of each pair, on its own pair
+    sims = {"fused fit as is": as_is, "cross-validated": cross,
+            "in-sample (own pair)": insample, "all-four fit (in-sample)": allfit}
+    tab = table(real, sims)
+    print(tab, flush=True)
+    for name, m in (("07", m07), ("12", m12), ("all", m_all)):
+        m.save(out / f"step_cost_churn_fit_{name}.json")
+    plot(real, sims, out / "sim_validate_churn.png")
+
+    errors: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name, pts in sims.items():
+        errors[name] = {}
+        for r in real:
+            s = next((x for x in pts if x["pair"] == r["pair"] and x["system"] == r["system"]),
+                     None)
+            errors[name][f"{r['system']}@{r['conv_rate']}"] = {
+                k: rel(s.get(k) if s else None, r.get(k)) for k, _, _ in METRICS}
+
+    # (d) the ShareGPT what-if with the all-four model
+    whatif: list[dict[str, Any]] = []
+    caps: dict[str, Any] = {}
+    if args.whatif:
+        jobs = []
+        for system in args.whatif_systems.split(","):
+            for rate in (float(x) for x in args.whatif_rates.split(",")):
+                jobs.append({"system": system, "rate": rate, "pair": "sharegpt-whatif",
+                             "think": 6.0, "gpu_kv_gb": 8.0, "cpu_kv_gb": 22.0,
+                             "duration": 60.0 if args.tiny else 360.0,
+                             "warmup": 20.0 if args.tiny else 120.0,
+                             "drain": 10.0 if args.tiny else 60.0, "seed": args.seed,
+                             "workload": "sharegpt", "template_tokens": 0,
+                             "length_scale": 0.2 if args.tiny else 1.0,
+                             "cost": m_all.to_dict(), "model_name": "all-four fit"})
+        whatif = run_jobs(jobs, args.workers)
+        for p in whatif:
+            if p.get("normalized_latency_s_p90") is None:
+                p["normalized_latency_s_p90"] = math.inf
+        for target in (0.100, 0.150):
+            by = {s: [p for p in whatif if p["system"] == s]
+                  for s in args.whatif_systems.split(",")}
+            c = {s: capacity_at(pts, target) for s, pts in by.items()}
+            caps[f"{target * 1e3:.0f}ms"] = c
+        print("\nShareGPT what-if (8/22 GB tiers, think 6 s, 360 s arrivals, window 120-360 s):")
+        for p in sorted(whatif, key=lambda p: (p["system"], p["conv_rate"])):
+            print(f"  {p['system']:>10} @ {p['conv_rate']}: {p['throughput_rps']:.2f} req/s, "
+                  f"P90 {p['normalized_latency_s_p90'] * 1e3:.0f} ms/tok, "
+                  f"gpu/cpu/recomputed {p['gpu_hit_rate']:.2f}/{p['cpu_hit_rate']:.2f}/"
+                  f"{p['recomputed_rate']:.2f}")
+        for t, c in caps.items():
+            st = c.get("stateless")
+            print(f"  capacity at {t}: " + ", ".join(f"{s} {v:.2f}" for s, v in c.items())
+                  + (f"; pensieve/stateless {c['pensieve'] / st:.2f}x" if st else "")
+                  + (f", pensieve/prefix-lru {c['pensieve'] / c['prefix-lru']:.2f}x"
+                     if c.get("prefix-lru") else ""))
+
+    def strip(ps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in p.items() if k != "kinds"}
+                | {"kinds": {kk: {x: y for x, y in kv.items() if x != "design"}
+                             for kk, kv in p.get("kinds", {}).items()}} for p in ps]
+
+    result = {
+        "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
+                                 "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
+                                 "graph_max_tokens": GRAPH_MAX_TOKENS},
+        "base_step_cost": base.to_dict(),
+        "models": {"fit_07": m07.to_dict(), "fit_12": m12.to_dict(), "fit_all": m_all.to_dict()},
+        "fit_info": {"fit_07": info07, "fit_12": info12, "fit_all": info_all},
+        "sim": {k: strip(v) for k, v in sims.items()}, "errors": errors,
+        "whatif": strip(whatif), "whatif_capacity": caps, "log": log,
+        "args": vars(args), "wall_s": round(time.time() - t0, 1),
+    }
+    (out / "sim_validate_churn.json").write_text(json.dumps(
+        result, indent=1, default=lambda o: None if isinstance(o, float) else str(o)))
+    (out / "table.txt").write_text(tab + "\n")
+    print(f"\nwrote {out}/sim_validate_churn.json, .png, table.txt; wall {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
