@@ -75,7 +75,7 @@ def test_swap_in_exposed_only_beyond_compute() -> None:
 
 
 def test_load_measured_json(tmp_path: Path) -> None:
-    path = ROOT / "docs" / "results" / "swap_bandwidth.json"
+    path = ROOT / "tests" / "data" / "swap_bandwidth_cases.json"  # the older case-row format
     rows = json.loads(path.read_text())["rows"]
     m = TransferModel.load(path)
     present = {r["case"] for r in rows}
