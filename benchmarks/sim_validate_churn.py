@@ -150,6 +150,11 @@ def load_real() -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------ simulator
+PROFILE = (Path(__file__).resolve().parents[1] / "src" / "pensieve" / "profiles"
+           / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
+"""The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
+
+
 def transfer_model() -> TransferModel:
     return TransferModel.load(SWAP, case="hybrid", num_layers=40,
                               graph_max_tokens=GRAPH_MAX_TOKENS)
@@ -193,7 +198,7 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                     max_model_len=16384),
                     gpu, cpu, cost, clock,
-                    CostModel.analytic(40, 5120, 40, 10, 128, 13824, CHUNK), chunk_size=CHUNK,
+                    CostModel.load(PROFILE), chunk_size=CHUNK,
                     cache_policy=job["system"], block_bytes=block_bytes,
                     transfer=transfer_model())
     convs = conversations(job["workload"], job["seed"], job["template_tokens"],
