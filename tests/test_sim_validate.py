@@ -33,3 +33,20 @@ def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
     assert len(d["whatif"]) == 2
     assert (tmp_path / "sim_validate_churn.png").stat().st_size > 0
     assert (tmp_path / "step_cost_churn_fit_all.json").exists()
+
+
+def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
+    """benchmarks/sim_churn_capacity.py at tiny size: every (system, rate) point is run and a
+    capacity is reported per target for each system."""
+    pytest.importorskip("matplotlib")
+    script = ROOT / "benchmarks" / "sim_churn_capacity.py"
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--workers", "1", "--rates",
+                        "0.5,1.0", "--systems", "stateless,pensieve", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads((tmp_path / "sim_churn_capacity.json").read_text())
+    assert {(p["system"], p["conv_rate"]) for p in d["points"]} == {
+        (s, x) for s in ("stateless", "pensieve") for x in (0.5, 1.0)}
+    assert set(d["capacity"]) == {"50ms", "100ms", "150ms"}
+    assert all(set(c) == {"stateless", "pensieve"} for c in d["capacity"].values())
+    assert (tmp_path / "sim_churn_capacity.png").stat().st_size > 0

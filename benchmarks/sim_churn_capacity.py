@@ -1,0 +1,115 @@
+"""Capacity of each policy on the agentic churn workload, in the simulator re-validated on the
+H200 churn points (``benchmarks/sim_validate_churn.py``).
+
+The real runs measured two rates per pair of systems; this sweeps the rate in the simulator
+with the step cost fitted on all four real points (``docs/results/sim_churn/
+step_cost_churn_fit_all.json``), the measured copy rates and the retention cost profile the
+servers used, the same set-up as the real points (Llama 2-13B GQA-10 shape, 40 GB GPU tier,
+60 GB CPU tier, agentic sessions, think 5 s), and longer runs so the window is at steady
+state for the rates a system can carry. It prints each point, the capacity (the highest
+throughput with P90 normalized latency under each target, interpolated between rates) and
+writes JSON and a PNG::
+
+    python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_validate_churn import run_jobs  # noqa: E402
+
+from pensieve.bench.metrics import capacity_at  # noqa: E402
+from pensieve.bench.step_cost import StepCostModel  # noqa: E402
+
+FIT = Path(__file__).resolve().parents[1] / "docs" / "results" / "sim_churn" / \
+    "step_cost_churn_fit_all.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/results/sim_churn_capacity")
+    ap.add_argument("--step-cost", default=str(FIT))
+    ap.add_argument("--systems", default="stateless,prefix-lru,pensieve")
+    ap.add_argument("--rates", default="0.4,0.5,0.6,0.7,0.8,1.0,1.2,1.4")
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    ap.add_argument("--warmup", type=float, default=300.0)
+    ap.add_argument("--drain", type=float, default=60.0)
+    ap.add_argument("--targets", default="50,100,150", help="P90 ms/token")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, small lengths")
+    args = ap.parse_args(argv)
+    cost = StepCostModel.load(args.step_cost)
+    systems = args.systems.split(",")
+    rates = [float(r) for r in args.rates.split(",")]
+    duration, warmup, drain, scale = args.duration, args.warmup, args.drain, 1.0
+    if args.tiny:
+        duration, warmup, drain, scale = 40.0, 20.0, 10.0, 0.2
+    jobs = [{"system": s, "rate": r, "pair": "capacity", "think": 5.0, "gpu_kv_gb": 40.0,
+             "cpu_kv_gb": 60.0, "duration": duration, "warmup": warmup, "drain": drain,
+             "seed": args.seed, "workload": "agentic", "template_tokens": 8,
+             "length_scale": scale, "cost": cost.to_dict(), "model_name": "all-four fit"}
+            for s in systems for r in rates]
+    t0 = time.time()
+    points = run_jobs(jobs, args.workers)
+    for p in points:
+        if p.get("normalized_latency_s_p90") is None:
+            p["normalized_latency_s_p90"] = math.inf
+    print(f"{'system':>10} {'rate':>5} {'req/s':>7} {'P50 ms/t':>9} {'P90 ms/t':>9} "
+          f"{'gpu/cpu/recomp':>16} {'unfinished':>10}")
+    for p in sorted(points, key=lambda p: (systems.index(p["system"]), p["conv_rate"])):
+        print(f"{p['system']:>10} {p['conv_rate']:>5} {p['throughput_rps']:>7.2f} "
+              f"{p['normalized_latency_s_p50'] * 1e3:>9.1f} "
+              f"{p['normalized_latency_s_p90'] * 1e3:>9.1f} "
+              f"{p['gpu_hit_rate']:.2f}/{p['cpu_hit_rate']:.2f}/{p['recomputed_rate']:.2f}"
+              f"{p['unfinished']:>10}")
+    caps: dict[str, dict[str, float | None]] = {}
+    for t in (float(x) for x in args.targets.split(",")):
+        c = {s: capacity_at([p for p in points if p["system"] == s], t / 1e3) for s in systems}
+        caps[f"{t:.0f}ms"] = c
+        base = c.get("stateless")
+        line = ", ".join(f"{s} {v:.2f}" if v is not None else f"{s} -" for s, v in c.items())
+        ratio = (f"; pensieve/stateless {c['pensieve'] / base:.2f}x"
+                 if base and c.get("pensieve") else "")
+        print(f"capacity at P90 {t:.0f} ms/token (req/s): {line}{ratio}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in p.items() if k not in ("kinds", "timeseries")} for p in points]
+    (out / "sim_churn_capacity.json").write_text(json.dumps(
+        {"args": vars(args), "points": slim, "capacity": caps,
+         "wall_s": round(time.time() - t0, 1)}, indent=1,
+        default=lambda o: None if isinstance(o, float) else str(o)))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for s in systems:
+        ps = sorted((p for p in points if p["system"] == s), key=lambda p: p["conv_rate"])
+        ax.plot([p["throughput_rps"] for p in ps],
+                [min(p["normalized_latency_s_p90"] * 1e3, 1e4) for p in ps], "o-", label=s)
+    for t in (float(x) for x in args.targets.split(",")):
+        ax.axhline(t, color="grey", ls=":", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (req/s)")
+    ax.set_ylabel("P90 normalized latency (ms/token)")
+    ax.set_title("agentic churn, 13B GQA-10, 40/60 GB tiers (simulated, validated fit)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "sim_churn_capacity.png", dpi=110)
+    print(f"wrote {out}/sim_churn_capacity.json, .png; {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
