@@ -10,8 +10,8 @@ from pensieve.core.tiered_cache import cdiv
 
 DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
-assumes on CUDA: the zero-copy swap kernel's rate on the H200, about 45 GB/s each way whatever
-the block ids (the copies before it: 7-55 GB/s by pattern, ``docs/results/swap/swap_bandwidth.json``).
+assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever the block ids
+(the copies before it: 11-23 GB/s on random ids; ``docs/results/swap/swap_bandwidth.json``).
 Measure another interconnect with ``benchmarks/swap_bandwidth.py`` and pass the figure."""
 
 
