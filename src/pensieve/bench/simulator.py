@@ -61,6 +61,7 @@ from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.core import EngineCore
+from pensieve.engine.step_record import prefill_decode_tokens
 
 if TYPE_CHECKING:
     from pensieve.config import EngineConfig
@@ -123,19 +124,6 @@ class SimStepRecord:
 
 _SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "cpu_recomputed_tokens",
             "new_prompt_tokens", "dropped_tokens")
-
-
-def prefill_decode_tokens(sched: SchedulerOutput) -> tuple[int, int]:
-    """(prefill, decode) tokens as the real engine's step record counts them: a request with
-    one scheduled token and some output is a decode, everything else is prefill."""
-    prefill = decode = 0
-    for s in sched.requests:
-        n = s.num_scheduled_tokens
-        if n == 1 and s.num_output_tokens > 0:
-            decode += 1
-        else:
-            prefill += n
-    return prefill, decode
 
 
 class SimEngine(EngineCore):

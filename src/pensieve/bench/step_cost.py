@@ -59,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from pensieve.core.copy_order import copy_waits
 from pensieve.core.cost_model import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S
 from pensieve.core.jsonio import read_json_object, write_json_atomic
 from pensieve.core.outputs import SchedulerOutput, SwapPlan
@@ -691,25 +692,6 @@ class _Batch:
     done_at: float
     cpu_writes: frozenset[int]
     gpu_reads: frozenset[int]
-
-
-def copy_waits(plan: SwapPlan, in_flight: Sequence[Any]) -> tuple[int, bool]:
-    """The runner's ordering of a step's copies (``pensieve.runner.swapper.step_waits``, here
-    without torch): the index in ``in_flight`` (oldest first; items with ``cpu_writes`` and
-    ``gpu_reads``) of the newest background batch the in stream must wait for, or -1; and
-    whether the step's background swap-outs wait for its in-stream copies."""
-    in_cpu = {c for c, _ in plan.swap_in}
-    in_cpu.update(c for _, c in plan.swap_out_first)
-    in_gpu = {g for _, g in plan.swap_in}
-    after = -1
-    if in_cpu or in_gpu:
-        for i, b in enumerate(in_flight):
-            if not (b.cpu_writes.isdisjoint(in_cpu) and b.gpu_reads.isdisjoint(in_gpu)):
-                after = i
-    out_after_in = bool(plan.swap_out) and not (
-        in_cpu.isdisjoint(c for _, c in plan.swap_out)
-        and in_gpu.isdisjoint(g for g, _ in plan.swap_out))
-    return after, out_after_in
 
 
 class TransferTimeline:

@@ -16,6 +16,19 @@ from typing import Any
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 
 
+def prefill_decode_tokens(sched: SchedulerOutput) -> tuple[int, int]:
+    """(prefill, decode) tokens of a step: a request with one scheduled token and some output
+    is a decode, everything else (prompts, chunks of them, recomputed history) is prefill."""
+    prefill = decode = 0
+    for s in sched.requests:
+        n = s.num_scheduled_tokens
+        if n == 1 and s.num_output_tokens > 0:
+            decode += 1
+        else:
+            prefill += n
+    return prefill, decode
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One step: its work, its tier traffic and its times (seconds, host wall clock)."""
@@ -46,13 +59,7 @@ class StepRecord:
     @staticmethod
     def of(sched: SchedulerOutput, out: RunnerOutput, schedule_s: float, execute_s: float,
            update_s: float) -> StepRecord:
-        prefill = decode = 0
-        for s in sched.requests:
-            n = s.num_scheduled_tokens
-            if n == 1 and s.num_output_tokens > 0:
-                decode += 1
-            else:
-                prefill += n
+        prefill, decode = prefill_decode_tokens(sched)
         sw = sched.swaps
         return StepRecord(len(sched.requests), prefill, decode, len(sw.swap_in),
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,

@@ -111,6 +111,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pensieve.core.copy_order import copy_waits
 from pensieve.core.outputs import SwapPlan
 
 LayerReady = Callable[[int], None]
@@ -150,19 +151,7 @@ def step_waits(plan: SwapPlan, in_flight: Sequence[InFlight]) -> StepWaits:
     """The waits that order ``plan``'s copies after ``in_flight`` (oldest first) and its
     background swap-outs after its own urgent copies and swap-ins, where they touch the same
     blocks (the plan order of the module docstring)."""
-    in_cpu = {c for c, _ in plan.swap_in}
-    in_cpu.update(c for _, c in plan.swap_out_first)
-    in_gpu = {g for _, g in plan.swap_in}
-    after = -1
-    if in_cpu or in_gpu:
-        for i, b in enumerate(in_flight):
-            if not (b.cpu_writes.isdisjoint(in_cpu) and b.gpu_reads.isdisjoint(in_gpu)):
-                after = i
-    out_after_in = bool(plan.swap_out) and not (
-        in_cpu.isdisjoint(c for _, c in plan.swap_out)
-        and in_gpu.isdisjoint(g for g, _ in plan.swap_out)
-    )
-    return StepWaits(after, out_after_in)
+    return StepWaits(*copy_waits(plan, in_flight))
 
 
 def pop_completed(fifo: deque[Any], done: Callable[[Any], bool]) -> int:
