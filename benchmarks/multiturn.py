@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="real: split the model over N GPUs")
     ap.add_argument("--enforce-eager", action="store_true", help="real: no CUDA graphs")
-    ap.add_argument("--mixed-graphs", action="store_true",
-                    help="real: CUDA graphs for steps with prefill tokens too")
+    ap.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="real: CUDA graphs for steps with prefill tokens too (the engine's "
+                         "default; --no-mixed-graphs for eager ones)")
     ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
     ap.add_argument("--step-cost-set", default=None, metavar="NAME=VALUE,...",
                     help="sim: override coefficients of --step-cost (a what-if), e.g. "
