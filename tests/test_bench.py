@@ -284,3 +284,12 @@ def test_prefill_computed_and_cached() -> None:
     r = _rec(1.0, 2.0, 10)
     r.output_tokens = 4
     assert r.normalized_latency == pytest.approx(0.5)
+
+
+def test_capacity_follows_offered_load_past_saturation() -> None:
+    """A point past saturation with less throughput than the last one under the target must not
+    be interpolated against: the crossing is between consecutive offered loads."""
+    pts = [{"conv_rate": 0.8, "throughput_rps": 10.0, "normalized_latency_s_p90": 0.03},
+           {"conv_rate": 1.0, "throughput_rps": 11.0, "normalized_latency_s_p90": 0.13},
+           {"conv_rate": 1.2, "throughput_rps": 10.4, "normalized_latency_s_p90": 0.40}]
+    assert capacity_at(pts, 0.08) == pytest.approx(10.5)

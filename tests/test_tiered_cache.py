@@ -677,3 +677,63 @@ def test_scheduler_recomputes_only_within_the_step_budget() -> None:
     done = s.update_from_output(out, RunnerOutput({"A2": 9}), now=6.0)
     assert [r.request_id for r in done] == ["A2"]
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["pensieve", "prefix-lru"])
+def test_queued_conversation_kept_over_thinking_ones(policy: str) -> None:
+    """Pensieve keeps the KV of a conversation whose next turn waits in the queue (it is what
+    the next admissions need) and evicts conversations that are only thinking first, even
+    when its own retention value is the lowest; among queued ones the most recently queued
+    goes first. The prefix-cache baseline knows nothing of the queue (LRU as before)."""
+    cache = make(policy)
+    cache.begin_step()
+    turn(cache, "A", 12, now=0.0)   # idle longest: lowest value, least recently used
+    turn(cache, "B", 12, now=10.0)
+    cache.take_swap_plan()
+    cache.set_queued(cache.conversations["A"], 15.0)  # A's next turn arrives and waits
+    cache.check_integrity()
+    cache.plan_background(now=20.0)
+    cache.take_swap_plan()
+    if policy == "pensieve":
+        assert tiers(cache, "A") == ["gpu", "gpu", "gpu"]
+        assert tiers(cache, "B") == ["cpu", "cpu", "gpu"]
+    else:
+        assert tiers(cache, "A") == ["gpu", "cpu", "cpu"]  # tail first, A least recent
+    cache.check_integrity()
+    # no longer queued (e.g. the turn was aborted): back to the policy's order
+    cache.set_queued(cache.conversations["A"], None)
+    cache.check_integrity()
+
+
+def test_queued_order_most_recent_first() -> None:
+    cache = make("pensieve", gpu=8, cpu=8)
+    cache.begin_step()
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=10.0)
+    cache.take_swap_plan()
+    cache.set_queued(cache.conversations["A"], 11.0)
+    cache.set_queued(cache.conversations["B"], 12.0)  # queued later: admitted later
+    cache.plan_background(now=20.0)
+    cache.take_swap_plan()
+    assert tiers(cache, "B") == ["cpu", "cpu", "gpu"]
+    assert tiers(cache, "A") == ["gpu", "gpu", "gpu"]
+    cache.check_integrity()
+
+
+def test_scheduler_marks_queued_turns() -> None:
+    cache = make("pensieve", gpu=16, cpu=8)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), cache)
+    p = SamplingParams(max_tokens=1, ignore_eos=True)
+    sched.add_request(Request("r1", [1] * 8, p, arrival_time=1.0, conversation_id="c"))
+    conv = cache.conversations["c"]
+    assert conv.queued_at == 1.0
+    out = sched.schedule(now=2.0)
+    assert conv.queued_at is None and conv.running
+    sched.update_from_output(out, RunnerOutput({"r1": 5}), now=3.0)
+    assert not conv.running and conv.queued_at is None
+    sched.add_request(Request("r2", [*conv.token_ids, 2, 2], p, arrival_time=4.0,
+                              conversation_id="c"))
+    assert conv.queued_at == 4.0
+    sched.abort_request("r2", now=5.0)
+    assert conv.queued_at is None
+    cache.check_integrity()

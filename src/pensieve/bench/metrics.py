@@ -201,8 +201,11 @@ def steady_state(result: LoadResult, warmup_s: float, rel_tol: float = 0.10
 def capacity_at(points: list[dict[str, Any]], target_s: float,
                 key: str = "normalized_latency_s_p90") -> float:
     """Highest throughput whose P90 normalized latency meets ``target_s``, interpolating
-    linearly between the last point under the target and the first one over it."""
-    pts = sorted(points, key=lambda p: p["throughput_rps"])
+    linearly between the last point under the target and the first one over it, in order of
+    offered load (``conv_rate``; throughput where a point has none): past saturation a
+    system's throughput can fall as the load rises, and those points must not sit between
+    the last two below saturation."""
+    pts = sorted(points, key=lambda p: p.get("conv_rate", p["throughput_rps"]))
     best = 0.0
     for a, b in zip(pts, pts[1:] + [None]):
         if a[key] <= target_s:

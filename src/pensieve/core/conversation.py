@@ -49,6 +49,9 @@ class Conversation:
     """Retention weight from the client (higher: kept longer)."""
     keep_alive_s: float = 0.0
     """Seconds after the last turn during which the conversation counts as not idle."""
+    queued_at: float | None = None
+    """Arrival time of a turn of it waiting in the scheduler's queue (None: none waits): its KV
+    is what the next admissions need."""
     block_table: list[int] = field(default_factory=list)
     """While running: the GPU block of each chunk, kept by the cache as chunks are added (the
     scheduler copies it into each step's output). Empty while idle."""

@@ -25,6 +25,10 @@ from pensieve.core.conversation import Conversation
 EvictionKey = tuple[float, float, str, float]
 """(primary, secondary, conversation id, chunk order): compared as a tuple, lowest first."""
 
+QUEUED_VALUE = 1e15
+"""Retention value floor of conversations with a turn in the queue (far above any
+``Cost / idle_time``; minus the queueing time, so the queue's tail is evicted first)."""
+
 ChunkCost = Callable[[int], float]
 """Time to recompute one chunk whose context (last position + 1) is the argument."""
 
@@ -53,6 +57,12 @@ class EvictionPolicy:
         # min((index + 1) * chunk_size, max(kv_end, 1)) and Conversation.idle_time(now),
         # spelled out: the cache computes this for every chunk it evicts
         end, kv_end = (index + 1) * chunk_size, conv.kv_end
+        if conv.queued_at is not None:
+            # A turn of it waits to be admitted: kept after every conversation that is only
+            # thinking, the most recently queued (admitted last) going first. Constant while
+            # queued, so it never grows with time (the index's lower bounds hold).
+            return (QUEUED_VALUE - conv.queued_at, conv.last_active, conv.conversation_id,
+                    float(index))
         context_len = end if end < kv_end else (kv_end if kv_end > 1 else 1)
         idle = now - conv.last_active - conv.keep_alive_s
         value = conv.priority * cost(context_len) / (idle if idle > 1e-3 else 1e-3)

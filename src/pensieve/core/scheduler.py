@@ -103,6 +103,7 @@ class Scheduler:
             if request.prompt_token_ids[: len(history)] != history:
                 raise ValueError(f"request {request.request_id} does not extend conversation {cid}")
             self._busy.add(cid)
+            self.cache.set_queued(self.cache.conversation(cid), request.arrival_time)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -117,7 +118,10 @@ class Scheduler:
         if req is None or req.status.finished:
             return
         now = time.monotonic() if now is None else now
-        self.cache.abort_turn(req, self._conversation_of(req), now)
+        conv = self._conversation_of(req)
+        self.cache.abort_turn(req, conv, now)
+        if conv.conversation_id in self.cache.conversations:
+            self.cache.set_queued(conv, None)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
@@ -228,7 +232,9 @@ class Scheduler:
 
     def _suspend(self, req: Request, now: float) -> None:
         self.running.remove(req)
-        self.cache.suspend(req, self._conversation_of(req), now)
+        conv = self._conversation_of(req)
+        self.cache.suspend(req, conv, now)
+        self.cache.set_queued(conv, req.arrival_time)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

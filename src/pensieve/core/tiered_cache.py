@@ -247,6 +247,14 @@ class TieredKVCache:
         self._free_chunks(conv, 0)
         del self.conversations[conversation_id]
 
+    def set_queued(self, conv: Conversation, queued_at: float | None) -> None:
+        """A turn of ``conv`` now waits in the queue (since ``queued_at``), or no longer does
+        (None); the policy's key reads it (``pensieve``: queued conversations go last)."""
+        if conv.queued_at == queued_at:
+            return
+        conv.queued_at = queued_at
+        self._rekey(conv)
+
     def set_hints(self, conv: Conversation, priority: float | None = None,
                   keep_alive_s: float | None = None) -> None:
         """Change the retention hints the policy's key reads (and the key with them)."""
@@ -254,6 +262,10 @@ class TieredKVCache:
             conv.priority = float(priority)
         if keep_alive_s is not None:
             conv.keep_alive_s = float(keep_alive_s)
+        self._rekey(conv)
+
+    def _rekey(self, conv: Conversation) -> None:
+        """The inputs of ``conv``'s keys changed: its index entries follow."""
         if not conv.running:
             for index in (self._gpu_index, self._cpu_index):
                 entry = index.live.get(conv)
@@ -341,6 +353,7 @@ class TieredKVCache:
             return False
         self._unindex(conv)
         conv.running = True  # pinned: never its own victim
+        conv.queued_at = None  # out of the index while running; ended turns re-index
         if shortfall > 0:
             self._evict_gpu(shortfall, now, urgent=True)
         st = CacheStats()
