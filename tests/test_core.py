@@ -145,3 +145,12 @@ def test_sampling_params_validation() -> None:
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
     assert SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize("bad", [{"top_k": 2**64}, {"top_k": -2}, {"seed": -1},
+                                 {"seed": 2**63}, {"temperature": float("nan")},
+                                 {"temperature": float("inf")}, {"stop_token_ids": (1.5,)},
+                                 {"stop_token_ids": (-1,)}])
+def test_sampling_params_reject_what_the_sampler_cannot_take(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)

@@ -372,3 +372,26 @@ def test_metrics_step_accounting(server: Server) -> None:
     assert server.metric('pensieve_computed_tokens_total{kind="decode"}') - decode == 4
     assert server.metric('pensieve_step_execute_seconds_total{kind="prefill"}') > secs
     assert server.metric('pensieve_scheduler_seconds_total{phase="schedule"}') > 0
+
+
+def test_out_of_range_sampling_fields_get_400_and_others_keep_streaming(server: Server) -> None:
+    """A sampling field the sampler cannot take (a top_k past int64, a negative seed) is a 400
+    naming the field, before it reaches the engine: a stream in flight is not disturbed."""
+    server.wait_idle()
+    body = {"messages": [{"role": "user", "content": "keep going"}], "max_tokens": 24,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        next(lines)
+        for bad, field in (({"top_k": 1180591620717411303424}, "top_k"),
+                           ({"seed": -5}, "seed"), ({"seed": 2**64}, "seed")):
+            r = _post(server, "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                            **bad})
+            err = _assert_error(r, 400)
+            assert err["param"] == field, err
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert any('"finish_reason": "length"' in line or '"finish_reason":"length"' in line
+               for line in rest)
+    server.wait_idle()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
+
+_INT32_MAX = 2**31 - 1
+_INT63_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -32,13 +37,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be an int in [-1, {_INT32_MAX}] (<= 0: off), "
+                             f"got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= _INT63_MAX):
+            raise ValueError(f"seed must be an int in [0, {_INT63_MAX}], got {self.seed!r}")
+        try:
+            stops = tuple(operator.index(t) for t in self.stop_token_ids)
+        except TypeError as e:
+            raise ValueError(f"stop_token_ids must be ints: {e}") from None
+        if not all(0 <= t <= _INT63_MAX for t in stops):
+            raise ValueError(f"stop_token_ids must be ints in [0, {_INT63_MAX}]")
+        object.__setattr__(self, "stop_token_ids", stops)
 
     @property
     def greedy(self) -> bool:

@@ -77,6 +77,9 @@ def _tenant(state: ServerState, request: Request) -> str:
     return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}
+
+
 def _params(body: _Sampling, max_tokens: int, stop_ids: list[int]) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
                           top_p=body.top_p, top_k=body.top_k, seed=body.seed,
@@ -282,8 +285,9 @@ async def _run(state: ServerState, body: _Sampling, turn: _Turn, max_tokens: int
                        code="context_length_exceeded", param="max_tokens")
     try:
         params = _params(body, max_tokens, stop_ids)
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
+    except ValueError as e:  # SamplingParams names the field first in its messages
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
         cid = turn.cid
         await _engine_call(state, lambda e: e.set_conversation_hints(
