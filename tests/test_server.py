@@ -395,3 +395,12 @@ def test_out_of_range_sampling_fields_get_400_and_others_keep_streaming(server: 
     assert any('"finish_reason": "length"' in line or '"finish_reason":"length"' in line
                for line in rest)
     server.wait_idle()
+
+
+def test_lone_surrogate_is_a_400(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   content=b'{"messages": [{"role": "user", "content": "\\ud800"}], '
+                           b'"max_tokens": 2}',
+                   headers={"content-type": "application/json"})
+    err = _assert_error(r, 400)
+    assert "Unicode" in err["message"] and err["param"] == "messages"

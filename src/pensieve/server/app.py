@@ -103,6 +103,11 @@ def create_app(state: ServerState) -> FastAPI:
                         for er in errs[:5])
         return _error(400, msg or "invalid request", param=loc)
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped 500s too
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail), "invalid_request_error")

@@ -14,13 +14,20 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
+            text = self.content
+        else:
+            parts = []
+            for p in self.content:
+                if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+                parts.append(p["text"])
+            text = "".join(parts)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate such as "\ud800"
+            raise ValueError(f"message content is not valid Unicode text: {e.reason} at "
+                             f"position {e.start}") from None
+        return text
 
 
 class _Sampling(BaseModel):
