@@ -39,7 +39,8 @@ class ModelConfig:
     query ranges of a mixed-step graph; larger steps run eagerly."""
     cuda_graph_mixed: bool = True
     """Also replay steps with prefill tokens from CUDA graphs (per token bucket, steps of up to
-    ``MIXED_GRAPH_MAX_TOKENS`` = 512 tokens; longer ones run eagerly); False (``--no-mixed-graphs``): only decode-only steps.
+    ``MIXED_GRAPH_MAX_TOKENS`` = 512 tokens; longer ones run eagerly); False
+    (``--no-mixed-graphs``): only decode-only steps.
     ``enforce_eager`` turns every graph off, and the CPU never captures. Tested on the CPU
     (static buffers, the attention kernel's work-item grid under Triton's interpreter); on a
     GPU by tests/test_gpu_graphs.py."""
