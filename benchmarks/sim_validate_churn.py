@@ -73,6 +73,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_totals import parse as parse_metrics_text  # noqa: E402
 
 from pensieve.bench.engine_api import VirtualClock  # noqa: E402
 from pensieve.bench.loadgen import run_load  # noqa: E402
@@ -103,19 +106,6 @@ METRICS = (  # (key, label, scale)
 
 
 # ------------------------------------------------------------------------ real points
-def _metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, val = line.rpartition(" ")
-        try:
-            out[name] = float(val)
-        except ValueError:
-            pass
-    return out
-
-
 def load_real() -> list[dict[str, Any]]:
     """The four real points with their servers' end totals."""
     real = []
@@ -127,23 +117,23 @@ def load_real() -> list[dict[str, Any]]:
                     assert f is not None
                     return f.read().decode()
                 p = json.loads(member("points.jsonl").splitlines()[0])
-                m = _metrics(member("metrics_end.txt"))
+                m = parse_metrics_text(member("metrics_end.txt"))
                 def g(k: str, m: dict[str, float] = m) -> float:
                     return m.get(k, 0.0)
                 p.update(
                     pair=pair,
-                    prefill_step_s=g('pensieve_step_execute_seconds_total{kind="prefill"}'),
-                    decode_step_s=g('pensieve_step_execute_seconds_total{kind="decode"}'),
-                    prefill_steps=g('pensieve_steps_total{kind="prefill"}'),
-                    decode_steps=g('pensieve_steps_total{kind="decode"}'),
-                    prefill_tokens_run=g('pensieve_computed_tokens_total{kind="prefill"}'),
-                    decode_tokens_run=g('pensieve_computed_tokens_total{kind="decode"}'),
-                    scheduler_s=g('pensieve_scheduler_seconds_total{phase="schedule"}')
-                    + g('pensieve_scheduler_seconds_total{phase="update"}'),
-                    swap_in_chunks=g('pensieve_swap_chunks_total{kind="in"}'),
-                    swap_out_chunks=g('pensieve_swap_chunks_total{kind="out"}')
-                    + g('pensieve_swap_chunks_total{kind="out_urgent"}'),
-                    urgent_swap_out_chunks=g('pensieve_swap_chunks_total{kind="out_urgent"}'))
+                    prefill_step_s=g('pensieve_step_execute_seconds_total:prefill'),
+                    decode_step_s=g('pensieve_step_execute_seconds_total:decode'),
+                    prefill_steps=g('pensieve_steps_total:prefill'),
+                    decode_steps=g('pensieve_steps_total:decode'),
+                    prefill_tokens_run=g('pensieve_computed_tokens_total:prefill'),
+                    decode_tokens_run=g('pensieve_computed_tokens_total:decode'),
+                    scheduler_s=g('pensieve_scheduler_seconds_total:schedule')
+                    + g('pensieve_scheduler_seconds_total:update'),
+                    swap_in_chunks=g('pensieve_swap_chunks_total:in'),
+                    swap_out_chunks=g('pensieve_swap_chunks_total:out')
+                    + g('pensieve_swap_chunks_total:out_urgent'),
+                    urgent_swap_out_chunks=g('pensieve_swap_chunks_total:out_urgent'))
                 p["steps"] = p["prefill_steps"] + p["decode_steps"]
                 real.append(p)
     return real
