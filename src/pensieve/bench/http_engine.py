@@ -70,6 +70,8 @@ import logging
 import queue
 import re
 import threading
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import httpx
@@ -422,6 +424,32 @@ class HTTPEngine:
             for k, v in cache.items():
                 self._totals[k] = self._totals.get(k, 0) + int(v)
 
+    async def _stream(self, path: str, body: dict[str, Any]
+                      ) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+        """POST ``body`` to ``path`` as a streaming request within the connection cap; yields
+        (arrival time on the clock, parsed chunk) for each SSE data line up to ``[DONE]``.
+        Raises :class:`_Failed` on a non-200 answer."""
+        if self._slots.locked():
+            self.throttled += 1
+        async with self._slots:
+            self._in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+            try:
+                async with self._client.stream("POST", path, json=body) as resp:
+                    if resp.status_code != 200:
+                        detail = (await resp.aread()).decode(errors="replace")[:300]
+                        raise _Failed(f"HTTP {resp.status_code}: {detail}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        now = self.clock.now()
+                        yield now, json.loads(data)
+            finally:
+                self._in_flight -= 1
+
     async def _chat_request(self, rid: str, ids: list[int], params: SamplingParams,
                             arrival: float, bench_cid: str | None) -> None:
         """One turn as an ordinary OpenAI chat client sends it: the whole history again."""
@@ -448,41 +476,21 @@ class HTTPEngine:
         server_cid: str | None = None
         parts: list[str] = []
         try:
-            if self._slots.locked():
-                self.throttled += 1
-            async with self._slots:
-                self._in_flight += 1
-                self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
-                try:
-                    async with self._client.stream("POST", "/v1/chat/completions",
-                                                   json=body) as resp:
-                        if resp.status_code != 200:
-                            detail = (await resp.aread()).decode(errors="replace")[:300]
-                            raise _Failed(f"HTTP {resp.status_code}: {detail}")
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == "[DONE]":
-                                break
-                            now = self.clock.now()
-                            if first_t is None:
-                                first_t = now  # sent once the first token is sampled
-                            chunk = json.loads(data)
-                            server_cid = chunk.get("conversation_id") or server_cid
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            for choice in chunk.get("choices") or ():
-                                delta = choice.get("delta") or {}
-                                if delta.get("content"):
-                                    parts.append(delta["content"])
-                                if choice.get("finish_reason"):
-                                    finish_reason = choice["finish_reason"]
-                                    finish_t = now
-                                    cache = dict((chunk.get("pensieve") or {}).get("cache")
-                                                 or {})
-                finally:
-                    self._in_flight -= 1
+            async with aclosing(self._stream("/v1/chat/completions", body)) as chunks:
+                async for now, chunk in chunks:
+                    if first_t is None:
+                        first_t = now  # sent once the first token is sampled
+                    server_cid = chunk.get("conversation_id") or server_cid
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        delta = choice.get("delta") or {}
+                        if delta.get("content"):
+                            parts.append(delta["content"])
+                        if choice.get("finish_reason"):
+                            finish_reason = choice["finish_reason"]
+                            finish_t = now
+                            cache = dict((chunk.get("pensieve") or {}).get("cache") or {})
             if finish_reason is None:
                 raise _Failed("the stream ended without a finish_reason")
             if usage is None:
@@ -544,42 +552,22 @@ class HTTPEngine:
                         raise _Failed(f"conversation {bench_cid!r} was never created "
                                       "(its first turn failed)")
                     body["conversation_id"] = sid
-            if self._slots.locked():
-                self.throttled += 1
-            async with self._slots:
-                self._in_flight += 1
-                self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
-                try:
-                    async with self._client.stream("POST", "/v1/completions",
-                                                   json=body) as resp:
-                        if resp.status_code != 200:
-                            detail = (await resp.aread()).decode(errors="replace")[:300]
-                            raise _Failed(f"HTTP {resp.status_code}: {detail}")
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == "[DONE]":
-                                break
-                            now = self.clock.now()
-                            if first_t is None:
-                                first_t = now  # sent once the first token is sampled
-                            chunk = json.loads(data)
-                            sid = chunk.get("conversation_id")
-                            if first_turn and sid and server_id is not None \
-                                    and not server_id.done():
-                                server_id.set_result(sid)
-                                self._created.append(sid)
-                            if chunk.get("usage"):
-                                usage = chunk["usage"]
-                            for choice in chunk.get("choices") or ():
-                                text_chunks += bool(choice.get("text"))
-                                if choice.get("finish_reason"):
-                                    finish_reason = choice["finish_reason"]
-                                    finish_t = now
-                                    cache = (chunk.get("pensieve") or {}).get("cache")
-                finally:
-                    self._in_flight -= 1
+            async with aclosing(self._stream("/v1/completions", body)) as chunks:
+                async for now, chunk in chunks:
+                    if first_t is None:
+                        first_t = now  # sent once the first token is sampled
+                    sid = chunk.get("conversation_id")
+                    if first_turn and sid and server_id is not None and not server_id.done():
+                        server_id.set_result(sid)
+                        self._created.append(sid)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        text_chunks += bool(choice.get("text"))
+                        if choice.get("finish_reason"):
+                            finish_reason = choice["finish_reason"]
+                            finish_t = now
+                            cache = (chunk.get("pensieve") or {}).get("cache")
             if finish_reason is None:
                 raise _Failed("the stream ended without a finish_reason")
             if first_turn and server_id is not None and not server_id.done():
