@@ -135,20 +135,7 @@ if [ "$mode" = inproc ]; then
 fi
 
 # ------------------------------------------------------------------ two servers
-site=${SITE:-/tmp/site}
-if ! "$py" -c 'import fastapi, uvicorn, pydantic' 2>/dev/null; then
-  if [ -d .whl ] && [ ! -d "$site/fastapi" ]; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" .whl/*.whl
-  fi
-  export PYTHONPATH=$site:$PYTHONPATH
-fi
-if ! "$py" -c 'import fastapi, uvicorn, pydantic'; then
-  echo "fastapi/uvicorn/pydantic not importable: run ../shared/tools/device-wheels.sh and" \
-       "carry .whl" >&2
-  exit 2
-fi
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+. benchmarks/server_deps.sh  # fastapi & co from the carried wheels
 
 serve_model=$model
 if [ "$api" = chat ] && [ "$model" != demo ] && [ ! -d "$model" ]; then

@@ -20,20 +20,7 @@ system=$1; rate=$2; shift 2
 py=${PYTHON:-python3}
 t_start=$(date +%s)
 
-site=${SITE:-/tmp/site}
-if ! "$py" -c 'import fastapi, uvicorn, pydantic' 2>/dev/null; then
-  if [ -d .whl ] && [ ! -d "$site/fastapi" ]; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" .whl/*.whl
-  fi
-  export PYTHONPATH=$site:$PYTHONPATH
-fi
-if ! "$py" -c 'import fastapi, uvicorn, pydantic'; then
-  echo "fastapi/uvicorn/pydantic not importable: run ../shared/tools/device-wheels.sh and" \
-       "carry .whl" >&2
-  exit 2
-fi
-ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+. benchmarks/server_deps.sh  # fastapi & co from the carried wheels
 
 model=${MODEL:-llama2-13b-gqa10}
 gpu_kv=${GPU_KV_GB:-8}; cpu_kv=${CPU_KV_GB:-22}
