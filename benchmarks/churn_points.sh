@@ -14,8 +14,9 @@
 # Set-up: Llama 2-13B shape with 10 KV heads (preset llama2-13b-gqa10 + the demo tokenizer, via
 # benchmarks/chat_model_dir.py, dummy weights), bf16, GPU KV tier 40 GB, CPU tier 60 GB.
 #
-# Usage: churn_points.sh [SYSTEM_A,SYSTEM_B] [RATE] [extra multiturn.py args]
-#        (defaults: stateless,pensieve 0.7)
+# Usage: churn_points.sh [SYSTEM_A,SYSTEM_B] [RATE | RATE_A,RATE_B] [extra multiturn.py args]
+#        (defaults: stateless,pensieve 0.7; two rates give each side its own load, e.g. each
+#        system near its own capacity)
 # The device image lacks fastapi/uvicorn/pydantic: run
 #   ../shared/tools/device-wheels.sh annotated-doc anyio==4.16.0
 # here first and carry .whl; they are installed into $SITE (default /tmp/site).
@@ -49,6 +50,7 @@ say() { echo "[$(( $(date +%s) - t_start )) s] $*" | tee -a "$log"; }
 systems=${1:-stateless,pensieve}; rate=${2:-0.7}
 [ $# -ge 2 ] && shift 2 || shift $#
 IFS=',' read -r sys_a sys_b <<< "$systems"
+IFS=',' read -r rate_a rate_b <<< "$rate"; rate_b=${rate_b:-$rate_a}
 if [ -z "${sys_a:-}" ] || [ -z "${sys_b:-}" ]; then
   echo "usage: $0 SYSTEM_A,SYSTEM_B RATE [multiturn args]" >&2; exit 2
 fi
@@ -63,7 +65,7 @@ budget=${BUDGET_S:-560}
 port=${PORT:-8321}
 model_args=(--load-format "${LOAD_FORMAT:-dummy}" --dtype "${DTYPE:-bfloat16}"
             --device "$device" --gpu-kv-gb "$gpu_kv" --cpu-kv-gb "$cpu_kv")
-load_args=(--workload agentic --rates "$rate" --think-time "$think" --seed "${SEED:-0}"
+load_args=(--workload agentic --think-time "$think" --seed "${SEED:-0}"
            --tag "${TAG:-churn}" --model "$model" --gpu-kv-gb "$gpu_kv" --cpu-kv-gb "$cpu_kv")
 label=$mode; [ "$mode" = http ] && label="http ($api)"
 say "churn points: $sys_a (GPU ${gpu_a:-}) vs $sys_b (GPU ${gpu_b:-}), $rate sessions/s, $label," \
@@ -118,11 +120,11 @@ if [ "$mode" = inproc ]; then
     say "window cut to $window s to fit BUDGET_S=$budget (START_EST=$start_est s assumed)"
   fi
   for s in A B; do
-    if [ $s = A ]; then sys=$sys_a; g=$gpu_a; else sys=$sys_b; g=$gpu_b; fi
+    if [ $s = A ]; then sys=$sys_a; g=$gpu_a; r=$rate_a; else sys=$sys_b; g=$gpu_b; r=$rate_b; fi
     mkdir -p "$w/$s"
     # shellcheck disable=SC2046
     env $(pin "$g") timeout $(( warmup + window + drain + start_est + 60 )) \
-      "$py" benchmarks/multiturn.py --engine real --systems "$sys" "${load_args[@]}" \
+      "$py" benchmarks/multiturn.py --engine real --systems "$sys" --rates "$r" "${load_args[@]}" \
       "${model_args[@]}" --duration $(( warmup + window )) --warmup "$warmup" \
       --drain "$drain" --out "$w/$s" "$@" > "$w/$s/client.log" 2> "$w/$s/progress.log" &
     eval "pid_$s=$!"
@@ -220,9 +222,10 @@ duration=$(( warmup + window ))
 say "both up after $elapsed s: arrivals for $duration s (window $warmup-$duration s), drain $drain s"
 
 for s in A B; do
-  if [ $s = A ]; then sys=$sys_a; p=$port; else sys=$sys_b; p=$((port + 1)); fi
+  if [ $s = A ]; then sys=$sys_a; p=$port; r=$rate_a; else sys=$sys_b; p=$((port + 1)); r=$rate_b; fi
   timeout $(( duration + drain + 60 )) "$py" benchmarks/multiturn.py --engine http --api "$api" \
-    --url "http://127.0.0.1:$p" --systems "$sys" "${load_args[@]}" --duration "$duration" \
+    --url "http://127.0.0.1:$p" --systems "$sys" --rates "$r" "${load_args[@]}" \
+    --duration "$duration" \
     --warmup "$warmup" --drain "$drain" --max-connections "${MAX_CONN:-1024}" \
     --keep-conversations --out "$w/$s" "$@" > "$w/$s/client.log" 2> "$w/$s/progress.log" &
   eval "cl_$s=$!"
