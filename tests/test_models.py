@@ -1,4 +1,5 @@
-"""Our Llama / OPT over the paged KV cache against HF transformers, in float32 on the CPU.
+"""Our Llama / Qwen2 / Qwen3 / OPT over the paged KV cache against HF transformers, in float32
+on the CPU.
 
 Each case builds a tiny random HF model, saves it as safetensors, loads it with our loader and
 compares logits: batched prefill of prompts of 1..200 tokens, batched decode steps, split
@@ -52,6 +53,9 @@ class Case:
     make_config: object
     chunk_size: int
     max_shard_size: str | None = None
+    perturb: bool = False
+    """Randomize biases and norm weights (HF initialises them to 0 / 1, which would hide a
+    bias or a q/k norm that is loaded but not applied)."""
 
 
 CASES = {
@@ -82,6 +86,22 @@ CASES = {
             },
         ),
         32,
+    ),
+    "qwen2_bias_tied": Case(
+        lambda: transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.08, tie_word_embeddings=True, rope_theta=1000000.0,
+        ),
+        16, perturb=True,
+    ),
+    "qwen3_qk_norm_headdim": Case(
+        lambda: transformers.Qwen3Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False,
+        ),
+        32, perturb=True,
     ),
     "opt_project_in_out": Case(lambda: _opt(word_embed_proj_dim=32), 16),
     "opt_post_norm": Case(
@@ -119,6 +139,13 @@ class Setup:
         cfg = case.make_config()
         hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
         self.hf = hf.float().eval()
+        if case.perturb:
+            with torch.no_grad():
+                for n, p in self.hf.named_parameters():
+                    if n.endswith("bias"):
+                        p.normal_(0.0, 0.5)
+                    elif "norm" in n:
+                        p.uniform_(0.5, 1.5)
         self.path = str(tmp_path_factory.mktemp(name))
         _save(self.hf, self.path, case.max_shard_size)
         self.model, self.config = load_model(self.path, torch.float32, "cpu")

@@ -15,6 +15,7 @@ import torch
 from pensieve.layers.attention import AttentionMetadata
 from pensieve.models.llama import LlamaForCausalLM
 from pensieve.models.opt import OPTForCausalLM
+from pensieve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 
 class CausalLM(Protocol):
@@ -56,9 +57,12 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "opt": "OPTForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -77,4 +81,30 @@ def get_model_class(hf_config: Any) -> type[torch.nn.Module]:
     )
 
 
-__all__ = ["CausalLM", "MODEL_REGISTRY", "get_model_class", "LlamaForCausalLM", "OPTForCausalLM"]
+def sliding_window(hf_config: Any) -> int | None:
+    """The attention window a checkpoint asks for, or None for full causal attention.
+
+    Mistral-style configs set ``sliding_window``; Qwen2 / Qwen3 configs carry a
+    ``sliding_window`` value but use it only with ``use_sliding_window``."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    if getattr(hf_config, "model_type", None) in ("qwen2", "qwen3") and not getattr(
+            hf_config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def check_max_model_len(hf_config: Any, max_model_len: int) -> None:
+    """Refuse a ``max_model_len`` our full causal attention would serve differently from the
+    checkpoint: beyond its sliding window (which is not implemented)."""
+    window = sliding_window(hf_config)
+    if window is not None and max_model_len > window:
+        raise ValueError(
+            f"this checkpoint uses sliding-window attention (window {window} tokens), which "
+            f"Pensieve does not implement: max_model_len={max_model_len} is beyond the window; "
+            f"pass max_model_len <= {window} (--max-model-len {window})")
+
+
+__all__ = ["CausalLM", "MODEL_REGISTRY", "get_model_class", "LlamaForCausalLM", "OPTForCausalLM",
+           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "check_max_model_len", "sliding_window"]

@@ -6,7 +6,12 @@ the fused ``qkv_proj`` (q|k|v rows) and ``gate_up_proj`` (gate|up rows); :meth:`
 maps HF checkpoint names onto them.
 
 Mistral's ``sliding_window`` is not applied (full causal attention): exact for contexts up to
-the window (4096 for Mistral-7B-v0.1), different beyond it.
+the window (4096 for Mistral-7B-v0.1), so :func:`pensieve.models.check_max_model_len` refuses a
+``max_model_len`` beyond it.
+
+The Qwen families (:mod:`pensieve.models.qwen`) reuse these classes through
+:class:`LlamaAttention`'s options (biases on q/k/v only; per-head q/k RMSNorm) and
+``LlamaForCausalLM.attention_cls``.
 """
 
 from __future__ import annotations
@@ -41,7 +46,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """Fused q|k|v projection, rotary, paged attention, output projection. ``qkv_bias`` /
+    ``o_bias`` default to ``config.attention_bias``; ``qk_norm`` adds an RMSNorm over each
+    head's ``Dh`` channels of q and k before rotary (Qwen3)."""
+
+    def __init__(self, config: Any, qkv_bias: bool | None = None, o_bias: bool | None = None,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -49,8 +59,13 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        o_bias = bias if o_bias is None else o_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
@@ -66,6 +81,9 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2*Hkv) * Dh]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))  # [T * H, Dh]
+            k = self.k_norm(k.reshape(-1, self.head_dim))  # [T * Hkv, Dh]
         q, k = rotary(  # [T, H, Dh], [T, Hkv, Dh] (on CUDA rotated in place inside qkv)
             q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
             cos, sin,
@@ -96,9 +114,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = attention_cls(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -117,11 +135,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attention_cls) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -150,11 +168,14 @@ _IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 class LlamaForCausalLM(nn.Module):
     """See :class:`pensieve.models.CausalLM` for the interface."""
 
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    """The attention block of every layer (a subclass sets a family's options)."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        attn = self.model.layers[0].self_attn if self.model.layers else LlamaAttention(config)
+        self.model = LlamaModel(config, self.attention_cls)
+        attn = self.model.layers[0].self_attn if self.model.layers else self.attention_cls(config)
         self.num_layers = config.num_hidden_layers
         self.num_heads = attn.num_heads
         self.num_kv_heads = attn.num_kv_heads
