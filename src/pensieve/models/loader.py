@@ -3,8 +3,12 @@
 ``load_model(path_or_config, dtype, device)`` reads ``config.json`` locally, builds the model on
 the ``meta`` device, materialises it directly on ``device`` in ``dtype`` (no CPU copy, no random
 init), then streams safetensors (``model.safetensors`` or the sharded index) tensor by tensor
-onto the device. ``load_format="dummy"`` reads no checkpoint and fills the weights randomly on the
-device; it works from a config alone (a preset name, a dict or a ``PretrainedConfig``).
+onto the device. A ``.gguf`` file is read the same way through :mod:`pensieve.models.gguf`
+(config from its metadata, tensors dequantized and renamed as they stream). Built-in names
+(:mod:`pensieve.models.builtin`: the default SmolLM2, ``demo-random``) resolve to their cached
+checkpoint directories. ``load_format="dummy"`` reads no checkpoint and fills the weights
+randomly on the device; it works from a config alone (a preset name, a dict or a
+``PretrainedConfig``).
 """
 
 from __future__ import annotations
@@ -20,16 +24,18 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pensieve.layers.attention import number_attention_layers
 from pensieve.models import get_model_class
-from pensieve.models.demo import DEMO_NAME, ensure_demo_checkpoint
+from pensieve.models.builtin import resolve_builtin
+from pensieve.models.gguf import gguf_config, is_gguf, iter_gguf_tensors
 from pensieve.models.presets import PRESETS, make_dummy_config
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 DUMMY_RANGE = 1e-3
 """Dummy weights are uniform(-DUMMY_RANGE, DUMMY_RANGE); norm weights 1, norm biases 0."""
 
 
 def resolve_config(model: str | os.PathLike | dict | PretrainedConfig) -> tuple[Any, str | None]:
-    """``(hf_config, model_dir or None)`` from a directory, a preset name, a dict or a config."""
+    """``(hf_config, checkpoint path or None)`` from a directory, a ``.gguf`` file, a built-in
+    name, a preset name, a dict or a config."""
     if isinstance(model, PretrainedConfig):
         return model, None
     if isinstance(model, dict):
@@ -38,13 +44,15 @@ def resolve_config(model: str | os.PathLike | dict | PretrainedConfig) -> tuple[
             raise ValueError("a dict config needs a 'model_type' key (e.g. 'llama', 'opt')")
         return AutoConfig.for_model(d.pop("model_type"), **d), None
     path = os.fspath(model)
-    if path == DEMO_NAME:
-        path = ensure_demo_checkpoint()
+    path = resolve_builtin(path) or path
     if os.path.isdir(path):
         return AutoConfig.from_pretrained(path, local_files_only=True), path
+    if is_gguf(path):
+        return gguf_config(path), path
     if path in PRESETS:
         return make_dummy_config(path), None
-    raise FileNotFoundError(f"{path!r} is neither a model directory nor a preset {sorted(PRESETS)}")
+    raise FileNotFoundError(f"{path!r} is neither a model directory, a .gguf file, a built-in "
+                            f"model nor a preset {sorted(PRESETS)}")
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
@@ -118,11 +126,18 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, scale: float = DUMMY_RAN
 
 
 def checkpoint_files(model_dir: str, load_format: str = "auto") -> tuple[str, list[str]]:
-    """``("safetensors" | "pt", files)`` of the checkpoint in ``model_dir``."""
+    """``("safetensors" | "pt" | "gguf", files)`` of the checkpoint in ``model_dir`` (or of the
+    ``.gguf`` file ``model_dir``)."""
+    if is_gguf(model_dir):
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"{model_dir} is a GGUF file, not load_format={load_format!r}")
+        return "gguf", [model_dir]
     candidates = {
         "safetensors": ("model.safetensors", "model.safetensors.index.json"),
         "pt": ("pytorch_model.bin", "pytorch_model.bin.index.json"),
     }
+    if load_format == "gguf":
+        raise ValueError(f"load_format='gguf' needs a .gguf file, got {model_dir}")
     kinds = ["safetensors", "pt"] if load_format == "auto" else [load_format]
     for kind in kinds:
         single, index = candidates[kind]
@@ -140,7 +155,10 @@ def iter_checkpoint(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` one at a time (safetensors: read straight onto ``device``)."""
     kind, files = checkpoint_files(model_dir, load_format)
-    if kind == "safetensors":
+    if kind == "gguf":
+        for name, tensor in iter_gguf_tensors(files[0]):
+            yield name, tensor.to(device) if device.type != "meta" else tensor
+    elif kind == "safetensors":
         from safetensors import safe_open
 
         st_device = "cpu" if device.type == "meta" else str(device)

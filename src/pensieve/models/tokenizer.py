@@ -1,4 +1,5 @@
-"""Tokenizers through HF transformers, from a local checkpoint directory only."""
+"""Tokenizers through HF transformers, from local files only: a checkpoint directory, a
+``.gguf`` file (converted from its metadata) or a built-in model name."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ from typing import Any
 
 
 def load_tokenizer(model: str) -> Any:
-    """The tokenizer saved beside a checkpoint; a clear error when there is none."""
-    if model == "demo":
-        from pensieve.models.demo import ensure_demo_checkpoint
+    """The tokenizer saved beside a checkpoint (or inside a GGUF file); a clear error when there
+    is none."""
+    from pensieve.models.builtin import resolve_builtin
+    from pensieve.models.gguf import gguf_tokenizer, is_gguf
 
-        model = ensure_demo_checkpoint()
+    model = resolve_builtin(os.fspath(model)) or os.fspath(model)
+    if is_gguf(model):
+        return gguf_tokenizer(model)
     if not os.path.isdir(model):
         raise ValueError(
-            f"model {model!r} has no tokenizer (a preset or the demo model): pass token ids, "
+            f"model {model!r} has no tokenizer (a preset shape): pass token ids, "
             "or a checkpoint directory that holds tokenizer files"
         )
     from transformers import AutoTokenizer

