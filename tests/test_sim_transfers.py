@@ -264,7 +264,7 @@ def test_execute_reports_in_flight_and_exposed_time() -> None:
     clock = VirtualClock()
     sim = make_sim(TransferModel(swap_out_gbps=1.0), clock)
     sched = SchedulerOutput([_one_request("a", 5)], SwapPlan(swap_out=pairs(3)))
-    out = sim._execute(sched)
+    out = sim.executor.execute(sched)
     compute = STEP.compute_time(features_of(sched))
     assert out.step_time_s == pytest.approx(compute) and clock.now() == pytest.approx(compute)
     assert out.swap_outs_in_flight == 1
@@ -275,13 +275,13 @@ def test_execute_reports_in_flight_and_exposed_time() -> None:
     # later steps see it in flight until 3 * BB / 1 GB/s = 19.7 ms have passed
     seen = []
     while clock.now() < 0.03:
-        k = sim._execute(SchedulerOutput([_one_request("a", 1, 1)])).swap_outs_in_flight
+        k = sim.executor.execute(SchedulerOutput([_one_request("a", 1, 1)])).swap_outs_in_flight
         seen.append((clock.now(), k))  # the step's end
     assert all(k == (1 if t < 3 * BB / 1e9 else 0) for t, k in seen)
     assert seen[0][1] == 1
     assert seen[-1][1] == 0
     # urgent copies: exposed in full, as are swap-ins beyond the compute
-    urgent = sim._execute(SchedulerOutput([_one_request("a", 1, 1)],
+    urgent = sim.executor.execute(SchedulerOutput([_one_request("a", 1, 1)],
                                           SwapPlan(swap_out_first=pairs(2, 10, 10))))
     f = features_of(SchedulerOutput([_one_request("a", 1, 1)]))
     assert urgent.step_time_s == pytest.approx(STEP.compute_time(f) + 2 * BB / 1e9)
@@ -293,7 +293,7 @@ def test_legacy_copies_without_a_transfer_model() -> None:
     sim = make_sim(None, clock)
     sched = SchedulerOutput([_one_request("a", 5)], SwapPlan(swap_in=pairs(2),
                                                              swap_out=pairs(30, 10, 10)))
-    out = sim._execute(sched)
+    out = sim.executor.execute(sched)
     f = features_of(sched)
     assert out.step_time_s == pytest.approx(STEP.predict(f))
     assert out.swap_outs_in_flight == 0 and sim.step_log[-1][0].exposed_copy_s is None
@@ -403,7 +403,7 @@ def test_step_record_counts_match_the_engine_record() -> None:
     assert (rec.prefill_tokens, rec.decode_tokens) == prefill_decode_tokens(sched) == (13, 1)
     clock = VirtualClock()
     sim = make_sim(TransferModel(), clock)
-    sim._execute(sched)
+    sim.executor.execute(sched)
     mine = sim.step_records[-1]
     for name in ("num_requests", "prefill_tokens", "decode_tokens", "swap_in_chunks",
                  "swap_out_chunks", "urgent_swap_out_chunks"):

@@ -17,6 +17,7 @@ from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.core import EngineCore
+from pensieve.engine.executor import TierSizes
 
 C = 4
 
@@ -516,21 +517,20 @@ def test_cancelled_background_swap_out_frees_its_gpu_block_at_once() -> None:
     cache.check_integrity()
 
 
-class _CopyingEngine(EngineCore):
+class _CopyingExecutor:
     """An executor whose background copies finish only when a step waits for them: a step
     without requests (the runner then waits), or ``finish_every`` steps after they start."""
 
-    def __init__(self, cache: TieredKVCache, finish_every: int) -> None:
+    def __init__(self, finish_every: int) -> None:
         self.clock = 0.0
-        self._init_core(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
-                                        max_model_len=256), cache, lambda: self.clock, (), None)
-        self.audit = True
+        self.tiers = TierSizes(10**6, 10**6, 0)
         self.finish_every = finish_every
+        self.num_steps = 0
         self.in_flight: list[int] = []  # step of each batch in flight
         self.reports: list[int] = []
         self.empty_steps = 0
 
-    def _execute(self, sched):  # noqa: ANN001, ANN202
+    def execute(self, sched):  # noqa: ANN001, ANN201
         self.clock += 1.0
         if sched.swaps.swap_out:
             self.in_flight.append(self.num_steps)
@@ -540,8 +540,24 @@ class _CopyingEngine(EngineCore):
         while self.in_flight and self.num_steps - self.in_flight[0] >= self.finish_every:
             self.in_flight.pop(0)
         self.reports.append(len(self.in_flight))
+        self.num_steps += 1
         return RunnerOutput({s.request_id: 1 for s in sched.requests if s.sample},
                             swap_outs_in_flight=len(self.in_flight))
+
+    def stats(self):  # noqa: ANN201
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _CopyingEngine(cache: TieredKVCache, finish_every: int):  # noqa: ANN202, N802
+    ex = _CopyingExecutor(finish_every)
+    eng = EngineCore(Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                               max_model_len=256), cache), ex,
+                     clock=lambda: ex.clock)
+    eng.audit = True
+    return eng, ex
 
 
 def test_engine_runs_an_empty_step_to_reclaim_instead_of_stalling() -> None:
@@ -549,7 +565,7 @@ def test_engine_runs_an_empty_step_to_reclaim_instead_of_stalling() -> None:
     step without requests (the runner waits for the copies, reports 0) instead of raising."""
     cache = TieredKVCache(16, 16, 4, get_policy("pensieve"), cost, swap_out_threshold=0.5,
                           decode_reserve=0.0)
-    eng = _CopyingEngine(cache, finish_every=10**9)  # copies never finish on their own
+    eng, ex = _CopyingEngine(cache, finish_every=10**9)  # copies never finish on their own
     eng.add_request("a", [1] * 39, SamplingParams(max_tokens=1), conversation_id="A")
     while eng.has_unfinished():
         eng.step()  # A: 10 blocks, then idle; 6 free < 8: 2 of A's go in the background
@@ -559,7 +575,7 @@ def test_engine_runs_an_empty_step_to_reclaim_instead_of_stalling() -> None:
         eng.step()
         steps += 1
         assert steps < 50
-    assert eng.empty_steps >= 1
+    assert ex.empty_steps >= 1
     assert cache.stats.swapped_out_tokens > 0
     cache.check_integrity()
 
@@ -568,7 +584,7 @@ def test_engine_reclaims_exactly_as_reported() -> None:
     """Copies that finish two steps after they start: blocks come back exactly then."""
     cache = TieredKVCache(32, 32, 4, get_policy("pensieve"), cost, swap_out_threshold=0.5,
                           decode_reserve=0.0)
-    eng = _CopyingEngine(cache, finish_every=2)
+    eng, ex = _CopyingEngine(cache, finish_every=2)
     for k in range(6):
         eng.add_request(f"r{k}", [k + 1] * 17, SamplingParams(max_tokens=3),
                         conversation_id=f"c{k}")
@@ -576,8 +592,8 @@ def test_engine_reclaims_exactly_as_reported() -> None:
     while eng.has_unfinished():
         eng.step()
         pending.append(len(cache._reclaim_groups))
-        assert pending[-1] == eng.reports[-1]
-    assert max(eng.reports) >= 1
+        assert pending[-1] == ex.reports[-1]
+    assert max(ex.reports) >= 1
 
 
 # --------------------------------------------------------------------------- swap or recompute

@@ -3,8 +3,8 @@
 :class:`SimEngine` implements :class:`~pensieve.bench.engine_api.BenchEngine`. It builds the
 same :class:`~pensieve.core.scheduler.Scheduler` over the same
 :class:`~pensieve.core.tiered_cache.TieredKVCache` that :class:`~pensieve.engine.llm_engine.
-LLMEngine` builds (any cache policy; block counts only, no tensors), and replaces the runner by
-an executor that moves a clock forward by :meth:`StepCostModel.predict` of each step's
+LLMEngine` builds (any cache policy; block counts only, no tensors), over another executor,
+:class:`SimExecutor`, which moves a clock forward by :meth:`StepCostModel.predict` of each step's
 :class:`~pensieve.bench.step_cost.StepFeatures`. One step::
 
     sched = scheduler.schedule(now)              # the real admission, eviction and swap plans
@@ -57,11 +57,13 @@ from pensieve.bench.step_cost import (
 )
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
-from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.core import EngineCore
+from pensieve.engine.executor import TierSizes
 from pensieve.engine.step_record import prefill_decode_tokens
+from pensieve.engine.tiers import build_cache, sim_tiers
 
 if TYPE_CHECKING:
     from pensieve.config import EngineConfig
@@ -126,8 +128,102 @@ _SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "cpu_recomp
             "new_prompt_tokens", "dropped_tokens")
 
 
+class SimExecutor:
+    """The simulator's :class:`~pensieve.engine.executor.Executor`: each step moves ``clock``
+    forward by the step-cost model's prediction (module docstring) and samples
+    ``sample_token_id`` for every sampling request."""
+
+    def __init__(self, tiers: TierSizes, step_cost: StepCostModel, clock: SimClock,
+                 sample_token_id: int = 0,
+                 transfer: TransferModel | None = DEFAULT_TRANSFER) -> None:
+        self._tiers = tiers
+        self.clock = clock
+        self.step_cost = step_cost
+        self.sample_token_id = sample_token_id
+        self.transfer = transfer
+        self.transfers = (TransferTimeline(transfer, tiers.block_bytes)
+                          if transfer is not None else None)
+        """The copy streams' state across steps (None: copies within each step)."""
+        self.cache: TieredKVCache | None = None
+        """The cache whose token sources :class:`SimStepRecord` reports (set by the engine)."""
+        self.swap_in_chunks = 0
+        self.swap_out_chunks = 0
+        self.busy_time_s = 0.0
+        """Simulated time spent in steps (the rest of the clock's advance is idle waiting)."""
+        self.step_log: list[tuple[StepFeatures, float]] = []
+        """``(features, simulated seconds)`` of every step, in order (same shape as the
+        records :meth:`StepCostModel.fit` takes)."""
+        self.step_start_times: list[float] = []
+        """Clock reading at the start of each step of :attr:`step_log`."""
+        self.step_records: list[SimStepRecord] = []
+        """One :class:`SimStepRecord` per step, in order."""
+        self.exposed_copy_s = 0.0
+        """Total simulated time steps waited for copies beyond their compute."""
+        self._sources_of: object = None
+        self._sources_last: dict[str, int] = {}
+
+    @property
+    def tiers(self) -> TierSizes:
+        return self._tiers
+
+    def stats(self) -> dict[str, int]:
+        """Swap bytes: the chunks moved times ``block_bytes``."""
+        bb = self._tiers.block_bytes
+        return {"swap_in_bytes": self.swap_in_chunks * bb,
+                "swap_out_bytes": self.swap_out_chunks * bb}
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Advance the clock by the predicted step time; one token per sampling request."""
+        start = self.clock.now()
+        feats = features_of(sched)
+        compute = self.step_cost.compute_time(feats)
+        in_flight = 0
+        done_at: float | None = None
+        if self.transfers is None:
+            dt = self.step_cost.predict(feats)
+        else:
+            tr = self.transfers.step(start, sched.swaps, compute, sched.num_scheduled_tokens)
+            feats = dataclasses.replace(feats, exposed_copy_s=tr.exposed_copy_s)
+            dt = self.step_cost.predict(feats)  # compute + exposed copy time
+            in_flight, done_at = tr.swap_outs_in_flight, tr.background_done_at
+        self.clock.sleep_until(start + dt)
+        self.step_log.append((feats, dt))
+        self.step_start_times.append(start)
+        self.busy_time_s += dt
+        self.exposed_copy_s += dt - compute
+        self.swap_in_chunks += feats.swap_in_chunks
+        self.swap_out_chunks += feats.swap_out_chunks
+        self.step_records.append(self._record(sched, start, dt, compute, in_flight, done_at))
+        sampled = {s.request_id: self.sample_token_id for s in sched.requests if s.sample}
+        return RunnerOutput(sampled_token_ids=sampled, step_time_s=dt,
+                            swap_outs_in_flight=in_flight)
+
+    def _record(self, sched: SchedulerOutput, start: float, dt: float, compute: float,
+                in_flight: int, done_at: float | None) -> SimStepRecord:
+        stats = self.cache.stats if self.cache is not None else None
+        now = {k: int(getattr(stats, k, 0)) for k in _SOURCES}
+        if stats is not self._sources_of:  # a new cache: its counters start at zero
+            self._sources_of, self._sources_last = stats, dict.fromkeys(_SOURCES, 0)
+        d = {k: now[k] - self._sources_last[k] for k in _SOURCES}
+        self._sources_last = now
+        prefill, decode = prefill_decode_tokens(sched)
+        sw = sched.swaps
+        return SimStepRecord(
+            start_s=start, step_time_s=dt, compute_s=compute, exposed_copy_s=dt - compute,
+            num_requests=len(sched.requests), prefill_tokens=prefill, decode_tokens=decode,
+            cached_tokens=d["gpu_hit_tokens"] + d["cpu_hit_tokens"], **d,
+            swap_in_chunks=len(sw.swap_in), swap_out_chunks=len(sw.swap_out),
+            urgent_swap_out_chunks=len(sw.swap_out_first), swap_outs_in_flight=in_flight,
+            background_done_at=done_at)
+
+
 class SimEngine(EngineCore):
-    """The scheduler and the tiered cache of Pensieve, stepped on a simulated clock."""
+    """The scheduler and the tiered cache of Pensieve over a :class:`SimExecutor`."""
+
+    executor: SimExecutor
 
     def __init__(
         self,
@@ -158,51 +254,24 @@ class SimEngine(EngineCore):
         weighs swap-in against recomputation with, as ``CacheConfig.swap_bandwidth_gbps`` does
         on the engine: ``"auto"`` the transfer model's swap-in rate (off without a transfer
         model or ``block_bytes``), ``"off"``/None always swap in, or a number of GB/s."""
-        if isinstance(chunk_cost, CostModel):
-            if chunk_cost.chunk_size != chunk_size:
-                raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
-                                 f"simulator uses {chunk_size}")
-            cost_fn: Callable[[int], float] = chunk_cost.chunk_cost
-        else:
-            cost_fn = chunk_cost
+        if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
+            raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
+                             f"simulator uses {chunk_size}")
         if sample_token_id in eos_token_ids:
             raise ValueError(f"sample_token_id {sample_token_id} is an EOS id")
-        self.clock = clock
-        self.step_cost = step_cost
-        self.block_bytes = block_bytes
-        self.sample_token_id = sample_token_id
         if block_bytes < 0:
             raise ValueError(f"block_bytes must be >= 0, got {block_bytes}")
-        self.transfer = transfer
-        self.transfers = (TransferTimeline(transfer, block_bytes) if transfer is not None
-                          else None)
-        """The copy streams' state across steps (None: copies within each step)."""
+        tiers = TierSizes(num_gpu_blocks, num_cpu_blocks, block_bytes)
         self.swap_chunk_s = _swap_chunk_s(swap_bandwidth_gbps, transfer, block_bytes)
         """Seconds per chunk the cache weighs swap-in against recomputation with (None:
         always swap in), as ``LLMEngine.swap_chunk_s``."""
-        # As LLMEngine.__init__ builds them (minus the tensors).
-        policy = get_policy(cache_policy)
-        num_cpu_blocks = num_cpu_blocks if policy.uses_cpu_tier else 0
-        self._init_core(scheduler_config,
-                        TieredKVCache(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, cost_fn,
-                                      swap_out_threshold, decode_reserve,
-                                      swap_chunk_s=self.swap_chunk_s),
-                        clock.now, tuple(eos_token_ids), vocab_size)
-        self.swap_in_chunks = 0
-        self.swap_out_chunks = 0
-        self.busy_time_s = 0.0
-        """Simulated time spent in steps (the rest of the clock's advance is idle waiting)."""
-        self.step_log: list[tuple[StepFeatures, float]] = []
-        """``(features, simulated seconds)`` of every step, in order (same shape as the
-        records :meth:`StepCostModel.fit` takes)."""
-        self.step_start_times: list[float] = []
-        """Clock reading at the start of each step of :attr:`step_log`."""
-        self.step_records: list[SimStepRecord] = []
-        """One :class:`SimStepRecord` per step, in order."""
-        self.exposed_copy_s = 0.0
-        """Total simulated time steps waited for copies beyond their compute."""
-        self._sources_of: object = None
-        self._sources_last: dict[str, int] = {}
+        cache = build_cache(tiers, chunk_cost, policy=cache_policy, chunk_size=chunk_size,
+                            swap_out_threshold=swap_out_threshold,
+                            decode_reserve=decode_reserve, swap_chunk_s=self.swap_chunk_s)
+        executor = SimExecutor(tiers, step_cost, clock, sample_token_id, transfer)
+        executor.cache = cache
+        super().__init__(Scheduler(scheduler_config, cache), executor, clock=clock.now,
+                         eos_token_ids=tuple(eos_token_ids), vocab_size=vocab_size)
 
     @classmethod
     def from_config(
@@ -214,78 +283,70 @@ class SimEngine(EngineCore):
         block_bytes: int | None = None,
         **kw: Any,
     ) -> SimEngine:
-        """Tiers sized as the engine would from an :class:`~pensieve.config.EngineConfig`:
-        exact block counts, or GiB sizes divided by ``block_bytes`` (device-free sizing, i.e.
-        memory left after the weights, has to be turned into ``num_gpu_blocks`` by the caller).
+        """Tiers sized as the engine would from an :class:`~pensieve.config.EngineConfig`
+        (:func:`~pensieve.engine.tiers.sim_tiers`: exact block counts, or GiB sizes divided by
+        ``block_bytes``; memory left after the weights has to be given as ``num_gpu_blocks``).
         """
         cc = config.cache
-        gpu = cc.num_gpu_blocks
-        if gpu is None:
-            if cc.gpu_kv_gb is None or not block_bytes:
-                raise ValueError("the simulator needs num_gpu_blocks, or gpu_kv_gb and "
-                                 "block_bytes")
-            gpu = max(1, int(cc.gpu_kv_gb * 2**30 // block_bytes))
-        cpu = cc.num_cpu_blocks
-        if cpu is None:
-            if cc.cpu_kv_gb is None or not block_bytes:
-                raise ValueError("the simulator needs num_cpu_blocks, or cpu_kv_gb and "
-                                 "block_bytes")
-            cpu = int(cc.cpu_kv_gb * 2**30 // block_bytes)
+        tiers = sim_tiers(cc, block_bytes)
         kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
-        return cls(config.scheduler, gpu, cpu, step_cost, clock, chunk_cost,
-                   chunk_size=cc.chunk_size, cache_policy=cc.cache_policy,
+        return cls(config.scheduler, tiers.num_gpu_blocks, tiers.num_cpu_blocks, step_cost,
+                   clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.cache_policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
-                   block_bytes=block_bytes or 0, **kw)
+                   block_bytes=tiers.block_bytes, **kw)
 
-    def cache_stats(self) -> dict[str, int]:
-        """The keys of ``LLMEngine.cache_stats`` (swap bytes from ``block_bytes``)."""
-        return self._core_stats(self.swap_in_chunks * self.block_bytes,
-                                self.swap_out_chunks * self.block_bytes)
+    # What the executor keeps, under the engine's names of before.
+    @property
+    def clock(self) -> SimClock:
+        return self.executor.clock
 
-    # ---------------------------------------------------------------- a step
-    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Advance the clock by the predicted step time; one token per sampling request."""
-        start = self.clock.now()
-        feats = features_of(sched)
-        compute = self.step_cost.compute_time(feats)
-        in_flight = 0
-        done_at: float | None = None
-        if self.transfers is None:
-            dt = self.step_cost.predict(feats)
-        else:
-            tr = self.transfers.step(start, sched.swaps, compute, sched.num_scheduled_tokens)
-            feats = dataclasses.replace(feats, exposed_copy_s=tr.exposed_copy_s)
-            dt = self.step_cost.predict(feats)  # compute + exposed copy time
-            in_flight, done_at = tr.swap_outs_in_flight, tr.background_done_at
-        self.clock.sleep_until(start + dt)
-        self.step_log.append((feats, dt))
-        self.step_start_times.append(start)
-        self.busy_time_s += dt
-        self.exposed_copy_s += dt - compute
-        self.swap_in_chunks += feats.swap_in_chunks
-        self.swap_out_chunks += feats.swap_out_chunks
-        self.step_records.append(self._record(sched, start, dt, compute, in_flight, done_at))
-        sampled = {s.request_id: self.sample_token_id for s in sched.requests if s.sample}
-        return RunnerOutput(sampled_token_ids=sampled, step_time_s=dt,
-                            swap_outs_in_flight=in_flight)
+    @property
+    def step_cost(self) -> StepCostModel:
+        return self.executor.step_cost
 
-    def _record(self, sched: SchedulerOutput, start: float, dt: float, compute: float,
-                in_flight: int, done_at: float | None) -> SimStepRecord:
-        stats = self.cache.stats
-        now = {k: int(getattr(stats, k, 0)) for k in _SOURCES}
-        if stats is not self._sources_of:  # a new cache: its counters start at zero
-            self._sources_of, self._sources_last = stats, dict.fromkeys(_SOURCES, 0)
-        d = {k: now[k] - self._sources_last[k] for k in _SOURCES}
-        self._sources_last = now
-        prefill, decode = prefill_decode_tokens(sched)
-        sw = sched.swaps
-        return SimStepRecord(
-            start_s=start, step_time_s=dt, compute_s=compute, exposed_copy_s=dt - compute,
-            num_requests=len(sched.requests), prefill_tokens=prefill, decode_tokens=decode,
-            cached_tokens=d["gpu_hit_tokens"] + d["cpu_hit_tokens"], **d,
-            swap_in_chunks=len(sw.swap_in), swap_out_chunks=len(sw.swap_out),
-            urgent_swap_out_chunks=len(sw.swap_out_first), swap_outs_in_flight=in_flight,
-            background_done_at=done_at)
+    @property
+    def block_bytes(self) -> int:
+        return self.executor.tiers.block_bytes
+
+    @property
+    def sample_token_id(self) -> int:
+        return self.executor.sample_token_id
+
+    @property
+    def transfer(self) -> TransferModel | None:
+        return self.executor.transfer
+
+    @property
+    def transfers(self) -> TransferTimeline | None:
+        return self.executor.transfers
+
+    @property
+    def step_log(self) -> list[tuple[StepFeatures, float]]:
+        return self.executor.step_log
+
+    @property
+    def step_start_times(self) -> list[float]:
+        return self.executor.step_start_times
+
+    @property
+    def step_records(self) -> list[SimStepRecord]:
+        return self.executor.step_records
+
+    @property
+    def busy_time_s(self) -> float:
+        return self.executor.busy_time_s
+
+    @property
+    def exposed_copy_s(self) -> float:
+        return self.executor.exposed_copy_s
+
+    @property
+    def swap_in_chunks(self) -> int:
+        return self.executor.swap_in_chunks
+
+    @property
+    def swap_out_chunks(self) -> int:
+        return self.executor.swap_out_chunks
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,
@@ -304,4 +365,5 @@ def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,
     return block_bytes / (float(bandwidth) * 1e9)
 
 
-__all__ = ["DEFAULT_TRANSFER", "SimClock", "SimEngine", "SimStepRecord", "prefill_decode_tokens"]
+__all__ = ["DEFAULT_TRANSFER", "SimClock", "SimEngine", "SimExecutor", "SimStepRecord",
+           "prefill_decode_tokens"]

@@ -1,66 +1,88 @@
 """EngineCore: requests, conversations and one step around an executor, without torch.
 
-Both the real engine (:class:`~pensieve.engine.llm_engine.LLMEngine`, whose executor is the
-model runner) and the simulator (:class:`~pensieve.bench.simulator.SimEngine`, whose executor
-advances virtual time by a step-cost model) are an EngineCore: they share, line for line, how a
-turn enters the scheduler, how a step runs and what comes out of it.
+The engine is composed, not subclassed: a :class:`~pensieve.core.scheduler.Scheduler` (which
+holds the :class:`~pensieve.core.tiered_cache.TieredKVCache`) and an
+:class:`~pensieve.engine.executor.Executor` (local model runner, tensor-parallel ranks or the
+simulator). :class:`~pensieve.engine.llm_engine.LLMEngine` and
+:class:`~pensieve.bench.simulator.SimEngine` only assemble those pieces; they share, line for
+line, how a turn enters the scheduler, how a step runs and what comes out of it.
+
+One step: ``scheduler.schedule()`` -> ``executor.execute()`` (contained: a request whose
+execution raises fails alone, :mod:`pensieve.engine.containment`) ->
+``scheduler.update_from_output()`` -> a :class:`StepRecord` to every ``step_observers``
+function (metrics, benchmarks, profilers attach there; nothing reassigns the engine's parts).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+from pensieve.core.outputs import ScheduledRequest
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.engine.containment import execute_contained, restore_pending
+from pensieve.engine.executor import Executor
 from pensieve.engine.outputs import RequestOutput
 from pensieve.engine.step_record import StepRecord
 
+StepObserver = Callable[[StepRecord], None]
+
 
 class EngineCore:
-    """Subclasses call :meth:`_init_core` and implement :meth:`_execute`."""
+    """A scheduler (with its cache) and an executor, stepped together."""
 
-    cache: TieredKVCache
-    scheduler: Scheduler
-
-    def _init_core(self, scheduler_config: SchedulerConfig, cache: TieredKVCache,
-                   now: Callable[[], float], eos_token_ids: tuple[int, ...],
-                   vocab_size: int | None) -> None:
-        self.scheduler_config = scheduler_config
-        self.now = now
+    def __init__(self, scheduler: Scheduler, executor: Executor, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
+                 observers: Iterable[StepObserver] = ()) -> None:
+        """``clock``: seconds for arrivals, idle times and token timestamps (a benchmark's
+        virtual or wall clock). ``vocab_size``: if given, prompt token ids are checked
+        against it. ``observers``: called with every step's :class:`StepRecord`."""
+        _check_fits(scheduler, executor)
+        self.executor = executor
+        self.now = clock
         """Source of ``now`` for arrivals, idle times and token timestamps (seconds)."""
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
-        self._install(cache)
+        self.scheduler = scheduler
         self.num_steps = 0
         self.last_sampled: dict[str, int] = {}
         """Tokens sampled in the last step, by request id (for streaming)."""
         self.split_range_requests = 0
         """Requests computed as two or more ranges in one step (dropped leading chunks
         recomputed together with the new prompt)."""
+        self.failed_requests = 0
+        """Requests failed by a step whose execution raised on them (containment)."""
         self.audit = False
         """Check the cache's block accounting after every scheduling step (tests)."""
-        self.step_observers: list[Callable[[StepRecord], None]] = []
+        self.step_observers: list[StepObserver] = list(observers)
         """Called with a :class:`StepRecord` after every executed step (metrics, benchmarks)."""
 
-    def _install(self, cache: TieredKVCache) -> None:
-        """Start over with ``cache`` (empty tiers) and a new scheduler; in-flight turns are
-        aborted first."""
-        old = getattr(self, "scheduler", None)
-        if old is not None:
-            for rid in list(old.requests):
-                old.abort_request(rid, self.now())
-        self.cache = cache
-        self.scheduler = Scheduler(self.scheduler_config, cache)
+    @property
+    def cache(self) -> TieredKVCache:
+        return self.scheduler.cache
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    def replace_scheduler(self, scheduler: Scheduler) -> None:
+        """Start over with ``scheduler`` and its cache (empty tiers of the executor's sizes);
+        turns in flight are aborted first, the step counters restart."""
+        _check_fits(scheduler, self.executor)
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort_request(rid, self.now())
+        self.scheduler = scheduler
         self.split_range_requests = 0
         self.num_steps = 0
 
-    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        raise NotImplementedError
+    def shutdown(self) -> None:
+        """Release the executor's processes and devices (idempotent)."""
+        self.executor.shutdown()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -131,7 +153,8 @@ class EngineCore:
 
     # ---------------------------------------------------------------- a step
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update; returns the requests that finished in this step."""
+        """Schedule, execute, update; returns the requests that finished in this step, those
+        that failed in it included (``finish_reason="error"``, :attr:`RequestOutput.error`)."""
         self.last_sampled = {}
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(self.now())
@@ -146,35 +169,66 @@ class EngineCore:
             self.cache.check_integrity()
         self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
         t2 = time.perf_counter()
-        result = self._execute(sched)
+        step = execute_contained(self.executor.execute, sched)
+        result = step.output
         t3 = time.perf_counter()
+        failed = self._fail(sched.requests, step.failed) if step.failed else []
         self.last_sampled = result.sampled_token_ids
         finished = self.scheduler.update_from_output(sched, result, self.now())
         if self.step_observers:
-            rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3)
+            rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3,
+                                failed_requests=len(failed))
             for observe in self.step_observers:
                 observe(rec)
         if self.audit:
             self.cache.check_integrity()
         self.num_steps += 1
-        return [
-            RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                          r.finish_reason, arrival_time=r.arrival_time,
-                          first_token_time=r.first_token_time, finish_time=r.finish_time,
-                          conversation_id=r.conversation_id,
-                          cache_stats=r.cache_stats.as_dict())
-            for r in finished
-        ]
+        return failed + [_output(r) for r in finished]
 
-    def _core_stats(self, swap_in_bytes: int, swap_out_bytes: int) -> dict[str, int]:
-        """Totals since start: token sources, swaps, drops, suspensions, blocks in use."""
+    def _fail(self, scheduled: Iterable[ScheduledRequest],
+              errors: dict[str, str]) -> list[RequestOutput]:
+        """Abort the requests a step failed on: the positions it took are pending again (their
+        KV is not known to be computed), so the conversation is left as before the turn."""
+        outs: list[RequestOutput] = []
+        for s in scheduled:
+            req = self.scheduler.requests.get(s.request_id)
+            if s.request_id not in errors or req is None:
+                continue
+            req.pending = restore_pending(req.pending, s.ranges)
+            self.scheduler.abort_request(s.request_id, self.now())
+            out = _output(req)
+            out.finish_reason = "error"
+            out.error = errors[s.request_id]
+            outs.append(out)
+        self.failed_requests += len(outs)
+        return outs
+
+    def cache_stats(self) -> dict[str, int]:
+        """Totals since start: token sources, swaps (bytes, all ranks), drops, suspensions,
+        failed requests, blocks in use."""
         out = self.cache.stats.as_dict()
         out["split_range_requests"] = self.split_range_requests
-        out["swap_in_bytes"] = swap_in_bytes
-        out["swap_out_bytes"] = swap_out_bytes
+        out["failed_requests"] = self.failed_requests
+        out.update(self.executor.stats())
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu
         out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
         out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
         return out
+
+
+def _output(r: Request) -> RequestOutput:
+    return RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.finish_reason,
+                         arrival_time=r.arrival_time, first_token_time=r.first_token_time,
+                         finish_time=r.finish_time, conversation_id=r.conversation_id,
+                         cache_stats=r.cache_stats.as_dict())
+
+
+def _check_fits(scheduler: Scheduler, executor: Executor) -> None:
+    """The cache's block ids must index the executor's tiers."""
+    cache, tiers = scheduler.cache, executor.tiers
+    cpu = cache.cpu.num_blocks if cache.cpu is not None else 0
+    if cache.gpu.num_blocks > tiers.num_gpu_blocks or cpu > tiers.num_cpu_blocks:
+        raise ValueError(f"a cache of {cache.gpu.num_blocks} GPU and {cpu} CPU blocks does "
+                         f"not fit the executor's tiers {tiers}")

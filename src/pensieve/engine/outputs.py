@@ -21,6 +21,9 @@ class RequestOutput:
     conversation_id: str | None = None
     cache_stats: dict[str, int] | None = None
     """Where this turn's context came from (gpu / cpu hits, recomputed, new) and moves."""
+    error: str | None = None
+    """Why the request failed (``finish_reason == "error"``): the exception its execution
+    raised. Its conversation is as it was before the turn."""
 
 
 __all__ = ["RequestOutput"]

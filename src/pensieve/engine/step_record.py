@@ -10,7 +10,7 @@ No torch here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
@@ -51,6 +51,12 @@ class StepRecord:
     """``Scheduler.update_from_output()``: appending tokens, stop rules, ending turns (host)."""
     step_time_s: float
     """The executor's own step time (``RunnerOutput.step_time_s``: virtual in the simulator)."""
+    failed_requests: int = 0
+    """Requests whose execution raised in this step (aborted; the others ran)."""
+    sched: SchedulerOutput | None = field(default=None, repr=False, compare=False)
+    """The step's plan (for observers that derive more from it; not in :meth:`as_dict`)."""
+    output: RunnerOutput | None = field(default=None, repr=False, compare=False)
+    """The executor's merged output (not in :meth:`as_dict`)."""
 
     @property
     def has_prefill(self) -> bool:
@@ -58,15 +64,18 @@ class StepRecord:
 
     @staticmethod
     def of(sched: SchedulerOutput, out: RunnerOutput, schedule_s: float, execute_s: float,
-           update_s: float) -> StepRecord:
+           update_s: float, failed_requests: int = 0) -> StepRecord:
         prefill, decode = prefill_decode_tokens(sched)
         sw = sched.swaps
         return StepRecord(len(sched.requests), prefill, decode, len(sw.swap_in),
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
-                          schedule_s, execute_s, update_s, out.step_time_s)
+                          schedule_s, execute_s, update_s, out.step_time_s, failed_requests,
+                          sched, out)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The counts and times (not the plan and output objects)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("sched", "output")}
 
 
 @dataclass

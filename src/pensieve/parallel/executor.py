@@ -1,4 +1,5 @@
-"""The driver's side of tensor parallelism: a drop-in for ``ModelRunner`` in ``LLMEngine``.
+"""The driver's side of tensor parallelism: the :class:`~pensieve.engine.executor.Executor`
+of ``LLMEngine`` when ``tensor_parallel_size > 1``.
 
 The engine process stays a pure scheduler: it holds no weights and no KV (only a meta-device
 model for shapes) and spawns ``tensor_parallel_size`` rank processes (``spawn`` context, see
@@ -31,7 +32,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -39,7 +40,8 @@ import torch
 
 from pensieve.config import EngineConfig
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
-from pensieve.engine.llm_engine import size_cpu_tier
+from pensieve.engine.executor import TierSizes
+from pensieve.engine.tiers import cpu_tier_blocks
 from pensieve.models.loader import build_model
 from pensieve.parallel.tp import check_shardable, local_kv_heads
 from pensieve.parallel.worker import WorkerSpec, worker_main
@@ -66,23 +68,11 @@ def rank_devices(device: torch.device, world: int) -> tuple[tuple[str, ...], str
     raise ValueError(f"tensor parallelism runs on cuda (NCCL) or cpu (gloo), not {device}")
 
 
-@dataclass
-class TierInfo:
-    """What the engine reads from ``runner.swapper``: tier sizes (per rank) and the bytes
-    all ranks together copied between the tiers."""
-
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
 class TPExecutor:
     """Runs each ``SchedulerOutput`` on ``tensor_parallel_size`` rank processes."""
 
     def __init__(self, config: EngineConfig, model_source: Any, hf_config: Any,
-                 dtype: torch.dtype, load_format: str, device: torch.device,
-                 uses_cpu_tier: bool) -> None:
+                 dtype: torch.dtype, load_format: str, device: torch.device) -> None:
         world = config.model.tensor_parallel_size
         self.world = world
         self.model: Any = build_model(hf_config, dtype, "meta")
@@ -96,8 +86,7 @@ class TPExecutor:
         block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim, dtype)
         # cpu_kv_gb is the host's total (all ranks' tiers share its memory); gpu_kv_gb and
         # gpu_memory_utilization apply to each rank's own device.
-        num_cpu_blocks = (size_cpu_tier(config, device, block_bytes * world)
-                          if uses_cpu_tier else 0)
+        num_cpu_blocks = cpu_tier_blocks(cc, block_bytes, device.type, ranks=world)
         self.step_timeout_s = _env_seconds("PENSIEVE_TP_STEP_TIMEOUT_S", 600)
         start_timeout_s = _env_seconds("PENSIEVE_TP_START_TIMEOUT_S", 1800)
 
@@ -131,12 +120,22 @@ class TPExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.swapper = TierInfo(num_gpu_blocks, num_cpu_blocks)
+        self._tiers = TierSizes(num_gpu_blocks, num_cpu_blocks, block_bytes)
+        self._bytes_in = self._bytes_out = 0
         log.info("tensor parallel x%d (%s, %s): per rank %d KV heads, %d GPU-tier blocks "
                  "(%.2f GiB), %d CPU-tier blocks (%.2f GiB), chunk %d", world, backend,
                  ", ".join(devices), kv_heads, num_gpu_blocks,
                  num_gpu_blocks * block_bytes / 2**30, num_cpu_blocks,
                  num_cpu_blocks * block_bytes / 2**30, cc.chunk_size)
+
+    @property
+    def tiers(self) -> TierSizes:
+        """Blocks per rank (the same on every rank) and one rank's bytes per block."""
+        return self._tiers
+
+    def stats(self) -> dict[str, int]:
+        """Bytes all ranks together copied between the tiers."""
+        return {"swap_in_bytes": self._bytes_in, "swap_out_bytes": self._bytes_out}
 
     @property
     def pids(self) -> list[int]:
@@ -156,8 +155,8 @@ class TPExecutor:
             except OSError:  # broken pipe: the rank is gone
                 self._fail(f"rank {rank} is gone ({self._describe(rank)})")
         (_, out, bytes_in, bytes_out), = self._recv([0], self.step_timeout_s)
-        self.swapper.bytes_in = bytes_in * self.world  # every rank moves the same bytes
-        self.swapper.bytes_out = bytes_out * self.world
+        self._bytes_in = bytes_in * self.world  # every rank moves the same bytes
+        self._bytes_out = bytes_out * self.world
         return replace(out, step_time_s=time.perf_counter() - t0)
 
     def shutdown(self) -> None:

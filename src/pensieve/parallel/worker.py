@@ -5,7 +5,9 @@ ordinary loader (same checkpoint, or the same dummy seed), shards it with
 :func:`~pensieve.parallel.tp.shard_model`, allocates its slice of the GPU tier and its own CPU
 tier (:class:`~pensieve.runner.swapper.KVSwapper`) with the block counts the driver sends, and
 then runs the unchanged :class:`~pensieve.runner.model_runner.ModelRunner` on every plan it
-receives. All ranks run the same plans in the same order, so their collectives pair up.
+receives. Sizing, allocation and capture are the local executor's own functions
+(:mod:`pensieve.engine.local`). All ranks run the same plans in the same order, so their
+collectives pair up.
 
 Protocol, over one ``multiprocessing`` pipe per rank (driver <-> rank; pickled tuples):
 
@@ -84,10 +86,9 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -
 def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> None:
     import torch.distributed as dist
 
-    from pensieve.engine.llm_engine import size_gpu_tier
+    from pensieve.engine.local import block_bytes_of, fit_gpu_blocks, start_runner
     from pensieve.models.loader import load_model
     from pensieve.parallel.tp import shard_model
-    from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 
     cfg = spec.config
     world = cfg.model.tensor_parallel_size
@@ -119,16 +120,11 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
 
             gc.collect()
             torch.cuda.empty_cache()
-    cc = cfg.cache
-    block_bytes = kv_bytes_per_block(model.num_layers, cc.chunk_size, model.num_kv_heads,
-                                     model.head_dim, spec.dtype)
-    conn.send(("ready", size_gpu_tier(cfg, device, hf_config, spec.dtype, block_bytes)))
+    block_bytes = block_bytes_of(model, cfg.cache.chunk_size, spec.dtype)
+    conn.send(("ready", fit_gpu_blocks(cfg, device, hf_config, spec.dtype, block_bytes)))
     _, num_gpu_blocks, num_cpu_blocks = conn.recv()
-    kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
-                                   model.num_kv_heads, model.head_dim, spec.dtype, device)
-    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks)
-    # every rank captures: the all-reduces are in the graphs
-    runner.capture_graphs(cfg.decode_graph_shape(device.type), cfg.mixed_graph_shape(device.type))
+    # every rank captures the same CUDA graphs: the all-reduces are in them
+    runner = start_runner(cfg, model, spec.dtype, device, num_gpu_blocks, num_cpu_blocks)
     conn.send(("ok", None))
     while True:
         msg = conn.recv()

@@ -1,0 +1,129 @@
+"""The local executor: one :class:`ModelRunner` in this process; and the steps every model
+runner is built with (size, allocate, capture), shared with the tensor-parallel ranks.
+
+A runner is made in three steps, the same for :class:`LocalExecutor` and for each rank of
+:mod:`pensieve.parallel.worker` (which shards the model first and agrees on the block counts
+with the other ranks between the second and the third):
+
+1. the model is loaded (``pensieve.models.loader.load_model``);
+2. :func:`fit_gpu_blocks`: how many blocks of its KV fit on its device (``engine.tiers``);
+3. :func:`start_runner`: the KV tensors, the runner with its CPU tier, the CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pensieve.config import EngineConfig
+from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+from pensieve.engine.executor import TierSizes
+from pensieve.engine.tiers import (
+    DeviceMemory,
+    activation_bytes,
+    cpu_tier_blocks,
+    gpu_tier_blocks,
+)
+from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+
+log = logging.getLogger("pensieve")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.dtype:
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, auto")
+    return _DTYPES[dtype]
+
+
+def block_bytes_of(model: Any, chunk_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of one chunk over all layers of ``model`` (a shard: its heads)."""
+    return kv_bytes_per_block(model.num_layers, chunk_size, model.num_kv_heads, model.head_dim,
+                              dtype)
+
+
+def device_memory(config: EngineConfig, device: torch.device, hf_config: Any,
+                  dtype: torch.dtype) -> DeviceMemory | None:
+    """The GPU's free and total memory now and the step's activation estimate (None on the
+    CPU). Call it after the weights are loaded."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    hidden = int(getattr(hf_config, "hidden_size", 4096))
+    inter = int(getattr(hf_config, "intermediate_size", None)
+                or getattr(hf_config, "ffn_dim", 4 * hidden))
+    elem = torch.empty((), dtype=dtype).element_size()
+    return DeviceMemory(free, total, activation_bytes(config, hidden, inter,
+                                                      int(hf_config.vocab_size), elem))
+
+
+def fit_gpu_blocks(config: EngineConfig, device: torch.device, hf_config: Any,
+                   dtype: torch.dtype, block_bytes: int) -> int:
+    """GPU-tier blocks of ``block_bytes`` on ``device`` (:func:`~pensieve.engine.tiers.
+    gpu_tier_blocks` over its free memory)."""
+    return gpu_tier_blocks(config, block_bytes, device_memory(config, device, hf_config, dtype))
+
+
+def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,
+                 num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
+    """Allocate ``model``'s KV tiers, build its runner and capture its CUDA graphs."""
+    cc = config.cache
+    kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
+                                   model.num_kv_heads, model.head_dim, dtype, device)
+    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks)
+    runner.capture_graphs(config.decode_graph_shape(device.type),
+                          config.mixed_graph_shape(device.type))
+    return runner
+
+
+class LocalExecutor:
+    """A loaded model on one device with its KV tiers, run by a :class:`ModelRunner`."""
+
+    def __init__(self, config: EngineConfig, model: Any, hf_config: Any,
+                 device: torch.device) -> None:
+        cc = config.cache
+        dtype = next(model.parameters()).dtype
+        block_bytes = block_bytes_of(model, cc.chunk_size, dtype)
+        num_gpu = fit_gpu_blocks(config, device, hf_config, dtype, block_bytes)
+        num_cpu = cpu_tier_blocks(cc, block_bytes, device.type)
+        log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks "
+                 "(%.2f GiB), chunk %d, policy %s", num_gpu, num_gpu * block_bytes / 2**30,
+                 device, num_cpu, num_cpu * block_bytes / 2**30, cc.chunk_size,
+                 cc.cache_policy)
+        self.runner = start_runner(config, model, dtype, device, num_gpu, num_cpu)
+        self._tiers = TierSizes(num_gpu, num_cpu, block_bytes)
+
+    @property
+    def tiers(self) -> TierSizes:
+        return self._tiers
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def stats(self) -> dict[str, int]:
+        sw = self.runner.swapper
+        return {"swap_in_bytes": sw.bytes_in, "swap_out_bytes": sw.bytes_out}
+
+    def shutdown(self) -> None:
+        """Nothing to release (the tensors go with the executor)."""

@@ -1,0 +1,119 @@
+"""Tier sizes: config, block bytes and free device memory in, blocks per tier out; the cache
+over them. One module for the three executors (local, tensor-parallel, simulated). No torch:
+the callers measure the device (``torch.cuda.mem_get_info``) and the block bytes.
+
+- GPU tier: ``num_gpu_blocks``, else ``gpu_kv_gb``, else on a GPU what is free after the
+  weights, minus ``1 - gpu_memory_utilization`` of the device and an activation estimate; on
+  the CPU enough for every running request to reach ``max_model_len``, at most 2 GiB.
+- CPU tier: ``num_cpu_blocks``, else ``cpu_kv_gb`` (default 32 GiB beside a GPU, 1 GiB on a
+  CPU run); none when the cache policy keeps no CPU tier.
+- Under tensor parallelism the block bytes are one rank's slice; ``gpu_kv_gb`` applies to each
+  rank's device and ``cpu_kv_gb`` is the host's total (:func:`cpu_tier_blocks`'s ``ranks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pensieve.config import CacheConfig, EngineConfig
+from pensieve.core.cost_model import CostModel
+from pensieve.core.eviction import get_policy
+from pensieve.core.tiered_cache import TieredKVCache, cdiv
+from pensieve.engine.executor import TierSizes
+
+GIB = 2**30
+
+
+def gib_blocks(gib: float, block_bytes: int) -> int:
+    """Whole blocks of ``block_bytes`` in ``gib`` GiB."""
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+    return int(gib * GIB // block_bytes)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's memory after the weights are loaded (bytes)."""
+
+    free_bytes: int
+    total_bytes: int
+    activation_bytes: int
+    """What a step needs beside weights and KV (:func:`activation_bytes`)."""
+
+
+def activation_bytes(config: EngineConfig, hidden: int, intermediate: int, vocab: int,
+                     elem_bytes: int) -> int:
+    """Estimated peak activations of one step of ``max_num_batched_tokens`` tokens, logits of
+    ``max_num_seqs`` rows (three float32 copies) and 1 GiB of slack; doubled when mixed-step
+    CUDA graphs keep their own pool beside the eager allocator's."""
+    sc = config.scheduler
+    act = sc.max_num_batched_tokens * (8 * hidden + 3 * intermediate) * elem_bytes
+    act += sc.max_num_seqs * vocab * 4 * 3 + GIB
+    if config.mixed_graph_shape("cuda") is not None:
+        act *= 2
+    return act
+
+
+def gpu_tier_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory | None) -> int:
+    """GPU-tier blocks (module docstring); ``memory`` None: the device is the CPU."""
+    cc, sc = config.cache, config.scheduler
+    if cc.num_gpu_blocks is not None:
+        return cc.num_gpu_blocks
+    if cc.gpu_kv_gb is not None:
+        return max(1, gib_blocks(cc.gpu_kv_gb, block_bytes))
+    if memory is not None:
+        budget = (memory.free_bytes - (1 - cc.gpu_memory_utilization) * memory.total_bytes
+                  - memory.activation_bytes)
+        return max(1, int(budget // block_bytes))
+    want = sc.max_num_seqs * cdiv(sc.max_model_len, cc.chunk_size)
+    return max(1, min(want, gib_blocks(2, block_bytes)))
+
+
+def uses_cpu_tier(cache: CacheConfig) -> bool:
+    """Whether the configured cache policy keeps a CPU tier."""
+    return get_policy(cache.cache_policy).uses_cpu_tier
+
+
+def cpu_tier_blocks(cache: CacheConfig, block_bytes: int, device_type: str,
+                    ranks: int = 1) -> int:
+    """CPU-tier blocks per rank (module docstring): ``cpu_kv_gb`` is shared by ``ranks``."""
+    if not uses_cpu_tier(cache):
+        return 0
+    if cache.num_cpu_blocks is not None:
+        return cache.num_cpu_blocks
+    gib = cache.cpu_kv_gb if cache.cpu_kv_gb is not None else (
+        32.0 if device_type == "cuda" else 1.0)
+    return gib_blocks(gib, block_bytes * ranks)
+
+
+def sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
+    """Tiers without a device (the simulator): exact counts, or GiB sizes over
+    ``block_bytes``. Memory left after the weights has to be given as ``num_gpu_blocks``."""
+    counts = []
+    for tier, n, gib in (("gpu", cache.num_gpu_blocks, cache.gpu_kv_gb),
+                         ("cpu", cache.num_cpu_blocks, cache.cpu_kv_gb)):
+        if n is None:
+            if gib is None or not block_bytes:
+                raise ValueError(f"the simulator needs num_{tier}_blocks, or {tier}_kv_gb and "
+                                 "block_bytes")
+            n = gib_blocks(gib, block_bytes)
+        counts.append(n)
+    return TierSizes(max(1, counts[0]), counts[1], block_bytes or 0)
+
+
+def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
+                policy: str, chunk_size: int, swap_out_threshold: float,
+                decode_reserve: float, swap_chunk_s: float | None) -> TieredKVCache:
+    """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none).
+    ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
+    length."""
+    if isinstance(chunk_cost, CostModel):
+        if chunk_cost.chunk_size != chunk_size:
+            raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
+                             f"cache uses {chunk_size}")
+        chunk_cost = chunk_cost.chunk_cost
+    pol = get_policy(policy)
+    cpu = tiers.num_cpu_blocks if pol.uses_cpu_tier else 0
+    return TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, pol, chunk_cost,
+                         swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s)
