@@ -8,7 +8,8 @@ single request that raises on its own: that request is a culprit. One culprit am
 requests costs about ``2 log2 n`` extra executor calls. A failure that no single request
 reproduces (a transient error) fails nobody. If no group ran, an empty step (every copy
 waited for, none reported in flight) gives the step its output; if that raises too, the
-executor itself is broken and the exception propagates (the step fails as a whole).
+executor itself is broken and the step's first exception propagates (the step fails as a
+whole).
 
 What the engine does with the culprits (:meth:`EngineCore.step`): it puts the positions the
 step took back into their ``pending`` (their KV was not, or not surely, computed) and aborts
@@ -57,7 +58,10 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
     _isolate(execute, sched.requests, _describe(first), step, outputs)
     if not outputs:
         step.executor_calls += 1
-        outputs.append(execute(SchedulerOutput(requests=[])))
+        try:
+            outputs.append(execute(SchedulerOutput(requests=[])))
+        except Exception:
+            raise first from None  # the executor is broken: its first error says why
     sampled: dict[str, int] = {}
     for out in outputs:
         sampled.update(out.sampled_token_ids)
