@@ -24,13 +24,13 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, store: Path, cache_dir: Path, *extra: str) -> None:
+    def __init__(self, store: Path, cache_dir: Path, *extra: str, model: str = "demo") -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
         self.log = open(store.with_suffix(f".{self.port}.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pensieve.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "pensieve.cli", "serve", model, "--port", str(self.port),
              "--store", str(store), "--device", "cpu", "--num-gpu-blocks", "96",
              "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
              "--max-num-batched-tokens", "256", "--log-level", "warning", *extra],

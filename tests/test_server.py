@@ -55,6 +55,27 @@ def _check_against_offline(srv: Server, offline: LLM, cid: str) -> list[dict]:
     return conv["turns"]
 
 
+def _check_chat_against_stateless(srv: Server, offline: LLM, cid: str) -> list[dict]:
+    """Every turn's context is exactly the chat template of the messages before it, and its
+    greedy answer is what a stateless run of that rendering answers."""
+    from pensieve.models.tokenizer import load_tokenizer
+    from pensieve.server.chat import ChatRenderer
+
+    renderer = ChatRenderer(load_tokenizer("demo"))
+    conv = httpx.get(f"{srv.url}/v1/conversations/{cid}").json()
+    msgs, turns = conv["messages"], conv["turns"]
+    answers = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
+    assert len(answers) == len(turns)
+    for k, t in zip(answers, turns):
+        ctx = renderer.render(msgs[:k], add_generation_prompt=True)
+        assert t["context_len"] == len(ctx)
+        out = offline.generate([ctx], SamplingParams(max_tokens=t["output_len"],
+                                                     temperature=0.0))[0]
+        assert renderer.decode(out.output_token_ids) == msgs[k]["content"]
+    assert conv["token_ids"][:turns[-1]["context_len"]] == ctx
+    return turns  # type: ignore[no-any-return]
+
+
 def test_implicit_conversation_reuses_kv_streaming_and_not(server: Server, offline: LLM) -> None:
     client = server.client()
     msgs = [{"role": "user", "content": "Tell me about memory palaces."}]
@@ -77,7 +98,7 @@ def test_implicit_conversation_reuses_kv_streaming_and_not(server: Server, offli
     r3 = client.chat.completions.create(model="pensieve-demo", messages=msgs, **GREEDY)
     assert _extra(r3, "conversation_id") == cid
     assert _extra(r3, "pensieve")["cache"]["gpu_hit_tokens"] > 0
-    assert len(_check_against_offline(server, offline, cid)) == 3
+    assert len(_check_chat_against_stateless(server, offline, cid)) == 3
 
 
 def test_explicit_conversation_id_sends_only_new_messages(server: Server, offline: LLM) -> None:
@@ -97,7 +118,7 @@ def test_explicit_conversation_id_sends_only_new_messages(server: Server, offlin
                                                extra_body=body, **GREEDY)
             assert _extra(r, "conversation_id") == cid
             assert _extra(r, "pensieve")["cache"]["gpu_hit_tokens"] > 0
-    turns = _check_against_offline(server, offline, cid)
+    turns = _check_chat_against_stateless(server, offline, cid)
     assert len(turns) == 4
     conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant"] * 4
@@ -289,7 +310,7 @@ def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline:
         r3 = c2.chat.completions.create(model="m", messages=[{"role": "user", "content": "Last"}],
                                         extra_body={"conversation_id": cid}, **GREEDY)
         assert _extra(r3, "pensieve")["cache"]["recomputed_tokens"] > 0  # KV was gone
-        turns = _check_against_offline(srv2, offline, cid)  # same as without the restart
+        turns = _check_chat_against_stateless(srv2, offline, cid)  # as without the restart
         assert len(turns) == 3
     finally:
         srv2.stop()

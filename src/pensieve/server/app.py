@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -199,8 +200,10 @@ class _Turn:
     prev: list[dict[str, Any]]
     new: list[dict[str, Any]]
     prompt_ids: list[int]
-    """The new turn's tokens (the engine prepends the conversation's history)."""
+    """The new turn's tokens (the engine prepends the conversation's history), or with
+    ``full_context`` the turn's whole context."""
     new_conversation: bool
+    full_context: bool = False
 
 
 def _new_conversation_id() -> str:
@@ -257,15 +260,25 @@ async def _resolve_turn(state: ServerState, tenant: str, cid: str | None,
         if not new:
             raise APIError(400, "no new message after the conversation's last answer",
                            param="messages")
-        delta = renderer.continuation(prev, new)
-        if delta is not None:
-            await _restore(state, stored)
-            return _Turn(tenant, stored.id, stored, prev, new, delta, new_conversation=False)
-        if cid is not None and new is msgs:  # explicit id and a template we cannot extend
-            raise APIError(400, "the chat template cannot extend this conversation")
-        new, prev, stored = msgs, [], None
-    return _Turn(tenant, _new_conversation_id(), None, [], new,
-                 renderer.render(new, add_generation_prompt=True), new_conversation=True)
+        if any(m.get("role") == "completion" for m in prev):
+            raise APIError(400, f"conversation {stored.id!r} was started on /v1/completions: "
+                           "continue it there", param="conversation_id")
+        context = _render(renderer, prev + new)
+        await _restore(state, stored)
+        return _Turn(tenant, stored.id, stored, prev, new, context, new_conversation=False,
+                     full_context=True)
+    return _Turn(tenant, _new_conversation_id(), None, [], new, _render(renderer, new),
+                 new_conversation=True, full_context=True)
+
+
+def _render(renderer: ChatRenderer, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template's tokens for ``messages`` and the generation prompt: exactly what
+    the model is fed (the engine keeps only the history's common prefix with it)."""
+    try:
+        return renderer.render(messages, add_generation_prompt=True)
+    except TemplateError as e:  # e.g. a template that demands alternating roles
+        raise APIError(400, f"the chat template refused the messages: {e}",
+                       param="messages") from e
 
 
 # ---------------------------------------------------------------------- running a turn
@@ -276,7 +289,7 @@ async def _run(state: ServerState, body: _Sampling, turn: _Turn, max_tokens: int
         stop_ids = renderer.stop_token_ids(body.stop_list()) if renderer else []
     except ValueError as e:
         raise APIError(400, str(e), param="stop") from e
-    history_len = len(turn.stored.token_ids) if turn.stored else 0
+    history_len = len(turn.stored.token_ids) if turn.stored and not turn.full_context else 0
     room = state.max_model_len - history_len - len(turn.prompt_ids)
     if room < 1:
         raise APIError(400, f"the conversation's context ({history_len + len(turn.prompt_ids)} "
@@ -299,7 +312,8 @@ async def _run(state: ServerState, body: _Sampling, turn: _Turn, max_tokens: int
             cid, body.priority, body.keep_alive_s))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
-    stream = state.engine.generate(rid, turn.prompt_ids, params, turn.cid)
+    stream = state.engine.generate(rid, turn.prompt_ids, params, turn.cid,
+                                   full_context=turn.full_context)
     try:
         first = await stream.__anext__()
     except ConversationBusyError as e:

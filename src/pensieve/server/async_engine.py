@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduler import ConversationBusyError
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.engine.outputs import RequestOutput
 from pensieve.engine.step_record import StepTotals
@@ -78,13 +80,20 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         conversation_id: str | None = None,
+        full_context: bool = False,
     ) -> AsyncIterator[Update]:
         """Yield each sampled token, then the finished output. Closing the iterator early (a
-        client that went away) aborts the request and frees its blocks."""
+        client that went away) aborts the request and frees its blocks.
+
+        ``full_context``: ``prompt_token_ids`` is the turn's whole context, not only what
+        follows the conversation's history. The history is kept up to its first token that
+        differs from that context (the KV past it is freed) and the rest is computed, so the
+        model sees exactly ``prompt_token_ids`` whatever the history held."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Update] = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        self._cmds.put(("add", (request_id, prompt_token_ids, params, conversation_id)))
+        self._cmds.put(("add", (request_id, prompt_token_ids, params, conversation_id,
+                                full_context)))
         done = False
         try:
             while True:
@@ -114,8 +123,10 @@ class AsyncEngine:
     def _handle(self, kind: str, arg: Any) -> None:
         eng = self.engine
         if kind == "add":
-            rid, ids, params, cid = arg
+            rid, ids, params, cid, full_context = arg
             try:
+                if full_context and cid is not None:
+                    ids = _rebase(eng, cid, ids)
                 eng.add_request(rid, ids, params, conversation_id=cid)
             except Exception as e:  # noqa: BLE001 - handed to the waiting request
                 self._push(rid, Update(error=e))
@@ -167,6 +178,50 @@ class AsyncEngine:
                 self._push(out.request_id, Update(output=out))
             self._refresh()
         log.info("engine thread stopped at %s", time.strftime("%X"))
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect with C-speed slice compares
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _rebase(eng: LLMEngine, cid: str, context: list[int]) -> list[int]:
+    """The tokens to add after the conversation's history so that it becomes ``context``:
+    the history is cut at its first token that differs (at least one token stays to add)."""
+    history = eng.conversation_history(cid)
+    keep = max(0, min(common_prefix_len(history, context), len(context) - 1))
+    if keep < len(history):
+        log.debug("conversation %s: history re-rendered from token %d of %d", cid, keep,
+                  len(history))
+        truncate_history(eng, cid, keep)
+    return context[keep:]
+
+
+def truncate_history(eng: LLMEngine, cid: str, num_tokens: int) -> None:
+    """Cut an idle conversation's history to its first ``num_tokens`` tokens; the KV past
+    them is freed (in both tiers) and the next turn computes what follows."""
+    if cid in eng.scheduler.busy_conversations:
+        raise ConversationBusyError(f"conversation {cid!r} has a turn running")
+    conv = eng.cache.conversations.get(cid)
+    if conv is None or num_tokens >= len(conv.token_ids):
+        return
+    conv.token_ids = conv.token_ids[:num_tokens]
+    # What abandoning a turn does to an idle conversation (it reads nothing of the turn):
+    # KV past the history goes, chunks wholly past it are freed, the eviction index rebuilt.
+    eng.cache.abort_turn(_NO_TURN, conv, eng.now())
+
+
+_NO_TURN = Request("(history truncation)", [0], SamplingParams())
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

@@ -1,11 +1,14 @@
-"""Chat templates: messages to token ids, and a new turn as a continuation of a conversation.
+"""Chat templates: messages to token ids.
 
-A conversation's history in the engine is the exact token sequence it computed: the rendered
-context of each turn followed by the tokens the model generated. A new turn appends the tokens
-that the chat template adds for the new messages: ``render(prev + new)`` minus
-``render(prev)``, taken at the token level. That is exact when the template is prefix-stable
-(rendering more messages only appends tokens), which holds for the common templates; when it
-does not, :meth:`ChatRenderer.continuation` returns None and the caller starts afresh.
+A conversation's history in the engine is the exact token sequence it computed. A new turn
+renders *all* its messages with the chat template (and the generation prompt); the engine
+keeps the history up to its first token that differs from that rendering and computes the
+rest (:meth:`AsyncEngine.generate` with ``full_context``). So the model always sees exactly
+``apply_chat_template(messages, add_generation_prompt=True)``: where the template is
+prefix-stable only the new tokens are computed (plus the end-of-turn text after an answer the
+model did not end itself, e.g. one cut at ``max_tokens``); where it is not (a template that
+strips or rewrites earlier messages, an answer whose text re-tokenizes differently), the tokens
+from the first difference on are recomputed.
 """
 
 from __future__ import annotations
@@ -36,17 +39,6 @@ class ChatRenderer:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def continuation(
-        self, prev: list[dict[str, Any]], new: list[dict[str, Any]]
-    ) -> list[int] | None:
-        """Token ids the new messages add after ``prev``; None if the template is not
-        prefix-stable for them."""
-        before = self.render(prev, add_generation_prompt=False)
-        after = self.render(prev + new, add_generation_prompt=True)
-        if after[: len(before)] != before:
-            return None
-        return after[len(before):]
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
