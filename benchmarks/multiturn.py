@@ -79,55 +79,65 @@ def workload(args: argparse.Namespace) -> Any:
     return load_workload(str(DEFAULT_CACHE))
 
 
-_SHARED: dict[str, Any] = {}
+class StepLog:
+    """Step observer of the shared engine: each step's features and executor time, labelled
+    with the system the point runs (the simulator is calibrated from these rows)."""
+
+    def __init__(self) -> None:
+        self.system = ""
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, rec: Any) -> None:
+        from pensieve.bench.step_cost import features_of
+
+        self.rows.append({"system": self.system, **features_of(rec.sched).to_dict(),
+                          "time_s": rec.step_time_s})
 
 
-def build_real(system: str, args: argparse.Namespace, clock: WallClock) -> tuple[Any, Any]:
-    """A Pensieve engine (or the HF peer) on the device; returns (engine, step log list).
+class RealEngines:
+    """The systems on the device. All Pensieve systems share one engine (built once with the
+    CPU tier, so the model, the KV tensors and the pinned host memory are set up once), reset
+    to empty tiers under the system's cache policy and ``--batching`` before each point; its
+    steps reach :attr:`steps` through the engine's step observers."""
 
-    All Pensieve systems share one engine (built once with the CPU tier, so the model, the KV
-    tensors and the pinned host memory are set up once), reset to empty tiers under the
-    system's cache policy before each point."""
-    if system == "hf":
-        from pensieve.bench.hf_peer import HFContinuousBatchingEngine
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.engine: Any = None
+        self.steps = StepLog()
 
-        return HFContinuousBatchingEngine(args.model, dtype=args.dtype, device=args.device,
-                                          clock=clock, kv_cache_gb=args.gpu_kv_gb,
-                                          max_batch_tokens=args.max_num_batched_tokens), None
-    from pensieve.bench.step_cost import features_of
-    from pensieve.engine.llm import build_engine_config
-    from pensieve.engine.llm_engine import LLMEngine
+    def build(self, system: str, clock: WallClock) -> tuple[Any, list[dict[str, Any]] | None]:
+        """(engine, its step rows for this point; None for the HF peer)."""
+        args = self.args
+        if system == "hf":
+            from pensieve.bench.hf_peer import HFContinuousBatchingEngine
 
-    if "engine" not in _SHARED:
-        cfg = build_engine_config(
-            model=args.model, load_format=args.load_format, dtype=args.dtype,
-            device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
-            cache_policy="pensieve", max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-            cuda_graph_mixed=args.mixed_graphs)
-        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
-                                                                     batching=args.batching))
-        eng = LLMEngine(cfg, clock=clock.now)
-        steps: list[dict[str, Any]] = []
-        inner = eng.runner.execute
+            return HFContinuousBatchingEngine(
+                args.model, dtype=args.dtype, device=args.device, clock=clock,
+                kv_cache_gb=args.gpu_kv_gb, max_batch_tokens=args.max_num_batched_tokens), None
+        from pensieve.engine.llm import build_engine_config
+        from pensieve.engine.llm_engine import LLMEngine
 
-        def execute(sched: Any) -> Any:
-            out = inner(sched)
-            steps.append({"system": _SHARED["system"], **features_of(sched).to_dict(),
-                          "time_s": out.step_time_s})
-            return out
+        if self.engine is None:
+            cfg = build_engine_config(
+                model=args.model, load_format=args.load_format, dtype=args.dtype,
+                device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
+                cache_policy="pensieve", max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+                enforce_eager=args.enforce_eager, cuda_graph_mixed=args.mixed_graphs,
+                batching=args.batching)
+            # the points run on wall time, as the engine's default clock does
+            self.engine = LLMEngine(cfg, clock=clock.now, observers=[self.steps])
+        eng = self.engine
+        eng.reset(system, dataclasses.replace(eng.scheduler_config, batching=args.batching))
+        self.steps.system = system
+        self.steps.rows.clear()
+        return eng, self.steps.rows
 
-        eng.runner.execute = execute
-        _SHARED.update(engine=eng, steps=steps)
-    eng = _SHARED["engine"]
-    eng.now = clock.now
-    if eng.scheduler_config.batching != args.batching:  # reset() builds the new scheduler
-        eng.scheduler_config = dataclasses.replace(eng.scheduler_config, batching=args.batching)
-    eng.reset(system)
-    _SHARED["system"] = system
-    _SHARED["steps"].clear()
-    return eng, _SHARED["steps"]
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
 
 def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
@@ -135,6 +145,7 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     from pensieve.bench.step_cost import StepCostModel
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
+    from pensieve.engine.tiers import gib_blocks
 
     cost = StepCostModel.load(args.step_cost)
     if args.step_cost_set:  # what-if: e.g. per_prefill_step_s=0 (mixed steps as cheap as decode)
@@ -144,8 +155,8 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
         cost = dataclasses.replace(cost, **{k: float(v) for k, v in sets.items()},
                                    label=f"{cost.label} [what-if {args.step_cost_set}]")
     block_bytes = args.kv_bytes_per_token * args.chunk_size
-    gpu = int(args.gpu_kv_gb * 2**30 // block_bytes)
-    cpu = int(args.cpu_kv_gb * 2**30 // block_bytes)
+    gpu = gib_blocks(args.gpu_kv_gb, block_bytes)
+    cpu = gib_blocks(args.cpu_kv_gb, block_bytes)
     chunk_cost = (CostModel.load(args.cost_profile) if args.cost_profile
                   else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
     sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
@@ -270,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                   "answer)); the window may not be at steady state", file=sys.stderr)
     if args.warmup >= args.duration:
         ap.error(f"--warmup {args.warmup} leaves no window in --duration {args.duration}")
+    real = RealEngines(args)
     for system in args.systems.split(","):
         for rate in (float(r) for r in args.rates.split(",")):
             t_start = time.time()
@@ -289,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                         metrics_interval_s=args.sample_interval or None), None
                 else:
                     clock = WallClock()
-                    engine, steps = build_real(system, args, clock)
+                    engine, steps = real.build(system, clock)
             except Exception as e:  # noqa: BLE001 - one system failing must not stop the rest
                 print(f"{system}: could not build: {type(e).__name__}: {e}", flush=True)
                 break
@@ -349,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
                   f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "
                   f"steady {point.get('steady_state')}, wall {point['wall_s']} s", flush=True)
-            if engine is not _SHARED.get("engine"):  # the shared engine stops at the end
+            if engine is not real.engine:  # the shared engine stops at the end
                 shutdown = getattr(engine, "shutdown", None)
                 if shutdown:
                     shutdown()
@@ -362,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
             except ImportError:
                 pass
-    if "engine" in _SHARED:
-        _SHARED.pop("engine").shutdown()
+    real.shutdown()
     return 0
 
 
