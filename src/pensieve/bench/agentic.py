@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import random
 
-from pensieve.bench.workload import DEFAULT_MAX_CONTEXT, Conversation, Turn, Workload
+from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT, Conversation, Turn, Workload
 
 AGENTIC_MEDIAN_TURNS = 12
 AGENTIC_TURNS_SIGMA = 0.3

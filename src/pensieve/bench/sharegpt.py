@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pensieve.bench.workload import (
+from pensieve.bench.workload_types import (
     DEFAULT_MAX_CONTEXT,
     DEFAULT_SHAREGPT_CACHE,
     Conversation,

@@ -1,10 +1,10 @@
 """Multi-turn chat workloads for the benchmark: ShareGPT (real), UltraChat and agentic (synthetic).
 
-This module holds the workload data types (:class:`Turn`, :class:`Conversation`,
-:class:`Workload`), the lengths cache (:func:`save_workload` / :func:`load_workload`), the
-synthetic UltraChat generator, the Table 2 statistics and the ``workload-stats`` CLI. Turning a
-ShareGPT JSON file into a workload (streaming reader, split-piece merging, turn pairing,
-tokenization) is :mod:`pensieve.bench.sharegpt`.
+This module re-exports the workload data types and the lengths cache
+(:mod:`pensieve.bench.workload_types`) and holds the synthetic UltraChat generator, the Table 2
+statistics and the ``workload-stats`` CLI. Turning a ShareGPT JSON file into a workload
+(streaming reader, split-piece merging, turn pairing, tokenization) is
+:mod:`pensieve.bench.sharegpt`.
 
 The paper (Table 2) drives its serving benchmark with two multi-turn chat data sets, keeping only
 the *token lengths* of each turn: how many new input tokens the user sends and how many output
@@ -46,17 +46,29 @@ CLI: ``pensieve bench workload-stats [--sharegpt PATH] [--max-conversations N] [
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MAX_CONTEXT = 16384
+from pensieve.bench.workload_types import (
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_SHAREGPT_CACHE,
+    DEFAULT_SHAREGPT_MERGED_CACHE,
+    Conversation,
+    Turn,
+    Workload,
+    load_workload,
+    save_workload,
+)
+
+__all__ = [  # the data types are re-exported: importers of this module keep working
+    "DEFAULT_MAX_CONTEXT", "DEFAULT_SHAREGPT_CACHE", "DEFAULT_SHAREGPT_MERGED_CACHE",
+    "PAPER_TABLE2", "Conversation", "Turn", "Workload", "format_table", "load_workload",
+    "save_workload", "ultrachat_synthetic", "workload_stats",
+]
 
 #: The paper's Table 2.
 PAPER_TABLE2: dict[str, dict[str, float]] = {
@@ -65,102 +77,6 @@ PAPER_TABLE2: dict[str, dict[str, float]] = {
     "UltraChat": {"conversations": 1468352, "mean_turns": 3.86, "mean_input_tokens": 51.78,
                   "mean_output_tokens": 257.81},
 }
-
-_REPO_ROOT = Path(__file__).resolve().parents[3]
-#: Where the repository keeps the ShareGPT lengths cache (present in a source checkout).
-DEFAULT_SHAREGPT_CACHE = _REPO_ROOT / "benchmarks" / "data" / "sharegpt_lengths.json.gz"
-#: The same with split pieces joined back into whole conversations (``merge_split=True``).
-DEFAULT_SHAREGPT_MERGED_CACHE = (_REPO_ROOT / "benchmarks" / "data"
-                                 / "sharegpt_merged_lengths.json.gz")
-
-
-# --------------------------------------------------------------------------------------------
-# Data model
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One round of a conversation: new user tokens in, assistant tokens out."""
-
-    input_len: int
-    output_len: int
-
-
-@dataclass(slots=True)
-class Conversation:
-    conv_id: str
-    turns: list[Turn]
-
-    @property
-    def total_tokens(self) -> int:
-        """Context length after the last turn: every input and output of the conversation."""
-        return sum(t.input_len + t.output_len for t in self.turns)
-
-
-@dataclass
-class Workload:
-    name: str
-    conversations: list[Conversation]
-    source: str = ""
-    notes: str = ""
-    #: How the workload was built: read, kept, dropped_too_long, dropped_empty, truncated, ...
-    counts: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.conversations)
-
-
-# --------------------------------------------------------------------------------------------
-# Cache
-
-
-def save_workload(w: Workload, out_path: str | os.PathLike[str]) -> Path:
-    """Write ``w``'s lengths as compact JSON (gzip'd if the name ends in ``.gz``).
-
-    Format: ``{"name", "source", "notes", "counts", "ids": [...],
-    "conversations": [[in, out, in, out, ...], ...]}``.
-    """
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {
-        "format": "pensieve-workload-lengths/1",
-        "name": w.name,
-        "source": w.source,
-        "notes": w.notes,
-        "counts": w.counts,
-        "ids": [c.conv_id for c in w.conversations],
-        "conversations": [[x for t in c.turns for x in (t.input_len, t.output_len)]
-                          for c in w.conversations],
-    }
-    data = json.dumps(doc, separators=(",", ":")).encode()
-    if out.suffix == ".gz":
-        # No name and mtime=0 keep the file byte-identical across rebuilds.
-        with open(out, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb",
-                                                   compresslevel=9, mtime=0) as gz:
-            gz.write(data)
-    else:
-        out.write_bytes(data)
-    return out
-
-
-def load_workload(path: str | os.PathLike[str]) -> Workload:
-    """Read a workload written by :func:`save_workload` (gzip detected by magic bytes)."""
-    p = Path(path)
-    raw = p.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    doc = json.loads(raw)
-    seqs = doc["conversations"]
-    ids = doc.get("ids") or [str(i) for i in range(len(seqs))]
-    convs = []
-    for cid, seq in zip(ids, seqs):
-        if len(seq) % 2:
-            raise ValueError(f"{p}: conversation {cid} has an odd number of lengths")
-        convs.append(Conversation(str(cid), [Turn(int(seq[i]), int(seq[i + 1]))
-                                             for i in range(0, len(seq), 2)]))
-    return Workload(doc.get("name", p.stem), convs, source=doc.get("source", str(p)),
-                    notes=doc.get("notes", ""), counts=dict(doc.get("counts", {})))
-
 
 # --------------------------------------------------------------------------------------------
 # Synthetic UltraChat
