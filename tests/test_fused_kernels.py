@@ -169,7 +169,7 @@ def test_llama_forward_fused_matches_reference(monkeypatch, dtype) -> None:  # n
     )
 
     def run(choice: str) -> torch.Tensor:
-        monkeypatch.setenv("PENSIEVE_ATTENTION", choice)
+        monkeypatch.setattr(kernels, "CHOICE", kernels.KernelChoice(choice))
         caches = [torch.zeros(2, 2, chunk, 2, 16, device=DEVICE, dtype=dtype) for _ in range(2)]
         with torch.no_grad():
             return model.compute_logits(model(ids, positions, caches, meta))
@@ -184,7 +184,7 @@ def test_engine_graph_paths_with_triton_kernels(monkeypatch) -> None:  # noqa: A
     tokens as the ordinary eager path."""
     from pensieve import LLM, SamplingParams
 
-    monkeypatch.setenv("PENSIEVE_ATTENTION", "triton")
+    monkeypatch.setattr(kernels, "CHOICE", kernels.KernelChoice("triton"))
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 13, 2, 7, 11, 3] * 3, [4, 8], [6] * 40]
 

@@ -433,7 +433,7 @@ def test_launcher_rejects_bad_arguments() -> None:
 
 def test_dispatch_through_pensieve_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """``PENSIEVE_ATTENTION=triton`` routes the public entry points to these kernels."""
-    monkeypatch.setenv("PENSIEVE_ATTENTION", "triton")
+    monkeypatch.setattr(kernels, "CHOICE", kernels.KernelChoice("triton"))
     from pensieve.layers.attention import AttentionMetadata, PagedAttention
 
     heads, kv_heads, head_dim, chunk = 4, 2, 16, 16

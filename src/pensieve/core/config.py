@@ -20,8 +20,6 @@ class SchedulerConfig:
     """Longest context (prompt + output) a request may reach."""
     enable_chunked_prefill: bool = True
     """Split a long prompt over several steps instead of waiting for a budget that fits it."""
-    watermark: float = 0.01
-    """Fraction of KV blocks kept free when admitting new requests."""
     batching: str = "unified"
     """``unified``: each step mixes decodes, continuing prefills and newly admitted prompts under
     one token budget. ``separate`` (vLLM 0.2 style, the paper's Figure 13 baseline): a step runs
@@ -35,8 +33,6 @@ class SchedulerConfig:
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(
                 f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
