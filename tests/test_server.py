@@ -159,7 +159,7 @@ def test_bad_input_gets_clear_4xx(server: Server) -> None:
                   400)
     user = [{"role": "user", "content": "hi"}]
     for bad in ({"max_tokens": 0}, {"max_tokens": "many"}, {"max_tokens": MAX_LEN * 2},
-                {"temperature": -1}, {"top_p": 0}, {"n": 3}, {"stop": "a long stop string"}):
+                {"temperature": -1}, {"top_p": 0}, {"n": 3}, {"tools": [{"type": "function"}]}):
         _assert_error(_post(server, path, json={"messages": user, **bad}), 400)
     long = [{"role": "user", "content": "memory " * MAX_LEN}]
     err = _assert_error(_post(server, path, json={"messages": long}), 400)
@@ -256,22 +256,22 @@ def test_auth_and_tenant_isolation(tmp_path: Path, cache_dir: Path) -> None:
             srv.client("wrong").models.list()
         a, b = srv.client("key-a"), srv.client("key-b")
         msgs = [{"role": "user", "content": "secret plans " * 20}]
-        ra = a.chat.completions.create(model="m", messages=msgs, **GREEDY)
+        ra = a.chat.completions.create(model="pensieve-demo", messages=msgs, **GREEDY)
         cid = _extra(ra, "conversation_id")
         hdr_b = {"Authorization": "Bearer key-b"}
         _assert_error(httpx.get(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
         _assert_error(httpx.delete(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
         with pytest.raises(openai.NotFoundError):
-            b.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+            b.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "x"}],
                                       extra_body={"conversation_id": cid}, **GREEDY)
         # B re-sends A's exact history: a new conversation of B's, with no hit on A's KV
         follow = msgs + [{"role": "assistant", "content": ra.choices[0].message.content},
                          {"role": "user", "content": "go on"}]
-        rb = b.chat.completions.create(model="m", messages=follow, **GREEDY)
+        rb = b.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
         assert _extra(rb, "conversation_id") != cid
         assert _extra(rb, "pensieve")["cache"]["gpu_hit_tokens"] == 0
         # while A doing the same continues its own conversation from cache
-        ra2 = a.chat.completions.create(model="m", messages=follow, **GREEDY)
+        ra2 = a.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
         assert _extra(ra2, "conversation_id") == cid
         assert _extra(ra2, "pensieve")["cache"]["gpu_hit_tokens"] > 0
     finally:
@@ -282,10 +282,10 @@ def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline:
     store = tmp_path / "persist.db"
     srv = Server(store, cache_dir)
     client = srv.client()
-    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+    r = client.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "Hi"}],
                                        **GREEDY)
     cid = _extra(r, "conversation_id")
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Next"}],
+    client.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "Next"}],
                                    extra_body={"conversation_id": cid}, **GREEDY)
     done = httpx.get(f"{srv.url}/v1/conversations/{cid}").json()
     # load in flight: other conversations streaming long answers when the server dies
@@ -307,7 +307,7 @@ def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline:
         again = httpx.get(f"{srv2.url}/v1/conversations/{cid}").json()
         assert again["turns"] == done["turns"] and again["token_ids"] == done["token_ids"]
         c2 = srv2.client()
-        r3 = c2.chat.completions.create(model="m", messages=[{"role": "user", "content": "Last"}],
+        r3 = c2.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "Last"}],
                                         extra_body={"conversation_id": cid}, **GREEDY)
         assert _extra(r3, "pensieve")["cache"]["recomputed_tokens"] > 0  # KV was gone
         turns = _check_chat_against_stateless(srv2, offline, cid)  # as without the restart
@@ -344,7 +344,8 @@ def test_completions_create_conversation_then_continue_with_new_tokens(
     cid = r1.json()["conversation_id"]
     assert isinstance(cid, str) and cid.startswith("conv-") and len(cid) > 20
     assert r1.headers["x-conversation-id"] == cid
-    assert r1.json()["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert r1.json()["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
     assert r1.json()["pensieve"]["cache"]["gpu_hit_tokens"] == 0
     # a later turn sends only its new tokens, streamed: every chunk names the conversation, the
     # final one carries the turn's cache stats, the usage chunk the whole context
@@ -358,7 +359,8 @@ def test_completions_create_conversation_then_continue_with_new_tokens(
     assert cache["gpu_hit_tokens"] == 11 and cache["new_prompt_tokens"] == 3 + 1
     assert chunks[-1]["object"] == "text_completion"
     assert chunks[-1]["usage"] == {"prompt_tokens": 15, "completion_tokens": 4,
-                                   "total_tokens": 19}
+                                   "total_tokens": 19, "prompt_tokens_details":
+                                   {"cached_tokens": 11}}
     # a streamed first turn creates a conversation too; the two are distinct
     chunks2 = _sse(server, {"prompt": first, "max_tokens": 3, "create_conversation": True,
                             **base})

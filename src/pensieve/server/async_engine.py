@@ -34,6 +34,8 @@ class Update:
     token: int | None = None
     output: RequestOutput | None = None
     error: BaseException | None = None
+    cache: dict[str, int] | None = None
+    """With a request's first token: where its context's KV came from (cache stats)."""
 
 
 @dataclass
@@ -173,7 +175,10 @@ class AsyncEngine:
             done = {o.request_id for o in finished}
             for rid, tok in eng.last_sampled.items():
                 if rid not in done:
-                    self._push(rid, Update(token=tok))
+                    req = eng.scheduler.requests.get(rid)
+                    first = req is not None and len(req.output_token_ids) == 1
+                    self._push(rid, Update(token=tok, cache=req.cache_stats.as_dict()
+                                           if first and req is not None else None))
             for out in finished:
                 self._push(out.request_id, Update(output=out))
             self._refresh()
@@ -219,6 +224,16 @@ def truncate_history(eng: LLMEngine, cid: str, num_tokens: int) -> None:
     # What abandoning a turn does to an idle conversation (it reads nothing of the turn):
     # KV past the history goes, chunks wholly past it are freed, the eviction index rebuilt.
     eng.cache.abort_turn(_NO_TURN, conv, eng.now())
+
+
+def set_history(eng: LLMEngine, cid: str, token_ids: list[int]) -> None:
+    """Make an idle conversation's history ``token_ids``: the KV of its common prefix with the
+    old history is kept, the rest is computed by the next turn."""
+    conv = eng.cache.conversations.get(cid)
+    if conv is None:
+        return
+    truncate_history(eng, cid, common_prefix_len(conv.token_ids, token_ids))
+    conv.token_ids = list(token_ids)
 
 
 _NO_TURN = Request("(history truncation)", [0], SamplingParams())

@@ -26,34 +26,39 @@ DEFAULT_TEMPLATE = (
 
 
 class ChatRenderer:
-    """Renders messages with the tokenizer's chat template (or a plain default)."""
+    """Renders messages with the tokenizer's chat template (or ``chat_template``, or a plain
+    default when the tokenizer has none)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        elif getattr(tokenizer, "chat_template", None) is None:
             tokenizer.chat_template = DEFAULT_TEMPLATE
         if getattr(tokenizer, "bos_token", None) is None:
             tokenizer.bos_token = ""
+        self._special = {t: i for t, i in zip(tokenizer.all_special_tokens,
+                                              tokenizer.all_special_ids, strict=False)}
+        self._special.update({t.content: i for i, t in
+                              getattr(tokenizer, "added_tokens_decoder", {}).items()})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt's tokens (with the tokenizer's own special tokens, e.g. BOS)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text: {e.reason}") from None
+        return list(self.tokenizer.encode(text))
+
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def stop_token_ids(self, stop: list[str]) -> list[int]:
-        """Each stop string must be exactly one token (longer ones are not supported)."""
-        out = []
-        for s in stop:
-            ids = self.tokenizer.encode(s, add_special_tokens=False)
-            vocab = self.tokenizer.get_vocab()
-            if s in vocab:
-                out.append(vocab[s])
-            elif len(ids) == 1:
-                out.append(ids[0])
-            else:
-                raise ValueError(f"stop string {s!r} is {len(ids)} tokens; only single-token "
-                                 "stop strings are supported")
-        return out
+    def special_token_id(self, text: str) -> int | None:
+        """The id of a special token spelled ``text`` (e.g. ``<|im_end|>``), else None: such a
+        stop string never shows in decoded text, so it stops on the token instead."""
+        return self._special.get(text)

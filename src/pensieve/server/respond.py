@@ -1,0 +1,300 @@
+"""Running one turn: sampling parameters, the engine's token stream, and the answer as a JSON
+body or as server-sent events.
+
+Text streams as it is detokenized, with stop strings matched on it (:mod:`.text`); a stop
+string ends the turn there (the engine request is aborted, the answer is trimmed before it,
+and the conversation's history becomes the context plus every token generated). A completed
+turn is stored before the client sees its end. A turn the client leaves leaves its
+conversation as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduler import ConversationBusyError
+from pensieve.server.async_engine import set_history
+from pensieve.server.errors import APIError, error_response
+from pensieve.server.protocol import _Sampling
+from pensieve.server.store import StoredConversation
+from pensieve.server.text import IncrementalDetokenizer, StopStrings
+from pensieve.server.turns import Turn, engine_call, off_loop
+
+if TYPE_CHECKING:
+    from pensieve.server.app import ServerState
+
+_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}
+MAX_STOP_STRINGS = 64
+
+
+@dataclass
+class Result:
+    """A finished turn, from the engine's output or from a stop string."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    cache: dict[str, int]
+
+
+def _stops(state: ServerState, body: _Sampling) -> tuple[list[str], list[int]]:
+    """Stop strings matched on text, and stop ids (those that spell a special token)."""
+    stops = body.stop_list()
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
+                       param="stop")
+    texts, ids = [], list(body.stop_token_ids or [])
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"stop string is not valid Unicode text: {e.reason}",
+                           param="stop") from None
+        tid = state.renderer.special_token_id(s) if state.renderer else None
+        if tid is not None:
+            ids.append(tid)
+        elif s:
+            texts.append(s)
+    if texts and state.renderer is None:
+        raise APIError(400, "stop strings need a tokenizer: use stop_token_ids", param="stop")
+    return texts, ids
+
+
+def _params(state: ServerState, body: _Sampling, max_tokens: int,
+            stop_ids: list[int]) -> SamplingParams:
+    given = body.model_fields_set
+    d = {k: v for k, v in state.sampling_defaults.items() if k not in given}
+    stop_ids = stop_ids + [i for i in state.extra_stop_token_ids if not body.ignore_eos]
+    try:
+        return SamplingParams(max_tokens=max_tokens,
+                              temperature=d.get("temperature", body.temperature),
+                              top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
+                              seed=body.seed,
+                              stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos)
+    except ValueError as e:  # SamplingParams names the field first in its messages
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
+
+
+async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
+                   request: Request, chat: bool) -> Response:
+    stop_texts, stop_ids = await off_loop(state, lambda: _stops(state, body))
+    context_len = len(turn.context_ids)
+    room = state.max_model_len - context_len
+    if room < 1:
+        raise APIError(400, f"the conversation's context ({context_len} tokens) exceeds "
+                       f"max_model_len={state.max_model_len}",
+                       code="context_length_exceeded", param="messages")
+    if max_tokens is None:
+        max_tokens = min(room, state.default_max_tokens)
+    elif max_tokens > room:
+        raise APIError(400, f"max_tokens={max_tokens} exceeds the room left in the context "
+                       f"({room} of max_model_len={state.max_model_len})",
+                       code="context_length_exceeded", param="max_tokens")
+    params = _params(state, body, max_tokens, stop_ids)
+    if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
+        cid = turn.cid
+        await engine_call(state, lambda e: e.set_conversation_hints(
+            cid, body.priority, body.keep_alive_s))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    t0 = time.monotonic()
+    stream = state.engine.generate(rid, turn.prompt_ids, params, turn.cid,
+                                   full_context=turn.full_context)
+    try:
+        first = await stream.__anext__()
+    except ConversationBusyError as e:
+        raise APIError(409, str(e), code="conversation_busy") from e
+    except ValueError as e:
+        await forget_new(state, turn)
+        raise APIError(400, str(e)) from e
+    state.metrics.ttft.observe(time.monotonic() - t0)
+    out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts)
+    headers = {"x-conversation-id": turn.cid} if turn.cid else {}
+    if body.stream:
+        return StreamingResponse(out.sse(first, stream), media_type="text/event-stream",
+                                 headers=headers)
+    result = await out.collect(first, stream, request)
+    if result is None:
+        return error_response(499, "client closed the request")
+    return JSONResponse(out.final_body(result), headers=headers)
+
+
+async def forget_new(state: ServerState, turn: Turn) -> None:
+    """A new conversation whose first turn failed leaves nothing behind in the engine."""
+    if turn.new_conversation and turn.cid is not None:
+        cid = turn.cid
+        await state.engine.call(
+            lambda e: None if e.conversation_history(cid) else e.delete_conversation(cid))
+
+
+def sse_data(obj: dict[str, Any]) -> str:
+    """One SSE event. Line separators other than ``\\n`` (U+0085, U+2028, U+2029) are escaped:
+    clients that split lines as ``str.splitlines`` does would break the JSON on them."""
+    text = json.dumps(obj, ensure_ascii=False)
+    text = text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return "data: " + text.replace("\x85", "\\u0085") + "\n\n"
+
+
+class TurnOutput:
+    """Formats one turn's stream or response and records the turn when it completes."""
+
+    def __init__(self, state: ServerState, body: _Sampling, turn: Turn, rid: str, chat: bool,
+                 t0: float, stops: list[str]) -> None:
+        self.state, self.body, self.turn, self.rid, self.chat, self.t0 = (
+            state, body, turn, rid, chat, t0)
+        self.created = int(time.time())
+        self.tokens: list[int] = []
+        self.cache: dict[str, int] = {}
+        tok = state.renderer.tokenizer if state.renderer is not None else None
+        self.detok = IncrementalDetokenizer(tok) if tok is not None else None
+        self.stops = StopStrings(stops)
+        self.first_token_t = self.last_token_t = t0
+
+    def _feed(self, token: int) -> str:
+        self.tokens.append(token)
+        now = time.monotonic()
+        if len(self.tokens) > 1:
+            self.state.metrics.itl.observe(now - self.last_token_t)
+        else:
+            self.first_token_t = now
+        self.last_token_t = now
+        return self.stops.feed(self.detok.add(token)) if self.detok else ""
+
+    async def updates(self, first: Any, stream: Any) -> AsyncIterator[tuple[str, Result | None]]:
+        """(new text, None) per token, then (last text, the finished turn)."""
+        upd = first
+        while True:
+            if upd.output is not None:
+                out = upd.output
+                text = "".join(self._feed(t) for t in out.output_token_ids[len(self.tokens):])
+                if self.detok is not None:
+                    text += self.stops.feed(self.detok.flush())
+                text += self.stops.flush()
+                finish = "stop" if self.stops.stopped else out.finish_reason
+                result = Result(out.prompt_token_ids, out.output_token_ids, self.stops.text,
+                                finish, out.cache_stats)
+                await self._finish(result)
+                yield text, result
+                return
+            if upd.cache is not None:
+                self.cache = upd.cache
+            delta = self._feed(upd.token)
+            if self.stops.stopped:
+                await stream.aclose()  # the engine request ends here (aborted)
+                result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
+                                "stop", self.cache)
+                if self.turn.cid is not None:
+                    ids, cid = result.prompt_ids + result.output_ids, self.turn.cid
+                    await engine_call(self.state,
+                                      lambda e, c=cid, i=ids: set_history(e, c, i))
+                await self._finish(result)
+                yield delta, result
+                return
+            if delta:
+                yield delta, None
+            upd = await stream.__anext__()
+
+    async def _finish(self, result: Result) -> None:
+        """Metrics, and the completed turn persisted (before the client sees its end)."""
+        m = self.state.metrics
+        m.latency.observe(time.monotonic() - self.t0)
+        m.generation_tokens.inc(len(result.output_ids))
+        if len(self.tokens) > 1:  # time per output token after the first
+            m.tpot.observe((self.last_token_t - self.first_token_t) / (len(self.tokens) - 1))
+        turn = self.turn
+        if turn.cid is None:
+            return
+        conv = turn.stored or StoredConversation(turn.cid, turn.tenant)
+        if self.chat:
+            conv.messages = turn.prev + turn.new + [{"role": "assistant", "content": result.text}]
+        else:
+            conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
+        conv.token_ids = result.prompt_ids + result.output_ids
+        if self.body.priority is not None:
+            conv.priority = self.body.priority
+        if self.body.keep_alive_s is not None:
+            conv.keep_alive_s = self.body.keep_alive_s
+        conv.turns = conv.turns + [{"context_len": len(result.prompt_ids),
+                                    "output_len": len(result.output_ids)}]
+        store = self.state.store
+        await off_loop(self.state, lambda: store.save_turn(conv))
+
+    def usage(self, result: Result) -> dict[str, Any]:
+        n_in, n_out = len(result.prompt_ids), len(result.output_ids)
+        cached = result.cache.get("gpu_hit_tokens", 0) + result.cache.get("cpu_hit_tokens", 0)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def final_body(self, result: Result) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
+                                  "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self._model(), "choices": [choice],
+                "usage": self.usage(result), "conversation_id": self.turn.cid,
+                "pensieve": {"cache": result.cache}}
+
+    def _model(self) -> str:
+        return self.body.model or self.state.model_name
+
+    async def collect(self, first: Any, stream: Any, request: Request) -> Result | None:
+        async for _, result in self.updates(first, stream):
+            if result is not None:
+                return result
+            if await request.is_disconnected():
+                await stream.aclose()  # aborts the request; the turn is not recorded
+                await forget_new(self.state, self.turn)
+                return None
+        return None
+
+    def _chunk(self, delta: str, finish: str | None, first: bool = False,
+               extra: dict[str, Any] | None = None) -> str:
+        if self.chat:
+            d: dict[str, Any] = {"content": delta}
+            if first:
+                d["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish,
+                                      "logprobs": None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return sse_data({"id": self.rid, "object": obj, "created": self.created,
+                         "model": self._model(), "choices": [choice],
+                         "conversation_id": self.turn.cid, **(extra or {})})
+
+    async def sse(self, first: Any, stream: Any) -> AsyncIterator[str]:
+        completed = False
+        try:
+            yield self._chunk("", None, first=True)
+            async for delta, result in self.updates(first, stream):
+                if result is None:
+                    yield self._chunk(delta, None)
+                    continue
+                completed = True
+                yield self._chunk(delta, result.finish_reason,
+                                  extra={"pensieve": {"cache": result.cache}})
+                if (self.body.stream_options or {}).get("include_usage"):
+                    yield sse_data({"id": self.rid, "object": "chat.completion.chunk"
+                                    if self.chat else "text_completion",
+                                    "created": self.created, "model": self._model(),
+                                    "choices": [], "usage": self.usage(result),
+                                    "conversation_id": self.turn.cid})
+                yield "data: [DONE]\n\n"
+        finally:
+            if not completed:  # the client went away: abort, leave the conversation as it was
+                await stream.aclose()
+                await forget_new(self.state, self.turn)
