@@ -129,7 +129,10 @@ async def completion_turn(state: ServerState, tenant: str, cid: str | None, prom
         if renderer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids",
                            param="prompt")
-        ids = await off_loop(state, lambda: renderer.encode(prompt))
+        try:
+            ids = await off_loop(state, lambda: renderer.encode(prompt))
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
         if not ids:
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
     else:
