@@ -38,6 +38,7 @@ def offline(server: Server, cache_dir: Path) -> LLM:
 
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
+M = "pensieve-demo"
 
 
 def _extra(obj: object, name: str) -> object:
@@ -245,6 +246,46 @@ def test_chat_terminal_client(server: Server) -> None:
     assert len(conv["turns"]) == 2  # the second message continued the same conversation
 
 
+class _CtrlC(io.StringIO):
+    """Terminal output whose first answer text is interrupted by Ctrl-C."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def write(self, s: str) -> int:
+        if self.armed and s and not s.startswith((">", "chatting", "\n", "(")):
+            self.armed = False
+            raise KeyboardInterrupt
+        return super().write(s)
+
+
+def test_chat_client_ctrl_c_cancels_the_answer_and_401_is_explained(server: Server,
+                                                                     tmp_path: Path) -> None:
+    from pensieve.chat_client import chat, sse_lines
+    from pensieve.cli import build_parser
+
+    assert list(sse_lines(["data: a\u2028b\n", "\ndata: [DO", "NE]\n\n"])) == [
+        "data: a\u2028b", "", "data: [DONE]", ""]
+    args = build_parser().parse_args(["chat", "--url", server.url, "--max-tokens", "40",
+                                      "--temperature", "0"])
+    out = _CtrlC()
+    assert chat(args, stdin=io.StringIO("first\nsecond\n/id\n/quit\n"), out=out) == 0
+    text = out.getvalue()
+    assert "[cancelled]" in text
+    cid = text.split("> ")[-2].strip()  # /id printed the conversation of the second answer
+    conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
+    assert [m["content"] for m in conv["messages"] if m["role"] == "user"] == ["second"]
+    srv = Server(tmp_path / "auth.db", tmp_path / "cache", "--api-key", "sekret")
+    try:
+        args = build_parser().parse_args(["chat", "--url", srv.url, "--api-key", "wrong"])
+        out2 = io.StringIO()
+        assert chat(args, stdin=io.StringIO(""), out=out2) == 1
+        assert "bad or missing API key" in out2.getvalue()
+    finally:
+        srv.stop()
+
+
 def test_auth_and_tenant_isolation(tmp_path: Path, cache_dir: Path) -> None:
     srv = Server(tmp_path / "auth.db", cache_dir, "--api-key", "key-a", "--api-key", "key-b")
     try:
@@ -262,7 +303,7 @@ def test_auth_and_tenant_isolation(tmp_path: Path, cache_dir: Path) -> None:
         _assert_error(httpx.get(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
         _assert_error(httpx.delete(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
         with pytest.raises(openai.NotFoundError):
-            b.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "x"}],
+            b.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
                                       extra_body={"conversation_id": cid}, **GREEDY)
         # B re-sends A's exact history: a new conversation of B's, with no hit on A's KV
         follow = msgs + [{"role": "assistant", "content": ra.choices[0].message.content},
@@ -282,10 +323,10 @@ def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline:
     store = tmp_path / "persist.db"
     srv = Server(store, cache_dir)
     client = srv.client()
-    r = client.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "Hi"}],
+    r = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Hi"}],
                                        **GREEDY)
     cid = _extra(r, "conversation_id")
-    client.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "Next"}],
+    client.chat.completions.create(model=M, messages=[{"role": "user", "content": "Next"}],
                                    extra_body={"conversation_id": cid}, **GREEDY)
     done = httpx.get(f"{srv.url}/v1/conversations/{cid}").json()
     # load in flight: other conversations streaming long answers when the server dies
@@ -307,7 +348,7 @@ def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline:
         again = httpx.get(f"{srv2.url}/v1/conversations/{cid}").json()
         assert again["turns"] == done["turns"] and again["token_ids"] == done["token_ids"]
         c2 = srv2.client()
-        r3 = c2.chat.completions.create(model="pensieve-demo", messages=[{"role": "user", "content": "Last"}],
+        r3 = c2.chat.completions.create(model=M, messages=[{"role": "user", "content": "Last"}],
                                         extra_body={"conversation_id": cid}, **GREEDY)
         assert _extra(r3, "pensieve")["cache"]["recomputed_tokens"] > 0  # KV was gone
         turns = _check_chat_against_stateless(srv2, offline, cid)  # as without the restart

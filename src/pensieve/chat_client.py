@@ -2,7 +2,8 @@
 
 After the first answer it sends only the new message with the conversation id the server
 returned, so the server computes only the new tokens. Commands: ``/new`` starts a new
-conversation, ``/id`` prints the current id, ``/quit`` (or Ctrl-D) leaves.
+conversation, ``/id`` prints the current id, ``/quit`` (or Ctrl-D) leaves. Ctrl-C during an
+answer cancels that answer (the conversation stays as it was) and the chat goes on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _stream_turn(client: Any, args: argparse.Namespace, messages: list[dict[str,
                             "max_tokens": args.max_tokens, "temperature": args.temperature}
     if conv:
         body["conversation_id"] = conv
+    before = conv
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
@@ -38,16 +40,32 @@ def _stream_turn(client: Any, args: argparse.Namespace, messages: list[dict[str,
                 msg = r.text
             print(f"[error {r.status_code}] {msg}", file=out)
             return conv
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            conv = chunk.get("conversation_id") or conv
-            for ch in chunk.get("choices", []):
-                out.write(ch.get("delta", {}).get("content") or "")
-                out.flush()
+        try:
+            for line in sse_lines(r.iter_text()):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                conv = chunk.get("conversation_id") or conv
+                for ch in chunk.get("choices", []):
+                    out.write(ch.get("delta", {}).get("content") or "")
+                    out.flush()
+        except KeyboardInterrupt:  # Ctrl-C cancels the answer (the server aborts the turn)
+            out.write("\n[cancelled]")
+            conv = before
     out.write("\n")
     return conv
+
+
+def sse_lines(chunks: Any) -> Any:
+    """Lines of an SSE stream split on \n only (``str.splitlines`` would also split on
+    U+2028 and the like inside the JSON)."""
+    buf = ""
+    for text in chunks:
+        buf += text
+        *lines, buf = buf.split("\n")
+        yield from (line.rstrip("\r") for line in lines)
+    if buf:
+        yield buf
 
 
 def chat(args: argparse.Namespace, stdin: Any = None, out: Any = None) -> int:
@@ -58,7 +76,12 @@ def chat(args: argparse.Namespace, stdin: Any = None, out: Any = None) -> int:
     conv: str | None = args.conversation
     with httpx.Client(base_url=args.url, headers=headers, timeout=600) as client:
         try:
-            name = client.get("/v1/models").json()["data"][0]["id"]
+            r = client.get("/v1/models")
+            if r.status_code == 401:
+                print(f"{args.url} says: bad or missing API key (--api-key or "
+                      "PENSIEVE_API_KEY)", file=out)
+                return 1
+            name = r.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
             print(f"cannot reach a pensieve server at {args.url}: {e}", file=out)
             return 1
