@@ -825,10 +825,12 @@ def stacked_swapper(layers: int = 4, blocks: int = 256, method: str = "kernel",
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
-def test_cuda_default_is_the_kernel_on_one_allocation() -> None:
+def test_cuda_default_is_hybrid_on_one_allocation() -> None:
+    """On CUDA the default method is `hybrid` (the kernel for swap-ins, gathers and the copy
+    engines for background swap-outs); the engine's caches are views of one allocation."""
     sw = stacked_swapper(layers=2, blocks=8)
     assert sw.method == "kernel" and sw._gpu_stack is not None
-    assert KVSwapper(make_caches(device="cuda"), 4).method == "kernel"
+    assert KVSwapper(make_caches(device="cuda"), 4).method == "hybrid"
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
