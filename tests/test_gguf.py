@@ -48,18 +48,20 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+# byte offsets of the f16 super-block scales (d, and dmin where there is one) in K-quant blocks
+_K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
 def _random_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks with small scales (gguf has no numpy quantizer for them);
-    zeros for other types."""
+    """Random K-quant blocks with small scales (gguf has no numpy quantizer for them); zeros
+    for other types."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    if qtype not in (Q.Q4_K, Q.Q6_K):
+    if qtype not in _K_SCALES:
         return np.zeros((rows, cols // block * size), np.uint8)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(2e-4 if qtype == Q.Q4_K else 2e-5).tobytes(), np.uint8)
-    offset = 0 if qtype == Q.Q4_K else size - 2  # Q4_K: d, dmin first; Q6_K: d last
-    raw[..., offset:offset + 2] = scale
-    if qtype == Q.Q4_K:
-        raw[..., 2:4] = scale
+    scale = np.frombuffer(np.float16(1e-5).tobytes(), np.uint8)
+    for offset in _K_SCALES[qtype]:
+        raw[..., offset:offset + 2] = scale
     return raw.reshape(rows, -1)
 
 
@@ -92,7 +94,7 @@ def write_gguf(hf_model, path, arch: str, quant: dict[str, Q] | None = None) -> 
         qtype = next((q for frag, q in (quant or {}).items() if frag in name), None)
         if qtype is None or a.ndim == 1:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
-        elif qtype in (Q.Q4_K, Q.Q6_K, Q.IQ2_XXS):
+        elif qtype in _K_SCALES or qtype == Q.IQ2_XXS:
             w.add_tensor(_gguf_name(name), _random_blocks(*a.shape, qtype, rng), raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
@@ -167,18 +169,21 @@ def test_f32_gguf_greedy_matches_hf(case, tmp_path):
 
 
 def test_quantized_gguf_matches_transformers_reader(tmp_path):
-    """Q8_0 / Q4_0 / Q4_1 / F16 / BF16 / Q4_K / Q6_K tensors in one Llama file: our dequantized,
-    un-permuted tensors equal transformers' GGUF reader's, and greedy tokens equal HF's on them."""
+    """Every supported type in one Llama file: our dequantized, un-permuted tensors equal
+    transformers' GGUF reader's, and greedy tokens equal HF's on them."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    hf = tiny_hf("llama", intermediate_size=256)
+    from pensieve.models.gguf import SUPPORTED_QUANTS
+
+    hf = tiny_hf("llama", intermediate_size=256, num_hidden_layers=5)
     quant = {"q_proj": Q.Q8_0, "k_proj": Q.Q4_0, "v_proj": Q.Q4_1, "o_proj": Q.F16,
-             "gate_proj": Q.BF16, "up_proj": Q.Q8_0, "layers.0.mlp.down_proj": Q.Q4_K,
-             "layers.1.mlp.down_proj": Q.Q6_K, "embed_tokens": Q.Q8_0}
+             "layers.0.mlp.gate_proj": Q.Q5_0, "gate_proj": Q.BF16, "layers.0.mlp.up_proj":
+             Q.Q5_1, "up_proj": Q.Q8_0, "embed_tokens": Q.Q8_0}
+    for layer, k in enumerate((Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)):
+        quant[f"layers.{layer}.mlp.down_proj"] = k
     path = write_gguf(hf, tmp_path / "quant.gguf", "llama", quant)
     reader = gguf.GGUFReader(path)
-    assert {t.tensor_type.name for t in reader.tensors} >= {
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
+    assert {t.tensor_type.name for t in reader.tensors} == set(SUPPORTED_QUANTS)
     ref = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
     ours = dict(iter_gguf_tensors(path))
     assert ours.keys() == ref.keys()

@@ -9,6 +9,8 @@ import random
 import sys
 import time
 
+from pensieve.models.builtin import DEFAULT_MODEL
+
 
 def _generate(args: argparse.Namespace) -> int:
     from pensieve import LLM, SamplingParams
@@ -51,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pensieve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="offline batch generation on random or given prompts")
-    g.add_argument("model", nargs="?", default="demo",
-                   help="HF checkpoint dir, a preset shape (dummy weights), or 'demo' (default)")
+    g.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="HF checkpoint dir, a .gguf file, a preset shape (dummy weights), "
+                        f"demo-random (random weights), or {DEFAULT_MODEL} (default)")
     g.add_argument("--prompt", action="append", help="a text prompt (needs a tokenizer)")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--prompt-len", type=int, default=64)

