@@ -1,4 +1,6 @@
-"""The built-in demo model: a small Llama with random weights and a real tokenizer.
+"""The built-in random-weight model (``demo-random``, alias ``demo``): a small Llama with
+random weights and a real tokenizer. (The default model is the trained SmolLM2-135M-Instruct,
+see :mod:`pensieve.models.builtin`.)
 
 Made locally on first use, with no download, under ``$PENSIEVE_CACHE_DIR`` (default
 ``~/.cache/pensieve``): ``config.json``, seeded random weights in ``model.safetensors``
@@ -15,7 +17,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_NAME = "demo"
 DEMO_VERSION = "1"
 TOKENIZER_DIR = Path(__file__).resolve().parent / "demo_tokenizer"
 
