@@ -197,3 +197,13 @@ def test_pensieve_chat_answers_paris(smollm2, tmp_path):
         srv.stop()
     assert f"chatting with {DEFAULT_MODEL}" in chat.stdout
     assert "Paris" in chat.stdout, chat.stdout
+
+
+def test_pensieve_generate_answers_paris(smollm2, capsys):
+    """``pensieve generate --prompt`` (default model): the text goes through the chat template."""
+    from pensieve.cli import main
+
+    assert main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+                 "--device", "cpu", "--dtype", "float32"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[gen-"))
+    assert "Paris" in line and "37 prompt tokens" in line, line

@@ -23,6 +23,11 @@ def _generate(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     if args.prompt:
         prompts: list = list(args.prompt)
+        tok = llm.tokenizer
+        if not args.raw and getattr(tok, "chat_template", None):
+            prompts = [list(tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                return_dict=True)["input_ids"]) for p in prompts]
     else:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
                    for _ in range(args.num_prompts)]
@@ -39,7 +44,8 @@ def _generate(args: argparse.Namespace) -> int:
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.output_token_ids) for o in outs)
     for o in outs[: args.show]:
-        shown = o.text if o.text is not None else o.output_token_ids
+        shown = (llm.tokenizer.decode(o.output_token_ids, skip_special_tokens=True)
+                 if args.prompt else o.output_token_ids)
         print(f"[{o.request_id}] {len(o.prompt_token_ids)} prompt tokens -> {shown!r} "
               f"({o.finish_reason})")
     summary = {"requests": len(outs), "prompt_tokens": n_in, "output_tokens": n_out,
@@ -56,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help="HF checkpoint dir, a .gguf file, a preset shape (dummy weights), "
                         f"demo-random (random weights), or {DEFAULT_MODEL} (default)")
-    g.add_argument("--prompt", action="append", help="a text prompt (needs a tokenizer)")
+    g.add_argument("--prompt", action="append",
+                   help="a text prompt (needs a tokenizer), sent as a user message through the "
+                        "model's chat template when it has one")
+    g.add_argument("--raw", action="store_true", help="send --prompt text without the template")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--prompt-len", type=int, default=64)
     g.add_argument("--max-tokens", type=int, default=32)
