@@ -54,8 +54,8 @@ def test_pensieve_evicts_older_conversation_and_leading_chunks_first() -> None:
     cache.begin_step()
     turn(cache, "A", 12, now=0.0)  # 12 prompt tokens + 1 output: KV for 12 -> 3 chunks
     turn(cache, "B", 12, now=10.0)
-    assert cache.block_table(cache.conversations["A"]) == [0, 1, 2]
-    assert cache.block_table(cache.conversations["B"]) == [3, 4, 5]
+    assert cache.block_table(cache.conversations["A"]) == (0, 1, 2)
+    assert cache.block_table(cache.conversations["B"]) == (3, 4, 5)
     cache.take_swap_plan()
     # 2 free of 8, threshold 4: two chunks go, the leading ones of the idler conversation
     cache.plan_background(now=20.0)

@@ -52,9 +52,10 @@ class Conversation:
     queued_at: float | None = None
     """Arrival time of a turn of it waiting in the scheduler's queue (None: none waits): its KV
     is what the next admissions need."""
-    block_table: list[int] = field(default_factory=list)
-    """While running: the GPU block of each chunk, kept by the cache as chunks are added (the
-    scheduler copies it into each step's output). Empty while idle."""
+    block_table: tuple[int, ...] = ()
+    """While running: the GPU block of each chunk, replaced by a longer tuple as chunks are
+    added (never changed in place, so each step's output holds it without a copy). Empty while
+    idle."""
 
     def chunk_tokens(self, index: int, chunk_size: int) -> int:
         """Positions of chunk ``index`` that hold (or held) KV."""

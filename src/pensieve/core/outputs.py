@@ -17,12 +17,16 @@ leading tokens as a second range that shares the same block table::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pensieve.core.sampling_params import SamplingParams
 
+# The per-request records (one or two per running request per step) are NamedTuples: immutable
+# like the frozen dataclasses below, and about 3x cheaper to build (0.3 against 0.8-1.5 us on
+# the development VM): with hundreds of running requests they were most of a step's host time.
 
-@dataclass(frozen=True)
-class QueryRange:
+
+class QueryRange(NamedTuple):
     """``len(token_ids)`` consecutive tokens starting at position ``start_pos``."""
 
     start_pos: int
@@ -37,13 +41,14 @@ class QueryRange:
         return self.start_pos + len(self.token_ids)
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request's share of a step."""
 
     request_id: str
-    block_table: list[int]
-    """GPU block ids covering positions ``[0, context_len)`` of the request after this step."""
+    block_table: tuple[int, ...]
+    """GPU block ids covering positions ``[0, context_len)`` of the request after this step.
+    The cache's own (immutable) table of the conversation, replaced, never changed, as it
+    grows: passed without a copy."""
     ranges: list[QueryRange]
     """Query ranges to compute, in position order; the last one ends at ``context_len``."""
     sample: bool

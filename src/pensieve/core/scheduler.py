@@ -227,7 +227,7 @@ class Scheduler:
         else:
             ranges = req.take(n)
         # (request_id, block_table, ranges, sample, sampling_params, num_output_tokens)
-        return ScheduledRequest(req.request_id, conv.block_table[:], ranges, not pending,
+        return ScheduledRequest(req.request_id, conv.block_table, ranges, not pending,
                                 req.sampling_params, len(req.output_token_ids))
 
     def _suspend(self, req: Request, now: float) -> None:

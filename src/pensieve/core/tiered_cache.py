@@ -272,11 +272,11 @@ class TieredKVCache:
                 if entry is not None:
                     index.set(conv, entry[0], self._key(conv, entry[0]), self._t_eval)
 
-    def block_table(self, conv: Conversation) -> list[int]:
+    def block_table(self, conv: Conversation) -> tuple[int, ...]:
         """GPU blocks of a running conversation, chunk by chunk."""
         if conv.running:
-            return conv.block_table[:]
-        return [c.block for c in conv.chunks]
+            return conv.block_table
+        return tuple(c.block for c in conv.chunks)
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -379,7 +379,7 @@ class TieredKVCache:
                     recomputed += tokens
                 ch.tier, ch.block = gpu_tier, block
             table.append(ch.block)
-        conv.block_table = table
+        conv.block_table = tuple(table)
         st.gpu_hit_tokens += hit
         st.cpu_hit_tokens += swapped
         st.swapped_in_tokens += swapped
@@ -438,7 +438,7 @@ class TieredKVCache:
             return
         blocks = self.gpu.allocate(need)
         conv.chunks.extend(Chunk(Tier.GPU, b) for b in blocks)
-        conv.block_table.extend(blocks)
+        conv.block_table += tuple(blocks)
         self._pinned_gpu += need
 
     # ------------------------------------------------------------------ ending a turn
@@ -487,7 +487,7 @@ class TieredKVCache:
         """A running conversation stops running (its chunks are all on the GPU)."""
         self._pinned_gpu -= len(conv.chunks)
         conv.running = False
-        conv.block_table = []
+        conv.block_table = ()
 
     def _settle(self, conv: Conversation, pending: list[Interval], num_tokens: int) -> None:
         """Make the chunk map true after a turn stops: positions still pending have no KV."""
@@ -782,7 +782,8 @@ class TieredKVCache:
             n = len(conv.chunks)
             if conv.running:
                 assert all(ch.tier is Tier.GPU for ch in conv.chunks), conv.conversation_id
-                assert conv.block_table == [ch.block for ch in conv.chunks], conv.conversation_id
+                assert conv.block_table == tuple(ch.block for ch in conv.chunks), (
+                    conv.conversation_id)
                 pinned += n
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
