@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_util import Server
+from transformers import AutoTokenizer
 
 from pensieve.bench.engine_api import WallClock
 from pensieve.bench.http_engine import CHAT_WORDS, HTTPEngine, parse_metrics, words_text
@@ -25,6 +26,8 @@ from pensieve.bench.metrics import summarize
 from pensieve.bench.workload import Conversation, Turn, Workload
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.outputs import RequestOutput
+from pensieve.models.demo import TOKENIZER_DIR
+from pensieve.server.chat import ChatRenderer
 
 VOCAB = 32000  # the demo model's
 RATE, DURATION, SEED = 4.0, 1.0, 1  # four conversations arrive in the first second
@@ -199,6 +202,28 @@ class _RecordingHTTPEngine(HTTPEngine):
                                  transport=self.transport)
 
 
+class _ChatRecording(_Recording):
+    """Also keeps, per finished turn, the token ids the server stored for its conversation
+    (context + answer): read before the load generator sends the conversation's next turn."""
+
+    def __init__(self, engine: HTTPEngine, url: str) -> None:
+        super().__init__(engine)
+        self.url = url
+        self.stored: dict[str, list[int]] = {}
+
+    def step(self) -> list[RequestOutput]:
+        outs = super().step()
+        for o in outs:
+            cid = self.engine._chat_ids[o.conversation_id]
+            conv = httpx.get(f"{self.url}/v1/conversations/{cid}").json()
+            self.stored[o.request_id] = conv["token_ids"]
+        return outs
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def test_chat_words_are_one_token_each() -> None:
     from transformers import AutoTokenizer
 
@@ -244,7 +269,8 @@ def test_chat_client_over_http(server: Server) -> None:
     clock = WallClock()
     engine = _RecordingHTTPEngine(server.url, clock=clock, max_workers=8, api="chat",
                                   metrics_interval_s=0.2)
-    rec = _Recording(engine)
+    rec = _ChatRecording(engine, server.url)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)))
     try:
         assert engine.tokens_per_word == pytest.approx(1.0, abs=0.02)  # calibrated
         # ... and the calibration's two conversations are gone again (the earlier tests
@@ -260,12 +286,20 @@ def test_chat_client_over_http(server: Server) -> None:
         assert engine.history_misses == 0
         n_convs = len({r.conversation for r in res.records})
         assert n_convs == 4 and len(res.records) == 12
+        # the requests: ordinary OpenAI chat bodies, the history re-sent verbatim
+        bodies = [b for b in engine.transport.bodies if b.get("stream")]
+        assert len(bodies) == 12
+        body_of = {(b["messages"][0]["content"], len(b["messages"])): b for b in bodies}
         by_conv: dict[str, list] = {}
         for r in res.records:
             by_conv.setdefault(r.conversation, []).append(r)
+        full_reuse = 0
         for recs in by_conv.values():
             recs.sort(key=lambda r: r.turn)
+            bench_cid = rec.outputs[recs[0].request_id].conversation_id
+            first_user = engine._chats[bench_cid][0]["content"]
             prev_ctx = prev_out = 0
+            prev_ids: list[int] = []
             for r in recs:
                 out = rec.outputs[r.request_id]
                 assert out.finish_reason == "length"
@@ -273,17 +307,27 @@ def test_chat_client_over_http(server: Server) -> None:
                 history = prev_ctx + prev_out
                 # the new turn adds its words (one token each) plus the template's few tokens
                 assert r.input_len <= r.context_len - history <= r.input_len + 12
+                # the model was fed exactly the chat template of the messages sent
+                ids = rec.stored[r.request_id]
+                assert len(ids) == r.context_len + r.output_tokens
+                msgs = body_of[(first_user, 2 * r.turn + 1)]["messages"]
+                assert ids[:r.context_len] == renderer.render(msgs, add_generation_prompt=True)
                 c = r.cache
                 if r.turn == 0:
                     assert c["gpu_hit_tokens"] == 0
-                else:  # the re-sent history's KV was kept (all but the last answer token's)
-                    assert c["gpu_hit_tokens"] == history - 1
+                else:
+                    # The history's KV is kept up to its first token that differs from the
+                    # template's rendering (never the last answer token's: it was never fed).
+                    # The template writes " {answer}</s>\n": an answer whose first token has
+                    # no leading space, or whose text re-tokenizes differently, diverges there.
+                    keep = _common_prefix_len(prev_ids, ids[:r.context_len])
+                    assert prev_ctx <= keep  # the previous turn's context is always kept
+                    assert c["gpu_hit_tokens"] == min(keep, history - 1)
+                    full_reuse += c["gpu_hit_tokens"] == history - 1
                 assert c["new_prompt_tokens"] + c["gpu_hit_tokens"] == r.context_len
                 assert r.sent <= r.first_token <= r.finished
-                prev_ctx, prev_out = r.context_len, r.output_tokens
-        # the requests: ordinary OpenAI chat bodies, the history re-sent verbatim
-        bodies = [b for b in engine.transport.bodies if b.get("stream")]
-        assert len(bodies) == 12
+                prev_ctx, prev_out, prev_ids = r.context_len, r.output_tokens, ids
+        assert full_reuse > 0  # answers that re-render to their own tokens are reused whole
         for b in bodies:
             assert set(b) == {"model", "messages", "max_tokens", "temperature", "stream",
                               "stream_options", "ignore_eos"}
