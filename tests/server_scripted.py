@@ -9,6 +9,7 @@ block table: what the model would have seen, with no model in the way.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.core import EngineCore
+from pensieve.engine.executor import Executor, TierSizes
 
 CHUNK = 8
 
@@ -104,9 +106,7 @@ class ScriptedExecutor:
         self._computing: dict[str, int] = {}
 
     @property
-    def tiers(self) -> Any:
-        from pensieve.engine.executor import TierSizes
-
+    def tiers(self) -> TierSizes:
         return TierSizes(self.num_gpu_blocks, self.num_cpu_blocks, 0)
 
     def stats(self) -> dict[str, int]:
@@ -146,37 +146,32 @@ class ScriptedExecutor:
 
 
 def scripted_engine(vocab_size: int, eos_token_ids: tuple[int, ...], num_gpu_blocks: int = 64,
-                    num_cpu_blocks: int = 64,
-                    max_model_len: int = 1024) -> tuple[EngineCore, ScriptedExecutor]:
-    """The real scheduler and two-tier cache over a :class:`ScriptedExecutor`."""
+                    num_cpu_blocks: int = 64, max_model_len: int = 1024,
+                    wrap: Callable[[ScriptedExecutor], Executor] | None = None,
+                    ) -> tuple[EngineCore, ScriptedExecutor]:
+    """The real scheduler and two-tier cache over a :class:`ScriptedExecutor` (``wrap``: an
+    executor around it, e.g. one that raises on some requests)."""
     ex = ScriptedExecutor(num_gpu_blocks, num_cpu_blocks)
     cache = TieredKVCache(num_gpu_blocks, num_cpu_blocks, CHUNK, get_policy("pensieve"),
                           lambda n: float(n))
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len)
-    if hasattr(EngineCore, "_init_core"):  # the engine before executors were composed in
-        class _Core(EngineCore):
-            def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-                return ex.execute(sched)
-
-            def cache_stats(self) -> dict[str, int]:
-                return self._core_stats(0, 0)
-
-        core = _Core.__new__(_Core)
-        core._init_core(cfg, cache, time.monotonic, eos_token_ids, vocab_size)
-        return core, ex
-    return EngineCore(Scheduler(cfg, cache), ex, clock=time.monotonic,  # type: ignore[arg-type]
+    executor: Executor = wrap(ex) if wrap is not None else ex
+    return EngineCore(Scheduler(cfg, cache), executor, clock=time.monotonic,
                       eos_token_ids=eos_token_ids, vocab_size=vocab_size), ex
 
 
-def scripted_app(tokenizer: Any, store: Path, **kw: Any) -> tuple[Any, ScriptedExecutor]:
-    """A FastAPI app over a :class:`ScriptedEngine` for ``tokenizer`` (its EOS ends turns)."""
+def scripted_app(tokenizer: Any, store: Path,
+                 wrap: Callable[[ScriptedExecutor], Executor] | None = None,
+                 **kw: Any) -> tuple[Any, ScriptedExecutor]:
+    """A FastAPI app over a scripted engine for ``tokenizer`` (its EOS ends turns); ``kw``
+    are :class:`~pensieve.server.app.ServerState` fields."""
     from pensieve.server.app import ServerState, create_app
     from pensieve.server.async_engine import AsyncEngine
     from pensieve.server.chat import ChatRenderer
     from pensieve.server.metrics import Metrics
     from pensieve.server.store import ConversationStore
 
-    eng, ex = scripted_engine(len(tokenizer), (tokenizer.eos_token_id,))
+    eng, ex = scripted_engine(len(tokenizer), (tokenizer.eos_token_id,), wrap=wrap)
     aeng = AsyncEngine(eng)  # type: ignore[arg-type]
     state = ServerState(engine=aeng, store=ConversationStore(str(store)),
                         renderer=ChatRenderer(tokenizer), model_name="scripted", is_demo=False,

@@ -27,6 +27,12 @@ from pensieve.engine.step_record import StepTotals
 log = logging.getLogger("pensieve.server")
 
 
+class EngineRequestError(RuntimeError):
+    """The engine failed this request: its execution raised (failure containment: the other
+    requests of the step went on) or the whole step did. The turn's conversation is as it
+    was before the turn; nothing of the turn may be stored."""
+
+
 @dataclass
 class Update:
     """One event of a request: a new token, the finished output, or an error."""
@@ -85,7 +91,8 @@ class AsyncEngine:
         full_context: bool = False,
     ) -> AsyncIterator[Update]:
         """Yield each sampled token, then the finished output. Closing the iterator early (a
-        client that went away) aborts the request and frees its blocks.
+        client that went away) aborts the request and frees its blocks. A request the engine
+        failed raises :class:`EngineRequestError` (its conversation is as before the turn).
 
         ``full_context``: ``prompt_token_ids`` is the turn's whole context, not only what
         follows the conversation's history. The history is kept up to its first token that
@@ -170,7 +177,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 for rid in list(self._streams):
                     eng.abort_request(rid)
-                    self._push(rid, Update(error=RuntimeError(f"engine step failed: {e}")))
+                    self._push(rid, Update(error=EngineRequestError(f"engine step failed: {e}")))
                 continue
             done = {o.request_id for o in finished}
             for rid, tok in eng.last_sampled.items():
@@ -180,7 +187,10 @@ class AsyncEngine:
                     self._push(rid, Update(token=tok, cache=req.cache_stats.as_dict()
                                            if first and req is not None else None))
             for out in finished:
-                self._push(out.request_id, Update(output=out))
+                if out.error is not None:  # contained: only this request failed
+                    self._push(out.request_id, Update(error=EngineRequestError(out.error)))
+                else:
+                    self._push(out.request_id, Update(output=out))
             self._refresh()
         log.info("engine thread stopped at %s", time.strftime("%X"))
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
-from pensieve.server.async_engine import set_history
+from pensieve.server.async_engine import EngineRequestError, set_history
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.protocol import _Sampling
 from pensieve.server.store import StoredConversation
@@ -117,16 +117,29 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     except ValueError as e:
         await forget_new(state, turn)
         raise APIError(400, str(e)) from e
+    except EngineRequestError as e:
+        await forget_new(state, turn)
+        raise engine_error(e) from e
     state.metrics.ttft.observe(time.monotonic() - t0)
     out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts)
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
     if body.stream:
         return StreamingResponse(out.sse(first, stream), media_type="text/event-stream",
                                  headers=headers)
-    result = await out.collect(first, stream, request)
+    try:
+        result = await out.collect(first, stream, request)
+    except EngineRequestError as e:
+        await forget_new(state, turn)
+        raise engine_error(e) from e
     if result is None:
         return error_response(499, "client closed the request")
     return JSONResponse(out.final_body(result), headers=headers)
+
+
+def engine_error(e: EngineRequestError) -> APIError:
+    """The 500 of a request the engine failed (the others in its step went on)."""
+    return APIError(500, f"the engine failed on this request: {e}", "server_error",
+                    code="engine_error")
 
 
 async def forget_new(state: ServerState, turn: Turn) -> None:
@@ -280,21 +293,26 @@ class TurnOutput:
         completed = False
         try:
             yield self._chunk("", None, first=True)
-            async for delta, result in self.updates(first, stream):
-                if result is None:
-                    yield self._chunk(delta, None)
-                    continue
-                completed = True
-                yield self._chunk(delta, result.finish_reason,
-                                  extra={"pensieve": {"cache": result.cache}})
-                if (self.body.stream_options or {}).get("include_usage"):
-                    yield sse_data({"id": self.rid, "object": "chat.completion.chunk"
-                                    if self.chat else "text_completion",
-                                    "created": self.created, "model": self._model(),
-                                    "choices": [], "usage": self.usage(result),
-                                    "conversation_id": self.turn.cid})
-                yield "data: [DONE]\n\n"
+            try:
+                async for delta, result in self.updates(first, stream):
+                    if result is None:
+                        yield self._chunk(delta, None)
+                        continue
+                    completed = True
+                    yield self._chunk(delta, result.finish_reason,
+                                      extra={"pensieve": {"cache": result.cache}})
+                    if (self.body.stream_options or {}).get("include_usage"):
+                        yield sse_data({"id": self.rid, "object": "chat.completion.chunk"
+                                        if self.chat else "text_completion",
+                                        "created": self.created, "model": self._model(),
+                                        "choices": [], "usage": self.usage(result),
+                                        "conversation_id": self.turn.cid})
+            except EngineRequestError as e:  # an error event, as OpenAI's clients read it
+                err = engine_error(e)
+                yield sse_data({"error": {"message": err.message, "type": err.type,
+                                          "param": None, "code": err.code}})
+            yield "data: [DONE]\n\n"
         finally:
-            if not completed:  # the client went away: abort, leave the conversation as it was
-                await stream.aclose()
+            if not completed:  # the client went away or the engine failed the request: the
+                await stream.aclose()  # turn is aborted, the conversation left as it was
                 await forget_new(self.state, self.turn)
