@@ -1,0 +1,267 @@
+"""The eviction index: per tier, which idle chunk goes first, in the policy's exact order.
+
+Eviction index: cost of a step is what it changes, not what the cache holds. Per tier (GPU,
+CPU) the cache keeps the *eviction candidates*: each idle conversation with a chunk in that
+tier, with its first such chunk in the policy's chunk order (leading chunks first; the tail
+first for ``tail_first`` policies). Within a conversation keys only grow in that order (when
+``Cost`` does not decrease with context), so the lowest key of the tier is the lowest of the
+candidates. Candidates sit in a heap with lazy invalidation (each entry carries a sequence
+number; the live one is recorded per conversation). A conversation's entry changes only when
+it is evicted from, admitted (it leaves the index), ends, suspends or is aborted (it is
+indexed again from scratch, one pass over its chunks), gets retention hints, or a chunk of it
+enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
+
+Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
+idle_time(now)`` depends on ``now``, so conversations' order changes over time and no static
+heap holds it. It only falls while a conversation stays idle, though, so a key evaluated at a
+later time is a lower bound of the key now. The index keeps every entry keyed at one time
+``t_e >= now`` (lower bounds); when an eviction at ``now`` finds a lower bound at the top of the
+heap, it evaluates that entry at ``now`` and puts it back, until the top is exact: no other
+chunk can then have a lower key, so the eviction order is the policy's exact order at ``now``.
+Entries evaluated at ``now`` are keyed at ``t_e`` again when time moves on; once ``now`` passes
+``t_e``, the whole index is re-keyed (``O(candidates)``) at ``t_e = now + R``. ``R`` trades
+that re-key (at most once per ``R`` seconds) against extra evaluations within an eviction:
+entries whose bound at ``t_e`` is far below their key now (conversations idle for less than a
+few ``R``) surface and are evaluated once per eviction time. ``R = 0`` re-keys at every new
+``now``. Keys of ``lru`` and ``prefix-lru`` do not depend on ``now`` and are used as they are.
+A policy whose time-dependent key could grow while a conversation stays idle would break the
+lower bounds (``EvictionPolicy.time_dependent``).
+
+:class:`EvictionIndex` holds the index of both tiers and the key times;
+:class:`~pensieve.core.tier_pools.TierPools` builds on it to move chunks, and
+:class:`~pensieve.core.tiered_cache.TieredKVCache` on that to run turns.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from pensieve.core.conversation import Conversation, Tier
+from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
+
+Victim = tuple[EvictionKey, Conversation, int]
+"""(key, conversation, chunk index) of an eviction candidate."""
+
+
+class TierIndex:
+    """Eviction candidates of one tier: per idle conversation with a chunk in the tier, the
+    index of its first such chunk in the policy's order, that chunk's key and the time the key
+    was evaluated at; a heap of ``(key, seq, conversation, chunk index)`` whose entry is live
+    iff its ``seq`` is the one recorded for the conversation (older entries are skipped when
+    they surface)."""
+
+    __slots__ = ("live", "heap", "_seq")
+
+    def __init__(self) -> None:
+        self.live: dict[Conversation, tuple[int, int, EvictionKey, float]] = {}
+        """conversation -> (chunk index, seq, key, evaluation time) of its live entry."""
+        self.heap: list[tuple[EvictionKey, int, Conversation, int]] = []
+        self._seq = 0
+
+    def set(self, conv: Conversation, index: int, key: EvictionKey, t: float) -> None:
+        self._seq += 1
+        self.live[conv] = (index, self._seq, key, t)
+        heapq.heappush(self.heap, (key, self._seq, conv, index))
+        if len(self.heap) > 2 * len(self.live) + 64:
+            self._rebuild(self.live)
+
+    def discard(self, conv: Conversation) -> None:
+        self.live.pop(conv, None)
+
+    def replace_top(self, conv: Conversation, index: int, key: EvictionKey, t: float) -> None:
+        """Like :meth:`set`, when ``conv``'s live entry is the heap's top (:meth:`peek` just
+        returned it): one sift."""
+        self._seq += 1
+        self.live[conv] = (index, self._seq, key, t)
+        heapq.heapreplace(self.heap, (key, self._seq, conv, index))
+
+    def pop_top(self, conv: Conversation) -> None:
+        """Like :meth:`discard`, when ``conv``'s live entry is the heap's top."""
+        del self.live[conv]
+        heapq.heappop(self.heap)
+
+    def peek(self) -> Victim | None:
+        heap, live = self.heap, self.live
+        while heap:
+            key, seq, conv, index = heap[0]
+            entry = live.get(conv)
+            if entry is not None and entry[1] == seq:
+                return key, conv, index
+            heapq.heappop(heap)
+        return None
+
+    def rekey(self, key_of: dict[Conversation, EvictionKey], t: float) -> None:
+        """Every candidate's key anew (same chunk), evaluated at ``t``."""
+        self._rebuild({c: (i, s, key_of[c], t) for c, (i, s, _, _) in self.live.items()})
+
+    def _rebuild(self, live: dict[Conversation, tuple[int, int, EvictionKey, float]]) -> None:
+        self.live = {}
+        self.heap = []
+        for conv, (index, _, key, t) in live.items():
+            self._seq += 1
+            self.live[conv] = (index, self._seq, key, t)
+            self.heap.append((key, self._seq, conv, index))
+        heapq.heapify(self.heap)
+
+
+class EvictionIndex:
+    """The eviction candidates of both tiers over the conversations, and the times their keys
+    are evaluated at."""
+
+    _exact_max = 1024
+    """Entries keyed at one ``now`` kept listed before they are made bounds again anyway."""
+
+    def __init__(self, chunk_size: int, policy: EvictionPolicy, chunk_cost: ChunkCost,
+                 key_refresh_s: float) -> None:
+        if not key_refresh_s >= 0.0:
+            raise ValueError(f"key_refresh_s must be >= 0, got {key_refresh_s}")
+        self.chunk_size = chunk_size
+        self.policy = policy
+        self.chunk_cost = chunk_cost
+        self.key_refresh_s = key_refresh_s
+        self.conversations: dict[str, Conversation] = {}
+        self._gpu_index = TierIndex()
+        self._cpu_index = TierIndex()
+        self._t_eval = -math.inf
+        """``t_e``: the index's keys are evaluated at ``t_e`` (lower bounds while ``now <=
+        t_e``), or exactly at :attr:`_now` for the entries in :attr:`_exact` (module
+        docstring)."""
+        self._now = -math.inf
+        """``now`` of the last eviction (and of the one under way)."""
+        self._exact: list[tuple[TierIndex, Conversation]] = []
+        """Entries keyed at ``_now`` (not ``t_e``): keyed again at ``t_e`` when time moves."""
+        self._time_dependent = policy.time_dependent
+        self._step = -1 if policy.tail_first else 1
+        self._costs: dict[int, float] = {}
+
+    def _rekey(self, conv: Conversation) -> None:
+        """The inputs of ``conv``'s keys changed: its index entries follow."""
+        if not conv.running:
+            for index in (self._gpu_index, self._cpu_index):
+                entry = index.live.get(conv)
+                if entry is not None:
+                    index.set(conv, entry[0], self._key(conv, entry[0]), self._t_eval)
+
+    def _cost(self, context_len: int) -> float:
+        """``chunk_cost``, memoised (it is a pure function of the context length)."""
+        v = self._costs.get(context_len)
+        if v is None:
+            v = self._costs[context_len] = self.chunk_cost(context_len)
+        return v
+
+    def _key(self, conv: Conversation, i: int) -> EvictionKey:
+        """Chunk ``i``'s key at ``t_e`` (a lower bound of its key at any ``now <= t_e``)."""
+        return self.policy.key(conv, i, self._t_eval, self._cost, self.chunk_size)
+
+    def _key_now(self, conv: Conversation, i: int) -> EvictionKey:
+        """Chunk ``i``'s key now (during an eviction)."""
+        return self.policy.key(conv, i, self._now, self._cost, self.chunk_size)
+
+    def _refresh(self, now: float) -> None:
+        """An eviction starts at ``now``. Keys evaluated at an earlier ``now`` are keyed at
+        ``t_e`` again (they would not be lower bounds any more); all keys are re-evaluated at
+        ``now + key_refresh_s`` once ``now`` passes ``t_e``."""
+        if now == self._now:
+            if len(self._exact) > self._exact_max + 2 * len(self._gpu_index.live):
+                self._rebound()  # many evictions at one now: bounds again (still valid)
+            return
+        self._now = now
+        if not self._time_dependent:
+            return
+        t_e = self._t_eval
+        if not t_e - self.key_refresh_s <= now <= t_e:
+            t_e = self._t_eval = now + self.key_refresh_s
+            for index in (self._gpu_index, self._cpu_index):
+                index.rekey({conv: self._key(conv, i) for conv, (i, _, _, _) in
+                             index.live.items()}, t_e)
+            self._exact.clear()
+        else:
+            self._rebound()
+
+    def _rebound(self) -> None:
+        """Entries keyed at ``now`` are keyed at ``t_e`` again (lower bounds)."""
+        t_e = self._t_eval
+        for index, conv in self._exact:
+            entry = index.live.get(conv)
+            if entry is not None and entry[3] != t_e:
+                index.set(conv, entry[0], self._key(conv, entry[0]), t_e)
+        self._exact.clear()
+
+    def _first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
+        """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order."""
+        chunks = conv.chunks
+        if self._step > 0:
+            for i in range(max(start, 0), len(chunks)):
+                if chunks[i].tier is tier:
+                    return i
+        else:
+            for i in range(min(start, len(chunks) - 1), -1, -1):
+                if chunks[i].tier is tier:
+                    return i
+        return None
+
+    def _start(self, conv: Conversation) -> int:
+        return 0 if self._step > 0 else len(conv.chunks) - 1
+
+    def _advance(self, index: TierIndex, tier: Tier, conv: Conversation, start: int) -> None:
+        """The conversation's candidate in ``tier`` is its first chunk there from ``start``."""
+        i = self._first(conv, tier, start)
+        if i is None:
+            index.discard(conv)
+        else:
+            index.set(conv, i, self._key(conv, i), self._t_eval)
+
+    def _index(self, conv: Conversation) -> None:
+        """(Re)index an idle conversation from scratch (its chunks or its key changed)."""
+        self._advance(self._gpu_index, Tier.GPU, conv, self._start(conv))
+        self._advance(self._cpu_index, Tier.CPU, conv, self._start(conv))
+
+    def _unindex(self, conv: Conversation) -> None:
+        self._gpu_index.discard(conv)
+        self._cpu_index.discard(conv)
+
+    def _entered_cpu(self, conv: Conversation, i: int) -> None:
+        """Chunk ``i`` of an idle conversation just reached the CPU tier."""
+        entry = self._cpu_index.live.get(conv)
+        if entry is None or (i - entry[0]) * self._step < 0:
+            self._cpu_index.set(conv, i, self._key(conv, i), self._t_eval)
+
+    def _peek_victim(self, tier: Tier) -> Victim | None:
+        """The idle chunk of lowest key in ``tier`` now (during an eviction at ``_now``).
+
+        Entries keyed at ``t_e`` hold lower bounds: while the lowest entry is one, it is keyed
+        again at ``now`` (exact) and goes back in the heap; once the lowest is exact, no other
+        chunk's key can be lower."""
+        index = self._gpu_index if tier is Tier.GPU else self._cpu_index
+        if not self._time_dependent:
+            return index.peek()
+        now = self._now
+        while (top := index.peek()) is not None:
+            _, conv, i = top
+            if index.live[conv][3] == now:
+                return top
+            index.replace_top(conv, i, self._key_now(conv, i), now)
+            self._exact.append((index, conv))
+        return None
+
+
+    def _check_index(self, index: TierIndex, tier: Tier) -> None:
+        want: dict[Conversation, int] = {}
+        for conv in self.conversations.values():
+            i = None if conv.running else self._first(conv, tier, self._start(conv))
+            if i is not None:
+                want[conv] = i
+        got = {conv: i for conv, (i, _, _, _) in index.live.items()}
+        assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
+        heap = {seq: (key, conv, i) for key, seq, conv, i in index.heap}
+        exact = {id(c) for x, c in self._exact if x is index}
+        for conv, (i, seq, key, t) in index.live.items():
+            cid = conv.conversation_id
+            assert self.conversations.get(cid) is conv, cid
+            assert key == self.policy.key(conv, i, t, self._cost, self.chunk_size), (
+                tier, cid, i, "stale key")
+            assert heap.get(seq) == (key, conv, i), (tier, cid, "not in heap")
+            if self._time_dependent:  # a lower bound (at t_e), or exact now and listed
+                assert t == self._t_eval or (t == self._now and id(conv) in exact), (
+                    tier, cid, t, "keyed at neither t_e nor now")
