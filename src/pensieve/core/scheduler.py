@@ -124,6 +124,18 @@ class Scheduler:
             self.cache.set_queued(conv, None)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
 
+    def finish_request(self, request_id: str, now: float | None = None) -> bool:
+        """End a running turn now, as if it had sampled a stop token (``FINISHED_STOPPED``;
+        e.g. a stop string matched on its text): the cache ends the turn, keeping its KV.
+        Returns False, doing nothing, for a request that is not running."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return False
+        req.finish_time = time.monotonic() if now is None else now
+        self.cache.end_turn(req, self._conversation_of(req), req.finish_time)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

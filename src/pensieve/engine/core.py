@@ -111,6 +111,14 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id, self.now())
 
+    def finish_request(self, request_id: str) -> None:
+        """End a turn now as if it had stopped on a token (a stop string matched on its text):
+        its tokens so far become the conversation's history and their KV is kept. A turn that
+        is not running (waiting, or suspended mid-decode) is aborted instead: its
+        conversation stays as before it. No-op for a finished or unknown request."""
+        if not self.scheduler.finish_request(request_id, self.now()):
+            self.scheduler.abort_request(request_id, self.now())
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

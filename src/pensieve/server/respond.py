@@ -2,10 +2,12 @@
 body or as server-sent events.
 
 Text streams as it is detokenized, with stop strings matched on it (:mod:`.text`); a stop
-string ends the turn there (the engine request is aborted, the answer is trimmed before it,
-and the conversation's history becomes the context plus every token generated). A completed
-turn is stored before the client sees its end. A turn the client leaves leaves its
-conversation as it was.
+string ends the turn there as a stop token would (the engine finishes the request and keeps
+its KV, the answer is trimmed before the stop string, and the conversation's history becomes
+the context plus the tokens up to the one that completed it; the next turn's exact rendering
+recomputes from the first token that differs). A completed turn is stored before the client
+sees its end. A turn the client leaves, or that the engine fails (an OpenAI-shaped 500, or an
+error event in a stream), leaves its conversation as it was.
 """
 
 from __future__ import annotations
@@ -203,19 +205,24 @@ class TurnOutput:
                 self.cache = upd.cache
             delta = self._feed(upd.token)
             if self.stops.stopped:
-                await stream.aclose()  # the engine request ends here (aborted)
                 result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
                                 "stop", self.cache)
-                if self.turn.cid is not None:
-                    ids, cid = result.prompt_ids + result.output_ids, self.turn.cid
-                    await engine_call(self.state,
-                                      lambda e, c=cid, i=ids: set_history(e, c, i))
+                await engine_call(self.state, lambda e, r=result: self._stop_turn(e, r))
+                await stream.aclose()  # the request is finished: no abort
                 await self._finish(result)
                 yield delta, result
                 return
             if delta:
                 yield delta, None
             upd = await stream.__anext__()
+
+    def _stop_turn(self, eng: Any, result: Result) -> None:
+        """On the engine thread: end the turn at a stop string as if on a stop token (its KV
+        kept), and make the history the context plus the tokens up to the stop (tokens the
+        engine sampled past it are cut, with their KV)."""
+        eng.finish_request(self.rid)
+        if self.turn.cid is not None:
+            set_history(eng, self.turn.cid, result.prompt_ids + result.output_ids)
 
     async def _finish(self, result: Result) -> None:
         """Metrics, and the completed turn persisted (before the client sees its end)."""
