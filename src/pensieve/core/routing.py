@@ -1,0 +1,102 @@
+"""Which replica serves a conversation: affinity routing with bounded load.
+
+A stateful server keeps a conversation's KV on the replica that served its last turn, so every
+turn of a conversation should go back there. The rule, shared by the real replica router and the
+simulator:
+
+* **Key.** The conversation id when the client sends one; otherwise a stable hash of the
+  conversation's first messages (:func:`conversation_key`), so that clients which re-send the
+  whole history land where the history is cached.
+* **Order.** Rendezvous (highest-random-weight) hashing ranks the replicas for each key
+  (:func:`preference`): every key has its own stable order, replicas that join or leave move
+  only the keys they win or held, and keys spread evenly.
+* **Bounded load.** The first replica in that order whose load is under
+  ``ceil(load_factor * (total + 1) / n)`` takes the turn ("consistent hashing with bounded
+  loads", Mirrokni et al. 2018): one hot replica spills to the key's next choice instead of
+  queueing. With ``load_factor`` >= 1 some replica always qualifies.
+
+:class:`RandomRouter` ignores the key (the contrast in the benchmarks). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+
+def conversation_key(messages: Sequence[Any], conversation_id: str | None = None,
+                     prefix_messages: int = 2) -> str:
+    """Routing key of a request: its conversation id, else a hash of its first messages.
+
+    ``messages`` are OpenAI chat messages (dicts with ``role`` and ``content``) or plain
+    strings; only the first ``prefix_messages`` count, so every later turn of a conversation
+    whose client re-sends the history maps to the same key."""
+    if conversation_id:
+        return "id:" + conversation_id
+    head = [_message_text(m) for m in list(messages)[:prefix_messages]]
+    digest = hashlib.blake2b(json.dumps(head, ensure_ascii=False).encode("utf-8", "replace"),
+                             digest_size=16).hexdigest()
+    return "msg:" + digest
+
+
+def _message_text(m: Any) -> Any:
+    if isinstance(m, dict):
+        return [m.get("role"), m.get("content")]
+    return m
+
+
+def _weight(key: str, replica: str) -> int:
+    h = hashlib.blake2b(f"{replica}\x00{key}".encode("utf-8", "replace"), digest_size=8)
+    return int.from_bytes(h.digest(), "big")
+
+
+def preference(key: str, replicas: Sequence[str]) -> list[int]:
+    """Indices of ``replicas`` in the key's rendezvous order (its first choice first)."""
+    return sorted(range(len(replicas)), key=lambda i: _weight(key, replicas[i]), reverse=True)
+
+
+class AffinityRouter:
+    """Conversation-affinity routing over named replicas with bounded load."""
+
+    def __init__(self, replicas: Sequence[str], load_factor: float = 1.25) -> None:
+        if not replicas:
+            raise ValueError("at least one replica is needed")
+        if len(set(replicas)) != len(replicas):
+            raise ValueError(f"replica names must be unique, got {list(replicas)}")
+        if not load_factor >= 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {load_factor}")
+        self.replicas = list(replicas)
+        self.load_factor = load_factor
+
+    def capacity(self, loads: Sequence[int]) -> int:
+        """Most requests a replica may hold before a new one spills to the next choice."""
+        return max(1, math.ceil(self.load_factor * (sum(loads) + 1) / len(self.replicas)))
+
+    def route(self, key: str, loads: Sequence[int]) -> int:
+        """Replica index for a request with routing key ``key``; ``loads[i]``: requests in
+        flight on replica ``i`` (same order as ``replicas``)."""
+        if len(loads) != len(self.replicas):
+            raise ValueError(f"{len(loads)} loads for {len(self.replicas)} replicas")
+        cap = self.capacity(loads)
+        order = preference(key, self.replicas)
+        for i in order:
+            if loads[i] < cap:
+                return i
+        return order[0]  # unreachable with load_factor >= 1; kept total
+
+
+class RandomRouter:
+    """Uniformly random replica, whatever the key (no affinity)."""
+
+    def __init__(self, replicas: Sequence[str], seed: int = 0) -> None:
+        if not replicas:
+            raise ValueError("at least one replica is needed")
+        self.replicas = list(replicas)
+        self._rng = random.Random(seed)
+
+    def route(self, key: str, loads: Sequence[int]) -> int:
+        return self._rng.randrange(len(self.replicas))
