@@ -38,6 +38,7 @@ import pytest  # noqa: E402
 
 from pensieve.core.outputs import SwapPlan  # noqa: E402
 from pensieve.kernels import triton_swap  # noqa: E402
+from pensieve.runner import swap_copies, swap_streams  # noqa: E402
 from pensieve.runner import swapper as swapper_mod  # noqa: E402
 from pensieve.runner.swapper import (  # noqa: E402
     InFlight,
@@ -487,13 +488,13 @@ def test_stacked_layer_views() -> None:
     from pensieve.runner.model_runner import allocate_kv_caches
 
     caches = allocate_kv_caches(3, 5, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
-    stack = swapper_mod._stacked(caches)
+    stack = swap_copies.stacked_layers(caches)
     assert stack is not None and stack.shape == (3, 2, 5, 4, 2, 8)
     assert all(stack[i].data_ptr() == c.data_ptr() for i, c in enumerate(caches))
-    assert swapper_mod._stacked(make_caches()) is None
+    assert swap_copies.stacked_layers(make_caches()) is None
     base = torch.zeros(4, 2, 5, 4, 2, 8)
-    assert swapper_mod._stacked([base[0], base[1], base[3]]) is None  # uneven spacing
-    assert swapper_mod._stacked([base[2], base[1]]) is None  # descending
+    assert swap_copies.stacked_layers([base[0], base[1], base[3]]) is None  # uneven spacing
+    assert swap_copies.stacked_layers([base[2], base[1]]) is None  # descending
 
 
 def test_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -532,9 +533,9 @@ def test_host_layout_and_cpu_cache_views(method: str) -> None:
 
 
 def test_runs_of() -> None:
-    assert swapper_mod.runs_of([]) == []
-    assert swapper_mod.runs_of([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
-    assert swapper_mod.runs_of([1, 3, 5]) == [(0, 1, 1), (1, 3, 1), (2, 5, 1)]
+    assert swap_streams.runs_of([]) == []
+    assert swap_streams.runs_of([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert swap_streams.runs_of([1, 3, 5]) == [(0, 1, 1), (1, 3, 1), (2, 5, 1)]
 
 
 @pytest.mark.parametrize("method", ["hybrid", "staged"])

@@ -1,0 +1,486 @@
+"""The swapper's copy strategies: Triton kernel copies (kernel, hybrid, staged), the staging
+halves of the hybrid and staged methods, and DMA batching (:mod:`pensieve.runner.swapper`
+explains each method and when it runs).
+
+:class:`CopyPaths` holds the copy machinery :class:`~pensieve.runner.swapper.KVSwapper` builds
+on; the host tier is allocated by :func:`allocate_host_tier`.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pensieve.core.outputs import SwapPlan
+from pensieve.runner.swap_streams import CudaStreams, Streams, runs_of
+
+LayerReady = Callable[[int], None]
+METHODS = ("kernel", "hybrid", "staged", "dma")
+CHUNK_MAJOR = ("hybrid", "staged")
+"""Methods with the chunk-major host tier and the staged (copy-engine) swap-outs."""
+STREAM_METHODS = ("kernel", "hybrid", "staged")
+"""Methods run through :class:`Streams` (CUDA, or a test's simulator)."""
+DEFAULT_STAGING_CHUNKS = 64
+"""Chunks per staging half (hybrid and staged): the device staging memory is at most 2 x this
+(out) + this (staged in) chunks of all layers (13B: 6.5 MB each)."""
+
+class Runs:
+    """Views ``t[start : start + length]`` along dim 0 of a fixed set of disjoint runs.
+
+    One ``split`` call per tensor instead of one slice per run (host overhead matters when a
+    plan has thousands of runs on 40 layers).
+    """
+
+    def __init__(self, starts: list[int], lengths: list[int], total: int) -> None:
+        sizes: list[int] = []
+        pick = [0] * len(starts)
+        pos = 0
+        for j in sorted(range(len(starts)), key=starts.__getitem__):
+            if starts[j] > pos:
+                sizes.append(starts[j] - pos)
+            pick[j] = len(sizes)
+            sizes.append(lengths[j])
+            pos = starts[j] + lengths[j]
+        if total > pos:
+            sizes.append(total - pos)
+        self.sizes = sizes
+        self.pick = pick
+
+    def views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        parts = t.split(self.sizes)
+        return [parts[i] for i in self.pick]
+
+
+@dataclass
+class Batch:
+    """DMA: one list of a plan, sorted by CPU block and cut into runs of consecutive CPU ids."""
+
+    n: int
+    cpu: Runs
+    """Runs on the CPU tier's block dim."""
+    gpu: Runs | None
+    """Direct copies: the same runs on the GPU cache's block dim (every run is consecutive on
+    both sides); None when staged."""
+    stage: Runs | None
+    """Staged copies: the runs on the staging buffer's block dim (row ``j`` = ``j``-th pair)."""
+    index: torch.Tensor | None
+    """Staged copies: ``[n]`` int64 GPU block of each staging row, on the GPU caches' device."""
+    num_runs: int
+
+
+@dataclass
+class Step:
+    """The step's copies not known complete, kept referenced until :meth:`KVSwapper.end_step`.
+
+    ``out_first``, ``swap_in``, ``swap_out``: a :class:`Batch` (DMA), an ``[n, 2]`` pair tensor
+    (kernel), a :class:`Staged` (hybrid swap-outs, staged swap-ins, synchronous path), or
+    None; on CUDA also the references that staged work keeps alive."""
+
+    out_first: Any = None
+    swap_in: Any = None
+    swap_out: Any = None
+    next_in_layer: int = 0
+    """Synchronous path only: first layer whose swap-ins have not run yet."""
+    events: list[Any] | None = None
+    in_done: Any = None
+    """Kernel streams: event after the step's in-stream work (None if it had none)."""
+
+
+@dataclass
+class Staged:
+    """A list run through the staging buffers: ``pairs`` (src, dst) as the plan gives them."""
+
+    pairs: list[tuple[int, int]]
+
+
+def check_caches(gpu_caches: list[torch.Tensor], num_cpu_blocks: int) -> None:
+    """Raise ValueError unless the per-layer GPU caches are alike ``[2, N, C, Hkv, D]``
+    contiguous tensors and ``num_cpu_blocks >= 0``."""
+    if not gpu_caches:
+        raise ValueError("no KV caches")
+    first = gpu_caches[0]
+    if first.dim() != 5 or first.shape[0] != 2:
+        raise ValueError(f"KV cache shape {tuple(first.shape)} is not [2, N, C, Hkv, D]")
+    for c in gpu_caches:
+        if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+            raise ValueError("KV caches differ in shape, dtype or device across layers")
+        if not c.is_contiguous():
+            raise ValueError("KV caches must be contiguous")
+    if num_cpu_blocks < 0:
+        raise ValueError(f"num_cpu_blocks {num_cpu_blocks} < 0")
+
+
+def allocate_host_tier(num_cpu_blocks: int, num_layers: int, block_shape: tuple[int, ...],
+                       dtype: torch.dtype, chunk_major: bool, device: torch.device,
+                       owner: object) -> tuple[torch.Tensor, torch.Tensor, Any, bool]:
+    """The CPU tier: ``(host, layers, view, pinned)``.
+
+    ``host``: the whole tier, ``[num_cpu_blocks, L, 2, C, Hkv, D]`` when ``chunk_major``,
+    else ``[L, 2, num_cpu_blocks, C, Hkv, D]``; ``layers``: its ``[L, 2, num_cpu_blocks, C,
+    Hkv, D]`` view (strided when chunk-major); ``view``: what the kernel gets for it (a
+    MappedHost on CUDA, else ``layers``); ``pinned``: whether it is page-locked and
+    device-mapped (CUDA, exact size; unregistered when ``owner`` is collected)."""
+    if chunk_major:
+        host = torch.empty((num_cpu_blocks, num_layers, 2, *block_shape), dtype=dtype)
+        layers = host.permute(1, 2, 0, 3, 4, 5)
+    else:
+        host = torch.empty((num_layers, 2, num_cpu_blocks, *block_shape), dtype=dtype)
+        layers = host
+    pinned = device.type == "cuda" and host.numel() > 0
+    view: Any = layers
+    if pinned:
+        from pensieve.kernels.launch_swap import register_host, unregister_host
+
+        mapped = register_host(host, device)
+        view = mapped.permute(1, 2, 0, 3, 4, 5) if chunk_major else mapped
+        weakref.finalize(owner, unregister_host, host)
+    return host, layers, view, pinned
+
+
+class CopyPaths:
+    """Kernel, staged and DMA copies of :class:`~pensieve.runner.swapper.KVSwapper` (whose
+    constructor sets the state they share)."""
+
+    def _init_copies(self, streams: Streams | None) -> None:
+        """The copy paths' state: kernel launches, staging buffers, streams."""
+        self._copies: dict[tuple[str, bool], list[tuple[int, int, Any]]] = {}
+        """Kernel launches per (other tier, towards the GPU): ``(first_layer, end_layer, copy)``
+        covering the layers (one span when the caches are stacked), built at first use. Other
+        tiers: ``"host"``, the out-staging halves ``"out0"`` / ``"out1"``, the in-staging
+        buffer ``"in"``."""
+        self._out_stage: list[torch.Tensor] = []
+        """Hybrid, staged: the two ``[rows, L, 2, C, Hkv, D]`` device staging halves of the
+        swap-outs (rows <= staging_chunks; grown on demand)."""
+        self._half_free: list[Any] = [None, None]
+        """Event after the last copy out of each half (None: free)."""
+        self._next_half = 0
+        self._in_stage: torch.Tensor | None = None
+        """Staged: the ``[rows, L, 2, C, Hkv, D]`` device staging buffer of the swap-ins."""
+        self._streams: Streams | None = streams
+        self._stream: torch.cuda.Stream | None = None  # DMA on CUDA
+        if self._cuda and self.method in STREAM_METHODS:
+            self._streams = CudaStreams(self.device)
+        elif self._cuda:
+            # High priority: the swap-in scatter kernels should not queue behind compute.
+            self._stream = torch.cuda.Stream(self.device, priority=-1)
+        self._staging = torch.empty(0, dtype=self.gpu_caches[0].dtype, device=self.device)
+        """DMA: the staging buffer of runs whose GPU blocks are not consecutive."""
+
+    @property
+    def num_programs(self) -> int:
+        """Persistent grid of each kernel launch (may be changed between steps)."""
+        return self._num_programs
+
+    @num_programs.setter
+    def num_programs(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"num_programs {value} < 1")
+        self._num_programs = value
+        for spans in self._copies.values():
+            for _, _, copy in spans:
+                copy.num_programs = value
+
+    @property
+    def tile_bytes(self) -> int | None:
+        """Bytes per program per loop iteration of the kernel (None: the launcher's
+        default); may be changed between steps (the benchmark's sweep)."""
+        return self._tile_bytes
+
+    @tile_bytes.setter
+    def tile_bytes(self, value: int | None) -> None:
+        from pensieve.kernels.launch_swap import DEFAULT_TILE_BYTES
+
+        self._tile_bytes = value
+        for spans in self._copies.values():
+            for _, _, copy in spans:
+                copy.tile_bytes = value or DEFAULT_TILE_BYTES
+
+    def _tier(self, name: str) -> Any:
+        """``[L, 2, blocks, C, Hkv, D]`` view of the tier ``name`` (see :attr:`_copies`)."""
+        if name == "host":
+            return self._host_view
+        t = self._in_stage if name == "in" else self._out_stage[int(name[-1])]
+        assert t is not None
+        return t.permute(1, 2, 0, 3, 4, 5)
+
+    def _copier(self, name: str, to_gpu: bool) -> list[tuple[int, int, Any]]:
+        spans = self._copies.get((name, to_gpu))
+        if spans is not None:
+            return spans
+        other = self._tier(name)
+        if self._gpu_stack is not None:
+            pieces = [(0, self.num_layers, self._gpu_stack, other)]
+        else:
+            pieces = [(i, i + 1, c.unsqueeze(0), other[i:i + 1])
+                      for i, c in enumerate(self.gpu_caches)]
+        if self._triton:
+            from pensieve.kernels.launch_swap import BlockCopy
+
+            def make(src: Any, dst: Any) -> Any:
+                copy = BlockCopy(src, dst, num_programs=self._num_programs)
+                if self._tile_bytes is not None:
+                    copy.tile_bytes = self._tile_bytes
+                return copy
+        else:
+            make = RefCopy
+        spans = [(a, b, make(o, g) if to_gpu else make(g, o)) for a, b, g, o in pieces]
+        self._copies[(name, to_gpu)] = spans
+        return spans
+
+    def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int,
+                tier: str = "host") -> None:
+        """Copy ``pairs`` (src, dst) for layers ``[start, stop)`` between the GPU caches and
+        ``tier`` (see :attr:`_copies`): towards the GPU if ``to_gpu``."""
+        for a, b, copy in self._copier(tier, to_gpu):
+            if a < stop and start < b:
+                copy(pairs, max(start, a) - a, min(stop, b) - a)
+                self.num_copies += 1
+
+    # ------------------------------------------------------------------ staged (hybrid)
+
+    def _grow_out(self, rows: int) -> None:
+        """Out-staging halves of at least ``rows`` rows. Replaced halves stay referenced by
+        the batches still using them; the new ones are free."""
+        if self._out_stage and self._out_stage[0].shape[0] >= rows:
+            return
+        first = self.gpu_caches[0]
+        shape = (rows, self.num_layers, 2, *self.block_shape)
+        with torch.inference_mode(False):  # written outside inference mode too (simulator)
+            self._out_stage = [torch.empty(shape, dtype=first.dtype, device=self.device)
+                               for _ in range(2)]
+        self._half_free = [None, None]
+        for key in [k for k in self._copies if k[0] in ("out0", "out1")]:
+            del self._copies[key]
+
+    def _grow_in(self, rows: int) -> None:
+        if self._in_stage is not None and self._in_stage.shape[0] >= rows:
+            return
+        first = self.gpu_caches[0]
+        with torch.inference_mode(False):
+            self._in_stage = torch.empty((rows, self.num_layers, 2, *self.block_shape),
+                                         dtype=first.dtype, device=self.device)
+        self._copies.pop(("in", True), None)
+
+    def _dma_rows(self, stage: torch.Tensor, runs: list[tuple[int, int, int]],
+                  to_host: bool) -> None:
+        """Copy the runs ``(stage row, CPU block, length)`` between ``stage`` and the host
+        tier (both chunk-major: one contiguous piece per run), on the current stream."""
+        lengths = [n for _, _, n in runs]
+        rows = Runs([r for r, _, _ in runs], lengths, stage.shape[0]).views(stage)
+        host = Runs([c for _, c, _ in runs], lengths, self.num_cpu_blocks).views(self._host)
+        if to_host:
+            torch._foreach_copy_(host, rows, non_blocking=True)
+        else:
+            torch._foreach_copy_(rows, host, non_blocking=True)
+        self.num_copies += len(runs)
+
+    def _wait_half_free(self, st: Streams, stream: Any, h: int) -> None:
+        """``stream`` waits until the copies out of half ``h`` issued so far are done."""
+        if self._half_free[h] is not None:
+            st.wait(stream, self._half_free[h])
+
+    def _issue_out_staged(self, st: Streams, pairs: list[tuple[int, int]], gather: Any,
+                          dma: Any) -> tuple[Any, list[Any]]:
+        """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
+        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
+        returns the event after the last copy and what must stay referenced until then."""
+        size = self.staging_chunks
+        order = sorted(pairs, key=lambda p: p[1])
+        self._grow_out(min(len(order), size))
+        idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
+        refs: list[Any] = [idx, *self._out_stage]
+        event = None
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
+            h, self._next_half = self._next_half, self._next_half ^ 1
+            self._wait_half_free(st, gather, h)
+            st.run(gather, functools.partial(self._kernel, idx[k:k + len(piece)], False, 0,
+                                             self.num_layers, f"out{h}"))
+            st.wait(dma, st.record(gather))
+            runs = runs_of([c for _, c in piece])
+            st.run(dma, functools.partial(self._dma_rows, self._out_stage[h], runs, True))
+            event = self._half_free[h] = st.record(dma)
+        return event, refs
+
+    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]]
+                         ) -> list[Any]:
+        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream``: per piece of at most
+        :attr:`staging_chunks`, copies of the runs into the in-staging buffer, then a scatter
+        into the GPU caches (one stream: a piece's copies wait for the previous scatter).
+        Returns what must stay referenced until the stream's work is done."""
+        size = self.staging_chunks
+        order = sorted(pairs, key=lambda p: p[0])
+        self._grow_in(min(len(order), size))
+        assert self._in_stage is not None
+        idx = st.upload(stream, [(j % size, g) for j, (_, g) in enumerate(order)])
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
+            runs = runs_of([c for c, _ in piece])
+            st.run(stream, functools.partial(self._dma_rows, self._in_stage, runs, False))
+            st.run(stream, functools.partial(self._kernel, idx[k:k + len(piece)], True, 0,
+                                             self.num_layers, "in"))
+        return [idx, self._in_stage]
+
+    def _compile(self) -> None:
+        """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
+        block 0 to CPU block 0 and back, which changes no GPU byte (hybrid, staged: through
+        the staging buffers too, which allocates them with one row)."""
+        assert self._streams is not None
+        pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        layers = self.num_layers
+        s = self._streams.in_stream
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self._kernel(pairs, False, 0, layers)
+            self._kernel(pairs, True, 0, 1)
+            if self.method in CHUNK_MAJOR:
+                self._grow_out(1)
+                self._kernel(pairs, False, 0, layers, "out0")
+                self._kernel(pairs, False, 0, layers, "out1")
+            if self.method == "staged":
+                self._grow_in(1)
+                self._kernel(pairs, False, 0, layers, "in")  # fills row 0 of the buffer
+                self._kernel(pairs, True, 0, layers, "in")
+        s.synchronize()
+        self.num_copies = 0
+
+    # ------------------------------------------------------------------ DMA
+
+    def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
+        assert self._stream is not None
+        compute = torch.cuda.current_stream(self.device)
+        compute_done = torch.cuda.Event()
+        compute_done.record(compute)
+        with torch.cuda.stream(self._stream):
+            step = self._prepare(plan)  # index uploads go on the copy stream
+            self._stream.wait_event(compute_done)
+            for layer in range(self.num_layers):
+                self._copy_out(step.out_first, layer)
+            events: list[torch.cuda.Event] = []
+            if step.swap_in is not None:
+                for layer in range(self.num_layers):
+                    self._copy_in(step.swap_in, layer)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self._stream)
+            elif step.out_first is not None:
+                events.append(torch.cuda.Event())
+                events[-1].record(self._stream)
+                events *= self.num_layers
+            for layer in range(self.num_layers):
+                self._copy_out(step.swap_out, layer)
+        step.events = events
+        self._step = step
+        if not events:
+            return None
+
+        def layer_ready(i: int) -> None:
+            self._check_layer(i)
+            torch.cuda.current_stream(self.device).wait_event(events[i])
+
+        return layer_ready
+
+    def _batch(self, pairs: Sequence[tuple[int, int]]) -> Batch | None:
+        """``pairs``: (gpu_block, cpu_block), validated. Sorted by CPU block, cut into
+        maximal runs."""
+        if not pairs:
+            return None
+        pairs = sorted(pairs, key=lambda p: p[1])
+        gpu = [g for g, _ in pairs]
+        cpu = [c for _, c in pairs]
+        rows = [0]  # first row of each run
+        direct = True
+        for j in range(1, len(pairs)):
+            if cpu[j] != cpu[j - 1] + 1:
+                rows.append(j)
+            elif gpu[j] != gpu[j - 1] + 1:
+                direct = False
+        lengths = [b - a for a, b in zip(rows, [*rows[1:], len(pairs)], strict=True)]
+        cpu_runs = Runs([cpu[r] for r in rows], lengths, self.num_cpu_blocks)
+        if direct:
+            gpu_runs = Runs([gpu[r] for r in rows], lengths, self.num_gpu_blocks)
+            return Batch(len(pairs), cpu_runs, gpu_runs, None, None, len(rows))
+        index = torch.tensor(gpu, dtype=torch.int64, pin_memory=self._cuda)
+        index = index.to(self.device, non_blocking=True)
+        stage = Runs(rows, lengths, len(pairs))
+        return Batch(len(pairs), cpu_runs, None, stage, index, len(rows))
+
+    def _stage(self, n: int) -> torch.Tensor:
+        """``[2, n, chunk_size, num_kv_heads, head_dim]`` contiguous view of the staging buffer."""
+        return self._staging[: 2 * n * self.gpu_caches[0][0, 0].numel()].view(
+            2, n, *self.block_shape
+        )
+
+    def _copy_out(self, b: Batch | None, layer: int) -> None:
+        """DMA: GPU -> CPU copies of one layer (on the current stream)."""
+        if b is None:
+            return
+        gpu, cpu = self.gpu_caches[layer], self.cpu_caches[layer]
+        if b.gpu is not None:
+            src = b.gpu.views(gpu[0]) + b.gpu.views(gpu[1])
+        else:
+            assert b.stage is not None and b.index is not None
+            buf = self._stage(b.n)  # [2, n, C, Hkv, D]
+            torch.index_select(gpu, 1, b.index, out=buf)
+            src = b.stage.views(buf[0]) + b.stage.views(buf[1])
+        dst = b.cpu.views(cpu[0]) + b.cpu.views(cpu[1])
+        torch._foreach_copy_(dst, src, non_blocking=True)
+        self.num_copies += len(dst)
+
+    def _copy_in(self, b: Batch | None, layer: int) -> None:
+        """DMA: CPU -> GPU copies of one layer (on the current stream)."""
+        if b is None:
+            return
+        gpu, cpu = self.gpu_caches[layer], self.cpu_caches[layer]
+        src = b.cpu.views(cpu[0]) + b.cpu.views(cpu[1])
+        if b.gpu is not None:
+            dst = b.gpu.views(gpu[0]) + b.gpu.views(gpu[1])
+            torch._foreach_copy_(dst, src, non_blocking=True)
+        else:
+            assert b.stage is not None and b.index is not None
+            buf = self._stage(b.n)  # [2, n, C, Hkv, D]
+            dst = b.stage.views(buf[0]) + b.stage.views(buf[1])
+            torch._foreach_copy_(dst, src, non_blocking=True)
+            gpu.index_copy_(1, b.index, buf)
+        self.num_copies += len(dst)
+
+
+class RefCopy:
+    """The kernel's torch reference with :class:`~pensieve.kernels.launch_swap.BlockCopy`'s
+    call signature (the kernel method on the CPU without Triton's interpreter)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.src, self.dst = src, dst
+        self.num_programs = 1
+        self.tile_bytes = 0
+
+    def __call__(self, pairs: torch.Tensor, start: int, stop: int) -> None:
+        from pensieve.kernels.reference import swap_blocks_ref
+
+        swap_blocks_ref(self.src[start:stop], self.dst[start:stop], pairs)
+
+
+def stacked_layers(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[L, 2, N, C, Hkv, D]`` view of per-layer caches that are evenly spaced views of one
+    storage (``allocate_kv_caches``), else None."""
+    first = caches[0]
+    if len(caches) == 1:
+        return first.unsqueeze(0)
+    esize = first.element_size()
+    step = caches[1].data_ptr() - first.data_ptr()
+    if step <= 0 or step % esize:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for i, c in enumerate(caches):
+        if (c.untyped_storage().data_ptr() != storage
+                or c.data_ptr() != first.data_ptr() + i * step):
+            return None
+    last_end = caches[-1].storage_offset() + caches[-1].numel()
+    if last_end > first.untyped_storage().nbytes() // esize:
+        return None
+    return first.as_strided((len(caches), *first.shape), (step // esize, *first.stride()))
+
