@@ -46,20 +46,24 @@ def test_a_replica_leaving_moves_only_its_keys() -> None:
 
 
 def test_hot_replica_spills_to_the_next_choice() -> None:
-    r = AffinityRouter(NAMES[:4], load_factor=1.25)
+    r = AffinityRouter(NAMES[:4], load_factor=1.25, min_load=4)
     key = "id:hot"
     home, second = preference(key, r.replicas)[:2]
     loads = [2, 2, 2, 2]
     assert r.route(key, loads) == home
     loads[home] = 50  # far above 1.25 x the mean
     assert r.route(key, loads) == second
+    loads = [0, 0, 0, 0]
+    loads[home] = 3  # hotter than the rest, but under min_load: stays
+    assert r.route(key, loads) == home
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 100), min_size=1, max_size=8), st.text(max_size=20),
-       st.floats(1.0, 3.0))
-def test_routed_replica_is_under_the_bound(loads: list[int], key: str, factor: float) -> None:
-    r = AffinityRouter(NAMES[: len(loads)], load_factor=factor)
+       st.floats(1.0, 3.0), st.integers(1, 32))
+def test_routed_replica_is_under_the_bound(loads: list[int], key: str, factor: float,
+                                           min_load: int) -> None:
+    r = AffinityRouter(NAMES[: len(loads)], load_factor=factor, min_load=min_load)
     i = r.route(key, loads)
     assert 0 <= i < len(loads)
     assert loads[i] < r.capacity(loads)
@@ -75,6 +79,8 @@ def test_bad_arguments() -> None:
         AffinityRouter(["a", "a"])
     with pytest.raises(ValueError):
         AffinityRouter(["a"], load_factor=0.5)
+    with pytest.raises(ValueError):
+        AffinityRouter(["a"], min_load=0)
     with pytest.raises(ValueError):
         AffinityRouter(["a", "b"]).route("k", [0])
     rnd = RandomRouter(NAMES[:3], seed=1)

@@ -11,9 +11,11 @@ simulator:
   (:func:`preference`): every key has its own stable order, replicas that join or leave move
   only the keys they win or held, and keys spread evenly.
 * **Bounded load.** The first replica in that order whose load is under
-  ``ceil(load_factor * (total + 1) / n)`` takes the turn ("consistent hashing with bounded
-  loads", Mirrokni et al. 2018): one hot replica spills to the key's next choice instead of
-  queueing. With ``load_factor`` >= 1 some replica always qualifies.
+  ``max(min_load, ceil(load_factor * (total + 1) / n))`` takes the turn ("consistent hashing
+  with bounded loads", Mirrokni et al. 2018): one hot replica spills to the key's next choice
+  instead of queueing. With ``load_factor`` >= 1 some replica always qualifies. A turn that
+  spills loses its KV (the next replica recomputes the history), so below ``min_load``
+  requests in flight a replica is never counted hot: an engine batches that many anyway.
 
 :class:`RandomRouter` ignores the key (the contrast in the benchmarks). Pure Python, no torch.
 """
@@ -62,19 +64,24 @@ def preference(key: str, replicas: Sequence[str]) -> list[int]:
 class AffinityRouter:
     """Conversation-affinity routing over named replicas with bounded load."""
 
-    def __init__(self, replicas: Sequence[str], load_factor: float = 1.25) -> None:
+    def __init__(self, replicas: Sequence[str], load_factor: float = 1.25,
+                 min_load: int = 16) -> None:
         if not replicas:
             raise ValueError("at least one replica is needed")
         if len(set(replicas)) != len(replicas):
             raise ValueError(f"replica names must be unique, got {list(replicas)}")
         if not load_factor >= 1.0:
             raise ValueError(f"load_factor must be >= 1, got {load_factor}")
+        if min_load < 1:
+            raise ValueError(f"min_load must be >= 1, got {min_load}")
         self.replicas = list(replicas)
         self.load_factor = load_factor
+        self.min_load = min_load
 
     def capacity(self, loads: Sequence[int]) -> int:
         """Most requests a replica may hold before a new one spills to the next choice."""
-        return max(1, math.ceil(self.load_factor * (sum(loads) + 1) / len(self.replicas)))
+        return max(self.min_load,
+                   math.ceil(self.load_factor * (sum(loads) + 1) / len(self.replicas)))
 
     def route(self, key: str, loads: Sequence[int]) -> int:
         """Replica index for a request with routing key ``key``; ``loads[i]``: requests in
