@@ -164,11 +164,12 @@ def scripted_app(tokenizer: Any, store: Path,
                  wrap: Callable[[ScriptedExecutor], Executor] | None = None,
                  **kw: Any) -> tuple[Any, ScriptedExecutor]:
     """A FastAPI app over a scripted engine for ``tokenizer`` (its EOS ends turns); ``kw``
-    are :class:`~pensieve.server.app.ServerState` fields."""
-    from pensieve.server.app import ServerState, create_app
+    are :class:`~pensieve.server.state.ServerState` fields."""
+    from pensieve.server.app import create_app
     from pensieve.server.async_engine import AsyncEngine
     from pensieve.server.chat import ChatRenderer
     from pensieve.server.metrics import Metrics
+    from pensieve.server.state import ServerState
     from pensieve.server.store import ConversationStore
 
     eng, ex = scripted_engine(len(tokenizer), (tokenizer.eos_token_id,), wrap=wrap)

@@ -409,3 +409,46 @@ def test_multiturn_chat_point_over_http(server: Server, tmp_path: Path,
     assert series["system"] == "pensieve" and series["warmup_s"] == 1.0
     assert series["duration_s"] == 3.0 and len(series["samples"]) >= 8
     assert "gpu_blocks_used" in series["samples"][-1]
+
+
+def test_chat_client_reads_lines_on_newlines_only_and_error_events(server: Server) -> None:
+    """SSE lines split on ``\\n`` only (a U+2028 inside the JSON stays text), CRLF accepted;
+    an error event fails the request with the server's message."""
+
+    def sse(*objs: object) -> bytes:
+        return "".join(f"data: {json.dumps(o, ensure_ascii=False)}\r\n\r\n"
+                       for o in objs).encode() + b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        user = json.loads(request.content)["messages"][-1]["content"]
+        if user == words_text([2]):
+            body = sse({"choices": [{"delta": {"content": "half"}, "finish_reason": None}]},
+                       {"error": {"message": "the engine failed on this request",
+                                  "type": "server_error", "code": "engine_error"}})
+        else:
+            body = sse({"choices": [{"delta": {"content": "a\u2028b\x85c"},
+                                     "finish_reason": None}]},
+                       {"choices": [{"delta": {}, "finish_reason": "length"}]},
+                       {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    class Mocked(HTTPEngine):
+        async def _open(self) -> httpx.AsyncClient:
+            return httpx.AsyncClient(base_url=self.base_url,
+                                     transport=httpx.MockTransport(handler))
+
+    engine = Mocked(server.url, api="chat", calibrate=False, metrics_interval_s=None)
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        engine.add_request("ok", [1], params, conversation_id="a")
+        engine.add_request("bad", [2], params, conversation_id="b")
+        got: dict[str, RequestOutput] = {}
+        deadline = time.monotonic() + 30
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            got |= {o.request_id: o for o in engine.step()}
+        assert got["ok"].finish_reason == "length" and len(got["ok"].output_token_ids) == 2
+        assert engine._chats["a"][-1] == {"role": "assistant", "content": "a\u2028b\x85c"}
+        assert got["bad"].finish_reason == "error" and engine.errors == 1
+        assert "engine_error" in engine.error_messages[0]
+    finally:
+        engine.shutdown()

@@ -165,6 +165,20 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an SSE stream, split on ``\n`` only (a trailing ``\r`` dropped). httpx's
+    ``aiter_lines`` splits as ``str.splitlines`` does, also on U+0085, U+2028 and U+2029,
+    which a server may leave unescaped inside a data line's JSON."""
+    buf = ""
+    async for text in chunks:
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buf:
+        yield buf
+
+
 def words_text(ids: list[int], tokens_per_word: float = 1.0) -> str:
     """User text of about ``len(ids)`` tokens: one word of :data:`CHAT_WORDS` per id, the
     number of words scaled by ``1 / tokens_per_word``."""
@@ -428,7 +442,8 @@ class HTTPEngine:
                       ) -> AsyncIterator[tuple[float, dict[str, Any]]]:
         """POST ``body`` to ``path`` as a streaming request within the connection cap; yields
         (arrival time on the clock, parsed chunk) for each SSE data line up to ``[DONE]``.
-        Raises :class:`_Failed` on a non-200 answer."""
+        Raises :class:`_Failed` on a non-200 answer or an error event (``data: {"error": ...}``,
+        what a server sends when it fails a request mid-stream)."""
         if self._slots.locked():
             self.throttled += 1
         async with self._slots:
@@ -439,14 +454,17 @@ class HTTPEngine:
                     if resp.status_code != 200:
                         detail = (await resp.aread()).decode(errors="replace")[:300]
                         raise _Failed(f"HTTP {resp.status_code}: {detail}")
-                    async for line in resp.aiter_lines():
+                    async for line in sse_lines(resp.aiter_text()):
                         if not line.startswith("data:"):
                             continue
-                        data = line[5:].strip()
+                        data = line[5:].strip(" ")
                         if data == "[DONE]":
                             break
                         now = self.clock.now()
-                        yield now, json.loads(data)
+                        chunk = json.loads(data)
+                        if isinstance(chunk, dict) and chunk.get("error"):
+                            raise _Failed(f"error event: {chunk['error']}"[:300])
+                        yield now, chunk
             finally:
                 self._in_flight -= 1
 

@@ -21,8 +21,6 @@ import hashlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,52 +30,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.core.scheduler import ConversationBusyError
-from pensieve.server.async_engine import AsyncEngine
-from pensieve.server.chat import ChatRenderer
 from pensieve.server.errors import APIError, error_body, error_response
-from pensieve.server.metrics import Metrics
 from pensieve.server.openapi import document_errors
 from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from pensieve.server.respond import run_turn
-from pensieve.server.store import ConversationStore
+from pensieve.server.state import ServerState
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
 log = logging.getLogger("pensieve.server")
-
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    store: ConversationStore
-    renderer: ChatRenderer | None
-    model_name: str
-    is_demo: bool
-    api_keys: tuple[str, ...]
-    max_model_len: int
-    metrics: Metrics
-    served_model_names: tuple[str, ...] = ()
-    """Names a request's ``model`` may give (``model_name`` first); empty: only it."""
-    max_queued_requests: int | None = None
-    """Requests waiting for their first token beyond which a new one gets a 429 (None: no
-    limit)."""
-    max_request_bytes: int = 8 * 2**20
-    default_max_tokens: int = 1024
-    """``max_tokens`` of a request that gives none (capped by the room left in the context)."""
-    extra_stop_token_ids: tuple[int, ...] = ()
-    """End-of-sequence ids of ``generation_config.json``: every turn stops on them."""
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """``temperature``/``top_p``/``top_k`` of requests that leave them out."""
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        4, thread_name_prefix="pensieve-prep"))
-    queued: int = 0
-    """Requests accepted that have not produced their first token (being prepared, waiting
-    for the engine, or in prefill)."""
-    draining: bool = False
-    """Shutting down: new requests get a 503."""
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.served_model_names or (self.model_name,)
 
 
 def _tenant(state: ServerState, request: Request) -> str:

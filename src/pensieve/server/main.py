@@ -105,11 +105,12 @@ def serve(args: argparse.Namespace) -> int:
     from pensieve.models.demo import is_demo
     from pensieve.models.loader import resolve_config
     from pensieve.models.tokenizer import load_tokenizer
-    from pensieve.server.app import ServerState, create_app
+    from pensieve.server.app import create_app
     from pensieve.server.async_engine import AsyncEngine
     from pensieve.server.chat import ChatRenderer
     from pensieve.server.metrics import Metrics
     from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
+    from pensieve.server.state import ServerState
     from pensieve.server.store import ConversationStore
 
     logging.basicConfig(level=args.log_level.upper(),

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,12 +27,10 @@ from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server.async_engine import EngineRequestError, set_history
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.protocol import _Sampling
+from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.turns import Turn, engine_call, off_loop
-
-if TYPE_CHECKING:
-    from pensieve.server.app import ServerState
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}
 MAX_STOP_STRINGS = 64

@@ -13,16 +13,14 @@ import asyncio
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from jinja2.exceptions import TemplateError
 
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server.errors import APIError
+from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
-
-if TYPE_CHECKING:
-    from pensieve.server.app import ServerState
 
 T = TypeVar("T")
 

@@ -1,0 +1,52 @@
+"""What the server's request handlers share: the engine, the conversation store, the chat
+renderer, the settings, the preparation thread pool and the admission counters. It imports
+only the parts it holds, so the modules that take it (app, turns, respond) import it without
+importing one another in a circle."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pensieve.server.async_engine import AsyncEngine
+from pensieve.server.chat import ChatRenderer
+from pensieve.server.metrics import Metrics
+from pensieve.server.store import ConversationStore
+
+
+@dataclass
+class ServerState:
+    """The server's parts and settings, one per app."""
+
+    engine: AsyncEngine
+    store: ConversationStore
+    renderer: ChatRenderer | None
+    model_name: str
+    is_demo: bool
+    api_keys: tuple[str, ...]
+    max_model_len: int
+    metrics: Metrics
+    served_model_names: tuple[str, ...] = ()
+    """Names a request's ``model`` may give (``model_name`` first); empty: only it."""
+    max_queued_requests: int | None = None
+    """Requests waiting for their first token beyond which a new one gets a 429 (None: no
+    limit)."""
+    max_request_bytes: int = 8 * 2**20
+    default_max_tokens: int = 1024
+    """``max_tokens`` of a request that gives none (capped by the room left in the context)."""
+    extra_stop_token_ids: tuple[int, ...] = ()
+    """End-of-sequence ids of ``generation_config.json``: every turn stops on them."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """``temperature``/``top_p``/``top_k`` of requests that leave them out."""
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        4, thread_name_prefix="pensieve-prep"))
+    queued: int = 0
+    """Requests accepted that have not produced their first token (being prepared, waiting
+    for the engine, or in prefill)."""
+    draining: bool = False
+    """Shutting down: new requests get a 503."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model_name,)
