@@ -1,4 +1,9 @@
-"""Persistent conversation store (SQLite in WAL mode).
+"""Persistent conversation store: one interface (:class:`Store`), SQLite in WAL mode here,
+PostgreSQL in :mod:`.store_pg`; :func:`open_store` picks one from a path or a URL.
+
+Replicas on one host share one SQLite file (WAL lets readers run beside the one writer; a
+writer waits up to ``busy_timeout`` for another); replicas on several hosts share a
+PostgreSQL database. Either way any replica can continue any conversation from the store.
 
 One row per conversation: owner (tenant), messages (JSON), the raw token history (every input
 and output token, the engine's ``Conversation.token_ids``), per-turn boundaries, retention
@@ -15,7 +20,8 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -55,13 +61,67 @@ class StoredConversation:
     updated: float = 0.0
 
 
-class ConversationStore:
-    """Thread-safe access to the SQLite file (one connection, one lock)."""
+COLUMNS = ("id", "tenant", "messages", "token_ids", "turns", "messages_hash", "priority",
+           "keep_alive_s", "created", "updated")
+"""A row's columns, in the order of :func:`row_values` (shared by both stores)."""
 
-    def __init__(self, path: str) -> None:
+
+def row_values(conv: StoredConversation) -> tuple[Any, ...]:
+    """The row of ``conv`` in :data:`COLUMNS` order (JSON text for the lists)."""
+    return (conv.id, conv.tenant, json.dumps(conv.messages, ensure_ascii=False),
+            json.dumps(conv.token_ids), json.dumps(conv.turns),
+            messages_hash(conv.tenant, conv.messages), conv.priority, conv.keep_alive_s,
+            conv.created, conv.updated)
+
+
+def from_row(row: tuple[Any, ...]) -> StoredConversation:
+    """A conversation from a row of :data:`COLUMNS` without ``messages_hash``."""
+    return StoredConversation(row[0], row[1], json.loads(row[2]), json.loads(row[3]),
+                              json.loads(row[4]), float(row[5]), float(row[6]),
+                              float(row[7]), float(row[8]))
+
+
+SELECT_COLUMNS = ", ".join(c for c in COLUMNS if c != "messages_hash")
+
+
+class Store(Protocol):
+    """What the server needs of a conversation store (every method thread-safe)."""
+
+    def get(self, conversation_id: str) -> StoredConversation | None: ...
+
+    def find_by_messages(self, tenant: str, messages: list[dict[str, Any]]) -> str | None: ...
+
+    def save_turn(self, conv: StoredConversation) -> None: ...
+
+    def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None: ...
+
+    def delete(self, conversation_id: str) -> bool: ...
+
+    def count(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def open_store(target: str) -> Store:
+    """The store at ``target``: a ``postgresql://`` (or ``postgres://``) URL, else the path of
+    a SQLite file (its directory is created)."""
+    if target.startswith(("postgresql://", "postgres://")):
+        from pensieve.server.store_pg import PostgresStore
+
+        return PostgresStore(target)
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    return ConversationStore(target)
+
+
+class ConversationStore:
+    """The SQLite store: thread-safe access to one file (one connection, one lock per
+    process; several processes may share the file)."""
+
+    def __init__(self, path: str, busy_timeout_ms: int = 30_000) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
@@ -72,13 +132,9 @@ class ConversationStore:
 
     def get(self, conversation_id: str) -> StoredConversation | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT id, tenant, messages, token_ids, turns, priority, keep_alive_s, created,"
-                " updated FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
-        if row is None:
-            return None
-        return StoredConversation(row[0], row[1], json.loads(row[2]), json.loads(row[3]),
-                                  json.loads(row[4]), row[5], row[6], row[7], row[8])
+            row = self._db.execute(f"SELECT {SELECT_COLUMNS} FROM conversations WHERE id = ?",
+                                   (conversation_id,)).fetchone()
+        return None if row is None else from_row(row)
 
     def find_by_messages(self, tenant: str, messages: list[dict[str, Any]]) -> str | None:
         """The tenant's conversation whose messages are exactly ``messages``, if any."""
@@ -97,13 +153,8 @@ class ConversationStore:
             conv.created = now
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO conversations (id, tenant, messages, token_ids, turns,"
-                " messages_hash, priority, keep_alive_s, created, updated)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (conv.id, conv.tenant, json.dumps(conv.messages, ensure_ascii=False),
-                 json.dumps(conv.token_ids), json.dumps(conv.turns),
-                 messages_hash(conv.tenant, conv.messages), conv.priority, conv.keep_alive_s,
-                 conv.created, conv.updated))
+                f"INSERT OR REPLACE INTO conversations ({', '.join(COLUMNS)})"
+                f" VALUES ({', '.join('?' * len(COLUMNS))})", row_values(conv))
 
     def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None:
         with self._lock:

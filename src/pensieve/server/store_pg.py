@@ -1,0 +1,102 @@
+"""The conversation store on PostgreSQL (through ``psycopg``), for replicas on several hosts.
+
+Same rows and the same :class:`~pensieve.server.store.Store` interface as the SQLite store:
+one row per conversation, written in one statement when a turn completes (an upsert, so a
+conversation that moved to another replica simply gets its next turn written there). One
+connection per process in autocommit mode, behind a lock; a connection the server dropped is
+reopened once per call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+from pensieve.server.store import (
+    COLUMNS,
+    SELECT_COLUMNS,
+    StoredConversation,
+    from_row,
+    messages_hash,
+    row_values,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    token_ids TEXT NOT NULL,
+    turns TEXT NOT NULL,
+    messages_hash TEXT NOT NULL,
+    priority DOUBLE PRECISION NOT NULL DEFAULT 1.0,
+    keep_alive_s DOUBLE PRECISION NOT NULL DEFAULT 0.0,
+    created DOUBLE PRECISION NOT NULL,
+    updated DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS by_hash ON conversations (tenant, messages_hash);
+"""
+
+_UPSERT = (f"INSERT INTO conversations ({', '.join(COLUMNS)}) "
+           f"VALUES ({', '.join(['%s'] * len(COLUMNS))}) ON CONFLICT (id) DO UPDATE SET "
+           + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS if c != "id"))
+
+
+class PostgresStore:
+    """The PostgreSQL store at ``url`` (``postgresql://user:pw@host:port/db``)."""
+
+    def __init__(self, url: str) -> None:
+        self.path = url
+        self._lock = threading.Lock()
+        self._db = psycopg.connect(url, autocommit=True)
+        with self._lock:
+            # Several replicas may start at once: serialize the schema creation.
+            self._db.execute("SELECT pg_advisory_lock(4242)")
+            try:
+                self._db.execute(_SCHEMA)
+            finally:
+                self._db.execute("SELECT pg_advisory_unlock(4242)")
+
+    def _run(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+        with self._lock:
+            if self._db.closed:
+                self._db = psycopg.connect(self.path, autocommit=True)
+            return self._db.execute(sql, params)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def get(self, conversation_id: str) -> StoredConversation | None:
+        row = self._run(f"SELECT {SELECT_COLUMNS} FROM conversations WHERE id = %s",
+                        (conversation_id,)).fetchone()
+        return None if row is None else from_row(row)
+
+    def find_by_messages(self, tenant: str, messages: list[dict[str, Any]]) -> str | None:
+        """The tenant's conversation whose messages are exactly ``messages``, if any."""
+        row = self._run("SELECT id FROM conversations WHERE tenant = %s AND messages_hash = %s "
+                        "ORDER BY updated DESC LIMIT 1",
+                        (tenant, messages_hash(tenant, messages))).fetchone()
+        return row[0] if row else None
+
+    def save_turn(self, conv: StoredConversation) -> None:
+        """Insert or update the conversation after a completed turn (one statement)."""
+        conv.updated = time.time()
+        if not conv.created:
+            conv.created = conv.updated
+        self._run(_UPSERT, row_values(conv))
+
+    def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None:
+        self._run("UPDATE conversations SET priority = %s, keep_alive_s = %s WHERE id = %s",
+                  (priority, keep_alive_s, conversation_id))
+
+    def delete(self, conversation_id: str) -> bool:
+        return self._run("DELETE FROM conversations WHERE id = %s",
+                         (conversation_id,)).rowcount > 0
+
+    def count(self) -> int:
+        row = self._run("SELECT COUNT(*) FROM conversations").fetchone()
+        return int(row[0]) if row else 0
