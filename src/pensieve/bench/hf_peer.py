@@ -157,6 +157,38 @@ def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
     return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * elem
 
 
+def _cb_options(cb_options: dict[str, Any] | None, block_size: int | None,
+                prefix_sharing: bool, max_batch_tokens: int | None,
+                max_requests_per_batch: int | None, kv_cache_gb: float | None,
+                num_blocks: int | None, hf_config: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``ContinuousBatchingConfig`` fields of the engine's options (unknown ``cb_options``
+    fields are a TypeError; ``kv_cache_gb`` becomes a block count)."""
+    from transformers import ContinuousBatchingConfig
+
+    fields = _cb_config_fields()
+    opts: dict[str, Any] = dict(cb_options or {})
+    unknown = sorted(set(opts) - fields)
+    if unknown:
+        raise TypeError(f"unknown ContinuousBatchingConfig fields {unknown}; "
+                        f"this transformers has {sorted(fields)}")
+    size_field = "page_size" if "page_size" in fields else "block_size"
+    if block_size is not None:
+        opts[size_field] = int(block_size)
+    opts.setdefault("allow_block_sharing", bool(prefix_sharing))
+    if max_batch_tokens is not None:
+        opts["max_batch_tokens"] = int(max_batch_tokens)
+    if max_requests_per_batch is not None:
+        opts["max_requests_per_batch"] = int(max_requests_per_batch)
+    if kv_cache_gb is not None:
+        page = int(opts.get(size_field) or getattr(ContinuousBatchingConfig(), size_field)
+                   or 256)
+        per_block = page * kv_bytes_per_token(hf_config, dtype)
+        num_blocks = max(1, int(kv_cache_gb * 2**30 // per_block))
+    if num_blocks is not None:
+        opts["num_blocks"] = int(num_blocks)
+    return opts
+
+
 class HFContinuousBatchingEngine:
     """HF transformers continuous batching behind the :class:`BenchEngine` protocol.
 
@@ -206,27 +238,9 @@ class HFContinuousBatchingEngine:
         self.dtype = self.model.dtype
         self.device = self.model.device
 
-        fields = _cb_config_fields()
-        opts: dict[str, Any] = dict(cb_options or {})
-        unknown = sorted(set(opts) - fields)
-        if unknown:
-            raise TypeError(f"unknown ContinuousBatchingConfig fields {unknown}; "
-                            f"this transformers has {sorted(fields)}")
-        size_field = "page_size" if "page_size" in fields else "block_size"
-        if block_size is not None:
-            opts[size_field] = int(block_size)
-        opts.setdefault("allow_block_sharing", bool(prefix_sharing))
-        if max_batch_tokens is not None:
-            opts["max_batch_tokens"] = int(max_batch_tokens)
-        if max_requests_per_batch is not None:
-            opts["max_requests_per_batch"] = int(max_requests_per_batch)
-        if kv_cache_gb is not None:
-            page = int(opts.get(size_field) or getattr(ContinuousBatchingConfig(), size_field)
-                       or 256)
-            per_block = page * kv_bytes_per_token(self.hf_config, self.dtype)
-            num_blocks = max(1, int(kv_cache_gb * 2**30 // per_block))
-        if num_blocks is not None:
-            opts["num_blocks"] = int(num_blocks)
+        opts = _cb_options(cb_options, block_size, prefix_sharing, max_batch_tokens,
+                           max_requests_per_batch, kv_cache_gb, num_blocks, self.hf_config,
+                           self.dtype)
         self.prefix_sharing = bool(opts["allow_block_sharing"])
         cb_config = ContinuousBatchingConfig(**opts)
         gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=16,

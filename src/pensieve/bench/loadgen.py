@@ -107,6 +107,76 @@ def _turn_rng(seed: int, slot: int, turn: int, what: str) -> random.Random:
     return random.Random(f"{seed}:{slot}:{turn}:{what}")
 
 
+class _Run:
+    """The state of one :func:`run_load`: the turns waiting to be sent, those in flight, the
+    finished ones and the counts the samples report."""
+
+    def __init__(self, engine: BenchEngine, convs: list[Conversation], seed: int,
+                 vocab_size: int, think_time_s: float, t0: float) -> None:
+        self.engine, self.convs, self.seed = engine, convs, seed
+        self.vocab_size, self.think_time_s, self.t0 = vocab_size, think_time_s, t0
+        self.heap: list[tuple[float, int, int]] = []  # (send time, conversation slot, turn)
+        self.records: dict[str, RequestRecord] = {}
+        self.done: list[RequestRecord] = []
+        self.in_flight = 0
+        self.sessions = 0  # arrived, last turn not answered yet
+        self.started = self.sent_n = self.finished_n = 0
+        self.samples: list[dict[str, float]] = []
+
+    def send_due(self, now: float) -> None:
+        """Send every turn whose time has come."""
+        heap, convs = self.heap, self.convs
+        while heap and heap[0][0] <= now:
+            sent, slot, k = heapq.heappop(heap)
+            conv, turn = convs[slot], convs[slot].turns[k]
+            rid = f"c{slot}-t{k}"
+            trng = _turn_rng(self.seed, slot, k, "prompt")
+            ids = [trng.randrange(self.vocab_size) for _ in range(turn.input_len)]
+            params = SamplingParams(max_tokens=turn.output_len, temperature=0.0,
+                                    ignore_eos=True)
+            self.records[rid] = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len,
+                                              turn.output_len)
+            self.engine.add_request(rid, ids, params, arrival_time=self.t0 + sent,
+                                    conversation_id=f"{conv.conv_id}#{slot}")
+            self.in_flight += 1
+            self.sent_n += 1
+            if k == 0:
+                self.sessions += 1
+                self.started += 1
+
+    def finish(self, out: Any, clock: Clock) -> None:
+        """A turn's answer ``out`` (a request output) arrived; schedule the next turn."""
+        rec = self.records.pop(out.request_id)
+        self.in_flight -= 1
+        self.finished_n += 1
+        slot, k = int(rec.conversation[1:]), rec.turn
+        if out.finish_reason == "error":
+            rec.error = True
+            self.done.append(rec)  # the conversation stops here
+            self.sessions -= 1
+            return
+        t0 = self.t0
+        rec.finished = (out.finish_time or clock.now()) - t0
+        rec.first_token = (out.first_token_time - t0) if out.first_token_time else None
+        rec.context_len = len(out.prompt_token_ids)
+        rec.output_tokens = len(out.output_token_ids)
+        rec.cache = dict(out.cache_stats or {})
+        self.done.append(rec)
+        if k + 1 < len(self.convs[slot].turns):
+            think = _turn_rng(self.seed, slot, k, "think").expovariate(1.0 / self.think_time_s)
+            heapq.heappush(self.heap, (rec.finished + think, slot, k + 1))
+        else:
+            self.sessions -= 1
+
+    def sample(self, now: float) -> None:
+        s: dict[str, float] = {"t": round(now, 3), "sessions_in_flight": self.sessions,
+                               "requests_in_flight": self.in_flight,
+                               "sessions_started": self.started, "requests_sent": self.sent_n,
+                               "requests_finished": self.finished_n}
+        s.update(engine_probe(self.engine))
+        self.samples.append(s)
+
+
 def run_load(
     engine: BenchEngine,
     clock: Clock,
@@ -131,82 +201,32 @@ def run_load(
     arrivals = arrival_times(conv_rate, duration_s, rng)
     drain = duration_s if drain_s is None else drain_s
     stop_at = duration_s + drain
-    heap: list[tuple[float, int, int]] = []  # (send time, conversation slot, turn)
     convs = [conversations[i % len(conversations)] for i in range(len(arrivals))]
+    run = _Run(engine, convs, seed, vocab_size, think_time_s, t0)
     for slot, t in enumerate(arrivals):
-        heapq.heappush(heap, (t, slot, 0))
+        heapq.heappush(run.heap, (t, slot, 0))
     total = sum(len(c.turns) for c in convs)
-    records: dict[str, RequestRecord] = {}
-    done: list[RequestRecord] = []
-    in_flight = 0
-    sessions = 0  # arrived, last turn not answered yet
-    started = sent_n = finished_n = 0
-    samples: list[dict[str, float]] = []
     next_sample = 0.0 if sample_interval_s else math.inf
-
-    def sample(now: float) -> None:
-        nonlocal next_sample
-        s: dict[str, float] = {"t": round(now, 3), "sessions_in_flight": sessions,
-                               "requests_in_flight": in_flight, "sessions_started": started,
-                               "requests_sent": sent_n, "requests_finished": finished_n}
-        s.update(engine_probe(engine))
-        samples.append(s)
-        assert sample_interval_s
-        while next_sample <= now:
-            next_sample += sample_interval_s
-
     while True:
         # the clock's reading minus t0 may fall a rounding error short of the time slept to
         now = clock.now() - t0 + _EPS
         if now >= stop_at:
             break
-        while heap and heap[0][0] <= now:
-            sent, slot, k = heapq.heappop(heap)
-            conv, turn = convs[slot], convs[slot].turns[k]
-            rid = f"c{slot}-t{k}"
-            trng = _turn_rng(seed, slot, k, "prompt")
-            ids = [trng.randrange(vocab_size) for _ in range(turn.input_len)]
-            params = SamplingParams(max_tokens=turn.output_len, temperature=0.0,
-                                    ignore_eos=True)
-            records[rid] = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len,
-                                         turn.output_len)
-            engine.add_request(rid, ids, params, arrival_time=t0 + sent,
-                               conversation_id=f"{conv.conv_id}#{slot}")
-            in_flight += 1
-            sent_n += 1
-            if k == 0:
-                sessions += 1
-                started += 1
+        run.send_due(now)
         if now >= next_sample:  # after the sends that were due
-            sample(now)
-        if in_flight == 0:
-            if not heap:
+            run.sample(now)
+            assert sample_interval_s
+            while next_sample <= now:
+                next_sample += sample_interval_s
+        if run.in_flight == 0:
+            if not run.heap:
                 break
-            clock.sleep_until(t0 + min(heap[0][0], stop_at, next_sample))
+            clock.sleep_until(t0 + min(run.heap[0][0], stop_at, next_sample))
             continue
         for out in engine.step():
-            rec = records.pop(out.request_id)
-            in_flight -= 1
-            finished_n += 1
-            slot, k = int(rec.conversation[1:]), rec.turn
-            if out.finish_reason == "error":
-                rec.error = True
-                done.append(rec)  # the conversation stops here
-                sessions -= 1
-                continue
-            rec.finished = (out.finish_time or clock.now()) - t0
-            rec.first_token = (out.first_token_time - t0) if out.first_token_time else None
-            rec.context_len = len(out.prompt_token_ids)
-            rec.output_tokens = len(out.output_token_ids)
-            rec.cache = dict(out.cache_stats or {})
-            done.append(rec)
-            if k + 1 < len(convs[slot].turns):
-                think = _turn_rng(seed, slot, k, "think").expovariate(1.0 / think_time_s)
-                heapq.heappush(heap, (rec.finished + think, slot, k + 1))
-            else:
-                sessions -= 1
-            if progress:
-                progress(len(done), total)
-    unfinished = list(records.values())
-    done.extend(unfinished)
-    return LoadResult(done, duration_s, clock.now() - t0, len(unfinished), samples)
+            run.finish(out, clock)
+            if progress and out.finish_reason != "error":
+                progress(len(run.done), total)
+    unfinished = list(run.records.values())
+    run.done.extend(unfinished)
+    return LoadResult(run.done, duration_s, clock.now() - t0, len(unfinished), run.samples)

@@ -40,7 +40,7 @@ import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pensieve.bench.workload_types import (
     DEFAULT_MAX_CONTEXT,
@@ -86,6 +86,64 @@ def packaged_sharegpt_path() -> Path:
     return Path(str(p))
 
 
+class _Reader:
+    """A UTF-8 text buffer over a binary file read in chunks: ``buf[pos:]`` is what is not
+    consumed yet."""
+
+    def __init__(self, f: BinaryIO, chunk_size: int, st: ShareGPTReadStats) -> None:
+        self.f, self.chunk_size, self.st = f, chunk_size, st
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+
+    def more(self) -> bool:
+        """Append the next chunk to ``buf``; False at end of file."""
+        if self.eof:
+            return False
+        raw = self.f.read(self.chunk_size)
+        self.st.bytes_read += len(raw)
+        if not raw:
+            self.eof = True
+            try:
+                tail = self.utf8.decode(b"", final=True)
+            except UnicodeDecodeError:  # the cut split a multi-byte character
+                tail = ""
+            self.buf = self.buf[self.pos:] + tail
+            self.pos = 0
+            return bool(tail)
+        self.buf = self.buf[self.pos:] + self.utf8.decode(raw)
+        self.pos = 0
+        return True
+
+    def skip_ws(self) -> bool:
+        """Advance past whitespace; False if the input ended."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in _WS:
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return True
+            if not self.more():
+                return False
+
+    def decode(self, decoder: json.JSONDecoder) -> tuple[Any, int] | str:
+        """The element at ``pos`` and its end, reading on while it continues past the buffer;
+        an error message if the file ends inside it."""
+        while True:
+            try:
+                obj, end = decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                # Most likely the element continues past the buffer: read on and retry.
+                if self.more():
+                    continue
+                return f"incomplete element at end of file ({e.msg})"
+            if end >= len(self.buf) and not self.eof and not isinstance(obj, (dict, list, str)):
+                # A bare number/literal could continue in the next chunk.
+                if self.more():
+                    continue
+            return obj, end
+
+
 def iter_sharegpt(path: str | os.PathLike[str], stats: ShareGPTReadStats | None = None,
                   chunk_size: int = 1 << 22) -> Generator[dict[str, Any], None, ShareGPTReadStats]:
     """Yield the conversation objects of a ShareGPT JSON file (a top-level array) one by one.
@@ -99,61 +157,26 @@ def iter_sharegpt(path: str | os.PathLike[str], stats: ShareGPTReadStats | None 
     """
     st = stats if stats is not None else ShareGPTReadStats()
     decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as f:
         try:
             st.file_size = os.fstat(f.fileno()).st_size
         except OSError:  # pragma: no cover
             st.file_size = 0
-        buf = ""
-        pos = 0
-        eof = False
-
-        def more() -> bool:
-            """Append the next chunk to ``buf``; False at end of file."""
-            nonlocal buf, pos, eof
-            if eof:
-                return False
-            raw = f.read(chunk_size)
-            st.bytes_read += len(raw)
-            if not raw:
-                eof = True
-                try:
-                    tail = utf8.decode(b"", final=True)
-                except UnicodeDecodeError:  # the cut split a multi-byte character
-                    tail = ""
-                buf = buf[pos:] + tail
-                pos = 0
-                return bool(tail)
-            buf = buf[pos:] + utf8.decode(raw)
-            pos = 0
-            return True
-
-        def skip_ws() -> bool:
-            """Advance past whitespace; False if the input ended."""
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in _WS:
-                    pos += 1
-                if pos < len(buf):
-                    return True
-                if not more():
-                    return False
-
-        if not skip_ws():
+        r = _Reader(f, chunk_size, st)
+        if not r.skip_ws():
             st.truncated = True
             st.error = "empty file"
             return st
-        if buf[pos] != "[":
-            raise ValueError(f"{path}: not a JSON array (starts with {buf[pos]!r})")
-        pos += 1
+        if r.buf[r.pos] != "[":
+            raise ValueError(f"{path}: not a JSON array (starts with {r.buf[r.pos]!r})")
+        r.pos += 1
         first = True
         while True:
-            if not skip_ws():
+            if not r.skip_ws():
                 st.truncated = True
                 st.error = "end of file before closing ']'"
                 return st
-            ch = buf[pos]
+            ch = r.buf[r.pos]
             if ch == "]":
                 return st
             if not first:
@@ -161,27 +184,17 @@ def iter_sharegpt(path: str | os.PathLike[str], stats: ShareGPTReadStats | None 
                     raise ValueError(f"{path}: expected ',' or ']' after element "
                                      f"{st.conversations_read + st.skipped_non_objects}, "
                                      f"got {ch!r}")
-                pos += 1
-                if not skip_ws():
+                r.pos += 1
+                if not r.skip_ws():
                     st.truncated = True
                     st.error = "end of file after ','"
                     return st
-            while True:
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError as e:
-                    # Most likely the element continues past the buffer: read on and retry.
-                    if more():
-                        continue
-                    st.truncated = True
-                    st.error = f"incomplete element at end of file ({e.msg})"
-                    return st
-                if end >= len(buf) and not eof and not isinstance(obj, (dict, list, str)):
-                    # A bare number/literal could continue in the next chunk.
-                    if more():
-                        continue
-                break
-            pos = end
+            got = r.decode(decoder)
+            if isinstance(got, str):
+                st.truncated = True
+                st.error = got
+                return st
+            obj, r.pos = got
             first = False
             if isinstance(obj, dict):
                 st.conversations_read += 1
