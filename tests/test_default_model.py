@@ -2,8 +2,9 @@
 weights: fp32 on the CPU, our greedy tokens equal HF transformers' on the same dequantized
 weights, under every cache policy; and it answers a question sensibly.
 
-The GGUF is dequantized once per session into a temporary ``$PENSIEVE_CACHE_DIR`` (what
-``pensieve serve`` does on its first start); every test reads that directory.
+The GGUF is dequantized once per test session (only this module uses it) into a temporary
+``$PENSIEVE_CACHE_DIR``, as ``pensieve serve`` does on its first start; every test reads that
+directory.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ TURNS = [
 TURN_TOKENS = 24
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """``(checkpoint dir, HF model fp32, tokenizer)``; ``$PENSIEVE_CACHE_DIR`` points at the
-    session's cache for the whole session (restored afterwards)."""
+    """``(checkpoint dir, HF model fp32, tokenizer)``; ``$PENSIEVE_CACHE_DIR`` points at a
+    temporary cache while this module runs (restored afterwards)."""
     cache = tmp_path_factory.mktemp("pensieve-cache")
     old = os.environ.get("PENSIEVE_CACHE_DIR")
     os.environ["PENSIEVE_CACHE_DIR"] = str(cache)
