@@ -4,10 +4,11 @@ Real points (``benchmarks/churn_points.sh``: two ``pensieve serve`` servers side
 H200s, an OpenAI chat client over HTTP, agentic workload, seed 0, think time 5 s, Llama 2-13B
 shape with 10 KV heads in bf16, GPU tier 40 GB, CPU tier 60 GB):
 
-* ``docs/results/churn/stateless_pensieve_0.7`` -- stateless and pensieve at 0.7 sessions/s,
-  arrivals for 404 s, window 210-404 s, drain 25 s;
-* ``docs/results/churn/prefixlru_pensieve_1.2`` -- prefix-lru and pensieve at 1.2 sessions/s,
-  arrivals for 319 s, window 180-319 s, drain 25 s.
+* ``docs/results/churn/stateless_pensieve_0.45_0.85`` -- stateless at 0.45 and pensieve at
+  0.85 sessions/s;
+* ``docs/results/churn/stateless_pensieve_0.55_1.0`` -- stateless at 0.55 and pensieve at 1.0;
+* ``docs/results/churn/prefixlru_pensieve_1.2`` -- prefix-lru and pensieve at 1.2
+  (``--pairs`` picks others, e.g. the older ``stateless_pensieve_0.7``).
 
 Each point's set-up (rate, think time, tiers, warm-up, duration) is read from its
 ``points.jsonl``; each server's own totals at the end (steps and executor seconds by step kind,
@@ -39,9 +40,10 @@ and the servers' scheduler seconds per step are added to ``base_s`` (host time).
 in total, because both engines are busy almost all the time (total step seconds ~ the run's
 length whatever a step costs). The simulated features depend on the model (batch sizes follow
 step times), so the fit alternates with simulator runs (``--calib-iters``, default 2).
-Cross-validation: fit on the 0.7 pair and report the 1.2 pair, and the reverse (the 1.2
-pair's prefill steps all carry ~800 tokens, so there ``per_prefill_token_s`` is held at the
-fused fit's value). A third model fitted on all four points is the one the what-if uses (its
+Held-out check: a model fitted on one pair (``--fit-pair``, default the first) is run on the
+others (when a fit pair's prefill steps carry about the same tokens, ``per_prefill_token_s``
+is held at the fused fit's value). A model fitted on all pairs is the one the what-if and
+``sim_churn_capacity.py`` / ``sim_replicas.py`` use (``step_cost_churn_fit_all.json``; its
 errors are in-sample and are labelled so).
 
 What-if (``--whatif``): the ShareGPT set-up of ``benchmarks/sim_fused_whatif.sh`` ("both costs
@@ -83,7 +85,9 @@ from pensieve.bench.metrics import capacity_at, summarize  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel, TransferModel, nnls  # noqa: E402
 
 CHURN = ROOT / "docs" / "results" / "churn"
-PAIRS = {"0.7": CHURN / "stateless_pensieve_0.7", "1.2": CHURN / "prefixlru_pensieve_1.2"}
+DEFAULT_PAIRS = ("stateless_pensieve_0.45_0.85", "stateless_pensieve_0.55_1.0",
+                 "prefixlru_pensieve_1.2")
+"""The pairs of the current engine (directories of ``docs/results/churn``)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
 SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
 KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
@@ -106,10 +110,12 @@ METRICS = (  # (key, label, scale)
 
 
 # ------------------------------------------------------------------------ real points
-def load_real() -> list[dict[str, Any]]:
-    """The four real points with their servers' end totals."""
+def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
+    """The real points of the given pairs (directory names under ``docs/results/churn``)
+    with their servers' end totals."""
     real = []
-    for pair, d in PAIRS.items():
+    for pair in pairs:
+        d = CHURN / pair
         with tarfile.open(d / "churn.tgz") as tf:
             for side in ("A", "B"):
                 def member(name: str, side: str = side) -> str:
@@ -421,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--whatif-rates", default="0.5,0.6,0.8,1.0,1.2")
     ap.add_argument("--whatif-systems", default="stateless,prefix-lru,pensieve")
     ap.add_argument("--no-whatif", dest="whatif", action="store_false")
+    ap.add_argument("--pairs", default=",".join(DEFAULT_PAIRS),
+                    help="real pairs (directories under docs/results/churn)")
+    ap.add_argument("--fit-pair", default=None,
+                    help="the pair the cross-validated model is fitted on (default: the "
+                         "first); the others are its held-out points")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")
@@ -432,7 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     log: list[str] = []
-    real = load_real()
+    pairs = tuple(args.pairs.split(","))
+    fit_pair = args.fit_pair or pairs[0]
+    if fit_pair not in pairs:
+        ap.error(f"--fit-pair {fit_pair} is not one of --pairs")
+    held_out = tuple(p for p in pairs if p != fit_pair)
+    real = load_real(pairs)
     base = StepCostModel.load(args.step_cost)
     tm = transfer_model()
     msg = (f"copies: {tm.source}: in {tm.swap_in_gbps:.1f} GB/s, out {tm.swap_out_gbps:.1f} "
@@ -440,26 +456,23 @@ def main(argv: list[str] | None = None) -> int:
     print(msg, flush=True)
     log.append(msg)
 
-    # (a) the old fit as is, all four points
-    as_is = run_jobs(real_jobs(real, base, "fused fit as is", args, ("0.7", "1.2")),
-                     args.workers)
+    # (a) the old fit as is, every point
+    as_is = run_jobs(real_jobs(real, base, "fused fit as is", args, pairs), args.workers)
     print(table(real, {"fused fit as is": as_is}), flush=True)
 
-    # (b) cross-validated recalibration, (c) all four
-    m07, fit07, info07 = fit_loop(base, real, ("0.7",), args, "fit on 0.7 pair", as_is, log)
-    m12, fit12, info12 = fit_loop(base, real, ("1.2",), args, "fit on 1.2 pair", as_is, log)
-    m_all, _, info_all = fit_loop(base, real, ("0.7", "1.2"), args, "fit on all four",
-                                  as_is, log)
-    cross = run_jobs(real_jobs(real, m12, "fit on 1.2 -> 0.7", args, ("0.7",))
-                     + real_jobs(real, m07, "fit on 0.7 -> 1.2", args, ("1.2",)), args.workers)
-    allfit = run_jobs(real_jobs(real, m_all, "fit on all four (in-sample)", args,
-                                ("0.7", "1.2")), args.workers)
-    insample = fit07 + fit12  # the last calibration pass of each pair, on its own pair
-    sims = {"fused fit as is": as_is, "cross-validated": cross,
-            "in-sample (own pair)": insample, "all-four fit (in-sample)": allfit}
+    # (b) fitted on one pair, checked on the others (held out); (c) fitted on all
+    m_one, fit_one, info_one = fit_loop(base, real, (fit_pair,), args,
+                                        f"fit on {fit_pair}", as_is, log)
+    m_all, _, info_all = fit_loop(base, real, pairs, args, "fit on all", as_is, log)
+    cross = run_jobs(real_jobs(real, m_one, f"fit on {fit_pair} -> held out", args, held_out),
+                     args.workers) if held_out else []
+    allfit = run_jobs(real_jobs(real, m_all, "fit on all (in-sample)", args, pairs),
+                      args.workers)
+    sims = {"fused fit as is": as_is, "held out (fit on one pair)": cross + fit_one,
+            "all-pairs fit (in-sample)": allfit}
     tab = table(real, sims)
     print(tab, flush=True)
-    for name, m in (("07", m07), ("12", m12), ("all", m_all)):
+    for name, m in (("one", m_one), ("all", m_all)):
         m.save(out / f"step_cost_churn_fit_{name}.json")
     plot(real, sims, out / "sim_validate_churn.png")
 
@@ -472,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             errors[name][f"{r['system']}@{r['conv_rate']}"] = {
                 k: rel(s.get(k) if s else None, r.get(k)) for k, _, _ in METRICS}
 
-    # (d) the ShareGPT what-if with the all-four model
+    # (d) the ShareGPT what-if with the all-pairs model
     whatif: list[dict[str, Any]] = []
     caps: dict[str, Any] = {}
     if args.whatif:
@@ -486,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                              "drain": 10.0 if args.tiny else 60.0, "seed": args.seed,
                              "workload": "sharegpt", "template_tokens": 0,
                              "length_scale": 0.2 if args.tiny else 1.0,
-                             "cost": m_all.to_dict(), "model_name": "all-four fit"})
+                             "cost": m_all.to_dict(), "model_name": "all-pairs fit"})
         whatif = run_jobs(jobs, args.workers)
         for p in whatif:
             if p.get("normalized_latency_s_p90") is None:
@@ -519,8 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
                                  "graph_max_tokens": GRAPH_MAX_TOKENS},
         "base_step_cost": base.to_dict(),
-        "models": {"fit_07": m07.to_dict(), "fit_12": m12.to_dict(), "fit_all": m_all.to_dict()},
-        "fit_info": {"fit_07": info07, "fit_12": info12, "fit_all": info_all},
+        "fit_pair": fit_pair, "held_out": list(held_out),
+        "models": {"fit_one": m_one.to_dict(), "fit_all": m_all.to_dict()},
+        "fit_info": {"fit_one": info_one, "fit_all": info_all},
         "sim": {k: strip(v) for k, v in sims.items()}, "errors": errors,
         "whatif": strip(whatif), "whatif_capacity": caps, "log": log,
         "args": vars(args), "wall_s": round(time.time() - t0, 1),

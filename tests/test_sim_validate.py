@@ -14,8 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "sim_validate_churn.py"
 
 
-@pytest.mark.skipif(not (ROOT / "docs/results/churn/stateless_pensieve_0.7/churn.tgz").exists(),
-                    reason="real churn points not present")
 def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1",
@@ -23,12 +21,13 @@ def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_validate_churn.json").read_text())
-    assert len(d["real"]) == 4
+    assert len(d["real"]) == 6  # three pairs of the current engine
     assert {p["system"] for p in d["real"]} == {"stateless", "pensieve", "prefix-lru"}
     assert all(p["prefill_steps"] > 0 and p["decode_step_s"] > 0 for p in d["real"])
-    assert set(d["models"]) == {"fit_07", "fit_12", "fit_all"}
-    for name in ("fused fit as is", "cross-validated", "all-four fit (in-sample)"):
-        assert len(d["sim"][name]) == 4
+    assert set(d["models"]) == {"fit_one", "fit_all"}
+    assert len(d["held_out"]) == 2 and d["fit_pair"] not in d["held_out"]
+    for name in ("fused fit as is", "held out (fit on one pair)", "all-pairs fit (in-sample)"):
+        assert len(d["sim"][name]) == 6
     assert d["copies"]["source"].endswith("[hybrid, random]")
     assert len(d["whatif"]) == 2
     assert (tmp_path / "sim_validate_churn.png").stat().st_size > 0
