@@ -152,18 +152,6 @@ def test_simulated_culprits_fail_alone() -> None:
 
 
 # ----------------------------------------------------------------------------- the real engine
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):  # noqa: ANN001, ANN201
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path), model
-
-
 def _hf(model: transformers.PreTrainedModel, context: list[int], n: int) -> list[int]:
     ids = torch.tensor([context])
     with torch.no_grad():
@@ -174,10 +162,10 @@ def _hf(model: transformers.PreTrainedModel, context: list[int], n: int) -> list
 
 
 @pytest.mark.parametrize("at_output", [0, 3], ids=["prefill", "decode"])
-def test_one_failing_request_among_concurrent_ones(checkpoint, at_output: int) -> None:  # noqa: ANN001
+def test_one_failing_request_among_concurrent_ones(tiny_llama, at_output: int) -> None:  # noqa: ANN001
     """Four conversations, tiers small enough to swap and drop; turn 2 of ``c1`` makes the
     executor raise (in its prefill step, or at its fourth token)."""
-    path, model = checkpoint
+    path, model = tiny_llama
     base = LLMEngine(build_engine_config(model=path, dtype="float32", device="cpu",
                                          chunk_size=8, num_gpu_blocks=24, num_cpu_blocks=6,
                                          max_num_batched_tokens=64))

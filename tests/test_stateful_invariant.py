@@ -26,18 +26,6 @@ TIERS = {"num_gpu_blocks": 24, "num_cpu_blocks": 6}  # 192 GPU-tier tokens, 48 C
 DEVICE = os.environ.get("PENSIEVE_TEST_DEVICE", "cpu")  # "cuda" on the GPU machine
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):  # noqa: ANN001, ANN201
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path), model
-
-
 class Reference:
     """HF greedy generation from the full history, memoised."""
 
@@ -115,8 +103,8 @@ def workloads(draw: st.DrawFn) -> Workload:
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
-def test_all_policies_match_hf_from_full_history(hf_checkpoint, workload: Workload) -> None:  # noqa: ANN001
-    path, model = hf_checkpoint
+def test_all_policies_match_hf_from_full_history(tiny_llama, workload: Workload) -> None:  # noqa: ANN001
+    path, model = tiny_llama
     want = expected(Reference(model), workload)
     for policy in POLICIES:
         got = run(make_llm(path, policy), workload)
@@ -135,9 +123,9 @@ def every_path_workload() -> Workload:
     return workload
 
 
-def test_every_path_runs_and_matches(hf_checkpoint) -> None:  # noqa: ANN001
+def test_every_path_runs_and_matches(tiny_llama) -> None:  # noqa: ANN001
     """A workload built to hit every path under the pensieve policy; counters prove it."""
-    path, model = hf_checkpoint
+    path, model = tiny_llama
     ref = Reference(model)
     workload = every_path_workload()
     want = expected(ref, workload)
@@ -154,10 +142,10 @@ def test_every_path_runs_and_matches(hf_checkpoint) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("policy", ["pensieve", "lru", "prefix-lru"])
-def test_swap_or_recompute_by_cost_matches(hf_checkpoint, policy: str) -> None:  # noqa: ANN001
+def test_swap_or_recompute_by_cost_matches(tiny_llama, policy: str) -> None:  # noqa: ANN001
     """With a swap time per chunk near the recompute cost of one chunk, admission swaps some CPU
     chunks in and recomputes others (the cheaper way for each): outputs are unchanged."""
-    path, model = hf_checkpoint
+    path, model = tiny_llama
     workload = every_path_workload()
     want = expected(Reference(model), workload)
     llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8)
