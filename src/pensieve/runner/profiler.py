@@ -165,6 +165,80 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _check_settings(lens: list[int], context_lens: Sequence[int], chunk_size: int,
+                    chunks_per_batch: int, iters: int, warmup: int) -> None:
+    if not lens:
+        raise ValueError("context_lens is empty")
+    if lens[0] < 0 or len(set(lens)) != len(lens):
+        raise ValueError(f"context_lens must be distinct and >= 0, got {list(context_lens)}")
+    if chunk_size < 1 or chunks_per_batch < 1 or iters < 1 or warmup < 0:
+        raise ValueError(f"bad settings: {chunk_size=} {chunks_per_batch=} {iters=} {warmup=}")
+
+
+def _attention_times(measured: list[float], monotone: bool) -> list[float]:
+    """Attention time per context length: the measured time minus that at the first length
+    (the rest of the step), made non-decreasing if ``monotone``."""
+    attention = [max(0.0, t - measured[0]) for t in measured]
+    if monotone:
+        for i in range(1, len(attention)):
+            attention[i] = max(attention[i], attention[i - 1])
+    return attention
+
+
+def _profile_caches(kv_caches: list[torch.Tensor] | None, num_layers: int, num_blocks: int,
+                    block_shape: tuple[int, int, int], dtype: torch.dtype, dev: torch.device,
+                    seed: int) -> tuple[list[torch.Tensor], bool]:
+    """The caches to time against, filled with random values (never zeros: an all-zero cache
+    is not typical), and whether the profiler allocated them (``kv_caches`` None)."""
+    if kv_caches is None:
+        shape = (2, num_blocks, *block_shape)
+        kv_caches = [torch.empty(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
+        own = True
+    else:
+        own = False
+        if len(kv_caches) != num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
+        have = kv_caches[0].shape
+        if have[1] < num_blocks or tuple(have[2:]) != block_shape:
+            raise ValueError(
+                f"kv_caches {tuple(have)} too small or mis-shaped: need [2, >= {num_blocks}, "
+                f"{', '.join(map(str, block_shape))}]"
+            )
+    dev_gen = torch.Generator(device=dev)
+    dev_gen.manual_seed(seed)
+    for cache in kv_caches:
+        cache.normal_(0.0, 1.0, generator=dev_gen)
+    return kv_caches, own
+
+
+def _chunk_step(model: nn.Module, kv_caches: list[torch.Tensor], tables: torch.Tensor, ctx: int,
+                c: int, b: int, pos_limit: int | None, vocab: int, gen: torch.Generator,
+                dev: torch.device) -> Any:
+    """One forward of ``b`` chunks of ``c`` tokens at context ``ctx`` (a closure to time)."""
+    nb = math.ceil((ctx + c) / c)
+    table = tables[:, :nb].contiguous()
+    pos = torch.arange(ctx, ctx + c, dtype=torch.int64)
+    slots = (table[:, pos // c].long() * c + (pos % c)).reshape(-1)  # [b * c]
+    positions = pos.repeat(b)
+    if pos_limit is not None:
+        positions = positions % pos_limit
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(dev),
+        query_start_loc=torch.arange(0, (b + 1) * c, c, dtype=torch.int32).to(dev),
+        range_start_pos=torch.full((b,), ctx, dtype=torch.int32).to(dev),
+        range_table=torch.arange(b, dtype=torch.int32).to(dev),
+        block_tables=table.to(dev),
+        max_query_len=c,
+    )
+    input_ids = torch.randint(0, vocab, (b * c,), generator=gen, dtype=torch.int64).to(dev)
+    positions = positions.to(dev)
+
+    def step() -> None:
+        model(input_ids, positions, kv_caches, meta)
+
+    return step
+
+
 @torch.inference_mode()
 def profile_cost(
     model: nn.Module,
@@ -191,12 +265,7 @@ def profile_cost(
     ``model_key`` defaults to :func:`config_profile_key` of ``model.config`` (if any).
     """
     lens = sorted(int(x) for x in context_lens)
-    if not lens:
-        raise ValueError("context_lens is empty")
-    if lens[0] < 0 or len(set(lens)) != len(lens):
-        raise ValueError(f"context_lens must be distinct and >= 0, got {list(context_lens)}")
-    if chunk_size < 1 or chunks_per_batch < 1 or iters < 1 or warmup < 0:
-        raise ValueError(f"bad settings: {chunk_size=} {chunks_per_batch=} {iters=} {warmup=}")
+    _check_settings(lens, context_lens, chunk_size, chunks_per_batch, iters, warmup)
     dtype, model_device = _model_dtype_device(model)
     dev = torch.device(device) if device is not None else model_device
     if dev.type == "cuda" and dev.index is None:
@@ -204,30 +273,13 @@ def profile_cost(
     lm: Any = model  # a CausalLM
     num_layers, num_kv_heads = int(lm.num_layers), int(lm.num_kv_heads)
     head_dim, vocab = int(lm.head_dim), int(lm.vocab_size)
-
     c, b = chunk_size, chunks_per_batch
     blocks_per_req = math.ceil((lens[-1] + c) / c)
     num_blocks = b * blocks_per_req
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
-    if kv_caches is None:
-        shape = (2, num_blocks, c, num_kv_heads, head_dim)
-        kv_caches = [torch.empty(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
-        own = True
-    else:
-        own = False
-        if len(kv_caches) != num_layers:
-            raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
-        have = kv_caches[0].shape
-        if have[1] < num_blocks or tuple(have[2:]) != (c, num_kv_heads, head_dim):
-            raise ValueError(
-                f"kv_caches {tuple(have)} too small or mis-shaped: need [2, >= {num_blocks}, "
-                f"{c}, {num_kv_heads}, {head_dim}]"
-            )
-    dev_gen = torch.Generator(device=dev)
-    dev_gen.manual_seed(seed)
-    for cache in kv_caches:  # random contents, never zeros (an all-zero cache is not typical)
-        cache.normal_(0.0, 1.0, generator=dev_gen)
+    kv_caches, own = _profile_caches(kv_caches, num_layers, num_blocks,
+                                     (c, num_kv_heads, head_dim), dtype, dev, seed)
 
     # Each request owns blocks_per_req shuffled blocks; it uses a prefix of its table.
     perm = torch.randperm(kv_caches[0].shape[1], generator=gen)[:num_blocks]
@@ -237,31 +289,7 @@ def profile_cost(
 
     measured: list[float] = []
     for ctx in lens:
-        nb = math.ceil((ctx + c) / c)
-        table = tables[:, :nb].contiguous()
-        pos = torch.arange(ctx, ctx + c, dtype=torch.int64)
-        slots = (table[:, pos // c].long() * c + (pos % c)).reshape(-1)  # [b * c]
-        positions = pos.repeat(b)
-        if pos_limit is not None:
-            positions = positions % pos_limit
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=torch.arange(0, (b + 1) * c, c, dtype=torch.int32).to(dev),
-            range_start_pos=torch.full((b,), ctx, dtype=torch.int32).to(dev),
-            range_table=torch.arange(b, dtype=torch.int32).to(dev),
-            block_tables=table.to(dev),
-            max_query_len=c,
-        )
-        input_ids = torch.randint(0, vocab, (b * c,), generator=gen, dtype=torch.int64).to(dev)
-        positions = positions.to(dev)
-
-        def step(
-            input_ids: torch.Tensor = input_ids,
-            positions: torch.Tensor = positions,
-            meta: AttentionMetadata = meta,
-        ) -> None:
-            model(input_ids, positions, kv_caches, meta)
-
+        step = _chunk_step(model, kv_caches, tables, ctx, c, b, pos_limit, vocab, gen, dev)
         for _ in range(warmup):
             step()
         _sync(dev)
@@ -273,10 +301,7 @@ def profile_cost(
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     other = measured[0]
-    attention = [max(0.0, t - other) for t in measured]
-    if monotone:
-        for i in range(1, len(attention)):
-            attention[i] = max(attention[i], attention[i - 1])
+    attention = _attention_times(measured, monotone)
     if model_key is None:
         config = getattr(model, "config", None)
         model_key = config_profile_key(config, dev) if config is not None else ""
