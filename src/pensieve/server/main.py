@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
@@ -60,12 +62,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "many seconds, then abort them (their conversations stay as they "
                         "were) and exit")
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
-                   help="SQLite file of the persistent conversation store")
+                   help="the persistent conversation store: a SQLite file, or a "
+                        "postgresql:// URL (shared by replicas on several hosts)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices (worker process per rank)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run N engine replicas (one per GPU, or on the CPU) as a Ray Serve "
+                        "application behind one endpoint, conversations routed by affinity "
+                        "(needs the replicas extra: pip install -e '.[replicas]')")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay steps from CUDA graphs")
     p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -100,8 +107,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from pensieve.replicas.serve import serve_replicas
+
+        return serve_replicas(args)
     import uvicorn
 
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, close = build_server(args)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    finally:
+        close()
+    return 0
+
+
+def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
+    """The engine, the store and the FastAPI app from the options; returns the app and the
+    function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
     from pensieve.models.demo import is_demo
     from pensieve.models.loader import resolve_config
     from pensieve.models.tokenizer import load_tokenizer
@@ -111,10 +136,8 @@ def serve(args: argparse.Namespace) -> int:
     from pensieve.server.metrics import Metrics
     from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
     from pensieve.server.state import ServerState
-    from pensieve.server.store import ConversationStore
+    from pensieve.server.store import open_store
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
     hf_config, path = resolve_config(args.model)
@@ -147,8 +170,7 @@ def serve(args: argparse.Namespace) -> int:
                   ["pensieve-demo" if demo else Path(args.model).name])
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
-    Path(args.store).parent.mkdir(parents=True, exist_ok=True)
-    store = ConversationStore(args.store)
+    store = open_store(args.store)
     aengine = AsyncEngine(engine)
     kv_tokens = engine.cache.gpu.num_blocks * cfg.cache.chunk_size
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
@@ -161,13 +183,12 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
-    finally:
+
+    def close() -> None:
         state.draining = True
         state.pool.shutdown(wait=False, cancel_futures=True)
         aengine.shutdown()
         engine.shutdown()
         store.close()
-    return 0
+
+    return app, close

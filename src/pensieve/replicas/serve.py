@@ -1,0 +1,221 @@
+"""The Ray Serve application: an ingress deployment and N engine replicas.
+
+::
+
+    client --HTTP--> Ray Serve proxy --> Ingress (reads the body, routing key)
+                                           |  handle.handle_http.remote(..., routing_key=key)
+                                           v  AffinityRequestRouter picks the replica
+                           EngineReplica 0 .. N-1 (the server app each, one shared store)
+
+Ray Serve's proxy hands a deployment the ASGI scope but not the body, so the key (which
+depends on the messages) is computed by a small ingress deployment, as Ray Serve LLM's own
+OpenAI ingress does before its prefix-aware router. The ingress is no HTTP server of ours: it
+forwards the request to the chosen replica as a Ray call and streams the answer back.
+
+A replica that dies takes its in-flight requests with it; the ingress retries a request whose
+answer had not started on the key's next replica (Ray Serve drops the dead one from the
+router), which finds the conversation's history in the shared store and recomputes its KV.
+Completed turns are in the store before their answer is sent, so none is lost.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see the handlers' real types
+# (``Request``) through Ray Serve's class-based ingress.
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+
+from pensieve.core.routing import conversation_key
+from pensieve.replicas.asgi import call_asgi
+from pensieve.replicas.metrics import merge_pages
+from pensieve.server.errors import error_response
+
+log = logging.getLogger("pensieve.replicas")
+
+ROUTER = "pensieve.replicas.router:AffinityRequestRouter"
+REPLICA_HEADER = "x-pensieve-replica"
+_RETRIES = 5
+
+
+def routing_key(path: str, headers: dict[str, str], body: bytes) -> str:
+    """The request's conversation key: ``conversation_id`` (body or ``X-Conversation-Id``)
+    when given, else a hash of the messages up to the first user message (system prompt and
+    first question: the same for every turn of a conversation whose client re-sends the
+    history), for completions of the prompt; other paths: by their conversation id or none."""
+    try:
+        data = json.loads(body) if body else {}
+    except ValueError:
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    cid = data.get("conversation_id") or headers.get("x-conversation-id")
+    if path.startswith("/v1/conversations/"):
+        cid = path.split("/")[3]
+    if isinstance(cid, str) and cid:
+        return conversation_key([], cid)
+    msgs = data.get("messages")
+    if isinstance(msgs, list):
+        first_user = next((i for i, m in enumerate(msgs)
+                           if isinstance(m, dict) and m.get("role") == "user"), len(msgs) - 1)
+        return conversation_key(msgs[:first_user + 1], prefix_messages=first_user + 1)
+    if "prompt" in data:
+        return conversation_key([json.dumps(data["prompt"])[:4096]])
+    return ""
+
+
+class EngineReplica:
+    """One engine and its server app (:func:`pensieve.server.main.build_server`)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pensieve.server.main import build_server
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.device == "cpu":
+            import torch
+
+            torch.set_num_threads(max(1, int(getattr(args, "replica_cpus", 1))))
+        self.app, self._close = build_server(args)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    async def handle_http(self, method: str, path: str, query: bytes,
+                          headers: list[tuple[bytes, bytes]], body: bytes,
+                          routing_key: str = "", replica_rank: int | None = None
+                          ) -> AsyncIterator[Any]:
+        """The app's answer to one request: ``("start", status, headers)``, then bytes."""
+        extra = [(REPLICA_HEADER.encode(), self.replica.encode())]
+        async for item in call_asgi(self.app, method, path, query, headers, body, extra):
+            yield item
+
+    def __del__(self) -> None:
+        close = getattr(self, "_close", None)
+        if close is not None:
+            close()
+
+
+def _plain(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in headers]
+
+
+def _ingress_app() -> FastAPI:
+    return FastAPI(title="Pensieve replicas", openapi_url=None, docs_url=None, redoc_url=None)
+
+
+_app = _ingress_app()
+
+
+@serve.ingress(_app)
+class Ingress:
+    """Forwards every request to the engine replica its conversation key routes to."""
+
+    def __init__(self, engine: Any, num_replicas: int) -> None:
+        self.engine = engine
+        self.num_replicas = num_replicas
+
+    async def _first(self, key: str, rank: int | None, method: str, path: str, query: bytes,
+                     headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[Any, Any]:
+        """The replica's answer stream and its first item, retrying a dead replica."""
+        kwargs: dict[str, Any] = {"routing_key": key}
+        if rank is not None:
+            kwargs = {"replica_rank": rank}
+        for attempt in range(_RETRIES):
+            gen = self.engine.options(stream=True).handle_http.remote(
+                method, path, query, headers, body, **kwargs)
+            try:
+                return gen, await gen.__anext__()
+            except (RayActorError, ActorUnavailableError) as e:
+                log.warning("replica failed before answering (%s); retry %d", e, attempt + 1)
+                await asyncio.sleep(0.5 * (attempt + 1))
+        raise RuntimeError("no replica answered")
+
+    @_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """Every replica's ``/metrics``, each sample labelled with its ``replica``."""
+        pages: dict[str, str] = {}
+        for rank in range(self.num_replicas):
+            gen, start = await self._first("", rank, "GET", "/metrics", b"",
+                                           list(request.headers.raw), b"")
+            text = b"".join([chunk async for chunk in gen])
+            if start[1] != 200:
+                return Response(text, status_code=start[1], headers=_plain(start[2]))
+            pages[dict(_plain(start[2]))[REPLICA_HEADER]] = text.decode()
+        return Response(merge_pages(pages), media_type="text/plain; version=0.0.4")
+
+    @_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"])
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        url_path = "/" + path
+        key = routing_key(url_path, {k.lower(): v for k, v in request.headers.items()}, body)
+        try:
+            gen, start = await self._first(key, None, request.method, url_path,
+                                           request.scope.get("query_string", b""),
+                                           list(request.headers.raw), body)
+        except RuntimeError as e:
+            return error_response(503, f"no replica could serve the request: {e}",
+                                  "server_error", "no_replica")
+        headers = [(k, v) for k, v in _plain(start[2]) if k != "content-length"]
+
+        async def rest() -> AsyncIterator[bytes]:
+            async for chunk in gen:
+                yield chunk
+
+        resp = StreamingResponse(rest(), status_code=start[1])
+        resp.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        return resp
+
+
+def build_application(args: argparse.Namespace, load_factor: float = 1.25,
+                      min_load: int = 16, replica_cpus: float = 1.0) -> Any:
+    """The Ray Serve application of ``args.data_parallel_size`` replicas: one GPU each on
+    CUDA, else ``replica_cpus`` CPUs each."""
+    import torch
+
+    n = max(1, int(args.data_parallel_size))
+    cuda = args.device.startswith("cuda") or (args.device == "auto"
+                                              and torch.cuda.is_available())
+    resources: dict[str, Any] = ({"num_gpus": max(1, args.tensor_parallel_size)} if cuda
+                                 else {"num_cpus": replica_cpus})
+    args = argparse.Namespace(**{**vars(args), "replica_cpus": replica_cpus})
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=n, ray_actor_options=resources, max_ongoing_requests=10_000,
+        health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER,
+            request_router_kwargs={"load_factor": load_factor, "min_load": min_load}),
+    ).bind(args)
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    return ingress.bind(engine, n)
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    """``pensieve serve --data-parallel-size N``: start (or join, with ``RAY_ADDRESS``) Ray,
+    run the application on ``--host``/``--port`` until interrupted."""
+    import ray
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ray.init(include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_application(args), name="pensieve", route_prefix="/")
+    log.info("%d replicas serving on http://%s:%d", args.data_parallel_size, args.host,
+             args.port)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

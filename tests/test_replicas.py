@@ -1,0 +1,190 @@
+"""Engine replicas on Ray Serve (``--data-parallel-size``), on the CPU.
+
+Two replicas of the random demo model on a local Ray instance behind one OpenAI endpoint:
+16 conversations x 4 turns from an ``openai`` client that re-sends the history. Every turn
+after the first is served with cached tokens (the router keeps each conversation on the
+replica holding its KV), both replicas serve, ``/metrics`` labels each replica. Then one
+replica is killed mid-run: every conversation still completes, the store holds every turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the replicas extra is not installed")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from pensieve.core.routing import preference  # noqa: E402
+from pensieve.replicas.router import rank_replicas  # noqa: E402
+from pensieve.replicas.serve import REPLICA_HEADER, build_application, routing_key  # noqa: E402
+from pensieve.server.main import add_serve_args  # noqa: E402
+from pensieve.server.store import open_store  # noqa: E402
+
+TURNS = 4
+
+
+def serve_args(store: str, n: int = 2) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(["demo-random", "--device", "cpu", "--store", store,
+                         "--data-parallel-size", str(n), "--num-gpu-blocks", "128",
+                         "--num-cpu-blocks", "64", "--max-model-len", "1024",
+                         "--max-num-batched-tokens", "512", "--log-level", "warning"])
+
+
+def test_routing_key_is_stable_across_turns():
+    first = [{"role": "user", "content": "hi"}]
+    later = first + [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    with_sys = [{"role": "system", "content": "s"}] + first
+    k = routing_key("/v1/chat/completions", {}, b'{"messages": %s}' % _j(first))
+    assert k == routing_key("/v1/chat/completions", {}, b'{"messages": %s}' % _j(later))
+    assert k != routing_key("/v1/chat/completions", {}, b'{"messages": %s}' % _j(with_sys))
+    by_id = routing_key("/v1/chat/completions", {}, b'{"conversation_id": "c1", "messages": []}')
+    assert by_id == routing_key("/v1/chat/completions", {"x-conversation-id": "c1"}, b"{}")
+    assert by_id == routing_key("/v1/conversations/c1", {}, b"")
+    assert by_id != k and routing_key("/v1/models", {}, b"") == ""
+
+
+def test_rank_replicas_bounded_load():
+    ids = ["a", "b", "c"]
+    order = preference("k", ids)
+    assert rank_replicas("k", ids, [0, 0, 0], 1.25, min_load=1) == order
+    hot = [0, 0, 0]
+    hot[order[0]] = 10  # the key's first choice is over ceil(1.25 * 11 / 3) = 5
+    assert rank_replicas("k", ids, hot, 1.25, min_load=16) == order  # under min_load: stays
+    ranked = rank_replicas("k", ids, hot, 1.25, min_load=1)
+    assert ranked[0] == order[1] and sorted(ranked) == [0, 1, 2]
+    assert ranked[1:] == [i for i in order if i != order[1]]
+
+
+def _j(x):
+    import json
+
+    return json.dumps(x).encode()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A local Ray instance with the two-replica application (port: a free one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = str(tmp_path_factory.mktemp("replicas") / "conv.db")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # 4 client threads: a replica never holds min_load (16) requests, so no turn spills
+        # and every turn finds its KV where it was.
+        serve.run(build_application(serve_args(store), replica_cpus=1),
+                  name="pensieve", route_prefix="/")
+        yield f"http://127.0.0.1:{port}", store
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _conversation(client, i: int, turns: int, served: list, on_turn=None):
+    """One client conversation re-sending its history; returns its messages and the
+    conversation id the server reported."""
+    msgs = [{"role": "user", "content": f"conversation {i}: tell me about {i * 7} apples"}]
+    cid = None
+    for t in range(turns):
+        raw = client.chat.completions.with_raw_response.create(
+            model="pensieve-demo", messages=msgs, max_tokens=8, temperature=0)
+        r = raw.parse()
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        served.append((i, t, raw.headers[REPLICA_HEADER], cached, r.model_extra["conversation_id"]))
+        cid = r.model_extra["conversation_id"]
+        msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                       {"role": "user", "content": f"and turn {t + 1}?"}]
+        if on_turn is not None:
+            on_turn()
+    return msgs[:-1], cid
+
+
+def _run(url: str, convs: range, turns: int, on_turn=None):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    served: list = []
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: _conversation(client, i, turns, served, on_turn),
+                                convs))
+    return results, served
+
+
+def _check_stored(store_path: str, results, turns: int):
+    store = open_store(store_path)
+    try:
+        for msgs, cid in results:
+            conv = store.get(cid)
+            assert conv is not None
+            assert len(conv.turns) == turns
+            assert conv.messages == msgs
+    finally:
+        store.close()
+
+
+def test_affinity_cached_turns_both_replicas_and_metrics(cluster):
+    url, store = cluster
+    results, served = _run(url, range(16), TURNS)
+    assert len(served) == 16 * TURNS
+    for i, t, replica, cached, _ in served:
+        if t > 0:
+            assert cached > 0, (i, t, replica)
+    by_conv: dict[int, set] = {}
+    for i, _, replica, _, _ in served:
+        by_conv.setdefault(i, set()).add(replica)
+    assert all(len(r) == 1 for r in by_conv.values()), by_conv  # each stayed on one replica
+    replicas = {r for _, _, r, _, _ in served}
+    assert len(replicas) == 2
+    _check_stored(store, results, TURNS)
+    text = httpx.get(url + "/metrics", timeout=60).text
+    for r in replicas:
+        line = f'pensieve_prompt_tokens_total{{replica="{r}",source="gpu_hit"}} '
+        m = re.search("^" + re.escape(line) + r"(\S+)$", text, re.M)
+        assert m is not None, text[:2000]
+        assert float(m.group(1)) > 0
+
+
+def test_kill_a_replica_mid_run(cluster):
+    url, store = cluster
+    done = []
+    killed: list[str] = []
+    lock = threading.Lock()
+
+    def kill_once():
+        with lock:
+            done.append(1)
+            if len(done) != 20:
+                return
+        names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "EngineReplica" in a["name"]]
+        victim = names[0]
+        killed.append(victim["name"].rsplit("#", 1)[-1])  # SERVE_REPLICA::app#dep#<id>
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+
+    t0 = time.monotonic()
+    results, served = _run(url, range(100, 116), TURNS, on_turn=kill_once)
+    assert len(killed) == 1
+    assert len(served) == 16 * TURNS  # every turn answered
+    _check_stored(store, results, TURNS)  # and every completed turn stored
+    by_conv: dict[int, list] = {}
+    for i, t, r, _, cid in served:
+        by_conv.setdefault(i, []).append((t, r, cid))
+    for turns in by_conv.values():  # each conversation kept its id (history from the store)
+        assert len({cid for _, _, cid in turns}) == 1
+    # conversations the killed replica held that went on elsewhere after it died
+    moved = [i for i, turns in by_conv.items()
+             if any(r == killed[0] for _, r, _ in turns) and sorted(turns)[-1][1] != killed[0]]
+    assert moved
+    assert time.monotonic() - t0 < 600  # hang guard
