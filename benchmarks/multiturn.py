@@ -2,7 +2,9 @@
 
 For each system and conversation arrival rate, drive a fresh engine with the load generator
 (`pensieve.bench.loadgen`) and record one summary line per point (throughput, P50/P90/P99
-latency, normalized latency and TTFT, prompt tokens by source) to ``<out>/points.jsonl``,
+latency, normalized latency and TTFT, prompt tokens by source, and the fields of vLLM's
+``bench serve --save-result``: ``request_throughput``, ``mean_ttft_ms``, ``p99_tpot_ms``, ...,
+from ``pensieve.bench.serve_metrics``) to ``<out>/points.jsonl``,
 every request to ``<out>/requests.jsonl``, and for Pensieve engines on a device every step's
 features and time to ``<out>/steps.jsonl`` (the simulator is calibrated from those).
 
@@ -60,6 +62,7 @@ from tqdm import tqdm
 from pensieve.bench.engine_api import VirtualClock, WallClock
 from pensieve.bench.loadgen import run_load
 from pensieve.bench.metrics import summarize
+from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
 from pensieve.bench.workload import load_workload, ultrachat_synthetic
 
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                      "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
                      "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
                      "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
-                     **summarize(res, args.warmup)}
+                     **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
             if args.engine == "http":  # was the client a bottleneck, did requests fail?
                 point.update(http_errors=engine.errors, http_throttled=engine.throttled,
                              http_peak_in_flight=engine.peak_in_flight,

@@ -26,3 +26,21 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path, safe_serialization=True)
     return str(path), model
+
+
+@pytest.fixture
+def pensieve_server(tmp_path: Any) -> Any:
+    """A factory of ``pensieve serve`` subprocesses (demo model, CPU, small tiers, a free port;
+    ``server_util.Server``) taking extra command-line arguments; each is stopped at the end."""
+    from server_util import Server
+
+    servers: list[Any] = []
+
+    def start(*extra: str) -> Any:
+        n = len(servers)
+        servers.append(Server(tmp_path / f"conv{n}.db", tmp_path / "cache", *extra))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()

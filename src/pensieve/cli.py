@@ -90,13 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.set_defaults(func=serve)
 
-    from pensieve.bench.workload import add_workload_stats_args, workload_stats_cmd
+    from pensieve.bench.cli import add_bench_parser
 
-    b = sub.add_parser("bench", help="benchmark tools")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
-    add_workload_stats_args(w)
-    w.set_defaults(func=workload_stats_cmd)
+    add_bench_parser(sub)
 
     from pensieve.chat_client import add_chat_args, chat
 
@@ -107,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pensieve.bench.cli import script_command
+
+    code = script_command(sys.argv[1:] if argv is None else list(argv))
+    if code is not None:
+        return code
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
