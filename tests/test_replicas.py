@@ -94,18 +94,25 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def _conversation(client, i: int, turns: int, served: list, on_turn=None):
-    """One client conversation re-sending its history; returns its messages and the
+def _conversation(client, i: int, turns: int, served: list, on_turn=None, history=None,
+                  headers=None):
+    """One client conversation re-sending its history (from ``history``, a list of messages
+    ending with an answer, when given) up to ``turns`` turns; returns its messages and the
     conversation id the server reported."""
-    msgs = [{"role": "user", "content": f"conversation {i}: tell me about {i * 7} apples"}]
+    if history is None:
+        msgs = [{"role": "user", "content": f"conversation {i}: tell me about {i * 7} apples"}]
+    else:
+        msgs = history + [{"role": "user", "content": f"and turn {len(history) // 2}?"}]
     cid = None
-    for t in range(turns):
+    for t in range(len(msgs) // 2, turns):
         raw = client.chat.completions.with_raw_response.create(
             model="pensieve-demo", messages=msgs, max_tokens=8, temperature=0)
         r = raw.parse()
         cached = r.usage.prompt_tokens_details.cached_tokens
-        served.append((i, t, raw.headers[REPLICA_HEADER], cached, r.model_extra["conversation_id"]))
         cid = r.model_extra["conversation_id"]
+        served.append((i, t, raw.headers[REPLICA_HEADER], cached, cid))
+        if headers is not None:
+            headers.append(raw.headers)
         msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                        {"role": "user", "content": f"and turn {t + 1}?"}]
         if on_turn is not None:
@@ -113,12 +120,16 @@ def _conversation(client, i: int, turns: int, served: list, on_turn=None):
     return msgs[:-1], cid
 
 
-def _run(url: str, convs: range, turns: int, on_turn=None):
+def _run(url: str, convs: range, turns: int, on_turn=None, headers=None, histories=None):
+    """Run the conversations ``convs`` from 4 client threads; ``served``: one row per turn
+    (conversation, turn, replica, cached tokens, conversation id), in completion order."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     served: list = []
+    hist = histories or [None] * len(convs)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda i: _conversation(client, i, turns, served, on_turn),
-                                convs))
+        results = list(pool.map(
+            lambda ih: _conversation(client, ih[0], turns, served, on_turn, ih[1], headers),
+            zip(convs, hist)))
     return results, served
 
 

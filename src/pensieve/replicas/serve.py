@@ -44,6 +44,7 @@ log = logging.getLogger("pensieve.replicas")
 
 ROUTER = "pensieve.replicas.router:AffinityRequestRouter"
 REPLICA_HEADER = "x-pensieve-replica"
+NODE_HEADER = "x-pensieve-node"
 _RETRIES = 5
 
 
@@ -87,13 +88,17 @@ class EngineReplica:
             torch.set_num_threads(max(1, int(getattr(args, "replica_cpus", 1))))
         self.app, self._close = build_server(args)
         self.replica = serve.get_replica_context().replica_id.unique_id
+        import ray
+
+        self.node = ray.get_runtime_context().get_node_id()
 
     async def handle_http(self, method: str, path: str, query: bytes,
                           headers: list[tuple[bytes, bytes]], body: bytes,
                           routing_key: str = "", replica_rank: int | None = None
                           ) -> AsyncIterator[Any]:
         """The app's answer to one request: ``("start", status, headers)``, then bytes."""
-        extra = [(REPLICA_HEADER.encode(), self.replica.encode())]
+        extra = [(REPLICA_HEADER.encode(), self.replica.encode()),
+                 (NODE_HEADER.encode(), self.node.encode())]
         async for item in call_asgi(self.app, method, path, query, headers, body, extra):
             yield item
 
@@ -175,9 +180,11 @@ class Ingress:
 
 
 def build_application(args: argparse.Namespace, load_factor: float = 1.25,
-                      min_load: int = 16, replica_cpus: float = 1.0) -> Any:
+                      min_load: int = 16, replica_cpus: float = 1.0,
+                      max_replicas_per_node: int | None = None,
+                      ingress_actor_options: dict[str, Any] | None = None) -> Any:
     """The Ray Serve application of ``args.data_parallel_size`` replicas: one GPU each on
-    CUDA, else ``replica_cpus`` CPUs each."""
+    CUDA, else ``replica_cpus`` CPUs each (at most ``max_replicas_per_node`` on a node)."""
     import torch
 
     n = max(1, int(args.data_parallel_size))
@@ -188,13 +195,15 @@ def build_application(args: argparse.Namespace, load_factor: float = 1.25,
     args = argparse.Namespace(**{**vars(args), "replica_cpus": replica_cpus})
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=n, ray_actor_options=resources, max_ongoing_requests=10_000,
+        max_replicas_per_node=max_replicas_per_node,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER,
             request_router_kwargs={"load_factor": load_factor, "min_load": min_load}),
     ).bind(args)
     ingress = serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+        num_replicas=1, ray_actor_options=ingress_actor_options or {"num_cpus": 0},
+        max_ongoing_requests=10_000)
     return ingress.bind(engine, n)
 
 
