@@ -1,7 +1,7 @@
 """Unified vs separate prefill/decode batches on the multi-turn load (the paper's Figure 13).
 
     python benchmarks/batching.py --engine sim \
-        --step-cost docs/results/multiturn/step_cost_h200.json --rates 1,2,3,4 \
+        --step-cost docs/results/multiturn_fused/step_cost_h200_fused.json --rates 1,2,3,4 \
         --think-time 60 --gpu-kv-gb 40 --cpu-kv-gb 220 --duration 600 --warmup 150 \
         --out results/batching
 

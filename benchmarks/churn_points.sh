@@ -162,7 +162,7 @@ for s in A B; do
 done
 srv_a=${pids[0]}; srv_b=${pids[1]}
 
-stop_servers() {  # $1: the first signal, INT (up) or TERM (still starting); see h200_http.sh
+stop_servers() {  # $1: the first signal, INT (up) or TERM (still starting); see http_point.sh
   local sig pid alive
   for sig in "${1:-INT}" TERM KILL; do  # both servers at once
     alive=()

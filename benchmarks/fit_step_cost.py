@@ -1,7 +1,6 @@
 """Fit the simulator's step-cost model to step records measured on a device.
 
-    python benchmarks/fit_step_cost.py docs/results/multiturn/steps.jsonl.gz \
-        --out docs/results/multiturn/step_cost_h200.json
+    python benchmarks/fit_step_cost.py results/multiturn/steps.jsonl --out step_cost.json
 
 Each record is one engine step of a real run (`benchmarks/multiturn.py` writes them): its
 features (prefill and decode tokens, attention pairs, KV read, swaps) and its measured time.

@@ -20,7 +20,7 @@ is Pensieve's token-id path (streaming ``/v1/completions``, one server conversat
 benchmark conversation). Its point also records the client's ``http_errors``,
 ``http_throttled`` (turns that waited for one of the ``--max-connections``),
 ``http_peak_in_flight`` and, for chat, ``http_history_misses`` (turns whose history the server
-did not recognise) and ``tokens_per_word`` (``benchmarks/h200_http.sh`` runs one completions
+did not recognise) and ``tokens_per_word`` (``benchmarks/http_point.sh`` runs one completions
 point, ``benchmarks/churn_points.sh`` chat points of two servers side by side).
 
 ``--workload agentic`` (``pensieve.bench.agentic``): long sessions (8-24 turns) of ~300-token
@@ -42,7 +42,7 @@ records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ou
 
     python benchmarks/multiturn.py --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
         --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
-        --gpu-kv-gb 4 --cpu-kv-gb 22 --duration 60 --warmup 10 --out results/h200
+        --gpu-kv-gb 4 --cpu-kv-gb 22 --duration 60 --warmup 10 --out results/multiturn
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 # Sourced by the scripts that start `pensieve serve` on the device machine (churn_points.sh,
-# h200_http.sh) with $py set: makes fastapi/uvicorn/pydantic importable from the carried
+# http_point.sh) with $py set: makes fastapi/uvicorn/pydantic importable from the carried
 # wheels in .whl (installed once into $SITE, default /tmp/site; fetch them here with
 # ../shared/tools/device-wheels.sh annotated-doc anyio==4.16.0), exits 2 if they are not,
 # and raises the open-files limit for hundreds of streams.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Simulator sweeps behind docs/benchmarks.md, on the CPU, with the step-cost model fitted to the
-# H200 steps (docs/results/multiturn/step_cost_h200.json). Paper-scale set-up: 40 GB GPU tier,
-# 220 GB CPU tier, think time 60 s, ShareGPT. Usage: sim_sweeps.sh OUT_DIR [rates|think|cpu]
+# H200 steps (default: the fused-era fit, docs/results/multiturn_fused/step_cost_h200_fused.json;
+# COST=... another). Paper-scale set-up: 40 GB GPU tier, 220 GB CPU tier, think time 60 s, ShareGPT. Usage: sim_sweeps.sh OUT_DIR [rates|think|cpu]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/sim}; what=${2:-all}
-cost=${COST:-docs/results/multiturn/step_cost_h200.json}
+cost=${COST:-docs/results/multiturn_fused/step_cost_h200_fused.json}
 common=(--engine sim --step-cost "$cost" --warmup 150)
 mkdir -p "$out"
 if [[ $what == rates || $what == all ]]; then

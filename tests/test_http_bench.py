@@ -157,7 +157,7 @@ def _multiturn_module():  # noqa: ANN202 - benchmarks/multiturn.py, a script
 
 def test_multiturn_point_over_http(server: Server, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """``multiturn.py --engine http`` (what benchmarks/h200_http.sh runs) records one point with
+    """``multiturn.py --engine http`` (what benchmarks/http_point.sh runs) records one point with
     the client's counters: no failed request, no turn held back on the client."""
     mt = _multiturn_module()
     monkeypatch.setattr(mt, "workload", lambda args: Workload("tiny", _workload(4)))

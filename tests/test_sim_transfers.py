@@ -458,7 +458,9 @@ def test_existing_step_cost_files_load_and_predict_as_before(path: Path) -> None
 
 
 def test_old_step_records_still_fit(tmp_path: Path) -> None:
-    src = ROOT / "docs" / "results" / "multiturn" / "steps.jsonl.gz"
+    """Step records of the first real H200 run (400 rows of the multiturn benchmark's
+    steps.jsonl.gz, written before ``exposed_copy_s`` existed) still load and fit."""
+    src = ROOT / "tests" / "data" / "steps_first_engine_400.jsonl.gz"
     with gzip.open(src, "rt") as fh:
         lines = [next(fh) for _ in range(400)]
     recs = []

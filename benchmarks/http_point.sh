@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One multi-turn point over the real HTTP path: start `pensieve serve`, drive it with
 # `multiturn.py --engine http` (streaming /v1/completions, one server conversation per benchmark
-# conversation), stop it. Same set-up as the in-process H200 points (h200x2_points.sh): Llama
+# conversation), stop it. Same set-up as the in-process H200 points of the first engine: Llama
 # 2-13B shape with 10 KV heads, dummy weights, bf16, think time 6 s, GPU tier 8 GB, CPU tier
 # 22 GB, 60 s of arrivals, 10 s warm-up, 20 s drain; the server's --cache-policy is SYSTEM.
-# Usage: h200_http.sh SYSTEM RATE [extra multiturn.py args]. Writes to $OUT (default
+# Usage: http_point.sh SYSTEM RATE [extra multiturn.py args]. Writes to $OUT (default
 # results_tmp): http/points.jsonl, http/requests.jsonl.gz, run.log, server.log, metrics.txt.
 # The device image lacks fastapi/uvicorn/pydantic: run ../shared/tools/device-wheels.sh
 # annotated-doc anyio==4.16.0 here first and carry .whl; they are installed into $SITE.
