@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_core import KVCacheManager, _req, _run_step
-from test_stateful_invariant import (  # noqa: F401 - hf_checkpoint is a fixture
+from test_stateful_invariant import (
     CHUNK,
     DEVICE,
     TIERS,
@@ -19,7 +19,6 @@ from test_stateful_invariant import (  # noqa: F401 - hf_checkpoint is a fixture
     Reference,
     Workload,
     expected,
-    hf_checkpoint,
     workloads,
 )
 
@@ -302,8 +301,8 @@ def run_engine(engine, workload: Workload) -> dict[int, list[list[int]]]:  # noq
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
-def test_separate_batches_match_hf(hf_checkpoint, workload: Workload) -> None:  # noqa: ANN001, F811
-    path, model = hf_checkpoint
+def test_separate_batches_match_hf(tiny_llama, workload: Workload) -> None:  # noqa: ANN001
+    path, model = tiny_llama
     want = expected(Reference(model), workload)
     for policy in ("pensieve", "stateless"):
         engine, kinds = make_engine(path, policy, "separate")
@@ -311,10 +310,10 @@ def test_separate_batches_match_hf(hf_checkpoint, workload: Workload) -> None:  
         assert kinds and all(len(k) == 1 for k in kinds)
 
 
-def test_separate_every_path_matches_hf(hf_checkpoint) -> None:  # noqa: ANN001, F811
+def test_separate_every_path_matches_hf(tiny_llama) -> None:  # noqa: ANN001
     """test_stateful_invariant's every-path workload (swaps, drops, suspensions, split ranges)
     in separate batches."""
-    path, model = hf_checkpoint
+    path, model = tiny_llama
     rng = random.Random(3)
     workload: Workload = []
     for r in range(3):
