@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Lint, type-check (strict on the pure-Python core, see pyproject) and run the tests on the CPU.
-# Triton kernels run through Triton's interpreter; GPU-only tests skip without CUDA.
+# Lint, type-check (strict on the pure-Python core, see pyproject), check sizes and run the tests
+# on the CPU. Triton kernels run through Triton's interpreter; GPU-only tests skip without CUDA.
+#   bash scripts/check.sh           # everything (CI)
+#   bash scripts/check.sh --fast    # the same checks, tests marked slow left out
+#   bash scripts/check.sh [--fast] [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ruff check src tests benchmarks
+marks=()
+if [[ ${1:-} == --fast ]]; then
+  marks=(-m "not slow")
+  shift
+fi
+ruff check src tests benchmarks scripts
 mypy src/pensieve/core src/pensieve/config.py src/pensieve/engine/core.py \
   src/pensieve/engine/executor.py src/pensieve/engine/tiers.py src/pensieve/engine/containment.py \
   src/pensieve/engine/step_record.py src/pensieve/engine/outputs.py \
-  src/pensieve/bench/simulator.py src/pensieve/bench/step_cost.py
-python -m pytest -q -p no:cacheprovider "$@"
+  src/pensieve/bench/simulator.py src/pensieve/bench/step_cost.py \
+  src/pensieve/bench/transfer_model.py src/pensieve/bench/nnls.py \
+  src/pensieve/bench/serve_metrics.py
+python scripts/size_check.py src
+python -m pytest -q -p no:cacheprovider ${marks[@]+"${marks[@]}"} "$@"

@@ -12,6 +12,12 @@ from pathlib import Path
 
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
+PENDING = {
+    "src/pensieve/bench/http_engine.py": "being changed with the server work; split after it",
+    "src/pensieve/server/app.py:create_app": "being changed with the server work; split after it",
+}
+"""Known offenders, printed but not failing the check; remove an entry once it is fixed (an
+entry that no longer offends fails the check, so the list cannot go stale)."""
 
 
 def _is_triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -44,8 +50,21 @@ def offenders(path: Path) -> list[str]:
 def main(argv: list[str]) -> int:
     roots = [Path(a) for a in argv] or [Path("src")]
     found = [o for root in roots for p in sorted(root.rglob("*.py")) for o in offenders(p)]
-    print("\n".join(found) if found else "size check: ok")
-    return 1 if found else 0
+    pending, failing = [], []
+    for o in found:
+        key = next((k for k in PENDING if o.startswith(k.split(":")[0] + ":")
+                    and (":" not in k or f" {k.split(':')[1]}()" in o)), None)
+        (pending if key else failing).append((key, o))
+    stale = set(PENDING) - {k for k, _ in pending}
+    for _, o in pending:
+        print(f"pending: {o}")
+    for _, o in failing:
+        print(o)
+    for k in sorted(stale):
+        print(f"{k}: listed in PENDING but within the limits now: remove it from the list")
+    if not failing and not stale:
+        print("size check: ok" + (f" ({len(pending)} pending)" if pending else ""))
+    return 1 if failing or stale else 0
 
 
 if __name__ == "__main__":

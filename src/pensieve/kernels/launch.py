@@ -206,46 +206,13 @@ def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
     return splits
 
 
-def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    range_start_pos: torch.Tensor,
-    range_table: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    out: torch.Tensor | None = None,
-    *,
-    num_kv_splits: int | None = None,
-    tiles: tuple[int, int, int, int] | None = None,
-    work_items: torch.Tensor | None = None,
-    num_work_items: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of ragged query ranges over the paged KV cache.
-
-    q: ``[num_tokens, num_heads, head_dim]`` (float16/bfloat16/float32, last dim contiguous);
-    k_cache, v_cache: ``[num_blocks, chunk_size, num_kv_heads, head_dim]``, same dtype as q,
-    any strides with a contiguous last dim; ``num_heads`` a multiple of ``num_kv_heads``,
-    ``head_dim`` a power of two >= 16. block_tables: ``[num_tables, max_blocks]`` int32 (or
-    int64) block ids, row-contiguous; query_start_loc: ``[num_ranges + 1]`` int32 cumulative
-    token offsets into q; range_start_pos: ``[num_ranges]`` int32 position of each range's
-    first token; range_table: ``[num_ranges]`` int32 row of block_tables each range reads
-    (ranges may share a row). Token ``i`` of range ``r`` sits at position
-    ``p = range_start_pos[r] + i`` and attends to positions ``0..p``. max_query_len: host
-    int, at least the longest range (it sizes the grid; tokens of longer ranges would be left
-    unwritten). out: optional ``[num_tokens, num_heads, head_dim]`` of q's dtype. Tokens
-    outside every range are not written. num_kv_splits: split each KV range over this many
-    programs (a power of two; 1 = off) and merge the partials in a second kernel; ``None``
-    picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
-    a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
-    default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
-    graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
-    ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for), no KV splits;
-    the grid is ``max_items`` whatever the ranges. Returns out,
-    ``[num_tokens, num_heads, head_dim]``.
-    """
+def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          range_start_pos: torch.Tensor, range_table: torch.Tensor, scale: float,
+                          max_query_len: int, out: torch.Tensor | None,
+                          num_kv_splits: int | None) -> torch.Tensor:
+    """Raise ValueError unless :func:`paged_attention_triton`'s arguments fit together;
+    returns ``out`` (allocated if None)."""
     _check_float("q", q, 3)
     _check_cache_pair(k_cache, v_cache)
     _check_index("block_tables", block_tables, 2)
@@ -292,9 +259,18 @@ def paged_attention_triton(
                     ("range_start_pos", range_start_pos), ("range_table", range_table),
                     ("out", out)):
         _check_device(name, t, device)
-    if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
-        return out
+    return out
 
+
+def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_ranges: int,
+                 max_query_len: int, tiles: tuple[int, int, int, int] | None,
+                 num_kv_splits: int | None, work_items: torch.Tensor | None,
+                 num_work_items: torch.Tensor | None
+                 ) -> tuple[tuple[int, int, int, int], int, tuple[torch.Tensor, ...]]:
+    """The tiles, the KV split count and the split workspaces (``out`` thrice when unsplit)
+    of one :func:`paged_attention_triton` launch."""
+    num_tokens, num_heads, head_dim = q.shape
+    device = q.device
     group = num_heads // num_kv_heads
     tiles_arg = tiles
     if tiles is None:
@@ -304,7 +280,7 @@ def paged_attention_triton(
           or min(tiles[:2]) < 16 or tiles[3] < 1):
         raise ValueError("tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two, "
                          f"BLOCK_M and BLOCK_N >= 16, num_stages >= 1; got {tiles}")
-    block_m, block_n, num_warps, num_stages = tiles
+    block_m = tiles[0]
     num_tiles = triton.cdiv(max_query_len * group, block_m)
     worklist = work_items is not None
     if worklist:
@@ -329,8 +305,63 @@ def paged_attention_triton(
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    grid = ((work_items.shape[0], 1, num_kv_heads) if work_items is not None
-            else (num_ranges, num_tiles * splits, num_kv_heads))
+    return tiles, splits, (ws_acc, ws_m, ws_l)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    range_start_pos: torch.Tensor,
+    range_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+    work_items: torch.Tensor | None = None,
+    num_work_items: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of ragged query ranges over the paged KV cache.
+
+    q: ``[num_tokens, num_heads, head_dim]`` (float16/bfloat16/float32, last dim contiguous);
+    k_cache, v_cache: ``[num_blocks, chunk_size, num_kv_heads, head_dim]``, same dtype as q,
+    any strides with a contiguous last dim; ``num_heads`` a multiple of ``num_kv_heads``,
+    ``head_dim`` a power of two >= 16. block_tables: ``[num_tables, max_blocks]`` int32 (or
+    int64) block ids, row-contiguous; query_start_loc: ``[num_ranges + 1]`` int32 cumulative
+    token offsets into q; range_start_pos: ``[num_ranges]`` int32 position of each range's
+    first token; range_table: ``[num_ranges]`` int32 row of block_tables each range reads
+    (ranges may share a row). Token ``i`` of range ``r`` sits at position
+    ``p = range_start_pos[r] + i`` and attends to positions ``0..p``. max_query_len: host
+    int, at least the longest range (it sizes the grid; tokens of longer ranges would be left
+    unwritten). out: optional ``[num_tokens, num_heads, head_dim]`` of q's dtype. Tokens
+    outside every range are not written. num_kv_splits: split each KV range over this many
+    programs (a power of two; 1 = off) and merge the partials in a second kernel; ``None``
+    picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
+    a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
+    default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
+    graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
+    ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for), no KV splits;
+    the grid is ``max_items`` whatever the ranges. Returns out,
+    ``[num_tokens, num_heads, head_dim]``.
+    """
+    out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
+                                range_start_pos, range_table, scale, max_query_len, out,
+                                num_kv_splits)
+    num_tokens, num_heads, head_dim = q.shape
+    chunk_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_ranges = range_start_pos.shape[0]
+    if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    (block_m, block_n, num_warps, num_stages), splits, (ws_acc, ws_m, ws_l) = _launch_plan(
+        q, out, num_kv_heads, num_ranges, max_query_len, tiles, num_kv_splits, work_items,
+        num_work_items)
+    grid = ((work_items.shape[0], 1, num_kv_heads) if work_items is not None else
+            (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
     work = work_items if work_items is not None else query_start_loc  # unused unless WORKLIST
     num_work = num_work_items if num_work_items is not None else query_start_loc
     _k._paged_attention_kernel[grid](
@@ -341,24 +372,15 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work,
-        GROUP=group,
-        CHUNK_SIZE=chunk_size,
-        HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
-        SPLIT=splits > 1,
-        WORKLIST=worklist,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        SPLIT=splits > 1, WORKLIST=work_items is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _k._combine_splits_kernel[(num_ranges, max_query_len, num_heads)](
             out, ws_acc, ws_m, ws_l, query_start_loc, out.stride(0), out.stride(1), num_heads,
-            splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=_MAX_SPLITS,
-            num_warps=4,
+            splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS, num_warps=4,
         )
     return out
