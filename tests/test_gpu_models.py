@@ -52,6 +52,7 @@ def test_bf16_greedy_close_to_hf(kind: str, tmp_path) -> None:  # noqa: ANN001
     ours = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
                                                 ignore_eos=True))
     agreed = 0
+    leading: list[int] = []  # tokens equal to HF's before the first difference, per prompt
     for p, o in zip(prompts, ours):
         ids = torch.tensor([p], device="cuda")
         with torch.no_grad():
@@ -68,4 +69,7 @@ def test_bf16_greedy_close_to_hf(kind: str, tmp_path) -> None:  # noqa: ANN001
                     f"prompt {len(p)}: token {i} differs: rank {rank}, logit gap {gap:.4f}")
                 break
             agreed += 1
-    assert agreed >= len(prompts), f"only {agreed} tokens agreed before the first ties"
+        leading.append(agreed - sum(leading))
+    # bf16 ties only show after some tokens: every prompt's first token equals HF's, and on
+    # average the first 4 of 32 at least (the H200 run diverged at token 10 at the earliest)
+    assert min(leading) >= 1 and agreed >= 4 * len(prompts), f"agreed prefixes {leading}"

@@ -180,9 +180,11 @@ def test_suspend_and_abort_keep_the_conversation_consistent() -> None:
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="cache_policy"):
+    with pytest.raises(ValueError, match="cache_policy") as err:
         get_policy("fifo")
-    assert Tier("gpu") is Tier.GPU
+    for name in ("pensieve", "gpu-only", "lru", "prefix-lru", "stateless"):
+        assert repr(name) in str(err.value)  # the message lists what would have worked
+        assert get_policy(name).name == name
 
 
 # --------------------------------------------------------------------------- the eviction index
