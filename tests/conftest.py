@@ -44,3 +44,40 @@ def pensieve_server(tmp_path: Any) -> Any:
     yield start
     for s in servers:
         s.stop()
+
+
+SLOW_MODULES = (
+    "test_default_model.py",  # SmolLM2: GGUF conversion, HF comparisons, a served chat
+    "test_server.py",  # pensieve serve subprocesses
+    "test_server_fuzz.py",  # ~520 bad requests against a live server
+    "test_stateful_invariant.py",  # hypothesis workloads on a real engine under every policy
+    "test_tensor_parallel.py",  # two-rank process groups
+)
+SLOW_FIXTURES = ("server", "pensieve_server")
+"""Tests that start a ``pensieve serve`` subprocess through these fixtures."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark as ``slow`` the modules and server-backed tests above (``scripts/check.sh --fast``
+    leaves them out; CI runs everything)."""
+    for item in items:
+        if item.path.name in SLOW_MODULES or any(
+                f in getattr(item, "fixturenames", ()) for f in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def multiturn_module() -> Any:
+    """``benchmarks/multiturn.py`` (a script) loaded as the module ``multiturn_bench``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "multiturn_bench" not in sys.modules:
+        script = Path(__file__).resolve().parents[1] / "benchmarks" / "multiturn.py"
+        spec = importlib.util.spec_from_file_location("multiturn_bench", script)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["multiturn_bench"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["multiturn_bench"]

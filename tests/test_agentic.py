@@ -6,6 +6,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,10 +68,8 @@ def test_workload_stats_cli_lists_agentic(tmp_path: Path,
     assert doc["ours"]["Agentic"] == workload_stats(agentic_workload(500, seed=0))
 
 
-def test_multiturn_registers_agentic() -> None:
-    from test_http_bench import _multiturn_module
-
-    mt = _multiturn_module()
+def test_multiturn_registers_agentic(multiturn_module: Any) -> None:
+    mt = multiturn_module
     args = argparse.Namespace(workload="agentic", num_conversations=50, seed=4, sharegpt=None)
     w = mt.workload(args)
     assert w.name == "Agentic" and len(w) == 50

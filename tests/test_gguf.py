@@ -12,15 +12,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers
+from tiny_hf import hf_greedy, ours_greedy, tiny_hf
 
-from pensieve import LLM, SamplingParams
+from pensieve import LLM
 from pensieve.models.gguf import gguf_config, hf_tensor_name, iter_gguf_tensors
 from pensieve.models.loader import resolve_config
 from pensieve.models.tokenizer import load_tokenizer
 
-VOCAB = 512
-NEW_TOKENS = 16
 Q = gguf.GGMLQuantizationType
 
 _LAYER = {
@@ -103,44 +101,6 @@ def write_gguf(hf_model, path, arch: str, quant: dict[str, Q] | None = None) -> 
     w.write_tensors_to_file()
     w.close()
     return str(path)
-
-
-def tiny_hf(kind: str, **kw):
-    """A random tiny HF model (fp32, eval) with random biases and norm weights."""
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                initializer_range=0.1, tie_word_embeddings=False)
-    base.update(kw)
-    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[kind](**base)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in n:
-                p.uniform_(0.5, 1.5)
-    return model
-
-
-PROMPTS = [[5, 17, 300, 2, 99], list(range(40, 80)), [7]]
-
-
-@torch.no_grad()
-def hf_greedy(model, prompts=PROMPTS, n=NEW_TOKENS) -> list[list[int]]:
-    outs = []
-    for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
-
-
-def ours_greedy(model_path, prompts=PROMPTS, n=NEW_TOKENS) -> list[list[int]]:
-    llm = LLM(model_path, dtype="float32", device="cpu", num_gpu_blocks=64, chunk_size=16)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    return [o.output_token_ids for o in outs]
 
 
 CASES = {

@@ -5,14 +5,13 @@ ordinary OpenAI chat client (the whole history re-sent each turn, recognised by 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -144,22 +143,11 @@ def test_run_load_over_http(server: Server) -> None:
         assert httpx.get(f"{server.url}/v1/conversations/{cid}").status_code == 404
 
 
-def _multiturn_module():  # noqa: ANN202 - benchmarks/multiturn.py, a script
-    if "multiturn_bench" not in sys.modules:
-        script = Path(__file__).resolve().parents[1] / "benchmarks" / "multiturn.py"
-        spec = importlib.util.spec_from_file_location("multiturn_bench", script)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["multiturn_bench"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["multiturn_bench"]
-
-
-def test_multiturn_point_over_http(server: Server, tmp_path: Path,
+def test_multiturn_point_over_http(server: Server, tmp_path: Path, multiturn_module: Any,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``multiturn.py --engine http`` (what benchmarks/http_point.sh runs) records one point with
     the client's counters: no failed request, no turn held back on the client."""
-    mt = _multiturn_module()
+    mt = multiturn_module
     monkeypatch.setattr(mt, "workload", lambda args: Workload("tiny", _workload(4)))
     rc = mt.main(["--engine", "http", "--url", server.url, "--systems", "pensieve",
                   "--rates", str(RATE), "--duration", str(DURATION), "--warmup", "0",
@@ -383,11 +371,11 @@ def test_chat_client_over_http(server: Server) -> None:
         plain.shutdown()
 
 
-def test_multiturn_chat_point_over_http(server: Server, tmp_path: Path,
+def test_multiturn_chat_point_over_http(server: Server, tmp_path: Path, multiturn_module: Any,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``multiturn.py --engine http --api chat`` (what benchmarks/churn_points.sh runs): the
     point, its steady-state summary and its time series."""
-    mt = _multiturn_module()
+    mt = multiturn_module
     monkeypatch.setattr(mt, "workload", lambda args: Workload("tiny", _workload(4)))
     rc = mt.main(["--engine", "http", "--api", "chat", "--url", server.url,
                   "--systems", "pensieve", "--rates", str(RATE), "--duration", "3",

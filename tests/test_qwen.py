@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from test_gguf import PROMPTS, hf_greedy, ours_greedy, tiny_hf
+from tiny_hf import PROMPTS, hf_greedy, ours_greedy, tiny_hf
 
 from pensieve import LLM
 
