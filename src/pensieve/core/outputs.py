@@ -113,6 +113,15 @@ class SchedulerOutput:
         return not self.requests and self.swaps.is_empty
 
 
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability and the most likely tokens of its position."""
+
+    logprob: float
+    """The sampled token's log-probability (log-softmax of the unscaled logits)."""
+    top: tuple[tuple[int, float], ...]
+    """``SamplingParams.logprobs`` (token id, log-probability) pairs, most likely first."""
+
+
 @dataclass(frozen=True)
 class RunnerOutput:
     """What one step produced."""
@@ -125,3 +134,7 @@ class RunnerOutput:
     """Background swap-out batches (one per step whose plan had ``swap_out``) whose copies
     are still running after this step, this step's included. They complete in plan order, so
     the cache reclaims the GPU blocks of every older batch. 0: every copy is done."""
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """For each sampled request whose ``SamplingParams.logprobs`` is set: the sampled token's
+    log-probability and the top alternatives, computed from the very logits it was sampled
+    from. An executor that computes no logits (the simulator) leaves this empty."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pensieve.core.outputs import QueryRange
+from pensieve.core.outputs import QueryRange, TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.stats import CacheStats
 
@@ -45,6 +45,9 @@ class Request:
     conversation_id: str | None = None
     """The conversation this turn belongs to (None: a one-off request)."""
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """With ``sampling_params.logprobs`` set: one entry per output token (None where the
+    executor computed none, e.g. the simulator). Appended by the engine."""
     pending: list[tuple[int, int]] = field(default_factory=list)
     cache_stats: CacheStats = field(default_factory=CacheStats)
     status: RequestStatus = RequestStatus.WAITING

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
+"""Most alternatives per token that ``logprobs`` may ask for (OpenAI's limit)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class SamplingParams:
     """Generation stops after emitting any of these (the token is kept in the output)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks)."""
+    logprobs: int | None = None
+    """Return each sampled token's log-probability and this many most likely alternatives
+    (0..20; None: no log-probabilities). They are the model's: a log-softmax of the logits
+    before temperature, top-k and top-p, as vLLM returns them by default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -47,6 +53,10 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= _INT63_MAX):
             raise ValueError(f"seed must be an int in [0, {_INT63_MAX}], got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.logprobs!r}")
         try:
             stops = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError as e:

@@ -22,7 +22,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pensieve.core.outputs import QueryRange, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pensieve.core.outputs import (
+    QueryRange,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 log = logging.getLogger("pensieve")
 
@@ -63,11 +69,14 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
         except Exception:
             raise first from None  # the executor is broken: its first error says why
     sampled: dict[str, int] = {}
+    logprobs: dict[str, TokenLogprobs] = {}
     for out in outputs:
         sampled.update(out.sampled_token_ids)
+        logprobs.update(out.logprobs)
     step.output = RunnerOutput(sampled_token_ids=sampled,
                                step_time_s=sum(o.step_time_s for o in outputs),
-                               swap_outs_in_flight=outputs[-1].swap_outs_in_flight)
+                               swap_outs_in_flight=outputs[-1].swap_outs_in_flight,
+                               logprobs=logprobs)
     for rid, why in step.failed.items():
         log.error("request %s failed in a step and is aborted: %s", rid, why)
     return step

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.outputs import ScheduledRequest
-from pensieve.core.request import Request
+from pensieve.core.outputs import RunnerOutput, ScheduledRequest, TokenLogprobs
+from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
@@ -52,6 +52,9 @@ class EngineCore:
         self.num_steps = 0
         self.last_sampled: dict[str, int] = {}
         """Tokens sampled in the last step, by request id (for streaming)."""
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
+        """Log-probabilities of the last step's tokens, by request id, for the requests that
+        ask for them (for streaming)."""
         self.split_range_requests = 0
         """Requests computed as two or more ranges in one step (dropped leading chunks
         recomputed together with the new prompt)."""
@@ -164,6 +167,7 @@ class EngineCore:
         """Schedule, execute, update; returns the requests that finished in this step, those
         that failed in it included (``finish_reason="error"``, :attr:`RequestOutput.error`)."""
         self.last_sampled = {}
+        self.last_logprobs = {}
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(self.now())
         t1 = time.perf_counter()
@@ -182,6 +186,8 @@ class EngineCore:
         t3 = time.perf_counter()
         failed = self._fail(sched.requests, step.failed) if step.failed else []
         self.last_sampled = result.sampled_token_ids
+        self.last_logprobs = result.logprobs
+        self._append_logprobs(sched.requests, result)
         finished = self.scheduler.update_from_output(sched, result, self.now())
         if self.step_observers:
             rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3,
@@ -192,6 +198,17 @@ class EngineCore:
             self.cache.check_integrity()
         self.num_steps += 1
         return failed + [_output(r) for r in finished]
+
+    def _append_logprobs(self, scheduled: Iterable[ScheduledRequest],
+                         result: RunnerOutput) -> None:
+        """One entry per sampled token of the requests that ask (before the scheduler
+        appends the tokens, which may finish the request and let it go)."""
+        for s in scheduled:
+            if s.sample and s.sampling_params.logprobs is not None:
+                req = self.scheduler.requests.get(s.request_id)
+                if (req is not None and req.status is RequestStatus.RUNNING
+                        and s.request_id in result.sampled_token_ids):
+                    req.logprobs.append(result.logprobs.get(s.request_id))
 
     def _fail(self, scheduled: Iterable[ScheduledRequest],
               errors: dict[str, str]) -> list[RequestOutput]:
@@ -230,7 +247,7 @@ def _output(r: Request) -> RequestOutput:
     return RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.finish_reason,
                          arrival_time=r.arrival_time, first_token_time=r.first_token_time,
                          finish_time=r.finish_time, conversation_id=r.conversation_id,
-                         cache_stats=r.cache_stats.as_dict())
+                         cache_stats=r.cache_stats.as_dict(), logprobs=list(r.logprobs))
 
 
 def _check_fits(scheduler: Scheduler, executor: Executor) -> None:

@@ -3,7 +3,9 @@ use it too)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pensieve.core.outputs import TokenLogprobs
 
 
 @dataclass
@@ -24,6 +26,9 @@ class RequestOutput:
     error: str | None = None
     """Why the request failed (``finish_reason == "error"``): the exception its execution
     raised. Its conversation is as it was before the turn."""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """With ``SamplingParams.logprobs`` set: one entry per output token (None where the
+    executor computed none); empty otherwise."""
 
 
 __all__ = ["RequestOutput"]

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
-from pensieve.runner.sampler import sample
+from pensieve.runner.sampler import sample, token_logprobs
 from pensieve.runner.swapper import KVSwapper
 
 log = logging.getLogger(__name__)
@@ -227,12 +227,15 @@ class ModelRunner:
             if sampled:
                 logits = self.model.compute_logits(hidden[inp.logits_indices])
         tokens: list[int] = []
+        logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:
+            params = [s.sampling_params for s in sampled]
             tokens = sample(
-                logits,
-                [s.sampling_params for s in sampled],
-                [s.num_output_tokens for s in sampled],
+                logits, params, [s.num_output_tokens for s in sampled]
             )  # .tolist() inside synchronises with the device
+            # from the same logits (a graph replay's output buffer is not reused before this)
+            logprobs = {sampled[i].request_id: lp
+                        for i, lp in token_logprobs(logits, params, tokens).items()}
         elif self.device.type == "cuda":
             # the compute stream only: a device-wide sync would wait for background copies
             torch.cuda.current_stream(self.device).synchronize()
@@ -241,6 +244,7 @@ class ModelRunner:
             sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens)},
             step_time_s=time.perf_counter() - t0,
             swap_outs_in_flight=in_flight,
+            logprobs=logprobs,
         )
 
 

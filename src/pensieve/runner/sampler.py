@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; log-probabilities.
 
 Sampling uses the exponential-race form of a categorical draw (``argmax(p / E)`` with
 ``E ~ Exp(1)``), so a seeded request's noise depends only on its seed and output index.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003
@@ -62,3 +63,30 @@ def sample(
     out = greedy_tokens.clone()
     out[rows] = picked
     return out.tolist()
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> dict[int, TokenLogprobs]:
+    """Log-probabilities of the sampled ``tokens`` for the rows whose params ask for them.
+
+    logits: ``[N, V]``, the very logits :func:`sample` picked ``tokens`` (N ids) from. The
+    values are the model's, ``log_softmax`` of the unscaled logits in float32 (temperature,
+    top-k and top-p do not change them, as in vLLM by default). Returns, by row index, the
+    sampled token's log-probability and the row's ``params[i].logprobs`` most likely
+    (token, log-probability) pairs, most likely first. Only the asking rows are computed."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return {}
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    lp = logits[idx].float().log_softmax(dim=-1)  # [R, V]
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None])
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)  # [R, k], sorted descending
+    chosen_l, top_lp_l, top_ids_l = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
+    out: dict[int, TokenLogprobs] = {}
+    for j, i in enumerate(rows):
+        n = params[i].logprobs or 0
+        out[i] = TokenLogprobs(chosen_l[j], tuple(zip(top_ids_l[j][:n], top_lp_l[j][:n])))
+    return out

@@ -55,9 +55,10 @@ _UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions":
                 "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
                 "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                 "repetition_penalty": (None, 1), "logit_bias": (None, {}),
-                "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1),
+                "top_logprobs": (None, 0), "best_of": (None, 1),
                 "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0)}
-"""Fields this server does not implement, with the values that ask for nothing (allowed)."""
+"""Fields this server does not implement, with the values that ask for nothing (allowed).
+(``top_logprobs`` is a chat field; /v1/completions asks for alternatives with ``logprobs``.)"""
 
 
 def _check_request(state: ServerState, body: _Sampling) -> None:

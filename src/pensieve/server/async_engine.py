@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
@@ -38,6 +39,8 @@ class Update:
     """One event of a request: a new token, the finished output, or an error."""
 
     token: int | None = None
+    logprobs: TokenLogprobs | None = None
+    """With a token, for a request that asks for them: its log-probabilities."""
     output: RequestOutput | None = None
     error: BaseException | None = None
     cache: dict[str, int] | None = None
@@ -184,7 +187,8 @@ class AsyncEngine:
                 if rid not in done:
                     req = eng.scheduler.requests.get(rid)
                     first = req is not None and len(req.output_token_ids) == 1
-                    self._push(rid, Update(token=tok, cache=req.cache_stats.as_dict()
+                    self._push(rid, Update(token=tok, logprobs=eng.last_logprobs.get(rid),
+                                           cache=req.cache_stats.as_dict()
                                            if first and req is not None else None))
             for out in finished:
                 if out.error is not None:  # contained: only this request failed

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pensieve.core.sampling_params import MAX_LOGPROBS
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -51,6 +53,10 @@ class _Sampling(BaseModel):
     priority: float | None = Field(default=None, gt=0.0)
     """Pensieve: retention weight of the conversation's KV (default 1)."""
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token asked for (None: no log-probabilities)."""
+        return None
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -60,6 +66,18 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    """Return each answer token's log-probability (``choices[0].logprobs.content``)."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """With ``logprobs``: this many most likely alternatives per token."""
+
+    def num_logprobs(self) -> int | None:
+        """Raises ValueError for ``top_logprobs`` without ``logprobs: true`` (as vLLM)."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_Sampling):
@@ -68,6 +86,11 @@ class CompletionRequest(_Sampling):
     """Pensieve: without ``conversation_id``, start a new conversation whose first turn is this
     prompt; the response carries its id, and later turns send it with only their new tokens.
     (With ``conversation_id`` this is ignored: the named conversation continues.)"""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Return each token's log-probability and this many most likely alternatives."""
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -22,17 +22,20 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server.async_engine import EngineRequestError, set_history
 from pensieve.server.errors import APIError, error_response
+from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
 from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.turns import Turn, engine_call, off_loop
 
-_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"}
+_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                    "logprobs"}
 MAX_STOP_STRINGS = 64
 
 
@@ -76,11 +79,16 @@ def _params(state: ServerState, body: _Sampling, max_tokens: int,
     d = {k: v for k, v in state.sampling_defaults.items() if k not in given}
     stop_ids = stop_ids + [i for i in state.extra_stop_token_ids if not body.ignore_eos]
     try:
+        num_logprobs = body.num_logprobs()
+    except ValueError as e:
+        raise APIError(400, str(e), param="top_logprobs") from e
+    try:
         return SamplingParams(max_tokens=max_tokens,
                               temperature=d.get("temperature", body.temperature),
                               top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
                               seed=body.seed,
-                              stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos)
+                              stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
+                              logprobs=num_logprobs)
     except ValueError as e:  # SamplingParams names the field first in its messages
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
@@ -167,14 +175,21 @@ class TurnOutput:
             state, body, turn, rid, chat, t0)
         self.created = int(time.time())
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs | None] = []
+        """One entry per token of :attr:`tokens` when the request asks for logprobs."""
+        self.logprobs_sent = 0
+        """Tokens whose logprobs a stream chunk carried."""
         self.cache: dict[str, int] = {}
         tok = state.renderer.tokenizer if state.renderer is not None else None
+        self.logprobs_fmt = (LogprobsFormatter(tok, chat) if body.num_logprobs() is not None
+                             else None)
         self.detok = IncrementalDetokenizer(tok) if tok is not None else None
         self.stops = StopStrings(stops)
         self.first_token_t = self.last_token_t = t0
 
-    def _feed(self, token: int) -> str:
+    def _feed(self, token: int, logprobs: TokenLogprobs | None = None) -> str:
         self.tokens.append(token)
+        self.logprobs.append(logprobs)
         now = time.monotonic()
         if len(self.tokens) > 1:
             self.state.metrics.itl.observe(now - self.last_token_t)
@@ -189,7 +204,10 @@ class TurnOutput:
         while True:
             if upd.output is not None:
                 out = upd.output
-                text = "".join(self._feed(t) for t in out.output_token_ids[len(self.tokens):])
+                n = len(self.tokens)
+                lps = out.logprobs[n:] or [None] * (len(out.output_token_ids) - n)
+                text = "".join(self._feed(t, lp)
+                               for t, lp in zip(out.output_token_ids[n:], lps))
                 if self.detok is not None:
                     text += self.stops.feed(self.detok.flush())
                 text += self.stops.flush()
@@ -201,7 +219,7 @@ class TurnOutput:
                 return
             if upd.cache is not None:
                 self.cache = upd.cache
-            delta = self._feed(upd.token)
+            delta = self._feed(upd.token, upd.logprobs)
             if self.stops.stopped:
                 result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
                                 "stop", self.cache)
@@ -255,7 +273,7 @@ class TurnOutput:
 
     def final_body(self, result: Result) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
-                                  "logprobs": None}
+                                  "logprobs": self._logprobs(len(result.output_ids))}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
@@ -278,17 +296,25 @@ class TurnOutput:
                 return None
         return None
 
+    def _logprobs(self, end: int) -> dict[str, Any] | None:
+        """The logprobs object of the tokens from the last one sent up to ``end``."""
+        if self.logprobs_fmt is None:
+            return None
+        start, self.logprobs_sent = self.logprobs_sent, end
+        return self.logprobs_fmt.format(self.tokens[start:end], self.logprobs[start:end])
+
     def _chunk(self, delta: str, finish: str | None, first: bool = False,
                extra: dict[str, Any] | None = None) -> str:
+        lp = None if first else self._logprobs(len(self.tokens))
         if self.chat:
             d: dict[str, Any] = {"content": delta}
             if first:
                 d["role"] = "assistant"
             choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish,
-                                      "logprobs": None}
+                                      "logprobs": lp}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
             obj = "text_completion"
         return sse_data({"id": self.rid, "object": obj, "created": self.created,
                          "model": self._model(), "choices": [choice],
