@@ -63,8 +63,9 @@ class TransferModel:
     """Device-to-host rate, GB/s."""
     latency_s: float = 0.0
     """Fixed time of one copy launch before data moves (the swap-ins' first layer waits for
-    it); 0 by default. The copies before the kernel (``0444678:docs/results/swap_overlap.json``: 64 to
-    1024 chunks swapped in under a 51 ms step) left 8-11 ms exposed beyond this model's
+    it); 0 by default. The copies before the kernel
+    (``0444678:docs/results/swap_overlap.json``, in git history: 64 to 1024 chunks swapped in
+    under a 51 ms step) left 8-11 ms exposed beyond this model's
     transfer time, mostly host-side issue work the kernel removes; measure the kernel's."""
     num_layers: int | None = None
     """Swap-ins are pipelined per layer: with L layers layer 0's share ``T / L`` is always

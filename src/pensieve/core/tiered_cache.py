@@ -69,10 +69,10 @@ class TieredKVCache(TierPools):
     ) -> None:
         """``key_refresh_s``: how far ahead (seconds) time-dependent eviction keys are
         evaluated, i.e. how often at most the whole index is re-keyed; the eviction order is
-        exact whatever its value (see :mod:`pensieve.core.eviction_index`). ``swap_chunk_s``: seconds to
-        move one chunk (all layers) one way between the tiers at the measured rate; with it,
-        admission recomputes a CPU chunk instead of swapping it in when that is expected to be
-        sooner (see the module docstring); None: always swap in."""
+        exact whatever its value (see :mod:`pensieve.core.eviction_index`). ``swap_chunk_s``:
+        seconds to move one chunk (all layers) one way between the tiers at the measured rate;
+        with it, admission recomputes a CPU chunk instead of swapping it in when that is
+        expected to be sooner (see the module docstring); None: always swap in."""
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
         super().__init__(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, chunk_cost,
