@@ -199,3 +199,18 @@ def test_kill_a_replica_mid_run(cluster):
              if any(r == killed[0] for _, r, _ in turns) and sorted(turns)[-1][1] != killed[0]]
     assert moved
     assert time.monotonic() - t0 < 600  # hang guard
+
+
+def test_streaming_through_the_ingress(cluster):
+    """A streamed answer comes through the ingress chunk by chunk, equal to the same request
+    answered whole (greedy)."""
+    url, _ = cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "stream me something"}]
+    whole = client.chat.completions.create(model="pensieve-demo", messages=msgs, max_tokens=12,
+                                           temperature=0).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="pensieve-demo", messages=msgs, max_tokens=12, temperature=0, stream=True)
+        if c.choices]
+    assert len([p for p in parts if p]) > 1
+    assert "".join(parts) == whole

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
 
 
 async def call_asgi(app: Any, method: str, path: str, query: bytes, headers: Headers,
-                    body: bytes, extra_headers: Headers = ()) -> AsyncIterator[Any]:
+                    body: bytes, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+                    ) -> AsyncIterator[Any]:
     """Yield ``("start", status, headers)`` then the body chunks of ``app``'s response."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),

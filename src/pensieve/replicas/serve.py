@@ -152,7 +152,7 @@ class Ingress:
                                            list(request.headers.raw), b"")
             text = b"".join([chunk async for chunk in gen])
             if start[1] != 200:
-                return Response(text, status_code=start[1], headers=_plain(start[2]))
+                return Response(text, status_code=start[1], headers=dict(_plain(start[2])))
             pages[dict(_plain(start[2]))[REPLICA_HEADER]] = text.decode()
         return Response(merge_pages(pages), media_type="text/plain; version=0.0.4")
 
