@@ -193,8 +193,11 @@ def test_chat_logprobs_match_hf(served: Any, chat_llama: Any) -> None:
     assert all(abs(a.logprob - b.logprob) < TOL for a, b in zip(streamed, content))
     assert "".join(c.token for c in streamed) == "".join(
         ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    # without logprobs: none
+    # without logprobs (absent, or null as OpenAI's API allows): none
     r = client.chat.completions.create(model="chat_llama0", messages=MSGS, max_tokens=2)
+    assert r.choices[0].logprobs is None
+    r = client.chat.completions.create(model="chat_llama0", messages=MSGS, max_tokens=2,
+                                       extra_body={"logprobs": None})
     assert r.choices[0].logprobs is None
     # logprobs without top_logprobs: the sampled token's only
     r = client.chat.completions.create(model="chat_llama0", messages=MSGS, max_tokens=2,

@@ -66,7 +66,7 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     """Return each answer token's log-probability (``choices[0].logprobs.content``)."""
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """With ``logprobs``: this many most likely alternatives per token."""
