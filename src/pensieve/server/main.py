@@ -117,8 +117,12 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, close = build_server(args)
     try:
+        # h11 whatever else is installed (ray[serve] brings httptools): it hands requests
+        # with odd header bytes (e.g. DEL in a value) to the app, which answers them with
+        # OpenAI-shaped JSON errors, where httptools answers "Invalid HTTP request received."
+        # in plain text before the app sees them
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+                    timeout_graceful_shutdown=args.shutdown_timeout, http="h11")
     finally:
         close()
     return 0
