@@ -18,10 +18,14 @@ def test_key_is_the_id_or_the_first_messages() -> None:
     later = first + [{"role": "assistant", "content": "hello"},
                      {"role": "user", "content": "more"}]
     assert conversation_key(first) == conversation_key(later)  # re-sent history: same key
+    bare = [{"role": "user", "content": "hi"}]  # no system prompt: turn 1 and turn 2 agree
+    assert conversation_key(bare) == conversation_key(
+        bare + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}])
+    assert conversation_key(bare) != conversation_key(first)
     other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "bye"}]
     assert conversation_key(first) != conversation_key(other)
     assert conversation_key(first, "c1") == "id:c1" != conversation_key(first, "c2")
-    assert conversation_key(["a", "b", "c"]) == conversation_key(["a", "b"])
+    assert conversation_key(["a", "b", "c"]) == conversation_key(["a", "x"])  # first string
     assert conversation_key([{"role": "user", "content": "\ud800"}]).startswith("msg:")
 
 

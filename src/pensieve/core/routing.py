@@ -30,16 +30,19 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def conversation_key(messages: Sequence[Any], conversation_id: str | None = None,
-                     prefix_messages: int = 2) -> str:
-    """Routing key of a request: its conversation id, else a hash of its first messages.
+def conversation_key(messages: Sequence[Any], conversation_id: str | None = None) -> str:
+    """Routing key of a request: its conversation id, else a hash of its opening messages.
 
     ``messages`` are OpenAI chat messages (dicts with ``role`` and ``content``) or plain
-    strings; only the first ``prefix_messages`` count, so every later turn of a conversation
-    whose client re-sends the history maps to the same key."""
+    strings. The opening is every message up to and including the first ``user`` message
+    (system prompts and the first question; the first message when none has that role): the
+    same on every turn of a conversation whose client re-sends the history."""
     if conversation_id:
         return "id:" + conversation_id
-    head = [_message_text(m) for m in list(messages)[:prefix_messages]]
+    msgs = list(messages)
+    first_user = next((i for i, m in enumerate(msgs)
+                       if isinstance(m, dict) and m.get("role") == "user"), 0)
+    head = [_message_text(m) for m in msgs[: first_user + 1]]
     digest = hashlib.blake2b(json.dumps(head, ensure_ascii=False).encode("utf-8", "replace"),
                              digest_size=16).hexdigest()
     return "msg:" + digest

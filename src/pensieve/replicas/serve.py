@@ -66,9 +66,7 @@ def routing_key(path: str, headers: dict[str, str], body: bytes) -> str:
         return conversation_key([], cid)
     msgs = data.get("messages")
     if isinstance(msgs, list):
-        first_user = next((i for i, m in enumerate(msgs)
-                           if isinstance(m, dict) and m.get("role") == "user"), len(msgs) - 1)
-        return conversation_key(msgs[:first_user + 1], prefix_messages=first_user + 1)
+        return conversation_key(msgs)  # its opening messages: the same on every turn
     if "prompt" in data:
         return conversation_key([json.dumps(data["prompt"])[:4096]])
     return ""
