@@ -26,7 +26,7 @@ from pensieve.core.routing import preference  # noqa: E402
 from pensieve.replicas.router import rank_replicas  # noqa: E402
 from pensieve.replicas.serve import REPLICA_HEADER, build_application, routing_key  # noqa: E402
 from pensieve.server.main import add_serve_args  # noqa: E402
-from pensieve.server.store import open_store  # noqa: E402
+from pensieve.server.stores import open_store  # noqa: E402
 
 TURNS = 4
 

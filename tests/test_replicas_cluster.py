@@ -16,7 +16,7 @@ from pg_server import postgres_url  # noqa: E402
 from test_replicas import _run, serve_args  # noqa: E402
 
 from pensieve.replicas.serve import NODE_HEADER, build_application  # noqa: E402
-from pensieve.server.store import open_store  # noqa: E402
+from pensieve.server.stores import open_store  # noqa: E402
 
 
 def test_two_nodes_postgres_store():

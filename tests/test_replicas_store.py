@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from pensieve.server.store import ConversationStore, StoredConversation, open_store
+from pensieve.server.store import ConversationStore, StoredConversation
+from pensieve.server.stores import open_store
 
 
 @pytest.fixture(scope="module")

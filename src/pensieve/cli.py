@@ -55,6 +55,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """``pensieve serve``: one server, or ``--data-parallel-size`` replicas on Ray Serve."""
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from pensieve.replicas.serve import serve_replicas
+
+        return serve_replicas(args)
+    from pensieve.server.main import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pensieve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -84,11 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show", type=int, default=4, help="outputs to print")
     g.set_defaults(func=_generate)
 
-    from pensieve.server.main import add_serve_args, serve
+    from pensieve.server.main import add_serve_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible server with stateful conversations")
     add_serve_args(s)
-    s.set_defaults(func=serve)
+    s.set_defaults(func=_serve)
 
     from pensieve.bench.cli import add_bench_parser
 

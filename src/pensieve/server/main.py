@@ -107,10 +107,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    if getattr(args, "data_parallel_size", 1) > 1:
-        from pensieve.replicas.serve import serve_replicas
-
-        return serve_replicas(args)
+    """One server process (``--data-parallel-size`` > 1 is dispatched by ``pensieve.cli`` to
+    :func:`pensieve.replicas.serve.serve_replicas`, which builds each replica with
+    :func:`build_server`)."""
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -140,7 +139,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     from pensieve.server.metrics import Metrics
     from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
     from pensieve.server.state import ServerState
-    from pensieve.server.store import open_store
+    from pensieve.server.stores import open_store
 
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]

@@ -1,5 +1,6 @@
 """Persistent conversation store: one interface (:class:`Store`), SQLite in WAL mode here,
-PostgreSQL in :mod:`.store_pg`; :func:`open_store` picks one from a path or a URL.
+PostgreSQL in :mod:`.store_pg`; :func:`pensieve.server.stores.open_store` picks one from a
+path or a URL.
 
 Replicas on one host share one SQLite file (WAL lets readers run beside the one writer; a
 writer waits up to ``busy_timeout`` for another); replicas on several hosts share a
@@ -20,7 +21,6 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 _SCHEMA = """
@@ -100,17 +100,6 @@ class Store(Protocol):
     def count(self) -> int: ...
 
     def close(self) -> None: ...
-
-
-def open_store(target: str) -> Store:
-    """The store at ``target``: a ``postgresql://`` (or ``postgres://``) URL, else the path of
-    a SQLite file (its directory is created)."""
-    if target.startswith(("postgresql://", "postgres://")):
-        from pensieve.server.store_pg import PostgresStore
-
-        return PostgresStore(target)
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    return ConversationStore(target)
 
 
 class ConversationStore:
