@@ -253,14 +253,3 @@ def script_command(argv: list[str]) -> int | None:
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in SCRIPTS:
         return run_script(argv[1], argv[2:])
     return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pensieve.bench.cli ...`` = ``pensieve bench ...``."""
-    from pensieve.cli import main as pensieve_main
-
-    return pensieve_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
