@@ -23,35 +23,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_validate_churn import run_jobs  # noqa: E402
+from sim_validate_churn import add_sweep_args, run_jobs, sweep_times  # noqa: E402
 
 from pensieve.bench.metrics import capacity_at  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel  # noqa: E402
-
-FIT = Path(__file__).resolve().parents[1] / "docs" / "results" / "sim_churn" / \
-    "step_cost_churn_fit_all.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/sim_churn_capacity")
-    ap.add_argument("--step-cost", default=str(FIT))
     ap.add_argument("--systems", default="stateless,prefix-lru,pensieve")
     ap.add_argument("--rates", default="0.4,0.5,0.6,0.7,0.8,1.0,1.2,1.4")
-    ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
-    ap.add_argument("--warmup", type=float, default=300.0)
-    ap.add_argument("--drain", type=float, default=60.0)
-    ap.add_argument("--targets", default="50,100,150", help="P90 ms/token")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, small lengths")
+    add_sweep_args(ap, targets="50,100,150")
     args = ap.parse_args(argv)
     cost = StepCostModel.load(args.step_cost)
     systems = args.systems.split(",")
     rates = [float(r) for r in args.rates.split(",")]
-    duration, warmup, drain, scale = args.duration, args.warmup, args.drain, 1.0
-    if args.tiny:
-        duration, warmup, drain, scale = 40.0, 20.0, 10.0, 0.2
+    duration, warmup, drain, scale = sweep_times(args)
     jobs = [{"system": s, "rate": r, "pair": "capacity", "think": 5.0, "gpu_kv_gb": 40.0,
              "cpu_kv_gb": 60.0, "duration": duration, "warmup": warmup, "drain": drain,
              "seed": args.seed, "workload": "agentic", "template_tokens": 8,

@@ -29,18 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_validate_churn import (  # noqa: E402
-    CHUNK,
-    KV_BYTES_PER_TOKEN,
     PROFILE,
+    add_sweep_args,
     conversations,
+    make_sim,
+    sweep_times,
     transfer_model,
 )
 
 from pensieve.bench.metrics import capacity_at, summarize  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel  # noqa: E402
-
-FIT = Path(__file__).resolve().parents[1] / "docs" / "results" / "sim_churn" / \
-    "step_cost_churn_fit_all.json"
 
 
 def point(job: dict[str, Any]) -> dict[str, Any]:
@@ -48,24 +46,16 @@ def point(job: dict[str, Any]) -> dict[str, Any]:
     from pensieve.bench.engine_api import VirtualClock
     from pensieve.bench.loadgen import run_load
     from pensieve.bench.replicas_sim import ReplicatedSim, replica_names
-    from pensieve.bench.simulator import SimEngine
-    from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
     from pensieve.core.routing import AffinityRouter, RandomRouter
 
     t0 = time.time()
     cost = StepCostModel.from_dict(job["cost"])
-    block_bytes = KV_BYTES_PER_TOKEN * CHUNK
-    gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
-    cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
-    chunk_cost = CostModel.load(PROFILE)
+    chunk_cost = CostModel.load(PROFILE)  # loaded once, shared by the replicas
     transfer = transfer_model()
 
-    def make(clock: VirtualClock) -> SimEngine:
-        return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
-                                         max_model_len=16384),
-                         gpu, cpu, cost, clock, chunk_cost, chunk_size=CHUNK,
-                         cache_policy=job["system"], block_bytes=block_bytes, transfer=transfer)
+    def make(clock: VirtualClock) -> Any:
+        return make_sim(job, cost, clock, chunk_cost, transfer)
 
     n = job["replicas"]
     names = replica_names(n)
@@ -87,7 +77,6 @@ def point(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/sim_replicas")
-    ap.add_argument("--step-cost", default=str(FIT))
     ap.add_argument("--replicas", default="1,2,4,8")
     ap.add_argument("--routings", default="affinity,random")
     ap.add_argument("--system", default="pensieve")
@@ -97,21 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think", type=float, default=5.0)
     ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
     ap.add_argument("--cpu-kv-gb", type=float, default=60.0)
-    ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
-    ap.add_argument("--warmup", type=float, default=300.0)
-    ap.add_argument("--drain", type=float, default=60.0)
-    ap.add_argument("--targets", default="50,100", help="P90 ms/token")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, small lengths")
+    add_sweep_args(ap, targets="50,100")
     args = ap.parse_args(argv)
     cost = StepCostModel.load(args.step_cost)
     ns = [int(x) for x in args.replicas.split(",")]
     routings = args.routings.split(",")
     rates = [float(r) for r in args.rates.split(",")]
-    duration, warmup, drain, scale = args.duration, args.warmup, args.drain, 1.0
-    if args.tiny:
-        duration, warmup, drain, scale = 40.0, 20.0, 10.0, 0.2
+    duration, warmup, drain, scale = sweep_times(args)
     jobs = [{"replicas": n, "routing": routing, "system": args.system, "rate": r * n,
              "think": args.think, "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
              "duration": duration, "warmup": warmup, "drain": drain, "seed": args.seed,

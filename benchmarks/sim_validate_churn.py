@@ -89,6 +89,9 @@ DEFAULT_PAIRS = ("stateless_pensieve_0.45_0.85", "stateless_pensieve_0.55_1.0",
                  "prefixlru_pensieve_1.2")
 """The pairs of the current engine (directories of ``docs/results/churn``)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
+FIT_ALL = ROOT / "docs" / "results" / "sim_churn" / "step_cost_churn_fit_all.json"
+"""The step cost fitted on all real pairs (written by this script's run): what
+``sim_churn_capacity.py`` and ``sim_replicas.py`` simulate with."""
 SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
 KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
@@ -177,26 +180,36 @@ def conversations(workload: str, seed: int, template_tokens: int, length_scale: 
     return convs
 
 
-def sim_point(job: dict[str, Any]) -> dict[str, Any]:
-    """One simulated point: summary over the window plus run totals by step kind (and the
-    aggregated design of each kind, for the recalibration)."""
+def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
+             chunk_cost: Any = None, transfer: TransferModel | None = None) -> Any:
+    """A :class:`~pensieve.bench.simulator.SimEngine` with the real servers' set-up: the
+    job's tiers (``gpu_kv_gb``, ``cpu_kv_gb``) and policy (``system``), the retention cost
+    profile they used and the measured copies (``chunk_cost`` / ``transfer``: already loaded
+    ones, to share between replicas)."""
     from pensieve.bench.simulator import SimEngine
-    from pensieve.bench.step_cost import _design_row
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
 
-    t0 = time.time()
-    cost = StepCostModel.from_dict(job["cost"])
     block_bytes = KV_BYTES_PER_TOKEN * CHUNK
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
     cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
+    return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
+                                     max_model_len=16384),
+                     gpu, cpu, cost, clock,
+                     chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
+                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
+                     transfer=transfer if transfer is not None else transfer_model())
+
+
+def sim_point(job: dict[str, Any]) -> dict[str, Any]:
+    """One simulated point: summary over the window plus run totals by step kind (and the
+    aggregated design of each kind, for the recalibration)."""
+    from pensieve.bench.step_cost import _design_row
+
+    t0 = time.time()
+    cost = StepCostModel.from_dict(job["cost"])
     clock = VirtualClock()
-    eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
-                                    max_model_len=16384),
-                    gpu, cpu, cost, clock,
-                    CostModel.load(PROFILE), chunk_size=CHUNK,
-                    cache_policy=job["system"], block_bytes=block_bytes,
-                    transfer=transfer_model())
+    eng = make_sim(job, cost, clock)
     convs = conversations(job["workload"], job["seed"], job["template_tokens"],
                           job.get("length_scale", 1.0))
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
@@ -223,6 +236,25 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
              exposed_copy_s=eng.exposed_copy_s, kinds=kinds,
              sim_wall_s=round(time.time() - t0, 1))
     return p
+
+
+def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
+    """The options a simulated sweep shares (``sim_churn_capacity.py``, ``sim_replicas.py``)."""
+    ap.add_argument("--step-cost", default=str(FIT_ALL))
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    ap.add_argument("--warmup", type=float, default=300.0)
+    ap.add_argument("--drain", type=float, default=60.0)
+    ap.add_argument("--targets", default=targets, help="P90 ms/token")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, small lengths")
+
+
+def sweep_times(args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(duration, warm-up, drain, length scale) of a sweep's runs (``--tiny``: short ones)."""
+    if args.tiny:
+        return 40.0, 20.0, 10.0, 0.2
+    return args.duration, args.warmup, args.drain, 1.0
 
 
 def run_jobs(jobs: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
