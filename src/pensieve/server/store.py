@@ -23,7 +23,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-_SCHEMA = """
+
+def schema(real: str = "REAL") -> str:
+    """The conversations table and its hash index; ``real``: the dialect's float type
+    (PostgreSQL's store passes ``DOUBLE PRECISION``)."""
+    return f"""
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
@@ -31,13 +35,16 @@ CREATE TABLE IF NOT EXISTS conversations (
     token_ids TEXT NOT NULL,
     turns TEXT NOT NULL,
     messages_hash TEXT NOT NULL,
-    priority REAL NOT NULL DEFAULT 1.0,
-    keep_alive_s REAL NOT NULL DEFAULT 0.0,
-    created REAL NOT NULL,
-    updated REAL NOT NULL
+    priority {real} NOT NULL DEFAULT 1.0,
+    keep_alive_s {real} NOT NULL DEFAULT 0.0,
+    created {real} NOT NULL,
+    updated {real} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS by_hash ON conversations (tenant, messages_hash);
 """
+
+
+_SCHEMA = schema()
 
 
 def messages_hash(tenant: str, messages: list[dict[str, Any]]) -> str:

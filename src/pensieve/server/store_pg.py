@@ -22,23 +22,10 @@ from pensieve.server.store import (
     from_row,
     messages_hash,
     row_values,
+    schema,
 )
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    messages TEXT NOT NULL,
-    token_ids TEXT NOT NULL,
-    turns TEXT NOT NULL,
-    messages_hash TEXT NOT NULL,
-    priority DOUBLE PRECISION NOT NULL DEFAULT 1.0,
-    keep_alive_s DOUBLE PRECISION NOT NULL DEFAULT 0.0,
-    created DOUBLE PRECISION NOT NULL,
-    updated DOUBLE PRECISION NOT NULL
-);
-CREATE INDEX IF NOT EXISTS by_hash ON conversations (tenant, messages_hash);
-"""
+_SCHEMA = schema("DOUBLE PRECISION")
 
 _UPSERT = (f"INSERT INTO conversations ({', '.join(COLUMNS)}) "
            f"VALUES ({', '.join(['%s'] * len(COLUMNS))}) ON CONFLICT (id) DO UPDATE SET "
