@@ -70,8 +70,8 @@ class ReplicatedSim:
         self._held: list[dict[str, int]] = [{} for _ in range(num_replicas)]
         """Per replica, conversation id -> length of the history it holds."""
         self._last: dict[str, int] = {}
-        self._where: dict[str, tuple[int, str | None, list[int]]] = {}
-        """request id -> (replica, conversation id, the context it was given)."""
+        self._where: dict[str, tuple[int, str | None]] = {}
+        """request id -> (replica, conversation id)."""
 
     # ------------------------------------------------------------------ BenchEngine
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -96,7 +96,7 @@ class ReplicatedSim:
                         conversation_id=conversation_id)
         self.loads[i] += 1
         self.served[i] += 1
-        self._where[request_id] = (i, conversation_id, prompt)
+        self._where[request_id] = (i, conversation_id)
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
@@ -113,7 +113,7 @@ class ReplicatedSim:
             if where is None:
                 continue
             self.loads[i] -= 1
-            _, cid, _ = where
+            _, cid = where
             if cid is not None and out.finish_reason != "error":
                 # the replica's context for the turn = what it held + what it was sent
                 full = list(out.prompt_token_ids) + list(out.output_token_ids)
