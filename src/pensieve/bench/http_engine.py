@@ -18,14 +18,13 @@ Pensieve's ``conversation_id`` in the chunks, if present, is only watched: a lat
 benchmark conversation that lands in another server conversation (its history was not
 recognised) is counted in ``history_misses``.
 
-The user text of a turn is words from :data:`CHAT_WORDS` (common English words that are one
-token each in Llama/Mistral-class 32k SentencePiece vocabularies), one per prompt token id the
-load generator drew (``word = CHAT_WORDS[id % len]``), so every system sees the same texts for
-the same seed. With ``calibrate`` the client first measures the served tokenizer: two one-token
-requests of 64 and 320 words give the prompt tokens per word from ``usage``, and a turn of
-``n`` tokens then sends ``round(n / tokens_per_word)`` words (``tokens_per_word`` records it);
-a Pensieve server's conversations of those two requests are deleted at once.
-Whatever the calibration, the points report what ``usage`` counted.
+The user text of a turn is one word of :data:`~pensieve.bench.http_wire.CHAT_WORDS` per prompt
+token id the load generator drew (:func:`~pensieve.bench.http_wire.words_text`), so every
+system sees the same texts for the same seed. With ``calibrate`` the client first measures the
+served tokenizer: two one-token requests of 64 and 320 words give the prompt tokens per word
+from ``usage``, and a turn of ``n`` tokens then sends ``round(n / tokens_per_word)`` words
+(``tokens_per_word`` records it); a Pensieve server's conversations of those two requests are
+deleted at once. Whatever the calibration, the points report what ``usage`` counted.
 
 ``"completions"`` -- Pensieve's token-id path: each turn is a streaming ``POST /v1/completions``
 with the token ids as the prompt. A benchmark conversation's first turn asks the server to
@@ -42,18 +41,16 @@ bytes arrive, and the main thread (the load generator) only touches a thread-saf
 a slot is counted in ``throttled``, so a run whose client was the bottleneck can be spotted.
 
 Server state: with ``metrics_interval_s`` the loop also scrapes the server's Prometheus
-``/metrics`` that often (its own connection, never held back by the request slots) and
-:meth:`HTTPEngine.probe` returns the latest values: Pensieve's ``pensieve_blocks_used`` /
-``pensieve_blocks_total`` per tier, ``pensieve_requests_running`` / ``_waiting``, swap bytes and
-dropped tokens; vLLM's ``vllm:num_requests_running`` / ``_waiting`` and KV cache usage. A server
-without ``/metrics`` is simply not scraped.
+``/metrics`` that often (:class:`~pensieve.bench.http_probe.MetricsScraper`) and
+:meth:`HTTPEngine.probe` returns the latest values.
 
-Timing on the given clock: ``first_token_time`` is the arrival of the first SSE data line. The
-server sends a stream's first chunk (its empty "role" chunk) only once the first token has been
-sampled -- it awaits the first token before it starts the response (vLLM does the same) -- so
-that line marks the first token even when the token decodes to no text. ``finish_time`` is the
-arrival of the chunk with ``finish_reason``. Outputs hold dummy token ids of the ``usage``
-lengths.
+Timing on the given clock and token counts: a streamed turn is assembled by
+:class:`~pensieve.bench.http_wire.StreamedTurn`. ``first_token_time`` is the arrival of the first
+SSE data line. The server sends a stream's first chunk (its empty "role" chunk) only once the
+first token has been sampled -- it awaits the first token before it starts the response (vLLM
+does the same) -- so that line marks the first token even when the token decodes to no text.
+``finish_time`` is the arrival of the chunk with ``finish_reason``. Outputs hold dummy token ids
+of the ``usage`` lengths.
 
 A request that fails (non-200 status, a broken stream, no ``finish_reason``) is returned as a
 finished output with ``finish_reason="error"`` and no first-token time (so it counts as
@@ -68,15 +65,16 @@ import concurrent.futures
 import json
 import logging
 import queue
-import re
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 import httpx
 
 from pensieve.bench.engine_api import Clock, WallClock
+from pensieve.bench.http_probe import MetricsScraper, parse_metrics
+from pensieve.bench.http_wire import CHAT_WORDS, StreamedTurn, StreamFailed, sse_lines, words_text
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.outputs import RequestOutput
 
@@ -84,111 +82,7 @@ log = logging.getLogger("pensieve.bench")
 
 _STEP_WAIT_S = 0.01
 
-_WORDS = """
-    the of and to in is that for it as with was on be by this are from at or an have not which
-    but they one all were there can has more will their if about would when what so out up
-    into than them some could other only new time these two may then do first any like now my
-    over such our even most made after also did many before must through back years where much
-    your way well down should because each just those people how too little state good very
-    make world still own see men work long get here between both life being under never day
-    same another know while last might great old year off come since against go came right
-    used take three states himself few house use during without again place around however
-    home small found thought went say part once general high upon school every does got left
-    number course until always away something fact though water less public put think almost
-    hand enough far took head yet government system better set told nothing night end why
-    called find look asked later point knew city next program business give group toward young
-    days let room side social given present several order national possible rather second face
-    per among form important often things looked early white case become large big need four
-    within felt along children saw best ever least power development light thing seemed family
-    interest want members mind country area others done turn although open service certain
-    kind problem began different door thus help sense means whole matter perhaps itself times
-    law human line above name example action company hands local show whether five history
-    gave today either act feet across taken past quite anything seen having experience body
-    word half really field am car words already themselves information tell college shall
-    money period held keep sure probably free seems real behind cannot question air office
-    making brought whose special heard major problems ago became moment study available known
-    result street economic position reason change south board individual job society areas
-    west close turned community true court force full seem future age wanted department voice
-    center woman control common necessary following front sometimes six clear further land run
-    students provide feel party able music education university child effect level stood short
-    town morning total figure rate art class private file code test function value error
-    output input data table query user server request response model build check update list
-    tool call search read write memory
-"""
-CHAT_WORDS: tuple[str, ...] = tuple(_WORDS.split())
-"""Common English words, each one token after a space in the demo model's tokenizer (Mistral's
-32k SentencePiece vocabulary; Llama 2's is of the same kind): a turn's user text."""
-
 _CALIBRATION_WORDS = (64, 320)
-
-# Prometheus series read from /metrics: (name, label value or None) -> probe key
-_SCRAPE = {
-    ("pensieve_blocks_used", "gpu"): "gpu_blocks_used",
-    ("pensieve_blocks_used", "cpu"): "cpu_blocks_used",
-    ("pensieve_blocks_total", "gpu"): "gpu_blocks_total",
-    ("pensieve_blocks_total", "cpu"): "cpu_blocks_total",
-    ("pensieve_requests_running", None): "requests_running",
-    ("pensieve_requests_waiting", None): "requests_waiting",
-    ("pensieve_swap_bytes_total", "in"): "swap_in_bytes",
-    ("pensieve_swap_bytes_total", "out"): "swap_out_bytes",
-    ("pensieve_dropped_tokens_total", None): "dropped_tokens",
-    ("vllm:num_requests_running", None): "requests_running",
-    ("vllm:num_requests_waiting", None): "requests_waiting",
-    ("vllm:gpu_cache_usage_perc", None): "gpu_cache_usage",
-    ("vllm:kv_cache_usage_perc", None): "gpu_cache_usage",
-}
-_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)')
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The probe values found in a Prometheus text exposition (see the module doc)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.groups()
-        label = None
-        if labels:
-            lm = re.search(r'(?:tier|direction)="([^"]*)"', labels)
-            label = lm.group(1) if lm else None
-        key = _SCRAPE.get((name, label)) or _SCRAPE.get((name, None))
-        if key is None:
-            continue
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        out[key] = out.get(key, 0.0) + v if name.startswith("vllm:num") else v
-    return out
-
-
-async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The lines of an SSE stream, split on ``\n`` only (a trailing ``\r`` dropped). httpx's
-    ``aiter_lines`` splits as ``str.splitlines`` does, also on U+0085, U+2028 and U+2029,
-    which a server may leave unescaped inside a data line's JSON."""
-    buf = ""
-    async for text in chunks:
-        buf += text
-        *lines, buf = buf.split("\n")
-        for line in lines:
-            yield line.removesuffix("\r")
-    if buf:
-        yield buf
-
-
-def words_text(ids: list[int], tokens_per_word: float = 1.0) -> str:
-    """User text of about ``len(ids)`` tokens: one word of :data:`CHAT_WORDS` per id, the
-    number of words scaled by ``1 / tokens_per_word``."""
-    n = max(1, round(len(ids) / tokens_per_word)) if ids else 1
-    src = ids or [0]
-    return " ".join(CHAT_WORDS[src[i % len(src)] % len(CHAT_WORDS)] for i in range(n))
-
-
-class _Failed(Exception):
-    pass
 
 
 class HTTPEngine:
@@ -245,9 +139,8 @@ class HTTPEngine:
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()  # in the loop thread
         self._closed = False
-        self._probe: dict[str, float] = {}
-        self._probe_t: float | None = None
         self.metrics_interval_s = metrics_interval_s
+        self._metrics: MetricsScraper | None = None
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="pensieve-http-bench",
@@ -259,7 +152,9 @@ class HTTPEngine:
             self.tokens_per_word = self._call(self._calibrate(), timeout=300)
         self._scraper: concurrent.futures.Future[None] | None = None
         if metrics_interval_s:
-            self._scraper = asyncio.run_coroutine_threadsafe(self._scrape_loop(), self._loop)
+            self._metrics = MetricsScraper(self.base_url, self._headers, metrics_interval_s,
+                                           self.clock)
+            self._scraper = asyncio.run_coroutine_threadsafe(self._metrics.run(), self._loop)
 
     def _first_model(self) -> str | None:
         try:
@@ -318,10 +213,7 @@ class HTTPEngine:
     def probe(self) -> dict[str, float]:
         """The server's state at the latest ``/metrics`` scrape (empty before the first or
         without one), with ``probe_age_s``: how old that scrape is."""
-        out = dict(self._probe)
-        if out and self._probe_t is not None:
-            out["probe_age_s"] = round(self.clock.now() - self._probe_t, 3)
-        return out
+        return self._metrics.probe() if self._metrics is not None else {}
 
     def shutdown(self) -> None:
         """Cancel what is still in flight, delete the conversations created (unless told not
@@ -381,23 +273,6 @@ class HTTPEngine:
                 return
             await asyncio.sleep(0.05 * (attempt + 1))
 
-    async def _scrape_loop(self) -> None:
-        assert self.metrics_interval_s
-        async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
-                                     timeout=httpx.Timeout(10.0)) as client:
-            while True:
-                try:
-                    r = await client.get("/metrics")
-                    if r.status_code == 404:
-                        log.info("the server has no /metrics: not scraping")
-                        return
-                    if r.status_code == 200:
-                        self._probe = parse_metrics(r.text)
-                        self._probe_t = self.clock.now()
-                except httpx.HTTPError as e:
-                    log.debug("metrics scrape failed: %s", e)
-                await asyncio.sleep(self.metrics_interval_s)
-
     async def _calibrate(self) -> float:
         """Prompt tokens per word of :data:`CHAT_WORDS` on this server (from ``usage``)."""
         counts = []
@@ -439,11 +314,11 @@ class HTTPEngine:
                 self._totals[k] = self._totals.get(k, 0) + int(v)
 
     async def _stream(self, path: str, body: dict[str, Any]
-                      ) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+                      ) -> AsyncGenerator[tuple[float, dict[str, Any]], None]:
         """POST ``body`` to ``path`` as a streaming request within the connection cap; yields
         (arrival time on the clock, parsed chunk) for each SSE data line up to ``[DONE]``.
-        Raises :class:`_Failed` on a non-200 answer or an error event (``data: {"error": ...}``,
-        what a server sends when it fails a request mid-stream)."""
+        Raises :class:`StreamFailed` on a non-200 answer or an error event (``data: {"error":
+        ...}``, what a server sends when it fails a request mid-stream)."""
         if self._slots.locked():
             self.throttled += 1
         async with self._slots:
@@ -453,7 +328,7 @@ class HTTPEngine:
                 async with self._client.stream("POST", path, json=body) as resp:
                     if resp.status_code != 200:
                         detail = (await resp.aread()).decode(errors="replace")[:300]
-                        raise _Failed(f"HTTP {resp.status_code}: {detail}")
+                        raise StreamFailed(f"HTTP {resp.status_code}: {detail}")
                     async for line in sse_lines(resp.aiter_text()):
                         if not line.startswith("data:"):
                             continue
@@ -463,7 +338,7 @@ class HTTPEngine:
                         now = self.clock.now()
                         chunk = json.loads(data)
                         if isinstance(chunk, dict) and chunk.get("error"):
-                            raise _Failed(f"error event: {chunk['error']}"[:300])
+                            raise StreamFailed(f"error event: {chunk['error']}"[:300])
                         yield now, chunk
             finally:
                 self._in_flight -= 1
@@ -486,41 +361,18 @@ class HTTPEngine:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        first_t: float | None = None
-        finish_t: float | None = None
-        finish_reason: str | None = None
-        cache: dict[str, int] = {}
-        usage: dict[str, Any] | None = None
-        server_cid: str | None = None
-        parts: list[str] = []
+        turn = StreamedTurn(chat=True)
         try:
             async with aclosing(self._stream("/v1/chat/completions", body)) as chunks:
                 async for now, chunk in chunks:
-                    if first_t is None:
-                        first_t = now  # sent once the first token is sampled
-                    server_cid = chunk.get("conversation_id") or server_cid
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or ():
-                        delta = choice.get("delta") or {}
-                        if delta.get("content"):
-                            parts.append(delta["content"])
-                        if choice.get("finish_reason"):
-                            finish_reason = choice["finish_reason"]
-                            finish_t = now
-                            cache = dict((chunk.get("pensieve") or {}).get("cache") or {})
-            if finish_reason is None:
-                raise _Failed("the stream ended without a finish_reason")
-            if usage is None:
-                raise _Failed("the stream had no usage chunk (stream_options.include_usage)")
-            prompt_len = int(usage["prompt_tokens"])
-            n_out = int(usage["completion_tokens"])
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            if cached is not None:
-                cache["usage_cached_tokens"] = int(cached)
+                    turn.feed(now, chunk)
+            if turn.finish_reason is None:
+                raise StreamFailed("the stream ended without a finish_reason")
+            out = turn.output(rid, ids, arrival, bench_cid)
             if bench_cid is not None:
                 self._chats[bench_cid] = history + [
-                    user, {"role": "assistant", "content": "".join(parts)}]
+                    user, {"role": "assistant", "content": "".join(turn.parts)}]
+                server_cid = turn.server_cid
                 if server_cid is not None:
                     prev = self._chat_ids.get(bench_cid)
                     if prev is None:
@@ -529,13 +381,9 @@ class HTTPEngine:
                         self.history_misses += 1
                         self._created.append(server_cid)
                     self._chat_ids[bench_cid] = server_cid
-            out = RequestOutput(rid, [0] * prompt_len, [0] * n_out, finish_reason,
-                                arrival_time=arrival, first_token_time=first_t,
-                                finish_time=finish_t, conversation_id=bench_cid,
-                                cache_stats=cache or None)
-            if cache:
-                self._add_totals(cache)
-        except (_Failed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            if out.cache_stats:
+                self._add_totals(out.cache_stats)
+        except (StreamFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             out = self._fail(rid, e, arrival, bench_cid, ids)
         finally:
             self._tasks.discard(task)
@@ -554,12 +402,7 @@ class HTTPEngine:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        first_t: float | None = None
-        finish_t: float | None = None
-        finish_reason: str | None = None
-        cache: dict[str, int] | None = None
-        usage: dict[str, Any] | None = None
-        text_chunks = 0
+        turn = StreamedTurn(chat=False)
         try:
             if server_id is not None:
                 if first_turn:
@@ -567,42 +410,24 @@ class HTTPEngine:
                 else:
                     sid = await asyncio.wrap_future(server_id)
                     if sid is None:
-                        raise _Failed(f"conversation {bench_cid!r} was never created "
-                                      "(its first turn failed)")
+                        raise StreamFailed(f"conversation {bench_cid!r} was never created "
+                                           "(its first turn failed)")
                     body["conversation_id"] = sid
             async with aclosing(self._stream("/v1/completions", body)) as chunks:
                 async for now, chunk in chunks:
-                    if first_t is None:
-                        first_t = now  # sent once the first token is sampled
                     sid = chunk.get("conversation_id")
                     if first_turn and sid and server_id is not None and not server_id.done():
                         server_id.set_result(sid)
                         self._created.append(sid)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or ():
-                        text_chunks += bool(choice.get("text"))
-                        if choice.get("finish_reason"):
-                            finish_reason = choice["finish_reason"]
-                            finish_t = now
-                            cache = (chunk.get("pensieve") or {}).get("cache")
-            if finish_reason is None:
-                raise _Failed("the stream ended without a finish_reason")
+                    turn.feed(now, chunk)
+            if turn.finish_reason is None:
+                raise StreamFailed("the stream ended without a finish_reason")
             if first_turn and server_id is not None and not server_id.done():
-                raise _Failed("the server sent no conversation_id")
-            prompt_len = int(usage["prompt_tokens"]) if usage else len(ids)
-            n_out = int(usage["completion_tokens"]) if usage else text_chunks
-            cache = dict(cache) if cache else {}
-            cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-            if cached is not None:
-                cache["usage_cached_tokens"] = int(cached)
-            out = RequestOutput(rid, [0] * prompt_len, [0] * n_out, finish_reason,
-                                arrival_time=arrival, first_token_time=first_t,
-                                finish_time=finish_t, conversation_id=bench_cid,
-                                cache_stats=cache or None)
-            if cache:
-                self._add_totals(cache)
-        except (_Failed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                raise StreamFailed("the server sent no conversation_id")
+            out = turn.output(rid, ids, arrival, bench_cid)
+            if out.cache_stats:
+                self._add_totals(out.cache_stats)
+        except (StreamFailed, httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             out = self._fail(rid, e, arrival, bench_cid, ids)
         finally:
             self._tasks.discard(task)
@@ -611,4 +436,5 @@ class HTTPEngine:
         self._done.put(out)
 
 
+# CHAT_WORDS, words_text (.http_wire) and parse_metrics (.http_probe): re-exported
 __all__ = ["CHAT_WORDS", "HTTPEngine", "parse_metrics", "words_text"]

@@ -92,9 +92,21 @@ async def _admitted(state: ServerState, fn: Callable[[], Awaitable[Response]]) -
 
 
 def create_app(state: ServerState) -> FastAPI:
+    """The app: OpenAI-shaped error handlers, then the routes in three groups (server
+    information, conversations, generation), then the error responses in the OpenAPI document."""
     app = FastAPI(title="Pensieve", version="0.1.0")
     app.state.pensieve = state
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
+    _add_error_handlers(app)
+    _add_info_routes(app, state)
+    _add_conversation_routes(app, state)
+    _add_generation_routes(app, state)
+    document_errors(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI-shaped JSON: ours, validation (400), unhandled (500), routing."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -117,6 +129,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """``/health``, ``/metrics`` (Prometheus) and ``/v1/models``."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -145,6 +161,10 @@ def create_app(state: ServerState) -> FastAPI:
             cards.append(card)
         return {"object": "list", "data": cards}
 
+
+def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
+    """``GET`` and ``DELETE /v1/conversations/{cid}`` (the tenant's own conversations only)."""
+
     @app.get("/v1/conversations/{cid}")
     async def get_conversation(cid: str, request: Request) -> dict[str, Any]:
         conv = owned(state, cid, _tenant(state, request))
@@ -166,6 +186,10 @@ def create_app(state: ServerState) -> FastAPI:
         await engine_call(state, drop)
         state.store.delete(cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/chat/completions`` and ``/v1/completions``, under admission control."""
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -199,9 +223,6 @@ def create_app(state: ServerState) -> FastAPI:
             return await run_turn(state, body, turn, body.max_tokens or 16, request, chat=False)
 
         return await _admitted(state, go)
-
-    document_errors(app)
-    return app
 
 
 class _TooLarge(StarletteHTTPException):
