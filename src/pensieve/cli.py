@@ -36,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     eng = llm.engine
     print(f"model={args.model} device={eng.device} dtype={eng.dtype} "
-          f"kv_blocks={eng.cache.gpu.num_blocks} chunk={eng.config.cache.chunk_size}",
+          f"kv_blocks={eng.cache.gpu.num_blocks} chunk={eng.cache.chunk_size}",
           file=sys.stderr)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -155,9 +154,9 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         cache_policy=args.cache_policy, max_model_len=max_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
+        # None (always swap in) is skipped by build_engine_config; "off" means the same
+        swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )
-    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(
-        cfg.cache, swap_bandwidth_gbps=args.swap_bandwidth_gbps))
     engine = LLMEngine(cfg)
     demo = is_demo(path)
     template = args.chat_template
@@ -175,7 +174,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
     store = open_store(args.store)
     aengine = AsyncEngine(engine)
-    kv_tokens = engine.cache.gpu.num_blocks * cfg.cache.chunk_size
+    kv_tokens = engine.cache.gpu.num_blocks * engine.cache.chunk_size
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
                         Metrics(aengine), served_model_names=names,
                         max_queued_requests=args.max_queued_requests,
