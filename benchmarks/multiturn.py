@@ -128,11 +128,12 @@ class RealEngines:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, cuda_graph_mixed=args.mixed_graphs,
-                batching=args.batching)
+                batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
             # the points run on wall time, as the engine's default clock does
             self.engine = LLMEngine(cfg, clock=clock.now, observers=[self.steps])
         eng = self.engine
-        eng.reset(system, dataclasses.replace(eng.scheduler_config, batching=args.batching))
+        eng.reset(system, dataclasses.replace(eng.scheduler_config, batching=args.batching,
+                                              swap_in_ahead_chunks=args.swap_in_ahead_chunks))
         self.steps.system = system
         self.steps.rows.clear()
         return eng, self.steps.rows
@@ -164,7 +165,7 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
                   else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
     sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         batching=args.batching)
+                         batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
     return SimEngine(sc, gpu, cpu, cost, clock, chunk_cost, chunk_size=args.chunk_size,
                      cache_policy=system, block_bytes=block_bytes)
 
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
                     help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")
     ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--swap-in-ahead-chunks", type=int, default=256,
+                    help="real and sim: chunks a step may swap in for turns that compute from "
+                         "the next step on (0: none; SchedulerConfig.swap_in_ahead_chunks)")
     ap.add_argument("--batching", choices=["unified", "separate"], default=None,
                     help="Pensieve's steps: unified prefill+decode batches (default) or "
                     "separate prefill and decode steps (vLLM 0.2 style; real and sim engines)")

@@ -193,6 +193,26 @@ def test_swap_in_runs_beside_background_and_is_exposed_beyond_compute() -> None:
     assert r2.step_s == pytest.approx(0.004 + r2.exposed_copy_s)
 
 
+def test_swap_ins_ahead_overlap_their_step_and_delay_the_next_compute() -> None:
+    """A step's ``swap_in_ahead`` copies do not lengthen it; the next step's compute starts
+    once they are done (exposed only by what the step did not cover); an empty step drains
+    them."""
+    m = TransferModel()
+    t = m.in_seconds(20 * BB)  # ~2.9 ms
+    tl = TransferTimeline(m, BB)
+    st = tl.step(0.0, SwapPlan(swap_in_ahead=[(c, g) for g, c in pairs(20)]), 0.010)
+    assert st.step_s == pytest.approx(0.010) and st.exposed_copy_s == 0.0
+    nxt = tl.step(0.010, SwapPlan(), 0.010)  # copies done long before: nothing waits
+    assert nxt.step_s == pytest.approx(0.010)
+    tl2 = TransferTimeline(m, BB)
+    tl2.step(0.0, SwapPlan(swap_in_ahead=[(c, g) for g, c in pairs(20)]), 0.001)
+    nxt = tl2.step(0.001, SwapPlan(), 0.010)  # compute waits for the rest of the copies
+    assert nxt.step_s == pytest.approx(t - 0.001 + 0.010)
+    tl3 = TransferTimeline(m, BB)
+    tl3.step(0.0, SwapPlan(swap_in_ahead=[(c, g) for g, c in pairs(20)]), 0.001)
+    assert tl3.step(0.001, SwapPlan(), 0.0, num_tokens=0).step_s == pytest.approx(t - 0.001)
+
+
 def test_urgent_swap_outs_are_exposed_and_go_first() -> None:
     tl = TransferTimeline(TransferModel(), BB)
     bg = tl.step(0.0, SwapPlan(swap_out=pairs(100)), 0.001)

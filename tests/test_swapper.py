@@ -91,7 +91,7 @@ def apply_reference(gpu: list[torch.Tensor], cpu: list[torch.Tensor], plan: Swap
     for g_l, c_l in zip(gpu, cpu, strict=True):
         for g, c in plan.swap_out_first:
             c_l[:, c] = g_l[:, g]
-        for c, g in plan.swap_in:
+        for c, g in plan.swap_in + plan.swap_in_ahead:
             g_l[:, g] = c_l[:, c]
         for g, c in plan.swap_out:
             c_l[:, c] = g_l[:, g]
@@ -655,13 +655,15 @@ class SimStreams:
         assert not any(self.queues.values()), "work left behind a wait that never completes"
 
 
-def simulate(seed: int, steps: int = 8, method: str = "kernel") -> None:
+def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
     the swap-ins' destinations (new tokens) and free ones, never a block a background batch
     reported in flight may still read (the contract of ``end_step``'s count). Checks the
-    reads, the counts and both tiers against the sequential reference."""
+    reads, the counts and both tiers against the sequential reference. With ``ahead``, plans
+    also carry ``swap_in_ahead`` copies, read by the next step's compute (their CPU blocks left
+    alone for two steps, as the cache does)."""
     rng = random.Random(seed)
     layers, g_blocks, c_blocks = 2, 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
@@ -671,23 +673,38 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel") -> None:
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
     out_events: list[Any] = []
+    prev_ahead: list[tuple[int, int]] = []  # the previous step's swap_in_ahead
+    ahead_cpu: list[set[int]] = [set(), set()]  # CPU blocks of the last two steps' ahead copies
     for step in range(steps):
         reading = set().union(*busy)
+        prev_ahead_g = [g for _, g in prev_ahead]  # read by this step's compute
 
         def pick(pool: list[int], n: int) -> list[int]:
             return rng.sample(pool, min(n, len(pool)))
 
-        out_first = pick([g for g in range(g_blocks) if g not in reading], rng.choice([0, 1, 2]))
-        swap_in_g = pick([g for g in range(g_blocks) if g not in out_first], rng.choice([0, 2, 3]))
-        swap_out_g = pick(range(g_blocks), rng.choice([0, 0, 2, 3]))
+        def cpu_pick(n: int, avoid: set[int] = ahead_cpu[0] | ahead_cpu[1]) -> list[int]:
+            return pick([c for c in range(c_blocks) if c not in avoid], n)
+
+        free_g = [g for g in range(g_blocks) if g not in prev_ahead_g]
+        out_first = pick([g for g in free_g if g not in reading], rng.choice([0, 1, 2]))
+        swap_in_g = pick([g for g in free_g if g not in out_first], rng.choice([0, 2, 3]))
+        swap_out_g = pick(free_g, rng.choice([0, 0, 2, 3]))
+        # this step's ahead copies: into blocks no copy or compute of the step touches
+        ahead_g = pick([g for g in free_g if g not in reading and g not in out_first
+                        and g not in swap_in_g and g not in swap_out_g],
+                       rng.choice([0, 0, 1, 2]) if ahead else 0)
         # compute writes: blocks of the step that no copy still reads
-        writable = [g for g in range(g_blocks) if g not in reading and g not in swap_out_g]
+        writable = [g for g in free_g if g not in reading and g not in swap_out_g
+                    and g not in ahead_g]
         writes = pick(writable, rng.choice([0, 1, 3]))
+        swap_in = list(zip(pick(range(c_blocks), len(swap_in_g)), swap_in_g, strict=True))
+        ahead_c = cpu_pick(len(ahead_g), ahead_cpu[0] | ahead_cpu[1] | {c for c, _ in swap_in})
+        avoid = ahead_cpu[0] | ahead_cpu[1] | set(ahead_c)
         plan = SwapPlan(
-            swap_out_first=list(zip(out_first, pick(range(c_blocks), len(out_first)),
-                                    strict=True)),
-            swap_in=list(zip(pick(range(c_blocks), len(swap_in_g)), swap_in_g, strict=True)),
-            swap_out=list(zip(swap_out_g, pick(range(c_blocks), len(swap_out_g)), strict=True)),
+            swap_out_first=list(zip(out_first, cpu_pick(len(out_first), avoid), strict=True)),
+            swap_in=swap_in,
+            swap_out=list(zip(swap_out_g, cpu_pick(len(swap_out_g), avoid), strict=True)),
+            swap_in_ahead=list(zip(ahead_c, ahead_g, strict=True)),
         )
         ready = sw.start_step(plan)
         if plan.swap_out:
@@ -698,7 +715,8 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel") -> None:
                 ready(layer)
 
             def compute(layer: int = layer, value: float = step * 10.0 + layer + 1,
-                        reads: dict[int, torch.Tensor] = reads, dst: list[int] = swap_in_g,
+                        reads: dict[int, torch.Tensor] = reads,
+                        dst: list[int] = swap_in_g + prev_ahead_g,
                         writes: list[int] = writes) -> None:
                 reads[layer] = caches[layer][:, dst].clone()
                 caches[layer][:, writes] = value
@@ -714,13 +732,18 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel") -> None:
                 c_l[:, c] = g_l[:, g]
             for c, g in plan.swap_in:
                 g_l[:, g] = c_l[:, c]
-            assert torch.equal(reads[layer], g_l[:, swap_in_g]), f"step {step} layer {layer}"
+            assert torch.equal(reads[layer], g_l[:, swap_in_g + prev_ahead_g]), (
+                f"step {step} layer {layer}")
+            for c, g in plan.swap_in_ahead:
+                g_l[:, g] = c_l[:, c]
             g_l[:, writes] = step * 10.0 + layer + 1
             for g, c in plan.swap_out:
                 c_l[:, c] = g_l[:, g]
         if plan.swap_out:
             busy.append(frozenset(swap_out_g))
         busy = busy[len(busy) - n:] if n else []
+        prev_ahead = plan.swap_in_ahead
+        ahead_cpu = [ahead_cpu[1], set(ahead_c)]
     sw.finish_step()
     sim.drain()
     assert_tiers(sw, gpu, cpu)
@@ -755,6 +778,14 @@ def test_simulator_catches_missing_cross_stream_waits(monkeypatch: pytest.Monkey
     monkeypatch.setattr(swapper_mod, "step_waits", lambda plan, busy: StepWaits(-1, False))
     assert _fails(range(60)) > 0
     assert _fails(range(60), "hybrid") > 0
+
+
+def test_simulator_catches_a_missing_wait_for_swap_ins_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the next step's wait the compute reads blocks still being swapped in ahead."""
+    monkeypatch.setattr(KVSwapper, "_wait_ahead", lambda self: None)
+    assert _fails(range(60)) > 0
+    assert _fails(range(60), "staged") > 0
 
 
 def test_simulator_catches_an_undercounted_end_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -297,7 +297,10 @@ class Driver:
             n = 1 + (a * 7 + b) % total
             req.pending = pending
             spare = None if b % 4 == 0 else (b % 3) * 6
+            swap_ins = cache.num_planned_swap_ins
             if cache.admit(req, conv, req.pending_end(n), self.now, spare_tokens=spare):
+                if a % 2:  # as the scheduler does for a turn that computes next step
+                    cache.swap_in_ahead(swap_ins)
                 n += req.num_pending - total
                 assert spare is None or req.num_pending - total <= spare
                 req.take(n)
@@ -755,3 +758,76 @@ def test_scheduler_marks_queued_turns() -> None:
     sched.abort_request("r2", now=5.0)
     assert conv.queued_at is None
     cache.check_integrity()
+
+
+# --------------------------------------------------------------------------- swap-ins ahead
+def test_swap_in_ahead_keeps_cpu_blocks_one_step_longer() -> None:
+    """Swap-ins moved ahead leave the step's ``swap_in`` for ``swap_in_ahead``; their CPU blocks
+    are freed at the second step after, ordinary swap-ins' at the next."""
+    cache, req = _with_cpu_chunks(None)
+    conv = cache.conversations["A"]
+    free0 = cache.cpu.num_free_blocks
+    since = cache.num_planned_swap_ins
+    assert cache.admit(req, conv, 15, now=3.0)
+    assert cache.swap_in_ahead(since) == 3
+    plan = cache.take_swap_plan()
+    assert plan.swap_in == [] and len(plan.swap_in_ahead) == 3
+    assert [g for _, g in plan.swap_in_ahead] == list(conv.block_table[:3])
+    cache.check_integrity()
+    cache.begin_step()
+    assert cache.cpu.num_free_blocks == free0  # the copies may still run during this step
+    cache.check_integrity()
+    cache.begin_step()
+    assert cache.cpu.num_free_blocks == free0 + 3
+    cache.check_integrity()
+
+
+def _decoding_and_waiting(ahead_chunks: int) -> tuple[Scheduler, Request]:
+    """B decodes; A (3 chunks on the CPU) has a turn waiting."""
+    cache, _ = _with_cpu_chunks(None)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
+                                  swap_in_ahead_chunks=ahead_chunks), cache)
+    conv_b = cache.conversations["B"]
+    s.add_request(Request("B2", conv_b.token_ids + [4], SamplingParams(max_tokens=5),
+                          conversation_id="B"))
+    out = s.schedule(now=3.0)
+    s.update_from_output(out, RunnerOutput({"B2": 7}), now=3.1)
+    conv = cache.conversations["A"]
+    a = Request("A2", conv.token_ids + [2, 3], SamplingParams(max_tokens=1), conversation_id="A")
+    s.add_request(a)
+    return s, a
+
+
+def test_turn_with_swap_ins_computes_the_step_after_its_copies() -> None:
+    s, a = _decoding_and_waiting(ahead_chunks=256)
+    out = s.schedule(now=4.0)
+    assert [r.request_id for r in out.requests] == ["B2"]  # A admitted, not computed
+    assert out.swaps.swap_in == [] and len(out.swaps.swap_in_ahead) == 3
+    assert a in s.running and a.cache_stats.swapped_in_tokens == 12
+    s.update_from_output(out, RunnerOutput({"B2": 7}), now=4.1)
+    out = s.schedule(now=4.2)
+    (sa,) = [r for r in out.requests if r.request_id == "A2"]
+    assert [(r.start_pos, r.query_len) for r in sa.ranges] == [(12, 3)] and sa.sample
+    assert out.swaps.swap_in == [] and out.swaps.swap_in_ahead == []
+    s.cache.check_integrity()
+
+
+@pytest.mark.parametrize("ahead_chunks", [0, 2])
+def test_swap_ins_over_the_ahead_limit_compute_at_once(ahead_chunks: int) -> None:
+    s, _ = _decoding_and_waiting(ahead_chunks)
+    out = s.schedule(now=4.0)
+    assert sorted(r.request_id for r in out.requests) == ["A2", "B2"]
+    assert len(out.swaps.swap_in) == 3 and out.swaps.swap_in_ahead == []
+
+
+def test_turn_alone_is_not_deferred() -> None:
+    """Nothing else to compute in the step: the turn computes at once, layers waiting for
+    their swap-ins (deferring would only add an empty step)."""
+    cache, _ = _with_cpu_chunks(None)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), cache)
+    conv = cache.conversations["A"]
+    s.add_request(Request("A2", conv.token_ids + [2], SamplingParams(max_tokens=1),
+                          conversation_id="A"))
+    out = s.schedule(now=4.0)
+    assert [r.request_id for r in out.requests] == ["A2"]
+    assert len(out.swaps.swap_in) == 3 and out.swaps.swap_in_ahead == []

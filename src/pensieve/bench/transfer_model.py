@@ -50,7 +50,9 @@ class TransferModel:
       block it reads) waits for that batch; a background batch touching blocks of the step's
       in-stream copies waits for them (``step_waits`` of the runner);
     * urgent swap-outs take the host-bound direction first: background batches in flight are
-      pushed back by the urgent copy's duration.
+      pushed back by the urgent copy's duration;
+    * ``SwapPlan.swap_in_ahead`` copies follow the step's swap-ins on the in stream; the step
+      does not wait for them, the next step's compute and in-stream copies start after them.
 
     Times: ``nbytes / (gbps * 1e9)`` per copy, plus ``latency_s`` once per launch (urgent
     copy, the first layer of the swap-ins, a background batch). The state across steps (the
@@ -243,6 +245,9 @@ class TransferTimeline:
         self.in_flight: deque[_Batch] = deque()
         self.out_free_at = -math.inf
         """When the out stream has finished every batch queued so far."""
+        self.ahead_done_at = -math.inf
+        """When the in stream finishes the last step's ``swap_in_ahead`` copies: the next
+        step's compute and in-stream copies start no earlier."""
 
     def step(self, start: float, plan: SwapPlan, compute_s: float,
              num_tokens: int | None = None) -> StepTransfer:
@@ -261,7 +266,9 @@ class TransferTimeline:
         after, out_after_in = copy_waits(plan, self.in_flight)
         # the in stream (urgent swap-outs, then swap-ins) waits for a conflicting batch
         in_start = max(0.0, self.in_flight[after].done_at - start) if after >= 0 else 0.0
-        compute_start = 0.0
+        # the previous step's copies ahead: on the in stream, and waited for by the compute
+        compute_start = max(0.0, self.ahead_done_at - start)
+        in_start = max(in_start, compute_start)
         copy_start = in_start
         if plan.swap_out_first:
             urgent = m.latency_s + t_urgent
@@ -276,6 +283,10 @@ class TransferTimeline:
         end = m.swap_in_finish(copy_start, compute_start, t_in, compute_s,
                                not m.waits_for_all_swap_ins(num_tokens))
         in_done = copy_start + (m.latency_s + t_in if plan.swap_in else 0.0)
+        end = max(end, compute_start + compute_s)
+        if plan.swap_in_ahead:  # after the step's own in-stream copies, not waited for by it
+            in_done += m.latency_s + m.in_seconds(len(plan.swap_in_ahead) * bb)
+            self.ahead_done_at = start + in_done
         done_at: float | None = None
         if plan.swap_out:
             b_start = max(start, self.out_free_at)
@@ -285,9 +296,11 @@ class TransferTimeline:
             self.out_free_at = done_at
             self.in_flight.append(_Batch(done_at, frozenset(c for _, c in plan.swap_out),
                                          frozenset(g for g, _ in plan.swap_out)))
-        if num_tokens == 0 and self.in_flight:  # a step without requests drains the copies
-            end = max(end, self.in_flight[-1].done_at - start)
-            self.in_flight.clear()
+        if num_tokens == 0:  # a step without requests drains the copies
+            if self.in_flight:
+                end = max(end, self.in_flight[-1].done_at - start)
+                self.in_flight.clear()
+            end = max(end, self.ahead_done_at - start)
         self._pop(start + end)
         return StepTransfer(step_s=end, exposed_copy_s=max(0.0, end - compute_s),
                             swap_outs_in_flight=len(self.in_flight), swap_in_s=t_in,

@@ -24,10 +24,19 @@ class SchedulerConfig:
     """``unified``: each step mixes decodes, continuing prefills and newly admitted prompts under
     one token budget. ``separate`` (vLLM 0.2 style, the paper's Figure 13 baseline): a step runs
     prefill work only or decodes only, prefills first whenever there are any."""
+    swap_in_ahead_chunks: int = 256
+    """Unified batches: a turn admitted with chunks to swap in, into a step that has other
+    work, has them copied during that step (``SwapPlan.swap_in_ahead``) and computes from the
+    next step on, so no step's compute waits for them; at most this many chunks a step go
+    ahead (a turn beyond that computes in its admission step, each layer waiting for its
+    swap-ins). 0: never ahead."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.swap_in_ahead_chunks < 0:
+            raise ValueError(
+                f"swap_in_ahead_chunks must be >= 0, got {self.swap_in_ahead_chunks}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "

@@ -2,8 +2,9 @@
 
 The runner (:func:`pensieve.runner.swapper.step_waits`) and the simulator
 (:func:`pensieve.bench.step_cost.copy_waits`) both decide with :func:`copy_waits`: a step's
-urgent swap-outs and swap-ins (the *in* stream) must wait for the newest in-flight background
-batch that writes a CPU block they read or write, or reads a GPU block a swap-in overwrites;
+urgent swap-outs and swap-ins, ahead ones included (the *in* stream), must wait for the newest
+in-flight background batch that writes a CPU block they read or write, or reads a GPU block a
+swap-in overwrites;
 the step's own background swap-outs (the *out* stream) wait for its in-stream copies only
 where they touch the same blocks.
 """
@@ -31,8 +32,10 @@ def copy_waits(plan: SwapPlan, in_flight: Sequence[InFlightBatch]) -> tuple[int,
     batch the in stream must wait for, or -1; whether the step's background swap-outs wait for
     its in-stream copies."""
     in_cpu = {c for c, _ in plan.swap_in}
+    in_cpu.update(c for c, _ in plan.swap_in_ahead)
     in_cpu.update(c for _, c in plan.swap_out_first)
     in_gpu = {g for _, g in plan.swap_in}
+    in_gpu.update(g for _, g in plan.swap_in_ahead)
     after = -1
     if in_cpu or in_gpu:
         for i, b in enumerate(in_flight):

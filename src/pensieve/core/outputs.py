@@ -77,22 +77,29 @@ class SwapPlan:
        in this very step; complete before the step's compute touches any KV.
     2. ``swap_in`` (cpu_block, gpu_block): layer by layer; layer i's attention waits for
        layer i's copies only (pipelined with compute).
-    3. ``swap_out`` (gpu_block, cpu_block): ahead-of-time evictions, issued in the
+    3. ``swap_in_ahead`` (cpu_block, gpu_block): swap-ins of turns admitted in this step
+       that compute from the next step on (``SchedulerConfig.swap_in_ahead_chunks``):
+       issued after ``swap_in`` on the same stream; this step's compute does not wait for
+       them, the next step's compute does (before it touches any KV). Their CPU blocks are
+       not reused before the step after next.
+    4. ``swap_out`` (gpu_block, cpu_block): ahead-of-time evictions, issued in the
        background: they may still be in flight when the step ends and overlap later steps.
        Their GPU blocks are reclaimed by the cache only once the runner reports the copy done
        (:attr:`RunnerOutput.swap_outs_in_flight`); nothing writes those blocks until then.
 
-    Urgent swap-outs and swap-ins are complete when the runner returns its RunnerOutput.
-    Background swap-out batches complete in the order they were planned.
+    Urgent swap-outs and swap-ins are complete when the runner returns its RunnerOutput;
+    ``swap_in_ahead`` copies when the next step's compute starts (or when a step without
+    requests returns). Background swap-out batches complete in the order they were planned.
     """
 
     swap_out_first: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in_ahead: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.swap_out_first or self.swap_in or self.swap_out)
+        return not (self.swap_out_first or self.swap_in or self.swap_out or self.swap_in_ahead)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,10 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (and, with
-        # separate batches, while the head's work is of this step's kind).
+        # separate batches, while the head's work is of this step's kind). A turn with chunks
+        # to swap in, admitted into a step that has other work, computes from the next step
+        # on: its swap-ins copy during this step, which does not wait for them (unified only).
+        ahead_left = self.config.swap_in_ahead_chunks if prefill is None else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             conv = self._conversation_of(req)
@@ -220,6 +223,7 @@ class Scheduler:
             # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
             # the last one's admission and prefill steps always run out.
             end = req.pending_end(n if prefill is None else total)
+            swap_ins = cache.num_planned_swap_ins
             if not cache.admit(req, conv, end, now, spare_tokens=budget - n):
                 req.pending = []
                 break
@@ -227,6 +231,10 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            swap_ins = cache.num_planned_swap_ins - swap_ins
+            if scheduled and 0 < swap_ins <= ahead_left:
+                ahead_left -= cache.swap_in_ahead(cache.num_planned_swap_ins - swap_ins)
+                continue  # no budget taken: the next step's running pass computes it
             scheduled.append(self._take(req, conv, n))
             budget -= n
         return scheduled

@@ -33,6 +33,7 @@ class _StepPlan:
     swap_out_first: dict[int, int] = field(default_factory=dict)
     """cpu_block -> gpu_block of urgent swap-outs, in plan order."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_in_ahead: list[tuple[int, int]] = field(default_factory=list)
     swap_out: dict[int, int] = field(default_factory=dict)
     """cpu_block -> gpu_block of background swap-outs, in plan order."""
 
@@ -70,6 +71,12 @@ class TierPools(EvictionIndex):
         """GPU blocks of each earlier step's background swap-outs, oldest first."""
         self._reclaim_group_blocks = 0
         self._reclaim_cpu: list[int] = []
+        """CPU blocks of this and the previous step's swap-ins: freed when the next step
+        begins (the runner has finished them by then)."""
+        self._reclaim_cpu_ahead: list[int] = []
+        """CPU blocks of this step's ``swap_in_ahead``: they join ``_reclaim_cpu`` when the
+        next step begins, so they are freed one step later (the copies finish during the next
+        step)."""
         self._plan = _StepPlan()
         self._pinned_gpu = 0
         """GPU blocks held by running conversations (all of their chunks)."""
@@ -88,7 +95,8 @@ class TierPools(EvictionIndex):
         if out:
             self._reclaim_groups.append([g for g, _ in out])
             self._reclaim_group_blocks += len(out)
-        return SwapPlan([(g, c) for c, g in p.swap_out_first.items()], p.swap_in, out)
+        return SwapPlan([(g, c) for c, g in p.swap_out_first.items()], p.swap_in, out,
+                        p.swap_in_ahead)
 
     def reclaim_swap_outs(self, in_flight: int) -> None:
         """The runner reports ``in_flight`` background swap-out batches still copying (they

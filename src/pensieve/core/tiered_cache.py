@@ -126,11 +126,31 @@ class TieredKVCache(TierPools):
 
     # ------------------------------------------------------------------ a step
     def begin_step(self) -> None:
-        """Reclaim CPU blocks whose chunks were swapped in by the previous step."""
+        """Reclaim CPU blocks whose chunks were swapped in by the previous step (those swapped
+        in ahead by the previous step: at the next one)."""
         if self.cpu is not None:
             self.cpu.free(self._reclaim_cpu)
-        self._reclaim_cpu = []
+        self._reclaim_cpu, self._reclaim_cpu_ahead = self._reclaim_cpu_ahead, []
         self._step_recompute_s = 0.0
+
+    @property
+    def num_planned_swap_ins(self) -> int:
+        """Chunks this step's plan swaps in so far (``SwapPlan.swap_in``)."""
+        return len(self._plan.swap_in)
+
+    def swap_in_ahead(self, since: int) -> int:
+        """Move the swap-ins planned after the first ``since`` to ``SwapPlan.swap_in_ahead``
+        (the turn that needs them computes from the next step on); returns how many."""
+        plan = self._plan
+        moved = plan.swap_in[since:]
+        if not moved:
+            return 0
+        del plan.swap_in[since:]
+        plan.swap_in_ahead.extend(moved)
+        cpu_blocks = {c for c, _ in moved}
+        self._reclaim_cpu = [b for b in self._reclaim_cpu if b not in cpu_blocks]
+        self._reclaim_cpu_ahead.extend(c for c, _ in moved)
+        return len(moved)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
@@ -221,7 +241,7 @@ class TieredKVCache(TierPools):
             if ch.tier is Tier.DROPPED:
                 recompute_s += self._cost(min((i + 1) * c, conv.kv_end))
         queued = (len(self._plan.swap_out_first) + len(self._plan.swap_in)
-                  + self._reclaim_group_blocks)
+                  + len(self._plan.swap_in_ahead) + self._reclaim_group_blocks)
         spare = math.inf if spare_tokens is None else spare_tokens
         converted = 0
         for i, ch in enumerate(chunks):
@@ -348,7 +368,7 @@ class TieredKVCache(TierPools):
         assert self._reclaim_group_blocks == len(groups), "reclaim group count"
         self._check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()))
         if self.cpu is not None:
-            self._check_pool(self.cpu, Tier.CPU, self._reclaim_cpu)
+            self._check_pool(self.cpu, Tier.CPU, self._reclaim_cpu + self._reclaim_cpu_ahead)
         pinned = 0
         for conv in self.conversations.values():
             n = len(conv.chunks)

@@ -27,7 +27,7 @@ _FIELDS = {
     "swap_bandwidth_gbps": CacheConfig,
     "max_num_batched_tokens": SchedulerConfig, "max_num_seqs": SchedulerConfig,
     "max_model_len": SchedulerConfig, "enable_chunked_prefill": SchedulerConfig,
-    "batching": SchedulerConfig,
+    "batching": SchedulerConfig, "swap_in_ahead_chunks": SchedulerConfig,
 }
 
 

@@ -6,7 +6,10 @@ CUDA, kernel, hybrid and staged methods: copy streams and the compute (current) 
   swap-ins, one launch per layer with an event after each: ``layer_ready(i)`` makes the
   compute stream wait for layer i's event (which follows every ``swap_out_first`` copy too),
   so layer i's attention sees its swapped-in KV and never writes a block before its old
-  content is copied out.
+  content is copied out. Then ``swap_in_ahead`` (one launch, all layers, an event after it):
+  the step's compute does not wait for it; the next step's ``start_step`` makes the compute
+  stream wait for that event before anything else (and so, through the event recorded on the
+  compute stream, both copy streams' next work).
 - The *out* stream runs the background ``swap_out`` (one launch, all layers), concurrently
   with the in stream (PCIe is full duplex). It is not waited for at the end of the step: each
   such batch joins a FIFO of batches in flight (its event, its index tensor, the CPU blocks it

@@ -14,7 +14,12 @@ num_kv_heads, head_dim]`` views, whatever the layout (:attr:`KVSwapper.host_layo
 
 Semantics. For every layer the three lists of a plan apply one after the other::
 
-    swap_out_first (all layers) -> swap_in (layer 0, 1, ...) -> swap_out (all layers)
+    swap_out_first (all layers) -> swap_in (layer 0, 1, ...) -> swap_in_ahead (all layers)
+        -> swap_out (all layers)
+
+``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
+wait for them and the next :meth:`~KVSwapper.start_step` makes the compute stream wait before
+anything else; the synchronous paths copy them with the step's swap-ins.
 
 A GPU block may be both a ``swap_out_first`` source and a ``swap_in`` destination (its old
 content reaches the CPU first); a CPU block may be both a ``swap_in`` source and a ``swap_out``
@@ -188,6 +193,10 @@ class KVSwapper(CopyPaths):
         self._init_copies(streams)
         self._step: Step | None = None
         self._in_flight: deque[OutBatch] = deque()
+        self._ahead: deque[tuple[Any, Any]] = deque()
+        """Streams: (event, references) of each step's ``swap_in_ahead`` copies not yet seen
+        complete; the next step's compute waits for the newest (one in stream: it covers the
+        older ones)."""
         self.bytes_in = 0
         """Cumulative bytes copied CPU -> GPU (K and V, all layers)."""
         self.bytes_out = 0
@@ -211,10 +220,14 @@ class KVSwapper(CopyPaths):
         """
         if self._step is not None:
             self.end_step()
+        self._wait_ahead()
         if plan.is_empty:
             return None
         if self._streams is not None:
             return self._start_streams(plan)
+        if plan.swap_in_ahead:  # synchronous paths: copied with the step's own swap-ins
+            plan = SwapPlan(plan.swap_out_first, plan.swap_in + plan.swap_in_ahead,
+                            plan.swap_out)
         if self._stream is not None:
             return self._start_dma_cuda(plan)
         step = self._prepare(plan)
@@ -230,6 +243,12 @@ class KVSwapper(CopyPaths):
                 self._sync_in(step, i + 1)
 
         return layer_ready
+
+    def _wait_ahead(self) -> None:
+        """The compute stream waits for the earlier steps' ``swap_in_ahead`` copies."""
+        if self._ahead:
+            assert self._streams is not None
+            self._streams.wait(None, self._ahead[-1][0])
 
     def end_step(self) -> int:
         """End the step: wait for what it needs and return how many background swap-out
@@ -248,6 +267,7 @@ class KVSwapper(CopyPaths):
             st.synchronize(step.in_done)
         if not self.background:
             self._drain()
+        pop_completed(self._ahead, lambda a: st.query(a[0]))
         return pop_completed(self._in_flight, lambda b: st.query(b.event))
 
     def finish_step(self) -> None:
@@ -255,6 +275,10 @@ class KVSwapper(CopyPaths):
         steps included (no-op when none is in flight)."""
         self.end_step()
         self._drain()
+        if self._ahead:
+            assert self._streams is not None
+            self._streams.synchronize(self._ahead[-1][0])
+            self._ahead.clear()
 
     @property
     def host_tier(self) -> torch.Tensor:
@@ -298,11 +322,25 @@ class KVSwapper(CopyPaths):
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
+        last_in = step.in_done
+        if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
+            s = st.in_stream
+            if step.in_done is None:
+                st.wait(s, compute_done)
+                if waits.in_after >= 0:
+                    st.wait(s, self._in_flight[waits.in_after].event)
+            if self.method == "staged":
+                refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)
+            else:
+                refs = st.upload(s, plan.swap_in_ahead)
+                st.run(s, functools.partial(self._kernel, refs, True, 0, layers))
+            last_in = st.record(s)
+            self._ahead.append((last_in, refs))
         if plan.swap_out:
             s = st.out_stream
             st.wait(s, compute_done)
             if waits.out_after_in:
-                st.wait(s, step.in_done)
+                st.wait(s, last_in)
             if self.method in CHUNK_MAJOR:
                 event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
             else:

@@ -102,6 +102,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
                    help="unified: prefill and decode tokens share each step (default); "
                         "separate: a step runs prefills or decodes, not both")
+    p.add_argument("--swap-in-ahead-chunks", type=int, default=256,
+                   help="chunks a step may swap in for turns that compute from the next step "
+                        "on, so that no step waits for them (0: every turn computes in the "
+                        "step that swaps it in)")
     p.add_argument("--log-level", default="info")
 
 
@@ -154,6 +158,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         cache_policy=args.cache_policy, max_model_len=max_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
+        swap_in_ahead_chunks=args.swap_in_ahead_chunks,
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )
