@@ -20,8 +20,9 @@
 # The device image lacks fastapi/uvicorn/pydantic: run
 #   ../shared/tools/device-wheels.sh annotated-doc anyio==4.16.0
 # here first and carry .whl; they are installed into $SITE (default /tmp/site).
-# Env overrides: MODEL (preset, model dir or demo), MODEL_SET (chat_model_dir.py --set, e.g.
-# num_hidden_layers=1), LOAD_FORMAT (dummy), DTYPE (bfloat16), DEVICE (auto; cpu for a smoke
+# Env overrides: MODEL (preset, model dir or demo), MODEL_SET (chat_model_dir.py --set;
+# default max_position_embeddings=16384; a value replaces it, e.g. "max_position_embeddings=16384
+# num_hidden_layers=1"), LOAD_FORMAT (dummy), DTYPE (bfloat16), DEVICE (auto; cpu for a smoke
 # test), GPUS (0,1: A's and B's), GPU_KV_GB (40), CPU_KV_GB (60), THINK (5), WARMUP (210),
 # WINDOW (210), DRAIN (25), SEED (0), TAG (churn), API (chat | completions), MODE (http |
 # inproc: `multiturn.py --engine real` in process on each GPU instead of servers, same load),
@@ -142,7 +143,10 @@ fi
 serve_model=$model
 if [ "$api" = chat ] && [ "$model" != demo ] && [ ! -d "$model" ]; then
   set_args=()
-  for kv in ${MODEL_SET:-}; do set_args+=(--set "$kv"); done
+  # The agentic sessions grow past the preset's 4,096 positions (Llama 2); the server refuses
+  # contexts beyond max_position_embeddings, so the benchmark's model allows 16,384 (the
+  # client's --max-model-len) unless MODEL_SET says otherwise. The shape is unchanged.
+  for kv in ${MODEL_SET:-max_position_embeddings=16384}; do set_args+=(--set "$kv"); done
   serve_model=$("$py" benchmarks/chat_model_dir.py "$model" "$w/model" "${set_args[@]}") \
     || { say "could not build a chat model directory for $model"; exit 2; }
   say "serving $model with the demo tokenizer from $serve_model"
