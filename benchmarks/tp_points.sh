@@ -5,7 +5,8 @@
 #     PENSIEVE_TEST_DEVICE=cuda); TP=2 against TP=1 on the same prompts, Llama 2-13B GQA-10
 #     shape, dummy weights, bf16, by the top-5 rule (benchmarks/tp_compare.py); Llama 2-70B
 #     shape TP=2 offline throughput (32 x 1024 prompt tokens, 64 output tokens).
-#   PART=multiturn: one multi-turn point, stateless then pensieve, Llama 2-70B shape TP=2, the
+#   PART=multiturn: one multi-turn point, stateless then pensieve, MODEL (default the Llama 2-70B
+#     shape) TP=2, the
 #     agentic workload in process (RATE sessions/s, THINK s think time, tiers GPU_KV_GB /
 #     CPU_KV_GB per rank, WARMUP + WINDOW s of arrivals, DRAIN s).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Outputs under $OUT (default results_tmp).
@@ -26,10 +27,10 @@ if [ "$part" = check ]; then
     --out "$out/offline_70b_tp2.json" 2>>"$out/err.log" | tail -40 | tee -a "$log"
 else
   timeout ${MT_TIMEOUT:-540} python benchmarks/multiturn.py --systems stateless,pensieve \
-    --rates "${RATE:-0.2}" --model llama2-70b --load-format dummy --dtype bfloat16 -tp 2 \
+    --rates "${RATE:-0.2}" --model "${MODEL:-llama2-70b}" --load-format dummy --dtype bfloat16 -tp 2 \
     --workload agentic --think-time "${THINK:-5}" --gpu-kv-gb "${GPU_KV_GB:-8}" \
     --cpu-kv-gb "${CPU_KV_GB:-20}" --warmup "${WARMUP:-90}" --duration $(( ${WARMUP:-90} + ${WINDOW:-90} )) \
-    --drain "${DRAIN:-20}" --out "$out/mt" --tag tp2-70b 2>>"$out/err.log" | tee -a "$log"
+    --drain "${DRAIN:-20}" --out "$out/mt" --tag "tp2-${MODEL:-llama2-70b}" 2>>"$out/err.log" | tee -a "$log"
   gzip -f "$out"/mt/requests.jsonl "$out"/mt/steps.jsonl 2>/dev/null
 fi
 [ -f "$out/err.log" ] && { tail -c 20000 "$out/err.log" > "$out/err_tail.log"; rm -f "$out/err.log"; }
