@@ -53,8 +53,9 @@ SLOW_MODULES = (
     "test_stateful_invariant.py",  # hypothesis workloads on a real engine under every policy
     "test_tensor_parallel.py",  # two-rank process groups
 )
-SLOW_FIXTURES = ("server", "pensieve_server")
-"""Tests that start a ``pensieve serve`` subprocess through these fixtures."""
+SLOW_FIXTURES = ("server", "pensieve_server", "cluster")
+"""Tests that start a ``pensieve serve`` subprocess through these fixtures, or (``cluster``,
+test_replicas.py) a local Ray cluster serving two engine replicas."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -298,6 +298,7 @@ def run_engine(engine, workload: Workload) -> dict[int, list[list[int]]]:  # noq
     return outs
 
 
+@pytest.mark.slow  # eight hypothesis workloads, two policies each; the fixed every-path one stays
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())

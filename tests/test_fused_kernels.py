@@ -178,6 +178,7 @@ def test_llama_forward_fused_matches_reference(monkeypatch, dtype) -> None:  # n
                                else 1e-4, rtol=0.05 if dtype == BF16 else 1e-4)
 
 
+@pytest.mark.slow  # the whole engine on the Triton interpreter, eager and with graphs
 def test_engine_graph_paths_with_triton_kernels(monkeypatch) -> None:  # noqa: ANN001
     """The whole engine on the Triton kernels (interpreter here): steps through the mixed- and
     decode-graph static buffers (the attention kernel's work-item grid) give the same greedy

@@ -32,7 +32,8 @@ kc = _load()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("q_len,ctx,batch", [(1, 40, 3), (20, 0, 2), (7, 70, 3)])
+@pytest.mark.parametrize("q_len,ctx,batch", [
+    (1, 40, 3), pytest.param(20, 0, 2, marks=pytest.mark.slow), (7, 70, 3)])
 def test_variants_agree(q_len: int, ctx: int, batch: int) -> None:
     config = kc.homogeneous(q_len, ctx, batch=batch)
     with warnings.catch_warnings():

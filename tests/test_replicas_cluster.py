@@ -19,6 +19,7 @@ from pensieve.replicas.serve import NODE_HEADER, build_application  # noqa: E402
 from pensieve.server.stores import open_store  # noqa: E402
 
 
+@pytest.mark.slow  # a two-node Ray cluster and a PostgreSQL server
 def test_two_nodes_postgres_store():
     import socket
 

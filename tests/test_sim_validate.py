@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "sim_validate_churn.py"
 
 
+@pytest.mark.slow  # fits and simulates every real churn point, even at tiny size
 def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1",
