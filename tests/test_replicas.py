@@ -4,7 +4,8 @@ Two replicas of the random demo model on a local Ray instance behind one OpenAI 
 16 conversations x 4 turns from an ``openai`` client that re-sends the history. Every turn
 after the first is served with cached tokens (the router keeps each conversation on the
 replica holding its KV), both replicas serve, ``/metrics`` labels each replica. Then one
-replica is killed mid-run: every conversation still completes, the store holds every turn.
+replica is killed mid-run, with requests in flight on it: every conversation still completes
+under its id, the store holds every turn the client received.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ httpx = pytest.importorskip("httpx")
 
 from pensieve.core.routing import preference  # noqa: E402
 from pensieve.replicas.router import rank_replicas  # noqa: E402
-from pensieve.replicas.serve import REPLICA_HEADER, build_application, routing_key  # noqa: E402
+from pensieve.replicas.serve import (  # noqa: E402
+    ATTEMPTS_HEADER,
+    REPLICA_HEADER,
+    build_application,
+    routing_key,
+)
 from pensieve.server.main import add_serve_args  # noqa: E402
 from pensieve.server.stores import open_store  # noqa: E402
 
@@ -79,7 +85,8 @@ def cluster(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = str(tmp_path_factory.mktemp("replicas") / "conv.db")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+    # address="local": a Ray instance of its own, never one another test run started
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -87,10 +94,21 @@ def cluster(tmp_path_factory):
         # and every turn finds its KV where it was.
         serve.run(build_application(serve_args(store), replica_cpus=1),
                   name="pensieve", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", store
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60  # until the ingress's router knows both replicas
+        while len(_running(url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield url, store
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _running(url: str) -> dict[str, float]:
+    """Requests running on each replica, from the ingress's ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^pensieve_requests_running\{replica="([^"]+)"\} (\S+)$', text, re.M)}
 
 
 def _conversation(client, i: int, turns: int, served: list, on_turn=None, history=None,
@@ -167,31 +185,53 @@ def test_affinity_cached_turns_both_replicas_and_metrics(cluster):
         assert float(m.group(1)) > 0
 
 
+def _kill(victim_id: str) -> None:
+    """Kill the engine replica ``victim_id`` (no restart: Ray Serve starts a new one)."""
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if "EngineReplica" in a["name"]]
+    victim = next(a for a in actors if a["name"].rsplit("#", 1)[-1] == victim_id)
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+
+
 def test_kill_a_replica_mid_run(cluster):
-    """Turns 0-1 of 16 conversations; the replica holding some of them is killed (nothing in
-    flight); turns 2-3 go on: every conversation continues under its id on the other replica,
-    its history from the shared store, and no completed turn is lost. A replica killed while
-    a request is in flight is not covered: with that, a run in about five lost one completed
-    turn from the store (the turn answered, the stored conversation one turn short); not
-    fixed yet."""
+    """Turns 0-1 of 16 conversations; then turns 2-3, and while they run, a long turn of a
+    conversation the victim holds: when the victim is running it, the victim is killed. The
+    long turn (and any other request in flight there) is retried by the ingress on the other
+    replica; every conversation continues under its id, its history from the shared store,
+    and the store holds every turn as the client received it (0 completed turns lost: a
+    replica that stored a turn and died before answering is covered by the request key,
+    test_replicas_retry.py)."""
     url, store = cluster
-    first, served1 = _run(url, range(100, 116), 2)
-    victim_id = served1[0][2]  # a replica that holds conversations
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "EngineReplica" in a["name"]]
-    victim = next(a for a in names if a["name"].rsplit("#", 1)[-1] == victim_id)
-    handle = ray.get_actor(victim["name"], namespace=victim["namespace"])
-    ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(  # until Ray lists it no more
-            a["name"] == victim["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)):
-        time.sleep(0.2)
-    results, served2 = _run(url, range(100, 116), TURNS, histories=[m for m, _ in first])
-    assert len(served2) == 16 * (TURNS - 2)  # every later turn answered
-    assert victim_id not in {r for _, _, r, _, _ in served2}
-    _check_stored(store, results, TURNS)  # and every completed turn stored
-    cids = {i: cid for (_, cid), i in zip(first, range(100, 116))}
+    convs = range(100, 116)
+    first, served1 = _run(url, convs, 2)
+    cids = {i: cid for (_, cid), i in zip(first, convs)}
+    victim_id, j = served1[0][2], served1[0][0]  # the victim and a conversation it holds
+    rest = [i for i in convs if i != j]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    long_msgs = first[j - 100][0] + [{"role": "user", "content": "now a long answer"}]
+    served2: list = []
+    with ThreadPoolExecutor(2) as pool:
+        long_turn = pool.submit(  # ~3 s of decoding on the victim
+            client.chat.completions.with_raw_response.create, model="pensieve-demo",
+            messages=long_msgs, max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+        deadline = time.monotonic() + 60
+        while _running(url).get(victim_id, 0) < 1:  # the long turn runs there
+            assert time.monotonic() < deadline and not long_turn.done()
+            time.sleep(0.05)
+        others = pool.submit(_run, url, rest, TURNS, histories=[first[i - 100][0] for i in rest],
+                             served=served2)
+        time.sleep(0.3)  # the other conversations' turns in flight too
+        _kill(victim_id)
+        raw = long_turn.result()
+        results, _ = others.result()
+    r = raw.parse()
+    assert raw.headers[REPLICA_HEADER] != victim_id  # answered by another replica ...
+    assert int(raw.headers[ATTEMPTS_HEADER]) >= 2  # ... on the ingress's retry
+    assert r.model_extra["conversation_id"] == cids[j] and r.usage.completion_tokens == 400
+    long_hist = long_msgs + [{"role": "assistant", "content": r.choices[0].message.content}]
+    results_j, _ = _run(url, [j], TURNS, histories=[long_hist], served=served2)
+    assert len(served2) == 16 * (TURNS - 2) - 1  # every later turn answered
+    _check_stored(store, results + results_j, TURNS)  # and every completed turn stored
     for i, _, _, _, cid in served2:  # each conversation kept its id (history from the store)
         assert cid == cids[i]
     moved = {i for i, _, r, _, _ in served1 if r == victim_id}

@@ -1,14 +1,16 @@
 """The conversation store interface on SQLite (WAL, shared by processes) and PostgreSQL: the
 same behaviour from both, and a conversation written by one store handle (one replica) is
-read and continued by another."""
+read and continued by another; a turn written from a stale read is refused."""
 
 from __future__ import annotations
 
+import dataclasses
+import sqlite3
 import threading
 
 import pytest
 
-from pensieve.server.store import ConversationStore, StoredConversation
+from pensieve.server.store import ConversationStore, StaleTurnError, StoredConversation
 from pensieve.server.stores import open_store
 
 
@@ -63,8 +65,7 @@ def test_round_trip_and_lookup(stores):
     assert b.find_by_messages("other", c.messages) is None
     assert b.find_by_messages("public", c.messages[:1]) is None
     # the next turn, written by the other handle (the conversation moved replicas)
-    c2 = _conv("c1", n=2)
-    c2.created = got.created
+    c2 = _next_turn(got, 2)
     b.save_turn(c2)
     got = a.get("c1")
     assert got is not None and got.token_ids == list(range(20)) and len(got.turns) == 2
@@ -79,6 +80,13 @@ def test_round_trip_and_lookup(stores):
     assert b.get("missing") is None
 
 
+def _next_turn(conv: StoredConversation, n: int, key: str = "") -> StoredConversation:
+    """``conv`` (as read) with its turns made ``n`` (as a server's next turn writes it)."""
+    nxt = _conv(conv.id, conv.tenant, n=n)
+    return dataclasses.replace(conv, messages=nxt.messages, token_ids=nxt.token_ids,
+                               turns=nxt.turns, request_key=key)
+
+
 def test_concurrent_writers(stores):
     """Two handles writing at once from threads: every turn lands."""
     a, b = stores
@@ -86,8 +94,11 @@ def test_concurrent_writers(stores):
 
     def write(store, cid):
         try:
-            for n in range(1, 21):
-                store.save_turn(_conv(cid, n=n))
+            conv = _conv(cid, n=1)
+            store.save_turn(conv)
+            for n in range(2, 21):
+                conv = _next_turn(conv, n)
+                store.save_turn(conv)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -101,3 +112,90 @@ def test_concurrent_writers(stores):
     for cid in ("c2", "c3"):
         got = a.get(cid)
         assert got is not None and len(got.turns) == 20
+
+
+def test_stale_turn_never_replaces_a_newer_one(stores):
+    """Two replicas start a turn of one conversation from the same read (e.g. one presumed
+    dead that finished late): the first write lands, the second is refused, so the stored
+    conversation keeps the turn the first wrote and its later ones. A new conversation's
+    write is refused when its id exists; a deleted conversation is not written back."""
+    a, b = stores
+    a.save_turn(_conv("c1", n=1))
+    read_a, read_b = a.get("c1"), b.get("c1")
+    assert read_a is not None and read_b is not None and read_a.version == 1
+    a.save_turn(_next_turn(read_a, 2, key="req-a"))
+    after = a.get("c1")
+    assert after is not None and after.version == 2
+    a.save_turn(_next_turn(after, 3, key="req-a2"))
+    late = _next_turn(read_b, 2, key="req-b")  # started from version 1
+    with pytest.raises(StaleTurnError):
+        b.save_turn(late)
+    got = b.get("c1")
+    assert got is not None and len(got.turns) == 3 and got.version == 3
+    assert got.request_key == "req-a2"
+    with pytest.raises(StaleTurnError):
+        b.save_turn(_conv("c1", n=1))  # a new conversation under an existing id
+    assert len(a.get("c1").turns) == 3
+    assert a.delete("c1")
+    with pytest.raises(StaleTurnError):
+        b.save_turn(_next_turn(got, 4))
+    assert a.get("c1") is None
+
+
+def test_find_by_request(stores):
+    """The conversation whose last turn a request key wrote, per tenant; a later turn with
+    another key takes the lookup away."""
+    a, b = stores
+    c = _conv("c2")
+    c.request_key = "k1"
+    a.save_turn(c)
+    assert b.find_by_request("public", "k1") == "c2"
+    assert b.find_by_request("other", "k1") is None
+    a.save_turn(_next_turn(c, 2, key="k2"))
+    assert b.find_by_request("public", "k1") is None
+    assert b.find_by_request("public", "k2") == "c2"
+
+
+_OLD_TABLE = """CREATE TABLE conversations (id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
+    messages TEXT NOT NULL, token_ids TEXT NOT NULL, turns TEXT NOT NULL,
+    messages_hash TEXT NOT NULL, priority REAL NOT NULL DEFAULT 1.0,
+    keep_alive_s REAL NOT NULL DEFAULT 0.0, created REAL NOT NULL, updated REAL NOT NULL)"""
+_OLD_ROW = """INSERT INTO conversations VALUES ('old', 'public', '[]', '[1, 2]',
+    '[{"context_len": 1, "output_len": 1}]', 'h', 1.0, 0.0, 1.0, 1.0)"""
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def old_store(request, tmp_path):
+    """The target of a store made before ``request_key``/``version`` existed, one row in it."""
+    if request.param == "sqlite":
+        path = str(tmp_path / "old.db")
+        db = sqlite3.connect(path)
+        db.execute(_OLD_TABLE)
+        db.execute(_OLD_ROW)
+        db.commit()
+        db.close()
+        yield path
+        return
+    import psycopg
+    from pg_server import fresh_database
+
+    with fresh_database(request.getfixturevalue("pg_url")) as url:
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute(_OLD_TABLE)
+            db.execute(_OLD_ROW)
+        yield url
+
+
+def test_table_of_an_older_version_gains_the_columns(old_store):
+    """An older store opens (twice: two replicas): its rows read as version 1 and take their
+    next turn."""
+    store, again = open_store(old_store), open_store(old_store)
+    try:
+        got = store.get("old")
+        assert got is not None and got.version == 1 and got.request_key == ""
+        store.save_turn(_next_turn(got, 2, key="k"))
+        assert again.find_by_request("public", "k") == "old"
+        assert again.get("old").version == 2
+    finally:
+        store.close()
+        again.close()

@@ -4,7 +4,7 @@ A replica receives a request as plain values from the ingress (a Ray call, not H
 feeds it to the server's FastAPI app. The messages come back as picklable values: first
 ``("start", status, headers)``, then the body's chunks as ``bytes``. When the caller stops
 reading (its client went away), the app sees ``http.disconnect``, as under uvicorn, and aborts
-the turn.
+the turn. :func:`with_request_key` hands the app the key the ingress gave the request.
 """
 
 from __future__ import annotations
@@ -15,6 +15,26 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
+
+REQUEST_KEY_HEADER = b"x-pensieve-request-key"
+"""The header that carries a request's key from the ingress to its replica (the same on the
+ingress's retries of the request)."""
+
+
+def with_request_key(app: Any) -> Any:
+    """``app``, serving each request with :data:`pensieve.server.turns.request_key` set to its
+    :data:`REQUEST_KEY_HEADER` (so the turn it completes is stored with the key)."""
+    from pensieve.server.turns import request_key  # the replica's server (not the ingress's)
+
+    async def keyed(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        key = dict(scope.get("headers") or ()).get(REQUEST_KEY_HEADER, b"")
+        token = request_key.set(key.decode("latin-1"))
+        try:
+            await app(scope, receive, send)
+        finally:
+            request_key.reset(token)
+
+    return keyed
 
 
 async def call_asgi(app: Any, method: str, path: str, query: bytes, headers: Headers,

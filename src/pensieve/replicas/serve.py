@@ -12,10 +12,15 @@ depends on the messages) is computed by a small ingress deployment, as Ray Serve
 OpenAI ingress does before its prefix-aware router. The ingress is no HTTP server of ours: it
 forwards the request to the chosen replica as a Ray call and streams the answer back.
 
-A replica that dies takes its in-flight requests with it; the ingress retries a request whose
-answer had not started on the key's next replica (Ray Serve drops the dead one from the
-router), which finds the conversation's history in the shared store and recomputes its KV.
-Completed turns are in the store before their answer is sent, so none is lost.
+A replica that dies takes its in-flight requests with it; the ingress retries a request on the
+key's next replica (Ray Serve drops the dead one from the router) until it has the whole
+answer (an event stream: its first chunk), and the new replica finds the conversation's
+history in the shared store and recomputes its KV. A turn is stored before its answer is sent,
+so a replica may die between the two: the ingress gives every request a key, the same on its
+retries (``x-pensieve-request-key``), the turn is stored with it, and a retry finding its key on
+the conversation's last turn redoes that turn in place (:mod:`pensieve.server.turns`): the
+stored turn is the answer the client gets, and no completed turn is lost. The answer's
+``x-pensieve-attempts`` header counts the replicas tried.
 """
 
 # No ``from __future__ import annotations``: FastAPI must see the handlers' real types
@@ -26,7 +31,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,7 +42,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from pensieve.core.routing import conversation_key
-from pensieve.replicas.asgi import call_asgi
+from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
 from pensieve.replicas.metrics import merge_pages
 from pensieve.server.errors import error_response
 
@@ -45,6 +51,7 @@ log = logging.getLogger("pensieve.replicas")
 ROUTER = "pensieve.replicas.router:AffinityRequestRouter"
 REPLICA_HEADER = "x-pensieve-replica"
 NODE_HEADER = "x-pensieve-node"
+ATTEMPTS_HEADER = "x-pensieve-attempts"
 _RETRIES = 5
 
 
@@ -84,7 +91,8 @@ class EngineReplica:
             import torch
 
             torch.set_num_threads(max(1, int(getattr(args, "replica_cpus", 1))))
-        self.app, self._close = build_server(args)
+        app, self._close = build_server(args)
+        self.app = with_request_key(app)
         self.replica = serve.get_replica_context().replica_id.unique_id
         import ray
 
@@ -110,6 +118,42 @@ def _plain(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in headers]
 
 
+def _streamed(start: tuple[Any, ...]) -> bool:
+    """Whether an answer (its ``("start", status, headers)``) is an event stream."""
+    return any(k == "content-type" and v.startswith("text/event-stream")
+               for k, v in _plain(start[2]))
+
+
+async def _body(gen: Any, head: list[Any], done: bool) -> AsyncIterator[bytes]:
+    """An answer's body: the chunks read ahead in ``head`` (after its start), then the rest."""
+    for chunk in head[1:]:
+        yield chunk
+    if not done:
+        async for chunk in gen:
+            yield chunk
+
+
+async def read_answer(call: Callable[[], Any], retries: int = _RETRIES, backoff_s: float = 0.5
+                      ) -> tuple[Any, list[Any], bool, int]:
+    """A replica's answer to a request, ``call()`` sending it: (its stream, the items read,
+    whether they are all of it, the replicas tried). Until the whole answer is read (an event
+    stream: its first chunk), a replica that dies is replaced by the next ``call()``."""
+    for attempt in range(retries):
+        gen = call()
+        head: list[Any] = []
+        try:
+            while True:
+                head.append(await gen.__anext__())
+                if isinstance(head[-1], bytes) and _streamed(head[0]):
+                    return gen, head, False, attempt + 1
+        except StopAsyncIteration:
+            return gen, head, True, attempt + 1
+        except (RayActorError, ActorUnavailableError) as e:
+            log.warning("replica failed before answering (%s); retry %d", e, attempt + 1)
+            await asyncio.sleep(backoff_s * (attempt + 1))
+    raise RuntimeError("no replica answered")
+
+
 def _ingress_app() -> FastAPI:
     return FastAPI(title="Pensieve replicas", openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -125,30 +169,25 @@ class Ingress:
         self.engine = engine
         self.num_replicas = num_replicas
 
-    async def _first(self, key: str, rank: int | None, method: str, path: str, query: bytes,
-                     headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[Any, Any]:
-        """The replica's answer stream and its first item, retrying a dead replica."""
+    async def _answer(self, key: str, rank: int | None, method: str, path: str,
+                      query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+                      ) -> tuple[Any, list[Any], bool, int]:
+        """:func:`read_answer` of the request from the replica its key (or rank) picks."""
         kwargs: dict[str, Any] = {"routing_key": key}
         if rank is not None:
             kwargs = {"replica_rank": rank}
-        for attempt in range(_RETRIES):
-            gen = self.engine.options(stream=True).handle_http.remote(
-                method, path, query, headers, body, **kwargs)
-            try:
-                return gen, await gen.__anext__()
-            except (RayActorError, ActorUnavailableError) as e:
-                log.warning("replica failed before answering (%s); retry %d", e, attempt + 1)
-                await asyncio.sleep(0.5 * (attempt + 1))
-        raise RuntimeError("no replica answered")
+        return await read_answer(lambda: self.engine.options(stream=True).handle_http.remote(
+            method, path, query, headers, body, **kwargs))
 
     @_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
         """Every replica's ``/metrics``, each sample labelled with its ``replica``."""
         pages: dict[str, str] = {}
         for rank in range(self.num_replicas):
-            gen, start = await self._first("", rank, "GET", "/metrics", b"",
-                                           list(request.headers.raw), b"")
-            text = b"".join([chunk async for chunk in gen])
+            gen, head, done, _ = await self._answer("", rank, "GET", "/metrics", b"",
+                                                    list(request.headers.raw), b"")
+            start = head[0]
+            text = b"".join([chunk async for chunk in _body(gen, head, done)])
             if start[1] != 200:
                 return Response(text, status_code=start[1], headers=dict(_plain(start[2])))
             pages[dict(_plain(start[2]))[REPLICA_HEADER]] = text.decode()
@@ -159,20 +198,20 @@ class Ingress:
         body = await request.body()
         url_path = "/" + path
         key = routing_key(url_path, {k.lower(): v for k, v in request.headers.items()}, body)
+        # the request's key: the same on every retry (a client's own header is replaced)
+        raw = [(k, v) for k, v in request.headers.raw if k.lower() != REQUEST_KEY_HEADER]
+        raw.append((REQUEST_KEY_HEADER, uuid.uuid4().hex.encode()))
         try:
-            gen, start = await self._first(key, None, request.method, url_path,
-                                           request.scope.get("query_string", b""),
-                                           list(request.headers.raw), body)
+            gen, head, done, attempts = await self._answer(
+                key, None, request.method, url_path, request.scope.get("query_string", b""),
+                raw, body)
         except RuntimeError as e:
             return error_response(503, f"no replica could serve the request: {e}",
                                   "server_error", "no_replica")
+        start = head[0]
         headers = [(k, v) for k, v in _plain(start[2]) if k != "content-length"]
-
-        async def rest() -> AsyncIterator[bytes]:
-            async for chunk in gen:
-                yield chunk
-
-        resp = StreamingResponse(rest(), status_code=start[1])
+        headers.append((ATTEMPTS_HEADER, str(attempts)))
+        resp = StreamingResponse(_body(gen, head, done), status_code=start[1])
         resp.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return resp
 

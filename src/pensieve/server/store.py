@@ -11,6 +11,15 @@ and output token, the engine's ``Conversation.token_ids``), per-turn boundaries,
 hints, and a hash of the message list for recognising a client that re-sends the whole history.
 A row is written when a turn completes, before the client sees the end of the answer, so a
 completed turn survives a crash of the server. Dropped KV is recomputed from ``token_ids``.
+
+Each write is conditional: a turn's row is written only if the row still has the ``version``
+the turn read (a new conversation: only if no row has its id), else :class:`StaleTurnError`.
+So a turn that started from an older state (a replica that was presumed dead and finished
+late, or two replicas running turns of one conversation at once) can never replace a newer
+turn with a shorter history. The row also names the request that wrote its last turn
+(``request_key``: the replicas' ingress gives each request one, the same on its retries), so a
+retry whose first replica stored the turn and died before answering redoes that turn
+(:mod:`pensieve.server.turns`) instead of starting a second conversation without it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from pensieve.server.errors import APIError
 
 
 def schema(real: str = "REAL") -> str:
@@ -38,10 +49,30 @@ CREATE TABLE IF NOT EXISTS conversations (
     priority {real} NOT NULL DEFAULT 1.0,
     keep_alive_s {real} NOT NULL DEFAULT 0.0,
     created {real} NOT NULL,
-    updated {real} NOT NULL
+    updated {real} NOT NULL,
+    request_key TEXT NOT NULL DEFAULT '',
+    version INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS by_hash ON conversations (tenant, messages_hash);
 """
+
+
+ADDED_COLUMNS = (("request_key", "TEXT NOT NULL DEFAULT ''"),
+                 ("version", "INTEGER NOT NULL DEFAULT 1"))
+"""Columns a table made by an older version lacks, added when a store opens it (its rows get
+version 1: written once)."""
+
+REQUEST_INDEX = ("CREATE INDEX IF NOT EXISTS by_request "
+                 "ON conversations (tenant, request_key)")
+
+
+class StaleTurnError(APIError):
+    """A turn's write found its conversation changed since the turn read it (another turn was
+    written, or the conversation deleted): the write is refused, and the request answered
+    with a 409 (``conversation_conflict``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(409, message, code="conversation_conflict")
 
 
 _SCHEMA = schema()
@@ -66,29 +97,63 @@ class StoredConversation:
     keep_alive_s: float = 0.0
     created: float = 0.0
     updated: float = 0.0
+    request_key: str = ""
+    """The request that wrote (or, in memory, writes) the last turn; "" when none was given."""
+    version: int = 0
+    """The row's version when read (0: not stored yet); a write succeeds only while the row
+    still has it, and makes it one more."""
 
 
 COLUMNS = ("id", "tenant", "messages", "token_ids", "turns", "messages_hash", "priority",
-           "keep_alive_s", "created", "updated")
+           "keep_alive_s", "created", "updated", "request_key", "version")
 """A row's columns, in the order of :func:`row_values` (shared by both stores)."""
 
 
 def row_values(conv: StoredConversation) -> tuple[Any, ...]:
-    """The row of ``conv`` in :data:`COLUMNS` order (JSON text for the lists)."""
+    """The row ``conv``'s next write puts (version one more), in :data:`COLUMNS` order (JSON
+    text for the lists)."""
     return (conv.id, conv.tenant, json.dumps(conv.messages, ensure_ascii=False),
             json.dumps(conv.token_ids), json.dumps(conv.turns),
             messages_hash(conv.tenant, conv.messages), conv.priority, conv.keep_alive_s,
-            conv.created, conv.updated)
+            conv.created, conv.updated, conv.request_key, conv.version + 1)
 
 
 def from_row(row: tuple[Any, ...]) -> StoredConversation:
     """A conversation from a row of :data:`COLUMNS` without ``messages_hash``."""
     return StoredConversation(row[0], row[1], json.loads(row[2]), json.loads(row[3]),
                               json.loads(row[4]), float(row[5]), float(row[6]),
-                              float(row[7]), float(row[8]))
+                              float(row[7]), float(row[8]), str(row[9]), int(row[10]))
 
 
 SELECT_COLUMNS = ", ".join(c for c in COLUMNS if c != "messages_hash")
+
+
+def write_statement(conv: StoredConversation, ph: str) -> tuple[str, tuple[Any, ...]]:
+    """The conditional write of ``conv``'s row (``ph``: the driver's placeholder): an insert
+    that does nothing if the id exists (a new conversation), else an update of the row only
+    at the version ``conv`` was read at. Either changes one row, or none when stale."""
+    row = row_values(conv)
+    if conv.version == 0:
+        return (f"INSERT INTO conversations ({', '.join(COLUMNS)}) VALUES "
+                f"({', '.join([ph] * len(COLUMNS))}) ON CONFLICT (id) DO NOTHING", row)
+    sets = ", ".join(f"{c} = {ph}" for c in COLUMNS[1:])
+    return (f"UPDATE conversations SET {sets} WHERE id = {ph} AND version = {ph}",
+            row[1:] + (conv.id, conv.version))
+
+
+def stamp(conv: StoredConversation) -> None:
+    """Set ``conv``'s write times (``created`` only on its first write)."""
+    conv.updated = time.time()
+    if not conv.created:
+        conv.created = conv.updated
+
+
+def written(conv: StoredConversation, rows: int) -> None:
+    """After ``conv``'s write changed ``rows`` rows: its new version, or the stale error."""
+    if rows != 1:
+        raise StaleTurnError(f"conversation {conv.id!r} changed since this turn read it "
+                             f"(version {conv.version}): the turn is not stored")
+    conv.version += 1
 
 
 class Store(Protocol):
@@ -97,6 +162,8 @@ class Store(Protocol):
     def get(self, conversation_id: str) -> StoredConversation | None: ...
 
     def find_by_messages(self, tenant: str, messages: list[dict[str, Any]]) -> str | None: ...
+
+    def find_by_request(self, tenant: str, request_key: str) -> str | None: ...
 
     def save_turn(self, conv: StoredConversation) -> None: ...
 
@@ -121,6 +188,17 @@ class ConversationStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
+        self._db.execute("BEGIN IMMEDIATE")  # one process at a time adds missing columns
+        try:
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(conversations)")}
+            for name, decl in ADDED_COLUMNS:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE conversations ADD COLUMN {name} {decl}")
+            self._db.execute(REQUEST_INDEX)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -141,16 +219,22 @@ class ConversationStore:
                 "ORDER BY updated DESC LIMIT 1", (tenant, h)).fetchone()
         return row[0] if row else None
 
-    def save_turn(self, conv: StoredConversation) -> None:
-        """Insert or replace the conversation after a completed turn (one transaction)."""
-        now = time.time()
-        conv.updated = now
-        if not conv.created:
-            conv.created = now
+    def find_by_request(self, tenant: str, request_key: str) -> str | None:
+        """The tenant's conversation whose last turn the request ``request_key`` wrote."""
         with self._lock:
-            self._db.execute(
-                f"INSERT OR REPLACE INTO conversations ({', '.join(COLUMNS)})"
-                f" VALUES ({', '.join('?' * len(COLUMNS))})", row_values(conv))
+            row = self._db.execute(
+                "SELECT id FROM conversations WHERE tenant = ? AND request_key = ?",
+                (tenant, request_key)).fetchone()
+        return row[0] if row else None
+
+    def save_turn(self, conv: StoredConversation) -> None:
+        """Write the conversation after a completed turn (one statement; committed when it
+        returns), if its row is still at ``conv.version``; else :class:`StaleTurnError`."""
+        stamp(conv)
+        sql, params = write_statement(conv, "?")
+        with self._lock:
+            rows = self._db.execute(sql, params).rowcount
+        written(conv, rows)
 
     def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None:
         with self._lock:

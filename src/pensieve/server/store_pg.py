@@ -1,35 +1,33 @@
 """The conversation store on PostgreSQL (through ``psycopg``), for replicas on several hosts.
 
 Same rows and the same :class:`~pensieve.server.store.Store` interface as the SQLite store:
-one row per conversation, written in one statement when a turn completes (an upsert, so a
-conversation that moved to another replica simply gets its next turn written there). One
-connection per process in autocommit mode, behind a lock; a connection the server dropped is
-reopened once per call.
+one row per conversation, written in one statement when a turn completes (conditional on
+the version the turn read, as there: a conversation that moved to another replica gets its
+next turn written there, a stale turn is refused). One connection per process in autocommit
+mode, behind a lock; a connection the server dropped is reopened once per call.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import psycopg
 
 from pensieve.server.store import (
-    COLUMNS,
+    ADDED_COLUMNS,
+    REQUEST_INDEX,
     SELECT_COLUMNS,
     StoredConversation,
     from_row,
     messages_hash,
-    row_values,
     schema,
+    stamp,
+    write_statement,
+    written,
 )
 
 _SCHEMA = schema("DOUBLE PRECISION")
-
-_UPSERT = (f"INSERT INTO conversations ({', '.join(COLUMNS)}) "
-           f"VALUES ({', '.join(['%s'] * len(COLUMNS))}) ON CONFLICT (id) DO UPDATE SET "
-           + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS if c != "id"))
 
 
 class PostgresStore:
@@ -44,6 +42,10 @@ class PostgresStore:
             self._db.execute("SELECT pg_advisory_lock(4242)")
             try:
                 self._db.execute(_SCHEMA)
+                for name, decl in ADDED_COLUMNS:  # a table made by an older version
+                    self._db.execute(
+                        f"ALTER TABLE conversations ADD COLUMN IF NOT EXISTS {name} {decl}")
+                self._db.execute(REQUEST_INDEX)
             finally:
                 self._db.execute("SELECT pg_advisory_unlock(4242)")
 
@@ -69,12 +71,18 @@ class PostgresStore:
                         (tenant, messages_hash(tenant, messages))).fetchone()
         return row[0] if row else None
 
+    def find_by_request(self, tenant: str, request_key: str) -> str | None:
+        """The tenant's conversation whose last turn the request ``request_key`` wrote."""
+        row = self._run("SELECT id FROM conversations WHERE tenant = %s AND request_key = %s",
+                        (tenant, request_key)).fetchone()
+        return row[0] if row else None
+
     def save_turn(self, conv: StoredConversation) -> None:
-        """Insert or update the conversation after a completed turn (one statement)."""
-        conv.updated = time.time()
-        if not conv.created:
-            conv.created = conv.updated
-        self._run(_UPSERT, row_values(conv))
+        """Write the conversation after a completed turn (one statement), if its row is still
+        at ``conv.version``; else :class:`~pensieve.server.store.StaleTurnError`."""
+        stamp(conv)
+        sql, params = write_statement(conv, "%s")
+        written(conv, self._run(sql, params).rowcount)
 
     def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None:
         self._run("UPDATE conversations SET priority = %s, keep_alive_s = %s WHERE id = %s",

@@ -5,24 +5,39 @@ stored ones and the new ones) with the generation prompt; the engine keeps the h
 common prefix with it (:meth:`AsyncEngine.generate`, ``full_context``). A completions turn of a
 conversation appends its token ids to the history. Blocking work (template rendering,
 tokenization) runs in the server's thread pool, never on the event loop.
+
+Retries. Behind the replicas' ingress every request carries a key (:data:`request_key`), the
+same on the ingress's retries, and the turn it completes is stored with it. A retry whose
+key wrote its conversation's last turn is the same request again after its first replica
+stored the turn and died before answering: it redoes that turn (the conversation as it was
+before it, under the same id), so the stored turn is the one the client receives, instead of
+the re-sent history finding no conversation (the stored one already holds the turn) and
+starting a new one without the earlier turns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from jinja2.exceptions import TemplateError
 
 from pensieve.core.scheduler import ConversationBusyError
+from pensieve.server.async_engine import set_history
 from pensieve.server.errors import APIError
 from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
 
 T = TypeVar("T")
+
+request_key: ContextVar[str] = ContextVar("pensieve_request_key", default="")
+"""The key of the request being served ("" when none: only the replicas' ingress gives one,
+:func:`pensieve.replicas.asgi.with_request_key` sets it)."""
 
 
 @dataclass
@@ -31,7 +46,8 @@ class Turn:
     cid: str | None
     """The conversation (None: a one-off completion)."""
     stored: StoredConversation | None
-    """Its stored state before this turn (None: a new conversation or none)."""
+    """Its stored state before this turn, which the turn's write replaces (a new conversation:
+    an empty one, not stored yet; None: no conversation)."""
     prev: list[dict[str, Any]]
     new: list[dict[str, Any]]
     prompt_ids: list[int]
@@ -76,38 +92,91 @@ async def engine_call(state: ServerState, fn: Any) -> Any:
 
 
 async def restore(state: ServerState, stored: StoredConversation) -> None:
-    """Make sure the engine knows the conversation (after a restart: history, no KV)."""
+    """Make the engine's history of the conversation the stored one: after a restart (history,
+    no KV), or when another replica continued it (or redid its last turn) since this engine
+    last served it (the KV of the common prefix kept)."""
 
     def fn(eng: Any) -> None:
         eng.restore_conversation(stored.id, stored.token_ids)
+        if eng.conversation_history(stored.id) != stored.token_ids:
+            set_history(eng, stored.id, stored.token_ids)
         eng.set_conversation_hints(stored.id, stored.priority, stored.keep_alive_s)
 
     await engine_call(state, fn)
+
+
+def _retried(state: ServerState, tenant: str, cid: str | None) -> StoredConversation | None:
+    """The conversation whose last turn this request (its key) already wrote, if any, and
+    ``cid``'s when the request names one."""
+    key = request_key.get()
+    found = state.store.find_by_request(tenant, key) if key else None
+    conv = state.store.get(found) if found is not None else None
+    if conv is None or not conv.turns or (cid is not None and conv.id != cid):
+        return None
+    return conv
+
+
+def _before_last_turn(conv: StoredConversation, messages: list[dict[str, Any]],
+                      token_ids: list[int]) -> StoredConversation:
+    """``conv`` as it was before its last turn (its version kept: the redone turn's write
+    replaces the row it was read from)."""
+    return dataclasses.replace(conv, messages=messages, token_ids=token_ids,
+                               turns=conv.turns[:-1])
+
+
+def _chat_retry(state: ServerState, tenant: str, cid: str | None, msgs: list[dict[str, Any]]
+                ) -> tuple[StoredConversation, list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """(the conversation before its last turn, prev, new) when this request wrote that turn
+    (its messages, then one answer)."""
+    conv = _retried(state, tenant, cid)
+    if conv is None or not msgs:
+        return None
+    asked = conv.messages[:-1]  # the last turn's answer dropped
+    if cid is not None:  # the request holds the turn's new messages only
+        if asked[len(asked) - len(msgs):] != msgs:
+            return None
+        prev = asked[:len(asked) - len(msgs)]
+    else:  # the whole history, then the turn's new messages
+        if asked != msgs:
+            return None
+        k = max((i + 1 for i, m in enumerate(msgs) if m["role"] == "assistant"), default=0)
+        prev = msgs[:k]
+    # the redone turn's context: its tokens before the answer
+    before = conv.token_ids[:conv.turns[-1]["context_len"]]
+    return _before_last_turn(conv, prev, before), prev, asked[len(prev):]
+
+
+def _chat_history(state: ServerState, tenant: str, cid: str | None,
+                  msgs: list[dict[str, Any]]
+                  ) -> tuple[StoredConversation, list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """(the stored conversation, prev, new): the one ``cid`` names, or the longest prefix of
+    ``msgs`` that ends with an answer and equals a stored conversation of the tenant."""
+    if cid is not None:
+        stored = owned(state, cid, tenant)
+        return stored, stored.messages, msgs
+    for k in range(len(msgs) - 1, 0, -1):
+        if msgs[k - 1]["role"] != "assistant":
+            continue
+        found = state.store.find_by_messages(tenant, msgs[:k])
+        conv = state.store.get(found) if found is not None else None
+        if conv is not None:
+            return conv, msgs[:k], msgs[k:]
+    return None
 
 
 async def chat_turn(state: ServerState, tenant: str, cid: str | None,
                     msgs: list[dict[str, Any]]) -> Turn:
     """The turn of a chat request: the conversation it names or whose history it re-sends
     (the longest prefix of its messages that ends with an answer and equals a stored
-    conversation of the tenant), or a new one."""
-    stored: StoredConversation | None = None
-    prev: list[dict[str, Any]] = []
-    new = msgs
-    if cid is not None:
-        stored = owned(state, cid, tenant)
-        prev = stored.messages
-    else:
-        for k in range(len(msgs) - 1, 0, -1):
-            if msgs[k - 1]["role"] != "assistant":
-                continue
-            found = state.store.find_by_messages(tenant, msgs[:k])
-            if found is not None:
-                cid, stored, prev, new = found, state.store.get(found), msgs[:k], msgs[k:]
-                break
-    if stored is None:
-        ids = await off_loop(state, lambda: render(state, new))
-        return Turn(tenant, new_conversation_id(), None, [], new, ids, new_conversation=True,
+    conversation of the tenant), or a new one; a retry of a stored turn redoes it."""
+    found = _chat_retry(state, tenant, cid, msgs) or _chat_history(state, tenant, cid, msgs)
+    if found is None:
+        ids = await off_loop(state, lambda: render(state, msgs))
+        cid = new_conversation_id()
+        return Turn(tenant, cid, _new(cid, tenant), [], msgs, ids, new_conversation=True,
                     full_context=True)
+    stored, prev, new = found
+    stored.request_key = request_key.get()
     if not new:
         raise APIError(400, "no new message after the conversation's last answer",
                        param="messages")
@@ -135,13 +204,35 @@ async def completion_turn(state: ServerState, tenant: str, cid: str | None, prom
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
     else:
         ids = list(prompt)
-    if cid is not None:
+    stored = _completion_retry(state, tenant, cid, ids)
+    if stored is None and cid is not None:
         stored = owned(state, cid, tenant)
+        stored.request_key = request_key.get()
+    if stored is not None:
         await restore(state, stored)
-        return Turn(tenant, cid, stored, [], [], ids, new_conversation=False)
+        return Turn(tenant, stored.id, stored, [], [], ids, new_conversation=False)
     if create_conversation:
-        return Turn(tenant, new_conversation_id(), None, [], [], ids, new_conversation=True)
+        cid = new_conversation_id()
+        return Turn(tenant, cid, _new(cid, tenant), [], [], ids, new_conversation=True)
     return Turn(tenant, None, None, [], [], ids, new_conversation=False)
+
+
+def _new(cid: str, tenant: str) -> StoredConversation:
+    return StoredConversation(cid, tenant, request_key=request_key.get())
+
+
+def _completion_retry(state: ServerState, tenant: str, cid: str | None, ids: list[int]
+                      ) -> StoredConversation | None:
+    """The conversation before its last turn when this request wrote that turn (a completion
+    of the prompt ``ids``)."""
+    conv = _retried(state, tenant, cid)
+    if conv is None or not conv.messages or conv.messages[-1].get("role") != "completion":
+        return None
+    end = conv.turns[-1]["context_len"]
+    start = end - len(ids)
+    if start < 0 or conv.token_ids[start:end] != ids:
+        return None
+    return _before_last_turn(conv, conv.messages[:-1], conv.token_ids[:start])
 
 
 def render(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
