@@ -19,4 +19,12 @@ mypy src/pensieve/core src/pensieve/config.py src/pensieve/engine/core.py \
   src/pensieve/bench/transfer_model.py src/pensieve/bench/nnls.py \
   src/pensieve/bench/serve_metrics.py
 python scripts/size_check.py src
+# One PostgreSQL server for the tests that use one (each gets a database of its own on it;
+# tests/pg_server.py), stopped on exit; without pgserver tests/pg_server.py starts its own.
+if python -c "import pgserver" 2>/dev/null; then
+  pg_dir=$(mktemp -d)
+  trap 'python scripts/pg_ci.py stop "$pg_dir"' EXIT
+  PENSIEVE_TEST_POSTGRES_URL=$(python scripts/pg_ci.py start "$pg_dir")
+  export PENSIEVE_TEST_POSTGRES_URL
+fi
 python -m pytest -q -p no:cacheprovider ${marks[@]+"${marks[@]}"} "$@"

@@ -1,6 +1,10 @@
-"""A throwaway PostgreSQL server for the tests: ``pgserver`` (a pip-installable build) when it
-is installed, else the ``initdb``/``pg_ctl`` binaries on PATH or in /usr/local/bin (as a
-non-root user). Started in a temporary directory, stopped and removed afterwards."""
+"""A throwaway PostgreSQL database for the tests.
+
+When ``PENSIEVE_TEST_POSTGRES_URL`` names a server (``scripts/check.sh`` starts one for the
+whole run, ``scripts/pg_ci.py``), each :func:`postgres_url` is a new database on it, dropped
+afterwards. Otherwise a server of its own: ``pgserver`` (a pip-installable build) when it is
+installed, else the ``initdb``/``pg_ctl`` binaries on PATH or in /usr/local/bin (as a non-root
+user), started in a temporary directory, stopped and removed afterwards."""
 
 from __future__ import annotations
 
@@ -10,7 +14,11 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+ENV = "PENSIEVE_TEST_POSTGRES_URL"
 
 
 def _free_port() -> int:
@@ -25,8 +33,29 @@ def _binary(name: str) -> str | None:
 
 
 @contextlib.contextmanager
+def fresh_database(server_url: str) -> Iterator[str]:
+    """A new database on the server at ``server_url``: yield its URL, drop it."""
+    import psycopg
+
+    name = "pensieve_test_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(server_url, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    try:
+        yield urlunsplit(urlsplit(server_url)._replace(path="/" + name))
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as db:
+            db.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextlib.contextmanager
 def postgres_url() -> Iterator[str]:
-    """Start a server, yield its URL, stop it."""
+    """Yield the URL of a database of its own: on the server ``PENSIEVE_TEST_POSTGRES_URL``
+    names, else on a server started for it (and stopped afterwards)."""
+    shared = os.environ.get(ENV)
+    if shared:
+        with fresh_database(shared) as url:
+            yield url
+        return
     root = tempfile.mkdtemp(prefix="pensieve-pg-")
     try:
         try:
