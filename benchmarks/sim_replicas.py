@@ -14,6 +14,8 @@ writes JSON and a PNG::
 
     python benchmarks/sim_replicas.py --out docs/results/sim_replicas          # CPU, ~15 min
     python benchmarks/sim_replicas.py --tiny --out /tmp/sim_replicas           # smoke test
+    python benchmarks/sim_replicas.py --workload sharegpt --rates 0.9,1.3,1.8 --duration 400 \
+        --warmup 200 --workers 1 --out docs/results/sim_replicas_sharegpt      # CPU, ~12 min
 """
 
 from __future__ import annotations
