@@ -57,6 +57,19 @@ the recalibrated model and the measured copies; capacity at P90 100 and 150 ms/t
 Writes ``<out>/sim_validate_churn.json`` (every real and simulated number, the fitted models,
 the what-if points), ``<out>/step_cost_churn_*.json`` (the recalibrated models),
 ``<out>/sim_validate_churn.png`` and prints the tables.
+
+Each side is simulated with its server's scheduler settings: ``swap_in_ahead_chunks`` from its
+``points.jsonl`` if recorded there, else from :data:`SCHEDULER` (by pair and side; the pairs
+measured before swap-ins ahead existed run with it off, as their engine had no ahead path).
+Points are matched by pair and side (A, B), so a pair of one system twice (ahead off / on)
+stays apart.
+
+``--fitted MODEL``: no fit and no what-if; every point of ``--pairs`` is simulated with an
+already fitted model, as is -- a held-out check on pairs the model was not fitted on::
+
+    python benchmarks/sim_validate_churn.py --out docs/results/sim_churn_ahead \
+        --fitted docs/results/sim_churn/step_cost_churn_fit_all.json \
+        --pairs pensieve_ahead_off_on_0.9
 """
 
 from __future__ import annotations
@@ -88,6 +101,19 @@ CHURN = ROOT / "docs" / "results" / "churn"
 DEFAULT_PAIRS = ("stateless_pensieve_0.45_0.85", "stateless_pensieve_0.55_1.0",
                  "prefixlru_pensieve_1.2")
 """The pairs of the current engine (directories of ``docs/results/churn``)."""
+AHEAD_OFF = {"swap_in_ahead_chunks": 0}
+SCHEDULER: dict[str, dict[str, dict[str, Any]]] = {
+    # measured before swap-ins ahead existed (the engine had no ahead path): off
+    "stateless_pensieve_0.7": {"A": AHEAD_OFF, "B": AHEAD_OFF},
+    "stateless_pensieve_0.45_0.85": {"A": AHEAD_OFF, "B": AHEAD_OFF},
+    "stateless_pensieve_0.55_1.0": {"A": AHEAD_OFF, "B": AHEAD_OFF},
+    "prefixlru_pensieve_1.2": {"A": AHEAD_OFF, "B": AHEAD_OFF},
+    # A: --swap-in-ahead-chunks 0; B: the default (on)
+    "pensieve_ahead_off_on_0.9": {"A": AHEAD_OFF, "B": {}},
+}
+"""(pair, side) -> the ``SchedulerConfig`` fields its server ran with beyond the simulator's
+defaults, for points whose ``points.jsonl`` does not record them; a pair not listed runs
+with the defaults (the current engine's)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
 FIT_ALL = ROOT / "docs" / "results" / "sim_churn" / "step_cost_churn_fit_all.json"
 """The step cost fitted on all real pairs (written by this script's run): what
@@ -104,6 +130,10 @@ METRICS = (  # (key, label, scale)
     ("ttft_s_p50", "P50 TTFT (s)", 1.0),
     ("prefill_computed_tokens", "prefill computed (window)", 1.0),
     ("prefill_step_s", "prefill-step s (run)", 1.0),
+    ("prefill_step_mean_s", "prefill step mean (ms)", 1e3),
+    ("decode_step_mean_s", "decode step mean (ms)", 1e3),
+    ("prefill_token_net_s", "us/prefill token, net", 1e6),
+    ("swap_in_chunks", "swap-in chunks (run)", 1.0),
     ("decode_step_s", "decode-step s (run)", 1.0),
     ("prefill_steps", "prefill steps (run)", 1.0),
     ("decode_steps", "decode steps (run)", 1.0),
@@ -122,7 +152,10 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
         with tarfile.open(d / "churn.tgz") as tf:
             for side in ("A", "B"):
                 def member(name: str, side: str = side) -> str:
-                    f = tf.extractfile(f"./{side}/{name}")
+                    names = set(tf.getnames())
+                    path = next(n for n in (f"./{side}/{name}", f"{side}/{name}")
+                                if n in names)
+                    f = tf.extractfile(path)
                     assert f is not None
                     return f.read().decode()
                 p = json.loads(member("points.jsonl").splitlines()[0])
@@ -130,7 +163,7 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
                 def g(k: str, m: dict[str, float] = m) -> float:
                     return m.get(k, 0.0)
                 p.update(
-                    pair=pair,
+                    pair=pair, side=side, scheduler=scheduler_overrides(pair, side, p),
                     prefill_step_s=g('pensieve_step_execute_seconds_total:prefill'),
                     decode_step_s=g('pensieve_step_execute_seconds_total:decode'),
                     prefill_steps=g('pensieve_steps_total:prefill'),
@@ -144,8 +177,39 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
                     + g('pensieve_swap_chunks_total:out_urgent'),
                     urgent_swap_out_chunks=g('pensieve_swap_chunks_total:out_urgent'))
                 p["steps"] = p["prefill_steps"] + p["decode_steps"]
+                step_means(p)
                 real.append(p)
     return real
+
+
+def scheduler_overrides(pair: str, side: str, point: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler settings a side ran with beyond the defaults: recorded in its point, else
+    :data:`SCHEDULER`'s."""
+    if "swap_in_ahead_chunks" in point:
+        return {"swap_in_ahead_chunks": int(point["swap_in_ahead_chunks"])}
+    return dict(SCHEDULER.get(pair, {}).get(side, {}))
+
+
+def step_means(p: dict[str, Any]) -> None:
+    """Mean seconds of a prefill / decode step and executor seconds per computed prefill token
+    net of the decodes riding along (``benchmarks/step_totals.py``), from run totals."""
+    n_p, n_d, tok = p["prefill_steps"], p["decode_steps"], p["prefill_tokens_run"]
+    p["prefill_step_mean_s"] = p["prefill_step_s"] / n_p if n_p else None
+    p["decode_step_mean_s"] = d = p["decode_step_s"] / n_d if n_d else 0.0
+    p["prefill_token_net_s"] = (p["prefill_step_s"] - n_p * d) / tok if tok else None
+
+
+def same_point(s: dict[str, Any], r: dict[str, Any]) -> bool:
+    """Whether simulated point ``s`` is real point ``r``'s (same pair and side)."""
+    return s["pair"] == r["pair"] and s.get("side", r["side"]) == r["side"]
+
+
+def point_name(r: dict[str, Any], real: list[dict[str, Any]]) -> str:
+    """``system@rate``, with the side when the other side of its pair is the same."""
+    name = f"{r['system']}@{r['conv_rate']}"
+    twin = any(x is not r and x["pair"] == r["pair"] and x["system"] == r["system"]
+               and x["conv_rate"] == r["conv_rate"] for x in real)
+    return f"{name} ({r['side']})" if twin else name
 
 
 # ------------------------------------------------------------------------ simulator
@@ -184,8 +248,9 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
              chunk_cost: Any = None, transfer: TransferModel | None = None) -> Any:
     """A :class:`~pensieve.bench.simulator.SimEngine` with the real servers' set-up: the
     job's tiers (``gpu_kv_gb``, ``cpu_kv_gb``) and policy (``system``), the retention cost
-    profile they used and the measured copies (``chunk_cost`` / ``transfer``: already loaded
-    ones, to share between replicas)."""
+    profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
+    ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
+    fields beyond the defaults, if any)."""
     from pensieve.bench.simulator import SimEngine
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
@@ -194,7 +259,7 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
     cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
     return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
-                                     max_model_len=16384),
+                                     max_model_len=16384, **job.get("scheduler", {})),
                      gpu, cpu, cost, clock,
                      chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
                      chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
@@ -215,6 +280,7 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
                    seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0)
     p = {"system": job["system"], "conv_rate": job["rate"], "pair": job.get("pair"),
+         "side": job.get("side"), "scheduler": job.get("scheduler", {}),
          "model": job.get("model_name"), "unfinished": res.unfinished,
          **summarize(res, job["warmup"])}
     p.pop("steady", None)
@@ -235,6 +301,7 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
              swap_in_chunks=eng.swap_in_chunks, swap_out_chunks=eng.swap_out_chunks,
              exposed_copy_s=eng.exposed_copy_s, kinds=kinds,
              sim_wall_s=round(time.time() - t0, 1))
+    step_means(p)
     return p
 
 
@@ -274,6 +341,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
         if args.tiny:  # a smoke test: short run, small load
             duration, warmup = 40.0, 20.0
         jobs.append({"system": r["system"], "rate": r["conv_rate"], "pair": r["pair"],
+                     "side": r["side"], "scheduler": r["scheduler"],
                      "think": r["think_time_s"], "gpu_kv_gb": r["gpu_kv_gb"],
                      "cpu_kv_gb": r["cpu_kv_gb"], "duration": duration, "warmup": warmup,
                      "drain": 25.0 if not args.tiny else 10.0, "seed": args.seed,
@@ -288,7 +356,7 @@ def calibrate(base: StepCostModel, sims: list[dict[str, Any]], real: list[dict[s
               label: str) -> tuple[StepCostModel, dict[str, Any]]:
     """Fit (alpha, per_prefill_step_s, per_prefill_token_s) to the real servers' *mean*
     executor seconds per step of each kind (decode-only, with prefill) of the points in
-    ``sims`` (matched by pair and system). Per step, not in total: both engines are busy
+    ``sims`` (matched by pair and side). Per step, not in total: both engines are busy
     almost all the time, so their total step seconds are ~the run's length whatever a step
     costs; what a step costs shows in how many steps fit in it. A decode step's predicted mean
     is ``alpha x`` the base fit's per-step terms of the simulated decode steps (mean requests,
@@ -307,7 +375,7 @@ def calibrate(base: StepCostModel, sims: list[dict[str, Any]], real: list[dict[s
     rows, ys, tok_per_step = [], [], []
     host_s = host_n = 0.0
     for s in sims:
-        r = next(x for x in real if x["pair"] == s["pair"] and x["system"] == s["system"])
+        r = next(x for x in real if same_point(s, x))
         host_s += r["scheduler_s"]
         host_n += r["steps"]
         for kind in ("prefill", "decode"):
@@ -384,7 +452,9 @@ def rel(sim: float | None, real: float | None) -> float | None:
 def table(real: list[dict[str, Any]], sims: dict[str, list[dict[str, Any]]]) -> str:
     lines = []
     for r in real:
-        head = f"{r['system']} @ {r['conv_rate']}/s (pair {r['pair']})"
+        sched = ", ".join(f"{k}={v}" for k, v in r["scheduler"].items()) or "defaults"
+        head = (f"{r['system']} @ {r['conv_rate']}/s (pair {r['pair']}, side {r['side']}; "
+                f"scheduler {sched})")
         cols = list(sims)
         lines.append(f"\n{head}\n{'metric':<28}{'real':>12}" + "".join(
             f"{c[:22]:>24}" for c in cols))
@@ -392,13 +462,61 @@ def table(real: list[dict[str, Any]], sims: dict[str, list[dict[str, Any]]]) -> 
             rv = r.get(key)
             row = f"{lab:<28}{_fmt(rv, sc):>12}"
             for c in cols:
-                s = next((x for x in sims[c] if x["pair"] == r["pair"]
-                          and x["system"] == r["system"]), None)
+                s = next((x for x in sims[c] if same_point(x, r)), None)
                 sv = s.get(key) if s else None
                 e = rel(sv, rv)
                 row += f"{_fmt(sv, sc):>14} {'' if e is None else f'{e:+.1%}':>9}"
             lines.append(row)
     return "\n".join(lines)
+
+
+def errors_of(real: list[dict[str, Any]], sims: dict[str, list[dict[str, Any]]],
+              ) -> dict[str, dict[str, dict[str, float | None]]]:
+    """(sim - real) / real of every metric: model -> point name -> metric."""
+    errors: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name, pts in sims.items():
+        errors[name] = {}
+        for r in real:
+            s = next((x for x in pts if same_point(x, r)), None)
+            errors[name][point_name(r, real)] = {
+                k: rel(s.get(k) if s else None, r.get(k)) for k, _, _ in METRICS}
+    return errors
+
+
+def strip(ps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Points without the per-kind designs (large, only for the recalibration)."""
+    return [{k: v for k, v in p.items() if k != "kinds"}
+            | {"kinds": {kk: {x: y for x, y in kv.items() if x != "design"}
+                         for kk, kv in p.get("kinds", {}).items()}} for p in ps]
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(
+        result, indent=1, default=lambda o: None if isinstance(o, float) else str(o)))
+
+
+def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> int:
+    """``--fitted``: every point of ``pairs`` simulated with an already fitted model, as is."""
+    t0 = time.time()
+    real = load_real(pairs)
+    model = StepCostModel.load(args.fitted)
+    name = "fitted model as is"
+    tm = transfer_model()
+    print(f"model: {args.fitted}\ncopies: {tm.source}", flush=True)
+    sims = {name: run_jobs(real_jobs(real, model, name, args, pairs), args.workers)}
+    tab = table(real, sims)
+    print(tab, flush=True)
+    plot(real, sims, out / "sim_validate_churn.png")
+    write_json(out / "sim_validate_churn.json", {
+        "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
+                                 "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
+                                 "graph_max_tokens": GRAPH_MAX_TOKENS},
+        "fitted": str(args.fitted), "model": model.to_dict(),
+        "sim": {k: strip(v) for k, v in sims.items()}, "errors": errors_of(real, sims),
+        "args": vars(args), "wall_s": round(time.time() - t0, 1)})
+    (out / "table.txt").write_text(tab + "\n")
+    print(f"\nwrote {out}/sim_validate_churn.json, .png, table.txt; wall {time.time() - t0:.0f} s")
+    return 0
 
 
 def _fmt(v: float | None, sc: float) -> str:
@@ -421,16 +539,16 @@ def plot(real: list[dict[str, Any]], sims: dict[str, list[dict[str, Any]]], path
     keys = [("throughput_rps", "throughput (req/s)"),
             ("normalized_latency_s_p50", "P50 norm. latency"),
             ("normalized_latency_s_p90", "P90 norm. latency"), ("ttft_s_p50", "P50 TTFT"),
-            ("prefill_step_s", "prefill-step s"), ("decode_step_s", "decode-step s")]
+            ("prefill_step_mean_s", "prefill step mean"),
+            ("decode_step_mean_s", "decode step mean")]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    labels = [f"{r['system']}\n@{r['conv_rate']}" for r in real]
+    labels = [point_name(r, real).replace("@", "\n@", 1) for r in real]
     width = 0.8 / max(1, len(sims))
     for ax, (k, t) in zip(axes.flat, keys):
         for j, (name, pts) in enumerate(sims.items()):
             errs = []
             for r in real:
-                s = next((x for x in pts if x["pair"] == r["pair"]
-                          and x["system"] == r["system"]), None)
+                s = next((x for x in pts if same_point(x, r)), None)
                 e = rel(s.get(k) if s else None, r.get(k))
                 errs.append(100 * e if e is not None else float("nan"))
             ax.bar([i + j * width for i in range(len(real))], errs, width, label=name)
@@ -464,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-pair", default=None,
                     help="the pair the cross-validated model is fitted on (default: the "
                          "first); the others are its held-out points")
+    ap.add_argument("--fitted", default=None,
+                    help="a fitted step-cost model: simulate every point of --pairs with it "
+                         "as is (no fit, no what-if), e.g. " + str(FIT_ALL.relative_to(ROOT)))
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")
@@ -476,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     log: list[str] = []
     pairs = tuple(args.pairs.split(","))
+    if args.fitted:
+        return run_fitted(args, pairs, out)
     fit_pair = args.fit_pair or pairs[0]
     if fit_pair not in pairs:
         ap.error(f"--fit-pair {fit_pair} is not one of --pairs")
@@ -508,14 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         m.save(out / f"step_cost_churn_fit_{name}.json")
     plot(real, sims, out / "sim_validate_churn.png")
 
-    errors: dict[str, dict[str, dict[str, float | None]]] = {}
-    for name, pts in sims.items():
-        errors[name] = {}
-        for r in real:
-            s = next((x for x in pts if x["pair"] == r["pair"] and x["system"] == r["system"]),
-                     None)
-            errors[name][f"{r['system']}@{r['conv_rate']}"] = {
-                k: rel(s.get(k) if s else None, r.get(k)) for k, _, _ in METRICS}
+    errors = errors_of(real, sims)
 
     # (d) the ShareGPT what-if with the all-pairs model
     whatif: list[dict[str, Any]] = []
@@ -554,11 +670,6 @@ def main(argv: list[str] | None = None) -> int:
                   + (f", pensieve/prefix-lru {c['pensieve'] / c['prefix-lru']:.2f}x"
                      if c.get("prefix-lru") else ""))
 
-    def strip(ps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{k: v for k, v in p.items() if k != "kinds"}
-                | {"kinds": {kk: {x: y for x, y in kv.items() if x != "design"}
-                             for kk, kv in p.get("kinds", {}).items()}} for p in ps]
-
     result = {
         "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
                                  "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
@@ -571,8 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "whatif": strip(whatif), "whatif_capacity": caps, "log": log,
         "args": vars(args), "wall_s": round(time.time() - t0, 1),
     }
-    (out / "sim_validate_churn.json").write_text(json.dumps(
-        result, indent=1, default=lambda o: None if isinstance(o, float) else str(o)))
+    write_json(out / "sim_validate_churn.json", result)
     (out / "table.txt").write_text(tab + "\n")
     print(f"\nwrote {out}/sim_validate_churn.json, .png, table.txt; wall {time.time() - t0:.0f} s")
     return 0

@@ -50,3 +50,74 @@ def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
     assert set(d["capacity"]) == {"50ms", "100ms", "150ms"}
     assert all(set(c) == {"stateless", "pensieve"} for c in d["capacity"].values())
     assert (tmp_path / "sim_churn_capacity.png").stat().st_size > 0
+
+
+def _script() -> object:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_validate_churn
+
+    return sim_validate_churn
+
+
+def test_sides_and_scheduler_settings() -> None:
+    """The ahead off/on pair has pensieve on both sides: they stay apart (by side), A runs
+    with swap-ins ahead off, B with the default; the pairs measured before swap-ins ahead
+    existed run with it off on both sides. The per-step means are the servers' totals."""
+    svc = _script()
+    real = svc.load_real(("prefixlru_pensieve_1.2", "pensieve_ahead_off_on_0.9"))
+    assert [(p["pair"], p["side"]) for p in real] == [
+        ("prefixlru_pensieve_1.2", "A"), ("prefixlru_pensieve_1.2", "B"),
+        ("pensieve_ahead_off_on_0.9", "A"), ("pensieve_ahead_off_on_0.9", "B")]
+    a, b = real[2], real[3]
+    assert a["system"] == b["system"] == "pensieve"
+    assert a["scheduler"] == {"swap_in_ahead_chunks": 0} and b["scheduler"] == {}
+    assert all(p["scheduler"] == {"swap_in_ahead_chunks": 0} for p in real[:2])
+    for pair in svc.DEFAULT_PAIRS:
+        assert svc.SCHEDULER[pair] == {"A": svc.AHEAD_OFF, "B": svc.AHEAD_OFF}
+    # step_totals.txt of the pair: prefill steps 53.0 / 47.7 ms, net 60.7 / 53.2 us per token
+    assert round(a["prefill_step_mean_s"] * 1e3, 1) == 53.0
+    assert round(b["prefill_step_mean_s"] * 1e3, 1) == 47.7
+    assert round(a["prefill_token_net_s"] * 1e6, 1) == 60.7
+    assert round(b["prefill_token_net_s"] * 1e6, 1) == 53.2
+    assert [svc.point_name(p, real) for p in real] == [
+        "prefix-lru@1.2", "pensieve@1.2", "pensieve@0.9 (A)", "pensieve@0.9 (B)"]
+    assert svc.same_point({"pair": a["pair"], "side": "A"}, a)
+    assert not svc.same_point({"pair": a["pair"], "side": "B"}, a)
+    # a recorded setting wins over the table
+    assert svc.scheduler_overrides("pensieve_ahead_off_on_0.9", "B",
+                                   {"swap_in_ahead_chunks": 64}) == {"swap_in_ahead_chunks": 64}
+    assert svc.scheduler_overrides("some_new_pair", "A", {}) == {}
+
+
+def test_make_sim_takes_the_scheduler_settings() -> None:
+    from pensieve.bench.engine_api import VirtualClock
+    from pensieve.bench.step_cost import StepCostModel
+
+    svc = _script()
+    cost = StepCostModel.load(svc.FIT_ALL)
+    job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve"}
+    assert svc.make_sim(job, cost, VirtualClock()).scheduler.config.swap_in_ahead_chunks == 256
+    off = svc.make_sim(job | {"scheduler": svc.AHEAD_OFF}, cost, VirtualClock())
+    assert off.scheduler.config.swap_in_ahead_chunks == 0
+
+
+def test_sim_validate_fitted_tiny(tmp_path: Path) -> None:
+    """``--fitted``: the ahead off/on pair simulated with the all-pairs fit as is (tiny size),
+    each side with its own scheduler settings, errors per side."""
+    pytest.importorskip("matplotlib")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1", "--fitted",
+                        str(ROOT / "docs/results/sim_churn/step_cost_churn_fit_all.json"),
+                        "--pairs", "pensieve_ahead_off_on_0.9", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads((tmp_path / "sim_validate_churn.json").read_text())
+    assert [p["side"] for p in d["real"]] == ["A", "B"]
+    (name,) = d["sim"]
+    sims = d["sim"][name]
+    assert [(p["side"], p["scheduler"]) for p in sims] == [
+        ("A", {"swap_in_ahead_chunks": 0}), ("B", {})]
+    assert all(p["prefill_steps"] > 0 and p["prefill_step_mean_s"] > 0 for p in sims)
+    assert set(d["errors"][name]) == {"pensieve@0.9 (A)", "pensieve@0.9 (B)"}
+    assert all(e["throughput_rps"] is not None for e in d["errors"][name].values())
+    assert "side A; scheduler swap_in_ahead_chunks=0" in (tmp_path / "table.txt").read_text()
+    assert (tmp_path / "sim_validate_churn.png").stat().st_size > 0
