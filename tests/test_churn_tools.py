@@ -35,8 +35,43 @@ def test_chat_model_dir(tmp_path: Path) -> None:
     assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (5120, 10, 32000)
     tok = load_tokenizer(str(d))
     assert len(tok) == 32000 and tok.chat_template
-    with pytest.raises(SystemExit):
-        _script("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"))  # 1000 tokens
+    with pytest.raises(SystemExit):  # 1000 tokens
+        _script("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"), tokenizer="demo")
+    demo = _script("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "d"),
+                                           tokenizer="demo")
+    assert len(load_tokenizer(str(demo))) == 32000
+
+
+def test_chat_model_dir_words_round_trip(tmp_path: Path) -> None:
+    """With the word-level tokenizer, random answers (what dummy weights emit) re-rendered in
+    the next turn's history give back the very ids generated, and chat words are one token
+    each; the demo SentencePiece tokenizer breaks the first property."""
+    import random
+
+    from pensieve.bench.http_wire import CHAT_WORDS, words_text
+    from pensieve.models.tokenizer import load_tokenizer
+
+    rng = random.Random(0)
+
+    def kept(tok, vocab: int) -> int:  # noqa: ANN001
+        msgs = [{"role": "user", "content": words_text([rng.randrange(999) for _ in range(9)])}]
+        ctx = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        gen = [rng.randrange(7, vocab) for _ in range(40)]
+        msgs += [{"role": "assistant", "content": tok.decode(gen, skip_special_tokens=True)},
+                 {"role": "user", "content": "and then"}]
+        nxt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        return int(nxt[:len(ctx) + len(gen)] == ctx + gen)
+
+    words = load_tokenizer(str(_script("chat_model_dir").build(
+        "llama2-13b-gqa10", str(tmp_path / "w"), {"num_hidden_layers": 1})))
+    assert sum(kept(words, 32000) for _ in range(50)) == 50
+    text = " ".join(CHAT_WORDS[:200])
+    assert len(words.encode(text, add_special_tokens=False)) == 200
+    demo = load_tokenizer(str(_script("chat_model_dir").build(
+        "llama2-13b-gqa10", str(tmp_path / "d"), tokenizer="demo")))
+    assert sum(kept(demo, 32000) for _ in range(50)) < 25
 
 
 def _series(system: str, grow: float) -> dict:
