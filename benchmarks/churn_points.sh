@@ -11,8 +11,9 @@
 # the sessions it has in flight and the server's /metrics (KV blocks used per tier, requests
 # running and waiting); each point says whether its window was at steady state (the halves'
 # means within 10%: `steady_state`; and within the window's own noise: `steady_within_noise`).
-# Set-up: Llama 2-13B shape with 10 KV heads (preset llama2-13b-gqa10 + the demo tokenizer, via
-# benchmarks/chat_model_dir.py, dummy weights), bf16, GPU KV tier 40 GB, CPU tier 60 GB.
+# Set-up: Llama 2-13B shape with 10 KV heads (preset llama2-13b-gqa10 + a word-level tokenizer
+# whose id sequences all re-tokenize to themselves, via benchmarks/chat_model_dir.py; TOKENIZER=
+# demo for the demo SentencePiece one), dummy weights, bf16, GPU KV tier 40 GB, CPU tier 60 GB.
 #
 # Usage: churn_points.sh [SYSTEM_A,SYSTEM_B] [RATE | RATE_A,RATE_B] [extra multiturn.py args]
 #        (defaults: stateless,pensieve 0.7; two rates give each side its own load, e.g. each
@@ -29,7 +30,8 @@
 # SERVE_ARGS (more flags for both servers), SERVE_ARGS_A / SERVE_ARGS_B (one server),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
-# PYTHON, SITE. Smoke test on the CPU (demo model, ~2 minutes): OUT=/tmp/churn DEVICE=cpu
+# TOKENIZER (words | demo: chat_model_dir.py --tokenizer), PYTHON, SITE. Smoke test on the CPU
+# (demo model, ~2 minutes): OUT=/tmp/churn DEVICE=cpu
 # MODEL=demo DTYPE=auto GPU_KV_GB=0.004 CPU_KV_GB=0.008 THINK=1 WARMUP=25 WINDOW=40 DRAIN=20
 # bash benchmarks/churn_points.sh stateless,pensieve 0.3 --length-scale 0.1
 # Writes to $OUT (default results_tmp), six files: summary.txt (side by side, also printed),
@@ -147,9 +149,10 @@ if [ "$api" = chat ] && [ "$model" != demo ] && [ ! -d "$model" ]; then
   # contexts beyond max_position_embeddings, so the benchmark's model allows 16,384 (the
   # client's --max-model-len) unless MODEL_SET says otherwise. The shape is unchanged.
   for kv in ${MODEL_SET:-max_position_embeddings=16384}; do set_args+=(--set "$kv"); done
-  serve_model=$("$py" benchmarks/chat_model_dir.py "$model" "$w/model" "${set_args[@]}") \
+  serve_model=$("$py" benchmarks/chat_model_dir.py "$model" "$w/model" "${set_args[@]}" \
+                 --tokenizer "${TOKENIZER:-words}") \
     || { say "could not build a chat model directory for $model"; exit 2; }
-  say "serving $model with the demo tokenizer from $serve_model"
+  say "serving $model with the ${TOKENIZER:-words} tokenizer from $serve_model"
 fi
 
 pids=()
