@@ -162,3 +162,27 @@ def test_a_failed_request_is_its_own_error_and_its_turn_is_not_stored(tmp_path: 
         assert st["failed_requests"] == 2
     finally:
         state.engine.shutdown()
+
+
+def test_update_for_a_closed_event_loop_is_dropped() -> None:
+    """At shutdown the server's event loop can close while the engine thread still has tokens
+    for a stream: the update is dropped with the stream, and the engine thread keeps running
+    (it used to die with 'Event loop is closed')."""
+    import asyncio
+
+    from server_scripted import scripted_engine
+
+    from pensieve.server.async_engine import AsyncEngine, Update
+
+    eng, _ = scripted_engine(64, (1,))
+    aeng = AsyncEngine(eng)  # type: ignore[arg-type]
+    try:
+        loop = asyncio.new_event_loop()
+        q: asyncio.Queue[Update] = asyncio.Queue()
+        aeng._streams["r"] = (loop, q)
+        loop.close()
+        aeng._push("r", Update(token=5))
+        assert "r" not in aeng._streams
+        assert aeng._thread.is_alive()
+    finally:
+        aeng.shutdown()

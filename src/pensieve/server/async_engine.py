@@ -128,7 +128,11 @@ class AsyncEngine:
         if entry is None:
             return
         loop, q = entry
-        loop.call_soon_threadsafe(q.put_nowait, upd)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, upd)
+        except RuntimeError:  # its event loop is closed (the server is shutting down)
+            self._streams.pop(request_id, None)
+            return
         if upd.output is not None or upd.error is not None:
             self._streams.pop(request_id, None)
 
