@@ -28,6 +28,8 @@
 # WINDOW (210), DRAIN (25), SEED (0), TAG (churn), API (chat | completions), MODE (http |
 # inproc: `multiturn.py --engine real` in process on each GPU instead of servers, same load),
 # SERVE_ARGS (more flags for both servers), SERVE_ARGS_A / SERVE_ARGS_B (one server),
+# SERVE_ENV_A / SERVE_ENV_B (NAME=VALUE words for one server's environment, e.g.
+# PENSIEVE_SWAP_AHEAD=dma),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
 # TOKENIZER (words | demo: chat_model_dir.py --tokenizer), PYTHON, SITE. Smoke test on the CPU
@@ -157,11 +159,11 @@ fi
 
 pids=()
 for s in A B; do
-  if [ $s = A ]; then sys=$sys_a; g=$gpu_a; p=$port; extra=${SERVE_ARGS_A:-}
-  else sys=$sys_b; g=$gpu_b; p=$((port + 1)); extra=${SERVE_ARGS_B:-}; fi
+  if [ $s = A ]; then sys=$sys_a; g=$gpu_a; p=$port; extra=${SERVE_ARGS_A:-}; e=${SERVE_ENV_A:-}
+  else sys=$sys_b; g=$gpu_b; p=$((port + 1)); extra=${SERVE_ARGS_B:-}; e=${SERVE_ENV_B:-}; fi
   mkdir -p "$w/$s"
-  # shellcheck disable=SC2046,SC2086  # pin and SERVE_ARGS are lists of words
-  env $(pin "$g") "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
+  # shellcheck disable=SC2046,SC2086  # pin, SERVE_ENV and SERVE_ARGS are lists of words
+  env $(pin "$g") $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
     --cache-policy "$sys" --host 127.0.0.1 --port "$p" --store "$w/conversations_$s.db" \
     --log-level "${LOG_LEVEL:-warning}" ${SERVE_ARGS:-} $extra \
     > "$w/server_${s}_$sys.log" 2>&1 &

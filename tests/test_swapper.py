@@ -656,7 +656,8 @@ class SimStreams:
         assert not any(self.queues.values()), "work left behind a wait that never completes"
 
 
-def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True) -> None:
+def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
+             ahead_path: str = "kernel") -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -669,7 +670,8 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     layers, g_blocks, c_blocks = 2, 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
     sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
-    sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1)
+    sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
+                      ahead=ahead_path if method in ("hybrid", "staged") else None)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
@@ -754,6 +756,25 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
 @pytest.mark.parametrize("seed", range(60))
 def test_simulated_streams_match_reference(seed: int, method: str) -> None:
     simulate(seed, method=method)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_simulated_swap_ins_ahead_through_the_copy_engines(seed: int) -> None:
+    """Hybrid with ``ahead="dma"``: the ahead copies run as staged swap-ins do."""
+    simulate(seed, method="hybrid", ahead_path="dma")
+
+
+def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
+    assert make_swapper(caches, 4, "hybrid").ahead == "kernel"
+    assert make_swapper(caches, 4, "hybrid", ahead="dma").ahead == "dma"
+    with pytest.raises(ValueError):
+        make_swapper(caches, 4, "kernel", ahead="dma")  # layer-major host tier
+    with pytest.raises(ValueError):
+        make_swapper(caches, 4, "hybrid", ahead="nvlink")
+    monkeypatch.setenv("PENSIEVE_SWAP_AHEAD", "dma")
+    assert make_swapper(caches, 4, "staged").ahead == "dma"
+    assert make_swapper(caches, 4, "dma").ahead == "kernel"  # where it applies only
 
 
 def _fails(seeds: range, method: str = "kernel") -> int:

@@ -19,7 +19,12 @@ Semantics. For every layer the three lists of a plan apply one after the other::
 
 ``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
 wait for them and the next :meth:`~KVSwapper.start_step` makes the compute stream wait before
-anything else; the synchronous paths copy them with the step's swap-ins.
+anything else; the synchronous paths copy them with the step's swap-ins. They go through the
+swap kernel (``ahead="kernel"``, the default) or, with a chunk-major host tier (``hybrid``,
+``staged``), through the copy engines as ``staged`` swap-ins do (``ahead="dma"``: runs of
+consecutive CPU blocks into a device staging buffer, then a scatter; no SMs held while the
+step they overlap computes). ``PENSIEVE_SWAP_AHEAD`` picks one when the constructor is given
+None. Which is faster beside a running step has not been measured.
 
 A GPU block may be both a ``swap_out_first`` source and a ``swap_in`` destination (its old
 content reaches the CPU first); a CPU block may be both a ``swap_in`` source and a ``swap_out``
@@ -110,8 +115,11 @@ from pensieve.runner.swap_streams import (
     step_waits,
 )
 
-__all__ = ["DEFAULT_STAGING_CHUNKS", "METHODS", "STREAM_METHODS", "InFlight", "KVSwapper",
-           "StepWaits", "Streams", "pop_completed", "step_waits"]
+AHEAD_PATHS = ("kernel", "dma")
+"""Ways ``swap_in_ahead`` copies may run on streams (:class:`KVSwapper` ``ahead``)."""
+
+__all__ = ["AHEAD_PATHS", "DEFAULT_STAGING_CHUNKS", "METHODS", "STREAM_METHODS", "InFlight",
+           "KVSwapper", "StepWaits", "Streams", "pop_completed", "step_waits"]
 
 
 class KVSwapper(CopyPaths):
@@ -143,6 +151,7 @@ class KVSwapper(CopyPaths):
         staging_chunks: int | None = None,
         background: bool = True,
         streams: Streams | None = None,
+        ahead: str | None = None,
     ) -> None:
         check_caches(gpu_caches, num_cpu_blocks)
         first = gpu_caches[0]
@@ -166,6 +175,16 @@ class KVSwapper(CopyPaths):
         if staging_chunks is not None and staging_chunks < 1:
             raise ValueError(f"staging_chunks {staging_chunks} < 1")
         self.method = method
+        chosen = ahead or os.environ.get("PENSIEVE_SWAP_AHEAD") or "kernel"
+        if chosen not in AHEAD_PATHS:
+            raise ValueError(f"swap-ins ahead {chosen!r} not in {AHEAD_PATHS}")
+        if chosen == "dma" and method not in CHUNK_MAJOR:
+            if ahead is not None:
+                raise ValueError(f"swap-ins ahead 'dma' needs a chunk-major method "
+                                 f"{CHUNK_MAJOR}, not {method!r}")
+            chosen = "kernel"  # the environment's choice, where it applies
+        self.ahead = chosen
+        """How ``swap_in_ahead`` copies run on streams: ``"kernel"`` or ``"dma"``."""
         from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
 
         self._num_programs = num_programs or DEFAULT_PROGRAMS
@@ -329,7 +348,7 @@ class KVSwapper(CopyPaths):
                 st.wait(s, compute_done)
                 if waits.in_after >= 0:
                     st.wait(s, self._in_flight[waits.in_after].event)
-            if self.method == "staged":
+            if self.method == "staged" or self.ahead == "dma":
                 refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)
             else:
                 refs = st.upload(s, plan.swap_in_ahead)
