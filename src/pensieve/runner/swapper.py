@@ -122,6 +122,20 @@ __all__ = ["AHEAD_PATHS", "DEFAULT_STAGING_CHUNKS", "METHODS", "STREAM_METHODS",
            "KVSwapper", "StepWaits", "Streams", "pop_completed", "step_waits"]
 
 
+def ahead_path(ahead: str | None, method: str) -> str:
+    """How ``swap_in_ahead`` copies run: ``ahead``, else ``PENSIEVE_SWAP_AHEAD`` where it
+    applies (``dma`` needs a chunk-major method), else ``"kernel"``."""
+    chosen = ahead or os.environ.get("PENSIEVE_SWAP_AHEAD") or "kernel"
+    if chosen not in AHEAD_PATHS:
+        raise ValueError(f"swap-ins ahead {chosen!r} not in {AHEAD_PATHS}")
+    if chosen == "dma" and method not in CHUNK_MAJOR:
+        if ahead is not None:
+            raise ValueError(f"swap-ins ahead 'dma' needs a chunk-major method {CHUNK_MAJOR}, "
+                             f"not {method!r}")
+        return "kernel"  # the environment's choice, where it applies
+    return chosen
+
+
 class KVSwapper(CopyPaths):
     """The CPU tier plus the step's swap copies (see the module docstring for the rules).
 
@@ -175,15 +189,7 @@ class KVSwapper(CopyPaths):
         if staging_chunks is not None and staging_chunks < 1:
             raise ValueError(f"staging_chunks {staging_chunks} < 1")
         self.method = method
-        chosen = ahead or os.environ.get("PENSIEVE_SWAP_AHEAD") or "kernel"
-        if chosen not in AHEAD_PATHS:
-            raise ValueError(f"swap-ins ahead {chosen!r} not in {AHEAD_PATHS}")
-        if chosen == "dma" and method not in CHUNK_MAJOR:
-            if ahead is not None:
-                raise ValueError(f"swap-ins ahead 'dma' needs a chunk-major method "
-                                 f"{CHUNK_MAJOR}, not {method!r}")
-            chosen = "kernel"  # the environment's choice, where it applies
-        self.ahead = chosen
+        self.ahead = ahead_path(ahead, method)
         """How ``swap_in_ahead`` copies run on streams: ``"kernel"`` or ``"dma"``."""
         from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
 
