@@ -194,7 +194,7 @@ class SimExecutor:
         self.step_start_times.append(start)
         self.busy_time_s += dt
         self.exposed_copy_s += dt - compute
-        self.swap_in_chunks += feats.swap_in_chunks + len(sched.swaps.swap_in_ahead)
+        self.swap_in_chunks += sched.swaps.num_swap_in_chunks
         self.swap_out_chunks += feats.swap_out_chunks
         self.step_records.append(self._record(sched, start, dt, compute, in_flight, done_at))
         sampled = {s.request_id: self.sample_token_id for s in sched.requests if s.sample}
@@ -215,8 +215,7 @@ class SimExecutor:
             start_s=start, step_time_s=dt, compute_s=compute, exposed_copy_s=dt - compute,
             num_requests=len(sched.requests), prefill_tokens=prefill, decode_tokens=decode,
             cached_tokens=d["gpu_hit_tokens"] + d["cpu_hit_tokens"], **d,
-            swap_in_chunks=len(sw.swap_in) + len(sw.swap_in_ahead),
-            swap_out_chunks=len(sw.swap_out),
+            swap_in_chunks=sw.num_swap_in_chunks, swap_out_chunks=len(sw.swap_out),
             urgent_swap_out_chunks=len(sw.swap_out_first), swap_outs_in_flight=in_flight,
             background_done_at=done_at)
 

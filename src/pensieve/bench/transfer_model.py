@@ -283,7 +283,6 @@ class TransferTimeline:
         end = m.swap_in_finish(copy_start, compute_start, t_in, compute_s,
                                not m.waits_for_all_swap_ins(num_tokens))
         in_done = copy_start + (m.latency_s + t_in if plan.swap_in else 0.0)
-        end = max(end, compute_start + compute_s)
         if plan.swap_in_ahead:  # after the step's own in-stream copies, not waited for by it
             in_done += m.latency_s + m.in_seconds(len(plan.swap_in_ahead) * bb)
             self.ahead_done_at = start + in_done

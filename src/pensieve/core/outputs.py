@@ -101,6 +101,11 @@ class SwapPlan:
     def is_empty(self) -> bool:
         return not (self.swap_out_first or self.swap_in or self.swap_out or self.swap_in_ahead)
 
+    @property
+    def num_swap_in_chunks(self) -> int:
+        """Chunks copied in during the step: its own swap-ins and those ahead."""
+        return len(self.swap_in) + len(self.swap_in_ahead)
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -223,7 +223,7 @@ class Scheduler:
             # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
             # the last one's admission and prefill steps always run out.
             end = req.pending_end(n if prefill is None else total)
-            swap_ins = cache.num_planned_swap_ins
+            since = cache.num_planned_swap_ins
             if not cache.admit(req, conv, end, now, spare_tokens=budget - n):
                 req.pending = []
                 break
@@ -231,9 +231,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            swap_ins = cache.num_planned_swap_ins - swap_ins
-            if scheduled and 0 < swap_ins <= ahead_left:
-                ahead_left -= cache.swap_in_ahead(cache.num_planned_swap_ins - swap_ins)
+            if scheduled and 0 < cache.num_planned_swap_ins - since <= ahead_left:
+                ahead_left -= cache.swap_in_ahead(since)
                 continue  # no budget taken: the next step's running pass computes it
             scheduled.append(self._take(req, conv, n))
             budget -= n

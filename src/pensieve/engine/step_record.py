@@ -67,8 +67,7 @@ class StepRecord:
            update_s: float, failed_requests: int = 0) -> StepRecord:
         prefill, decode = prefill_decode_tokens(sched)
         sw = sched.swaps
-        return StepRecord(len(sched.requests), prefill, decode,
-                          len(sw.swap_in) + len(sw.swap_in_ahead),
+        return StepRecord(len(sched.requests), prefill, decode, sw.num_swap_in_chunks,
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
                           schedule_s, execute_s, update_s, out.step_time_s, failed_requests,
                           sched, out)

@@ -327,11 +327,12 @@ class KVSwapper(CopyPaths):
         step = Step()
         compute_done = st.record(None)
         events: list[Any] = []
+        if plan.swap_out_first or plan.swap_in or plan.swap_in_ahead:
+            st.wait(st.in_stream, compute_done)
+            if waits.in_after >= 0:
+                st.wait(st.in_stream, self._in_flight[waits.in_after].event)
         if plan.swap_out_first or plan.swap_in:
             s = st.in_stream
-            st.wait(s, compute_done)
-            if waits.in_after >= 0:
-                st.wait(s, self._in_flight[waits.in_after].event)
             if plan.swap_out_first:
                 step.out_first = st.upload(s, plan.swap_out_first)
                 st.run(s, functools.partial(self._kernel, step.out_first, False, 0, layers))
@@ -350,10 +351,6 @@ class KVSwapper(CopyPaths):
         last_in = step.in_done
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
-            if step.in_done is None:
-                st.wait(s, compute_done)
-                if waits.in_after >= 0:
-                    st.wait(s, self._in_flight[waits.in_after].event)
             if self.method == "staged" or self.ahead == "dma":
                 refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)
             else:
