@@ -764,6 +764,20 @@ def test_simulated_swap_ins_ahead_through_the_copy_engines(seed: int) -> None:
     simulate(seed, method="hybrid", ahead_path="dma")
 
 
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
+    """Ahead copies count in ``bytes_in`` and bad block ids in them are refused, as for the
+    step's own swap-ins."""
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, method, streams=sim)
+    sw._triton = False
+    sw.start_step(SwapPlan(swap_in=[(0, 1)], swap_in_ahead=[(2, 3), (4, 5)]))
+    assert sw.bytes_in == 3 * sw.num_layers * sw.block_bytes
+    sw.finish_step()
+    with pytest.raises(ValueError):
+        sw.start_step(SwapPlan(swap_in_ahead=[(0, 99)]))
+
+
 def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = make_caches(2, 4, 2, 1, 4, torch.float32)
     assert make_swapper(caches, 4, "hybrid").ahead == "kernel"

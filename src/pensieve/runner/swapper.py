@@ -434,11 +434,12 @@ class KVSwapper(CopyPaths):
     def _count(self, plan: SwapPlan) -> None:
         n_out = len(plan.swap_out_first) + len(plan.swap_out)
         self.bytes_out += n_out * self.num_layers * self.block_bytes
-        self.bytes_in += len(plan.swap_in) * self.num_layers * self.block_bytes
+        self.bytes_in += plan.num_swap_in_chunks * self.num_layers * self.block_bytes
 
     def _validate(self, plan: SwapPlan) -> None:
         self._check_pairs(plan.swap_out_first, "swap_out_first", gpu_first=True)
         self._check_pairs(plan.swap_in, "swap_in", gpu_first=False)
+        self._check_pairs(plan.swap_in_ahead, "swap_in_ahead", gpu_first=False)
         self._check_pairs(plan.swap_out, "swap_out", gpu_first=True)
 
     def _check_pairs(self, pairs: Sequence[tuple[int, int]], what: str, gpu_first: bool) -> None:
