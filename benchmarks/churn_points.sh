@@ -32,8 +32,9 @@
 # PENSIEVE_SWAP_AHEAD=dma),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
-# TOKENIZER (words | demo: chat_model_dir.py --tokenizer), PYTHON, SITE. Smoke test on the CPU
-# (demo model, ~2 minutes): OUT=/tmp/churn DEVICE=cpu
+# TOKENIZER (words | demo: chat_model_dir.py --tokenizer), WORKLOAD (agentic | sharegpt: the
+# packaged ShareGPT lengths; a --workload in the extra args also sets it), PYTHON, SITE.
+# Smoke test on the CPU (demo model, ~2 minutes): OUT=/tmp/churn DEVICE=cpu
 # MODEL=demo DTYPE=auto GPU_KV_GB=0.004 CPU_KV_GB=0.008 THINK=1 WARMUP=25 WINDOW=40 DRAIN=20
 # bash benchmarks/churn_points.sh stateless,pensieve 0.3 --length-scale 0.1
 # Writes to $OUT (default results_tmp), six files: summary.txt (side by side, also printed),
@@ -65,12 +66,16 @@ model=${MODEL:-llama2-13b-gqa10}
 device=${DEVICE:-auto}
 IFS=',' read -r gpu_a gpu_b <<< "${GPUS:-0,1}"
 gpu_kv=${GPU_KV_GB:-40}; cpu_kv=${CPU_KV_GB:-60}
+workload=${WORKLOAD:-agentic}
+for ((i = 1; i < $#; i++)); do  # a --workload among the extra multiturn.py args wins
+  [ "${!i}" = --workload ] && { j=$((i + 1)); workload=${!j}; }
+done
 think=${THINK:-5}; warmup=${WARMUP:-210}; window=${WINDOW:-210}; drain=${DRAIN:-25}
 budget=${BUDGET_S:-560}
 port=${PORT:-8321}
 model_args=(--load-format "${LOAD_FORMAT:-dummy}" --dtype "${DTYPE:-bfloat16}"
             --device "$device" --gpu-kv-gb "$gpu_kv" --cpu-kv-gb "$cpu_kv")
-load_args=(--workload agentic --think-time "$think" --seed "${SEED:-0}"
+load_args=(--workload "$workload" --think-time "$think" --seed "${SEED:-0}"
            --tag "${TAG:-churn}" --model "$model" --gpu-kv-gb "$gpu_kv" --cpu-kv-gb "$cpu_kv")
 label=$mode; [ "$mode" = http ] && label="http ($api)"
 say "churn points: $sys_a (GPU ${gpu_a:-}) vs $sys_b (GPU ${gpu_b:-}), $rate sessions/s, $label," \
@@ -97,7 +102,7 @@ finish() {  # gather what there is into $OUT, print the summary
   done
   if [ ${#ts[@]} -gt 0 ]; then
     "$py" benchmarks/plot_timeseries.py "${ts[@]}" --out "$out/churn" --title \
-      "$sys_a vs $sys_b, $rate sessions/s, agentic, $model, tiers $gpu_kv/$cpu_kv GB, $label" \
+      "$sys_a vs $sys_b, $rate sessions/s, $workload, $model, tiers $gpu_kv/$cpu_kv GB, $label" \
       >> "$log" 2>&1 || say "plot failed"
   fi
   if [ -s "$out/points.jsonl" ]; then

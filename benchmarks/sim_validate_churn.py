@@ -345,7 +345,8 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "think": r["think_time_s"], "gpu_kv_gb": r["gpu_kv_gb"],
                      "cpu_kv_gb": r["cpu_kv_gb"], "duration": duration, "warmup": warmup,
                      "drain": 25.0 if not args.tiny else 10.0, "seed": args.seed,
-                     "workload": "agentic", "template_tokens": args.template_tokens,
+                     "workload": "agentic" if r.get("workload", "Agentic") == "Agentic"
+                     else "sharegpt", "template_tokens": args.template_tokens,
                      "length_scale": 0.2 if args.tiny else 1.0,
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
