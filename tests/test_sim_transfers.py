@@ -408,8 +408,8 @@ def test_cache_reclaims_gpu_blocks_only_when_the_simulated_copy_is_done() -> Non
 
 
 def test_step_record_counts_match_the_engine_record() -> None:
-    step_record = pytest.importorskip("pensieve.engine.step_record")
     from pensieve.core.outputs import RunnerOutput
+    from pensieve.engine import step_record
 
     p = SamplingParams(max_tokens=4)
     sched = SchedulerOutput([
@@ -508,10 +508,8 @@ def test_old_step_records_still_fit(tmp_path: Path) -> None:
 def test_copy_waits_match_the_runner() -> None:
     """The simulated ordering is the runner's (``pensieve.runner.swapper.step_waits``) on
     random plans against random batches in flight."""
-    swapper = pytest.importorskip("pensieve.runner.swapper")
-    if not hasattr(swapper, "step_waits"):
-        pytest.skip("the runner has no step_waits yet")
     from pensieve.bench.step_cost import copy_waits
+    from pensieve.runner import swapper
 
     rng = random.Random(0)
 

@@ -121,3 +121,26 @@ def test_sim_validate_fitted_tiny(tmp_path: Path) -> None:
     assert all(e["throughput_rps"] is not None for e in d["errors"][name].values())
     assert "side A; scheduler swap_in_ahead_chunks=0" in (tmp_path / "table.txt").read_text()
     assert (tmp_path / "sim_validate_churn.png").stat().st_size > 0
+
+
+def test_real_jobs_simulate_each_points_workload() -> None:
+    """A ShareGPT pair is simulated on the ShareGPT lengths, an agentic pair on the agentic
+    sessions, each with its own tiers and think time."""
+    import argparse
+
+    from pensieve.bench.step_cost import StepCostModel
+
+    svc = _script()
+    pairs = ("sharegpt_stateless_pensieve_0.7", "agentic_words_prefixlru_pensieve_0.85")
+    real = svc.load_real(pairs)
+    args = argparse.Namespace(tiny=False, seed=0, template_tokens=8)
+    jobs = svc.real_jobs(real, StepCostModel.load(svc.FIT_ALL), "m", args, pairs)
+    got = {(j["pair"], j["side"]): (j["workload"], j["gpu_kv_gb"], j["think"]) for j in jobs}
+    assert got == {
+        ("sharegpt_stateless_pensieve_0.7", "A"): ("sharegpt", 8.0, 6.0),
+        ("sharegpt_stateless_pensieve_0.7", "B"): ("sharegpt", 8.0, 6.0),
+        ("agentic_words_prefixlru_pensieve_0.85", "A"): ("agentic", 40.0, 5.0),
+        ("agentic_words_prefixlru_pensieve_0.85", "B"): ("agentic", 40.0, 5.0),
+    }
+    convs = svc.conversations("sharegpt", 0, 0, 1.0)
+    assert len(convs) > 1000 and convs[0].turns[0].output_len > 0
