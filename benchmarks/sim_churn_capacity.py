@@ -11,6 +11,13 @@ throughput with P90 normalized latency under each target, interpolated between r
 writes JSON and a PNG::
 
     python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity
+
+``--workload sharegpt`` sweeps the packaged ShareGPT lengths instead, with the tiers and think
+time given (the real ShareGPT point of docs/benchmarks.md was 8 / 22 GB, think 6 s; the
+paper's set-up is 40 / 220 GB, think 60 s)::
+
+    python benchmarks/sim_churn_capacity.py --workload sharegpt --gpu-kv-gb 8 --cpu-kv-gb 22 \
+        --think 6 --rates 0.4,0.5,0.6,0.7,0.8,1.0 --out docs/results/sim_sharegpt_capacity
 """
 
 from __future__ import annotations
@@ -29,20 +36,38 @@ from pensieve.bench.metrics import capacity_at  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel  # noqa: E402
 
 
+def _moved(p: dict) -> str:
+    """The steady-state check's verdict: '-' when sessions, tiers, running and waiting all
+    stayed within 10% between the window's halves, else what moved, with its halves."""
+    moved = p.get("steady_unsteady")
+    if moved is None:
+        return "?"
+    halves = p.get("steady_halves") or {}
+    return ", ".join(f"{k} {halves[k][0]:.0f}->{halves[k][1]:.0f}" if k in halves else k
+                     for k in moved) or "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/sim_churn_capacity")
     ap.add_argument("--systems", default="stateless,prefix-lru,pensieve")
     ap.add_argument("--rates", default="0.4,0.5,0.6,0.7,0.8,1.0,1.2,1.4")
+    ap.add_argument("--workload", choices=["agentic", "sharegpt"], default="agentic")
+    ap.add_argument("--think", type=float, default=5.0, help="mean think time (s)")
+    ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
+    ap.add_argument("--cpu-kv-gb", type=float, default=60.0)
+    ap.add_argument("--template-tokens", type=int, default=8,
+                    help="chat-template tokens a turn adds (the word-level chat model's)")
     add_sweep_args(ap, targets="50,100,150")
     args = ap.parse_args(argv)
     cost = StepCostModel.load(args.step_cost)
     systems = args.systems.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     duration, warmup, drain, scale = sweep_times(args)
-    jobs = [{"system": s, "rate": r, "pair": "capacity", "think": 5.0, "gpu_kv_gb": 40.0,
-             "cpu_kv_gb": 60.0, "duration": duration, "warmup": warmup, "drain": drain,
-             "seed": args.seed, "workload": "agentic", "template_tokens": 8,
+    jobs = [{"system": s, "rate": r, "pair": "capacity", "think": args.think,
+             "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb, "duration": duration,
+             "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
+             "template_tokens": args.template_tokens,
              "length_scale": scale, "cost": cost.to_dict(), "model_name": "all-four fit"}
             for s in systems for r in rates]
     t0 = time.time()
@@ -51,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         if p.get("normalized_latency_s_p90") is None:
             p["normalized_latency_s_p90"] = math.inf
     print(f"{'system':>10} {'rate':>5} {'req/s':>7} {'P50 ms/t':>9} {'P90 ms/t':>9} "
-          f"{'gpu/cpu/recomp':>16} {'unfinished':>10}")
+          f"{'gpu/cpu/recomp':>16} {'unfinished':>10}  steady: moved > 10% (halves)")
     for p in sorted(points, key=lambda p: (systems.index(p["system"]), p["conv_rate"])):
         print(f"{p['system']:>10} {p['conv_rate']:>5} {p['throughput_rps']:>7.2f} "
               f"{p['normalized_latency_s_p50'] * 1e3:>9.1f} "
               f"{p['normalized_latency_s_p90'] * 1e3:>9.1f} "
               f"{p['gpu_hit_rate']:.2f}/{p['cpu_hit_rate']:.2f}/{p['recomputed_rate']:.2f}"
-              f"{p['unfinished']:>10}")
+              f"{p['unfinished']:>10}  {_moved(p)}")
     caps: dict[str, dict[str, float | None]] = {}
     for t in (float(x) for x in args.targets.split(",")):
         c = {s: capacity_at([p for p in points if p["system"] == s], t / 1e3) for s in systems}
@@ -89,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_yscale("log")
     ax.set_xlabel("throughput (req/s)")
     ax.set_ylabel("P90 normalized latency (ms/token)")
-    ax.set_title("agentic churn, 13B GQA-10, 40/60 GB tiers (simulated, validated fit)",
-                 fontsize=9)
+    ax.set_title(f"{args.workload}, 13B GQA-10, {args.gpu_kv_gb:g}/{args.cpu_kv_gb:g} GB tiers, "
+                 f"think {args.think:g} s (simulated, validated fit)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

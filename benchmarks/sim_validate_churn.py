@@ -266,6 +266,12 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                      transfer=transfer if transfer is not None else transfer_model())
 
 
+STEADY_SHOWN = ("sessions_in_flight", "gpu_blocks_used", "cpu_blocks_used", "requests_running",
+                "requests_waiting")
+"""What a simulated point keeps of its steady-state check (the halves' means): the issue's
+definition of steady state is sessions in flight and tier occupancy flat over the window."""
+
+
 def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     """One simulated point: summary over the window plus run totals by step kind (and the
     aggregated design of each kind, for the recalibration)."""
@@ -283,7 +289,10 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
          "side": job.get("side"), "scheduler": job.get("scheduler", {}),
          "model": job.get("model_name"), "unfinished": res.unfinished,
          **summarize(res, job["warmup"])}
-    p.pop("steady", None)
+    st = p.pop("steady", None) or {}
+    halves = st.get("halves") or {}
+    p.update(steady_unsteady=st.get("unsteady"), steady_within_noise=st.get("steady_within_noise"),
+             steady_halves={k: halves[k] for k in STEADY_SHOWN if k in halves})
     kinds: dict[str, dict[str, Any]] = {
         k: {"n": 0, "s": 0.0, "exposed_s": 0.0, "design": [0.0] * 8, "prefill_tokens": 0}
         for k in ("prefill", "decode")}
