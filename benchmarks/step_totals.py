@@ -9,7 +9,11 @@ seconds and the chunks moved between the tiers. This prints, per server:
   issue 13 compares between policies);
 - ``us / prefill token, net``: the same after taking out what the step's decodes would have
   cost alone (the mean decode-step time per prefill step);
-- decode step mean, scheduler host ms per step, urgent share of swap-outs.
+- decode step mean, scheduler host ms per step, urgent share of swap-outs;
+- the runner's host time per step, by step kind, next to the step's time: ``prepare`` (until
+  the forward is launched: the device idles meanwhile, the previous step having ended with a
+  synchronisation) and ``issue`` (until the whole forward is issued; near the step time: a
+  host-bound step). Servers of before these counters print 0.
 
 Input: ``metrics_end.txt`` files (what ``benchmarks/churn_points.sh`` saves in ``churn.tgz``), a
 ``churn.tgz`` itself, or a server URL (``http://host:port``)::
@@ -50,7 +54,15 @@ def costs(m: dict[str, float]) -> dict[str, float]:
              + m.get("pensieve_scheduler_seconds_total:update", 0.0))
     out_bg = m.get("pensieve_swap_chunks_total:out", 0.0)
     out_urgent = m.get("pensieve_swap_chunks_total:out_urgent", 0.0)
+    def per_step(name: str, kind: str, n: float) -> float:
+        return 1e3 * m.get(f"pensieve_step_host_{name}_seconds_total:{kind}", 0.0) / n if n \
+            else 0.0
+
     return {
+        "prefill_host_prepare_ms": per_step("prepare", "prefill", steps_p),
+        "prefill_host_issue_ms": per_step("issue", "prefill", steps_p),
+        "decode_host_prepare_ms": per_step("prepare", "decode", steps_d),
+        "decode_host_issue_ms": per_step("issue", "decode", steps_d),
         "prefill_steps": steps_p, "decode_steps": steps_d,
         "prefill_tokens": tok_p,
         "us_per_prefill_token": 1e6 * sec_p / tok_p if tok_p else 0.0,
@@ -91,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     keys = ("us_per_prefill_token", "us_per_prefill_token_net", "prefill_step_ms",
             "decode_step_ms", "scheduler_ms_per_step", "urgent_swap_out_share")
-    print(f"{'server':48} " + " ".join(f"{k:>26}" for k in keys))
-    for arg in args.inputs:
-        for name, text in sources(arg):
-            c = costs(parse(text))
-            print(f"{name[-48:]:48} " + " ".join(f"{c[k]:26.3f}" for k in keys))
+    host = ("prefill_step_ms", "prefill_host_prepare_ms", "prefill_host_issue_ms",
+            "decode_step_ms", "decode_host_prepare_ms", "decode_host_issue_ms")
+    found = [(name, costs(parse(text))) for arg in args.inputs for name, text in sources(arg)]
+    for cols in (keys, host):
+        print(f"{'server':48} " + " ".join(f"{k:>26}" for k in cols))
+        for name, c in found:
+            print(f"{name[-48:]:48} " + " ".join(f"{c[k]:26.3f}" for k in cols))
+        print()
     return 0
 
 

@@ -424,6 +424,7 @@ def test_metrics_step_accounting(server: Server) -> None:
     prefill = server.metric('pensieve_computed_tokens_total{kind="prefill"}')
     decode = server.metric('pensieve_computed_tokens_total{kind="decode"}')
     secs = server.metric('pensieve_step_execute_seconds_total{kind="prefill"}')
+    issue = server.metric('pensieve_step_host_issue_seconds_total{kind="decode"}')
     r = _post(server, "/v1/chat/completions",
               json={"messages": [{"role": "user", "content": "count the steps"}],
                     "max_tokens": 5, "ignore_eos": True})
@@ -436,6 +437,13 @@ def test_metrics_step_accounting(server: Server) -> None:
     assert server.metric('pensieve_computed_tokens_total{kind="decode"}') - decode == 4
     assert server.metric('pensieve_step_execute_seconds_total{kind="prefill"}') > secs
     assert server.metric('pensieve_scheduler_seconds_total{phase="schedule"}') > 0
+    # the runner's host time, next to the step time: prepare <= issue <= execute
+    assert server.metric('pensieve_step_host_issue_seconds_total{kind="decode"}') > issue
+    for kind in ("prefill", "decode"):
+        prep = server.metric(f'pensieve_step_host_prepare_seconds_total{{kind="{kind}"}}')
+        iss = server.metric(f'pensieve_step_host_issue_seconds_total{{kind="{kind}"}}')
+        exe = server.metric(f'pensieve_step_execute_seconds_total{{kind="{kind}"}}')
+        assert 0 < prep <= iss <= exe
 
 
 def test_out_of_range_sampling_fields_get_400_and_others_keep_streaming(server: Server) -> None:

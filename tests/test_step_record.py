@@ -25,7 +25,8 @@ def test_record_splits_prefill_and_decode_and_counts_swaps() -> None:
         ],
         swaps=SwapPlan(swap_out_first=[(5, 1)], swap_in=[(2, 6), (3, 7)], swap_out=[(8, 4)]),
     )
-    out = RunnerOutput({"a": 1, "b": 2, "c": 3}, step_time_s=0.5, swap_outs_in_flight=1)
+    out = RunnerOutput({"a": 1, "b": 2, "c": 3}, step_time_s=0.5, swap_outs_in_flight=1,
+                       host_prepare_s=0.01, host_issue_s=0.04)
     r = StepRecord.of(sched, out, 0.001, 0.5, 0.002)
     assert (r.prefill_tokens, r.decode_tokens, r.num_requests) == (6, 1, 3)
     assert (r.swap_in_chunks, r.swap_out_chunks, r.urgent_swap_out_chunks) == (2, 1, 1)
@@ -34,8 +35,11 @@ def test_record_splits_prefill_and_decode_and_counts_swaps() -> None:
     totals = StepTotals()
     totals(r)
     decode_only = SchedulerOutput(requests=[sched.requests[1]])
-    totals(StepRecord.of(decode_only, RunnerOutput({"b": 1}), 0.0, 0.25, 0.0))
+    totals(StepRecord.of(decode_only, RunnerOutput({"b": 1}, host_prepare_s=0.002,
+                                                   host_issue_s=0.003), 0.0, 0.25, 0.0))
     d = totals.as_dict()
+    assert (d["prefill_step_prepare_s"], d["prefill_step_issue_s"]) == (0.01, 0.04)
+    assert (d["decode_step_prepare_s"], d["decode_step_issue_s"]) == (0.002, 0.003)
     assert d["steps"] == 2 and d["prefill_steps"] == 1
     assert d["prefill_step_execute_s"] == 0.5 and d["decode_step_execute_s"] == 0.25
     assert d["decode_tokens"] == 2 and d["prefill_tokens"] == 6
@@ -79,9 +83,33 @@ def test_step_totals_script_reads_metrics_text() -> None:
         'pensieve_scheduler_seconds_total{phase="update"} 0.01',
         'pensieve_swap_chunks_total{kind="out"} 3.0',
         'pensieve_swap_chunks_total{kind="out_urgent"} 1.0',
+        'pensieve_step_host_prepare_seconds_total{kind="prefill"} 0.05',
+        'pensieve_step_host_issue_seconds_total{kind="prefill"} 0.2',
+        'pensieve_step_host_issue_seconds_total{kind="decode"} 0.06',
     ])
     c = mod.costs(mod.parse(text))
     assert c["us_per_prefill_token"] == 200.0          # 2 s / 10k tokens
     assert c["us_per_prefill_token_net"] == 100.0      # minus 10 steps x 0.1 s of decodes
     assert c["decode_step_ms"] == 100.0 and c["scheduler_ms_per_step"] == 1.0
     assert c["urgent_swap_out_share"] == 0.25
+    assert c["prefill_host_prepare_ms"] == 5.0 and c["prefill_host_issue_ms"] == 20.0
+    assert c["decode_host_issue_ms"] == 2.0 and c["decode_host_prepare_ms"] == 0.0
+
+
+def test_model_runner_reports_its_host_time(tiny_llama) -> None:  # noqa: ANN001
+    """The real runner on the CPU: prepare <= issue <= step time, for a prefill and a decode
+    step, and the engine's totals carry them by step kind."""
+    from pensieve.engine.llm import LLM
+
+    path, _ = tiny_llama
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks=16)
+    seen: list[StepRecord] = []
+    totals = StepTotals()
+    llm.engine.step_observers += [seen.append, totals]
+    llm.generate([list(range(1, 30))], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [r.has_prefill for r in seen] == [True, False, False]
+    for r in seen:
+        assert 0.0 < r.host_prepare_s <= r.host_issue_s <= r.step_time_s
+    d = totals.as_dict()
+    assert 0.0 < d["prefill_step_prepare_s"] <= d["prefill_step_issue_s"]
+    assert 0.0 < d["decode_step_prepare_s"] <= d["decode_step_issue_s"]

@@ -142,6 +142,15 @@ class RunnerOutput:
     """Next token for every scheduled request with ``sample=True``."""
     step_time_s: float = 0.0
     """Wall time of the step as seen by the runner (synchronised on CUDA)."""
+    host_prepare_s: float = 0.0
+    """Host time from the step's start until its forward is launched: issuing the swaps,
+    building the inputs (or filling a CUDA graph's buffers). The previous step ended with a
+    synchronisation, so on a GPU the compute stream is idle meanwhile."""
+    host_issue_s: float = 0.0
+    """Host time from the step's start until its whole forward is issued, before waiting for
+    the sampled tokens. On a GPU, ``step_time_s - host_issue_s`` is the wait for the device
+    once the host is done; an issue time near the step time means a host-bound step. On the
+    CPU the forward runs as it is issued, so this is most of the step."""
     swap_outs_in_flight: int = 0
     """Background swap-out batches (one per step whose plan had ``swap_out``) whose copies
     are still running after this step, this step's included. They complete in plan order, so

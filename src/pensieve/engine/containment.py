@@ -75,6 +75,8 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
         logprobs.update(out.logprobs)
     step.output = RunnerOutput(sampled_token_ids=sampled,
                                step_time_s=sum(o.step_time_s for o in outputs),
+                               host_prepare_s=sum(o.host_prepare_s for o in outputs),
+                               host_issue_s=sum(o.host_issue_s for o in outputs),
                                swap_outs_in_flight=outputs[-1].swap_outs_in_flight,
                                logprobs=logprobs)
     for rid, why in step.failed.items():

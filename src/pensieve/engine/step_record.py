@@ -53,6 +53,11 @@ class StepRecord:
     """The executor's own step time (``RunnerOutput.step_time_s``: virtual in the simulator)."""
     failed_requests: int = 0
     """Requests whose execution raised in this step (aborted; the others ran)."""
+    host_prepare_s: float = 0.0
+    """The runner's host time before the forward was launched
+    (``RunnerOutput.host_prepare_s``; 0 from an executor that does not measure it)."""
+    host_issue_s: float = 0.0
+    """The runner's host time until the whole forward was issued (``RunnerOutput.host_issue_s``)."""
     sched: SchedulerOutput | None = field(default=None, repr=False, compare=False)
     """The step's plan (for observers that derive more from it; not in :meth:`as_dict`)."""
     output: RunnerOutput | None = field(default=None, repr=False, compare=False)
@@ -70,7 +75,7 @@ class StepRecord:
         return StepRecord(len(sched.requests), prefill, decode, sw.num_swap_in_chunks,
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
                           schedule_s, execute_s, update_s, out.step_time_s, failed_requests,
-                          sched, out)
+                          out.host_prepare_s, out.host_issue_s, sched, out)
 
     def as_dict(self) -> dict[str, Any]:
         """The counts and times (not the plan and output objects)."""
@@ -95,6 +100,12 @@ class StepTotals:
     prefill_step_execute_s: float = 0.0
     """Executor time of the steps that computed prefill tokens (decodes in them included)."""
     decode_step_execute_s: float = 0.0
+    prefill_step_prepare_s: float = 0.0
+    """The runner's host time before the forward of those steps (``StepRecord.host_prepare_s``)."""
+    decode_step_prepare_s: float = 0.0
+    prefill_step_issue_s: float = 0.0
+    """The runner's host time until those steps' forward was issued (``host_issue_s``)."""
+    decode_step_issue_s: float = 0.0
 
     def __call__(self, r: StepRecord) -> None:
         self.steps += 1
@@ -109,8 +120,12 @@ class StepTotals:
         if r.has_prefill:
             self.prefill_steps += 1
             self.prefill_step_execute_s += r.execute_s
+            self.prefill_step_prepare_s += r.host_prepare_s
+            self.prefill_step_issue_s += r.host_issue_s
         else:
             self.decode_step_execute_s += r.execute_s
+            self.decode_step_prepare_s += r.host_prepare_s
+            self.decode_step_issue_s += r.host_issue_s
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -153,7 +153,11 @@ class _StepGraphs:
 
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits of the step's sampled requests (caller checked ``can_run``)."""
-        bucket = self.fill(sched)
+        return self.replay(sched, self.fill(sched))
+
+    def replay(self, sched: SchedulerOutput, bucket: int) -> torch.Tensor:
+        """The step's forward from the buffers :meth:`fill` wrote (``bucket``: what it
+        returned): the logits of its sampled requests."""
         if self.captured:
             self._graphs[bucket].replay()
             logits = self._logits[bucket]

@@ -203,8 +203,9 @@ class ModelRunner:
         layer_ready = self.swapper.start_step(sched.swaps)
         if not sched.requests:
             self.swapper.finish_step()
-            return RunnerOutput(sampled_token_ids={}, step_time_s=time.perf_counter() - t0,
-                                swap_outs_in_flight=0)
+            dt = time.perf_counter() - t0
+            return RunnerOutput(sampled_token_ids={}, step_time_s=dt, swap_outs_in_flight=0,
+                                host_prepare_s=dt, host_issue_s=dt)
         sampled = [s for s in sched.requests if s.sample]
         graphs = None
         if len(sched.swaps.swap_in) <= self.graph_max_swap_in:
@@ -214,7 +215,9 @@ class ModelRunner:
         if graphs is not None:
             if layer_ready is not None:  # a graph cannot wait per layer: wait for all
                 layer_ready(len(self.kv_caches) - 1)
-            out = graphs.run(sched)
+            bucket = graphs.fill(sched)
+            t_prepared = time.perf_counter()
+            out = graphs.replay(sched, bucket)
             logits = out if sampled else None
             if graphs is self.decode_graphs:
                 self.num_graph_steps += 1
@@ -223,9 +226,11 @@ class ModelRunner:
         else:
             inp = self.prepare_inputs(sched)
             inp.attn.layer_ready = layer_ready
+            t_prepared = time.perf_counter()
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
             if sampled:
                 logits = self.model.compute_logits(hidden[inp.logits_indices])
+        t_issued = time.perf_counter()
         tokens: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:
@@ -245,6 +250,8 @@ class ModelRunner:
             step_time_s=time.perf_counter() - t0,
             swap_outs_in_flight=in_flight,
             logprobs=logprobs,
+            host_prepare_s=t_prepared - t0,
+            host_issue_s=t_issued - t0,
         )
 
 

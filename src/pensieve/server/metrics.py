@@ -72,6 +72,16 @@ def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
     c.add_metric(["prefill"], st.get("prefill_step_execute_s", 0.0))
     c.add_metric(["decode"], st.get("decode_step_execute_s", 0.0))
     yield c
+    for phase, what in (("prepare", "before its forward was launched (swaps issued, inputs "
+                                    "built)"),
+                        ("issue", "until its whole forward was issued, before the wait for "
+                                  "the sampled tokens")):
+        c = CounterMetricFamily(f"pensieve_step_host_{phase}_seconds",
+                                f"The runner's host time in engine steps, {what}; by step kind",
+                                labels=["kind"])
+        c.add_metric(["prefill"], st.get(f"prefill_step_{phase}_s", 0.0))
+        c.add_metric(["decode"], st.get(f"decode_step_{phase}_s", 0.0))
+        yield c
     c = CounterMetricFamily("pensieve_computed_tokens", "Tokens computed, prefill (prompts and "
                             "recomputed history) or decode", labels=["kind"])
     c.add_metric(["prefill"], st.get("prefill_tokens", 0))
