@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-kv-gb", type=float, default=60.0)
     ap.add_argument("--template-tokens", type=int, default=8,
                     help="chat-template tokens a turn adds (the word-level chat model's)")
+    ap.add_argument("--decode-reserve", type=float, default=None,
+                    help="share of the GPU tier admission keeps free for decode growth "
+                         "(default: the engine's CacheConfig.decode_reserve, 0.10)")
     add_sweep_args(ap, targets="50,100,150")
     args = ap.parse_args(argv)
     cost = StepCostModel.load(args.step_cost)
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
              "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb, "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
              "template_tokens": args.template_tokens,
+             **({} if args.decode_reserve is None else {"decode_reserve": args.decode_reserve}),
              "length_scale": scale, "cost": cost.to_dict(), "model_name": "all-four fit"}
             for s in systems for r in rates]
     t0 = time.time()

@@ -250,7 +250,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     job's tiers (``gpu_kv_gb``, ``cpu_kv_gb``) and policy (``system``), the retention cost
     profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
     ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
-    fields beyond the defaults, if any)."""
+    fields beyond the defaults, if any) and ``decode_reserve`` (the share of the GPU tier
+    admission keeps free for decode growth; the engine's default if absent)."""
     from pensieve.bench.simulator import SimEngine
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
@@ -258,12 +259,13 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     block_bytes = KV_BYTES_PER_TOKEN * CHUNK
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
     cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
+    cache = {"decode_reserve": job["decode_reserve"]} if "decode_reserve" in job else {}
     return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                      max_model_len=16384, **job.get("scheduler", {})),
                      gpu, cpu, cost, clock,
                      chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
                      chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
-                     transfer=transfer if transfer is not None else transfer_model())
+                     transfer=transfer if transfer is not None else transfer_model(), **cache)
 
 
 STEADY_SHOWN = ("sessions_in_flight", "gpu_blocks_used", "cpu_blocks_used", "requests_running",

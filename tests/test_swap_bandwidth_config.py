@@ -88,3 +88,21 @@ def test_serve_flag() -> None:
     # every accepted value is a valid config value
     for v in ("auto", "off", "3"):
         CacheConfig(swap_bandwidth_gbps=swap_bandwidth_arg(v))
+
+
+def test_decode_reserve_flag() -> None:
+    """``pensieve serve --decode-reserve``: a fraction in [0, 1) reaching the cache; anything
+    else is refused by the parser, before a model loads."""
+    from pensieve.engine.llm import build_engine_config
+    from pensieve.server.main import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).decode_reserve is None  # the config's default
+    assert p.parse_args(["--decode-reserve", "0.04"]).decode_reserve == 0.04
+    assert p.parse_args(["--decode-reserve", "0"]).decode_reserve == 0.0
+    for bad in ("1", "-0.1", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--decode-reserve", bad])
+    cfg = build_engine_config(model="demo-random", device="cpu", decode_reserve=0.04)
+    assert cfg.cache.decode_reserve == 0.04

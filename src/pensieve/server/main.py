@@ -33,6 +33,17 @@ def swap_bandwidth_arg(text: str) -> float | str:
     return v
 
 
+def fraction_arg(text: str) -> float:
+    """A share in [0, 1) (``--decode-reserve``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return v
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"HF checkpoint directory, .gguf file, demo-random, or {DEFAULT_MODEL} "
@@ -91,6 +102,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "CPU; off: always swap in")
     p.add_argument("--cache-policy", default="pensieve",
                    choices=["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"])
+    p.add_argument("--decode-reserve", type=fraction_arg, default=None, metavar="FRACTION",
+                   help="share of the GPU KV tier a new turn may not take, kept for the "
+                        "running requests' decode growth (default: CacheConfig.decode_reserve, "
+                        "0.10). Running out suspends a request (tiered policies: to the CPU "
+                        "tier) or recomputes it later (stateless, gpu-only)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest context (default: the model's max_position_embeddings, at "
                         "most 16384; more than that is refused)")
@@ -156,6 +172,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
+        **({} if args.decode_reserve is None else {"decode_reserve": args.decode_reserve}),
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
