@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
              "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb, "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
              "template_tokens": args.template_tokens,
-             **({} if args.decode_reserve is None else {"decode_reserve": args.decode_reserve}),
+             "decode_reserve": args.decode_reserve,
              "length_scale": scale, "cost": cost.to_dict(), "model_name": "all-four fit"}
             for s in systems for r in rates]
     t0 = time.time()

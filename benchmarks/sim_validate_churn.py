@@ -251,7 +251,7 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
     ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
     fields beyond the defaults, if any) and ``decode_reserve`` (the share of the GPU tier
-    admission keeps free for decode growth; the engine's default if absent)."""
+    admission keeps free for decode growth; the engine's default if absent or None)."""
     from pensieve.bench.simulator import SimEngine
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
@@ -259,7 +259,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     block_bytes = KV_BYTES_PER_TOKEN * CHUNK
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
     cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
-    cache = {"decode_reserve": job["decode_reserve"]} if "decode_reserve" in job else {}
+    reserve = job.get("decode_reserve")
+    cache = {} if reserve is None else {"decode_reserve": reserve}
     return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                      max_model_len=16384, **job.get("scheduler", {})),
                      gpu, cpu, cost, clock,

@@ -172,7 +172,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
-        **({} if args.decode_reserve is None else {"decode_reserve": args.decode_reserve}),
+        decode_reserve=args.decode_reserve,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
