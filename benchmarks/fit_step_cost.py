@@ -39,6 +39,7 @@ def main() -> None:
                 if d.pop("system") == "hf":
                     continue
                 t = d.pop("time_s")
+                d.pop("host", None)  # host times (step_totals.py), not features
                 recs.append((StepFeatures.from_dict(d), t))
     model = StepCostModel.fit(recs, swap_copy_chunk_s=args.chunk_bytes / PCIE_BYTES_PER_S,
                               relative=args.relative, label=args.label)

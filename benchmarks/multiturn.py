@@ -84,7 +84,9 @@ def workload(args: argparse.Namespace) -> Any:
 
 class StepLog:
     """Step observer of the shared engine: each step's features and executor time, labelled
-    with the system the point runs (the simulator is calibrated from these rows)."""
+    with the system the point runs (the simulator is calibrated from these rows), and under
+    ``host`` the step's host times (scheduler, executor wall, the runner's prepare and issue:
+    ``benchmarks/step_totals.py`` sums them as it does a server's ``/metrics``)."""
 
     def __init__(self) -> None:
         self.system = ""
@@ -94,7 +96,11 @@ class StepLog:
         from pensieve.bench.step_cost import features_of
 
         self.rows.append({"system": self.system, **features_of(rec.sched).to_dict(),
-                          "time_s": rec.step_time_s})
+                          "time_s": rec.step_time_s,
+                          "host": {"schedule_s": rec.schedule_s, "update_s": rec.update_s,
+                                   "execute_s": rec.execute_s,
+                                   "prepare_s": rec.host_prepare_s,
+                                   "issue_s": rec.host_issue_s}})
 
 
 class RealEngines:

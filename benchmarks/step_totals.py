@@ -16,7 +16,9 @@ seconds and the chunks moved between the tiers. This prints, per server:
   host-bound step). Servers of before these counters print 0.
 
 Input: ``metrics_end.txt`` files (what ``benchmarks/churn_points.sh`` saves in ``churn.tgz``), a
-``churn.tgz`` itself, or a server URL (``http://host:port``)::
+``churn.tgz`` itself, or a server URL (``http://host:port``). In-process runs
+(``MODE=inproc``) have no server: their ``steps.jsonl(.gz)`` (every engine step with its host
+times, ``multiturn.py --engine real``) is summed into the same counters::
 
     python benchmarks/step_totals.py docs/results/churn/stateless_pensieve_0.7/churn.tgz
 """
@@ -24,6 +26,8 @@ Input: ``metrics_end.txt`` files (what ``benchmarks/churn_points.sh`` saves in `
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import re
 import sys
 import tarfile
@@ -78,34 +82,74 @@ def costs(m: dict[str, float]) -> dict[str, float]:
     }
 
 
-def sources(arg: str) -> list[tuple[str, str]]:
-    """(name, metrics text) for each server the argument names."""
+def totals_of_steps(lines: list[str]) -> dict[str, float]:
+    """The ``/metrics`` counters :func:`costs` reads, summed from ``steps.jsonl`` rows (those
+    written before the rows had host times count the step time as executor time)."""
+    m: dict[str, float] = {}
+
+    def add(key: str, v: float) -> None:
+        m[key] = m.get(key, 0.0) + v
+
+    for line in lines:
+        if not line.strip():
+            continue
+        d = json.loads(line)
+        host = d.get("host") or {}
+        kind = "prefill" if d.get("num_prefill_tokens", 0) > 0 else "decode"
+        add(f"pensieve_steps_total:{kind}", 1)
+        add(f"pensieve_step_execute_seconds_total:{kind}", host.get("execute_s", d["time_s"]))
+        add(f"pensieve_step_host_prepare_seconds_total:{kind}", host.get("prepare_s", 0.0))
+        add(f"pensieve_step_host_issue_seconds_total:{kind}", host.get("issue_s", 0.0))
+        add("pensieve_computed_tokens_total:prefill", d.get("num_prefill_tokens", 0))
+        add("pensieve_scheduler_seconds_total:schedule", host.get("schedule_s", 0.0))
+        add("pensieve_scheduler_seconds_total:update", host.get("update_s", 0.0))
+        add("pensieve_swap_chunks_total:in", d.get("swap_in_chunks", 0))
+        urgent = d.get("urgent_swap_out_chunks", 0)
+        add("pensieve_swap_chunks_total:out_urgent", urgent)
+        add("pensieve_swap_chunks_total:out", d.get("swap_out_chunks", 0) - urgent)
+    return m
+
+
+def sources(arg: str) -> list[tuple[str, dict[str, float]]]:
+    """(name, counters) for each server or in-process run the argument names."""
     if arg.startswith("http://") or arg.startswith("https://"):
         import httpx
 
-        return [(arg, httpx.get(arg.rstrip("/") + "/metrics", timeout=10).text)]
+        return [(arg, parse(httpx.get(arg.rstrip("/") + "/metrics", timeout=10).text))]
     p = Path(arg)
-    if p.suffix in (".tgz", ".gz"):
+    if p.name.startswith("steps.jsonl"):
+        opener = gzip.open if p.suffix == ".gz" else open
+        with opener(p, "rt") as fh:
+            return [(str(p), totals_of_steps(fh.readlines()))]
+    if p.suffix in (".tgz", ".gz") and tarfile.is_tarfile(p):
         found = []
         with tarfile.open(p) as tar:
             for member in tar.getmembers():
-                if member.name.endswith("metrics_end.txt"):
-                    f = tar.extractfile(member)
-                    if f is not None:
-                        found.append((f"{p.parent.name}/{member.name}", f.read().decode()))
+                base = member.name.rsplit("/", 1)[-1]
+                f = tar.extractfile(member) if member.isfile() else None
+                if f is None:
+                    continue
+                name = f"{p.parent.name}/{member.name}"
+                if base == "metrics_end.txt":
+                    found.append((name, parse(f.read().decode())))
+                elif base in ("steps.jsonl", "steps.jsonl.gz"):
+                    raw = f.read()
+                    text = gzip.decompress(raw) if base.endswith(".gz") else raw
+                    found.append((name, totals_of_steps(text.decode().splitlines())))
         return found
-    return [(str(p), p.read_text())]
+    return [(str(p), parse(p.read_text()))]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("inputs", nargs="+", help="metrics_end.txt, churn.tgz or http://host:port")
+    ap.add_argument("inputs", nargs="+", help="metrics_end.txt, steps.jsonl(.gz), churn.tgz or "
+                    "http://host:port")
     args = ap.parse_args(argv)
     keys = ("us_per_prefill_token", "us_per_prefill_token_net", "prefill_step_ms",
             "decode_step_ms", "scheduler_ms_per_step", "urgent_swap_out_share")
     host = ("prefill_step_ms", "prefill_host_prepare_ms", "prefill_host_issue_ms",
             "decode_step_ms", "decode_host_prepare_ms", "decode_host_issue_ms")
-    found = [(name, costs(parse(text))) for arg in args.inputs for name, text in sources(arg)]
+    found = [(name, costs(m)) for arg in args.inputs for name, m in sources(arg)]
     for cols in (keys, host):
         print(f"{'server':48} " + " ".join(f"{k:>26}" for k in cols))
         for name, c in found:

@@ -63,7 +63,7 @@ def test_engine_calls_observers_once_per_step() -> None:
     assert seen[0].prefill_tokens == 39 and [s.decode_tokens for s in seen] == [0, 1, 1]
 
 
-def test_step_totals_script_reads_metrics_text() -> None:
+def _step_totals_script():  # noqa: ANN202
     import importlib.util
     from pathlib import Path
 
@@ -72,6 +72,11 @@ def test_step_totals_script_reads_metrics_text() -> None:
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_step_totals_script_reads_metrics_text() -> None:
+    mod = _step_totals_script()
     text = "\n".join([
         "# HELP pensieve_steps_total Engine steps",
         'pensieve_steps_total{kind="prefill"} 10.0',
@@ -94,6 +99,44 @@ def test_step_totals_script_reads_metrics_text() -> None:
     assert c["urgent_swap_out_share"] == 0.25
     assert c["prefill_host_prepare_ms"] == 5.0 and c["prefill_host_issue_ms"] == 20.0
     assert c["decode_host_issue_ms"] == 2.0 and c["decode_host_prepare_ms"] == 0.0
+
+
+def test_step_totals_script_sums_in_process_step_rows(tmp_path) -> None:  # noqa: ANN001
+    """An in-process run's steps.jsonl.gz (rows with and without host times) gives the same
+    counters a server's /metrics would, inside a churn.tgz as on its own."""
+    import gzip
+    import json
+    import tarfile
+
+    mod = _step_totals_script()
+    rows = [
+        {"system": "pensieve", "num_prefill_tokens": 400, "num_decode_tokens": 2,
+         "swap_in_chunks": 5, "swap_out_chunks": 4, "urgent_swap_out_chunks": 1, "time_s": 0.03,
+         "host": {"schedule_s": 0.001, "update_s": 0.001, "execute_s": 0.04,
+                  "prepare_s": 0.002, "issue_s": 0.01}},
+        {"system": "pensieve", "num_prefill_tokens": 0, "num_decode_tokens": 8, "time_s": 0.01,
+         "host": {"schedule_s": 0.0, "update_s": 0.0, "execute_s": 0.01,
+                  "prepare_s": 0.0005, "issue_s": 0.001}},
+        {"system": "pensieve", "num_prefill_tokens": 0, "num_decode_tokens": 8, "time_s": 0.01},
+    ]
+    steps = tmp_path / "B" / "steps.jsonl.gz"
+    steps.parent.mkdir()
+    with gzip.open(steps, "wt") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in rows))
+    tgz = tmp_path / "churn.tgz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(steps.parent, arcname="./B")
+    for src in (str(steps), str(tgz)):
+        [(name, m)] = mod.sources(src)
+        assert name.endswith("steps.jsonl.gz")
+        c = mod.costs(m)
+        assert c["prefill_steps"] == 1 and c["decode_steps"] == 2
+        assert c["prefill_step_ms"] == 40.0 and c["decode_step_ms"] == 10.0
+        assert c["us_per_prefill_token"] == 100.0 and c["us_per_prefill_token_net"] == 75.0
+        assert c["prefill_host_prepare_ms"] == 2.0 and c["prefill_host_issue_ms"] == 10.0
+        assert c["decode_host_prepare_ms"] == 0.25 and c["decode_host_issue_ms"] == 0.5
+        assert c["scheduler_ms_per_step"] == 2.0 / 3
+        assert c["swap_in_chunks"] == 5 and c["urgent_swap_out_share"] == 0.25
 
 
 def test_model_runner_reports_its_host_time(tiny_llama) -> None:  # noqa: ANN001
