@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,17 @@ def fraction_arg(text: str) -> float:
         v = float("nan")
     if not 0.0 <= v < 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return v
+
+
+def positive_ms_arg(text: str) -> float:
+    """A positive, finite number of milliseconds (``--switch-interval-ms``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (0.0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of ms, got {text!r}")
     return v
 
 
@@ -122,6 +134,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="chunks a step may swap in for turns that compute from the next step "
                         "on, so that no step waits for them (0: every turn computes in the "
                         "step that swaps it in)")
+    p.add_argument("--switch-interval-ms", type=positive_ms_arg, default=None, metavar="MS",
+                   help="Python's thread switch interval (sys.setswitchinterval) in the server "
+                        "process: how long the engine thread may wait for the GIL while the "
+                        "HTTP side holds it (default: Python's, 5 ms)")
     p.add_argument("--log-level", default="info")
 
 
@@ -160,6 +176,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     from pensieve.server.state import ServerState
     from pensieve.server.stores import open_store
 
+    if getattr(args, "switch_interval_ms", None) is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
     hf_config, path = resolve_config(args.model)
