@@ -144,6 +144,13 @@ def served(chat_llama: Any, tmp_path_factory: pytest.TempPathFactory
     close()
 
 
+def test_server_sets_its_thread_switch_interval(served: Any) -> None:
+    """build_server applies --switch-interval-ms (here the default, 0.5 ms) to the process."""
+    import sys
+
+    assert sys.getswitchinterval() == pytest.approx(0.5e-3)
+
+
 MSGS = [{"role": "user", "content": "Tell me about memory palaces."}]
 N = 10
 

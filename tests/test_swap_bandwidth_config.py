@@ -106,3 +106,17 @@ def test_decode_reserve_flag() -> None:
             p.parse_args(["--decode-reserve", bad])
     cfg = build_engine_config(model="demo-random", device="cpu", decode_reserve=0.04)
     assert cfg.cache.decode_reserve == 0.04
+
+
+def test_switch_interval_flag() -> None:
+    """``pensieve serve --switch-interval-ms``: 0.5 ms unless given; a positive number of ms,
+    anything else refused by the parser."""
+    from pensieve.server.main import DEFAULT_SWITCH_INTERVAL_MS, add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).switch_interval_ms == DEFAULT_SWITCH_INTERVAL_MS == 0.5
+    assert p.parse_args(["--switch-interval-ms", "2"]).switch_interval_ms == 2.0
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--switch-interval-ms", bad])
