@@ -136,7 +136,7 @@ def served(chat_llama: Any, tmp_path_factory: pytest.TempPathFactory
     args = p.parse_args([chat_llama[0], "--device", "cpu", "--dtype", "float32",
                          "--store", str(store), "--num-gpu-blocks", "64",
                          "--num-cpu-blocks", "32", "--max-model-len", "256",
-                         "--chunk-size", "8"])
+                         "--chunk-size", "8", "--served-model-name", "chat_llama0"])
     app, close = build_server(args)
     with TestClient(app) as http:
         yield http, openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="k",

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pensieve.core.scheduler import ConversationBusyError
+from pensieve.server import engine_ops
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.openapi import document_errors
 from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -134,9 +134,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     """``/health``, ``/metrics`` (Prometheus) and ``/v1/models``."""
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, Any] | JSONResponse:
         snap = state.engine.snapshot
+        if not state.engine.alive:
+            return error_response(503, "the engine is not running", "server_error",
+                                  code="engine_down")
         return {"status": "draining" if state.draining else "ok", "queued": state.queued,
                 "engine_running": snap.running, "engine_waiting": snap.waiting,
                 "max_queued_requests": state.max_queued_requests}
@@ -177,13 +180,7 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
     async def delete_conversation(cid: str, request: Request) -> dict[str, Any]:
         owned(state, cid, _tenant(state, request))
 
-        def drop(eng: Any) -> None:
-            conv = eng.cache.conversations.get(cid)
-            if conv is not None and conv.running:
-                raise ConversationBusyError(f"conversation {cid!r} has a turn running")
-            eng.delete_conversation(cid)
-
-        await engine_call(state, drop)
+        await engine_call(state, engine_ops.drop_conversation, cid)
         state.store.delete(cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
 

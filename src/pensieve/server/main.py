@@ -152,6 +152,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "process: how long the engine thread may wait for the GIL while the "
                         f"HTTP side holds it (default {DEFAULT_SWITCH_INTERVAL_MS}; Python's "
                         "own is 5)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own, off the GIL of the HTTP side "
+                        "(default: a thread of the server process)")
     p.add_argument("--log-level", default="info")
 
 
@@ -176,6 +179,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
+    """(the engine if it lives in this process, the client the server talks to)."""
+    if getattr(args, "engine_process", False):
+        from pensieve.server.engine_process import ProcessEngine
+
+        return None, ProcessEngine(cfg, getattr(args, "log_level", "info"))
+    from pensieve.server.async_engine import AsyncEngine
+
+    engine = LLMEngine(cfg)
+    return engine, AsyncEngine(engine)
+
+
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
@@ -183,7 +198,6 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     from pensieve.models.loader import resolve_config
     from pensieve.models.tokenizer import load_tokenizer
     from pensieve.server.app import create_app
-    from pensieve.server.async_engine import AsyncEngine
     from pensieve.server.chat import ChatRenderer
     from pensieve.server.metrics import Metrics
     from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
@@ -210,7 +224,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )
-    engine = LLMEngine(cfg)
+    engine, aengine = _start_engine(cfg, args)
     demo = is_demo(path)
     template = args.chat_template
     if template is not None and Path(template).is_file():
@@ -226,8 +240,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
     store = open_store(args.store)
-    aengine = AsyncEngine(engine)
-    kv_tokens = engine.cache.gpu.num_blocks * engine.cache.chunk_size
+    kv_tokens = (aengine.info["kv_tokens"] if engine is None
+                 else engine.cache.gpu.num_blocks * engine.cache.chunk_size)
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
                         Metrics(aengine), served_model_names=names,
                         max_queued_requests=args.max_queued_requests,
@@ -243,7 +257,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         state.draining = True
         state.pool.shutdown(wait=False, cancel_futures=True)
         aengine.shutdown()
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         store.close()
 
     return app, close

@@ -8,14 +8,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pensieve.server.async_engine import AsyncEngine
+from pensieve.server.async_engine import EngineClient
 
 _SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
             "recomputed": "recomputed_tokens", "new": "new_prompt_tokens"}
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -103,7 +103,7 @@ def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
 class Metrics:
     """One registry per server."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

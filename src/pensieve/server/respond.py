@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
-from pensieve.server.async_engine import EngineRequestError, set_history
+from pensieve.server import engine_ops
+from pensieve.server.async_engine import EngineRequestError
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
@@ -111,9 +112,8 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
                        code="context_length_exceeded", param="max_tokens")
     params = _params(state, body, max_tokens, stop_ids)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
-        cid = turn.cid
-        await engine_call(state, lambda e: e.set_conversation_hints(
-            cid, body.priority, body.keep_alive_s))
+        await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
+                          body.keep_alive_s)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
     stream = state.engine.generate(rid, turn.prompt_ids, params, turn.cid,
@@ -153,9 +153,10 @@ def engine_error(e: EngineRequestError) -> APIError:
 async def forget_new(state: ServerState, turn: Turn) -> None:
     """A new conversation whose first turn failed leaves nothing behind in the engine."""
     if turn.new_conversation and turn.cid is not None:
-        cid = turn.cid
-        await state.engine.call(
-            lambda e: None if e.conversation_history(cid) else e.delete_conversation(cid))
+        try:
+            await state.engine.call(engine_ops.forget_if_empty, turn.cid)
+        except EngineRequestError:
+            pass  # the engine is gone, and the conversation with it
 
 
 def sse_data(obj: dict[str, Any]) -> str:
@@ -223,7 +224,8 @@ class TurnOutput:
             if self.stops.stopped:
                 result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
                                 "stop", self.cache)
-                await engine_call(self.state, lambda e, r=result: self._stop_turn(e, r))
+                await engine_call(self.state, engine_ops.stop_turn, self.rid, self.turn.cid,
+                                  result.prompt_ids + result.output_ids)
                 await stream.aclose()  # the request is finished: no abort
                 await self._finish(result)
                 yield delta, result
@@ -231,14 +233,6 @@ class TurnOutput:
             if delta:
                 yield delta, None
             upd = await stream.__anext__()
-
-    def _stop_turn(self, eng: Any, result: Result) -> None:
-        """On the engine thread: end the turn at a stop string as if on a stop token (its KV
-        kept), and make the history the context plus the tokens up to the stop (tokens the
-        engine sampled past it are cut, with their KV)."""
-        eng.finish_request(self.rid)
-        if self.turn.cid is not None:
-            set_history(eng, self.turn.cid, result.prompt_ids + result.output_ids)
 
     async def _finish(self, result: Result) -> None:
         """Metrics, and the completed turn persisted (before the client sees its end)."""

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pensieve.server.async_engine import AsyncEngine
+from pensieve.server.async_engine import EngineClient
 from pensieve.server.chat import ChatRenderer
 from pensieve.server.metrics import Metrics
 from pensieve.server.store import ConversationStore
@@ -19,7 +19,7 @@ from pensieve.server.store import ConversationStore
 class ServerState:
     """The server's parts and settings, one per app."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     store: ConversationStore
     renderer: ChatRenderer | None
     model_name: str

@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 from jinja2.exceptions import TemplateError
 
 from pensieve.core.scheduler import ConversationBusyError
-from pensieve.server.async_engine import set_history
+from pensieve.server import engine_ops
+from pensieve.server.engine_loop import EngineRequestError
 from pensieve.server.errors import APIError
 from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
@@ -82,9 +83,12 @@ def owned(state: ServerState, cid: str, tenant: str) -> StoredConversation:
     return conv
 
 
-async def engine_call(state: ServerState, fn: Any) -> Any:
+async def engine_call(state: ServerState, fn: Any, *args: Any) -> Any:
     try:
-        return await state.engine.call(fn)
+        return await state.engine.call(fn, *args)
+    except EngineRequestError as e:  # the engine (its process) is gone
+        raise APIError(500, f"the engine failed on this request: {e}", "server_error",
+                       code="engine_error") from e
     except ConversationBusyError as e:
         raise APIError(409, str(e), code="conversation_busy") from e
     except ValueError as e:
@@ -96,13 +100,8 @@ async def restore(state: ServerState, stored: StoredConversation) -> None:
     no KV), or when another replica continued it (or redid its last turn) since this engine
     last served it (the KV of the common prefix kept)."""
 
-    def fn(eng: Any) -> None:
-        eng.restore_conversation(stored.id, stored.token_ids)
-        if eng.conversation_history(stored.id) != stored.token_ids:
-            set_history(eng, stored.id, stored.token_ids)
-        eng.set_conversation_hints(stored.id, stored.priority, stored.keep_alive_s)
-
-    await engine_call(state, fn)
+    await engine_call(state, engine_ops.restore, stored.id, stored.token_ids, stored.priority,
+                      stored.keep_alive_s)
 
 
 def _retried(state: ServerState, tenant: str, cid: str | None) -> StoredConversation | None:

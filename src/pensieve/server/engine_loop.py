@@ -1,0 +1,144 @@
+"""The server's engine loop, apart from where its commands come from and where its updates go.
+
+:class:`EngineLoop` owns an :class:`~pensieve.engine.llm_engine.LLMEngine`: it applies
+commands (add a request, abort one, call a function on the engine), runs steps, and turns each
+step into :class:`Update` objects, one per request that got a token, finished or failed. Two
+transports drive it: a thread of the server process (:class:`~pensieve.server.async_engine.
+AsyncEngine`) and a process of its own (:mod:`pensieve.server.engine_process`), which keeps
+the engine's host work off the GIL the HTTP side holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pensieve.core.outputs import TokenLogprobs
+from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.step_record import StepTotals
+from pensieve.server.engine_ops import rebase
+
+log = logging.getLogger("pensieve.server")
+
+
+class EngineRequestError(RuntimeError):
+    """The engine failed this request: its execution raised (failure containment: the other
+    requests of the step went on) or the whole step did. The turn's conversation is as it
+    was before the turn; nothing of the turn may be stored."""
+
+
+@dataclass
+class Update:
+    """One event of a request: a new token, the finished output, or an error."""
+
+    token: int | None = None
+    logprobs: TokenLogprobs | None = None
+    """With a token, for a request that asks for them: its log-probabilities."""
+    output: RequestOutput | None = None
+    error: BaseException | None = None
+    cache: dict[str, int] | None = None
+    """With a request's first token: where its context's KV came from (cache stats)."""
+
+    @property
+    def is_last(self) -> bool:
+        return self.output is not None or self.error is not None
+
+
+@dataclass
+class Snapshot:
+    """Engine state for metrics, refreshed by the engine loop after each step."""
+
+    running: int = 0
+    waiting: int = 0
+    stats: dict[str, int] | None = None
+    steps: dict[str, float] | None = None
+    """:class:`~pensieve.engine.step_record.StepTotals` since the server started."""
+
+
+Reply = Callable[[Any, BaseException | None, Any], None]
+"""``reply(token, error, result)``: the outcome of a ``call`` command."""
+
+
+class EngineLoop:
+    """Commands in, updates out; :meth:`take` hands over the updates gathered so far."""
+
+    def __init__(self, engine: Any, reply: Reply) -> None:
+        self.engine = engine
+        self.reply = reply
+        self.live: set[str] = set()
+        """Requests whose stream still waits for updates."""
+        self.updates: list[tuple[str, Update]] = []
+        self.step_totals = StepTotals()
+        engine.step_observers.append(self.step_totals)
+
+    def snapshot(self) -> Snapshot:
+        eng = self.engine
+        return Snapshot(eng.num_running, eng.num_waiting, eng.cache_stats(),
+                        self.step_totals.as_dict())
+
+    def take(self) -> list[tuple[str, Update]]:
+        out, self.updates = self.updates, []
+        return out
+
+    def push(self, rid: str, upd: Update) -> None:
+        if rid not in self.live:
+            return
+        self.updates.append((rid, upd))
+        if upd.is_last:
+            self.live.discard(rid)
+
+    def handle(self, kind: str, arg: Any) -> None:
+        eng = self.engine
+        if kind == "add":
+            rid, ids, params, cid, full_context = arg
+            self.live.add(rid)
+            try:
+                if full_context and cid is not None:
+                    ids = rebase(eng, cid, ids)
+                eng.add_request(rid, ids, params, conversation_id=cid)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting request
+                self.push(rid, Update(error=e))
+        elif kind == "abort":
+            eng.abort_request(arg)
+            self.live.discard(arg)
+        elif kind == "call":
+            token, fn, args = arg
+            try:
+                res = fn(eng, *args)
+            except Exception as e:  # noqa: BLE001 - raised where the call was made
+                self.reply(token, e, None)
+            else:
+                self.reply(token, None, res)
+        elif kind != "noop":
+            raise ValueError(f"unknown engine command {kind!r}")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.engine.has_unfinished())
+
+    def step(self) -> None:
+        """One engine step; its tokens, outputs and errors become updates."""
+        eng = self.engine
+        try:
+            finished = eng.step()
+        except Exception as e:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
+            log.exception("engine step failed")
+            for rid in list(self.live):
+                eng.abort_request(rid)
+                self.push(rid, Update(error=EngineRequestError(f"engine step failed: {e}")))
+            return
+        done = {o.request_id for o in finished}
+        for rid, tok in eng.last_sampled.items():
+            if rid not in done:
+                req = eng.scheduler.requests.get(rid)
+                first = req is not None and len(req.output_token_ids) == 1
+                self.push(rid, Update(token=tok, logprobs=eng.last_logprobs.get(rid),
+                                      cache=req.cache_stats.as_dict()
+                                      if first and req is not None else None))
+        for out in finished:
+            if out.error is not None:  # contained: only this request failed
+                self.push(out.request_id, Update(error=EngineRequestError(out.error)))
+            else:
+                self.push(out.request_id, Update(output=out))

@@ -1,0 +1,173 @@
+"""The engine in a process of its own (``pensieve serve --engine-process``).
+
+In a thread of the server process the engine shares one GIL with the event loop, which
+streams every token as an SSE event, parses requests and renders histories. Measured on an
+H200 serving 13B agentic sessions over HTTP, the runner's host time before a decode step's
+forward grew from 0.2 ms in process to 1.5-2.4 ms in the server, with the GPU idle meanwhile
+(docs/benchmarks.md). Here the engine runs in a child process (``spawn``: CUDA is
+initialised only there) with its own interpreter; the server process keeps the HTTP side, the
+tokenizer and the conversation store.
+
+Two pipes link them. Commands go down (``add``, ``abort``, ``call`` with a module-level
+function and its arguments, ``stop``); the child's :class:`~pensieve.server.engine_loop.
+EngineLoop` sends up, per step, one message with that step's updates and a fresh
+:class:`~pensieve.server.engine_loop.Snapshot`, and the result of each call. A reader thread
+in the server hands those to the event loop (one wake-up per step). If the child dies, every
+stream and pending call fails with :class:`EngineRequestError` and so does every new request
+(a 500); the conversations in the store are as their last completed turn left them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import pickle
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pensieve.server.async_engine import EngineClient
+from pensieve.server.engine_loop import EngineLoop, EngineRequestError, Snapshot
+
+log = logging.getLogger("pensieve.server")
+
+IDLE_POLL_S = 0.5
+"""How often an idle engine process sends a fresh snapshot (and checks its pipe)."""
+
+
+class ProcessEngine(EngineClient):
+    """:class:`~pensieve.server.async_engine.AsyncEngine`'s interface over an engine built
+    from ``cfg`` in a child process. Blocks until the engine is built (or raises
+    ``RuntimeError`` with the child's error)."""
+
+    def __init__(self, cfg: Any, log_level: str = "INFO") -> None:
+        super().__init__()
+        ctx = mp.get_context("spawn")
+        cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
+        self._out_r, out_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=engine_main, args=(cfg, cmd_r, out_w, log_level),
+                                 name="pensieve-engine", daemon=False)
+        self._proc.start()
+        cmd_r.close()
+        out_w.close()
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            kind, info = self._out_r.recv()
+        except EOFError:
+            kind, info = "failed", f"the engine process exited ({self._proc.exitcode})"
+        if kind != "ready":
+            self._proc.join(timeout=10)
+            raise RuntimeError(f"the engine process failed to start: {info}")
+        self.info: dict[str, Any] = info
+        """What the server needs to know of the engine: ``kv_tokens`` (GPU tier)."""
+        self.snapshot: Snapshot = info["snapshot"]
+        self._reader = threading.Thread(target=self._read, name="pensieve-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._proc.is_alive()
+
+    def _send(self, kind: str, arg: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineRequestError("the engine process is not running")
+            try:
+                self._cmd_w.send((kind, arg))
+            except (OSError, ValueError) as e:  # the pipe broke: the child is gone
+                raise EngineRequestError(f"the engine process is not running ({e})") from e
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._out_r.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "step":
+                self._dispatch(msg[1])
+                self.snapshot = msg[2]
+            elif kind == "result":
+                self._resolve(msg[1], msg[2], msg[3])
+            elif kind == "snapshot":
+                self.snapshot = msg[1]
+        with self._lock:
+            was_closed, self._closed = self._closed, True
+        if not was_closed:
+            log.error("the engine process exited (code %s): failing what is in flight",
+                      self._proc.exitcode)
+        self._fail_all(EngineRequestError("the engine process exited"))
+
+    def shutdown(self) -> None:
+        try:
+            self._send("stop", None)
+        except EngineRequestError:
+            pass
+        with self._lock:
+            self._closed = True
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=10)
+        self._cmd_w.close()
+        self._reader.join(timeout=10)
+
+
+def _sendable(out: Connection, msg: tuple[Any, ...]) -> None:
+    """Send ``msg``; a result or error that does not pickle goes as a ``RuntimeError``."""
+    try:
+        out.send(msg)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        if msg[0] != "result":
+            raise
+        out.send(("result", msg[1], RuntimeError(f"unpicklable engine result: {e}"), None))
+
+
+def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> None:
+    """The child: build the engine, then apply commands and run steps until ``stop`` or until
+    the server's end of the pipe closes."""
+    from pensieve.engine.llm_engine import LLMEngine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops it (Ctrl-C reaches both)
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    try:
+        engine = LLMEngine(cfg)
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which raises
+        out.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    core = EngineLoop(engine, lambda token, err, res: _sendable(out, ("result", token, err,
+                                                                      res)))
+    kv_tokens = engine.cache.gpu.num_blocks * engine.cache.chunk_size
+    out.send(("ready", {"kv_tokens": kv_tokens, "snapshot": core.snapshot()}))
+    try:
+        _serve(core, cmds, out)
+    finally:
+        engine.shutdown()
+
+
+def _serve(core: EngineLoop, cmds: Connection, out: Connection) -> None:
+    while True:
+        busy = core.busy
+        try:
+            if cmds.poll(0 if busy else IDLE_POLL_S):
+                while True:
+                    kind, arg = cmds.recv()
+                    if kind == "stop":
+                        return
+                    core.handle(kind, arg)
+                    if not cmds.poll(0):
+                        break
+            elif not busy:
+                out.send(("snapshot", core.snapshot()))
+                continue
+        except (EOFError, OSError):  # the server is gone
+            return
+        if core.busy:
+            core.step()
+        updates = core.take()
+        if updates or core.busy:
+            out.send(("step", updates, core.snapshot()))

@@ -1,0 +1,156 @@
+"""``pensieve serve --engine-process``: the engine in a child process gives the same answers,
+conversation state and errors as the engine in a thread, and a dead engine process fails
+requests cleanly (a 500, /health 503) without touching stored conversations."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from test_logprobs import chat_llama  # noqa: F401 - the fixture
+
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
+
+
+def _server(path: str, store: str, *extra: str) -> tuple[Any, Any]:
+    from pensieve.server.main import add_serve_args, build_server
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    args = p.parse_args([path, "--device", "cpu", "--dtype", "float32", "--store", store,
+                         "--num-gpu-blocks", "64", "--num-cpu-blocks", "32",
+                         "--max-model-len", "256", "--chunk-size", "8", "--served-model-name", "m",
+                         *extra])
+    return build_server(args)
+
+
+@pytest.fixture(scope="module")
+def both(chat_llama: Any, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+         ) -> Iterator[dict[str, tuple[TestClient, openai.OpenAI]]]:
+    out: dict[str, tuple[TestClient, openai.OpenAI]] = {}
+    closers = []
+    try:
+        for name, extra in (("thread", ()), ("process", ("--engine-process",))):
+            store = tmp_path_factory.mktemp(name) / "conv.db"
+            app, close = _server(chat_llama[0], str(store), *extra)
+            closers.append(close)
+            http = TestClient(app)
+            http.__enter__()
+            out[name] = (http, openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="k",
+                                             http_client=http, max_retries=0))
+        yield out
+    finally:
+        for http, _ in out.values():
+            http.__exit__(None, None, None)
+        for close in closers:
+            close()
+
+
+def _chat(client: openai.OpenAI, turns: list[str], stream: bool = False
+          ) -> tuple[list[str], list[Any]]:
+    """A conversation re-sent whole each turn; (answers, usages)."""
+    msgs: list[dict[str, str]] = []
+    answers, usages = [], []
+    for text in turns:
+        msgs.append({"role": "user", "content": text})
+        if stream:
+            chunks = list(client.chat.completions.create(
+                model="m", messages=msgs, stream=True,  # type: ignore[arg-type]
+                stream_options={"include_usage": True}, **GREEDY))
+            answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usages.append(chunks[-1].usage)
+        else:
+            r = client.chat.completions.create(model="m", messages=msgs,  # type: ignore
+                                               **GREEDY)
+            answer = r.choices[0].message.content or ""
+            usages.append(r.usage)
+        answers.append(answer)
+        msgs.append({"role": "assistant", "content": answer})
+    return answers, usages
+
+
+def test_engine_process_answers_as_the_thread_does(both: Any) -> None:
+    turns = ["Tell me about memory palaces.", "And about tiers?", "Once more, shorter."]
+    got = {name: _chat(client, turns) for name, (_, client) in both.items()}
+    assert got["process"][0] == got["thread"][0]
+    for a, b in zip(got["process"][1], got["thread"][1]):
+        assert a.prompt_tokens == b.prompt_tokens and a.completion_tokens == b.completion_tokens
+    # streamed, the same conversation continued from its re-sent history
+    s = {name: _chat(client, ["Stream this.", "And this."], stream=True)[0]
+         for name, (_, client) in both.items()}
+    assert s["process"] == s["thread"] and all(s["process"])
+
+
+def test_engine_process_calls_and_errors(both: Any) -> None:
+    """Stop strings (a call that ends the turn on the engine), conversation deletion (a call
+    that may raise) and the conversation store behave as with the engine in a thread."""
+    results = {}
+    for name, (http, client) in both.items():
+        first = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Count for me."}], **GREEDY)
+        text = first.choices[0].message.content or ""
+        stop = text[2:4] if len(text) >= 4 else None
+        r = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Count for me."}],
+            stop=stop, **GREEDY)
+        cid = (r.model_extra or {}).get("conversation_id")
+        assert cid
+        conv = http.get(f"/v1/conversations/{cid}").json()
+        deleted = http.delete(f"/v1/conversations/{cid}")
+        missing = http.get(f"/v1/conversations/{cid}")
+        results[name] = (r.choices[0].message.content, r.choices[0].finish_reason,
+                         len(conv["token_ids"]), deleted.status_code, missing.status_code)
+    assert results["process"] == results["thread"]
+    assert results["process"][3:] == (200, 404)
+
+
+def test_engine_process_death_fails_requests_cleanly(chat_llama: Any,  # noqa: F811
+                                                     tmp_path: Any) -> None:
+    app, close = _server(chat_llama[0], str(tmp_path / "conv.db"), "--engine-process")
+    try:
+        with TestClient(app) as http:
+            client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="k",
+                                   http_client=http, max_retries=0)
+            msgs = [{"role": "user", "content": "Remember this."}]
+            r = client.chat.completions.create(model="m", messages=msgs, **GREEDY)
+            cid = (r.model_extra or {}).get("conversation_id")
+            before = http.get(f"/v1/conversations/{cid}").json()
+            assert http.get("/health").status_code == 200
+            eng = app.state.pensieve.engine
+            eng._proc.kill()
+            eng._proc.join(timeout=30)
+            eng._reader.join(timeout=30)
+            assert not eng.alive
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_down"
+            msgs2 = msgs + [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                            {"role": "user", "content": "Still there?"}]
+            with pytest.raises(openai.InternalServerError) as e:
+                client.chat.completions.create(model="m", messages=msgs2, **GREEDY)
+            assert "engine" in str(e.value)
+            assert http.get(f"/v1/conversations/{cid}").json() == before
+    finally:
+        close()
+
+
+def test_engine_process_start_failure_is_an_error(tmp_path: Any) -> None:
+    """An engine that cannot be built raises in the server (not a hang): a checkpoint
+    directory whose weights are missing."""
+    import json
+
+    from pensieve.engine.llm import build_engine_config
+    from pensieve.server.engine_process import ProcessEngine
+
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}))
+    cfg = build_engine_config(model=str(bad), device="cpu", num_gpu_blocks=8)
+    with pytest.raises(RuntimeError, match="failed to start"):
+        ProcessEngine(cfg)
