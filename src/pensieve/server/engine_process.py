@@ -1,4 +1,5 @@
-"""The engine in a process of its own (``pensieve serve --engine-process``).
+"""The engine in a process of its own (`pensieve serve`'s default; `--no-engine-process` keeps
+it in a thread of the server process).
 
 In a thread of the server process the engine shares one GIL with the event loop, which
 streams every token as an SSE event, parses requests and renders histories. Measured on an
@@ -11,10 +12,12 @@ tokenizer and the conversation store.
 Two pipes link them. Commands go down (``add``, ``abort``, ``call`` with a module-level
 function and its arguments, ``stop``); the child's :class:`~pensieve.server.engine_loop.
 EngineLoop` sends up, per step, one message with that step's updates and a fresh
-:class:`~pensieve.server.engine_loop.Snapshot`, and the result of each call. A reader thread
-in the server hands those to the event loop (one wake-up per step). If the child dies, every
-stream and pending call fails with :class:`EngineRequestError` and so does every new request
-(a 500); the conversations in the store are as their last completed turn left them.
+:class:`~pensieve.server.engine_loop.Snapshot`, and the result of each call with the
+snapshot after it (so ``/metrics`` read after a call returns sees what the call did). A
+reader thread in the server hands those to the event loop (one wake-up per step). If the
+child dies, every stream and pending call fails with :class:`EngineRequestError` and so
+does every new request (a 500); the conversations in the store are as their last completed
+turn left them.
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ class ProcessEngine(EngineClient):
             if kind == "step":
                 self._dispatch(msg[1])
                 self.snapshot = msg[2]
-            elif kind == "result":
+            elif kind == "result":  # with the engine's state after the call
+                self.snapshot = msg[4]
                 self._resolve(msg[1], msg[2], msg[3])
             elif kind == "snapshot":
                 self.snapshot = msg[1]
@@ -123,7 +127,8 @@ def _sendable(out: Connection, msg: tuple[Any, ...]) -> None:
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         if msg[0] != "result":
             raise
-        out.send(("result", msg[1], RuntimeError(f"unpicklable engine result: {e}"), None))
+        out.send(("result", msg[1], RuntimeError(f"unpicklable engine result: {e}"), None,
+                  msg[4]))
 
 
 def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> None:
@@ -139,8 +144,12 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises
         out.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    core = EngineLoop(engine, lambda token, err, res: _sendable(out, ("result", token, err,
-                                                                      res)))
+    core: EngineLoop
+
+    def reply(token: Any, err: BaseException | None, res: Any) -> None:
+        _sendable(out, ("result", token, err, res, core.snapshot()))
+
+    core = EngineLoop(engine, reply)
     kv_tokens = engine.cache.gpu.num_blocks * engine.cache.chunk_size
     out.send(("ready", {"kv_tokens": kv_tokens, "snapshot": core.snapshot()}))
     try:

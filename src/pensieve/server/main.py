@@ -152,9 +152,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "process: how long the engine thread may wait for the GIL while the "
                         f"HTTP side holds it (default {DEFAULT_SWITCH_INTERVAL_MS}; Python's "
                         "own is 5)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, off the GIL of the HTTP side "
-                        "(default: a thread of the server process)")
+                        "(default); --no-engine-process: in a thread of the server process")
     p.add_argument("--log-level", default="info")
 
 
