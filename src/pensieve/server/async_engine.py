@@ -128,7 +128,7 @@ class EngineClient:
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # its event loop is closed (the server is shutting down)
-                for rid in [r for r, (lp, _) in self._streams.items() if lp is loop]:
+                for rid in [r for r, (lp, _) in list(self._streams.items()) if lp is loop]:
                     self._streams.pop(rid, None)
 
     def _resolve(self, token: Any, error: BaseException | None, result: Any) -> None:
