@@ -24,7 +24,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, store: Path, cache_dir: Path, *extra: str, model: str = "demo") -> None:
+    def __init__(self, store: Path, cache_dir: Path, *extra: str, model: str = "demo",
+                 new_session: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
@@ -34,7 +35,7 @@ class Server:
              "--store", str(store), "--device", "cpu", "--num-gpu-blocks", "96",
              "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
              "--max-num-batched-tokens", "256", "--log-level", "warning", *extra],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, Path(self.log.name).read_text()

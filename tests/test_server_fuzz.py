@@ -270,3 +270,30 @@ def test_sigterm_with_a_long_stream_exits_within_the_timeout(tmp_path: Path) -> 
     srv.log.close()
     print(f"\nSIGTERM with a 400-token stream in flight: exited in {took:.1f} s")
     assert took < 30  # generous: the timeout is 2 s, then in-flight turns are aborted
+
+
+def test_sigterm_to_the_process_group_lets_a_turn_finish(tmp_path: Path) -> None:
+    """A service manager's SIGTERM reaches the server and its engine process at once: the
+    engine ignores it, the server's graceful shutdown lets the turn in flight finish (its
+    whole answer streamed), then stops the engine and exits."""
+    import os
+
+    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--shutdown-timeout", "60",
+                 new_session=True)
+    events = []
+    with httpx.stream("POST", srv.url + CHAT, timeout=120, json={
+            "messages": [{"role": "user", "content": "long"}], "max_tokens": 48,
+            "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        events.append(next(lines))
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        events += list(lines)
+    srv.proc.wait(timeout=120)
+    srv.log.close()
+    data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-1]
+    finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", [])
+              if ch.get("finish_reason")]
+    assert finish == ["length"]

@@ -136,7 +136,11 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
     the server's end of the pipe closes."""
     from pensieve.engine.llm_engine import LLMEngine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops it (Ctrl-C reaches both)
+    # The server stops it: Ctrl-C in a terminal and a service manager's SIGTERM reach the
+    # whole process group, and the server's graceful shutdown lets turns in flight finish
+    # first. If the server dies instead, the engine sees its pipe close and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     try:
