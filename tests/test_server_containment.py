@@ -172,7 +172,8 @@ def test_update_for_a_closed_event_loop_is_dropped() -> None:
 
     from server_scripted import scripted_engine
 
-    from pensieve.server.async_engine import AsyncEngine, Update
+    from pensieve.server.async_engine import AsyncEngine
+    from pensieve.server.engine_loop import Update
 
     eng, _ = scripted_engine(64, (1,))
     aeng = AsyncEngine(eng)  # type: ignore[arg-type]
@@ -181,7 +182,7 @@ def test_update_for_a_closed_event_loop_is_dropped() -> None:
         q: asyncio.Queue[Update] = asyncio.Queue()
         aeng._streams["r"] = (loop, q)
         loop.close()
-        aeng._push("r", Update(token=5))
+        aeng._dispatch([("r", Update(token=5))])
         assert "r" not in aeng._streams
         assert aeng._thread.is_alive()
     finally:

@@ -23,12 +23,10 @@ from typing import Any
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.server.engine_loop import EngineLoop, EngineRequestError, Snapshot, Update
-from pensieve.server.engine_ops import common_prefix_len, set_history, truncate_history
 
 log = logging.getLogger("pensieve.server")
 
-__all__ = ["AsyncEngine", "EngineClient", "EngineRequestError", "Snapshot", "Update",
-           "common_prefix_len", "set_history", "truncate_history"]
+__all__ = ["AsyncEngine", "EngineClient"]
 
 
 class EngineClient:
@@ -110,9 +108,6 @@ class EngineClient:
                     pass  # the engine is gone: nothing to abort
 
     # ------------------------------------------------------------------ from the engine side
-    def _push(self, request_id: str, upd: Update) -> None:
-        self._dispatch([(request_id, upd)])
-
     def _dispatch(self, updates: list[tuple[str, Update]]) -> None:
         """Hand a step's updates to their streams: one wake-up per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Update], Update]]] = {}
@@ -159,7 +154,6 @@ class AsyncEngine(EngineClient):
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._core = EngineLoop(engine, self._resolve)
-        self.step_totals = self._core.step_totals
         self.snapshot = self._core.snapshot()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pensieve-engine", daemon=True)

@@ -17,6 +17,14 @@ from pensieve.models.builtin import DEFAULT_MODEL
 log = logging.getLogger("pensieve.server")
 
 
+def _float_or_nan(text: str) -> float:
+    """``float(text)``, NaN for what is not a number (so a range check refuses it)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def swap_bandwidth_arg(text: str) -> float | str:
     """``--swap-bandwidth-gbps``: a positive number of GB/s, ``auto`` or ``off``."""
     t = text.strip().lower()
@@ -24,10 +32,7 @@ def swap_bandwidth_arg(text: str) -> float | str:
         return t
     if t == "none":
         return "off"
-    try:
-        v = float(t)
-    except ValueError:
-        v = float("nan")
+    v = _float_or_nan(t)
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(
             f"expected a positive number of GB/s, 'auto' or 'off', got {text!r}")
@@ -36,10 +41,7 @@ def swap_bandwidth_arg(text: str) -> float | str:
 
 def fraction_arg(text: str) -> float:
     """A share in [0, 1) (``--decode-reserve``)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
+    v = _float_or_nan(text)
     if not 0.0 <= v < 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
     return v
@@ -54,10 +56,7 @@ instead of Python's 5 ms cut the runner's host time before each forward by 14-27
 
 def positive_ms_arg(text: str) -> float:
     """A positive, finite number of milliseconds (``--switch-interval-ms``)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
+    v = _float_or_nan(text)
     if not (0.0 < v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a positive number of ms, got {text!r}")
     return v
@@ -181,10 +180,10 @@ def serve(args: argparse.Namespace) -> int:
 
 def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
     """(the engine if it lives in this process, the client the server talks to)."""
-    if getattr(args, "engine_process", False):
+    if args.engine_process:
         from pensieve.server.engine_process import ProcessEngine
 
-        return None, ProcessEngine(cfg, getattr(args, "log_level", "info"))
+        return None, ProcessEngine(cfg, args.log_level)
     from pensieve.server.async_engine import AsyncEngine
 
     engine = LLMEngine(cfg)
@@ -204,7 +203,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     from pensieve.server.state import ServerState
     from pensieve.server.stores import open_store
 
-    sys.setswitchinterval(getattr(args, "switch_interval_ms", DEFAULT_SWITCH_INTERVAL_MS) / 1e3)
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
     hf_config, path = resolve_config(args.model)

@@ -26,7 +26,7 @@ from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
-from pensieve.server.async_engine import EngineRequestError
+from pensieve.server.engine_loop import EngineRequestError
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
