@@ -17,7 +17,8 @@
 #
 # Usage: churn_points.sh [SYSTEM_A,SYSTEM_B] [RATE | RATE_A,RATE_B] [extra multiturn.py args]
 #        (defaults: stateless,pensieve 0.7; two rates give each side its own load, e.g. each
-#        system near its own capacity)
+#        system near its own capacity). One system alone (e.g. `pensieve 1.0`) runs one
+#        server on GPU A: what a one-GPU machine can do (compare with an earlier run's point).
 # The device image lacks fastapi/uvicorn/pydantic: run
 #   ../shared/tools/device-wheels.sh annotated-doc anyio==4.16.0
 # here first and carry .whl; they are installed into $SITE (default /tmp/site).
@@ -57,9 +58,11 @@ systems=${1:-stateless,pensieve}; rate=${2:-0.7}
 [ $# -ge 2 ] && shift 2 || shift $#
 IFS=',' read -r sys_a sys_b <<< "$systems"
 IFS=',' read -r rate_a rate_b <<< "$rate"; rate_b=${rate_b:-$rate_a}
-if [ -z "${sys_a:-}" ] || [ -z "${sys_b:-}" ]; then
-  echo "usage: $0 SYSTEM_A,SYSTEM_B RATE [multiturn args]" >&2; exit 2
+if [ -z "${sys_a:-}" ]; then
+  echo "usage: $0 SYSTEM_A[,SYSTEM_B] RATE [multiturn args]" >&2; exit 2
 fi
+sides="A B"  # one system alone (no comma) runs side A only: a one-GPU machine
+[ -z "${sys_b:-}" ] && { sides="A"; sys_b=-; rate_b=-; }
 py=${PYTHON:-python3}
 mode=${MODE:-http}; api=${API:-chat}
 model=${MODEL:-llama2-13b-gqa10}
@@ -89,7 +92,7 @@ pin() {  # GPU: the environment for one side
 finish() {  # gather what there is into $OUT, print the summary
   cat "$w"/A/points.jsonl "$w"/B/points.jsonl > "$out/points.jsonl" 2>/dev/null
   local ts=()
-  for s in A B; do
+  for s in $sides; do
     [ -f "$w/$s/timeseries.jsonl" ] && ts+=("$w/$s/timeseries.jsonl")
     [ -f "$w/$s/requests.jsonl" ] && gzip -f "$w/$s/requests.jsonl"
     [ -f "$w/$s/steps.jsonl" ] && gzip -f "$w/$s/steps.jsonl"  # inproc: every engine step
@@ -129,7 +132,7 @@ if [ "$mode" = inproc ]; then
     fi
     say "window cut to $window s to fit BUDGET_S=$budget (START_EST=$start_est s assumed)"
   fi
-  for s in A B; do
+  for s in $sides; do
     if [ $s = A ]; then sys=$sys_a; g=$gpu_a; r=$rate_a; else sys=$sys_b; g=$gpu_b; r=$rate_b; fi
     mkdir -p "$w/$s"
     # shellcheck disable=SC2046
@@ -139,7 +142,7 @@ if [ "$mode" = inproc ]; then
       --drain "$drain" --out "$w/$s" "$@" > "$w/$s/client.log" 2> "$w/$s/progress.log" &
     eval "pid_$s=$!"
   done
-  wait "$pid_A"; rc_a=$?; wait "$pid_B"; rc_b=$?
+  wait "$pid_A"; rc_a=$?; rc_b=0; [ "$sides" = A ] || { wait "$pid_B"; rc_b=$?; }
   say "multiturn.py exit status: $sys_a $rc_a, $sys_b $rc_b"
   cat "$w"/A/client.log "$w"/B/client.log | tee -a "$log"
   finish
@@ -163,7 +166,7 @@ if [ "$api" = chat ] && [ "$model" != demo ] && [ ! -d "$model" ]; then
 fi
 
 pids=()
-for s in A B; do
+for s in $sides; do
   if [ $s = A ]; then sys=$sys_a; g=$gpu_a; p=$port; extra=${SERVE_ARGS_A:-}; e=${SERVE_ENV_A:-}
   else sys=$sys_b; g=$gpu_b; p=$((port + 1)); extra=${SERVE_ARGS_B:-}; e=${SERVE_ENV_B:-}; fi
   mkdir -p "$w/$s"
@@ -174,7 +177,7 @@ for s in A B; do
     > "$w/server_${s}_$sys.log" 2>&1 &
   pids+=($!)
 done
-srv_a=${pids[0]}; srv_b=${pids[1]}
+srv_a=${pids[0]}; srv_b=${pids[1]:-}
 
 stop_servers() {  # $1: the first signal, INT (up) or TERM (still starting); see http_point.sh
   local sig pid alive
@@ -190,6 +193,7 @@ stop_servers() {  # $1: the first signal, INT (up) or TERM (still starting); see
     done
   done
   for pid in "$srv_a" "$srv_b"; do
+    [ -n "$pid" ] || continue
     wait "$pid" 2>/dev/null
     say "server $pid exit status $?"
   done
@@ -201,9 +205,9 @@ ready() {  # no curl on every image: ask with the standard library
 sys.exit(u.urlopen('http://127.0.0.1:$1/health', timeout=2).status != 200)" 2>/dev/null
 }
 deadline=$(( $(date +%s) + ${HEALTH_TIMEOUT:-240} ))
-up_a=0; up_b=0
+up_a=0; up_b=0; [ "$sides" = A ] && up_b=1
 while [ $up_a = 0 ] || [ $up_b = 0 ]; do
-  for s in A B; do
+  for s in $sides; do
     if [ $s = A ]; then pid=$srv_a; p=$port; else pid=$srv_b; p=$((port + 1)); fi
     if ! kill -0 "$pid" 2>/dev/null; then
       say "server $s exited before it was ready; its log:"
@@ -235,7 +239,7 @@ fi
 duration=$(( warmup + window ))
 say "both up after $elapsed s: arrivals for $duration s (window $warmup-$duration s), drain $drain s"
 
-for s in A B; do
+for s in $sides; do
   if [ $s = A ]; then sys=$sys_a; p=$port; r=$rate_a; else sys=$sys_b; p=$((port + 1)); r=$rate_b; fi
   timeout $(( duration + drain + 60 )) "$py" benchmarks/multiturn.py --engine http --api "$api" \
     --url "http://127.0.0.1:$p" --systems "$sys" --rates "$r" "${load_args[@]}" \
@@ -244,10 +248,10 @@ for s in A B; do
     --keep-conversations --out "$w/$s" "$@" > "$w/$s/client.log" 2> "$w/$s/progress.log" &
   eval "cl_$s=$!"
 done
-wait "$cl_A"; rc_a=$?; wait "$cl_B"; rc_b=$?
+wait "$cl_A"; rc_a=$?; rc_b=0; [ "$sides" = A ] || { wait "$cl_B"; rc_b=$?; }
 say "multiturn.py exit status: $sys_a $rc_a, $sys_b $rc_b"
 cat "$w"/A/client.log "$w"/B/client.log | tee -a "$log"
-for s in A B; do
+for s in $sides; do
   if [ $s = A ]; then p=$port; else p=$((port + 1)); fi
   "$py" -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$p/metrics', timeout=10).read().decode())" \
     > "$w/$s/metrics_end.txt" 2>/dev/null || true
