@@ -8,10 +8,8 @@ the engine's layout (views of one allocation). For each copy method of ``KVSwapp
     hybrid   chunk-major CPU tier; swap-in as kernel (layer-pipelined), swap-out through the
              copy engines: device-side gather into staging, one cudaMemcpy per run of
              consecutive CPU ids (>= 6.5 MB), pieces of --staging-chunks through two halves
-    staged   as hybrid, and swap-in through the copy engines too, pipelined by --in-groups
-             groups of layers (per group one cudaMemcpy per chunk into a staging buffer, then
-             a device-side scatter; a layer waits for its group; one set of rows per value,
-             method column ``staged/gN``)
+    staged   as hybrid, and swap-in through the copy engines too (per-run cudaMemcpy into a
+             staging buffer, then a device-side scatter; not layer-pipelined)
     dma      one cudaMemcpy per run of consecutive CPU ids per layer (80 KB pieces)
 
 and each chunk count it times one step moving that many chunks with GPU and CPU block ids
@@ -53,7 +51,6 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS, DEFAULT_TILE_BYTES
 from pensieve.runner.model_runner import allocate_kv_caches
-from pensieve.runner.swap_copies import DEFAULT_IN_GROUPS
 from pensieve.runner.swapper import DEFAULT_STAGING_CHUNKS, METHODS, STREAM_METHODS, KVSwapper
 
 REFERENCE_GBPS = 55.0  # measured on the H200: large pinned copies, one direction
@@ -162,7 +159,7 @@ def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: i
                                     ("out", SwapPlan(swap_out=p["out"])),
                                     ("in+out", SwapPlan(swap_in=swap_in, swap_out=p["out"]))):
                 t = timed(swapper_step(sw, plan), reps)
-                add(rows, {"method": label(sw), "pattern": pattern, "dir": direction,
+                add(rows, {"method": sw.method, "pattern": pattern, "dir": direction,
                            "chunks": n, "programs": sw.num_programs
                            if sw.method in STREAM_METHODS else None,
                            "bytes": n * step_bytes, **t})
@@ -201,7 +198,7 @@ def sweep_rows(sw: KVSwapper, programs: list[int], tiles: list[int], n: int, num
             for direction, plan in (("in", SwapPlan(swap_in=swap_in)),
                                     ("out", SwapPlan(swap_out=p["out"])), ("in+out", both)):
                 t = timed(swapper_step(sw, plan), reps)
-                row = {"method": label(sw), "pattern": "random", "dir": direction, "chunks": n,
+                row = {"method": sw.method, "pattern": "random", "dir": direction, "chunks": n,
                        "programs": prog, "tile_bytes": tile, "bytes": n * step_bytes, **t}
                 if direction == "in+out" and tile == tiles[0]:
                     k = max(1, round(t["s"] / one))  # as long as the copies, alone
@@ -236,11 +233,6 @@ def fmt_row(r: dict) -> str:
 
 def fmt_table(rows: list[dict]) -> str:
     return "\n".join([HEADER, *(fmt_row(r) for r in rows)])
-
-
-def label(sw: KVSwapper) -> str:
-    """The method, with its groups of layers for staged swap-ins (``staged/g4``)."""
-    return f"staged/g{sw.in_groups}" if sw.method == "staged" else sw.method
 
 
 def add(rows: list[dict], row: dict) -> None:
@@ -331,9 +323,6 @@ def main() -> None:
                     help="kernel programs for the main rows")
     ap.add_argument("--staging-chunks", type=int, default=DEFAULT_STAGING_CHUNKS,
                     help="hybrid / staged: chunks per staging piece and half")
-    ap.add_argument("--in-groups", type=int, nargs="+", default=[DEFAULT_IN_GROUPS],
-                    help="staged: groups of layers its swap-ins are pipelined in (one set of "
-                         "rows per value)")
     ap.add_argument("--sweep-methods", nargs="*", default=["kernel", "hybrid"],
                     choices=list(STREAM_METHODS))
     ap.add_argument("--sweep-programs", type=int, nargs="*", default=[16, 32])
@@ -370,13 +359,11 @@ def main() -> None:
     sweep: list[dict] = []
     pin_s: dict[str, float] = {}
     header = ""
-    runs = [(m, g) for m in args.methods
-            for g in (args.in_groups if m == "staged" else [DEFAULT_IN_GROUPS])]
-    for method, groups in runs:
+    for method in args.methods:
         t0 = time.perf_counter()
         sw = KVSwapper(caches, num_cpu, method, num_programs=args.programs,
-                       staging_chunks=args.staging_chunks, in_groups=groups)
-        pin_s[label(sw)] = time.perf_counter() - t0
+                       staging_chunks=args.staging_chunks)
+        pin_s[method] = time.perf_counter() - t0
         step_bytes = sw.block_bytes * args.layers  # one chunk, all layers
         if not header:
             header = (f"{torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  "
@@ -386,8 +373,8 @@ def main() -> None:
                       f"{num_cpu * step_bytes / gib:.1f} GiB ({num_cpu} blocks)")
             print(header + "\n\n" + HEADER, flush=True)
             rows += raw_copies(sw, min(256 * 2**20, num_cpu * sw.block_bytes // 2), args.reps)
-        print(f"{label(sw)}: CPU tier ({sw.host_layout}) pinned and mapped (and kernel compiled) "
-              f"in {pin_s[label(sw)]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs"
+        print(f"{method}: CPU tier ({sw.host_layout}) pinned and mapped (and kernel compiled) "
+              f"in {pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs"
               + (f"; staging {args.staging_chunks} chunks per piece, 2 halves"
                  if method in ("hybrid", "staged") else ""), flush=True)
         rows += method_rows(sw, args.sizes, args.patterns, num_gpu, num_cpu, step_bytes,

@@ -561,18 +561,11 @@ def test_staged_copies_per_run_and_bounded_staging(method: str) -> None:
     run_step(sw, plan)
     apply_reference(gpu, cpu, plan)
     assert_tiers(sw, gpu, cpu)
-    if method == "staged":  # two groups of one layer: per group a copy a chunk, 3 scatters
-        assert sw.num_copies == 2 * (12 + 3) and sw._in_stage is not None
+    if method == "staged":
+        assert sw.num_copies == 3 + 6 and sw._in_stage is not None
         assert sw._in_stage.shape[0] == 5
     else:
         assert sw.num_copies == 2 and sw._in_stage is None  # one launch per layer
-
-
-def test_layer_groups() -> None:
-    assert swap_streams.layer_groups(40, 4) == [(0, 10), (10, 20), (20, 30), (30, 40)]
-    assert swap_streams.layer_groups(5, 2) == [(0, 2), (2, 5)]
-    assert swap_streams.layer_groups(2, 4) == [(0, 1), (1, 2)]
-    assert swap_streams.layer_groups(3, 1) == [(0, 3)]
 
 
 # ---------------------------------------------------------------- streams, simulated
@@ -661,33 +654,6 @@ class SimStreams:
         while self.step():
             pass
         assert not any(self.queues.values()), "work left behind a wait that never completes"
-
-
-@pytest.mark.parametrize("in_groups", [1, 2, 4])
-def test_staged_swap_ins_pipelined_by_groups_of_layers(in_groups: int) -> None:
-    """A staged step's layer waits for its own group of layers only: once the first group's
-    event is done, its layers hold the swapped-in blocks and the last group's do not yet."""
-    caches = list(torch.stack(make_caches(4, 10, 2, 1, 4, torch.float32)).unbind(0))
-    sim = SimStreams(random.Random(0), eagerness=0.0)
-    sw = make_swapper(caches, 8, "staged", streams=sim, in_groups=in_groups, staging_chunks=2)
-    sw._triton = False
-    gpu, cpu = snapshot(sw)
-    plan = SwapPlan(swap_in=[(1, 3), (2, 5), (6, 7)])
-    ready = sw.start_step(plan)
-    assert ready is not None and sw._step is not None and sw._step.events is not None
-    events = sw._step.events
-    groups = swap_streams.layer_groups(4, in_groups)
-    assert len({id(e) for e in events}) == len(groups)
-    sim.force(events[0])
-    apply_reference(gpu, cpu, plan)
-    for layer in range(4):
-        here = torch.equal(sw.gpu_caches[layer], gpu[layer])
-        assert here == (layer < groups[0][1]), f"layer {layer}"
-    for layer in range(4):
-        ready(layer)
-    sw.finish_step()
-    sim.drain()
-    assert_tiers(sw, gpu, cpu)
 
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.runner.swap_streams import CudaStreams, Streams, layer_groups, runs_of
+from pensieve.runner.swap_streams import CudaStreams, Streams, runs_of
 
 LayerReady = Callable[[int], None]
 METHODS = ("kernel", "hybrid", "staged", "dma")
@@ -25,8 +25,6 @@ CHUNK_MAJOR = ("hybrid", "staged")
 """Methods with the chunk-major host tier and the staged (copy-engine) swap-outs."""
 STREAM_METHODS = ("kernel", "hybrid", "staged")
 """Methods run through :class:`Streams` (CUDA, or a test's simulator)."""
-DEFAULT_IN_GROUPS = 4
-"""Staged swap-ins: groups of layers copied and scattered in turn (a layer waits for its own)."""
 DEFAULT_STAGING_CHUNKS = 64
 """Chunks per staging half (hybrid and staged): the device staging memory is at most 2 x this
 (out) + this (staged in) chunks of all layers (13B: 6.5 MB each)."""
@@ -269,17 +267,12 @@ class CopyPaths:
         self._copies.pop(("in", True), None)
 
     def _dma_rows(self, stage: torch.Tensor, runs: list[tuple[int, int, int]],
-                  to_host: bool, layers: tuple[int, int] | None = None) -> None:
+                  to_host: bool) -> None:
         """Copy the runs ``(stage row, CPU block, length)`` between ``stage`` and the host
-        tier (both chunk-major: one contiguous piece per run), on the current stream.
-        ``layers``: only layers ``[a, b)``, one contiguous piece per chunk."""
-        host_t = self._host
-        if layers is not None and layers != (0, self.num_layers):
-            stage, host_t = stage[:, layers[0]:layers[1]], host_t[:, layers[0]:layers[1]]
-            runs = [(r + j, c + j, 1) for r, c, n in runs for j in range(n)]
+        tier (both chunk-major: one contiguous piece per run), on the current stream."""
         lengths = [n for _, _, n in runs]
         rows = Runs([r for r, _, _ in runs], lengths, stage.shape[0]).views(stage)
-        host = Runs([c for _, c, _ in runs], lengths, self.num_cpu_blocks).views(host_t)
+        host = Runs([c for _, c, _ in runs], lengths, self.num_cpu_blocks).views(self._host)
         if to_host:
             torch._foreach_copy_(host, rows, non_blocking=True)
         else:
@@ -314,31 +307,24 @@ class CopyPaths:
             event = self._half_free[h] = st.record(dma)
         return event, refs
 
-    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
-                         groups: int = 1) -> tuple[list[Any], list[Any]]:
-        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream`` in ``groups`` groups of
-        layers, group by group: per piece of at most :attr:`staging_chunks`, copies of the
-        runs' layers of the group into the in-staging buffer (one per run and all layers when
-        ``groups`` is 1, else one per chunk), then a scatter of those layers into the GPU
-        caches (one stream: a piece's copies wait for the previous scatter). Returns what must
-        stay referenced until the stream's work is done, and per layer the event after its
-        group."""
+    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]]
+                         ) -> list[Any]:
+        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream``: per piece of at most
+        :attr:`staging_chunks`, copies of the runs into the in-staging buffer, then a scatter
+        into the GPU caches (one stream: a piece's copies wait for the previous scatter).
+        Returns what must stay referenced until the stream's work is done."""
         size = self.staging_chunks
         order = sorted(pairs, key=lambda p: p[0])
         self._grow_in(min(len(order), size))
         assert self._in_stage is not None
         idx = st.upload(stream, [(j % size, g) for j, (_, g) in enumerate(order)])
-        events: list[Any] = []
-        for a, b in layer_groups(self.num_layers, groups):
-            for k in range(0, len(order), size):
-                piece = order[k:k + size]
-                runs = runs_of([c for c, _ in piece])
-                st.run(stream, functools.partial(self._dma_rows, self._in_stage, runs, False,
-                                                 (a, b)))
-                st.run(stream, functools.partial(self._kernel, idx[k:k + len(piece)], True, a,
-                                                 b, "in"))
-            events += [st.record(stream)] * (b - a)
-        return [idx, self._in_stage], events
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
+            runs = runs_of([c for c, _ in piece])
+            st.run(stream, functools.partial(self._dma_rows, self._in_stage, runs, False))
+            st.run(stream, functools.partial(self._kernel, idx[k:k + len(piece)], True, 0,
+                                             self.num_layers, "in"))
+        return [idx, self._in_stage]
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU

@@ -188,13 +188,6 @@ class Immediate:
 IMMEDIATE = Immediate()
 
 
-def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
-    """``[a, b)`` spans of ``min(groups, num_layers)`` near-equal groups of layers, in order."""
-    g = max(1, min(groups, num_layers))
-    bounds = [num_layers * i // g for i in range(g + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
 def runs_of(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive values in ``ids`` (in list order): ``(first index, first
     id, length)`` each."""

@@ -51,12 +51,10 @@ None):
   46.6-48.7 / 49.7-50.2), in + out together 30.5-33.4 GB/s each way (kernel: 27-29), and a
   GEMM beside in + out copies slowed 1.12-1.18x (kernel: 1.36-1.43x: SM copies both ways take
   compute from the model).
-- ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well, pipelined by
-  ``in_groups`` groups of layers: per group, one ``cudaMemcpyAsync`` per chunk (the group's
-  layers of a chunk are contiguous) into a device staging buffer (at most ``staging_chunks``
-  chunks at a time), then a device-side scatter launch into the GPU cache; a layer waits for
-  its group only. ``swap_in_ahead`` copies (``ahead="dma"``) go in one group, one copy per
-  run of consecutive CPU ids.
+- ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well: one
+  ``cudaMemcpyAsync`` per run of consecutive CPU ids into a device staging buffer (at most
+  ``staging_chunks`` chunks at a time), then a device-side scatter launch into the GPU
+  cache. Not layer-pipelined: every layer waits for all of the step's swap-ins.
 - ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
   of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
   of a run are not consecutive (the method before the kernel, kept for comparison).
@@ -95,7 +93,6 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.runner.swap_copies import (
     CHUNK_MAJOR,
-    DEFAULT_IN_GROUPS,
     DEFAULT_STAGING_CHUNKS,
     METHODS,
     STREAM_METHODS,
@@ -156,7 +153,6 @@ class KVSwapper(CopyPaths):
     :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
     parallelism, where only rank 0's count reaches the scheduler). ``streams``: for tests, a
     :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
-    ``in_groups``: staged swap-ins are copied and scattered in this many groups of layers.
     """
 
     def __init__(
@@ -170,7 +166,6 @@ class KVSwapper(CopyPaths):
         background: bool = True,
         streams: Streams | None = None,
         ahead: str | None = None,
-        in_groups: int = DEFAULT_IN_GROUPS,
     ) -> None:
         check_caches(gpu_caches, num_cpu_blocks)
         first = gpu_caches[0]
@@ -189,12 +184,10 @@ class KVSwapper(CopyPaths):
         if method not in METHODS:
             raise ValueError(f"swap method {method!r} not in {METHODS}")
         if streams is not None and (self._cuda or method not in STREAM_METHODS):
-            raise ValueError(f"streams= is for the {STREAM_METHODS} methods on CPU (tests)")
-        chunks = 1 if staging_chunks is None else staging_chunks
-        for name, n in (("staging_chunks", chunks), ("in_groups", in_groups)):
-            if n < 1:
-                raise ValueError(f"{name} {n} < 1")
-        self.in_groups = in_groups  # staged: groups of layers the swap-ins are pipelined in
+            raise ValueError(f"streams= is for the {STREAM_METHODS} methods on CPU tensors "
+                             "(tests)")
+        if staging_chunks is not None and staging_chunks < 1:
+            raise ValueError(f"staging_chunks {staging_chunks} < 1")
         self.method = method
         self.ahead = ahead_path(ahead, method)
         """How ``swap_in_ahead`` copies run on streams: ``"kernel"`` or ``"dma"``."""
@@ -344,8 +337,8 @@ class KVSwapper(CopyPaths):
                 step.out_first = st.upload(s, plan.swap_out_first)
                 st.run(s, functools.partial(self._kernel, step.out_first, False, 0, layers))
             if plan.swap_in and self.method == "staged":
-                step.swap_in, events = self._issue_in_staged(st, s, plan.swap_in,
-                                                             self.in_groups)
+                step.swap_in = self._issue_in_staged(st, s, plan.swap_in)
+                events = [st.record(s)] * layers
             elif plan.swap_in:
                 step.swap_in = st.upload(s, plan.swap_in)
                 for layer in range(layers):
@@ -359,7 +352,7 @@ class KVSwapper(CopyPaths):
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
             if self.method == "staged" or self.ahead == "dma":
-                refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
+                refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)
             else:
                 refs = st.upload(s, plan.swap_in_ahead)
                 st.run(s, functools.partial(self._kernel, refs, True, 0, layers))
@@ -407,7 +400,7 @@ class KVSwapper(CopyPaths):
                 (self._copy_in if to_gpu else self._copy_out)(obj, layer)
         elif isinstance(obj, Staged):  # every layer at once
             if to_gpu:
-                self._issue_in_staged(IMMEDIATE, None, obj.pairs, self.in_groups)
+                self._issue_in_staged(IMMEDIATE, None, obj.pairs)
             else:
                 self._issue_out_staged(IMMEDIATE, obj.pairs, None, None)
         else:
