@@ -81,7 +81,8 @@ model_args=(--load-format "${LOAD_FORMAT:-dummy}" --dtype "${DTYPE:-bfloat16}"
 load_args=(--workload "$workload" --think-time "$think" --seed "${SEED:-0}"
            --tag "${TAG:-churn}" --model "$model" --gpu-kv-gb "$gpu_kv" --cpu-kv-gb "$cpu_kv")
 label=$mode; [ "$mode" = http ] && label="http ($api)"
-say "churn points: $sys_a (GPU ${gpu_a:-}) vs $sys_b (GPU ${gpu_b:-}), $rate sessions/s, $label," \
+say "churn points: $sys_a (GPU ${gpu_a:-})$([ "$sides" = A ] || echo " vs $sys_b (GPU ${gpu_b:-})")," \
+    "$rate sessions/s, $label," \
     "model $model, tiers $gpu_kv / $cpu_kv GB, think $think s, warm-up $warmup s," \
     "window $window s, drain $drain s"
 
@@ -90,7 +91,7 @@ pin() {  # GPU: the environment for one side
 }
 
 finish() {  # gather what there is into $OUT, print the summary
-  cat "$w"/A/points.jsonl "$w"/B/points.jsonl > "$out/points.jsonl" 2>/dev/null
+  for s in $sides; do cat "$w/$s/points.jsonl"; done > "$out/points.jsonl" 2>/dev/null
   local ts=()
   for s in $sides; do
     [ -f "$w/$s/timeseries.jsonl" ] && ts+=("$w/$s/timeseries.jsonl")
@@ -105,7 +106,7 @@ finish() {  # gather what there is into $OUT, print the summary
   done
   if [ ${#ts[@]} -gt 0 ]; then
     "$py" benchmarks/plot_timeseries.py "${ts[@]}" --out "$out/churn" --title \
-      "$sys_a vs $sys_b, $rate sessions/s, $workload, $model, tiers $gpu_kv/$cpu_kv GB, $label" \
+      "$sys_a$([ "$sides" = A ] || echo " vs $sys_b"), $rate sessions/s, $workload, $model, tiers $gpu_kv/$cpu_kv GB, $label" \
       >> "$log" 2>&1 || say "plot failed"
   fi
   if [ -s "$out/points.jsonl" ]; then
@@ -144,7 +145,7 @@ if [ "$mode" = inproc ]; then
   done
   wait "$pid_A"; rc_a=$?; rc_b=0; [ "$sides" = A ] || { wait "$pid_B"; rc_b=$?; }
   say "multiturn.py exit status: $sys_a $rc_a, $sys_b $rc_b"
-  cat "$w"/A/client.log "$w"/B/client.log | tee -a "$log"
+  for s in $sides; do cat "$w/$s/client.log"; done | tee -a "$log"
   finish
   exit $(( rc_a || rc_b ))
 fi
@@ -250,7 +251,7 @@ for s in $sides; do
 done
 wait "$cl_A"; rc_a=$?; rc_b=0; [ "$sides" = A ] || { wait "$cl_B"; rc_b=$?; }
 say "multiturn.py exit status: $sys_a $rc_a, $sys_b $rc_b"
-cat "$w"/A/client.log "$w"/B/client.log | tee -a "$log"
+for s in $sides; do cat "$w/$s/client.log"; done | tee -a "$log"
 for s in $sides; do
   if [ $s = A ]; then p=$port; else p=$((port + 1)); fi
   "$py" -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$p/metrics', timeout=10).read().decode())" \
