@@ -1,0 +1,578 @@
+"""KVSwapper's stream ordering, simulated on the CPU and run on the GPU.
+
+The stream ordering of the kernel, hybrid and staged methods (copy streams, background
+swap-outs outliving their step; hybrid: gathers into two staging halves on the out stream,
+device-to-host copies on the dma stream) is checked on the CPU by running the swapper's real
+issue logic against a simulator of streams and events (:class:`SimStreams`) that executes the
+enqueued work in random orders that respect only the waits the swapper asked for; the
+simulator is first shown to catch a missing wait (a hazard wait, a staging half reused too
+early). The hybrid and staged methods run with a few chunks per staging piece, so batches are
+cut into several pieces and both halves are reused. The ``cuda`` cases run background
+batches, staging halves and random multi-step plans on the GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from swap_util import (
+    HAS_CUDA,
+    SLEEP_CYCLES,
+    STREAM_METHODS,
+    _seed,  # noqa: F401  (the autouse fixture)
+    apply_reference,
+    assert_tiers,
+    make_caches,
+    make_swapper,
+    run_step,
+    snapshot,
+)
+
+from pensieve.core.outputs import SwapPlan
+from pensieve.runner import swapper as swapper_mod
+from pensieve.runner.swapper import (
+    KVSwapper,
+    StepWaits,
+)
+
+# ---------------------------------------------------------------- streams, simulated
+
+
+class SimEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+
+class SimStreams:
+    """:class:`~pensieve.runner.swapper.Streams` on the CPU: each stream is a queue of work,
+    executed in a random order that respects stream order and the waits only (work may run
+    at any time after it is enqueued, or as late as a host wait forces it)."""
+
+    def __init__(self, rng: random.Random, eagerness: float = 0.5) -> None:
+        self.in_stream, self.out_stream, self.dma_stream = "in", "out", "dma"
+        self.queues: dict[str, deque[tuple[str, Any]]] = {
+            "in": deque(), "out": deque(), "dma": deque(), "compute": deque()}
+        self.rng = rng
+        self.eagerness = eagerness
+
+    def _q(self, stream: str | None) -> deque[tuple[str, Any]]:
+        return self.queues["compute" if stream is None else stream]
+
+    def record(self, stream: str | None) -> SimEvent:
+        event = SimEvent()
+        self._q(stream).append(("record", event))
+        self.progress()
+        return event
+
+    def wait(self, stream: str | None, event: SimEvent) -> None:
+        self._q(stream).append(("wait", event))
+
+    def upload(self, stream: str, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+    def run(self, stream: str | None, fn: Callable[[], None]) -> None:
+        self._q(stream).append(("run", fn))
+        self.progress()
+
+    def query(self, event: SimEvent) -> bool:
+        self.progress()
+        return event.done
+
+    def synchronize(self, event: SimEvent) -> None:
+        if self.rng.random() < self.eagerness:
+            while not event.done:  # everything ready may run meanwhile
+                assert self.step(), "deadlock: the event can never complete"
+        else:
+            self.force(event)
+
+    def force(self, event: SimEvent) -> None:
+        """Run only what ``event`` depends on: its stream up to its record, and whatever the
+        waits on the way depend on."""
+        queue = next((q for q in self.queues.values() if ("record", event) in q), None)
+        while not event.done:
+            assert queue, "deadlock: the event is never recorded"
+            kind, x = queue[0]
+            if kind == "wait" and not x.done:
+                self.force(x)
+                continue
+            queue.popleft()
+            if kind == "record":
+                x.done = True
+            elif kind == "run":
+                x()
+
+    def step(self) -> bool:
+        ready = [q for q in self.queues.values()
+                 if q and not (q[0][0] == "wait" and not q[0][1].done)]
+        if not ready:
+            return False
+        kind, x = self.rng.choice(ready).popleft()
+        if kind == "record":
+            x.done = True
+        elif kind == "run":
+            x()
+        return True
+
+    def progress(self) -> None:
+        while self.rng.random() < self.eagerness and self.step():
+            pass
+
+    def drain(self) -> None:
+        while self.step():
+            pass
+        assert not any(self.queues.values()), "work left behind a wait that never completes"
+
+
+def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
+             ahead_path: str = "kernel") -> None:
+    """Random plans over small pools (blocks collide often) on the kernel method's stream
+    logic, with a compute stream that reads each layer's swapped-in blocks after
+    ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
+    the swap-ins' destinations (new tokens) and free ones, never a block a background batch
+    reported in flight may still read (the contract of ``end_step``'s count). Checks the
+    reads, the counts and both tiers against the sequential reference. With ``ahead``, plans
+    also carry ``swap_in_ahead`` copies, read by the next step's compute (their CPU blocks left
+    alone for two steps, as the cache does)."""
+    rng = random.Random(seed)
+    layers, g_blocks, c_blocks = 2, 14, 12
+    caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
+    sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
+    sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
+                      ahead=ahead_path if method in ("hybrid", "staged") else None)
+    sw._triton = False  # the torch reference of the kernel: the streams are under test here
+    gpu, cpu = snapshot(sw)
+    busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
+    out_events: list[Any] = []
+    prev_ahead: list[tuple[int, int]] = []  # the previous step's swap_in_ahead
+    ahead_cpu: list[set[int]] = [set(), set()]  # CPU blocks of the last two steps' ahead copies
+    for step in range(steps):
+        reading = set().union(*busy)
+        prev_ahead_g = [g for _, g in prev_ahead]  # read by this step's compute
+
+        def pick(pool: list[int], n: int) -> list[int]:
+            return rng.sample(pool, min(n, len(pool)))
+
+        def cpu_pick(n: int, avoid: set[int] = ahead_cpu[0] | ahead_cpu[1]) -> list[int]:
+            return pick([c for c in range(c_blocks) if c not in avoid], n)
+
+        free_g = [g for g in range(g_blocks) if g not in prev_ahead_g]
+        out_first = pick([g for g in free_g if g not in reading], rng.choice([0, 1, 2]))
+        swap_in_g = pick([g for g in free_g if g not in out_first], rng.choice([0, 2, 3]))
+        swap_out_g = pick(free_g, rng.choice([0, 0, 2, 3]))
+        # this step's ahead copies: into blocks no copy or compute of the step touches
+        ahead_g = pick([g for g in free_g if g not in reading and g not in out_first
+                        and g not in swap_in_g and g not in swap_out_g],
+                       rng.choice([0, 0, 1, 2]) if ahead else 0)
+        # compute writes: blocks of the step that no copy still reads
+        writable = [g for g in free_g if g not in reading and g not in swap_out_g
+                    and g not in ahead_g]
+        writes = pick(writable, rng.choice([0, 1, 3]))
+        swap_in = list(zip(pick(range(c_blocks), len(swap_in_g)), swap_in_g, strict=True))
+        ahead_c = cpu_pick(len(ahead_g), ahead_cpu[0] | ahead_cpu[1] | {c for c, _ in swap_in})
+        avoid = ahead_cpu[0] | ahead_cpu[1] | set(ahead_c)
+        plan = SwapPlan(
+            swap_out_first=list(zip(out_first, cpu_pick(len(out_first), avoid), strict=True)),
+            swap_in=swap_in,
+            swap_out=list(zip(swap_out_g, cpu_pick(len(swap_out_g), avoid), strict=True)),
+            swap_in_ahead=list(zip(ahead_c, ahead_g, strict=True)),
+        )
+        ready = sw.start_step(plan)
+        if plan.swap_out:
+            out_events.append(sw._in_flight[-1].event)
+        reads: dict[int, torch.Tensor] = {}
+        for layer in range(layers):
+            if ready is not None:
+                ready(layer)
+
+            def compute(layer: int = layer, value: float = step * 10.0 + layer + 1,
+                        reads: dict[int, torch.Tensor] = reads,
+                        dst: list[int] = swap_in_g + prev_ahead_g,
+                        writes: list[int] = writes) -> None:
+                reads[layer] = caches[layer][:, dst].clone()
+                caches[layer][:, writes] = value
+
+            sim.run(None, compute)
+        sim.synchronize(sim.record(None))  # the runner's sync of the compute stream
+        n = sw.end_step()
+        assert n == sum(not e.done for e in out_events), "end_step miscounts"
+        # the sequential reference
+        for layer in range(layers):
+            g_l, c_l = gpu[layer], cpu[layer]
+            for g, c in plan.swap_out_first:
+                c_l[:, c] = g_l[:, g]
+            for c, g in plan.swap_in:
+                g_l[:, g] = c_l[:, c]
+            assert torch.equal(reads[layer], g_l[:, swap_in_g + prev_ahead_g]), (
+                f"step {step} layer {layer}")
+            for c, g in plan.swap_in_ahead:
+                g_l[:, g] = c_l[:, c]
+            g_l[:, writes] = step * 10.0 + layer + 1
+            for g, c in plan.swap_out:
+                c_l[:, c] = g_l[:, g]
+        if plan.swap_out:
+            busy.append(frozenset(swap_out_g))
+        busy = busy[len(busy) - n:] if n else []
+        prev_ahead = plan.swap_in_ahead
+        ahead_cpu = [ahead_cpu[1], set(ahead_c)]
+    sw.finish_step()
+    sim.drain()
+    assert_tiers(sw, gpu, cpu)
+
+
+@pytest.mark.parametrize("method", STREAM_METHODS)
+@pytest.mark.parametrize("seed", range(60))
+def test_simulated_streams_match_reference(seed: int, method: str) -> None:
+    simulate(seed, method=method)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_simulated_swap_ins_ahead_through_the_copy_engines(seed: int) -> None:
+    """Hybrid with ``ahead="dma"``: the ahead copies run as staged swap-ins do."""
+    simulate(seed, method="hybrid", ahead_path="dma")
+
+
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
+    """Ahead copies count in ``bytes_in`` and bad block ids in them are refused, as for the
+    step's own swap-ins."""
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, method, streams=sim)
+    sw._triton = False
+    sw.start_step(SwapPlan(swap_in=[(0, 1)], swap_in_ahead=[(2, 3), (4, 5)]))
+    assert sw.bytes_in == 3 * sw.num_layers * sw.block_bytes
+    sw.finish_step()
+    with pytest.raises(ValueError):
+        sw.start_step(SwapPlan(swap_in_ahead=[(0, 99)]))
+
+
+def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
+    assert make_swapper(caches, 4, "hybrid").ahead == "kernel"
+    assert make_swapper(caches, 4, "hybrid", ahead="dma").ahead == "dma"
+    with pytest.raises(ValueError):
+        make_swapper(caches, 4, "kernel", ahead="dma")  # layer-major host tier
+    with pytest.raises(ValueError):
+        make_swapper(caches, 4, "hybrid", ahead="nvlink")
+    monkeypatch.setenv("PENSIEVE_SWAP_AHEAD", "dma")
+    assert make_swapper(caches, 4, "staged").ahead == "dma"
+    assert make_swapper(caches, 4, "dma").ahead == "kernel"  # where it applies only
+
+
+def _fails(seeds: range, method: str = "kernel") -> int:
+    failed = 0
+    for seed in seeds:
+        try:
+            simulate(seed, method=method)
+        except AssertionError:
+            failed += 1
+    return failed
+
+
+def test_simulator_catches_a_staging_half_reused_too_early(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hybrid: a gather into a half that does not wait for the copies out of it overwrites
+    chunks not yet copied to the host."""
+    monkeypatch.setattr(KVSwapper, "_wait_half_free", lambda self, st, stream, h: None)
+    assert _fails(range(60), "hybrid") > 0
+
+
+def test_simulator_catches_missing_cross_stream_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation is sharp enough: without the hazard waits some seeds go wrong."""
+    monkeypatch.setattr(swapper_mod, "step_waits", lambda plan, busy: StepWaits(-1, False))
+    assert _fails(range(60)) > 0
+    assert _fails(range(60), "hybrid") > 0
+
+
+def test_simulator_catches_a_missing_wait_for_swap_ins_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the next step's wait the compute reads blocks still being swapped in ahead."""
+    monkeypatch.setattr(KVSwapper, "_wait_ahead", lambda self: None)
+    assert _fails(range(60)) > 0
+    assert _fails(range(60), "staged") > 0
+
+
+def test_simulator_catches_an_undercounted_end_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reporting batches done too early lets the compute stream overwrite their sources."""
+    def pop_all(fifo: deque[Any], done: Callable[[Any], bool]) -> int:
+        fifo.clear()
+        return 0
+
+    monkeypatch.setattr(swapper_mod, "pop_completed", pop_all)
+    assert _fails(range(60)) > 0
+    assert _fails(range(60), "hybrid") > 0
+
+
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_simulated_background_batches_stay_in_flight_across_steps(method: str) -> None:
+    """A stalled out stream: counts grow one per step with a swap-out, and a later swap-in of
+    a CPU block still being written waits for that batch."""
+    sim = SimStreams(random.Random(0), eagerness=0.0)  # nothing runs unless waited for
+    caches = list(torch.stack(make_caches(2, 8, 2, 1, 4, torch.float32)).unbind(0))
+    sw = make_swapper(caches, 8, method, streams=sim, staging_chunks=1)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    plans = [SwapPlan(swap_out=[(0, 0), (1, 1)]), SwapPlan(swap_out=[(2, 2)]),
+             SwapPlan(swap_in=[(1, 5)]), SwapPlan()]
+    counts = []
+    for plan in plans:
+        sw.start_step(plan)
+        counts.append(sw.end_step())
+        apply_reference(gpu, cpu, plan)
+    # step 3's swap-in of CPU block 1 forced batch 0 (and only it) through
+    assert counts == [1, 2, 1, 1]
+    assert sw.swap_outs_in_flight == 1
+    sw.finish_step()
+    assert sw.end_step() == 0
+    assert_tiers(sw, gpu, cpu)
+
+
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_simulated_background_false_waits_at_end_step(method: str) -> None:
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, method, streams=sim,
+                      background=False)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    plan = SwapPlan(swap_out=[(0, 3)])
+    sw.start_step(plan)
+    assert sw.end_step() == 0
+    apply_reference(gpu, cpu, plan)
+    assert_tiers(sw, gpu, cpu)
+
+
+# ---------------------------------------------------------------- CUDA: background swap-outs
+
+
+def stacked_swapper(layers: int = 4, blocks: int = 256, method: str = "kernel",
+                    **kw: Any) -> KVSwapper:
+    """The engine's layout: per-layer views of one allocation (one launch for all layers)."""
+    from pensieve.runner.model_runner import allocate_kv_caches
+
+    caches = allocate_kv_caches(layers, blocks, 32, 8, 128, torch.float16, torch.device("cuda"))
+    for c in caches:
+        c.copy_(torch.randn(c.shape, device="cuda").half())
+    if method != "kernel":
+        kw.setdefault("staging_chunks", 16)
+    sw = make_swapper(caches, blocks, method, **kw)
+    torch.cuda.synchronize()
+    return sw
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_default_is_hybrid_on_one_allocation() -> None:
+    """On CUDA the default method is `hybrid` (the kernel for swap-ins, gathers and the copy
+    engines for background swap-outs); the engine's caches are views of one allocation."""
+    sw = stacked_swapper(layers=2, blocks=8)
+    assert sw.method == "kernel" and sw._gpu_stack is not None
+    assert KVSwapper(make_caches(device="cuda"), 4).method == "hybrid"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_cuda_background_swap_out_outlives_its_step(method: str) -> None:
+    """end_step does not wait for a background batch (here held back by a stalled compute
+    stream); a later swap-in of its CPU blocks waits for it; counts fall to 0 once done."""
+    sw = stacked_swapper(method=method)
+    gpu_src = random.Random(0).sample(range(256), 64)
+    cpu = random.Random(1).sample(range(256), 64)
+    original = [g[:, gpu_src].clone() for g in sw.gpu_caches]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    assert sw.start_step(SwapPlan(swap_out=list(zip(gpu_src, cpu, strict=True)))) is None
+    t0 = time.perf_counter()
+    assert sw.end_step() == 1
+    assert time.perf_counter() - t0 < 0.005  # did not wait for the ~25 ms stall
+    # next step: the same CPU blocks come back into other GPU blocks
+    dst = [g for g in range(256) if g not in gpu_src][:64]
+    ready = sw.start_step(SwapPlan(swap_in=list(zip(cpu, dst, strict=True))))
+    assert ready is not None
+    didx = torch.tensor(dst, device="cuda")
+    reads = []
+    for layer, g in enumerate(sw.gpu_caches):
+        ready(layer)
+        reads.append(g.index_select(1, didx))
+    torch.cuda.current_stream().synchronize()
+    assert sw.end_step() == 0  # the swap-in waited for the batch, so it is done too
+    for layer, r in enumerate(reads):
+        assert torch.equal(r, original[layer]), f"layer {layer}"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_cuda_end_step_counts_batches_in_plan_order(method: str) -> None:
+    sw = stacked_swapper(method=method)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4 * SLEEP_CYCLES)
+    counts = []
+    for i in range(3):
+        sw.start_step(SwapPlan(swap_out=[(10 * i + j, 10 * i + j) for j in range(8)]))
+        counts.append(sw.end_step())
+    assert counts == [1, 2, 3]
+    torch.cuda.synchronize()
+    assert sw.end_step() == 0
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_cuda_background_false_waits(method: str) -> None:
+    sw = stacked_swapper(method=method, background=False)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    sw.start_step(SwapPlan(swap_out=[(3, 4)]))
+    assert sw.end_step() == 0
+    assert torch.equal(sw.cpu_caches[0][:, 4], sw.gpu_caches[0][:, 3].cpu())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", STREAM_METHODS)
+def test_cuda_urgent_swap_out_waits_for_a_background_write_to_its_cpu_block(method: str) -> None:
+    """CPU block 5 is written by a held-back background batch, then (freed and reused) by
+    the next step's urgent swap-out: the later write must win."""
+    sw = stacked_swapper(method=method)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    sw.start_step(SwapPlan(swap_out=[(1, 5), (2, 6)]))
+    assert sw.end_step() == 1
+    ready = sw.start_step(SwapPlan(swap_out_first=[(9, 5)]))
+    assert ready is not None
+    sw.finish_step()
+    for layer in range(sw.num_layers):
+        assert torch.equal(sw.cpu_caches[layer][:, 5], sw.gpu_caches[layer][:, 9].cpu())
+        assert torch.equal(sw.cpu_caches[layer][:, 6], sw.gpu_caches[layer][:, 2].cpu())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", STREAM_METHODS)
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("stacked", [True, False])
+def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool,
+                                                   method: str) -> None:
+    """Random plans over small pools (blocks collide), end_step between steps (batches stay
+    in flight), the compute stream stalled at random; swapped-in blocks read at layer_ready."""
+    rng = random.Random(seed)
+    layers, g_blocks, c_blocks = 3, 48, 40
+    caches = make_caches(layers, g_blocks, 32, 8, 128, torch.float16, "cuda")
+    if stacked:
+        caches = list(torch.stack(caches).unbind(0))
+    sw = make_swapper(caches, c_blocks, method)
+    assert (sw._gpu_stack is not None) == stacked
+    torch.cuda.synchronize()
+    gpu, cpu = snapshot(sw)
+    for step in range(8):
+        lists = []
+        for _ in range(3):
+            n = rng.choice([0, 2, 5, 11])
+            lists.append(list(zip(rng.sample(range(g_blocks), n), rng.sample(range(c_blocks), n),
+                                  strict=True)))
+        plan = SwapPlan(swap_out_first=lists[0], swap_in=[(c, g) for g, c in lists[1]],
+                        swap_out=lists[2])
+        if rng.random() < 0.5:
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+        ready = sw.start_step(plan)
+        dst = [g for _, g in plan.swap_in]
+        reads = []
+        for layer, g in enumerate(sw.gpu_caches):
+            if ready is not None:
+                ready(layer)
+            reads.append(g[:, dst].clone())
+        torch.cuda.current_stream().synchronize()
+        sw.end_step()
+        apply_reference(gpu, cpu, SwapPlan(swap_out_first=plan.swap_out_first,
+                                           swap_in=plan.swap_in))
+        for layer in range(layers):
+            assert torch.equal(reads[layer].cpu(), gpu[layer][:, dst]), f"{step=} {layer=}"
+        apply_reference(gpu, cpu, SwapPlan(swap_out=plan.swap_out))
+    sw.finish_step()
+    assert sw.end_step() == 0
+    assert_tiers(sw, gpu, cpu)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["hybrid", "staged"])
+def test_cuda_staging_halves_reused_by_batches_in_flight(method: str) -> None:
+    """Three background batches of 20 chunks (3 pieces of at most 8 each through two halves)
+    held in flight across steps by a stalled compute stream, then every chunk swapped back
+    in (that waits for them); the CPU tier is chunk-major and pinned."""
+    sw = stacked_swapper(method=method, staging_chunks=8)
+    assert sw.host_layout == "chunk-major" and sw.pinned
+    assert sw.host_tier.is_pinned() and all(c.is_pinned() for c in sw.cpu_caches)
+    rng = random.Random(0)
+    src = rng.sample(range(128), 60)
+    cpu = rng.sample(range(256), 60)
+    original = [g[:, src].clone() for g in sw.gpu_caches]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4 * SLEEP_CYCLES)
+    counts = []
+    for i in range(3):
+        part = slice(20 * i, 20 * i + 20)
+        sw.start_step(SwapPlan(swap_out=list(zip(src[part], cpu[part], strict=True))))
+        counts.append(sw.end_step())
+    assert counts == [1, 2, 3]
+    assert all(t.shape[0] == 8 for t in sw._out_stage)
+    dst = list(range(128, 188))
+    ready = sw.start_step(SwapPlan(swap_in=list(zip(cpu, dst, strict=True))))
+    assert ready is not None
+    didx = torch.tensor(dst, device="cuda")
+    reads = []
+    for layer, g in enumerate(sw.gpu_caches):
+        ready(layer)
+        reads.append(g.index_select(1, didx))
+    torch.cuda.current_stream().synchronize()
+    assert sw.end_step() == 0
+    for layer, r in enumerate(reads):
+        assert torch.equal(r, original[layer]), f"layer {layer}"
+        assert torch.equal(sw.cpu_caches[layer][:, cpu], original[layer].cpu())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+def test_cuda_staging_grows_while_batches_are_in_flight() -> None:
+    """A small batch, then a larger one (the halves are replaced while the first batch still
+    uses the old ones), both held back by a stalled compute stream."""
+    sw = stacked_swapper(method="hybrid", staging_chunks=32)
+    gpu, cpu = snapshot(sw)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    plans = [SwapPlan(swap_out=[(3, 7), (4, 9)]),
+             SwapPlan(swap_out=list(zip(range(10, 50), range(100, 140), strict=True)))]
+    for plan in plans:
+        sw.start_step(plan)
+        sw.end_step()
+        apply_reference(gpu, cpu, plan)
+    assert sw.swap_outs_in_flight >= 1
+    sw.finish_step()
+    assert_tiers(sw, gpu, cpu)
+
+
+def test_kernel_knobs_between_steps() -> None:
+    """num_programs and tile_bytes change the launches, not the result."""
+    rng = random.Random(3)
+    caches = list(torch.stack(make_caches(3, 20, 4, 2, 8)).unbind(0))
+    sw = make_swapper(caches, 16, "kernel", num_programs=2)
+    gpu, cpu = snapshot(sw)
+    for programs, tile in ((2, None), (5, 32), (64, 8)):
+        sw.num_programs, sw.tile_bytes = programs, tile
+        g = rng.sample(range(20), 6)
+        c = rng.sample(range(16), 6)
+        plan = SwapPlan(swap_in=list(zip(c[:3], g[:3], strict=True)),
+                        swap_out=list(zip(g[3:], c[3:], strict=True)))
+        run_step(sw, plan)
+        apply_reference(gpu, cpu, plan)
+        assert_tiers(sw, gpu, cpu)
+    assert sw._copies and all(c.num_programs == 64 for spans in sw._copies.values()
+                              for _, _, c in spans)
+    with pytest.raises(ValueError):
+        sw.num_programs = 0
