@@ -150,9 +150,10 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
     for pair in pairs:
         d = CHURN / pair
         with tarfile.open(d / "churn.tgz") as tf:
-            for side in ("A", "B"):
-                def member(name: str, side: str = side) -> str:
-                    names = set(tf.getnames())
+            names = set(tf.getnames())
+            for side in [s for s in ("A", "B")  # a one-server run has side A only
+                         if {f"./{s}/points.jsonl", f"{s}/points.jsonl"} & names]:
+                def member(name: str, side: str = side, names: set[str] = names) -> str:
                     path = next(n for n in (f"./{side}/{name}", f"{side}/{name}")
                                 if n in names)
                     f = tf.extractfile(path)
