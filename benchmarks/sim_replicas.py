@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_validate_churn import (  # noqa: E402
+from sim_churn_jobs import (  # noqa: E402
     PROFILE,
     add_sweep_args,
     conversations,

@@ -78,11 +78,9 @@ import argparse
 import dataclasses
 import json
 import math
-import random
 import sys
 import tarfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +88,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from sim_churn_jobs import (  # noqa: E402
+    FIT_ALL,
+    GRAPH_MAX_TOKENS,
+    run_jobs,
+    step_means,
+    transfer_model,
+)
 from step_totals import parse as parse_metrics_text  # noqa: E402
 
-from pensieve.bench.engine_api import VirtualClock  # noqa: E402
-from pensieve.bench.loadgen import run_load  # noqa: E402
-from pensieve.bench.metrics import capacity_at, summarize  # noqa: E402
-from pensieve.bench.step_cost import StepCostModel, TransferModel, nnls  # noqa: E402
+from pensieve.bench.metrics import capacity_at  # noqa: E402
+from pensieve.bench.step_cost import StepCostModel, nnls  # noqa: E402
 
 CHURN = ROOT / "docs" / "results" / "churn"
 DEFAULT_PAIRS = ("stateless_pensieve_0.45_0.85", "stateless_pensieve_0.55_1.0",
@@ -115,13 +118,6 @@ SCHEDULER: dict[str, dict[str, dict[str, Any]]] = {
 defaults, for points whose ``points.jsonl`` does not record them; a pair not listed runs
 with the defaults (the current engine's)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
-FIT_ALL = ROOT / "docs" / "results" / "sim_churn" / "step_cost_churn_fit_all.json"
-"""The step cost fitted on all real pairs (written by this script's run): what
-``sim_churn_capacity.py`` and ``sim_replicas.py`` simulate with."""
-SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
-KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
-CHUNK = 32
-GRAPH_MAX_TOKENS = 512
 SCALED = ("base_s", "per_request_s", "per_kv_read_token_s", "per_decode_token_s")
 METRICS = (  # (key, label, scale)
     ("throughput_rps", "throughput (req/s)", 1.0),
@@ -191,15 +187,6 @@ def scheduler_overrides(pair: str, side: str, point: dict[str, Any]) -> dict[str
     return dict(SCHEDULER.get(pair, {}).get(side, {}))
 
 
-def step_means(p: dict[str, Any]) -> None:
-    """Mean seconds of a prefill / decode step and executor seconds per computed prefill token
-    net of the decodes riding along (``benchmarks/step_totals.py``), from run totals."""
-    n_p, n_d, tok = p["prefill_steps"], p["decode_steps"], p["prefill_tokens_run"]
-    p["prefill_step_mean_s"] = p["prefill_step_s"] / n_p if n_p else None
-    p["decode_step_mean_s"] = d = p["decode_step_s"] / n_d if n_d else 0.0
-    p["prefill_token_net_s"] = (p["prefill_step_s"] - n_p * d) / tok if tok else None
-
-
 def same_point(s: dict[str, Any], r: dict[str, Any]) -> bool:
     """Whether simulated point ``s`` is real point ``r``'s (same pair and side)."""
     return s["pair"] == r["pair"] and s.get("side", r["side"]) == r["side"]
@@ -211,137 +198,6 @@ def point_name(r: dict[str, Any], real: list[dict[str, Any]]) -> str:
     twin = any(x is not r and x["pair"] == r["pair"] and x["system"] == r["system"]
                and x["conv_rate"] == r["conv_rate"] for x in real)
     return f"{name} ({r['side']})" if twin else name
-
-
-# ------------------------------------------------------------------------ simulator
-PROFILE = (Path(__file__).resolve().parents[1] / "src" / "pensieve" / "profiles"
-           / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
-"""The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
-
-
-def transfer_model() -> TransferModel:
-    return TransferModel.load(SWAP, case="hybrid", num_layers=40,
-                              graph_max_tokens=GRAPH_MAX_TOKENS)
-
-
-def conversations(workload: str, seed: int, template_tokens: int, length_scale: float,
-                  ) -> list[Any]:
-    from pensieve.bench.workload import Conversation, Turn, load_workload
-
-    if workload == "agentic":
-        from pensieve.bench.agentic import agentic_workload
-
-        convs = list(agentic_workload(5000, seed=seed).conversations)
-    else:
-        convs = list(load_workload(str(ROOT / "benchmarks" / "data"
-                                       / "sharegpt_merged_lengths.json.gz")).conversations)
-    if template_tokens or length_scale != 1.0:
-        def sc(n: int) -> int:
-            return max(1, round(n * length_scale))
-        convs = [Conversation(c.conv_id, [Turn(sc(t.input_len) + template_tokens,
-                                               sc(t.output_len)) for t in c.turns])
-                 for c in convs]
-    random.Random(seed).shuffle(convs)  # as benchmarks/multiturn.py
-    return convs
-
-
-def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
-             chunk_cost: Any = None, transfer: TransferModel | None = None) -> Any:
-    """A :class:`~pensieve.bench.simulator.SimEngine` with the real servers' set-up: the
-    job's tiers (``gpu_kv_gb``, ``cpu_kv_gb``) and policy (``system``), the retention cost
-    profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
-    ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
-    fields beyond the defaults, if any) and ``decode_reserve`` (the share of the GPU tier
-    admission keeps free for decode growth; the engine's default if absent or None)."""
-    from pensieve.bench.simulator import SimEngine
-    from pensieve.core.config import SchedulerConfig
-    from pensieve.core.cost_model import CostModel
-
-    block_bytes = KV_BYTES_PER_TOKEN * CHUNK
-    gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
-    cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
-    reserve = job.get("decode_reserve")
-    cache = {} if reserve is None else {"decode_reserve": reserve}
-    return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
-                                     max_model_len=16384, **job.get("scheduler", {})),
-                     gpu, cpu, cost, clock,
-                     chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
-                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
-                     transfer=transfer if transfer is not None else transfer_model(), **cache)
-
-
-STEADY_SHOWN = ("sessions_in_flight", "gpu_blocks_used", "cpu_blocks_used", "requests_running",
-                "requests_waiting")
-"""What a simulated point keeps of its steady-state check (the halves' means): the issue's
-definition of steady state is sessions in flight and tier occupancy flat over the window."""
-
-
-def sim_point(job: dict[str, Any]) -> dict[str, Any]:
-    """One simulated point: summary over the window plus run totals by step kind (and the
-    aggregated design of each kind, for the recalibration)."""
-    from pensieve.bench.step_cost import _design_row
-
-    t0 = time.time()
-    cost = StepCostModel.from_dict(job["cost"])
-    clock = VirtualClock()
-    eng = make_sim(job, cost, clock)
-    convs = conversations(job["workload"], job["seed"], job["template_tokens"],
-                          job.get("length_scale", 1.0))
-    res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
-                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0)
-    p = {"system": job["system"], "conv_rate": job["rate"], "pair": job.get("pair"),
-         "side": job.get("side"), "scheduler": job.get("scheduler", {}),
-         "model": job.get("model_name"), "unfinished": res.unfinished,
-         **summarize(res, job["warmup"])}
-    st = p.pop("steady", None) or {}
-    halves = st.get("halves") or {}
-    p.update(steady_unsteady=st.get("unsteady"), steady_within_noise=st.get("steady_within_noise"),
-             steady_halves={k: halves[k] for k in STEADY_SHOWN if k in halves})
-    kinds: dict[str, dict[str, Any]] = {
-        k: {"n": 0, "s": 0.0, "exposed_s": 0.0, "design": [0.0] * 8, "prefill_tokens": 0}
-        for k in ("prefill", "decode")}
-    for f, dt in eng.step_log:
-        k = kinds["prefill" if f.num_prefill_tokens > 0 else "decode"]
-        k["n"] += 1
-        k["s"] += dt
-        k["exposed_s"] += dt - cost.compute_time(f)
-        k["prefill_tokens"] += f.num_prefill_tokens
-        k["design"] = [a + b for a, b in zip(k["design"], _design_row(f))]
-    p.update(prefill_step_s=kinds["prefill"]["s"], decode_step_s=kinds["decode"]["s"],
-             prefill_steps=kinds["prefill"]["n"], decode_steps=kinds["decode"]["n"],
-             steps=kinds["prefill"]["n"] + kinds["decode"]["n"],
-             prefill_tokens_run=kinds["prefill"]["prefill_tokens"],
-             swap_in_chunks=eng.swap_in_chunks, swap_out_chunks=eng.swap_out_chunks,
-             exposed_copy_s=eng.exposed_copy_s, kinds=kinds,
-             sim_wall_s=round(time.time() - t0, 1))
-    step_means(p)
-    return p
-
-
-def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
-    """The options a simulated sweep shares (``sim_churn_capacity.py``, ``sim_replicas.py``)."""
-    ap.add_argument("--step-cost", default=str(FIT_ALL))
-    ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
-    ap.add_argument("--warmup", type=float, default=300.0)
-    ap.add_argument("--drain", type=float, default=60.0)
-    ap.add_argument("--targets", default=targets, help="P90 ms/token")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, small lengths")
-
-
-def sweep_times(args: argparse.Namespace) -> tuple[float, float, float, float]:
-    """(duration, warm-up, drain, length scale) of a sweep's runs (``--tiny``: short ones)."""
-    if args.tiny:
-        return 40.0, 20.0, 10.0, 0.2
-    return args.duration, args.warmup, args.drain, 1.0
-
-
-def run_jobs(jobs: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
-    if workers <= 1 or len(jobs) <= 1:
-        return [sim_point(j) for j in jobs]
-    with ProcessPoolExecutor(max_workers=workers) as ex:
-        return list(ex.map(sim_point, jobs))
 
 
 def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,

@@ -59,6 +59,13 @@ def _script() -> object:
     return sim_validate_churn
 
 
+def _jobs() -> object:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_churn_jobs
+
+    return sim_churn_jobs
+
+
 def test_sides_and_scheduler_settings() -> None:
     """The ahead off/on pair has pensieve on both sides: they stay apart (by side), A runs
     with swap-ins ahead off, B with the default; the pairs measured before swap-ins ahead
@@ -93,11 +100,11 @@ def test_make_sim_takes_the_scheduler_settings() -> None:
     from pensieve.bench.engine_api import VirtualClock
     from pensieve.bench.step_cost import StepCostModel
 
-    svc = _script()
-    cost = StepCostModel.load(svc.FIT_ALL)
+    svc, jobs = _script(), _jobs()
+    cost = StepCostModel.load(jobs.FIT_ALL)
     job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve"}
-    assert svc.make_sim(job, cost, VirtualClock()).scheduler.config.swap_in_ahead_chunks == 256
-    off = svc.make_sim(job | {"scheduler": svc.AHEAD_OFF}, cost, VirtualClock())
+    assert jobs.make_sim(job, cost, VirtualClock()).scheduler.config.swap_in_ahead_chunks == 256
+    off = jobs.make_sim(job | {"scheduler": svc.AHEAD_OFF}, cost, VirtualClock())
     assert off.scheduler.config.swap_in_ahead_chunks == 0
 
 
@@ -142,5 +149,13 @@ def test_real_jobs_simulate_each_points_workload() -> None:
         ("agentic_words_prefixlru_pensieve_0.85", "A"): ("agentic", 40.0, 5.0),
         ("agentic_words_prefixlru_pensieve_0.85", "B"): ("agentic", 40.0, 5.0),
     }
-    convs = svc.conversations("sharegpt", 0, 0, 1.0)
+    convs = _jobs().conversations("sharegpt", 0, 0, 1.0)
     assert len(convs) > 1000 and convs[0].turns[0].output_len > 0
+
+
+def test_one_server_runs_load_as_side_a() -> None:
+    """A run of one system alone (``churn_points.sh pensieve 0.85``) has side A only: it loads
+    as one point with its server's totals."""
+    real = _script().load_real(("agentic_words_process_pensieve_0.85",))
+    assert [(p["side"], p["system"]) for p in real] == [("A", "pensieve")]
+    assert real[0]["prefill_steps"] > 0 and real[0]["prefill_token_net_s"] > 0
