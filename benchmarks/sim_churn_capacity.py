@@ -36,6 +36,18 @@ from pensieve.bench.metrics import capacity_at  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel  # noqa: E402
 
 
+def swap_gbps(text: str | None) -> list[float] | None:
+    """``--swap-gbps IN,OUT`` (one number: both ways) as ``[in, out]``; None when absent."""
+    if text is None:
+        return None
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not all(math.isfinite(x) and x > 0 for x in parts):
+        raise SystemExit(f"--swap-gbps {text!r}: want IN,OUT, two positive rates in GB/s")
+    return parts
+
+
 def _moved(p: dict) -> str:
     """The steady-state check's verdict: '-' when sessions, tiers, running and waiting all
     stayed within 10% between the window's halves, else what moved, with its halves."""
@@ -61,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-reserve", type=float, default=None,
                     help="share of the GPU tier admission keeps free for decode growth "
                          "(default: the engine's CacheConfig.decode_reserve, 0.10)")
+    ap.add_argument("--swap-gbps", default=None, metavar="IN,OUT",
+                    help="what-if copy rates, GB/s each way (default: the measured hybrid "
+                         "rates of docs/results/swap/swap_bandwidth.json)")
     add_sweep_args(ap, targets="50,100,150")
     args = ap.parse_args(argv)
     cost = StepCostModel.load(args.step_cost)
@@ -71,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
              "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb, "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
              "template_tokens": args.template_tokens,
-             "decode_reserve": args.decode_reserve,
+             "decode_reserve": args.decode_reserve, "swap_gbps": swap_gbps(args.swap_gbps),
              "length_scale": scale, "cost": cost.to_dict(), "model_name": "all-four fit"}
             for s in systems for r in rates]
     t0 = time.time()

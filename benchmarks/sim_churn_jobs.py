@@ -34,7 +34,13 @@ PROFILE = (Path(__file__).resolve().parents[1] / "src" / "pensieve" / "profiles"
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 
 
-def transfer_model() -> TransferModel:
+def transfer_model(gbps: list[float] | None = None) -> TransferModel:
+    """The measured copies (the default method's rates on random block ids), or what-if
+    rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining."""
+    if gbps is not None:
+        return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], num_layers=40,
+                             graph_max_tokens=GRAPH_MAX_TOKENS,
+                             source=f"what-if {gbps[0]:g}/{gbps[1]:g} GB/s")
     return TransferModel.load(SWAP, case="hybrid", num_layers=40,
                               graph_max_tokens=GRAPH_MAX_TOKENS)
 
@@ -66,7 +72,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     job's tiers (``gpu_kv_gb``, ``cpu_kv_gb``) and policy (``system``), the retention cost
     profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
     ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
-    fields beyond the defaults, if any) and ``decode_reserve`` (the share of the GPU tier
+    fields beyond the defaults, if any), ``swap_gbps`` (what-if copy rates ``[in, out]``;
+    the measured ones if absent or None) and ``decode_reserve`` (the share of the GPU tier
     admission keeps free for decode growth; the engine's default if absent or None)."""
     from pensieve.bench.simulator import SimEngine
     from pensieve.core.config import SchedulerConfig
@@ -82,7 +89,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                      gpu, cpu, cost, clock,
                      chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
                      chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
-                     transfer=transfer if transfer is not None else transfer_model(), **cache)
+                     transfer=transfer if transfer is not None else transfer_model(
+                         job.get("swap_gbps")), **cache)
 
 
 STEADY_SHOWN = ("sessions_in_flight", "gpu_blocks_used", "cpu_blocks_used", "requests_running",
