@@ -159,3 +159,29 @@ def test_one_server_runs_load_as_side_a() -> None:
     real = _script().load_real(("agentic_words_process_pensieve_0.85",))
     assert [(p["side"], p["system"]) for p in real] == [("A", "pensieve")]
     assert real[0]["prefill_steps"] > 0 and real[0]["prefill_token_net_s"] > 0
+
+
+def test_what_if_copy_rates() -> None:
+    """``--swap-gbps``: one rate for both ways or IN,OUT; a simulated engine then charges its
+    copies at those rates (the default: the measured ones)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_churn_capacity
+
+    assert sim_churn_capacity.swap_gbps(None) is None
+    assert sim_churn_capacity.swap_gbps("30") == [30.0, 30.0]
+    assert sim_churn_capacity.swap_gbps("40,50") == [40.0, 50.0]
+    for bad in ("0", "1,2,3", "-5,5"):
+        with pytest.raises(SystemExit):
+            sim_churn_capacity.swap_gbps(bad)
+    jobs = _jobs()
+    what_if = jobs.transfer_model([30.0, 20.0])
+    assert (what_if.swap_in_gbps, what_if.swap_out_gbps, what_if.num_layers) == (30.0, 20.0, 40)
+    measured = jobs.transfer_model()
+    assert measured.swap_in_gbps > 40 and "swap_bandwidth.json" in measured.source
+
+    from pensieve.bench.engine_api import VirtualClock
+    from pensieve.bench.step_cost import StepCostModel
+
+    job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve", "swap_gbps": [30.0, 20.0]}
+    eng = jobs.make_sim(job, StepCostModel.load(jobs.FIT_ALL), VirtualClock())
+    assert (eng.transfer.swap_in_gbps, eng.transfer.swap_out_gbps) == (30.0, 20.0)
