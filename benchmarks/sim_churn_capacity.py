@@ -1,23 +1,24 @@
 """Capacity of each policy on the agentic churn workload, in the simulator re-validated on the
 H200 churn points (``benchmarks/sim_validate_churn.py``).
 
-The real runs measured two rates per pair of systems; this sweeps the rate in the simulator
-with the step cost fitted on all four real points (``docs/results/sim_churn/
-step_cost_churn_fit_all.json``), the measured copy rates and the retention cost profile the
+The real runs measured a few rates per system; this sweeps the rate in the simulator with
+the step cost fitted on the real points (``--step-cost``; default the engine-process
+servers' fit, ``docs/results/sim_churn_process/step_cost_churn_fit_all.json``), the measured
+copy rates (or ``--swap-gbps``) and the retention cost profile the
 servers used, the same set-up as the real points (Llama 2-13B GQA-10 shape, 40 GB GPU tier,
 60 GB CPU tier, agentic sessions, think 5 s), and longer runs so the window is at steady
 state for the rates a system can carry. It prints each point, the capacity (the highest
 throughput with P90 normalized latency under each target, interpolated between rates) and
 writes JSON and a PNG::
 
-    python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity
+    python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity_process
 
 ``--workload sharegpt`` sweeps the packaged ShareGPT lengths instead, with the tiers and think
 time given (the real ShareGPT point of docs/benchmarks.md was 8 / 22 GB, think 6 s; the
 paper's set-up is 40 / 220 GB, think 60 s)::
 
     python benchmarks/sim_churn_capacity.py --workload sharegpt --gpu-kv-gb 8 --cpu-kv-gb 22 \
-        --think 6 --rates 0.4,0.5,0.6,0.7,0.8,1.0 --out docs/results/sim_sharegpt_capacity
+        --think 6 --rates 0.4,0.5,0.6,0.7,0.8,1.0 --out docs/results/sim_sharegpt_capacity_process
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
              "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
              "template_tokens": args.template_tokens,
              "decode_reserve": args.decode_reserve, "swap_gbps": swap_gbps(args.swap_gbps),
-             "length_scale": scale, "cost": cost.to_dict(), "model_name": "all-four fit"}
+             "length_scale": scale, "cost": cost.to_dict(), "model_name": args.step_cost}
             for s in systems for r in rates]
     t0 = time.time()
     points = run_jobs(jobs, args.workers)

@@ -22,9 +22,11 @@ from pensieve.bench.loadgen import run_load  # noqa: E402
 from pensieve.bench.metrics import summarize  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel, TransferModel  # noqa: E402
 
-FIT_ALL = ROOT / "docs" / "results" / "sim_churn" / "step_cost_churn_fit_all.json"
-"""The step cost fitted on all real pairs (written by this script's run): what
-``sim_churn_capacity.py`` and ``sim_replicas.py`` simulate with."""
+FIT_ALL = ROOT / "docs" / "results" / "sim_churn_process" / "step_cost_churn_fit_all.json"
+"""The default step cost of ``sim_churn_capacity.py`` and ``sim_replicas.py``: the fit on the
+engine-process servers' points (``sim_validate_churn.py --out docs/results/sim_churn_process
+...``). The thread servers' fit, which the older tables used, is
+``docs/results/sim_churn/step_cost_churn_fit_all.json``."""
 SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
 KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
