@@ -31,7 +31,7 @@ SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
 KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
 GRAPH_MAX_TOKENS = 512
-PROFILE = (Path(__file__).resolve().parents[1] / "src" / "pensieve" / "profiles"
+PROFILE = (ROOT / "src" / "pensieve" / "profiles"
            / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 

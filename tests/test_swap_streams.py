@@ -364,6 +364,20 @@ def stacked_swapper(layers: int = 4, blocks: int = 256, method: str = "kernel",
     return sw
 
 
+def swap_in_and_read(sw: KVSwapper, cpu: list[int], dst: list[int]) -> list[torch.Tensor]:
+    """One step swapping CPU blocks ``cpu`` into GPU blocks ``dst``: the compute stream reads
+    each layer's ``dst`` blocks after ``layer_ready`` (synchronized; the step is left open)."""
+    ready = sw.start_step(SwapPlan(swap_in=list(zip(cpu, dst, strict=True))))
+    assert ready is not None
+    didx = torch.tensor(dst, device="cuda")
+    reads = []
+    for layer, g in enumerate(sw.gpu_caches):
+        ready(layer)
+        reads.append(g.index_select(1, didx))
+    torch.cuda.current_stream().synchronize()
+    return reads
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
 def test_cuda_default_is_hybrid_on_one_allocation() -> None:
@@ -392,14 +406,7 @@ def test_cuda_background_swap_out_outlives_its_step(method: str) -> None:
     assert time.perf_counter() - t0 < 0.005  # did not wait for the ~25 ms stall
     # next step: the same CPU blocks come back into other GPU blocks
     dst = [g for g in range(256) if g not in gpu_src][:64]
-    ready = sw.start_step(SwapPlan(swap_in=list(zip(cpu, dst, strict=True))))
-    assert ready is not None
-    didx = torch.tensor(dst, device="cuda")
-    reads = []
-    for layer, g in enumerate(sw.gpu_caches):
-        ready(layer)
-        reads.append(g.index_select(1, didx))
-    torch.cuda.current_stream().synchronize()
+    reads = swap_in_and_read(sw, cpu, dst)
     assert sw.end_step() == 0  # the swap-in waited for the batch, so it is done too
     for layer, r in enumerate(reads):
         assert torch.equal(r, original[layer]), f"layer {layer}"
@@ -523,14 +530,7 @@ def test_cuda_staging_halves_reused_by_batches_in_flight(method: str) -> None:
     assert counts == [1, 2, 3]
     assert all(t.shape[0] == 8 for t in sw._out_stage)
     dst = list(range(128, 188))
-    ready = sw.start_step(SwapPlan(swap_in=list(zip(cpu, dst, strict=True))))
-    assert ready is not None
-    didx = torch.tensor(dst, device="cuda")
-    reads = []
-    for layer, g in enumerate(sw.gpu_caches):
-        ready(layer)
-        reads.append(g.index_select(1, didx))
-    torch.cuda.current_stream().synchronize()
+    reads = swap_in_and_read(sw, cpu, dst)
     assert sw.end_step() == 0
     for layer, r in enumerate(reads):
         assert torch.equal(r, original[layer]), f"layer {layer}"
