@@ -3,10 +3,12 @@ simulator on a short, scaled-down version of their load, recalibrates, writes it
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,25 +54,21 @@ def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
     assert (tmp_path / "sim_churn_capacity.png").stat().st_size > 0
 
 
-def _script() -> object:
+def _bench(name: str = "sim_validate_churn") -> Any:
+    """A module of ``benchmarks/`` (not a package: imported from its directory)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sim_validate_churn
-
-    return sim_validate_churn
+    return importlib.import_module(name)
 
 
-def _jobs() -> object:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sim_churn_jobs
-
-    return sim_churn_jobs
+def _jobs() -> Any:
+    return _bench("sim_churn_jobs")
 
 
 def test_sides_and_scheduler_settings() -> None:
     """The ahead off/on pair has pensieve on both sides: they stay apart (by side), A runs
     with swap-ins ahead off, B with the default; the pairs measured before swap-ins ahead
     existed run with it off on both sides. The per-step means are the servers' totals."""
-    svc = _script()
+    svc = _bench()
     real = svc.load_real(("prefixlru_pensieve_1.2", "pensieve_ahead_off_on_0.9"))
     assert [(p["pair"], p["side"]) for p in real] == [
         ("prefixlru_pensieve_1.2", "A"), ("prefixlru_pensieve_1.2", "B"),
@@ -100,7 +98,7 @@ def test_make_sim_takes_the_scheduler_settings() -> None:
     from pensieve.bench.engine_api import VirtualClock
     from pensieve.bench.step_cost import StepCostModel
 
-    svc, jobs = _script(), _jobs()
+    svc, jobs = _bench(), _jobs()
     cost = StepCostModel.load(jobs.FIT_ALL)
     job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve"}
     assert jobs.make_sim(job, cost, VirtualClock()).scheduler.config.swap_in_ahead_chunks == 256
@@ -137,7 +135,7 @@ def test_real_jobs_simulate_each_points_workload() -> None:
 
     from pensieve.bench.step_cost import StepCostModel
 
-    svc = _script()
+    svc = _bench()
     pairs = ("sharegpt_stateless_pensieve_0.7", "agentic_words_prefixlru_pensieve_0.85")
     real = svc.load_real(pairs)
     args = argparse.Namespace(tiny=False, seed=0, template_tokens=8)
@@ -156,7 +154,7 @@ def test_real_jobs_simulate_each_points_workload() -> None:
 def test_one_server_runs_load_as_side_a() -> None:
     """A run of one system alone (``churn_points.sh pensieve 0.85``) has side A only: it loads
     as one point with its server's totals."""
-    real = _script().load_real(("agentic_words_process_pensieve_0.85",))
+    real = _bench().load_real(("agentic_words_process_pensieve_0.85",))
     assert [(p["side"], p["system"]) for p in real] == [("A", "pensieve")]
     assert real[0]["prefill_steps"] > 0 and real[0]["prefill_token_net_s"] > 0
 
@@ -164,9 +162,7 @@ def test_one_server_runs_load_as_side_a() -> None:
 def test_what_if_copy_rates() -> None:
     """``--swap-gbps``: one rate for both ways or IN,OUT; a simulated engine then charges its
     copies at those rates (the default: the measured ones)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sim_churn_capacity
-
+    sim_churn_capacity = _bench("sim_churn_capacity")
     assert sim_churn_capacity.swap_gbps(None) is None
     assert sim_churn_capacity.swap_gbps("30") == [30.0, 30.0]
     assert sim_churn_capacity.swap_gbps("40,50") == [40.0, 50.0]
