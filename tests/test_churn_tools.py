@@ -120,3 +120,42 @@ def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "no / yes" in out and "sessions" in out
     assert mod.main([str(pts), "--tag", "x"]) == 0
     assert "stateless" not in capsys.readouterr().out
+
+
+def test_long_run_outlives_its_caller(tmp_path: Path) -> None:
+    """benchmarks/long_run.sh: ``start`` returns at once with the command running detached in
+    a copy of the tree (OUT pointing into the run directory); ``wait`` and ``collect`` say
+    "running" (exit 3) until it ends, then report its exit status and copy its outputs."""
+    import shutil
+    import subprocess
+
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    shutil.copy(BENCH / "long_run.sh", tree / "benchmarks")
+    (tree / "marker.txt").write_text("copied")
+    (tree / ".git").mkdir()  # left out of the copy
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(tmp_path / "run")}
+    go = tmp_path / "go"
+
+    def sh(*args: str, out: Path | None = None) -> subprocess.CompletedProcess[str]:
+        e = env | ({"OUT": str(out)} if out else {})
+        return subprocess.run(["bash", str(tree / "benchmarks" / "long_run.sh"), *args],
+                              env=e, capture_output=True, text=True, timeout=60)
+
+    cmd = (f'while [ ! -f {go} ]; do sleep 0.1; done; cat marker.txt > "$OUT/result.txt"; '
+           'echo finished; exit 4')
+    started = sh("start", "bash", "-c", cmd)
+    assert started.returncode == 0 and "started in" in started.stdout
+    assert not (tmp_path / "run" / "tree" / ".git").exists()
+    assert sh("status").stdout.startswith("running")
+    assert sh("wait", "1").returncode == 3  # still running after 1 s
+    assert sh("collect", out=tmp_path / "dest").returncode == 3
+    assert sh("start", "true").returncode == 2  # one run at a time
+    go.touch()
+    done = sh("wait", "30")
+    assert done.returncode == 0 and "finished" in done.stdout
+    assert "ended (exit status 4)" in done.stdout
+    got = sh("collect", out=tmp_path / "dest")
+    assert got.returncode == 0
+    assert (tmp_path / "dest" / "result.txt").read_text().strip() == "copied"
+    assert "finished" in (tmp_path / "dest" / "long_run.log").read_text()
