@@ -333,3 +333,31 @@ def test_import_does_not_load_torch() -> None:
             "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_load_past_max_model_len_fails_that_turn_only() -> None:
+    """A turn whose context would pass max_model_len is refused by the engine (a server answers
+    400): run_load records it as an error and ends its conversation; the run goes on, the
+    other conversations finish and nothing stays in flight."""
+    from pensieve.bench.loadgen import run_load
+    from pensieve.bench.workload import Conversation, Turn
+
+    clock = VirtualClock()
+    sim = SimEngine(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                    max_model_len=512), 128, 64, STEP, clock, COST,
+                    chunk_size=CHUNK, cache_policy="pensieve", block_bytes=1000, vocab_size=256)
+    long = Conversation("long", [Turn(200, 40), Turn(200, 40), Turn(200, 40), Turn(10, 5)])
+    short = Conversation("short", [Turn(20, 5), Turn(10, 5)])
+    res = run_load(sim, clock, [long, short, short], conv_rate=1.0, think_time_s=0.5,
+                   duration_s=3.0, vocab_size=256, seed=1, drain_s=1000.0)
+    assert res.unfinished == 0
+    turns: dict[str, list[tuple[int, bool]]] = {}
+    for r in res.records:
+        turns.setdefault(r.conversation, []).append((r.turn, r.error))
+    assert turns, "no conversation arrived"
+    longs = [sorted(v) for k, v in turns.items() if int(k[1:]) % 3 == 0]
+    assert longs and all(v == [(0, False), (1, False), (2, True)] for v in longs)
+    assert all(sorted(v) == [(0, False), (1, False)]
+               for k, v in turns.items() if int(k[1:]) % 3)
+    assert res.samples[-1]["sessions_in_flight"] == 0
+    assert res.samples[-1]["requests_in_flight"] == 0

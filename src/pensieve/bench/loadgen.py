@@ -134,15 +134,23 @@ class _Run:
             ids = [trng.randrange(self.vocab_size) for _ in range(turn.input_len)]
             params = SamplingParams(max_tokens=turn.output_len, temperature=0.0,
                                     ignore_eos=True)
-            self.records[rid] = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len,
-                                              turn.output_len)
-            self.engine.add_request(rid, ids, params, arrival_time=self.t0 + sent,
-                                    conversation_id=f"{conv.conv_id}#{slot}")
-            self.in_flight += 1
+            rec = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len, turn.output_len)
             self.sent_n += 1
-            if k == 0:
-                self.sessions += 1
-                self.started += 1
+            self.started += int(k == 0)
+            try:
+                self.engine.add_request(rid, ids, params, arrival_time=self.t0 + sent,
+                                        conversation_id=f"{conv.conv_id}#{slot}")
+            except ValueError:
+                # refused (a context past max_model_len, as a server answers 400): the
+                # request fails and its conversation stops here
+                rec.error = True
+                self.done.append(rec)
+                self.finished_n += 1
+                self.sessions -= int(k > 0)  # a first turn never opened one
+                continue
+            self.records[rid] = rec
+            self.in_flight += 1
+            self.sessions += int(k == 0)
 
     def finish(self, out: Any, clock: Clock) -> None:
         """A turn's answer ``out`` (a request output) arrived; schedule the next turn."""
