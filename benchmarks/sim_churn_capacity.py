@@ -9,7 +9,8 @@ servers used, the same set-up as the real points (Llama 2-13B GQA-10 shape, 40 G
 60 GB CPU tier, agentic sessions, think 5 s), and longer runs so the window is at steady
 state for the rates a system can carry. It prints each point, the capacity (the highest
 throughput with P90 normalized latency under each target, interpolated between rates) and
-writes JSON and a PNG::
+writes JSON (with each run's state over time, `ramp`) and two PNGs (capacity; `sim_churn_ramp.png`:
+sessions in flight and GPU blocks used over each run, the window shaded)::
 
     python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity_process
 
@@ -140,8 +141,35 @@ def main(argv: list[str] | None = None) -> int:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "sim_churn_capacity.png", dpi=110)
-    print(f"wrote {out}/sim_churn_capacity.json, .png; {time.time() - t0:.0f} s")
+    plot_ramp(points, systems, (warmup, duration), out / "sim_churn_ramp.png")
+    print(f"wrote {out}/sim_churn_capacity.json, .png, sim_churn_ramp.png; "
+          f"{time.time() - t0:.0f} s")
     return 0
+
+
+def plot_ramp(points: list[dict], systems: list[str], window: tuple[float, float],
+              path: Path) -> None:
+    """Sessions in flight and GPU blocks used over each run (the points' ``ramp``), one panel
+    per system, one line per rate, the window shaded: is the window at steady state?"""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(systems), figsize=(4.5 * len(systems), 6), squeeze=False,
+                             sharex=True)
+    for j, s in enumerate(systems):
+        for p in sorted((p for p in points if p["system"] == s), key=lambda p: p["conv_rate"]):
+            ts = [r["t"] for r in p["ramp"]]
+            for i, key in enumerate(("sessions_in_flight", "gpu_blocks_used")):
+                axes[i][j].plot(ts, [r[key] for r in p["ramp"]], label=f"{p['conv_rate']:g}/s")
+        axes[0][j].set_title(s)
+        axes[1][j].set_xlabel("time since the first arrival (s)")
+        for i in range(2):
+            axes[i][j].axvspan(*window, color="grey", alpha=0.12)
+            axes[i][j].grid(alpha=0.3)
+    axes[0][0].set_ylabel("sessions in flight")
+    axes[1][0].set_ylabel("GPU KV blocks used")
+    axes[0][-1].legend(fontsize=7, title="sessions/s", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     st = p.pop("steady", None) or {}
     halves = st.get("halves") or {}
     p.update(steady_unsteady=st.get("unsteady"), steady_within_noise=st.get("steady_within_noise"),
-             steady_halves={k: halves[k] for k in STEADY_SHOWN if k in halves})
+             steady_halves={k: halves[k] for k in STEADY_SHOWN if k in halves},
+             ramp=ramp(res.samples))
     kinds: dict[str, dict[str, Any]] = {
         k: {"n": 0, "s": 0.0, "exposed_s": 0.0, "design": [0.0] * 8, "prefill_tokens": 0}
         for k in ("prefill", "decode")}
@@ -141,6 +142,17 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
              sim_wall_s=round(time.time() - t0, 1))
     step_means(p)
     return p
+
+
+def ramp(samples: list[dict[str, Any]], every_s: float = 50.0) -> list[dict[str, float]]:
+    """The run's state over time: the means of the samples' ``STEADY_SHOWN`` counts over each
+    ``every_s`` seconds (from the first arrival), to see when the population levels off."""
+    bins: dict[int, list[dict[str, Any]]] = {}
+    for smp in samples:
+        bins.setdefault(int(smp["t"] // every_s), []).append(smp)
+    return [{"t": i * every_s, **{k: round(sum(x.get(k, 0.0) for x in b) / len(b), 1)
+                                  for k in STEADY_SHOWN}}
+            for i, b in sorted(bins.items())]
 
 
 def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:

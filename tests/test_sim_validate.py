@@ -52,6 +52,24 @@ def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
     assert set(d["capacity"]) == {"50ms", "100ms", "150ms"}
     assert all(set(c) == {"stateless", "pensieve"} for c in d["capacity"].values())
     assert (tmp_path / "sim_churn_capacity.png").stat().st_size > 0
+    # each point's state over time (50 s bins of the 1 s samples), and its plot
+    for p in d["points"]:
+        ts = [r["t"] for r in p["ramp"]]
+        assert ts == [50.0 * i for i in range(len(ts))] and len(ts) >= 1
+        assert all(r["sessions_in_flight"] >= 0 and r["gpu_blocks_used"] >= 0
+                   for r in p["ramp"])
+    assert any(r["sessions_in_flight"] > 0 for p in d["points"] for r in p["ramp"])
+    assert (tmp_path / "sim_churn_ramp.png").stat().st_size > 0
+
+
+def test_ramp_bins_the_samples() -> None:
+    ramp = _jobs().ramp
+    samples = [{"t": t, "sessions_in_flight": t, "gpu_blocks_used": 2 * t} for t in range(0, 7)]
+    got = ramp(samples, every_s=3.0)
+    assert [r["t"] for r in got] == [0.0, 3.0, 6.0]
+    assert [r["sessions_in_flight"] for r in got] == [1.0, 4.0, 6.0]
+    assert [r["gpu_blocks_used"] for r in got] == [2.0, 8.0, 12.0]
+    assert got[0]["requests_waiting"] == 0.0  # a count the samples lack reads 0
 
 
 def _bench(name: str = "sim_validate_churn") -> Any:
