@@ -19,6 +19,8 @@
 #           bash benchmarks/long_run.sh wait 560
 #   call 2: bash benchmarks/long_run.sh wait 570            (any directory: RUN_DIR is absolute)
 #   call 3: bash benchmarks/long_run.sh wait 570 && OUT=$OUT bash benchmarks/long_run.sh collect
+# Make each call as soon as the last returns: an idle machine is given back after ~30 s, and
+# the run with it. The whole run must end within the 30 minutes a machine may be held.
 set -uo pipefail
 run_dir=${RUN_DIR:-/tmp/pensieve_long_run}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -64,6 +66,6 @@ status)
     else echo "ended (exit status $(rc))"; fi
     ;;
 *)
-    sed -n '2,23p' "$0"; exit 2
+    sed -n '2,24p' "$0"; exit 2
     ;;
 esac
