@@ -66,6 +66,6 @@ status)
     else echo "ended (exit status $(rc))"; fi
     ;;
 *)
-    sed -n '2,24p' "$0"; exit 2
+    sed -n '2,23p' "$0"; exit 2
     ;;
 esac
