@@ -13,7 +13,7 @@ pytest.importorskip("psycopg")
 openai = pytest.importorskip("openai")
 
 from pg_server import postgres_url  # noqa: E402
-from test_replicas import _run, serve_args  # noqa: E402
+from test_replicas import _run, _running, serve_args  # noqa: E402
 
 from pensieve.replicas.serve import NODE_HEADER, build_application  # noqa: E402
 from pensieve.server.stores import open_store  # noqa: E402
@@ -22,6 +22,7 @@ from pensieve.server.stores import open_store  # noqa: E402
 @pytest.mark.slow  # a two-node Ray cluster and a PostgreSQL server
 def test_two_nodes_postgres_store():
     import socket
+    import time
 
     from ray.cluster_utils import Cluster
 
@@ -41,15 +42,25 @@ def test_two_nodes_postgres_store():
                                                            "resources": {"head": 0.01}})
             serve.run(app, name="pensieve", route_prefix="/")
             base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60  # until the ingress's router knows both replicas
+            while len(_running(base)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
             headers: list = []
-            # 8 conversations, 2 turns; then 2 more turns each after the second node is gone
+            # 8 conversations, 2 turns; then 2 more turns each after the second node is gone.
+            # Affinity puts all 8 on one node once in 128 (rendezvous over random replica
+            # ids): more conversations start, 4 at a time, until both nodes have served.
             results, served = _run(base, range(8), 2, headers=headers)
+            while len({h[NODE_HEADER] for h in headers}) < 2 and len(results) < 32:
+                more, more_served = _run(base, range(len(results), len(results) + 4), 2,
+                                         headers=headers)
+                results, served = results + more, served + more_served
             for i, t, _, cached, _ in served:
                 assert t == 0 or cached > 0, (i, t)
             assert len({h[NODE_HEADER] for h in headers}) == 2  # both nodes served
             cluster.remove_node(worker)
-            results2, served2 = _run(base, range(8), 4, histories=[m for m, _ in results])
-            assert len(served2) == 8 * 2
+            n = len(results)
+            results2, served2 = _run(base, range(n), 4, histories=[m for m, _ in results])
+            assert len(served2) == n * 2
             store = open_store(url)
             try:
                 for (msgs, cid), (_, cid0) in zip(results2, results):
