@@ -95,9 +95,7 @@ def cluster(tmp_path_factory):
         serve.run(build_application(serve_args(store), replica_cpus=1),
                   name="pensieve", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60  # until the ingress's router knows both replicas
-        while len(_running(url)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_replicas(url, 2)
         yield url, store
     finally:
         serve.shutdown()
@@ -109,6 +107,13 @@ def _running(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=60).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^pensieve_requests_running\{replica="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def wait_for_replicas(url: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until the ingress's router knows ``n`` replicas (its ``/metrics`` lists them)."""
+    deadline = time.monotonic() + timeout_s
+    while len(_running(url)) < n and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _conversation(client, i: int, turns: int, served: list, on_turn=None, history=None,

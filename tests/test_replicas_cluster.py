@@ -13,7 +13,7 @@ pytest.importorskip("psycopg")
 openai = pytest.importorskip("openai")
 
 from pg_server import postgres_url  # noqa: E402
-from test_replicas import _run, _running, serve_args  # noqa: E402
+from test_replicas import _run, serve_args, wait_for_replicas  # noqa: E402
 
 from pensieve.replicas.serve import NODE_HEADER, build_application  # noqa: E402
 from pensieve.server.stores import open_store  # noqa: E402
@@ -22,7 +22,6 @@ from pensieve.server.stores import open_store  # noqa: E402
 @pytest.mark.slow  # a two-node Ray cluster and a PostgreSQL server
 def test_two_nodes_postgres_store():
     import socket
-    import time
 
     from ray.cluster_utils import Cluster
 
@@ -42,9 +41,7 @@ def test_two_nodes_postgres_store():
                                                            "resources": {"head": 0.01}})
             serve.run(app, name="pensieve", route_prefix="/")
             base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60  # until the ingress's router knows both replicas
-            while len(_running(base)) < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for_replicas(base, 2)
             headers: list = []
             # 8 conversations, 2 turns; then 2 more turns each after the second node is gone.
             # Affinity puts all 8 on one node once in 128 (rendezvous over random replica

@@ -134,34 +134,37 @@ class _Run:
             ids = [trng.randrange(self.vocab_size) for _ in range(turn.input_len)]
             params = SamplingParams(max_tokens=turn.output_len, temperature=0.0,
                                     ignore_eos=True)
-            rec = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len, turn.output_len)
+            self.records[rid] = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len,
+                                              turn.output_len)
+            self.in_flight += 1
             self.sent_n += 1
-            self.started += int(k == 0)
+            if k == 0:
+                self.sessions += 1
+                self.started += 1
             try:
                 self.engine.add_request(rid, ids, params, arrival_time=self.t0 + sent,
                                         conversation_id=f"{conv.conv_id}#{slot}")
-            except ValueError:
-                # refused (a context past max_model_len, as a server answers 400): the
-                # request fails and its conversation stops here
-                rec.error = True
-                self.done.append(rec)
-                self.finished_n += 1
-                self.sessions -= int(k > 0)  # a first turn never opened one
-                continue
-            self.records[rid] = rec
-            self.in_flight += 1
-            self.sessions += int(k == 0)
+            except ValueError:  # refused (a context past max_model_len: a server's 400)
+                self._fail(self._end(rid))
+
+    def _end(self, rid: str) -> RequestRecord:
+        """The record of a request that is no longer in flight."""
+        self.in_flight -= 1
+        self.finished_n += 1
+        return self.records.pop(rid)
+
+    def _fail(self, rec: RequestRecord) -> None:
+        """The request failed: it counts as never finished and its conversation stops."""
+        rec.error = True
+        self.done.append(rec)
+        self.sessions -= 1
 
     def finish(self, out: Any, clock: Clock) -> None:
         """A turn's answer ``out`` (a request output) arrived; schedule the next turn."""
-        rec = self.records.pop(out.request_id)
-        self.in_flight -= 1
-        self.finished_n += 1
+        rec = self._end(out.request_id)
         slot, k = int(rec.conversation[1:]), rec.turn
         if out.finish_reason == "error":
-            rec.error = True
-            self.done.append(rec)  # the conversation stops here
-            self.sessions -= 1
+            self._fail(rec)
             return
         t0 = self.t0
         rec.finished = (out.finish_time or clock.now()) - t0
