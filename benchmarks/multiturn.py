@@ -60,7 +60,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.bench.engine_api import VirtualClock, WallClock
-from pensieve.bench.loadgen import run_load
+from pensieve.bench.loadgen import WARM_START_HELP, run_load, warm_start_from
 from pensieve.bench.metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", default="60",
                     help="seconds before the window, or 'auto' (1.5 mean session lifetimes)")
     ap.add_argument("--drain", type=float, default=None)
+    ap.add_argument("--warm-start", type=float, nargs="?", const=0.05, default=None,
+                    metavar="S_PER_TOKEN", help=WARM_START_HELP)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -329,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             vocab = min(32000, getattr(engine, "vocab_size", None) or 32000)
             res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
                            vocab, seed=args.seed, drain_s=args.drain, progress=progress,
-                           sample_interval_s=args.sample_interval or None)
+                           sample_interval_s=args.sample_interval or None,
+                           warm_start=warm_start_from(args.warm_start))
             bar.close()
             batching = None if args.engine == "http" or system == "hf" else args.batching
             point = {"system": system, "conv_rate": rate, "engine": args.engine,
@@ -340,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                      "model": args.model, "think_time_s": args.think_time,
                      "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
                      "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
+                     "warm_start_s_per_token": args.warm_start,
                      "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
                      **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
             if args.engine == "http":  # was the client a bottleneck, did requests fail?

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from pensieve.bench.engine_api import VirtualClock  # noqa: E402
-from pensieve.bench.loadgen import run_load  # noqa: E402
+from pensieve.bench.loadgen import WARM_START_HELP, run_load, warm_start_from  # noqa: E402
 from pensieve.bench.metrics import summarize  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel, TransferModel  # noqa: E402
 
@@ -113,9 +113,11 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     convs = conversations(job["workload"], job["seed"], job["template_tokens"],
                           job.get("length_scale", 1.0))
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
-                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0)
+                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0,
+                   warm_start=warm_start_from(job.get("warm_start")))
     p = {"system": job["system"], "conv_rate": job["rate"], "pair": job.get("pair"),
          "side": job.get("side"), "scheduler": job.get("scheduler", {}),
+         "warm_start_s_per_token": job.get("warm_start"),
          "model": job.get("model_name"), "unfinished": res.unfinished,
          **summarize(res, job["warmup"])}
     st = p.pop("steady", None) or {}
@@ -161,6 +163,8 @@ def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=300.0)
     ap.add_argument("--drain", type=float, default=60.0)
+    ap.add_argument("--warm-start", type=float, nargs="?", const=0.05, default=None,
+                    metavar="S_PER_TOKEN", help=WARM_START_HELP)
     ap.add_argument("--targets", default=targets, help="P90 ms/token")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

@@ -361,3 +361,68 @@ def test_load_past_max_model_len_fails_that_turn_only() -> None:
                for k, v in turns.items() if int(k[1:]) % 3)
     assert res.samples[-1]["sessions_in_flight"] == 0
     assert res.samples[-1]["requests_in_flight"] == 0
+
+
+def test_warm_start_begins_with_the_steady_sessions_in_flight() -> None:
+    """With a warm start, the sessions that arrived before time 0 and would still be under way
+    are in flight from the first sample (as many as Little's law gives for the assumed latency),
+    each sends only its remaining turns, its first request carries its whole history so far,
+    and every session ends by the end of the run."""
+    from pensieve.bench.loadgen import WarmStart, run_load
+    from pensieve.bench.workload import Conversation, Turn
+
+    conv = Conversation("c", [Turn(12, 10)] * 4)
+    warm = WarmStart(s_per_output_token=0.1, ttft_s=0.0, horizon_s=60.0)
+    # lifetime under the assumed latency: 4 turns of 1 s + 3 think times of mean 1 s = 7 s
+    rate, expected = 5.0, 5.0 * 7.0
+    clock = VirtualClock()
+    sim = SimEngine(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64,
+                                    max_model_len=512), 1024, 256, STEP, clock, COST,
+                    chunk_size=CHUNK, cache_policy="pensieve", block_bytes=1000, vocab_size=256)
+    res = run_load(sim, clock, [conv], conv_rate=rate, think_time_s=1.0, duration_s=2.0,
+                   vocab_size=256, seed=3, drain_s=1000.0, warm_start=warm)
+    first = res.samples[0]
+    assert first["t"] == 0
+    assert abs(first["sessions_in_flight"] - expected) < 3 * expected ** 0.5
+    assert first["sessions_started"] == first["sessions_in_flight"]
+    assert res.unfinished == 0 and not any(r.error for r in res.records)
+    by_conv: dict[str, list] = {}
+    for r in res.records:
+        by_conv.setdefault(r.conversation, []).append(r)
+    warm_convs = [v for v in by_conv.values() if min(r.turn for r in v) > 0]
+    assert warm_convs, "no session was thinking or answering a later turn at time 0"
+    for recs in by_conv.values():
+        recs.sort(key=lambda r: r.turn)
+        turns = [r.turn for r in recs]
+        assert turns == list(range(turns[0], 4))  # its remaining turns, each once
+        k = turns[0]
+        assert recs[0].input_len == k * 22 + 12  # the history so far, then the new input
+        assert [r.context_len for r in recs] == [(j + 1) * 12 + j * 10 for j in turns]
+    last = res.samples[-1]  # taken when one was due: sessions may still be thinking then
+    assert last["sessions_in_flight"] == sum(v[-1].finished > last["t"] for v in by_conv.values())
+    assert last["sessions_started"] == len(by_conv)
+
+
+def test_cold_start_arrivals_are_unchanged_by_the_warm_start_option() -> None:
+    """Without a warm start the run is what it always was: the first arrival sends turn 0."""
+    from pensieve.bench.loadgen import WarmStart, run_load
+    from pensieve.bench.workload import Conversation, Turn
+
+    conv = Conversation("c", [Turn(12, 10)] * 2)
+
+    def run(warm: WarmStart | None) -> list:
+        clock = VirtualClock()
+        sim = SimEngine(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64,
+                                        max_model_len=512), 1024, 256, STEP, clock, COST,
+                        chunk_size=CHUNK, cache_policy="pensieve", block_bytes=1000,
+                        vocab_size=256)
+        return run_load(sim, clock, [conv], conv_rate=2.0, think_time_s=0.5, duration_s=3.0,
+                        vocab_size=256, seed=4, drain_s=100.0, warm_start=warm).records
+
+    cold = run(None)
+    assert cold and cold[0].sent > 0 and all(r.input_len == 12 for r in cold)
+    assert cold[0].conversation == "c0"
+    warm = run(WarmStart(horizon_s=30.0))
+    assert min(r.sent for r in warm) < cold[0].sent or len(warm) > len(cold)
+    with pytest.raises(ValueError):
+        WarmStart(horizon_s=0)

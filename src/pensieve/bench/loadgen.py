@@ -12,6 +12,18 @@ seeded by ``(seed, conversation slot, turn)``: every system driven with the same
 same conversations, the same prompts and the same think times, whatever order its turns
 finish in.
 
+Warm start (:class:`WarmStart`): a cold run starts with no session in flight, and with
+conversations of many turns the number in flight takes as long as the longest sessions live to
+level off (~1,000 s for ShareGPT at 6 s of think time). With a warm start the run begins where
+a steady state would be: the Poisson arrivals also cover ``horizon_s`` before time 0, each past
+session is played forward on an assumed latency per answer token (no engine involved) with its
+own think times, and those still under way at time 0 are in flight from the start. A session
+that was thinking sends its next turn when its think time ends; one that was waiting for an
+answer sends that turn again at a time drawn uniformly over what was left of it. Either way
+its first request carries its whole history so far (the earlier turns' prompts and answers as
+token ids drawn like any prompt) as new input, so the engine holds no state of it yet: what
+warms up is the sessions in flight, not the engine's caches, which fill within a few turns.
+
 Steady state: every ``sample_interval_s`` (1 s by default) the generator records a sample of
 the run (:attr:`LoadResult.samples`): sessions in flight (arrived, last turn not yet answered),
 requests in flight (sent, not yet answered), running totals of sessions, requests sent and
@@ -88,6 +100,37 @@ class LoadResult:
     (see the module doc)."""
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """How :func:`run_load` plays the sessions that arrived before time 0 forward (module doc).
+
+    Each past turn takes ``ttft_s`` plus ``s_per_output_token`` per answer token: the system's
+    latency near the load measured (a normalized latency of ~50 ms/token is a 13B model near its
+    capacity on one H200). Too low a guess leaves fewer sessions in flight at time 0 than the
+    system's steady state holds, and a shorter ramp remains.
+    """
+
+    s_per_output_token: float = 0.05
+    ttft_s: float = 0.2
+    horizon_s: float = 7200.0
+    """How far back arrivals go: longer than nearly every session lives."""
+
+    def __post_init__(self) -> None:
+        if self.s_per_output_token < 0 or self.ttft_s < 0 or self.horizon_s <= 0:
+            raise ValueError(f"invalid warm start {self}")
+
+
+WARM_START_HELP = ("begin at a steady state: the sessions that arrived before time 0 and would "
+                   "still be under way are in flight from the start, played forward at this "
+                   "latency per answer token (s; default 0.05)")
+"""The help of a benchmark's ``--warm-start [S_PER_TOKEN]`` option (``nargs="?"``,
+``const=0.05``): :func:`warm_start_from` turns its value into a :class:`WarmStart`."""
+
+
+def warm_start_from(s_per_output_token: float | None) -> WarmStart | None:
+    return None if s_per_output_token is None else WarmStart(s_per_output_token)
+
+
 def arrival_times(rate: float, duration: float, rng: random.Random) -> list[float]:
     """Poisson process of ``rate`` per second on ``[0, duration)``."""
     if rate <= 0:
@@ -122,6 +165,48 @@ class _Run:
         self.sessions = 0  # arrived, last turn not answered yet
         self.started = self.sent_n = self.finished_n = 0
         self.samples: list[dict[str, float]] = []
+        self.warm: set[int] = set()  # warm-started sessions whose first request is still due
+
+    def think(self, slot: int, turn: int) -> float:
+        """The think time after ``turn`` of the conversation in ``slot``."""
+        return _turn_rng(self.seed, slot, turn, "think").expovariate(1.0 / self.think_time_s)
+
+    def prompt(self, slot: int, turn: int) -> list[int]:
+        """The new input of ``turn``; a warm-started session's first request also carries its
+        earlier turns' prompts and answers."""
+        conv = self.convs[slot]
+        trng = _turn_rng(self.seed, slot, turn, "prompt")
+        ids = [trng.randrange(self.vocab_size) for _ in range(conv.turns[turn].input_len)]
+        if slot not in self.warm:
+            return ids
+        self.warm.discard(slot)
+        history: list[int] = []
+        for j in range(turn):
+            history += self.prompt(slot, j)
+            arng = _turn_rng(self.seed, slot, j, "answer")
+            history += [arng.randrange(self.vocab_size) for _ in range(conv.turns[j].output_len)]
+        return history + ids
+
+    def warm_start(self, past: list[tuple[int, float]], warm: WarmStart,
+                   rng: random.Random) -> None:
+        """Put the sessions of ``past`` ((slot, arrival < 0)) still under way at time 0 in
+        flight (module doc)."""
+        for slot, t in past:
+            turns = self.convs[slot].turns
+            for k, turn in enumerate(turns):
+                if t >= 0:  # thinking at time 0: its turn k goes out when the think ends
+                    send = t
+                    break
+                done = t + warm.ttft_s + warm.s_per_output_token * turn.output_len
+                if done > 0:  # waiting for an answer at time 0: sent again in what was left
+                    send = rng.uniform(0.0, done)
+                    break
+                t = done + self.think(slot, k)
+            else:
+                continue  # the session ended before time 0
+            heapq.heappush(self.heap, (send, slot, k))
+            self.warm.add(slot)
+        self.sessions = self.started = len(self.warm)
 
     def send_due(self, now: float) -> None:
         """Send every turn whose time has come."""
@@ -130,15 +215,15 @@ class _Run:
             sent, slot, k = heapq.heappop(heap)
             conv, turn = convs[slot], convs[slot].turns[k]
             rid = f"c{slot}-t{k}"
-            trng = _turn_rng(self.seed, slot, k, "prompt")
-            ids = [trng.randrange(self.vocab_size) for _ in range(turn.input_len)]
+            new_session = k == 0 and slot not in self.warm
+            ids = self.prompt(slot, k)
             params = SamplingParams(max_tokens=turn.output_len, temperature=0.0,
                                     ignore_eos=True)
-            self.records[rid] = RequestRecord(f"c{slot}", k, rid, sent, turn.input_len,
+            self.records[rid] = RequestRecord(f"c{slot}", k, rid, sent, len(ids),
                                               turn.output_len)
             self.in_flight += 1
             self.sent_n += 1
-            if k == 0:
+            if new_session:
                 self.sessions += 1
                 self.started += 1
             try:
@@ -174,8 +259,7 @@ class _Run:
         rec.cache = dict(out.cache_stats or {})
         self.done.append(rec)
         if k + 1 < len(self.convs[slot].turns):
-            think = _turn_rng(self.seed, slot, k, "think").expovariate(1.0 / self.think_time_s)
-            heapq.heappush(self.heap, (rec.finished + think, slot, k + 1))
+            heapq.heappush(self.heap, (rec.finished + self.think(slot, k), slot, k + 1))
         else:
             self.sessions -= 1
 
@@ -200,23 +284,29 @@ def run_load(
     drain_s: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     sample_interval_s: float | None = 1.0,
+    warm_start: WarmStart | None = None,
 ) -> LoadResult:
     """Drive ``engine`` with conversations drawn in order (cycling) from ``conversations``.
 
     Arrivals stop at ``duration_s``; turns already under way continue until ``drain_s`` after
     that (default: ``duration_s``), then whatever is left is counted as unfinished. Samples
-    of the run's state are taken every ``sample_interval_s`` (None: none).
+    of the run's state are taken every ``sample_interval_s`` (None: none). ``warm_start``:
+    begin with the sessions a steady state would have in flight (module doc).
     """
     rng = random.Random(seed)
     t0 = clock.now()
-    arrivals = arrival_times(conv_rate, duration_s, rng)
+    back = warm_start.horizon_s if warm_start else 0.0
+    arrivals = [t - back for t in arrival_times(conv_rate, duration_s + back, rng)]
     drain = duration_s if drain_s is None else drain_s
     stop_at = duration_s + drain
     convs = [conversations[i % len(conversations)] for i in range(len(arrivals))]
     run = _Run(engine, convs, seed, vocab_size, think_time_s, t0)
-    for slot, t in enumerate(arrivals):
+    past = [(slot, t) for slot, t in enumerate(arrivals) if t < 0]
+    if warm_start:
+        run.warm_start(past, warm_start, random.Random(f"{seed}:warm"))
+    for slot, t in enumerate(arrivals[len(past):], start=len(past)):
         heapq.heappush(run.heap, (t, slot, 0))
-    total = sum(len(c.turns) for c in convs)
+    total = sum(len(convs[slot].turns) - k for _, slot, k in run.heap)
     next_sample = 0.0 if sample_interval_s else math.inf
     while True:
         # the clock's reading minus t0 may fall a rounding error short of the time slept to
