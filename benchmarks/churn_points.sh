@@ -35,6 +35,9 @@
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
 # TOKENIZER (words | demo: chat_model_dir.py --tokenizer), WORKLOAD (agentic | sharegpt: the
 # packaged ShareGPT lengths; a --workload in the extra args also sets it), PYTHON, SITE.
+# Steady state sooner: `--warm-start S_PER_TOKEN` among the extra args starts the load with the
+# sessions a steady state would have in flight (pensieve.bench.loadgen.WarmStart); with ShareGPT
+# a cold start needs ~1,000 s of arrivals before sessions in flight level off.
 # Smoke test on the CPU (demo model, ~2 minutes): OUT=/tmp/churn DEVICE=cpu
 # MODEL=demo DTYPE=auto GPU_KV_GB=0.004 CPU_KV_GB=0.008 THINK=1 WARMUP=25 WINDOW=40 DRAIN=20
 # bash benchmarks/churn_points.sh stateless,pensieve 0.3 --length-scale 0.1
