@@ -94,6 +94,25 @@ def test_plot_timeseries(tmp_path: Path) -> None:
     assert png.is_file() and png.stat().st_size > 10_000
 
 
+def test_plot_sim_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs of one (system, rate) from different starts share a panel, each labelled by its
+    start; a panel with no run is an error, not an empty plot."""
+    def point(warm: float | None, n: int) -> dict:
+        return {"system": "pensieve", "conv_rate": 0.9, "warm_start_s_per_token": warm,
+                "ramp": [{"t": 50.0 * i, "sessions_in_flight": 10 + i, "requests_waiting": i}
+                         for i in range(n)]}
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps({"points": [point(None, 80), point(0.05, 30)]}))
+    mod = _script("plot_sim_starts")
+    assert [mod.label(p) for p in mod.load_points([str(runs)])] == [
+        "cold, 4000 s", "warm 0.05 s/token, 1500 s"]
+    out = tmp_path / "starts.png"
+    assert mod.main([str(runs), "--only", "pensieve:0.9", "--out", str(out)]) == 0
+    assert out.is_file() and out.stat().st_size > 10_000
+    assert mod.main([str(runs), "--only", "stateless:0.9", "--out", str(out)]) == 2
+    assert "no run of stateless at 0.9/s" in capsys.readouterr().err
+
+
 def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = {"conv_rate": 0.7, "engine": "http", "api": "chat", "workload": "Agentic",
             "warmup_s": 210.0, "duration_s": 420.0, "finished": 90, "requests": 100,
