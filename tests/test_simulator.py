@@ -426,3 +426,15 @@ def test_cold_start_arrivals_are_unchanged_by_the_warm_start_option() -> None:
     assert min(r.sent for r in warm) < cold[0].sent or len(warm) > len(cold)
     with pytest.raises(ValueError):
         WarmStart(horizon_s=0)
+
+
+def test_sim_keeps_the_step_compute_the_copies_run_beside() -> None:
+    """The engine keeps the cache's ``step_overlap_s`` at its decode-only steps' time on its
+    clock (virtual time here): within the range of those steps' modelled costs."""
+    clock = VirtualClock()
+    sim = make_sim("pensieve", clock)
+    assert sim.cache.step_overlap_s == 0
+    drive(sim, clock)
+    decode = [dt for f, dt in sim.step_log if f.num_prefill_tokens == 0 and f.num_decode_tokens]
+    assert decode, "no decode-only step"
+    assert min(decode) <= sim.cache.step_overlap_s <= max(decode)

@@ -151,7 +151,27 @@ def test_swap_or_recompute_by_cost_matches(tiny_llama, policy: str) -> None:  # 
     llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8)
     cache = llm.engine.cache
     cache.swap_chunk_s = 0.7 * cache.chunk_cost(CHUNK)
+    # no compute beside the copies (the engine would set it from its decode steps' wall time,
+    # which on the CPU dwarfs a chunk's cost): the rule weighs the copies against
+    # recomputation alone
+    llm.engine._observe_step_time = lambda sched, seconds: None
     assert run(llm, workload) == want
     stats = llm.cache_stats()
     assert stats["cpu_recomputed_tokens"] > 0 and stats["cpu_hit_tokens"] > 0, stats
     assert stats["cpu_recomputed_tokens"] <= stats["recomputed_tokens"]
+
+
+def test_copies_within_the_steps_compute_are_swapped_not_recomputed(tiny_llama) -> None:  # noqa: ANN001
+    """The same swap time with the compute of a decode step beside the copies: a chunk whose
+    copy ends within it is swapped in, so nothing is recomputed; the engine keeps that compute
+    at its decode-only steps' time on its clock."""
+    path, model = tiny_llama
+    workload = every_path_workload()
+    want = expected(Reference(model), workload)
+    llm = make_llm(path, "pensieve", num_gpu_blocks=30, num_cpu_blocks=8)
+    cache = llm.engine.cache
+    cache.swap_chunk_s = 0.7 * cache.chunk_cost(CHUNK)
+    assert run(llm, workload) == want
+    stats = llm.cache_stats()
+    assert stats["cpu_hit_tokens"] > 0 and stats["cpu_recomputed_tokens"] == 0, stats
+    assert cache.step_overlap_s > 100 * cache.swap_chunk_s

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.outputs import RunnerOutput, ScheduledRequest, TokenLogprobs
+from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
@@ -180,10 +180,11 @@ class EngineCore:
         if self.audit:
             self.cache.check_integrity()
         self.split_range_requests += sum(len(s.ranges) > 1 for s in sched.requests)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), self.now()
         step = execute_contained(self.executor.execute, sched)
         result = step.output
         t3 = time.perf_counter()
+        self._observe_step_time(sched, self.now() - c2)
         failed = self._fail(sched.requests, step.failed) if step.failed else []
         self.last_sampled = result.sampled_token_ids
         self.last_logprobs = result.logprobs
@@ -198,6 +199,17 @@ class EngineCore:
             self.cache.check_integrity()
         self.num_steps += 1
         return failed + [_output(r) for r in finished]
+
+    def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Keep the cache's ``step_overlap_s`` (the compute a step's copies run beside, which
+        its swap-or-recompute choice weighs) at the recent decode-only step time, on the
+        engine's clock: a moving average over ~5 such steps."""
+        if not sched.requests or seconds <= 0:
+            return
+        if sched.num_scheduled_tokens != len(sched.requests):
+            return  # a step with prefill: longer than the compute a step always has
+        old = self.cache.step_overlap_s
+        self.cache.step_overlap_s = seconds if old == 0 else old + 0.2 * (seconds - old)
 
     def _append_logprobs(self, scheduled: Iterable[ScheduledRequest],
                          result: RunnerOutput) -> None:
