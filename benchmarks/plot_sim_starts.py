@@ -7,7 +7,8 @@ started cold and warm, one panel per (system, rate), one line per run.
         docs/results/sim_sharegpt_40_60_warm/sim_churn_capacity.json \
         --only stateless:0.75,pensieve:0.9 --out docs/results/sim_sharegpt_40_60_start/starts.png
 
-Each run is labelled by its start (``cold`` or ``warm S_PER_TOKEN``) and its length.
+Each run is labelled by its start (``cold`` or ``warm S_PER_TOKEN``), its length and, unless it
+is the engine's, its swap-or-recompute rule (``--recompute-rule``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def load_points(paths: list[str]) -> list[dict[str, Any]]:
 def label(p: dict[str, Any]) -> str:
     warm = p.get("warm_start_s_per_token")
     start = "cold" if warm is None else f"warm {warm:g} s/token"
-    return f"{start}, {p['ramp'][-1]['t'] + 50:.0f} s"
+    rule = p.get("recompute_rule") or "step"
+    return f"{start}, {p['ramp'][-1]['t'] + 50:.0f} s" + ("" if rule == "step" else f", {rule}")
 
 
 def main(argv: list[str] | None = None) -> int:

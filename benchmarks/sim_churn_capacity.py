@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [{"system": s, "rate": r, "pair": "capacity", "think": args.think,
              "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb, "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
-             "warm_start": args.warm_start,
+             "warm_start": args.warm_start, "recompute_rule": args.recompute_rule,
              "template_tokens": args.template_tokens,
              "decode_reserve": args.decode_reserve, "swap_gbps": swap_gbps(args.swap_gbps),
              "length_scale": scale, "cost": cost.to_dict(), "model_name": args.step_cost}

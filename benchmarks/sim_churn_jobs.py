@@ -85,14 +85,20 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
     cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
     reserve = job.get("decode_reserve")
-    cache = {} if reserve is None else {"decode_reserve": reserve}
-    return SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
-                                     max_model_len=16384, **job.get("scheduler", {})),
-                     gpu, cpu, cost, clock,
-                     chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
-                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
-                     transfer=transfer if transfer is not None else transfer_model(
-                         job.get("swap_gbps")), **cache)
+    cache: dict[str, Any] = {} if reserve is None else {"decode_reserve": reserve}
+    rule = job.get("recompute_rule") or "step"
+    if rule == "off":
+        cache["swap_bandwidth_gbps"] = "off"
+    eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
+                                    max_model_len=16384, **job.get("scheduler", {})),
+                    gpu, cpu, cost, clock,
+                    chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
+                    chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
+                    transfer=transfer if transfer is not None else transfer_model(
+                        job.get("swap_gbps")), **cache)
+    if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
+        eng._observe_step_time = lambda sched, seconds: None
+    return eng
 
 
 STEADY_SHOWN = ("sessions_in_flight", "gpu_blocks_used", "cpu_blocks_used", "requests_running",
@@ -118,6 +124,7 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     p = {"system": job["system"], "conv_rate": job["rate"], "pair": job.get("pair"),
          "side": job.get("side"), "scheduler": job.get("scheduler", {}),
          "warm_start_s_per_token": job.get("warm_start"),
+         "recompute_rule": job.get("recompute_rule") or "step",
          "model": job.get("model_name"), "unfinished": res.unfinished,
          **summarize(res, job["warmup"])}
     st = p.pop("steady", None) or {}
@@ -165,6 +172,10 @@ def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
     ap.add_argument("--drain", type=float, default=60.0)
     ap.add_argument("--warm-start", type=float, nargs="?", const=0.05, default=None,
                     metavar="S_PER_TOKEN", help=WARM_START_HELP)
+    ap.add_argument("--recompute-rule", choices=["step", "bare", "off"], default="step",
+                    help="how a CPU chunk comes back: swap or recompute by cost with the step's "
+                         "own compute counted (step, the engine's), without it (bare, the "
+                         "engine before ee02085), or always swapped in (off)")
     ap.add_argument("--targets", default=targets, help="P90 ms/token")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

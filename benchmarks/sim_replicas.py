@@ -46,7 +46,7 @@ from pensieve.bench.step_cost import StepCostModel  # noqa: E402
 def point(job: dict[str, Any]) -> dict[str, Any]:
     """One (N, routing, rate) point."""
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.loadgen import run_load
+    from pensieve.bench.loadgen import run_load, warm_start_from
     from pensieve.bench.replicas_sim import ReplicatedSim, replica_names
     from pensieve.core.cost_model import CostModel
     from pensieve.core.routing import AffinityRouter, RandomRouter
@@ -67,7 +67,8 @@ def point(job: dict[str, Any]) -> dict[str, Any]:
     eng = ReplicatedSim(n, make, clock, router)
     convs = conversations(job["workload"], job["seed"], 8, job["length_scale"])
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
-                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=5.0)
+                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=5.0,
+                   warm_start=warm_start_from(job.get("warm_start")))
     p = {"replicas": n, "routing": job["routing"], "system": job["system"],
          "conv_rate": job["rate"], "rate_per_replica": job["rate"] / n,
          "unfinished": res.unfinished, **summarize(res, job["warmup"]),
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [{"replicas": n, "routing": routing, "system": args.system, "rate": r * n,
              "think": args.think, "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
              "duration": duration, "warmup": warmup, "drain": drain, "seed": args.seed,
-             "workload": args.workload, "length_scale": scale, "cost": cost.to_dict()}
+             "workload": args.workload, "length_scale": scale, "cost": cost.to_dict(),
+             "warm_start": args.warm_start, "recompute_rule": args.recompute_rule}
             for n in ns for routing in routings for r in rates
             if not (n == 1 and routing != routings[0])]  # one replica: routing is moot
     jobs.sort(key=lambda j: -j["replicas"])  # longest first
