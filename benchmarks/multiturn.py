@@ -60,7 +60,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.bench.engine_api import VirtualClock, WallClock
-from pensieve.bench.loadgen import WARM_START_HELP, run_load, warm_start_from
+from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
 from pensieve.bench.metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
@@ -220,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", default="60",
                     help="seconds before the window, or 'auto' (1.5 mean session lifetimes)")
     ap.add_argument("--drain", type=float, default=None)
-    ap.add_argument("--warm-start", type=float, nargs="?", const=0.05, default=None,
-                    metavar="S_PER_TOKEN", help=WARM_START_HELP)
+    add_warm_start_arg(ap)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)

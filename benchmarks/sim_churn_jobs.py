@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from pensieve.bench.engine_api import VirtualClock  # noqa: E402
-from pensieve.bench.loadgen import WARM_START_HELP, run_load, warm_start_from  # noqa: E402
+from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from  # noqa: E402
 from pensieve.bench.metrics import summarize  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel, TransferModel  # noqa: E402
 
@@ -97,7 +97,7 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                     transfer=transfer if transfer is not None else transfer_model(
                         job.get("swap_gbps")), **cache)
     if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
-        eng._observe_step_time = lambda sched, seconds: None
+        eng.track_step_overlap = False
     return eng
 
 
@@ -170,8 +170,7 @@ def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=300.0)
     ap.add_argument("--drain", type=float, default=60.0)
-    ap.add_argument("--warm-start", type=float, nargs="?", const=0.05, default=None,
-                    metavar="S_PER_TOKEN", help=WARM_START_HELP)
+    add_warm_start_arg(ap)
     ap.add_argument("--recompute-rule", choices=["step", "bare", "off"], default="step",
                     help="how a CPU chunk comes back: swap or recompute by cost with the step's "
                          "own compute counted (step, the engine's), without it (bare, the "

@@ -120,11 +120,17 @@ class WarmStart:
             raise ValueError(f"invalid warm start {self}")
 
 
-WARM_START_HELP = ("begin at a steady state: the sessions that arrived before time 0 and would "
-                   "still be under way are in flight from the start, played forward at this "
-                   "latency per answer token (s; default 0.05)")
-"""The help of a benchmark's ``--warm-start [S_PER_TOKEN]`` option (``nargs="?"``,
-``const=0.05``): :func:`warm_start_from` turns its value into a :class:`WarmStart`."""
+def add_warm_start_arg(parser: Any) -> None:
+    """A benchmark's ``--warm-start [S_PER_TOKEN]`` option (an ``argparse`` parser): absent,
+    a cold start; bare, :class:`WarmStart`'s default latency. :func:`warm_start_from` turns its
+    value into a :class:`WarmStart`."""
+    default = WarmStart.s_per_output_token
+    parser.add_argument(
+        "--warm-start", type=float, nargs="?", const=default, default=None,
+        metavar="S_PER_TOKEN",
+        help="begin at a steady state: the sessions that arrived before time 0 and would still "
+             "be under way are in flight from the start, played forward at this latency per "
+             f"answer token (s; default {default:g})")
 
 
 def warm_start_from(s_per_output_token: float | None) -> WarmStart | None:
@@ -171,21 +177,20 @@ class _Run:
         """The think time after ``turn`` of the conversation in ``slot``."""
         return _turn_rng(self.seed, slot, turn, "think").expovariate(1.0 / self.think_time_s)
 
-    def prompt(self, slot: int, turn: int) -> list[int]:
-        """The new input of ``turn``; a warm-started session's first request also carries its
-        earlier turns' prompts and answers."""
-        conv = self.convs[slot]
-        trng = _turn_rng(self.seed, slot, turn, "prompt")
-        ids = [trng.randrange(self.vocab_size) for _ in range(conv.turns[turn].input_len)]
-        if slot not in self.warm:
-            return ids
-        self.warm.discard(slot)
-        history: list[int] = []
-        for j in range(turn):
-            history += self.prompt(slot, j)
-            arng = _turn_rng(self.seed, slot, j, "answer")
-            history += [arng.randrange(self.vocab_size) for _ in range(conv.turns[j].output_len)]
-        return history + ids
+    def _ids(self, slot: int, turn: int, what: str, n: int) -> list[int]:
+        """``n`` token ids of one turn's prompt or (made-up) answer, from its own generator."""
+        rng = _turn_rng(self.seed, slot, turn, what)
+        return [rng.randrange(self.vocab_size) for _ in range(n)]
+
+    def prompt(self, slot: int, turn: int, with_history: bool) -> list[int]:
+        """The new input of ``turn``; ``with_history`` (a warm-started session's first
+        request): after its earlier turns' prompts and answers."""
+        turns = self.convs[slot].turns
+        ids: list[int] = []
+        for j in range(turn if with_history else 0):
+            ids += self._ids(slot, j, "prompt", turns[j].input_len)
+            ids += self._ids(slot, j, "answer", turns[j].output_len)
+        return ids + self._ids(slot, turn, "prompt", turns[turn].input_len)
 
     def warm_start(self, past: list[tuple[int, float]], warm: WarmStart,
                    rng: random.Random) -> None:
@@ -215,8 +220,10 @@ class _Run:
             sent, slot, k = heapq.heappop(heap)
             conv, turn = convs[slot], convs[slot].turns[k]
             rid = f"c{slot}-t{k}"
-            new_session = k == 0 and slot not in self.warm
-            ids = self.prompt(slot, k)
+            warm = slot in self.warm
+            self.warm.discard(slot)
+            new_session = k == 0 and not warm
+            ids = self.prompt(slot, k, with_history=warm)
             params = SamplingParams(max_tokens=turn.output_len, temperature=0.0,
                                     ignore_eos=True)
             self.records[rid] = RequestRecord(f"c{slot}", k, rid, sent, len(ids),

@@ -27,7 +27,7 @@ from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.containment import execute_contained, restore_pending
 from pensieve.engine.executor import Executor
 from pensieve.engine.outputs import RequestOutput
-from pensieve.engine.step_record import StepRecord
+from pensieve.engine.step_record import StepRecord, prefill_decode_tokens
 
 StepObserver = Callable[[StepRecord], None]
 
@@ -62,6 +62,9 @@ class EngineCore:
         """Requests failed by a step whose execution raised on them (containment)."""
         self.audit = False
         """Check the cache's block accounting after every scheduling step (tests)."""
+        self.track_step_overlap = True
+        """Keep the cache's ``step_overlap_s`` at the recent decode-only step time (off: it
+        stays where it is, 0 unless set; the swap-or-recompute rule before it was counted)."""
         self.step_observers: list[StepObserver] = list(observers)
         """Called with a :class:`StepRecord` after every executed step (metrics, benchmarks)."""
 
@@ -204,9 +207,9 @@ class EngineCore:
         """Keep the cache's ``step_overlap_s`` (the compute a step's copies run beside, which
         its swap-or-recompute choice weighs) at the recent decode-only step time, on the
         engine's clock: a moving average over ~5 such steps."""
-        if not sched.requests or seconds <= 0:
+        if not self.track_step_overlap or not sched.requests or seconds <= 0:
             return
-        if sched.num_scheduled_tokens != len(sched.requests):
+        if prefill_decode_tokens(sched)[0]:
             return  # a step with prefill: longer than the compute a step always has
         old = self.cache.step_overlap_s
         self.cache.step_overlap_s = seconds if old == 0 else old + 0.2 * (seconds - old)
