@@ -70,19 +70,30 @@ def test_greedy_matches_hf_under_pressure(checkpoint) -> None:  # noqa: ANN001
     assert llm.engine.cache.gpu.num_free_blocks == 36
 
 
-@pytest.mark.parametrize("pressure", [False, True])
-def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("pressure,span", [(False, "auto"), (True, "auto"), (False, "0"),
+                                           (False, "1")])
+def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: str,
+                                             monkeypatch) -> None:  # noqa: ANN001
     """The decode-graph path (static buffers, batch padded to a bucket; run eagerly here, as
-    CUDA graphs need a GPU) gives the same greedy tokens as HF, suspensions included."""
+    CUDA graphs need a GPU) gives the same greedy tokens as HF, suspensions included. With
+    ``PENSIEVE_DECODE_SPAN=auto`` the ragged decode steps (prompts of 1-301 tokens) take the
+    graphs split by span, the others the plain ones; ``0`` and ``1``: only one set."""
+    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
     path, prompts, expected = checkpoint
     extra = dict(chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=36) if pressure else {}
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, **extra)
     runner = llm.engine.runner
     runner.enable_decode_graphs(max_batch=8, max_blocks=512 // runner.chunk_size, capture=False)
     assert runner.decode_graphs is not None and runner.decode_graphs.buckets == [1, 2, 4, 8]
+    assert (runner.decode_graphs_span is not None) == (span == "auto")
+    assert runner.decode_graphs.split_span == (span == "1")
     outs = llm.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
     assert runner.num_graph_steps > 0
+    if span == "auto":  # these decode steps are ragged (max > 2x mean): split by span
+        assert runner.num_span_graph_steps > 0
+    else:
+        assert runner.num_span_graph_steps == (runner.num_graph_steps if span == "1" else 0)
 
 
 @pytest.mark.parametrize("pressure", [False, True])

@@ -316,6 +316,78 @@ def test_split_kv(group, chunk, dtype, splits, real) -> None:
     run_attention(b, splits)
 
 
+@pytest.mark.parametrize(
+    "group,chunk,dtype,splits,span,real",
+    [
+        (4, 16, BF16, 8, 256, False),   # a 900-position range needs 4 of the 8 splits
+        (1, 32, F32, 2, 256, False),    # more than 2 x span: the equal part wins
+        (8, 16, F16, 32, 512, False),
+        pytest.param(4, 16, BF16, 8, 1024, True, marks=gpu),
+        pytest.param(4, 32, BF16, 16, 256, True, marks=gpu),
+    ],
+)
+def test_split_kv_by_span(group, chunk, dtype, splits, span, real) -> None:
+    """Decode with a split span (ragged contexts): each range uses only the splits its
+    length needs; the programs of the others exit without writing, and the combiner leaves
+    them out."""
+    lens = (1, 17, 255, 256, 257, 900, 1500) if not real else (1, 300, 2500, 13000, 4096)
+    b = make_batch([[(c - 1, 1)] for c in lens], chunk=chunk, dtype=dtype,
+                   **shape_kw(group, real))
+    out = torch.full_like(b.q, float("nan"))
+    span_t = torch.tensor([span], dtype=torch.int32, device=DEVICE)
+    paged_attention_triton(*b.args(), max_query_len=1, out=out, num_kv_splits=splits,
+                           kv_split_span=span_t)
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(out, ref, b.q.dtype)
+
+
+def test_split_span_needs_a_split_decode_step() -> None:
+    b = make_batch([[(0, 3)], [(5, 1)]], chunk=16, dtype=F32, **shape_kw(4, False))
+    span_t = torch.tensor([256], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_split_span"):
+        paged_attention_triton(*b.args(), max_query_len=3, num_kv_splits=4,
+                               kv_split_span=span_t)
+    with pytest.raises(ValueError, match="kv_split_span"):
+        paged_attention_triton(*b.args(), max_query_len=1, num_kv_splits=1,
+                               kv_split_span=span_t)
+
+
+def test_decode_split_span_rule() -> None:
+    """Near the batch's mean, smaller where the grid would not fill the GPU, aligned."""
+    from pensieve.kernels.launch_policy import (
+        DECODE_MIN_SPLITS,
+        SPAN_ALIGN,
+        decode_kv_splits,
+        decode_split_span,
+    )
+
+    dev = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+    target = 4 * launch.num_sms(dev)
+    ragged = [500] * 50 + [13000] * 2
+    span = decode_split_span(ragged, target, dev)  # programs plentiful: the mean decides
+    mean = sum(ragged) // len(ragged)
+    assert span % SPAN_ALIGN == 0 and mean <= span < mean + SPAN_ALIGN
+    assert decode_split_span([8192], 1, dev) < 8192  # one range: split to fill the GPU
+    assert decode_split_span([1, 2], 10, dev) == SPAN_ALIGN
+    assert decode_split_span([], 10, dev) == SPAN_ALIGN
+    assert decode_kv_splits(10_000, 10, dev) == DECODE_MIN_SPLITS
+    assert decode_kv_splits(1, 1, dev) >= min(32, target)
+
+
+def test_decode_split_span_is_for_ragged_steps(monkeypatch) -> None:  # noqa: ANN001
+    from pensieve.kernels.launch_policy import decode_is_ragged, use_split_span
+
+    ragged, uniform = [500] * 50 + [13000] * 2, [3000] * 56
+    assert decode_is_ragged(ragged) and not decode_is_ragged(uniform)
+    assert not decode_is_ragged([]) and not decode_is_ragged([9000])
+    for mode, want in (("auto", (True, False)), ("1", (True, True)), ("0", (False, False))):
+        monkeypatch.setenv("PENSIEVE_DECODE_SPAN", mode)
+        assert (use_split_span(ragged), use_split_span(uniform)) == want
+    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "yes")
+    with pytest.raises(ValueError, match="PENSIEVE_DECODE_SPAN"):
+        use_split_span(ragged)
+
+
 def _overflow_case(real: bool) -> None:
     heads, kv_heads, head_dim = (40, 10, 128) if real else (4, 1, 16)
     chunk = 16
@@ -476,7 +548,7 @@ def test_compile_attention_kernels_runs_every_tile_choice() -> None:
     assert launch._attention_tiles(1, 1, 32, HAS_CUDA) in tiles
     assert launch._attention_tiles(4096, 4096, 32, HAS_CUDA) in tiles
     n = launch.compile_attention_kernels(4, 2, 32, 16, F32, torch.device(DEVICE))
-    assert n == 2 * len(tiles)
+    assert n == 3 * len(tiles)
 
 
 def test_split_count_beyond_the_combiner_raises() -> None:

@@ -78,9 +78,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN00
 def paged_attention(  # noqa: ANN201
     q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table, scale,
     max_query_len: int, out=None, work_items=None, num_work_items=None, tiles=None,  # noqa: ANN001
+    num_kv_splits=None, kv_split_span=None,  # noqa: ANN001
 ):
     """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`.
-    ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode (see
+    ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode;
+    ``num_kv_splits``, ``kv_split_span``: its KV splits (see
     :func:`launch.paged_attention_triton`); the reference computes the same without them."""
     if _use_triton(q):
         from pensieve.kernels.launch import paged_attention_triton
@@ -88,7 +90,8 @@ def paged_attention(  # noqa: ANN201
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
             scale, max_query_len=max_query_len, out=out, tiles=tiles, work_items=work_items,
-            num_work_items=num_work_items,
+            num_work_items=num_work_items, num_kv_splits=num_kv_splits,
+            kv_split_span=kv_split_span,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,

@@ -17,6 +17,8 @@ import torch
 import triton
 
 from pensieve.kernels import triton_attention as _k
+from pensieve.kernels.launch_policy import MAX_SPLITS as _MAX_SPLITS
+from pensieve.kernels.launch_policy import num_sms
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -140,7 +142,6 @@ def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
     return older
 
 
-_MAX_SPLITS = 32
 
 
 def attention_tile_choices(head_dim: int, is_cuda: bool) -> set[tuple[int, int, int, int]]:
@@ -164,30 +165,26 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
                               chunk_size: int, dtype: torch.dtype,
                               device: torch.device) -> int:
     """Compile, before serving, every attention kernel variant the launcher can choose (each
-    tile shape, split and unsplit, and the split combiner) by running each once on a
-    one-token problem. Otherwise Triton compiles a variant the first time a step needs it,
-    stalling that step for about a second. Returns the number of variants run."""
+    tile shape, split and unsplit, split by span, and the split combiners) by running each
+    once on a one-token problem. Otherwise Triton compiles a variant the first time a step
+    needs it, stalling that step for about a second. Returns the number of variants run."""
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     args = (q, cache, cache, zero.view(1, 1), qsl, zero, zero, head_dim**-0.5)
+    span = torch.full((1,), chunk_size, dtype=torch.int32, device=device)
     n = 0
     for tiles in sorted(attention_tile_choices(head_dim, device.type == "cuda")):
-        for splits in (1, 2):
-            paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles)
+        for splits, kv_split_span in ((1, None), (2, None), (2, span)):
+            paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
+                                   kv_split_span=kv_split_span)
             n += 1
     return n
 _WORKSPACE_BYTES = 256 << 20
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so that tests cover the split path too
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
                  device: torch.device) -> int:
     """Split KV when the grid has fewer than four programs per SM.
@@ -197,7 +194,7 @@ def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
     HBM floor unsplit at 8k context and 1.06x with two splits; 64 requests and more ran best
     unsplit. Splits do not depend on the context length, so a CUDA graph captured for a batch
     size stays right for any context."""
-    target = 4 * _num_sms(device)
+    target = 4 * num_sms(device)
     if programs >= target:
         return 1
     splits = min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
@@ -324,6 +321,7 @@ def paged_attention_triton(
     tiles: tuple[int, int, int, int] | None = None,
     work_items: torch.Tensor | None = None,
     num_work_items: torch.Tensor | None = None,
+    kv_split_span: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -345,7 +343,10 @@ def paged_attention_triton(
     default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
     graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
     ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for), no KV splits;
-    the grid is ``max_items`` whatever the ranges. Returns out,
+    the grid is ``max_items`` whatever the ranges. kv_split_span: decode only
+    (``max_query_len == 1``, ``num_kv_splits > 1``): ``[1]`` int32 on the device, the fewest
+    positions a split covers (a multiple of every ``BLOCK_N``: :func:`decode_split_span`);
+    each range uses only the splits its length needs (see the kernel). Returns out,
     ``[num_tokens, num_heads, head_dim]``.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
@@ -360,6 +361,13 @@ def paged_attention_triton(
     (block_m, block_n, num_warps, num_stages), splits, (ws_acc, ws_m, ws_l) = _launch_plan(
         q, out, num_kv_heads, num_ranges, max_query_len, tiles, num_kv_splits, work_items,
         num_work_items)
+    span = kv_split_span is not None
+    if span:
+        if max_query_len != 1 or splits < 2:
+            raise ValueError("kv_split_span is for decode (max_query_len 1) with num_kv_splits "
+                             f"> 1; got max_query_len {max_query_len}, {splits} splits")
+        _check_index("kv_split_span", kv_split_span, 1)
+        _check_device("kv_split_span", kv_split_span, q.device)
     grid = ((work_items.shape[0], 1, num_kv_heads) if work_items is not None else
             (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
     work = work_items if work_items is not None else query_start_loc  # unused unless WORKLIST
@@ -372,15 +380,18 @@ def paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work,
+        kv_split_span if span else query_start_loc,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
-        SPLIT=splits > 1, WORKLIST=work_items is not None,
+        SPLIT=splits > 1, WORKLIST=work_items is not None, SPAN=span,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _k._combine_splits_kernel[(num_ranges, max_query_len, num_heads)](
-            out, ws_acc, ws_m, ws_l, query_start_loc, out.stride(0), out.stride(1), num_heads,
-            splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS, num_warps=4,
+            out, ws_acc, ws_m, ws_l, query_start_loc, range_start_pos,
+            kv_split_span if span else query_start_loc, out.stride(0), out.stride(1),
+            num_heads, splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS, BLOCK_N=block_n,
+            SPAN=span, num_warps=4,
         )
     return out

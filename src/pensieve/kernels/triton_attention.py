@@ -182,6 +182,7 @@ def _paged_attention_kernel(
     num_splits,
     work_ptr,
     num_work_ptr,
+    span_ptr,
     GROUP: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -190,6 +191,7 @@ def _paged_attention_kernel(
     FP32: tl.constexpr,
     SPLIT: tl.constexpr,
     WORKLIST: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
 
@@ -201,6 +203,14 @@ def _paged_attention_kernel(
     ``_combine_splits_kernel`` merges them. ``num_splits`` and the block table's row stride
     are plain (unspecialised) ints, so a serving run compiles one kernel per tile shape and
     ``SPLIT``, not one per split count or table width.
+
+    With ``SPAN`` (decode only: one query token per range) a split covers at least
+    ``span_ptr[0]`` positions (a multiple of ``BLOCK_N``, read from device memory so that a
+    CUDA graph follows the step's contexts): ``max(equal part, span)``. A range then uses only
+    as many splits as its length needs, and the programs of its other splits exit at once
+    without writing; ``_combine_splits_kernel`` recomputes which splits wrote. Long ranges
+    are cut into pieces near the batch's mean, so one long request no longer keeps its
+    program running long after the others have finished.
 
     With ``WORKLIST`` (no split) the grid is ``(max_items, 1, num_kv_heads)``: program ``i``
     takes work item ``work[i] = range * 65536 + tile`` if ``i < num_work[0]`` and exits
@@ -228,6 +238,19 @@ def _paged_attention_kernel(
     if row0 >= query_len * GROUP:
         return
     start_pos = tl.load(range_start_pos_ptr + rng)
+    last_qi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, query_len - 1)
+    kv_len = start_pos + last_qi + 1  # no row of this tile sees beyond kv_len - 1
+    kv_lo = 0
+    kv_hi = kv_len
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        if SPAN:
+            per_split = tl.maximum(per_split, tl.load(span_ptr))
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_len)
+        if SPAN:
+            if kv_lo >= kv_len:
+                return
     table_row = tl.load(range_table_ptr + rng).to(tl.int64)
     table_ptr = block_tables_ptr + table_row * stride_bt
 
@@ -247,20 +270,11 @@ def _paged_attention_kernel(
     q_pos = start_pos + qi
 
     first_pos = start_pos + row0 // GROUP  # every valid row sees positions 0..first_pos
-    last_qi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, query_len - 1)
-    kv_len = start_pos + last_qi + 1  # no row of this tile sees beyond kv_len - 1
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    kv_lo = 0
-    kv_hi = kv_len
-    if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
-        kv_hi = tl.minimum(kv_lo + per_split, kv_len)
 
     for start_n in range(kv_lo, tl.minimum(full_end, kv_hi), BLOCK_N):
         acc, m_i, l_i = _attn_kv_tile(
@@ -299,15 +313,21 @@ def _combine_splits_kernel(
     ws_m_ptr,
     ws_l_ptr,
     query_start_loc_ptr,
+    range_start_pos_ptr,
+    span_ptr,
     stride_o_t,
     stride_o_h,
     num_heads,
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
     """Merge the split-KV partials of one (range, query token, head) into ``out``
-    (``BLOCK_S``: a power of two >= ``num_splits``)."""
+    (``BLOCK_S``: a power of two >= ``num_splits``). With ``SPAN`` (one query token per
+    range) only the splits that start before the range's KV length wrote partials: the others
+    are masked out, as the attention kernel computed them."""
     rng = tl.program_id(0)
     qi = tl.program_id(1)
     head = tl.program_id(2)
@@ -318,6 +338,11 @@ def _combine_splits_kernel(
     tok = (q_lo + qi).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     valid = splits < num_splits
+    if SPAN:
+        kv_len = tl.load(range_start_pos_ptr + rng) + 1
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N,
+                               tl.load(span_ptr))
+        valid = valid & (splits * per_split < kv_len)
     d = tl.arange(0, HEAD_DIM)
     ws_row = (tok * num_heads + head) * num_splits + splits
     m = tl.load(ws_m_ptr + ws_row, mask=valid, other=-1.0e30)

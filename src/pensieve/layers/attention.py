@@ -46,6 +46,11 @@ class AttentionMetadata:
     """``[1]`` int32: how many of ``work_items`` are real."""
     tiles: tuple[int, int, int, int] | None = None
     """The attention tiles ``work_items`` were cut for (None: the launcher chooses)."""
+    num_kv_splits: int | None = None
+    """KV splits of a decode step (None: the launcher chooses from the grid)."""
+    kv_split_span: torch.Tensor | None = None
+    """``[1]`` int32: a decode step's split span (:func:`pensieve.kernels.launch.decode_split_span`;
+    with ``num_kv_splits``). None: equal parts."""
 
 
 class PagedAttention(nn.Module):
@@ -82,6 +87,7 @@ class PagedAttention(nn.Module):
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
             meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
             work_items=meta.work_items, num_work_items=meta.num_work_items, tiles=meta.tiles,
+            num_kv_splits=meta.num_kv_splits, kv_split_span=meta.kv_split_span,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 

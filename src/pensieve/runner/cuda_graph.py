@@ -37,6 +37,7 @@ import torch
 
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.tiered_cache import cdiv
+from pensieve.kernels.launch_policy import decode_kv_splits, decode_split_span
 from pensieve.layers.attention import AttentionMetadata, first_attention
 
 
@@ -177,7 +178,11 @@ class DecodeGraphs(_StepGraphs):
         max_batch: int,
         max_blocks: int,
         capture: bool = True,
+        split_span: bool = False,
     ) -> None:
+        """``split_span``: decode attention splits each range's KV by a span set per step
+        from its contexts (:func:`pensieve.kernels.launch_policy.decode_split_span`); else the
+        launcher's split rule."""
         if max_batch < 1 or max_blocks < 1:
             raise ValueError(f"max_batch {max_batch} and max_blocks {max_blocks} must be >= 1")
         self.model = model
@@ -188,15 +193,18 @@ class DecodeGraphs(_StepGraphs):
         self.buckets = batch_buckets(max_batch)
         device = kv_caches[0].device
         b = max_batch
-        # int64: [ids | positions | slots]; int32: [query_start_loc | start_pos | tables]
-        self._init_buffers(3 * b, (b + 1) + b + b * max_blocks, device)
+        # int64: [ids | positions | slots]; int32: [query_start_loc | start_pos | tables | span]
+        self._init_buffers(3 * b, (b + 1) + b + b * max_blocks + 1, device)
         self.input_ids = self._dev64[:b]
         self.positions = self._dev64[b : 2 * b]
         self.slot_mapping = self._dev64[2 * b :]
         self.query_start_loc = self._dev32[: b + 1]
         self.range_start_pos = self._dev32[b + 1 : 2 * b + 1]
-        self.block_tables = self._dev32[2 * b + 1 :].view(b, max_blocks)
+        self.block_tables = self._dev32[2 * b + 1 : -1].view(b, max_blocks)
+        self.kv_split_span = self._dev32[-1:]
         self.range_table = torch.arange(b, dtype=torch.int32, device=device)
+        self.num_kv_heads = kv_caches[0].shape[-2]
+        self.split_span = split_span
         if capture:
             self.capture()
 
@@ -210,6 +218,9 @@ class DecodeGraphs(_StepGraphs):
             block_tables=self.block_tables[:bucket],
             max_query_len=1,
         )
+        if self.split_span:
+            meta.num_kv_splits = decode_kv_splits(bucket, self.num_kv_heads, self.device)
+            meta.kv_split_span = self.kv_split_span
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
                             meta)
         return self.model.compute_logits(hidden)
@@ -242,7 +253,7 @@ class DecodeGraphs(_StepGraphs):
         pos = np.fromiter((s.ranges[0].start_pos for s in sched.requests), np.int64, n)
         np64[:n] = np.fromiter((s.ranges[0].token_ids[0] for s in sched.requests), np.int64, n)
         np64[b : b + n] = pos
-        tables = np32[2 * b + 1 :].reshape(b, mb)
+        tables = np32[2 * b + 1 : -1].reshape(b, mb)
         for i, s in enumerate(sched.requests):
             table = s.block_table
             tables[i, : len(table)] = table
@@ -251,6 +262,8 @@ class DecodeGraphs(_StepGraphs):
         np32[: n + 1] = np.arange(n + 1)
         np32[n + 1 : bucket + 1] = n
         np32[b + 1 : b + 1 + n] = pos
+        if self.split_span:
+            np32[-1] = decode_split_span(pos + 1, self.num_kv_heads, self.device)
         self._copy_in()
         return bucket
 

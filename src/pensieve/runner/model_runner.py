@@ -14,6 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from pensieve.kernels.launch_policy import (
+    decode_kv_splits,
+    decode_split_span,
+    decode_split_span_mode,
+    use_split_span,
+)
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
 from pensieve.runner.sampler import sample, token_logprobs
@@ -94,6 +100,11 @@ class ModelRunner:
                                  background=background_swap_out)
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
+        self.decode_graphs_span: DecodeGraphs | None = None
+        """The same, with attention split by span (``PENSIEVE_DECODE_SPAN=auto``, the
+        default): replays the ragged decode steps
+        (:func:`pensieve.kernels.launch_policy.use_split_span`). With ``1`` the
+        :attr:`decode_graphs` themselves split by span."""
         self.mixed_graphs: MixedGraphs | None = None
         """Replays the other steps that fit from CUDA graphs once :meth:`enable_mixed_graphs`
         ran."""
@@ -104,7 +115,9 @@ class ModelRunner:
         wait for every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S``
         at the swap kernel's rate), which costs more than the eager step's launch time."""
         self.num_graph_steps = 0
-        """Steps run through :attr:`decode_graphs` so far."""
+        """Steps run through :attr:`decode_graphs` or :attr:`decode_graphs_span` so far."""
+        self.num_span_graph_steps = 0
+        """Of those, the steps through :attr:`decode_graphs_span`."""
         self.num_mixed_graph_steps = 0
         """Steps run through :attr:`mixed_graphs` so far."""
         if self.device.type == "cuda":
@@ -135,9 +148,16 @@ class ModelRunner:
                          time.perf_counter() - t0)
 
     def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
-        """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each."""
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.chunk_size,
-                                          max_batch, max_blocks, capture=capture)
+        """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each:
+        with the launcher's splits and, unless ``PENSIEVE_DECODE_SPAN=0``, split by span
+        (only the latter with ``PENSIEVE_DECODE_SPAN=1``)."""
+        mode = decode_split_span_mode()
+        self.decode_graphs = self.decode_graphs_span = None
+        graphs = [DecodeGraphs(self.model, self.kv_caches, self.chunk_size, max_batch,
+                               max_blocks, capture=capture, split_span=span)
+                  for span in {"0": [False], "1": [True], "auto": [False, True]}[mode]]
+        self.decode_graphs = graphs[0]
+        self.decode_graphs_span = graphs[1] if len(graphs) == 2 else None
 
     def enable_mixed_graphs(self, max_tokens: int, max_ranges: int, max_blocks: int,
                             capture: bool = True) -> None:
@@ -185,6 +205,12 @@ class ModelRunner:
             block_tables=self._to_device(tables, torch.int32).view(len(sched.requests), -1),
             max_query_len=max_q,
         )
+        kv_lens = [p + 1 for p in range_start]
+        if max_q == 1 and use_split_span(kv_lens):  # a ragged decode step: split KV by span
+            hkv = self.kv_caches[0].shape[-2]
+            attn.num_kv_splits = decode_kv_splits(len(range_start), hkv, self.device)
+            span = decode_split_span(kv_lens, hkv, self.device)
+            attn.kv_split_span = self._to_device([span], torch.int32)
         return StepInputs(
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
@@ -211,6 +237,9 @@ class ModelRunner:
         if len(sched.swaps.swap_in) <= self.graph_max_swap_in:
             graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
                            if g is not None and g.can_run(sched)), None)
+            if (graphs is self.decode_graphs and self.decode_graphs_span is not None
+                    and use_split_span([s.ranges[0].start_pos + 1 for s in sched.requests])):
+                graphs = self.decode_graphs_span
         logits: torch.Tensor | None = None
         if graphs is not None:
             if layer_ready is not None:  # a graph cannot wait per layer: wait for all
@@ -219,8 +248,9 @@ class ModelRunner:
             t_prepared = time.perf_counter()
             out = graphs.replay(sched, bucket)
             logits = out if sampled else None
-            if graphs is self.decode_graphs:
+            if graphs is self.decode_graphs or graphs is self.decode_graphs_span:
                 self.num_graph_steps += 1
+                self.num_span_graph_steps += graphs.split_span
             else:
                 self.num_mixed_graph_steps += 1
         else:

@@ -1,0 +1,96 @@
+"""Launch choices the runner makes per step, apart from the kernels (no Triton import: the
+runner imports this on any device, and Triton's interpreter must be set up before the kernels
+are imported).
+
+Decode KV splits by span. A decode step of ragged contexts (ShareGPT near saturation: a batch of
+~56 with mean ~3.2k positions and max ~13.7k) has enough programs to fill the GPU unsplit, so
+it used to run unsplit; the longest request's programs then ran alone long after the rest. With
+a span, every range is cut into pieces of at least ``span`` positions (the kernel covers a range
+with ``max(equal part, span)``-position splits), ``span`` near the batch's mean, and each range
+uses only the splits its length needs: the longest one ends about with the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+MAX_SPLITS = 32
+"""Most KV splits of one range (the combiner's block)."""
+DECODE_MIN_SPLITS = 8
+"""Decode steps with a span get at least this many splits of grid
+(:func:`decode_kv_splits`): a range up to 8x the span still ends with the others."""
+SPAN_ALIGN = 256
+"""Split spans are multiples of this (a multiple of every ``BLOCK_N`` the tiles pick)."""
+
+
+RAGGED_RATIO = 2.0
+"""A decode step is ragged when its longest context exceeds this many times the mean."""
+
+
+def decode_split_span_mode() -> str:
+    """``PENSIEVE_DECODE_SPAN``: ``auto`` (the default: split by span the decode steps that
+    are ragged, :func:`decode_is_ragged`), ``1`` (every decode step) or ``0`` (none: the
+    launcher's equal splits), for A/B runs.
+
+    Measured on the H200 (``benchmarks/decode_ragged.py``, 13B GQA-10 decode steps from CUDA
+    graphs, docs/performance.md): with ragged contexts the span cut steps of 32-96 requests
+    from 2.2-2.8x the HBM floor to 1.4-1.5x; with uniform contexts it gained nothing and cost
+    up to 5.7 ms at 56 requests (1.62x against 1.21x). Hence ``auto``."""
+    mode = os.environ.get("PENSIEVE_DECODE_SPAN", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"PENSIEVE_DECODE_SPAN must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def decode_is_ragged(kv_lens: Sequence[int]) -> bool:
+    """Whether the longest context exceeds :data:`RAGGED_RATIO` times the mean."""
+    return bool(kv_lens) and max(kv_lens) * len(kv_lens) > RAGGED_RATIO * sum(kv_lens)
+
+
+def use_split_span(kv_lens: Sequence[int]) -> bool:
+    """Whether this decode step's attention splits KV by span
+    (:func:`decode_split_span_mode`)."""
+    mode = decode_split_span_mode()
+    return mode == "1" or (mode == "auto" and decode_is_ragged(kv_lens))
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (Triton's interpreter: small,
+    so that tests cover the split paths)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def decode_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """The KV split count (grid) of a decode step of ``batch`` requests with a span: enough
+    programs to fill the GPU (4 per SM) for small batches, and at least
+    :data:`DECODE_MIN_SPLITS`. Depends only on the batch, so a CUDA graph captured for a batch
+    bucket stays right for any contexts."""
+    target = 4 * num_sms(device)
+    programs = max(1, batch * num_kv_heads)
+    fill = 1 if programs >= target else _next_pow2(-(-target // programs))
+    return min(MAX_SPLITS, max(DECODE_MIN_SPLITS, fill))
+
+
+def decode_split_span(kv_lens: Sequence[int], num_kv_heads: int, device: torch.device) -> int:
+    """The fewest KV positions a split of a decode step covers: the batch's mean length (no
+    program has much more KV than an average request), less where the batch has too few
+    programs to fill the GPU (4 per SM), never below :data:`SPAN_ALIGN`, rounded up to a
+    multiple of it."""
+    n = len(kv_lens)
+    if n == 0:
+        return SPAN_ALIGN
+    total = int(sum(kv_lens))
+    fill = total * num_kv_heads // (4 * num_sms(device))
+    span = max(SPAN_ALIGN, min(total // n, fill))
+    return -(-span // SPAN_ALIGN) * SPAN_ALIGN
