@@ -23,11 +23,10 @@ import argparse
 import json
 import os
 import random
-import statistics
-import time
 
 import torch
 from decode_step import GREEDY, setup
+from mixed_step import time_step
 from tqdm import tqdm
 
 from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
@@ -52,18 +51,6 @@ def step_for(contexts: list[int], chunk: int, rng: random.Random,
         reqs.append(ScheduledRequest(f"r{i}", table, [QueryRange(ctx, [rng.randrange(1000)])],
                                      True, GREEDY, 0))
     return SchedulerOutput(requests=reqs, swaps=SwapPlan())
-
-
-def time_step(runner: ModelRunner, sched: SchedulerOutput, iters: int) -> float:
-    for _ in range(3):
-        runner.execute(sched)
-    walls = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        runner.execute(sched)  # ends with the host waiting for the sampled ids
-        walls.append(time.perf_counter() - t)
-    return statistics.median(walls) * 1e3
 
 
 def graph_runner(su, max_batch: int, max_ctx: int, span: bool) -> ModelRunner:  # noqa: ANN001

@@ -305,6 +305,19 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
     return tiles, splits, (ws_acc, ws_m, ws_l)
 
 
+def _check_span(kv_split_span: torch.Tensor | None, max_query_len: int, splits: int,
+                device: torch.device) -> bool:
+    """Whether the launch splits by span; raises if it cannot."""
+    if kv_split_span is None:
+        return False
+    if max_query_len != 1 or splits < 2:
+        raise ValueError("kv_split_span is for decode (max_query_len 1) with num_kv_splits > 1; "
+                         f"got max_query_len {max_query_len}, {splits} splits")
+    _check_index("kv_split_span", kv_split_span, 1)
+    _check_device("kv_split_span", kv_split_span, device)
+    return True
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -343,35 +356,27 @@ def paged_attention_triton(
     default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
     graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
     ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for), no KV splits;
-    the grid is ``max_items`` whatever the ranges. kv_split_span: decode only
-    (``max_query_len == 1``, ``num_kv_splits > 1``): ``[1]`` int32 on the device, the fewest
-    positions a split covers (a multiple of every ``BLOCK_N``: :func:`decode_split_span`);
-    each range uses only the splits its length needs (see the kernel). Returns out,
-    ``[num_tokens, num_heads, head_dim]``.
+    the grid is ``max_items`` whatever the ranges. kv_split_span: decode with splits: ``[1]``
+    int32, the fewest positions a split covers (``launch_policy``). Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
                                 num_kv_splits)
     num_tokens, num_heads, head_dim = q.shape
-    chunk_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_ranges = range_start_pos.shape[0]
+    chunk_size, num_kv_heads, num_ranges = k_cache.shape[1], k_cache.shape[2], len(range_start_pos)
     if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
     (block_m, block_n, num_warps, num_stages), splits, (ws_acc, ws_m, ws_l) = _launch_plan(
         q, out, num_kv_heads, num_ranges, max_query_len, tiles, num_kv_splits, work_items,
         num_work_items)
-    span = kv_split_span is not None
-    if span:
-        if max_query_len != 1 or splits < 2:
-            raise ValueError("kv_split_span is for decode (max_query_len 1) with num_kv_splits "
-                             f"> 1; got max_query_len {max_query_len}, {splits} splits")
-        _check_index("kv_split_span", kv_split_span, 1)
-        _check_device("kv_split_span", kv_split_span, q.device)
+    span = _check_span(kv_split_span, max_query_len, splits, q.device)
     grid = ((work_items.shape[0], 1, num_kv_heads) if work_items is not None else
             (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
-    work = work_items if work_items is not None else query_start_loc  # unused unless WORKLIST
-    num_work = num_work_items if num_work_items is not None else query_start_loc
+    unused = query_start_loc  # stands in for the pointers a mode does not read
+    work = work_items if work_items is not None else unused
+    num_work = num_work_items if num_work_items is not None else unused
+    span_t = kv_split_span if span else unused
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
         float(scale) * _LOG2E,
@@ -379,8 +384,7 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        ws_acc, ws_m, ws_l, num_heads, splits, work, num_work,
-        kv_split_span if span else query_start_loc,
+        ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
@@ -389,9 +393,8 @@ def paged_attention_triton(
     )
     if splits > 1:
         _k._combine_splits_kernel[(num_ranges, max_query_len, num_heads)](
-            out, ws_acc, ws_m, ws_l, query_start_loc, range_start_pos,
-            kv_split_span if span else query_start_loc, out.stride(0), out.stride(1),
-            num_heads, splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS, BLOCK_N=block_n,
-            SPAN=span, num_warps=4,
+            out, ws_acc, ws_m, ws_l, query_start_loc, range_start_pos, span_t, out.stride(0),
+            out.stride(1), num_heads, splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS,
+            BLOCK_N=block_n, SPAN=span, num_warps=4,
         )
     return out

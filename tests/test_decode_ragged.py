@@ -1,0 +1,55 @@
+"""benchmarks/decode_ragged.py: its ragged contexts, the decode steps it builds, its plot.
+
+The timing itself needs CUDA graphs (a GPU); its runners are the engine's own
+(``ModelRunner.enable_decode_graphs`` under ``PENSIEVE_DECODE_SPAN``), tested in
+tests/test_engine.py.
+"""
+
+import importlib.util
+import random
+import statistics
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    if name not in sys.modules:  # decode_ragged does `from decode_step import ...`
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+_load("decode_step")
+_load("mixed_step")
+dr = _load("decode_ragged")
+
+
+def test_ragged_contexts_follow_the_served_fit() -> None:
+    rng = random.Random(0)
+    xs = [c for _ in range(100) for c in dr.ragged_contexts(56, 1500.0, 1.23, 16000, rng)]
+    assert min(xs) >= 16 and max(xs) <= 16000
+    assert 1300 < statistics.median(xs) < 1700  # the median given
+    assert statistics.mean(xs) > 1.8 * statistics.median(xs)  # a long tail (lognormal)
+
+
+def test_step_gives_each_request_its_context_and_distinct_blocks() -> None:
+    ctxs = [5, 40, 31, 100]
+    free = list(range(64))
+    sched = dr.step_for(ctxs, 16, random.Random(1), free)
+    assert [r.ranges[0].start_pos for r in sched.requests] == ctxs
+    assert all(len(r.ranges[0].token_ids) == 1 and r.sample for r in sched.requests)
+    tables = [r.block_table for r in sched.requests]
+    assert [len(t) for t in tables] == [c // 16 + 1 for c in ctxs]  # room for the new token
+    blocks = [b for t in tables for b in t]
+    assert len(set(blocks)) == len(blocks)
+
+
+def test_plot_writes_a_figure(tmp_path) -> None:  # noqa: ANN001
+    rows = [{"batch": b, "contexts": k, "floor_ms": 10.0, "unsplit_ms": 20.0, "span_ms": 15.0}
+            for b in (32, 56) for k in ("uniform", "ragged")]
+    dr.plot(rows, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
