@@ -90,6 +90,10 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: s
     outs = llm.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
     assert runner.num_graph_steps > 0
+    # every bucket's logits are views of one [max_batch, vocab] buffer
+    ran = [g for g in (runner.decode_graphs, runner.decode_graphs_span)
+           if g is not None and g.logits_out is not None]
+    assert ran and all(tuple(g.logits_out.shape) == (8, 512) for g in ran)
     if span == "auto":  # these decode steps are ragged (max > 2x mean): split by span
         assert runner.num_span_graph_steps > 0
     else:

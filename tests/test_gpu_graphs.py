@@ -60,5 +60,6 @@ def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN00
                 for llm in (graph, eager)]
         assert outs[0] == outs[1], f"round {r}"
     assert graph.engine.runner.num_graph_steps > 0
+    assert graph.engine.runner.num_span_graph_steps > 0  # ragged batches: split by span
     assert graph.engine.runner.num_mixed_graph_steps > 0
     assert graph.cache_stats()["swapped_in_tokens"] > 0

@@ -68,11 +68,11 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def _capture(buckets: list[int], forward, device: torch.device):  # noqa: ANN001, ANN202
-    """One graph per bucket, largest first, sharing one memory pool; returns (graphs, outputs)."""
+def _capture(buckets: list[int], forward, device: torch.device, pool=None):  # noqa: ANN001, ANN202
+    """One graph per bucket, largest first, sharing one memory pool (``pool``: another set's,
+    None: a new one); returns (graphs, outputs, pool)."""
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
-    pool = None
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -87,7 +87,7 @@ def _capture(buckets: list[int], forward, device: torch.device):  # noqa: ANN001
             graphs[bucket] = graph
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    return graphs, outputs
+    return graphs, outputs, pool
 
 
 def is_decode_step(sched: SchedulerOutput) -> bool:
@@ -118,6 +118,8 @@ class _StepGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.captured = False
+        self.pool = None
+        """The memory pool of the captured graphs (:meth:`capture`)."""
 
     def _forward(self, bucket: int) -> torch.Tensor:
         raise NotImplementedError
@@ -137,13 +139,15 @@ class _StepGraphs:
         self._dev32.copy_(self._host32, non_blocking=non_blocking)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per bucket, largest first, sharing one memory pool."""
+    def capture(self, pool=None) -> None:  # noqa: ANN001
+        """Capture one graph per bucket, largest first, sharing one memory pool: ``pool``,
+        another set's (graph replays never overlap), or a new one (kept in ``self.pool``)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         self._dummy_inputs()
         self._copy_in(non_blocking=False)
-        self._graphs, self._logits = _capture(self.buckets, self._forward, self.device)
+        self._graphs, self._logits, self.pool = _capture(self.buckets, self._forward,
+                                                         self.device, pool)
         self.captured = True
 
     def bucket_for(self, n: int) -> int:
@@ -205,6 +209,10 @@ class DecodeGraphs(_StepGraphs):
         self.range_table = torch.arange(b, dtype=torch.int32, device=device)
         self.num_kv_heads = kv_caches[0].shape[-2]
         self.split_span = split_span
+        self.logits_out: torch.Tensor | None = None
+        """``[max_batch, vocab]`` float32: every bucket's logits are a view of it (one buffer
+        held, not one per bucket: ~0.5 GB at 256 requests and a 32k vocabulary); another set
+        of decode graphs may share it (the step's sampling reads it before the next replay)."""
         if capture:
             self.capture()
 
@@ -223,7 +231,12 @@ class DecodeGraphs(_StepGraphs):
             meta.kv_split_span = self.kv_split_span
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
                             meta)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.logits_out is None:  # the largest bucket comes first (outside any capture)
+            self.logits_out = logits.new_empty((self.max_batch, logits.shape[1]))
+        out = self.logits_out[:bucket]
+        out.copy_(logits)
+        return out
 
     def _dummy_inputs(self) -> None:
         """Every token skips the KV store and attends to position 0 of block 0."""

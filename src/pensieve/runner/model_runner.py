@@ -154,8 +154,12 @@ class ModelRunner:
         mode = decode_split_span_mode()
         self.decode_graphs = self.decode_graphs_span = None
         graphs = [DecodeGraphs(self.model, self.kv_caches, self.chunk_size, max_batch,
-                               max_blocks, capture=capture, split_span=span)
+                               max_blocks, capture=False, split_span=span)
                   for span in {"0": [False], "1": [True], "auto": [False, True]}[mode]]
+        if capture:  # one memory pool and one logits buffer for both sets
+            for g in graphs:
+                g.logits_out = graphs[0].logits_out
+                g.capture(graphs[0].pool)
         self.decode_graphs = graphs[0]
         self.decode_graphs_span = graphs[1] if len(graphs) == 2 else None
 
