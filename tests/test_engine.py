@@ -100,6 +100,13 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: s
         assert runner.num_span_graph_steps == (runner.num_graph_steps if span == "1" else 0)
 
 
+def test_a_bad_decode_span_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    """Read once when the runner starts, not at the first decode step of a serving engine."""
+    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "yes")
+    with pytest.raises(ValueError, match="PENSIEVE_DECODE_SPAN"):
+        LLM(model=checkpoint[0], dtype="float32", device="cpu")
+
+
 @pytest.mark.parametrize("pressure", [False, True])
 def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noqa: ANN001
     """Every step through the static-buffer graph paths (run eagerly here): prefill and mixed

@@ -375,17 +375,24 @@ def test_decode_split_span_rule() -> None:
 
 
 def test_decode_split_span_is_for_ragged_steps(monkeypatch) -> None:  # noqa: ANN001
-    from pensieve.kernels.launch_policy import decode_is_ragged, use_split_span
+    from pensieve.kernels.launch_policy import (
+        decode_is_ragged,
+        decode_split_span_mode,
+        use_split_span,
+    )
 
     ragged, uniform = [500] * 50 + [13000] * 2, [3000] * 56
     assert decode_is_ragged(ragged) and not decode_is_ragged(uniform)
     assert not decode_is_ragged([]) and not decode_is_ragged([9000])
     for mode, want in (("auto", (True, False)), ("1", (True, True)), ("0", (False, False))):
         monkeypatch.setenv("PENSIEVE_DECODE_SPAN", mode)
-        assert (use_split_span(ragged), use_split_span(uniform)) == want
+        assert decode_split_span_mode() == mode
+        assert (use_split_span(ragged, mode), use_split_span(uniform, mode)) == want
+    monkeypatch.delenv("PENSIEVE_DECODE_SPAN")
+    assert decode_split_span_mode() == "auto"
     monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "yes")
     with pytest.raises(ValueError, match="PENSIEVE_DECODE_SPAN"):
-        use_split_span(ragged)
+        decode_split_span_mode()
 
 
 def _overflow_case(real: bool) -> None:

@@ -51,10 +51,9 @@ def decode_is_ragged(kv_lens: Sequence[int]) -> bool:
     return bool(kv_lens) and max(kv_lens) * len(kv_lens) > RAGGED_RATIO * sum(kv_lens)
 
 
-def use_split_span(kv_lens: Sequence[int]) -> bool:
-    """Whether this decode step's attention splits KV by span
+def use_split_span(kv_lens: Sequence[int], mode: str) -> bool:
+    """Whether this decode step's attention splits KV by span under ``mode``
     (:func:`decode_split_span_mode`)."""
-    mode = decode_split_span_mode()
     return mode == "1" or (mode == "auto" and decode_is_ragged(kv_lens))
 
 

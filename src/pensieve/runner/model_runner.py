@@ -98,6 +98,8 @@ class ModelRunner:
             background_swap_out = not _multi_rank()
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
+        self.decode_span_mode = decode_split_span_mode()
+        """``PENSIEVE_DECODE_SPAN``, read (and checked) once."""
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
         self.decode_graphs_span: DecodeGraphs | None = None
@@ -151,7 +153,7 @@ class ModelRunner:
         """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each:
         with the launcher's splits and, unless ``PENSIEVE_DECODE_SPAN=0``, split by span
         (only the latter with ``PENSIEVE_DECODE_SPAN=1``)."""
-        mode = decode_split_span_mode()
+        mode = self.decode_span_mode
         self.decode_graphs = self.decode_graphs_span = None
         graphs = [DecodeGraphs(self.model, self.kv_caches, self.chunk_size, max_batch,
                                max_blocks, capture=False, split_span=span)
@@ -210,7 +212,8 @@ class ModelRunner:
             max_query_len=max_q,
         )
         kv_lens = [p + 1 for p in range_start]
-        if max_q == 1 and use_split_span(kv_lens):  # a ragged decode step: split KV by span
+        # a ragged decode step: attention splits KV by span
+        if max_q == 1 and use_split_span(kv_lens, self.decode_span_mode):
             hkv = self.kv_caches[0].shape[-2]
             attn.num_kv_splits = decode_kv_splits(len(range_start), hkv, self.device)
             span = decode_split_span(kv_lens, hkv, self.device)
@@ -242,7 +245,8 @@ class ModelRunner:
             graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
                            if g is not None and g.can_run(sched)), None)
             if (graphs is self.decode_graphs and self.decode_graphs_span is not None
-                    and use_split_span([s.ranges[0].start_pos + 1 for s in sched.requests])):
+                    and use_split_span([s.ranges[0].start_pos + 1 for s in sched.requests],
+                                       self.decode_span_mode)):
                 graphs = self.decode_graphs_span
         logits: torch.Tensor | None = None
         if graphs is not None:
