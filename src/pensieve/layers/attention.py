@@ -49,8 +49,8 @@ class AttentionMetadata:
     num_kv_splits: int | None = None
     """KV splits of a decode step (None: the launcher chooses from the grid)."""
     kv_split_span: torch.Tensor | None = None
-    """``[1]`` int32: a decode step's split span (:func:`pensieve.kernels.launch.decode_split_span`;
-    with ``num_kv_splits``). None: equal parts."""
+    """``[1]`` int32: a decode step's split span, with ``num_kv_splits``
+    (:func:`pensieve.kernels.launch_policy.decode_split_span`). None: equal parts."""
 
 
 class PagedAttention(nn.Module):
