@@ -21,7 +21,9 @@ Attention design (``_paged_attention_kernel``):
   ``kv_pos <= q_pos``.
 * Split-KV ("flash decoding") for grids too small to fill the GPU (decode of few, long
   requests): each program covers one of ``num_splits`` slices of its KV range and writes fp32
-  partials; ``_combine_splits_kernel`` merges them with their softmax weights.
+  partials; ``_combine_splits_kernel`` merges them with their softmax weights. Ragged decode
+  steps split by *span* instead (pieces of at least a per-step length read from device memory,
+  each range using only the splits it needs): the longest request no longer runs on alone.
 * Online softmax (base 2, scale folded in) with fp32 statistics and accumulator; the score
   tile lives in registers only. fp16/bf16 inputs use the native tensor-core dot with fp32
   accumulation; ``FP32`` makes both dots exact float32 ("ieee", no tf32). The launcher also
