@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _script(name: str) -> ModuleType:
-    key = f"bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
+from bench_scripts import BENCH, load
 
 
 def test_chat_model_dir(tmp_path: Path) -> None:
     from pensieve.models.loader import resolve_config
     from pensieve.models.tokenizer import load_tokenizer
 
-    d = _script("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "m"),
+    d = load("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "m"),
                                         {"num_hidden_layers": 1})
     cfg, path = resolve_config(str(d))
     assert path == str(d) and cfg.num_hidden_layers == 1
@@ -36,8 +21,8 @@ def test_chat_model_dir(tmp_path: Path) -> None:
     tok = load_tokenizer(str(d))
     assert len(tok) == 32000 and tok.chat_template
     with pytest.raises(SystemExit):  # 1000 tokens
-        _script("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"), tokenizer="demo")
-    demo = _script("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "d"),
+        load("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"), tokenizer="demo")
+    demo = load("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "d"),
                                            tokenizer="demo")
     assert len(load_tokenizer(str(demo))) == 32000
 
@@ -64,12 +49,12 @@ def test_chat_model_dir_words_round_trip(tmp_path: Path) -> None:
                                       return_dict=False)
         return int(nxt[:len(ctx) + len(gen)] == ctx + gen)
 
-    words = load_tokenizer(str(_script("chat_model_dir").build(
+    words = load_tokenizer(str(load("chat_model_dir").build(
         "llama2-13b-gqa10", str(tmp_path / "w"), {"num_hidden_layers": 1})))
     assert sum(kept(words, 32000) for _ in range(50)) == 50
     text = " ".join(CHAT_WORDS[:200])
     assert len(words.encode(text, add_special_tokens=False)) == 200
-    demo = load_tokenizer(str(_script("chat_model_dir").build(
+    demo = load_tokenizer(str(load("chat_model_dir").build(
         "llama2-13b-gqa10", str(tmp_path / "d"), tokenizer="demo")))
     assert sum(kept(demo, 32000) for _ in range(50)) < 25
 
@@ -89,7 +74,7 @@ def test_plot_timeseries(tmp_path: Path) -> None:
     ts.write_text("\n".join(json.dumps(_series(s, g)) for s, g in
                             (("stateless", 0.5), ("pensieve", 0.0))) + "\n")
     out = tmp_path / "churn"
-    assert _script("plot_timeseries").main([str(ts), "--out", str(out)]) == 0
+    assert load("plot_timeseries").main([str(ts), "--out", str(out)]) == 0
     png = Path(f"{out}_timeseries.png")
     assert png.is_file() and png.stat().st_size > 10_000
 
@@ -103,7 +88,7 @@ def test_plot_sim_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
                          for i in range(n)]}
     runs = tmp_path / "runs.json"
     runs.write_text(json.dumps({"points": [point(None, 80), point(0.05, 30)]}))
-    mod = _script("plot_sim_starts")
+    mod = load("plot_sim_starts")
     assert [mod.label(p) for p in mod.load_points([str(runs)])] == [
         "cold, 4000 s", "warm 0.05 s/token, 1500 s"]
     out = tmp_path / "starts.png"
@@ -130,7 +115,7 @@ def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     pts = tmp_path / "points.jsonl"
     pts.write_text(json.dumps({**base, "system": "stateless"}) + "\n"
                    + json.dumps({**base, "system": "pensieve", "tag": "x"}) + "\n")
-    mod = _script("churn_summary")
+    mod = load("churn_summary")
     assert mod.main([str(pts)]) == 0
     out = capsys.readouterr().out
     assert "stateless @ 0.7/s" in out and "pensieve @ 0.7/s" in out

@@ -5,27 +5,14 @@ The timing itself needs CUDA graphs (a GPU); its runners are the engine's own
 tests/test_engine.py.
 """
 
-import importlib.util
 import random
 import statistics
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from bench_scripts import load
 
-
-def _load(name: str):
-    if name not in sys.modules:  # decode_ragged does `from decode_step import ...`
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-_load("decode_step")
-_load("mixed_step")
-dr = _load("decode_ragged")
+load("decode_step")
+load("mixed_step")
+dr = load("decode_ragged")
 
 
 def test_ragged_contexts_follow_the_served_fit() -> None:

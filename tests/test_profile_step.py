@@ -5,28 +5,15 @@ that exercises everything but the CUPTI side.
 """
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    if name not in sys.modules:  # profile_step does `from decode_step import ...`
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-_load("decode_step")
-ps = _load("profile_step")
+load("decode_step")
+ps = load("profile_step")
 
 KERNELS = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_"
