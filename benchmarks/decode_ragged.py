@@ -57,7 +57,7 @@ def graph_runner(su, max_batch: int, max_ctx: int, span: bool) -> ModelRunner:  
     os.environ["PENSIEVE_DECODE_SPAN"] = "1" if span else "0"
     runner = ModelRunner(su.model, su.kv, su.chunk)
     runner.enable_decode_graphs(max_batch, su.graph_max_blocks(max_batch, max_ctx))
-    assert runner.decode_graphs is not None and runner.decode_graphs.split_span == span
+    assert runner.decode_graphs is not None and runner.decode_graphs.variants == (span,)
     return runner
 
 

@@ -37,7 +37,7 @@ import torch
 
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.tiered_cache import cdiv
-from pensieve.kernels.launch_policy import decode_kv_splits, decode_split_span
+from pensieve.kernels.launch_policy import decode_kv_splits, decode_split_span, use_split_span
 from pensieve.layers.attention import AttentionMetadata, first_attention
 
 
@@ -140,8 +140,9 @@ class _StepGraphs:
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:  # noqa: ANN001
-        """Capture one graph per bucket, largest first, sharing one memory pool: ``pool``,
-        another set's (graph replays never overlap), or a new one (kept in ``self.pool``)."""
+        """Capture one graph per bucket, largest first, sharing one memory pool: ``pool``
+        (an earlier capture's: graph replays never overlap), or a new one (kept in
+        ``self.pool``)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         self._dummy_inputs()
@@ -182,11 +183,13 @@ class DecodeGraphs(_StepGraphs):
         max_batch: int,
         max_blocks: int,
         capture: bool = True,
-        split_span: bool = False,
+        span_mode: str = "0",
     ) -> None:
-        """``split_span``: decode attention splits each range's KV by a span set per step
-        from its contexts (:func:`pensieve.kernels.launch_policy.decode_split_span`); else the
-        launcher's split rule."""
+        """``span_mode`` (:func:`pensieve.kernels.launch_policy.decode_split_span_mode`):
+        ``"1"``, decode attention splits each range's KV by a span set per step from its
+        contexts (:func:`~pensieve.kernels.launch_policy.decode_split_span`); ``"0"``, the
+        launcher's split rule; ``"auto"``, both variants are captured over the same buffers,
+        and :meth:`fill` picks the span one for ragged steps."""
         if max_batch < 1 or max_blocks < 1:
             raise ValueError(f"max_batch {max_batch} and max_blocks {max_blocks} must be >= 1")
         self.model = model
@@ -208,13 +211,28 @@ class DecodeGraphs(_StepGraphs):
         self.kv_split_span = self._dev32[-1:]
         self.range_table = torch.arange(b, dtype=torch.int32, device=device)
         self.num_kv_heads = kv_caches[0].shape[-2]
-        self.split_span = split_span
+        self.span_mode = span_mode
+        self.variants = {"0": (False,), "1": (True,), "auto": (False, True)}[span_mode]
+        """Which attention variants are captured: unsplit by span (False), split (True)."""
+        self.split_span = self.variants[0]
+        """The variant of the step :meth:`fill` last wrote (that :meth:`replay` runs)."""
+        self._by_variant: dict[bool, tuple[dict, dict]] = {}
+        """Each variant's graphs and logits, per bucket, once captured."""
         self.logits_out: torch.Tensor | None = None
-        """``[max_batch, vocab]`` float32: every bucket's logits are a view of it (one buffer
-        held, not one per bucket: ~0.5 GB at 256 requests and a 32k vocabulary); another set
-        of decode graphs may share it (the step's sampling reads it before the next replay)."""
+        """``[max_batch, vocab]`` float32: every bucket's logits, of either variant, are a view
+        of it (one buffer held, not one per bucket: ~0.5 GB at 256 requests and a 32k
+        vocabulary; the step's sampling reads it before the next replay)."""
         if capture:
             self.capture()
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:  # noqa: ANN001
+        """Capture every variant's graphs into one memory pool."""
+        for v in self.variants:
+            self.split_span = v
+            super().capture(pool)
+            pool = self.pool
+            self._by_variant[v] = (self._graphs, self._logits)
 
     # ------------------------------------------------------------------ forward on the buffers
     def _forward(self, bucket: int) -> torch.Tensor:
@@ -275,8 +293,12 @@ class DecodeGraphs(_StepGraphs):
         np32[: n + 1] = np.arange(n + 1)
         np32[n + 1 : bucket + 1] = n
         np32[b + 1 : b + 1 + n] = pos
+        kv_lens = (pos + 1).tolist()
+        self.split_span = use_split_span(kv_lens, self.span_mode)
         if self.split_span:
-            np32[-1] = decode_split_span(pos + 1, self.num_kv_heads, self.device)
+            np32[-1] = decode_split_span(kv_lens, self.num_kv_heads, self.device)
+        if self.captured:
+            self._graphs, self._logits = self._by_variant[self.split_span]
         self._copy_in()
         return bucket
 

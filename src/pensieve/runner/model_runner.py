@@ -102,11 +102,6 @@ class ModelRunner:
         """``PENSIEVE_DECODE_SPAN``, read (and checked) once."""
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
-        self.decode_graphs_span: DecodeGraphs | None = None
-        """The same, with attention split by span (``PENSIEVE_DECODE_SPAN=auto``, the
-        default): replays the ragged decode steps
-        (:func:`pensieve.kernels.launch_policy.use_split_span`). With ``1`` the
-        :attr:`decode_graphs` themselves split by span."""
         self.mixed_graphs: MixedGraphs | None = None
         """Replays the other steps that fit from CUDA graphs once :meth:`enable_mixed_graphs`
         ran."""
@@ -117,9 +112,9 @@ class ModelRunner:
         wait for every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S``
         at the swap kernel's rate), which costs more than the eager step's launch time."""
         self.num_graph_steps = 0
-        """Steps run through :attr:`decode_graphs` or :attr:`decode_graphs_span` so far."""
+        """Steps run through :attr:`decode_graphs` so far."""
         self.num_span_graph_steps = 0
-        """Of those, the steps through :attr:`decode_graphs_span`."""
+        """Of those, the steps whose attention split KV by span (ragged ones, by default)."""
         self.num_mixed_graph_steps = 0
         """Steps run through :attr:`mixed_graphs` so far."""
         if self.device.type == "cuda":
@@ -153,17 +148,9 @@ class ModelRunner:
         """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each:
         with the launcher's splits and, unless ``PENSIEVE_DECODE_SPAN=0``, split by span
         (only the latter with ``PENSIEVE_DECODE_SPAN=1``)."""
-        mode = self.decode_span_mode
-        self.decode_graphs = self.decode_graphs_span = None
-        graphs = [DecodeGraphs(self.model, self.kv_caches, self.chunk_size, max_batch,
-                               max_blocks, capture=False, split_span=span)
-                  for span in {"0": [False], "1": [True], "auto": [False, True]}[mode]]
-        if capture:  # one memory pool and one logits buffer for both sets
-            for g in graphs:
-                g.logits_out = graphs[0].logits_out
-                g.capture(graphs[0].pool)
-        self.decode_graphs = graphs[0]
-        self.decode_graphs_span = graphs[1] if len(graphs) == 2 else None
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.chunk_size,
+                                          max_batch, max_blocks, capture=capture,
+                                          span_mode=self.decode_span_mode)
 
     def enable_mixed_graphs(self, max_tokens: int, max_ranges: int, max_blocks: int,
                             capture: bool = True) -> None:
@@ -244,10 +231,6 @@ class ModelRunner:
         if len(sched.swaps.swap_in) <= self.graph_max_swap_in:
             graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
                            if g is not None and g.can_run(sched)), None)
-            if (graphs is self.decode_graphs and self.decode_graphs_span is not None
-                    and use_split_span([s.ranges[0].start_pos + 1 for s in sched.requests],
-                                       self.decode_span_mode)):
-                graphs = self.decode_graphs_span
         logits: torch.Tensor | None = None
         if graphs is not None:
             if layer_ready is not None:  # a graph cannot wait per layer: wait for all
@@ -256,7 +239,7 @@ class ModelRunner:
             t_prepared = time.perf_counter()
             out = graphs.replay(sched, bucket)
             logits = out if sampled else None
-            if graphs is self.decode_graphs or graphs is self.decode_graphs_span:
+            if graphs is self.decode_graphs:
                 self.num_graph_steps += 1
                 self.num_span_graph_steps += graphs.split_span
             else:
