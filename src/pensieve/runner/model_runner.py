@@ -198,19 +198,22 @@ class ModelRunner:
             block_tables=self._to_device(tables, torch.int32).view(len(sched.requests), -1),
             max_query_len=max_q,
         )
-        kv_lens = [p + 1 for p in range_start]
-        # a ragged decode step: attention splits KV by span
-        if max_q == 1 and use_split_span(kv_lens, self.decode_span_mode):
-            hkv = self.kv_caches[0].shape[-2]
-            attn.num_kv_splits = decode_kv_splits(len(range_start), hkv, self.device)
-            span = decode_split_span(kv_lens, hkv, self.device)
-            attn.kv_split_span = self._to_device([span], torch.int32)
+        if max_q == 1:  # a decode step: ragged ones split KV by span
+            self._decode_splits(attn, [p + 1 for p in range_start])
         return StepInputs(
             input_ids=self._to_device(input_ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
             attn=attn,
             logits_indices=self._to_device(logits_idx, torch.int64),
         )
+
+    def _decode_splits(self, attn: AttentionMetadata, kv_lens: list[int]) -> None:
+        """Set a ragged decode step's KV splits by span (:func:`use_split_span`)."""
+        if use_split_span(kv_lens, self.decode_span_mode):
+            hkv = self.kv_caches[0].shape[-2]
+            attn.num_kv_splits = decode_kv_splits(len(kv_lens), hkv, self.device)
+            span = decode_split_span(kv_lens, hkv, self.device)
+            attn.kv_split_span = self._to_device([span], torch.int32)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
