@@ -217,6 +217,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "workload": "agentic" if r.get("workload", "Agentic") == "Agentic"
                      else "sharegpt", "template_tokens": args.template_tokens,
                      "length_scale": 0.2 if args.tiny else 1.0,
+                     "warm_start": r.get("warm_start_s_per_token"),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 

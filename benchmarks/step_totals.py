@@ -79,6 +79,8 @@ def costs(m: dict[str, float]) -> dict[str, float]:
         "swap_out_chunks": out_bg + out_urgent,
         "urgent_swap_out_share": out_urgent / (out_bg + out_urgent) if out_bg + out_urgent
         else 0.0,
+        "split_span_share": m.get("pensieve_decode_split_span_steps_total", 0.0) / steps_d
+        if steps_d else 0.0,
     }
 
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from pensieve import LLM, SamplingParams
+from pensieve.engine.step_record import StepRecord, StepTotals
 
 PROMPT_LENS = [1, 5, 33, 64, 150, 301]
 MAX_NEW = 32
@@ -88,6 +89,8 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: s
     # auto: both attention variants over the same buffers; 0 / 1: one
     assert runner.decode_graphs.variants == {"0": (False,), "1": (True,),
                                              "auto": (False, True)}[span]
+    totals = StepTotals()
+    llm.engine.step_observers.append(totals)
     outs = llm.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
     assert runner.num_graph_steps > 0
@@ -98,6 +101,23 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: s
         assert runner.num_span_graph_steps > 0
     else:
         assert runner.num_span_graph_steps == (runner.num_graph_steps if span == "1" else 0)
+    # what /metrics counts: the graph steps split by span, and eager decode steps that split
+    assert totals.split_span_steps >= runner.num_span_graph_steps
+    assert (totals.split_span_steps == 0) == (span == "0")
+
+
+def test_eager_decode_steps_split_by_span_are_counted(checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    """Without graphs, ``PENSIEVE_DECODE_SPAN=1`` splits every decode-only step (and no step
+    with prefill); the step records say which, for ``/metrics``."""
+    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "1")
+    path, prompts, expected = checkpoint
+    llm = LLM(model=path, dtype="float32", device="cpu")
+    seen: list[StepRecord] = []
+    llm.engine.step_observers.append(seen.append)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outs] == expected
+    assert seen and all(r.decode_split_span == (r.prefill_tokens == 0) for r in seen)
+    assert any(r.decode_split_span for r in seen)
 
 
 def test_a_bad_decode_span_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001

@@ -425,6 +425,7 @@ def test_metrics_step_accounting(server: Server) -> None:
     decode = server.metric('pensieve_computed_tokens_total{kind="decode"}')
     secs = server.metric('pensieve_step_execute_seconds_total{kind="prefill"}')
     issue = server.metric('pensieve_step_host_issue_seconds_total{kind="decode"}')
+    spans = server.metric("pensieve_decode_split_span_steps_total")
     r = _post(server, "/v1/chat/completions",
               json={"messages": [{"role": "user", "content": "count the steps"}],
                     "max_tokens": 5, "ignore_eos": True})
@@ -435,6 +436,9 @@ def test_metrics_step_accounting(server: Server) -> None:
         usage["prompt_tokens"]
     # the first output token is sampled by the prefill step; each later one is a decode
     assert server.metric('pensieve_computed_tokens_total{kind="decode"}') - decode == 4
+    # one request's decode steps are never ragged: none split KV by span (PENSIEVE_DECODE_SPAN
+    # is auto)
+    assert server.metric("pensieve_decode_split_span_steps_total") == spans
     assert server.metric('pensieve_step_execute_seconds_total{kind="prefill"}') > secs
     assert server.metric('pensieve_scheduler_seconds_total{phase="schedule"}') > 0
     # the runner's host time, next to the step time: prepare <= issue <= execute

@@ -91,12 +91,14 @@ def test_step_totals_script_reads_metrics_text() -> None:
         'pensieve_step_host_prepare_seconds_total{kind="prefill"} 0.05',
         'pensieve_step_host_issue_seconds_total{kind="prefill"} 0.2',
         'pensieve_step_host_issue_seconds_total{kind="decode"} 0.06',
+        "pensieve_decode_split_span_steps_total 6.0",
     ])
     c = mod.costs(mod.parse(text))
     assert c["us_per_prefill_token"] == 200.0          # 2 s / 10k tokens
     assert c["us_per_prefill_token_net"] == 100.0      # minus 10 steps x 0.1 s of decodes
     assert c["decode_step_ms"] == 100.0 and c["scheduler_ms_per_step"] == 1.0
     assert c["urgent_swap_out_share"] == 0.25
+    assert c["split_span_share"] == 0.2                # 6 of 30 decode steps
     assert c["prefill_host_prepare_ms"] == 5.0 and c["prefill_host_issue_ms"] == 20.0
     assert c["decode_host_issue_ms"] == 2.0 and c["decode_host_prepare_ms"] == 0.0
 

@@ -151,6 +151,9 @@ class RunnerOutput:
     the sampled tokens. On a GPU, ``step_time_s - host_issue_s`` is the wait for the device
     once the host is done; an issue time near the step time means a host-bound step. On the
     CPU the forward runs as it is issued, so this is most of the step."""
+    decode_split_span: bool = False
+    """Whether the step's decode attention split KV by span (a ragged decode step:
+    ``kernels/launch_policy.py``); counted on ``/metrics`` to show how often it applies."""
     swap_outs_in_flight: int = 0
     """Background swap-out batches (one per step whose plan had ``swap_out``) whose copies
     are still running after this step, this step's included. They complete in plan order, so

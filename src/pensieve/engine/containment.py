@@ -78,6 +78,7 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
                                host_prepare_s=sum(o.host_prepare_s for o in outputs),
                                host_issue_s=sum(o.host_issue_s for o in outputs),
                                swap_outs_in_flight=outputs[-1].swap_outs_in_flight,
+                               decode_split_span=any(o.decode_split_span for o in outputs),
                                logprobs=logprobs)
     for rid, why in step.failed.items():
         log.error("request %s failed in a step and is aborted: %s", rid, why)

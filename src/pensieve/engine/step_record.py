@@ -58,6 +58,8 @@ class StepRecord:
     (``RunnerOutput.host_prepare_s``; 0 from an executor that does not measure it)."""
     host_issue_s: float = 0.0
     """The runner's host time until the whole forward was issued (``RunnerOutput.host_issue_s``)."""
+    decode_split_span: bool = False
+    """The decode attention split KV by span (``RunnerOutput.decode_split_span``)."""
     sched: SchedulerOutput | None = field(default=None, repr=False, compare=False)
     """The step's plan (for observers that derive more from it; not in :meth:`as_dict`)."""
     output: RunnerOutput | None = field(default=None, repr=False, compare=False)
@@ -75,7 +77,8 @@ class StepRecord:
         return StepRecord(len(sched.requests), prefill, decode, sw.num_swap_in_chunks,
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
                           schedule_s, execute_s, update_s, out.step_time_s, failed_requests,
-                          out.host_prepare_s, out.host_issue_s, sched, out)
+                          out.host_prepare_s, out.host_issue_s, out.decode_split_span, sched,
+                          out)
 
     def as_dict(self) -> dict[str, Any]:
         """The counts and times (not the plan and output objects)."""
@@ -106,6 +109,8 @@ class StepTotals:
     prefill_step_issue_s: float = 0.0
     """The runner's host time until those steps' forward was issued (``host_issue_s``)."""
     decode_step_issue_s: float = 0.0
+    split_span_steps: int = 0
+    """Steps whose decode attention split KV by span (ragged contexts)."""
 
     def __call__(self, r: StepRecord) -> None:
         self.steps += 1
@@ -117,6 +122,7 @@ class StepTotals:
         self.schedule_s += r.schedule_s
         self.update_s += r.update_s
         self.execute_s += r.execute_s
+        self.split_span_steps += r.decode_split_span
         if r.has_prefill:
             self.prefill_steps += 1
             self.prefill_step_execute_s += r.execute_s

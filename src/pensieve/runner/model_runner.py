@@ -235,6 +235,7 @@ class ModelRunner:
             graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
                            if g is not None and g.can_run(sched)), None)
         logits: torch.Tensor | None = None
+        split_span = False
         if graphs is not None:
             if layer_ready is not None:  # a graph cannot wait per layer: wait for all
                 layer_ready(len(self.kv_caches) - 1)
@@ -244,12 +245,14 @@ class ModelRunner:
             logits = out if sampled else None
             if graphs is self.decode_graphs:
                 self.num_graph_steps += 1
-                self.num_span_graph_steps += graphs.split_span
+                split_span = graphs.split_span
+                self.num_span_graph_steps += split_span
             else:
                 self.num_mixed_graph_steps += 1
         else:
             inp = self.prepare_inputs(sched)
             inp.attn.layer_ready = layer_ready
+            split_span = inp.attn.kv_split_span is not None
             t_prepared = time.perf_counter()
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
             if sampled:
@@ -276,6 +279,7 @@ class ModelRunner:
             logprobs=logprobs,
             host_prepare_s=t_prepared - t0,
             host_issue_s=t_issued - t0,
+            decode_split_span=split_span,
         )
 
 
