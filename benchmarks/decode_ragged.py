@@ -15,6 +15,7 @@ puts every request at the ragged draw's mean.
 
     python benchmarks/decode_ragged.py --batches 32,56,96 --out decode_ragged.json \
         --plot decode_ragged.png
+    python benchmarks/decode_ragged.py --batches 56 --min-splits 2    # fewer empty programs
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mixed_step import time_step
 from tqdm import tqdm
 
 from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
+from pensieve.kernels import launch_policy
 from pensieve.runner.model_runner import ModelRunner
 
 
@@ -61,7 +63,16 @@ def graph_runner(su, max_batch: int, max_ctx: int, span: bool) -> ModelRunner:  
     return runner
 
 
-def main() -> None:
+def set_min_splits(n: int) -> None:
+    """The span graphs' fewest KV splits (``launch_policy.DECODE_MIN_SPLITS``, read when a
+    graph is captured): fewer splits launch fewer programs that exit at once, for telling
+    the span's cost on uniform steps apart from the grid order."""
+    if not 1 <= n <= launch_policy.MAX_SPLITS:
+        raise ValueError(f"--min-splits must be in [1, {launch_policy.MAX_SPLITS}], got {n}")
+    launch_policy.DECODE_MIN_SPLITS = n
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama2-13b-gqa10")
     ap.add_argument("--dtype", default="bfloat16")
@@ -74,7 +85,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--min-splits", type=int, default=launch_policy.DECODE_MIN_SPLITS,
+                    help="the span graphs' fewest KV splits (default: the engine's)")
+    args = ap.parse_args(argv)
+    try:
+        set_min_splits(args.min_splits)
+    except ValueError as e:
+        ap.error(str(e))
 
     su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, torch.device("cuda"))
     batches = [int(b) for b in args.batches.split(",")]
@@ -107,6 +124,7 @@ def main() -> None:
     for r in rows:
         print(" | ".join(str(r[h]) for h in hdr))
     result = {"model": args.model, "dtype": args.dtype, "gpu": torch.cuda.get_device_name(),
+              "min_splits": args.min_splits,
               "median": args.median, "sigma": args.sigma, "max_ctx": args.max_ctx, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

@@ -40,3 +40,21 @@ def test_plot_writes_a_figure(tmp_path) -> None:  # noqa: ANN001
             for b in (32, 56) for k in ("uniform", "ragged")]
     dr.plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_min_splits_sets_the_span_graphs_split_floor(monkeypatch) -> None:  # noqa: ANN001
+    """--min-splits changes the split count the span graphs are captured with (the engine's
+    rule reads the floor when a graph is captured); out-of-range values are refused."""
+    import pytest
+    import torch
+
+    from pensieve.kernels import launch_policy
+
+    monkeypatch.setattr(launch_policy, "DECODE_MIN_SPLITS", launch_policy.DECODE_MIN_SPLITS)
+    cpu = torch.device("cpu")  # 4 "SMs": 56 x 10 programs fill it unsplit
+    assert launch_policy.decode_kv_splits(56, 10, cpu) == 8
+    dr.set_min_splits(2)
+    assert launch_policy.decode_kv_splits(56, 10, cpu) == 2
+    for bad in (0, launch_policy.MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match="min-splits"):
+            dr.set_min_splits(bad)
