@@ -69,16 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def multiturn_module() -> Any:
-    """``benchmarks/multiturn.py`` (a script) loaded as the module ``multiturn_bench``."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """``benchmarks/multiturn.py`` (a script) loaded as the module ``multiturn``."""
+    from bench_scripts import load
 
-    if "multiturn_bench" not in sys.modules:
-        script = Path(__file__).resolve().parents[1] / "benchmarks" / "multiturn.py"
-        spec = importlib.util.spec_from_file_location("multiturn_bench", script)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["multiturn_bench"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["multiturn_bench"]
+    return load("multiturn")

@@ -5,30 +5,16 @@ Without CUDA the Triton kernels run in Triton's interpreter (the script sets
 head_dim 32, float32, 32-token blocks in a random order.
 """
 
-import importlib.util
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_compare.py"
-
-
-def _load():
-    if "kernel_compare" in sys.modules:
-        return sys.modules["kernel_compare"]
-    spec = importlib.util.spec_from_file_location("kernel_compare", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_compare"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-kc = _load()
+kc = load("kernel_compare")  # registered under its name: dataclasses look it up
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -3,7 +3,6 @@ simulator on a short, scaled-down version of their load, recalibrates, writes it
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_scripts import load
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "sim_validate_churn.py"
@@ -73,9 +73,8 @@ def test_ramp_bins_the_samples() -> None:
 
 
 def _bench(name: str = "sim_validate_churn") -> Any:
-    """A module of ``benchmarks/`` (not a package: imported from its directory)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    return importlib.import_module(name)
+    """A module of ``benchmarks/`` (default: the script under test)."""
+    return load(name)
 
 
 def _jobs() -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bench_scripts import load
+
 from pensieve.core.outputs import (
     QueryRange,
     RunnerOutput,
@@ -63,20 +65,8 @@ def test_engine_calls_observers_once_per_step() -> None:
     assert seen[0].prefill_tokens == 39 and [s.decode_tokens for s in seen] == [0, 1, 1]
 
 
-def _step_totals_script():  # noqa: ANN202
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_totals.py"
-    spec = importlib.util.spec_from_file_location("step_totals", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_step_totals_script_reads_metrics_text() -> None:
-    mod = _step_totals_script()
+    mod = load("step_totals")
     text = "\n".join([
         "# HELP pensieve_steps_total Engine steps",
         'pensieve_steps_total{kind="prefill"} 10.0',
@@ -110,7 +100,7 @@ def test_step_totals_script_sums_in_process_step_rows(tmp_path) -> None:  # noqa
     import json
     import tarfile
 
-    mod = _step_totals_script()
+    mod = load("step_totals")
     rows = [
         {"system": "pensieve", "num_prefill_tokens": 400, "num_decode_tokens": 2,
          "swap_in_chunks": 5, "swap_out_chunks": 4, "urgent_swap_out_chunks": 1, "time_s": 0.03,
