@@ -174,10 +174,13 @@ for s in $sides; do
   if [ $s = A ]; then sys=$sys_a; g=$gpu_a; p=$port; extra=${SERVE_ARGS_A:-}; e=${SERVE_ENV_A:-}
   else sys=$sys_b; g=$gpu_b; p=$((port + 1)); extra=${SERVE_ARGS_B:-}; e=${SERVE_ENV_B:-}; fi
   mkdir -p "$w/$s"
+  # --shutdown-timeout 10: once the client is done, an overloaded server still has hundreds of
+  # queued turns; it aborts them after 10 s, inside stop_servers's 15 s (the default 30 s ran
+  # into its SIGKILL). SERVE_ARGS can override it.
   # shellcheck disable=SC2046,SC2086  # pin, SERVE_ENV and SERVE_ARGS are lists of words
   env $(pin "$g") $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
     --cache-policy "$sys" --host 127.0.0.1 --port "$p" --store "$w/conversations_$s.db" \
-    --log-level "${LOG_LEVEL:-warning}" ${SERVE_ARGS:-} $extra \
+    --log-level "${LOG_LEVEL:-warning}" --shutdown-timeout 10 ${SERVE_ARGS:-} $extra \
     > "$w/server_${s}_$sys.log" 2>&1 &
   pids+=($!)
 done

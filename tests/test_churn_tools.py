@@ -163,3 +163,57 @@ def test_long_run_outlives_its_caller(tmp_path: Path) -> None:
     assert got.returncode == 0
     assert (tmp_path / "dest" / "result.txt").read_text().strip() == "copied"
     assert "finished" in (tmp_path / "dest" / "long_run.log").read_text()
+
+
+def _churn_run(root: Path, system: str, duration: float, finished: list[float | None]) -> Path:
+    """A churn.tgz-like directory: one server ``A`` whose requests were sent at 0, 10, 20, ...
+    and finished at ``finished`` (None: never)."""
+    import gzip
+
+    srv = root / system / "A"
+    srv.mkdir(parents=True)
+    point = {"system": system, "conv_rate": 1.3, "warmup_s": 20.0, "duration_s": duration,
+             "throughput_rps": 0.0}
+    (srv / "points.jsonl").write_text(json.dumps(point) + "\n")
+    with gzip.open(srv / "requests.jsonl.gz", "wt") as f:
+        for i, fin in enumerate(finished):
+            sent = 10.0 * i
+            f.write(json.dumps({"conversation": f"c{i}", "turn": 0, "request_id": f"c{i}-t0",
+                                "sent": sent, "input_len": 10, "output_len": 10,
+                                "context_len": 10, "first_token": None if fin is None else sent,
+                                "finished": fin, "cache": {}, "error": False,
+                                "output_tokens": None if fin is None else 10,
+                                "latency": None}) + "\n")
+    samples = [{"t": float(t), "requests_finished": t / 10} for t in range(0, int(duration))]
+    (srv / "timeseries.jsonl").write_text(json.dumps(
+        {"system": system, "warmup_s": 20.0, "duration_s": duration, "drain_s": 5.0,
+         "samples": samples}) + "\n")
+    return root / system
+
+
+def test_churn_common_window(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Points of runs of different lengths are rescored over the shortest one's window: a
+    request of the longer run that finished after the short run's drain counts as never
+    finished, and requests sent after its end are left out."""
+    # short: arrivals until 60 s (window 20-60: requests sent at 20, 30, 40, 50)
+    short = _churn_run(tmp_path, "pensieve", 60.0, [1.0, 11.0, 21.0, 31.0, 41.0, 51.0])
+    # long: arrivals until 80 s; its request sent at 50 finished at 70 (after 60 + 5)
+    long = _churn_run(tmp_path, "stateless", 80.0,
+                      [1.0, 11.0, 21.0, 31.0, 41.0, 70.0, 61.0, 72.0])
+    mod = load("churn_common_window")
+    out = tmp_path / "out"
+    assert mod.main([str(short), str(long), "--out", str(out)]) == 0
+    doc = json.loads((out / "common_window.json").read_text())
+    assert doc["window_s"] == [20.0, 60.0] and doc["finished_by_s"] == 65.0
+    rows = {r["system"]: r for r in doc["points"]}
+    assert rows["pensieve"]["requests"] == 4 and rows["pensieve"]["finished"] == 4
+    assert rows["stateless"]["requests"] == 4 and rows["stateless"]["finished"] == 3
+    assert rows["stateless"]["throughput_rps"] == pytest.approx(3 / 40)
+    assert rows["stateless"]["normalized_latency_s_p90"] == float("inf")
+    assert rows["pensieve"]["completion_rate_rps"] == pytest.approx(0.1, rel=0.05)
+    assert (out / "common_window.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "common window 20-60 s, finished by 65 s" in printed
+    assert "stateless @ 1.3 | 20-80" in printed
+    with pytest.raises(SystemExit, match="no points found"):
+        mod.main([str(tmp_path / "out")])

@@ -154,3 +154,41 @@ def test_engine_process_start_failure_is_an_error(tmp_path: Any) -> None:
     cfg = build_engine_config(model=str(bad), device="cpu", num_gpu_blocks=8)
     with pytest.raises(RuntimeError, match="failed to start"):
         ProcessEngine(cfg)
+
+
+class _BusyCore:
+    """An engine loop with work left: every step has an update to report."""
+
+    busy = True
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def take(self) -> list[str]:
+        return [f"update {self.steps}"]
+
+    def snapshot(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+
+def test_engine_process_stops_quietly_when_the_server_is_gone(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server killed under load (its end of the pipe closed, steps still to report): the
+    engine process's loop returns with a warning instead of dying on a ``BrokenPipeError``
+    traceback."""
+    import multiprocessing as mp
+
+    from pensieve.server.engine_process import _serve
+
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    core = _BusyCore()
+    out_r.close()  # the server is gone
+    with caplog.at_level("WARNING", logger="pensieve.server"):
+        _serve(core, cmd_r, out_w)  # type: ignore[arg-type]
+    assert core.steps == 1  # it stepped, failed to report and returned
+    assert "the server closed its pipe" in caplog.text
+    cmd_w.close()

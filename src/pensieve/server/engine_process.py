@@ -163,6 +163,15 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
 
 
 def _serve(core: EngineLoop, cmds: Connection, out: Connection) -> None:
+    """Apply commands and run steps until ``stop``, or until the server is gone: its end of
+    either pipe closed (a server killed under load, with steps still to report)."""
+    try:
+        _loop(core, cmds, out)
+    except (BrokenPipeError, ConnectionResetError):
+        log.warning("the server closed its pipe: the engine process stops")
+
+
+def _loop(core: EngineLoop, cmds: Connection, out: Connection) -> None:
     while True:
         busy = core.busy
         try:
