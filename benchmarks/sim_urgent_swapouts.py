@@ -17,13 +17,17 @@ gives throughput, P50 / P90 normalized latency and the simulated time steps wait
 
 A variant is ``default`` or ``name=share[,name=share]`` with names among
 ``swap_out_threshold``, ``swap_out_batch`` and ``decode_reserve`` (shares of the GPU tier, as
-in ``TieredKVCache``). Defaults: ShareGPT, 40 / 60 GB, think 6 s, warm start 0.03, 400 s of
+in ``TieredKVCache``), and may include the word ``urgent_pipelined``: the copy model's what-if
+of urgent swap-outs issued layer by layer with the swap-ins, so that only what exceeds the
+step's compute is waited for (``TransferModel.urgent_pipelined``; the runner does not do
+this yet). Defaults: ShareGPT, 40 / 60 GB, think 6 s, warm start 0.03, 400 s of
 arrivals, window 200-400 s (the real points' set-up) and the step-cost model refitted on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -45,6 +49,7 @@ SETTINGS = {"swap_out_threshold": "swap_out_threshold_blocks",
             "swap_out_batch": "swap_out_batch_blocks",
             "decode_reserve": "decode_reserve_blocks"}
 CAUSES = ("admit", "grow", "suspend")
+PIPELINED = "urgent_pipelined"
 
 
 def parse_variant(text: str) -> dict[str, float]:
@@ -53,6 +58,9 @@ def parse_variant(text: str) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for part in text.split(","):
+        if part.strip() == PIPELINED:
+            out[PIPELINED] = 1.0
+            continue
         name, _, value = part.partition("=")
         name = name.strip()
         if name not in SETTINGS:
@@ -88,9 +96,13 @@ def run_variant(variant: dict[str, float], args: argparse.Namespace) -> dict[str
     job = {"system": "pensieve", "rate": args.rate, "think": args.think,
            "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb}
     clock = VirtualClock()
-    eng = jobs.make_sim(job, cost, clock)
+    transfer = jobs.transfer_model()
+    if variant.get(PIPELINED):
+        transfer = dataclasses.replace(transfer, urgent_pipelined=True)
+    eng = jobs.make_sim(job, cost, clock, transfer=transfer)
     for name, share in variant.items():
-        setattr(eng.cache, SETTINGS[name], int(share * eng.cache.gpu.num_blocks))
+        if name != PIPELINED:
+            setattr(eng.cache, SETTINGS[name], int(share * eng.cache.gpu.num_blocks))
     counts: Counter[str] = Counter()
     saved = count_urgent(counts)
     try:
@@ -141,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         r = run_variant(v, args)
         rows.append(r)
-        name = ",".join(f"{k}={x}" for k, x in v.items()) or "default"
+        name = ",".join(k if k == PIPELINED else f"{k}={x}" for k, x in v.items()) or "default"
         by = r["urgent_by_cause"]
         print(f"{name:<36} {r['throughput_rps']:>6.2f} {r['p50_ms']:>6.1f} {r['p90_ms']:>6.1f} "
               f"{r['urgent_chunks']:>7}/{r['urgent_share']:>6.1%} "

@@ -224,6 +224,28 @@ def test_urgent_swap_outs_are_exposed_and_go_first() -> None:
     assert tl.next_done_at == pytest.approx(before + u)  # which the urgent copy delayed
 
 
+def test_urgent_pipelined_what_if_hides_urgent_copies_behind_the_layers() -> None:
+    """``urgent_pipelined``: urgent copies join the swap-ins' layer pipeline, exposed only
+    beyond the compute (plus the first layer's share); a step that waits for all of its
+    swap-ins (a CUDA-graph step) still waits for the urgent copies in full."""
+    u, t_in = 40 * BB / 45e9, 20 * BB / 45e9
+    plan = SwapPlan(swap_out_first=pairs(40, 500, 500), swap_in=[(c, g) for g, c in pairs(20)])
+    compute = 2 * (u + t_in)
+    base = TransferTimeline(TransferModel(num_layers=40), BB).step(0.0, plan, compute)
+    assert base.exposed_copy_s == pytest.approx(u + t_in / 40)  # urgent in full, layer 0's
+    m = TransferModel(num_layers=40, urgent_pipelined=True, graph_max_tokens=512)
+    piped = TransferTimeline(m, BB).step(0.0, plan, compute, num_tokens=2048)
+    assert piped.exposed_copy_s == pytest.approx((u + t_in) / 40)  # layer 0's share only
+    assert piped.urgent_s == pytest.approx(u)
+    # a CUDA-graph step (<= 512 tokens) waits for every copy before computing
+    graph = TransferTimeline(m, BB).step(0.0, plan, compute, num_tokens=256)
+    assert graph.exposed_copy_s == pytest.approx(u + t_in)
+    # urgent copies alone, no swap-in: pipelined too
+    alone = TransferTimeline(m, BB).step(0.0, SwapPlan(swap_out_first=pairs(40, 500, 500)),
+                                         compute, num_tokens=2048)
+    assert alone.exposed_copy_s == pytest.approx(u / 40)
+
+
 def test_swap_in_of_a_chunk_still_being_swapped_out_waits_for_it() -> None:
     tl = TransferTimeline(TransferModel(), BB)
     out = tl.step(0.0, SwapPlan(swap_out=[(5, 7)]), 0.0001)

@@ -214,12 +214,18 @@ def test_sim_urgent_swapouts_tiny(tmp_path: Path) -> None:
         mod.parse_variant("reserve=0.1")
     with pytest.raises(ValueError, match="share"):
         mod.parse_variant("decode_reserve=1.5")
+    assert mod.parse_variant("urgent_pipelined,decode_reserve=0.05") == {
+        "urgent_pipelined": 1.0, "decode_reserve": 0.05}
     out = tmp_path / "rows.json"
     assert mod.main(["--rate", "1.0", "--gpu-kv-gb", "0.3", "--cpu-kv-gb", "1.0",
                      "--duration", "40", "--warmup", "20", "--length-scale", "0.2",
-                     "--variants", "default;decode_reserve=0.02", "--out", str(out)]) == 0
+                     "--variants", "default;decode_reserve=0.02;urgent_pipelined",
+                     "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == [{}, {"decode_reserve": 0.02}]
+    assert [r["variant"] for r in rows] == [{}, {"decode_reserve": 0.02},
+                                            {"urgent_pipelined": 1.0}]
+    # in this run the steps waited on copies half as long (0.2 against 0.4 s)
+    assert rows[2]["exposed_copy_s"] <= rows[0]["exposed_copy_s"]
     for r in rows:
         assert r["swap_out_chunks"] > 0 and r["urgent_chunks"] > 0
         planned = sum(r["urgent_by_cause"].values())

@@ -13,6 +13,7 @@ batches, staging halves and random multi-step plans on the GPU.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections import deque
@@ -130,7 +131,7 @@ class SimStreams:
 
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
-             ahead_path: str = "kernel") -> None:
+             ahead_path: str = "kernel", urgent_layered: bool = False) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -144,7 +145,8 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
     sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
     sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
-                      ahead=ahead_path if method in ("hybrid", "staged") else None)
+                      ahead=ahead_path if method in ("hybrid", "staged") else None,
+                      urgent_layered=urgent_layered)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
@@ -237,6 +239,49 @@ def test_simulated_swap_ins_ahead_through_the_copy_engines(seed: int) -> None:
     simulate(seed, method="hybrid", ahead_path="dma")
 
 
+@pytest.mark.parametrize("method", ["kernel", "hybrid"])
+@pytest.mark.parametrize("seed", range(40))
+def test_simulated_layered_urgent_swap_outs(seed: int, method: str) -> None:
+    """Urgent swap-outs layer by layer (``urgent_layered``): layer i's compute, which writes
+    the urgent sources' blocks, waits for layer i's urgent copies only, and still sees them
+    done; the tiers end as the sequential reference's."""
+    simulate(seed, method=method, urgent_layered=True)
+
+
+def test_simulator_catches_layered_urgent_copies_after_their_event(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation is sharp enough: layered urgent copies issued after their layer's
+    event (and its swap-ins) leave layer i's compute free to overwrite blocks not yet copied
+    out, and some seeds go wrong."""
+
+    def late(self: KVSwapper, st: Any, s: Any, step: Any, layered: bool) -> list[Any]:
+        events = []
+        for layer in range(self.num_layers):
+            if step.swap_in is not None:
+                st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
+                                            layer + 1))
+            events.append(st.record(s))
+            if layered:
+                st.run(s, functools.partial(self._kernel, step.out_first, False, layer,
+                                            layer + 1))
+        return events
+
+    monkeypatch.setattr(KVSwapper, "_issue_layers", late)
+    assert _fails(range(40), urgent_layered=True) > 0
+
+
+def test_urgent_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
+    assert make_swapper(caches, 4, "hybrid").urgent_layered is False
+    assert make_swapper(caches, 4, "hybrid", urgent_layered=True).urgent_layered is True
+    with pytest.raises(ValueError, match="layered urgent"):
+        make_swapper(caches, 4, "staged", urgent_layered=True)
+    monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", "1")
+    assert make_swapper(caches, 4, "kernel").urgent_layered is True
+    assert make_swapper(caches, 4, "staged").urgent_layered is False  # where it applies only
+    assert make_swapper(caches, 4, "dma").urgent_layered is False
+
+
 @pytest.mark.parametrize("method", STREAM_METHODS)
 def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
     """Ahead copies count in ``bytes_in`` and bad block ids in them are refused, as for the
@@ -264,11 +309,11 @@ def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert make_swapper(caches, 4, "dma").ahead == "kernel"  # where it applies only
 
 
-def _fails(seeds: range, method: str = "kernel") -> int:
+def _fails(seeds: range, method: str = "kernel", urgent_layered: bool = False) -> int:
     failed = 0
     for seed in seeds:
         try:
-            simulate(seed, method=method)
+            simulate(seed, method=method, urgent_layered=urgent_layered)
         except AssertionError:
             failed += 1
     return failed
@@ -461,19 +506,21 @@ def test_cuda_urgent_swap_out_waits_for_a_background_write_to_its_cpu_block(meth
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", STREAM_METHODS)
+@pytest.mark.parametrize(("method", "layered"), [(m, False) for m in STREAM_METHODS]
+                         + [("kernel", True), ("hybrid", True)])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("stacked", [True, False])
-def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool,
-                                                   method: str) -> None:
+def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool, method: str,
+                                                   layered: bool) -> None:
     """Random plans over small pools (blocks collide), end_step between steps (batches stay
-    in flight), the compute stream stalled at random; swapped-in blocks read at layer_ready."""
+    in flight), the compute stream stalled at random; swapped-in blocks read at layer_ready.
+    ``layered``: urgent swap-outs layer by layer (``urgent_layered``)."""
     rng = random.Random(seed)
     layers, g_blocks, c_blocks = 3, 48, 40
     caches = make_caches(layers, g_blocks, 32, 8, 128, torch.float16, "cuda")
     if stacked:
         caches = list(torch.stack(caches).unbind(0))
-    sw = make_swapper(caches, c_blocks, method)
+    sw = make_swapper(caches, c_blocks, method, urgent_layered=layered)
     assert (sw._gpu_stack is not None) == stacked
     torch.cuda.synchronize()
     gpu, cpu = snapshot(sw)

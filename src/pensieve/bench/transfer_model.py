@@ -80,6 +80,12 @@ class TransferModel:
     """Steps of at most this many tokens are taken to run from CUDA graphs and so wait for
     all their swap-ins (the engine on CUDA replays mixed steps up to 512 tokens when
     ``cuda_graph_mixed`` is on); larger steps run eagerly, pipelined. 0: none."""
+    urgent_pipelined: bool = False
+    """What-if (the runner does not do this): a step's urgent swap-outs go layer by layer with
+    its swap-ins on the in stream (layer i's urgent copies, then its swap-ins, then its
+    attention) instead of all before the step's compute, so they are exposed only beyond the
+    compute, like the swap-ins. A step that waits for all of its swap-ins (:attr:`pipelined`
+    off, a CUDA-graph step) still waits for all of its urgent copies first."""
     source: str = ""
     """Where the rates come from (a file, "default")."""
 
@@ -270,19 +276,23 @@ class TransferTimeline:
         compute_start = max(0.0, self.ahead_done_at - start)
         in_start = max(in_start, compute_start)
         copy_start = in_start
+        layered = not m.waits_for_all_swap_ins(num_tokens)
+        # urgent copies inside the layer pipeline (what-if): one stream of urgent + swap-in
+        with_urgent = bool(plan.swap_out_first) and m.urgent_pipelined and layered
         if plan.swap_out_first:
             urgent = m.latency_s + t_urgent
-            copy_start = in_start + urgent
-            compute_start = copy_start  # nothing touches KV before the urgent copies are done
             for b in self.in_flight:  # they take the host-bound direction first
                 if b.done_at > start + in_start:
                     b.done_at += urgent
             if self.out_free_at > start + in_start:
                 self.out_free_at += urgent
-            self.out_free_at = max(self.out_free_at, start + copy_start)
-        end = m.swap_in_finish(copy_start, compute_start, t_in, compute_s,
-                               not m.waits_for_all_swap_ins(num_tokens))
-        in_done = copy_start + (m.latency_s + t_in if plan.swap_in else 0.0)
+            if not with_urgent:
+                copy_start = in_start + urgent
+                compute_start = copy_start  # nothing touches KV before the urgent copies
+            self.out_free_at = max(self.out_free_at, start + in_start + urgent)
+        t_layers = t_in + (t_urgent if with_urgent else 0.0)
+        end = m.swap_in_finish(copy_start, compute_start, t_layers, compute_s, layered)
+        in_done = copy_start + (m.latency_s + t_layers if plan.swap_in or with_urgent else 0.0)
         if plan.swap_in_ahead:  # after the step's own in-stream copies, not waited for by it
             in_done += m.latency_s + m.in_seconds(len(plan.swap_in_ahead) * bb)
             self.ahead_done_at = start + in_done

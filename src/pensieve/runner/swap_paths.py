@@ -1,0 +1,39 @@
+"""How the swapper's optional copy paths are chosen: swap-ins ahead through the kernel or the
+copy engines, urgent swap-outs at once or layer by layer (:mod:`pensieve.runner.swapper`),
+from the constructor's argument or, given None, the environment where the path applies."""
+
+from __future__ import annotations
+
+import os
+
+from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
+
+AHEAD_PATHS = ("kernel", "dma")
+"""Ways ``swap_in_ahead`` copies may run on streams (:class:`KVSwapper` ``ahead``)."""
+
+
+def ahead_path(ahead: str | None, method: str) -> str:
+    """How ``swap_in_ahead`` copies run: ``ahead``, else ``PENSIEVE_SWAP_AHEAD`` where it
+    applies (``dma`` needs a chunk-major method), else ``"kernel"``."""
+    chosen = ahead or os.environ.get("PENSIEVE_SWAP_AHEAD") or "kernel"
+    if chosen not in AHEAD_PATHS:
+        raise ValueError(f"swap-ins ahead {chosen!r} not in {AHEAD_PATHS}")
+    if chosen == "dma" and method not in CHUNK_MAJOR:
+        if ahead is not None:
+            raise ValueError(f"swap-ins ahead 'dma' needs a chunk-major method {CHUNK_MAJOR}, "
+                             f"not {method!r}")
+        return "kernel"  # the environment's choice, where it applies
+    return chosen
+
+
+def urgent_path(layered: bool | None, method: str) -> bool:
+    """Whether urgent swap-outs go layer by layer: ``layered``, else
+    ``PENSIEVE_URGENT_LAYERED=1`` where it applies (not ``staged``, whose swap-ins are not
+    layered; not ``dma``, which has no streams)."""
+    applies = method in STREAM_METHODS and method != "staged"
+    if layered is None:
+        return applies and os.environ.get("PENSIEVE_URGENT_LAYERED", "0") == "1"
+    if layered and not applies:
+        raise ValueError(f"layered urgent swap-outs need the kernel or hybrid method, "
+                         f"not {method!r}")
+    return layered
