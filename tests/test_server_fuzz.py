@@ -272,6 +272,42 @@ def test_sigterm_with_a_long_stream_exits_within_the_timeout(tmp_path: Path) -> 
     assert took < 30  # generous: the timeout is 2 s, then in-flight turns are aborted
 
 
+def test_shutdown_timeout_ends_turns_with_an_error_event_not_a_traceback(
+        tmp_path: Path) -> None:
+    """Ctrl-C with turns still running past ``--shutdown-timeout``: the server ends them itself
+    (a stream gets an error event, code ``shutting_down``, then ``[DONE]``; a non-streaming
+    request a 503), says so once in its log, and exits; uvicorn does not have to cancel their
+    tasks (no ``CancelledError`` traceback per turn)."""
+    import threading
+
+    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--shutdown-timeout", "1",
+                 "--log-level", "info")
+    body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 480,
+            "ignore_eos": True}
+    plain: list[httpx.Response] = []
+    t_plain = threading.Thread(target=lambda: plain.append(
+        httpx.post(srv.url + CHAT, json=body, timeout=120)))
+    t_plain.start()
+    with httpx.stream("POST", srv.url + CHAT, timeout=120, json={**body, "stream": True}) as r:
+        lines = r.iter_lines()
+        events = [next(lines)]
+        srv.proc.send_signal(signal.SIGINT)
+        events += list(lines)
+    t_plain.join(timeout=120)
+    assert srv.proc.wait(timeout=60) == 0
+    srv.log.close()
+    data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    last = json.loads(data[-2])
+    assert last["error"]["code"] == "shutting_down", last
+    assert "conversation is as it was" in last["error"]["message"]
+    assert plain and plain[0].status_code == 503, plain
+    assert plain[0].json()["error"]["code"] == "shutting_down"
+    log = Path(srv.log.name).read_text()
+    assert "ended 2 turn(s) still running" in log, log[-2000:]
+    assert "Traceback" not in log and "Cancel " not in log, log[-3000:]
+
+
 def test_sigterm_to_the_process_group_lets_a_turn_finish(tmp_path: Path) -> None:
     """A service manager's SIGTERM reaches the server and its engine process at once: the
     engine ignores it, the server's graceful shutdown lets the turn in flight finish (its

@@ -22,7 +22,13 @@ from typing import Any
 
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.llm_engine import LLMEngine
-from pensieve.server.engine_loop import EngineLoop, EngineRequestError, Snapshot, Update
+from pensieve.server.engine_loop import (
+    EngineLoop,
+    EngineRequestError,
+    ServerStoppingError,
+    Snapshot,
+    Update,
+)
 
 log = logging.getLogger("pensieve.server")
 
@@ -138,6 +144,18 @@ class EngineClient:
                 loop.call_soon_threadsafe(_set_result, fut, result)
         except RuntimeError:  # its event loop is closed
             pass
+
+    def end_streams(self, reason: str) -> int:
+        """End every stream in flight with a :class:`ServerStoppingError` (``reason``) and
+        abort its request (the server is stopping); returns how many there were."""
+        rids = list(self._streams)
+        self._dispatch([(rid, Update(error=ServerStoppingError(reason))) for rid in rids])
+        for rid in rids:
+            try:
+                self._send("abort", rid)
+            except EngineRequestError:
+                break  # the engine is gone: nothing to abort
+        return len(rids)
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine is gone: every stream and pending call gets ``error``."""

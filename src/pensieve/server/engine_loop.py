@@ -29,6 +29,11 @@ class EngineRequestError(RuntimeError):
     was before the turn; nothing of the turn may be stored."""
 
 
+class ServerStoppingError(EngineRequestError):
+    """The server stopped while the turn ran (its graceful shutdown ran out): the turn was
+    aborted, its conversation is as it was before the turn."""
+
+
 @dataclass
 class Update:
     """One event of a request: a new token, the finished output, or an error."""

@@ -161,18 +161,19 @@ def serve(args: argparse.Namespace) -> int:
     """One server process (``--data-parallel-size`` > 1 is dispatched by ``pensieve.cli`` to
     :func:`pensieve.replicas.serve.serve_replicas`, which builds each replica with
     :func:`build_server`)."""
-    import uvicorn
+    from pensieve.server.shutdown import run_server
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, close = build_server(args)
+    state = app.state.pensieve
+    reason = ("the server is shutting down: the turn was not completed (its conversation is "
+              "as it was before the turn)")
     try:
-        # h11 whatever else is installed (ray[serve] brings httptools): it hands requests
-        # with odd header bytes (e.g. DEL in a value) to the app, which answers them with
-        # OpenAI-shaped JSON errors, where httptools answers "Invalid HTTP request received."
-        # in plain text before the app sees them
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout, http="h11")
+        run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
+                   lambda: state.engine.end_streams(reason))
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it has handled: the shutdown is done
     finally:
         close()
     return 0

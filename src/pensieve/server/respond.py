@@ -26,7 +26,7 @@ from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
-from pensieve.server.engine_loop import EngineRequestError
+from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
@@ -145,7 +145,10 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
 
 
 def engine_error(e: EngineRequestError) -> APIError:
-    """The 500 of a request the engine failed (the others in its step went on)."""
+    """The 500 of a request the engine failed (the others in its step went on), or the 503 of
+    a turn the server's shutdown ended."""
+    if isinstance(e, ServerStoppingError):
+        return APIError(503, str(e), "server_error", code="shutting_down")
     return APIError(500, f"the engine failed on this request: {e}", "server_error",
                     code="engine_error")
 
