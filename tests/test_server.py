@@ -9,6 +9,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -244,6 +245,39 @@ def test_chat_terminal_client(server: Server) -> None:
     cid = cid.removeprefix("> ")
     conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
     assert len(conv["turns"]) == 2  # the second message continued the same conversation
+
+
+class _SSE:
+    """A client whose ``stream`` answers 200 with the given SSE text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def stream(self, method: str, url: str, json: Any = None) -> Any:
+        import contextlib
+        from types import SimpleNamespace
+
+        return contextlib.nullcontext(SimpleNamespace(
+            status_code=200, iter_text=lambda: iter([self.text])))
+
+
+def test_chat_client_shows_an_error_event_and_keeps_the_conversation() -> None:
+    """A turn that fails mid-stream (an engine error, the server shutting down) prints the
+    error and leaves the chat on the conversation it had before the turn."""
+    import argparse
+
+    from pensieve.chat_client import _stream_turn
+
+    args = argparse.Namespace(max_tokens=8, temperature=0.0)
+    sse = ('data: {"conversation_id": "conv-new", "choices": [{"delta": {"content": "Hel"}}]}\n'
+           '\ndata: {"error": {"message": "the server is shutting down", '
+           '"code": "shutting_down"}}\n\ndata: [DONE]\n\n')
+    out = io.StringIO()
+    assert _stream_turn(_SSE(sse), args, [], "conv-old", out) == "conv-old"
+    assert "Hel\n[error] the server is shutting down" in out.getvalue()
+    ok = 'data: {"conversation_id": "conv-old", "choices": [{"delta": {"content": "Hi"}}]}\n\n'
+    assert _stream_turn(_SSE(ok + "data: [DONE]\n\n"), args, [], None, io.StringIO()) == (
+        "conv-old")
 
 
 class _CtrlC(io.StringIO):

@@ -45,6 +45,10 @@ def _stream_turn(client: Any, args: argparse.Namespace, messages: list[dict[str,
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # the turn failed mid-way: the conversation is as before
+                    out.write(f"\n[error] {chunk['error'].get('message', chunk['error'])}")
+                    conv = before
+                    break
                 conv = chunk.get("conversation_id") or conv
                 for ch in chunk.get("choices", []):
                     out.write(ch.get("delta", {}).get("content") or "")
