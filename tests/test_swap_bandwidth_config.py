@@ -120,3 +120,18 @@ def test_switch_interval_flag() -> None:
     for bad in ("0", "-1", "inf", "nan", "soon"):
         with pytest.raises(SystemExit):
             p.parse_args(["--switch-interval-ms", bad])
+
+
+def test_shutdown_timeout_flag() -> None:
+    """``pensieve serve --shutdown-timeout``: 30 s unless given; a finite number of seconds
+    >= 0 (0: end the turns at once), anything else refused by the parser."""
+    from pensieve.server.main import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).shutdown_timeout == 30.0
+    assert p.parse_args(["--shutdown-timeout", "0"]).shutdown_timeout == 0.0
+    assert p.parse_args(["--shutdown-timeout", "2.5"]).shutdown_timeout == 2.5
+    for bad in ("-1", "inf", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--shutdown-timeout", bad])

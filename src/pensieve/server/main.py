@@ -62,6 +62,14 @@ def positive_ms_arg(text: str) -> float:
     return v
 
 
+def seconds_arg(text: str) -> float:
+    """A finite number of seconds >= 0 (``--shutdown-timeout``)."""
+    v = _float_or_nan(text)
+    if not (0.0 <= v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return v
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's options of ``pensieve serve``: model loading, devices, KV tiers, batching."""
     p.add_argument("--dtype", default="auto")
@@ -137,10 +145,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "429 with Retry-After (default: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest request body; a larger one gets 413 (default 4 MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds_arg, default=30.0,
                    help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
-                        "many seconds, then abort them (their conversations stay as they "
-                        "were) and exit")
+                        "many seconds, then end them with an error (503 / an SSE error event, "
+                        "code shutting_down; their conversations stay as they were) and exit")
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
                    help="the persistent conversation store: a SQLite file, or a "
                         "postgresql:// URL (shared by replicas on several hosts)")
