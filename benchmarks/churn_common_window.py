@@ -28,11 +28,13 @@ import gzip
 import io
 import json
 import sys
-import tarfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_totals import archive_files  # noqa: E402
 
 from pensieve.bench.loadgen import LoadResult, RequestRecord  # noqa: E402
 from pensieve.bench.metrics import summarize  # noqa: E402
@@ -43,18 +45,9 @@ _FIELDS = {f.name for f in dataclasses.fields(RequestRecord)}
 def _members(path: str) -> dict[str, bytes]:
     """``<server>/<file>`` -> bytes, from a ``churn.tgz`` or an unpacked directory."""
     p = Path(path)
-    out: dict[str, bytes] = {}
     if p.is_dir():
-        for f in p.rglob("*"):
-            if f.is_file():
-                out[str(f.relative_to(p))] = f.read_bytes()
-        return out
-    with tarfile.open(p) as tar:
-        for m in tar.getmembers():
-            fh = tar.extractfile(m) if m.isfile() else None
-            if fh is not None:
-                out[m.name.removeprefix("./")] = fh.read()
-    return out
+        return {str(f.relative_to(p)): f.read_bytes() for f in p.rglob("*") if f.is_file()}
+    return {k.removeprefix("./"): v for k, v in archive_files(p).items()}
 
 
 def load_runs(paths: list[str]) -> list[dict[str, Any]]:

@@ -79,7 +79,6 @@ import dataclasses
 import json
 import math
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +94,7 @@ from sim_churn_jobs import (  # noqa: E402
     step_means,
     transfer_model,
 )
+from step_totals import archive_files  # noqa: E402
 from step_totals import parse as parse_metrics_text  # noqa: E402
 
 from pensieve.bench.metrics import capacity_at  # noqa: E402
@@ -144,38 +144,34 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
     with their servers' end totals."""
     real = []
     for pair in pairs:
-        d = CHURN / pair
-        with tarfile.open(d / "churn.tgz") as tf:
-            names = set(tf.getnames())
-            for side in [s for s in ("A", "B")  # a one-server run has side A only
-                         if {f"./{s}/points.jsonl", f"{s}/points.jsonl"} & names]:
-                def member(name: str, side: str = side, names: set[str] = names) -> str:
-                    path = next(n for n in (f"./{side}/{name}", f"{side}/{name}")
-                                if n in names)
-                    f = tf.extractfile(path)
-                    assert f is not None
-                    return f.read().decode()
-                p = json.loads(member("points.jsonl").splitlines()[0])
-                m = parse_metrics_text(member("metrics_end.txt"))
-                def g(k: str, m: dict[str, float] = m) -> float:
-                    return m.get(k, 0.0)
-                p.update(
-                    pair=pair, side=side, scheduler=scheduler_overrides(pair, side, p),
-                    prefill_step_s=g('pensieve_step_execute_seconds_total:prefill'),
-                    decode_step_s=g('pensieve_step_execute_seconds_total:decode'),
-                    prefill_steps=g('pensieve_steps_total:prefill'),
-                    decode_steps=g('pensieve_steps_total:decode'),
-                    prefill_tokens_run=g('pensieve_computed_tokens_total:prefill'),
-                    decode_tokens_run=g('pensieve_computed_tokens_total:decode'),
-                    scheduler_s=g('pensieve_scheduler_seconds_total:schedule')
-                    + g('pensieve_scheduler_seconds_total:update'),
-                    swap_in_chunks=g('pensieve_swap_chunks_total:in'),
-                    swap_out_chunks=g('pensieve_swap_chunks_total:out')
-                    + g('pensieve_swap_chunks_total:out_urgent'),
-                    urgent_swap_out_chunks=g('pensieve_swap_chunks_total:out_urgent'))
-                p["steps"] = p["prefill_steps"] + p["decode_steps"]
-                step_means(p)
-                real.append(p)
+        files = {k.removeprefix("./"): v
+                 for k, v in archive_files(CHURN / pair / "churn.tgz").items()}
+        for side in [s for s in ("A", "B")  # a one-server run has side A only
+                     if f"{s}/points.jsonl" in files]:
+            def member(name: str, side: str = side,
+                       files: dict[str, bytes] = files) -> str:
+                return files[f"{side}/{name}"].decode()
+            p = json.loads(member("points.jsonl").splitlines()[0])
+            m = parse_metrics_text(member("metrics_end.txt"))
+            def g(k: str, m: dict[str, float] = m) -> float:
+                return m.get(k, 0.0)
+            p.update(
+                pair=pair, side=side, scheduler=scheduler_overrides(pair, side, p),
+                prefill_step_s=g('pensieve_step_execute_seconds_total:prefill'),
+                decode_step_s=g('pensieve_step_execute_seconds_total:decode'),
+                prefill_steps=g('pensieve_steps_total:prefill'),
+                decode_steps=g('pensieve_steps_total:decode'),
+                prefill_tokens_run=g('pensieve_computed_tokens_total:prefill'),
+                decode_tokens_run=g('pensieve_computed_tokens_total:decode'),
+                scheduler_s=g('pensieve_scheduler_seconds_total:schedule')
+                + g('pensieve_scheduler_seconds_total:update'),
+                swap_in_chunks=g('pensieve_swap_chunks_total:in'),
+                swap_out_chunks=g('pensieve_swap_chunks_total:out')
+                + g('pensieve_swap_chunks_total:out_urgent'),
+                urgent_swap_out_chunks=g('pensieve_swap_chunks_total:out_urgent'))
+            p["steps"] = p["prefill_steps"] + p["decode_steps"]
+            step_means(p)
+            real.append(p)
     return real
 
 

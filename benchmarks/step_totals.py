@@ -125,21 +125,29 @@ def sources(arg: str) -> list[tuple[str, dict[str, float]]]:
             return [(str(p), totals_of_steps(fh.readlines()))]
     if p.suffix in (".tgz", ".gz") and tarfile.is_tarfile(p):
         found = []
-        with tarfile.open(p) as tar:
-            for member in tar.getmembers():
-                base = member.name.rsplit("/", 1)[-1]
-                f = tar.extractfile(member) if member.isfile() else None
-                if f is None:
-                    continue
-                name = f"{p.parent.name}/{member.name}"
-                if base == "metrics_end.txt":
-                    found.append((name, parse(f.read().decode())))
-                elif base in ("steps.jsonl", "steps.jsonl.gz"):
-                    raw = f.read()
-                    text = gzip.decompress(raw) if base.endswith(".gz") else raw
-                    found.append((name, totals_of_steps(text.decode().splitlines())))
+        for member, raw in archive_files(p).items():
+            base = member.rsplit("/", 1)[-1]
+            name = f"{p.parent.name}/{member}"
+            if base == "metrics_end.txt":
+                found.append((name, parse(raw.decode())))
+            elif base in ("steps.jsonl", "steps.jsonl.gz"):
+                text = gzip.decompress(raw) if base.endswith(".gz") else raw
+                found.append((name, totals_of_steps(text.decode().splitlines())))
         return found
     return [(str(p), parse(p.read_text()))]
+
+
+def archive_files(path: str | Path) -> dict[str, bytes]:
+    """The regular files of a ``churn.tgz`` (what ``benchmarks/churn_points.sh`` saves), in
+    archive order: member name as stored (``./A/points.jsonl`` or ``A/points.jsonl``) ->
+    bytes."""
+    out: dict[str, bytes] = {}
+    with tarfile.open(path) as tar:
+        for member in tar.getmembers():
+            f = tar.extractfile(member) if member.isfile() else None
+            if f is not None:
+                out[member.name] = f.read()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,6 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._end_turns = end_turns
         self._timeout_s = timeout_s
-        self.turns_ended = 0
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         timer = asyncio.get_running_loop().call_later(self._timeout_s, self._end)
@@ -45,11 +44,10 @@ class GracefulServer(uvicorn.Server):
             timer.cancel()
 
     def _end(self) -> None:
-        self.turns_ended = self._end_turns()
-        if self.turns_ended:
+        ended = self._end_turns()
+        if ended:
             log.warning("shutdown timeout (%g s): ended %d turn(s) still running; their "
-                        "conversations are as they were before them", self._timeout_s,
-                        self.turns_ended)
+                        "conversations are as they were before them", self._timeout_s, ended)
 
 
 def run_server(app: Any, host: str, port: int, log_level: str, timeout_s: float,
