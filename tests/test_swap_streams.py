@@ -36,6 +36,7 @@ from swap_util import (
 )
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.runner import swap_copies
 from pensieve.runner import swapper as swapper_mod
 from pensieve.runner.swapper import (
     KVSwapper,
@@ -623,3 +624,44 @@ def test_kernel_knobs_between_steps() -> None:
                               for _, _, c in spans)
     with pytest.raises(ValueError):
         sw.num_programs = 0
+
+
+@pytest.mark.parametrize("in_groups", [1, 2, 4])
+def test_staged_swap_ins_pipelined_by_groups_of_layers(in_groups: int) -> None:
+    """A staged step's layer waits for its own group of layers only: once the first group's
+    event is done, its layers hold the swapped-in blocks and the later groups' do not yet."""
+    caches = list(torch.stack(make_caches(4, 10, 2, 1, 4, torch.float32)).unbind(0))
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(caches, 8, "staged", streams=sim, in_groups=in_groups, staging_chunks=2)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    plan = SwapPlan(swap_in=[(1, 3), (2, 5), (6, 7)])
+    ready = sw.start_step(plan)
+    assert ready is not None and sw._step is not None and sw._step.events is not None
+    events = sw._step.events
+    groups = swap_copies.layer_groups(4, in_groups)
+    assert len(events) == 4 and len({id(e) for e in events}) == len(groups)
+    sim.force(events[0])
+    apply_reference(gpu, cpu, plan)
+    for layer in range(4):
+        here = torch.equal(sw.gpu_caches[layer], gpu[layer])
+        assert here == (layer < groups[0][1]), f"layer {layer}"
+    for layer in range(4):
+        ready(layer)
+    sw.finish_step()
+    sim.drain()
+    assert_tiers(sw, gpu, cpu)
+
+
+def test_in_groups_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = make_caches(3, 4, 2, 1, 4, torch.float32)
+    assert make_swapper(caches, 4, "staged").in_groups == 3  # at most one group per layer
+    assert make_swapper(caches, 4, "staged", in_groups=2).in_groups == 2
+    monkeypatch.setenv("PENSIEVE_SWAP_IN_GROUPS", "1")
+    assert make_swapper(caches, 4, "staged").in_groups == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("PENSIEVE_SWAP_IN_GROUPS", bad)
+        with pytest.raises(ValueError, match="in_groups"):
+            make_swapper(caches, 4, "staged")
+    with pytest.raises(ValueError, match="in_groups"):
+        make_swapper(caches, 4, "staged", in_groups=0)

@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.runner.copy_engine import CopyEngine, chunk_pieces, run_pieces
 from pensieve.runner.swap_streams import CudaStreams, Streams, runs_of
 
 LayerReady = Callable[[int], None]
@@ -25,9 +27,19 @@ CHUNK_MAJOR = ("hybrid", "staged")
 """Methods with the chunk-major host tier and the staged (copy-engine) swap-outs."""
 STREAM_METHODS = ("kernel", "hybrid", "staged")
 """Methods run through :class:`Streams` (CUDA, or a test's simulator)."""
+DEFAULT_IN_GROUPS = 8
+"""Staged: groups of layers the swap-ins are copied by (layer i waits for its group only)."""
 DEFAULT_STAGING_CHUNKS = 64
 """Chunks per staging half (hybrid and staged): the device staging memory is at most 2 x this
 (out) + this (staged in) chunks of all layers (13B: 6.5 MB each)."""
+
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``min(groups, num_layers)`` groups of consecutive layers, as even
+    as they come."""
+    g = max(1, min(groups, num_layers))
+    edges = [round(i * num_layers / g) for i in range(g + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
 
 class Runs:
     """Views ``t[start : start + length]`` along dim 0 of a fixed set of disjoint runs.
@@ -170,6 +182,10 @@ class CopyPaths:
             self._stream = torch.cuda.Stream(self.device, priority=-1)
         self._staging = torch.empty(0, dtype=self.gpu_caches[0].dtype, device=self.device)
         """DMA: the staging buffer of runs whose GPU blocks are not consecutive."""
+        self._engine = CopyEngine(self.device)
+        """Hybrid, staged: the copies between the staging buffers and the host tier."""
+        self._chunk_bytes = self.num_layers * self.block_bytes
+        """Bytes of one chunk of every layer (a row of the chunk-major tiers)."""
 
     @property
     def num_programs(self) -> int:
@@ -269,15 +285,25 @@ class CopyPaths:
     def _dma_rows(self, stage: torch.Tensor, runs: list[tuple[int, int, int]],
                   to_host: bool) -> None:
         """Copy the runs ``(stage row, CPU block, length)`` between ``stage`` and the host
-        tier (both chunk-major: one contiguous piece per run), on the current stream."""
-        lengths = [n for _, _, n in runs]
-        rows = Runs([r for r, _, _ in runs], lengths, stage.shape[0]).views(stage)
-        host = Runs([c for _, c, _ in runs], lengths, self.num_cpu_blocks).views(self._host)
-        if to_host:
-            torch._foreach_copy_(host, rows, non_blocking=True)
-        else:
-            torch._foreach_copy_(rows, host, non_blocking=True)
+        tier (both chunk-major: one contiguous piece per run), on the current stream, in one
+        call to the copy engines."""
+        descs = run_pieces(stage.data_ptr(), self._host.data_ptr(), runs, self._chunk_bytes,
+                           to_host)
+        self._engine.copy(*descs, to_device=not to_host)
         self.num_copies += len(runs)
+
+    def _dma_group(self, stage: torch.Tensor, cpu: np.ndarray, start: int, stop: int) -> None:
+        """Copy layers ``[start, stop)`` of the CPU blocks ``cpu`` into the same layers of
+        rows ``0 .. len(cpu) - 1`` of ``stage`` (one copy per chunk, one call)."""
+        if start == 0 and stop == self.num_layers:
+            self._dma_rows(stage, runs_of(cpu.tolist()), False)
+            return
+        rows = np.arange(len(cpu), dtype=np.uint64)
+        lb = self.block_bytes
+        descs = chunk_pieces(stage.data_ptr(), self._host.data_ptr(), rows, cpu,
+                             self._chunk_bytes, start * lb, stop * lb)
+        self._engine.copy(*descs, to_device=True)
+        self.num_copies += len(cpu)
 
     def _wait_half_free(self, st: Streams, stream: Any, h: int) -> None:
         """``stream`` waits until the copies out of half ``h`` issued so far are done."""
@@ -307,24 +333,29 @@ class CopyPaths:
             event = self._half_free[h] = st.record(dma)
         return event, refs
 
-    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]]
-                         ) -> list[Any]:
-        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream``: per piece of at most
-        :attr:`staging_chunks`, copies of the runs into the in-staging buffer, then a scatter
-        into the GPU caches (one stream: a piece's copies wait for the previous scatter).
-        Returns what must stay referenced until the stream's work is done."""
+    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
+                         groups: int = 1) -> tuple[list[Any], list[Any]]:
+        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream`` by ``groups`` groups of layers:
+        per group, per piece of at most :attr:`staging_chunks` chunks, the copies of the
+        group's layers of each chunk into the in-staging buffer (one call), then a scatter of
+        those layers into the GPU caches (one stream: a piece's copies wait for the previous
+        scatter). Returns what must stay referenced until the stream's work is done, and one
+        event per layer (after its group's last scatter)."""
         size = self.staging_chunks
         order = sorted(pairs, key=lambda p: p[0])
         self._grow_in(min(len(order), size))
-        assert self._in_stage is not None
+        stage = self._in_stage
+        assert stage is not None
         idx = st.upload(stream, [(j % size, g) for j, (_, g) in enumerate(order)])
-        for k in range(0, len(order), size):
-            piece = order[k:k + size]
-            runs = runs_of([c for c, _ in piece])
-            st.run(stream, functools.partial(self._dma_rows, self._in_stage, runs, False))
-            st.run(stream, functools.partial(self._kernel, idx[k:k + len(piece)], True, 0,
-                                             self.num_layers, "in"))
-        return [idx, self._in_stage]
+        cpu = np.fromiter((c for c, _ in order), dtype=np.uint64, count=len(order))
+        events: list[Any] = []
+        for a, b in layer_groups(self.num_layers, groups):
+            for k in range(0, len(order), size):
+                m = min(size, len(order) - k)
+                st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a, b))
+                st.run(stream, functools.partial(self._kernel, idx[k:k + m], True, a, b, "in"))
+            events += [st.record(stream)] * (b - a)
+        return [idx, stage], events
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU

@@ -100,6 +100,7 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.runner.swap_copies import (
     CHUNK_MAJOR,
+    DEFAULT_IN_GROUPS,
     DEFAULT_STAGING_CHUNKS,
     METHODS,
     STREAM_METHODS,
@@ -158,6 +159,7 @@ class KVSwapper(CopyPaths):
         streams: Streams | None = None,
         ahead: str | None = None,
         urgent_layered: bool | None = None,
+        in_groups: int | None = None,
     ) -> None:
         check_caches(gpu_caches, num_cpu_blocks)
         first = gpu_caches[0]
@@ -191,6 +193,13 @@ class KVSwapper(CopyPaths):
         self._tile_bytes: int | None = None
         self.background = background
         self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS
+        if in_groups is None:
+            env = os.environ.get("PENSIEVE_SWAP_IN_GROUPS") or str(DEFAULT_IN_GROUPS)
+            in_groups = int(env) if env.isdigit() else 0
+        if in_groups < 1:
+            raise ValueError(f"in_groups {in_groups} < 1 (PENSIEVE_SWAP_IN_GROUPS: a count)")
+        self.in_groups = min(in_groups, self.num_layers)
+        """Staged: groups of layers of the swap-ins (layer i waits for its group's copies)."""
         """Hybrid and staged methods: chunks per staging piece and half."""
         chunk_major = method in CHUNK_MAJOR
         self.host_layout = "chunk-major" if chunk_major else "layer-major"
@@ -334,8 +343,8 @@ class KVSwapper(CopyPaths):
                     st.run(s, functools.partial(self._kernel, step.out_first, False, 0,
                                                 layers))
             if plan.swap_in and self.method == "staged":
-                step.swap_in = self._issue_in_staged(st, s, plan.swap_in)
-                events = [st.record(s)] * layers
+                step.swap_in, events = self._issue_in_staged(st, s, plan.swap_in,
+                                                             self.in_groups)
             elif plan.swap_in or layered:
                 if plan.swap_in:
                     step.swap_in = st.upload(s, plan.swap_in)
@@ -347,7 +356,7 @@ class KVSwapper(CopyPaths):
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
             if self.method == "staged" or self.ahead == "dma":
-                refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)
+                refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
             else:
                 refs = st.upload(s, plan.swap_in_ahead)
                 st.run(s, functools.partial(self._kernel, refs, True, 0, layers))
