@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pensieve.runner.copy_engine import CopyEngine, _driver, chunk_pieces, run_pieces
-from pensieve.runner.swap_copies import layer_groups
+from pensieve.runner.copy_engine import CopyEngine, _driver, pieces, run_pieces
+from pensieve.runner.swap_staged import layer_groups
 
 CHUNKS, LAYERS, LAYER_WORDS = 12, 5, 6  # a chunk: 5 layers of 6 int64 words
 
@@ -30,21 +30,24 @@ def chunk_bytes() -> int:
 
 
 def check_groups(engine: CopyEngine, device: str, seed: int) -> None:
-    """Scattered chunks into the first rows of the stage, by groups of layers."""
+    """Scattered chunks into the first rows of the stage, by groups of layers packed (row j
+    of a group: its layers of one chunk)."""
     rng = random.Random(seed)
     host, stage = tiers(device)
     ids = rng.sample(range(CHUNKS), rng.randint(1, CHUNKS))
+    lb = LAYER_WORDS * 8
     for a, b in layer_groups(LAYERS, rng.randint(1, LAYERS)):
-        descs = chunk_pieces(stage.data_ptr(), host.data_ptr(), np.arange(len(ids)),
-                             np.asarray(ids), chunk_bytes(), a * LAYER_WORDS * 8,
-                             b * LAYER_WORDS * 8)
+        stage.fill_(-1)
+        descs = pieces(stage.data_ptr(), np.arange(len(ids)), (b - a) * lb,
+                       host.data_ptr() + a * lb, np.asarray(ids), chunk_bytes(), (b - a) * lb)
         engine.copy(*descs, to_device=True)
         if device == "cuda":
             torch.cuda.synchronize()
-        got = stage[:len(ids)].cpu()
-        assert torch.equal(got[:, a:b], host[ids, a:b]), (a, b)
-        assert bool((got[:, b:] == -1).all())  # later layers not copied yet
-    assert bool((stage[len(ids):] == -1).all())
+        flat = stage.view(-1).cpu()
+        n = len(ids) * (b - a) * LAYER_WORDS
+        got = flat[:n].view(len(ids), b - a, LAYER_WORDS)
+        assert torch.equal(got, host[ids, a:b]), (a, b)
+        assert bool((flat[n:] == -1).all())  # nothing beyond the packed rows
 
 
 def check_runs(engine: CopyEngine, device: str, seed: int) -> None:

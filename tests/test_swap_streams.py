@@ -36,7 +36,7 @@ from swap_util import (
 )
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.runner import swap_copies
+from pensieve.runner import swap_staged
 from pensieve.runner import swapper as swapper_mod
 from pensieve.runner.swapper import (
     KVSwapper,
@@ -639,7 +639,7 @@ def test_staged_swap_ins_pipelined_by_groups_of_layers(in_groups: int) -> None:
     ready = sw.start_step(plan)
     assert ready is not None and sw._step is not None and sw._step.events is not None
     events = sw._step.events
-    groups = swap_copies.layer_groups(4, in_groups)
+    groups = swap_staged.layer_groups(4, in_groups)
     assert len(events) == 4 and len({id(e) for e in events}) == len(groups)
     sim.force(events[0])
     apply_reference(gpu, cpu, plan)

@@ -107,17 +107,14 @@ class CopyEngine:
             raise RuntimeError(f"CUDA driver copy of {n} piece(s) failed: CUresult {err}")
 
 
-def chunk_pieces(dst_base: int, src_base: int, dst_chunks: np.ndarray, src_chunks: np.ndarray,
-                 chunk_bytes: int, start: int, stop: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Descriptors copying bytes ``[start, stop)`` of each chunk ``src_chunks[i]`` of the
-    chunk-major array at ``src_base`` to the same bytes of chunk ``dst_chunks[i]`` at
-    ``dst_base`` (chunks of ``chunk_bytes``)."""
-    cb = np.uint64(chunk_bytes)
-    off = np.uint64(start)
-    dsts = np.asarray(dst_chunks, dtype=np.uint64) * cb + np.uint64(dst_base) + off
-    srcs = np.asarray(src_chunks, dtype=np.uint64) * cb + np.uint64(src_base) + off
-    return dsts, srcs, np.full(len(dsts), stop - start, dtype=np.uint64)
+def pieces(dst_base: int, dst_index: np.ndarray, dst_stride: int, src_base: int,
+           src_index: np.ndarray, src_stride: int, size: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Descriptors copying ``size`` bytes from ``src_base + src_index[i] * src_stride`` to
+    ``dst_base + dst_index[i] * dst_stride`` for every i."""
+    dsts = np.asarray(dst_index, dtype=np.uint64) * np.uint64(dst_stride) + np.uint64(dst_base)
+    srcs = np.asarray(src_index, dtype=np.uint64) * np.uint64(src_stride) + np.uint64(src_base)
+    return dsts, srcs, np.full(len(dsts), size, dtype=np.uint64)
 
 
 def run_pieces(stage_base: int, host_base: int, runs: list[tuple[int, int, int]],

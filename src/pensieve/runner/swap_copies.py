@@ -8,18 +8,17 @@ on; the host tier is allocated by :func:`allocate_host_tier`.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.runner.copy_engine import CopyEngine, chunk_pieces, run_pieces
-from pensieve.runner.swap_streams import CudaStreams, Streams, runs_of
+from pensieve.runner.copy_engine import CopyEngine
+from pensieve.runner.swap_staged import StagedPaths
+from pensieve.runner.swap_streams import CudaStreams, Streams
 
 LayerReady = Callable[[int], None]
 METHODS = ("kernel", "hybrid", "staged", "dma")
@@ -27,19 +26,9 @@ CHUNK_MAJOR = ("hybrid", "staged")
 """Methods with the chunk-major host tier and the staged (copy-engine) swap-outs."""
 STREAM_METHODS = ("kernel", "hybrid", "staged")
 """Methods run through :class:`Streams` (CUDA, or a test's simulator)."""
-DEFAULT_IN_GROUPS = 8
-"""Staged: groups of layers the swap-ins are copied by (layer i waits for its group only)."""
 DEFAULT_STAGING_CHUNKS = 64
 """Chunks per staging half (hybrid and staged): the device staging memory is at most 2 x this
 (out) + this (staged in) chunks of all layers (13B: 6.5 MB each)."""
-
-def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of ``min(groups, num_layers)`` groups of consecutive layers, as even
-    as they come."""
-    g = max(1, min(groups, num_layers))
-    edges = [round(i * num_layers / g) for i in range(g + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
 
 class Runs:
     """Views ``t[start : start + length]`` along dim 0 of a fixed set of disjoint runs.
@@ -154,17 +143,17 @@ def allocate_host_tier(num_cpu_blocks: int, num_layers: int, block_shape: tuple[
     return host, layers, view, pinned
 
 
-class CopyPaths:
+class CopyPaths(StagedPaths):
     """Kernel, staged and DMA copies of :class:`~pensieve.runner.swapper.KVSwapper` (whose
     constructor sets the state they share)."""
 
     def _init_copies(self, streams: Streams | None) -> None:
         """The copy paths' state: kernel launches, staging buffers, streams."""
-        self._copies: dict[tuple[str, bool], list[tuple[int, int, Any]]] = {}
+        self._copies: dict[tuple[Any, ...], list[tuple[int, int, Any]]] = {}
         """Kernel launches per (other tier, towards the GPU): ``(first_layer, end_layer, copy)``
         covering the layers (one span when the caches are stacked), built at first use. Other
         tiers: ``"host"``, the out-staging halves ``"out0"`` / ``"out1"``, the in-staging
-        buffer ``"in"``."""
+        buffer ``"in"`` (all layers; by groups of layers: ``("in", first, end, rows)``)."""
         self._out_stage: list[torch.Tensor] = []
         """Hybrid, staged: the two ``[rows, L, 2, C, Hkv, D]`` device staging halves of the
         swap-outs (rows <= staging_chunks; grown on demand)."""
@@ -225,15 +214,21 @@ class CopyPaths:
         return t.permute(1, 2, 0, 3, 4, 5)
 
     def _copier(self, name: str, to_gpu: bool) -> list[tuple[int, int, Any]]:
-        spans = self._copies.get((name, to_gpu))
+        return self._spans((name, to_gpu), self._tier(name), to_gpu, 0, self.num_layers)
+
+    def _spans(self, key: tuple[Any, ...], other: Any, to_gpu: bool, first: int, end: int
+               ) -> list[tuple[int, int, Any]]:
+        """Kernel launches ``(first_layer, end_layer, copy)`` (relative to ``first``) between
+        the GPU caches' layers ``[first, end)`` and ``other`` (``[end - first, 2, blocks, C,
+        Hkv, D]``), built once per ``key``."""
+        spans = self._copies.get(key)
         if spans is not None:
             return spans
-        other = self._tier(name)
         if self._gpu_stack is not None:
-            pieces = [(0, self.num_layers, self._gpu_stack, other)]
+            pieces = [(0, end - first, self._gpu_stack[first:end], other)]
         else:
-            pieces = [(i, i + 1, c.unsqueeze(0), other[i:i + 1])
-                      for i, c in enumerate(self.gpu_caches)]
+            pieces = [(i - first, i - first + 1, self.gpu_caches[i].unsqueeze(0),
+                       other[i - first:i - first + 1]) for i in range(first, end)]
         if self._triton:
             from pensieve.kernels.launch_swap import BlockCopy
 
@@ -245,7 +240,7 @@ class CopyPaths:
         else:
             make = RefCopy
         spans = [(a, b, make(o, g) if to_gpu else make(g, o)) for a, b, g, o in pieces]
-        self._copies[(name, to_gpu)] = spans
+        self._copies[key] = spans
         return spans
 
     def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int,
@@ -256,106 +251,6 @@ class CopyPaths:
             if a < stop and start < b:
                 copy(pairs, max(start, a) - a, min(stop, b) - a)
                 self.num_copies += 1
-
-    # ------------------------------------------------------------------ staged (hybrid)
-
-    def _grow_out(self, rows: int) -> None:
-        """Out-staging halves of at least ``rows`` rows. Replaced halves stay referenced by
-        the batches still using them; the new ones are free."""
-        if self._out_stage and self._out_stage[0].shape[0] >= rows:
-            return
-        first = self.gpu_caches[0]
-        shape = (rows, self.num_layers, 2, *self.block_shape)
-        with torch.inference_mode(False):  # written outside inference mode too (simulator)
-            self._out_stage = [torch.empty(shape, dtype=first.dtype, device=self.device)
-                               for _ in range(2)]
-        self._half_free = [None, None]
-        for key in [k for k in self._copies if k[0] in ("out0", "out1")]:
-            del self._copies[key]
-
-    def _grow_in(self, rows: int) -> None:
-        if self._in_stage is not None and self._in_stage.shape[0] >= rows:
-            return
-        first = self.gpu_caches[0]
-        with torch.inference_mode(False):
-            self._in_stage = torch.empty((rows, self.num_layers, 2, *self.block_shape),
-                                         dtype=first.dtype, device=self.device)
-        self._copies.pop(("in", True), None)
-
-    def _dma_rows(self, stage: torch.Tensor, runs: list[tuple[int, int, int]],
-                  to_host: bool) -> None:
-        """Copy the runs ``(stage row, CPU block, length)`` between ``stage`` and the host
-        tier (both chunk-major: one contiguous piece per run), on the current stream, in one
-        call to the copy engines."""
-        descs = run_pieces(stage.data_ptr(), self._host.data_ptr(), runs, self._chunk_bytes,
-                           to_host)
-        self._engine.copy(*descs, to_device=not to_host)
-        self.num_copies += len(runs)
-
-    def _dma_group(self, stage: torch.Tensor, cpu: np.ndarray, start: int, stop: int) -> None:
-        """Copy layers ``[start, stop)`` of the CPU blocks ``cpu`` into the same layers of
-        rows ``0 .. len(cpu) - 1`` of ``stage`` (one copy per chunk, one call)."""
-        if start == 0 and stop == self.num_layers:
-            self._dma_rows(stage, runs_of(cpu.tolist()), False)
-            return
-        rows = np.arange(len(cpu), dtype=np.uint64)
-        lb = self.block_bytes
-        descs = chunk_pieces(stage.data_ptr(), self._host.data_ptr(), rows, cpu,
-                             self._chunk_bytes, start * lb, stop * lb)
-        self._engine.copy(*descs, to_device=True)
-        self.num_copies += len(cpu)
-
-    def _wait_half_free(self, st: Streams, stream: Any, h: int) -> None:
-        """``stream`` waits until the copies out of half ``h`` issued so far are done."""
-        if self._half_free[h] is not None:
-            st.wait(stream, self._half_free[h])
-
-    def _issue_out_staged(self, st: Streams, pairs: list[tuple[int, int]], gather: Any,
-                          dma: Any) -> tuple[Any, list[Any]]:
-        """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
-        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
-        returns the event after the last copy and what must stay referenced until then."""
-        size = self.staging_chunks
-        order = sorted(pairs, key=lambda p: p[1])
-        self._grow_out(min(len(order), size))
-        idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
-        refs: list[Any] = [idx, *self._out_stage]
-        event = None
-        for k in range(0, len(order), size):
-            piece = order[k:k + size]
-            h, self._next_half = self._next_half, self._next_half ^ 1
-            self._wait_half_free(st, gather, h)
-            st.run(gather, functools.partial(self._kernel, idx[k:k + len(piece)], False, 0,
-                                             self.num_layers, f"out{h}"))
-            st.wait(dma, st.record(gather))
-            runs = runs_of([c for _, c in piece])
-            st.run(dma, functools.partial(self._dma_rows, self._out_stage[h], runs, True))
-            event = self._half_free[h] = st.record(dma)
-        return event, refs
-
-    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
-                         groups: int = 1) -> tuple[list[Any], list[Any]]:
-        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream`` by ``groups`` groups of layers:
-        per group, per piece of at most :attr:`staging_chunks` chunks, the copies of the
-        group's layers of each chunk into the in-staging buffer (one call), then a scatter of
-        those layers into the GPU caches (one stream: a piece's copies wait for the previous
-        scatter). Returns what must stay referenced until the stream's work is done, and one
-        event per layer (after its group's last scatter)."""
-        size = self.staging_chunks
-        order = sorted(pairs, key=lambda p: p[0])
-        self._grow_in(min(len(order), size))
-        stage = self._in_stage
-        assert stage is not None
-        idx = st.upload(stream, [(j % size, g) for j, (_, g) in enumerate(order)])
-        cpu = np.fromiter((c for c, _ in order), dtype=np.uint64, count=len(order))
-        events: list[Any] = []
-        for a, b in layer_groups(self.num_layers, groups):
-            for k in range(0, len(order), size):
-                m = min(size, len(order) - k)
-                st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a, b))
-                st.run(stream, functools.partial(self._kernel, idx[k:k + m], True, a, b, "in"))
-            events += [st.record(stream)] * (b - a)
-        return [idx, stage], events
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
@@ -373,10 +268,9 @@ class CopyPaths:
                 self._grow_out(1)
                 self._kernel(pairs, False, 0, layers, "out0")
                 self._kernel(pairs, False, 0, layers, "out1")
-            if self.method == "staged":
-                self._grow_in(1)
-                self._kernel(pairs, False, 0, layers, "in")  # fills row 0 of the buffer
-                self._kernel(pairs, True, 0, layers, "in")
+            if self.method == "staged":  # CPU block 0 holds GPU block 0 now
+                self._issue_in_staged(self._streams, s, [(0, 0)])
+                self._issue_in_staged(self._streams, s, [(0, 0)], self.in_groups)
         s.synchronize()
         self.num_copies = 0
 

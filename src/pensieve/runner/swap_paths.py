@@ -1,5 +1,6 @@
 """How the swapper's optional copy paths are chosen: swap-ins ahead through the kernel or the
-copy engines, urgent swap-outs at once or layer by layer (:mod:`pensieve.runner.swapper`),
+copy engines, urgent swap-outs at once or layer by layer, staged swap-ins by how many groups
+of layers (:mod:`pensieve.runner.swapper`),
 from the constructor's argument or, given None, the environment where the path applies."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 
 from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
+from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS
 
 AHEAD_PATHS = ("kernel", "dma")
 """Ways ``swap_in_ahead`` copies may run on streams (:class:`KVSwapper` ``ahead``)."""
@@ -37,3 +39,14 @@ def urgent_path(layered: bool | None, method: str) -> bool:
         raise ValueError(f"layered urgent swap-outs need the kernel or hybrid method, "
                          f"not {method!r}")
     return layered
+
+
+def in_groups_of(in_groups: int | None, num_layers: int) -> int:
+    """Groups of layers of the staged swap-ins: ``in_groups``, else ``PENSIEVE_SWAP_IN_GROUPS``,
+    else :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`; at most one per layer."""
+    if in_groups is None:
+        env = os.environ.get("PENSIEVE_SWAP_IN_GROUPS") or str(DEFAULT_IN_GROUPS)
+        in_groups = int(env) if env.isdigit() else 0
+    if in_groups < 1:
+        raise ValueError(f"in_groups {in_groups} < 1 (PENSIEVE_SWAP_IN_GROUPS: a count)")
+    return min(in_groups, num_layers)

@@ -58,10 +58,11 @@ None):
   46.6-48.7 / 49.7-50.2), in + out together 30.5-33.4 GB/s each way (kernel: 27-29), and a
   GEMM beside in + out copies slowed 1.12-1.18x (kernel: 1.36-1.43x: SM copies both ways take
   compute from the model).
-- ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well: one
-  ``cudaMemcpyAsync`` per run of consecutive CPU ids into a device staging buffer (at most
-  ``staging_chunks`` chunks at a time), then a device-side scatter launch into the GPU
-  cache. Not layer-pipelined: every layer waits for all of the step's swap-ins.
+- ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well, by groups of
+  layers (``in_groups``, default 8): per group, one call
+  (:class:`~pensieve.runner.copy_engine.CopyEngine`, ``cuMemcpyBatchAsync``) copies those
+  layers of every chunk into a device staging buffer (as many chunks as it holds at a time),
+  then a scatter launch writes them into the GPU cache; layer i waits for its group only.
 - ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
   of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
   of a run are not consecutive (the method before the kernel, kept for comparison).
@@ -100,7 +101,6 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.runner.swap_copies import (
     CHUNK_MAJOR,
-    DEFAULT_IN_GROUPS,
     DEFAULT_STAGING_CHUNKS,
     METHODS,
     STREAM_METHODS,
@@ -113,7 +113,7 @@ from pensieve.runner.swap_copies import (
     check_caches,
     stacked_layers,
 )
-from pensieve.runner.swap_paths import AHEAD_PATHS, ahead_path, urgent_path
+from pensieve.runner.swap_paths import AHEAD_PATHS, ahead_path, in_groups_of, urgent_path
 from pensieve.runner.swap_streams import (
     IMMEDIATE,
     InFlight,
@@ -143,7 +143,9 @@ class KVSwapper(CopyPaths):
     ``staging_chunks``: chunks per staging piece and half of the hybrid and staged methods
     (None: :data:`DEFAULT_STAGING_CHUNKS`). ``background``: False makes
     :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
-    parallelism, where only rank 0's count reaches the scheduler). ``streams``: for tests, a
+    parallelism, where only rank 0's count reaches the scheduler). ``in_groups``: the groups
+    of layers staged swap-ins are copied by (None: ``PENSIEVE_SWAP_IN_GROUPS``, else
+    :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``streams``: for tests, a
     :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
     """
 
@@ -193,14 +195,8 @@ class KVSwapper(CopyPaths):
         self._tile_bytes: int | None = None
         self.background = background
         self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS
-        if in_groups is None:
-            env = os.environ.get("PENSIEVE_SWAP_IN_GROUPS") or str(DEFAULT_IN_GROUPS)
-            in_groups = int(env) if env.isdigit() else 0
-        if in_groups < 1:
-            raise ValueError(f"in_groups {in_groups} < 1 (PENSIEVE_SWAP_IN_GROUPS: a count)")
-        self.in_groups = min(in_groups, self.num_layers)
-        """Staged: groups of layers of the swap-ins (layer i waits for its group's copies)."""
         """Hybrid and staged methods: chunks per staging piece and half."""
+        self.in_groups = in_groups_of(in_groups, self.num_layers)
         chunk_major = method in CHUNK_MAJOR
         self.host_layout = "chunk-major" if chunk_major else "layer-major"
         """``"layer-major"``: :attr:`host_tier` is ``[L, 2, num_cpu_blocks, C, Hkv, D]``;
@@ -222,17 +218,15 @@ class KVSwapper(CopyPaths):
         self._step: Step | None = None
         self._in_flight: deque[OutBatch] = deque()
         self._ahead: deque[tuple[Any, Any]] = deque()
-        """Streams: (event, references) of each step's ``swap_in_ahead`` copies not yet seen
-        complete; the next step's compute waits for the newest (one in stream: it covers the
-        older ones)."""
+        """Streams: (event, references) of each step's ``swap_in_ahead`` copies not seen done;
+        the next step's compute waits for the newest (one stream: it covers the older)."""
         self.bytes_in = 0
         """Cumulative bytes copied CPU -> GPU (K and V, all layers)."""
         self.bytes_out = 0
         """Cumulative bytes copied GPU -> CPU."""
         self.num_copies = 0
-        """Cumulative copy calls issued: host<->device memcpys (DMA: two per run per layer, K
-        and V; hybrid and staged: one per run of consecutive CPU ids per piece, all layers)
-        plus kernel launches."""
+        """Cumulative host<->device copies (DMA: K and V per run per layer; staged: per run, or
+        per chunk per group of layers) plus kernel launches."""
         if self._cuda and method in STREAM_METHODS and num_cpu_blocks and self.num_gpu_blocks:
             self._compile()
 

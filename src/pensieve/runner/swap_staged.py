@@ -1,0 +1,155 @@
+"""The staged copies of the hybrid and staged methods (:mod:`pensieve.runner.swapper`):
+swap-outs gathered on the GPU into two staging halves then copied to the chunk-major host
+tier by the copy engines; staged swap-ins copied by groups of layers into a staging buffer,
+then scattered into the GPU caches. The copies between the staging buffers and the host go in
+one call a piece (:class:`~pensieve.runner.copy_engine.CopyEngine`)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from pensieve.runner.copy_engine import pieces, run_pieces
+from pensieve.runner.swap_streams import Streams, runs_of
+
+DEFAULT_IN_GROUPS = 8
+"""Staged: groups of layers the swap-ins are copied by (layer i waits for its group only)."""
+
+
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``min(groups, num_layers)`` groups of consecutive layers, as even
+    as they come."""
+    g = max(1, min(groups, num_layers))
+    edges = [round(i * num_layers / g) for i in range(g + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+
+class StagedPaths:
+    """Staging buffers and their copies; a base of
+    :class:`~pensieve.runner.swap_copies.CopyPaths`, whose state they use."""
+
+    def _grow_out(self, rows: int) -> None:
+        """Out-staging halves of at least ``rows`` rows. Replaced halves stay referenced by
+        the batches still using them; the new ones are free."""
+        if self._out_stage and self._out_stage[0].shape[0] >= rows:
+            return
+        first = self.gpu_caches[0]
+        shape = (rows, self.num_layers, 2, *self.block_shape)
+        with torch.inference_mode(False):  # written outside inference mode too (simulator)
+            self._out_stage = [torch.empty(shape, dtype=first.dtype, device=self.device)
+                               for _ in range(2)]
+        self._half_free = [None, None]
+        for key in [k for k in self._copies if k[0] in ("out0", "out1")]:
+            del self._copies[key]
+
+    def _grow_in(self, rows: int) -> None:
+        if self._in_stage is not None and self._in_stage.shape[0] >= rows:
+            return
+        first = self.gpu_caches[0]
+        with torch.inference_mode(False):
+            self._in_stage = torch.empty((rows, self.num_layers, 2, *self.block_shape),
+                                         dtype=first.dtype, device=self.device)
+        for key in [k for k in self._copies if k[0] == "in"]:
+            del self._copies[key]
+
+    def _dma_rows(self, stage: torch.Tensor, runs: list[tuple[int, int, int]],
+                  to_host: bool) -> None:
+        """Copy the runs ``(stage row, CPU block, length)`` between ``stage`` and the host
+        tier (both chunk-major: one contiguous piece per run), on the current stream, in one
+        call to the copy engines."""
+        descs = run_pieces(stage.data_ptr(), self._host.data_ptr(), runs, self._chunk_bytes,
+                           to_host)
+        self._engine.copy(*descs, to_device=not to_host)
+        self.num_copies += len(runs)
+
+    def _dma_group(self, stage: torch.Tensor, cpu: np.ndarray, start: int, stop: int) -> None:
+        """Copy layers ``[start, stop)`` of the CPU blocks ``cpu`` into rows ``0 ..
+        len(cpu) - 1`` of ``stage`` packed by group (row j: those layers of one chunk, at
+        ``j * (stop - start)`` layers), one copy per chunk, one call (all layers: one copy per
+        run of consecutive CPU blocks)."""
+        if start == 0 and stop == self.num_layers:
+            self._dma_rows(stage, runs_of(cpu.tolist()), False)
+            return
+        lb = self.block_bytes
+        descs = pieces(stage.data_ptr(), np.arange(len(cpu), dtype=np.uint64),
+                       (stop - start) * lb, self._host.data_ptr() + start * lb, cpu,
+                       self._chunk_bytes, (stop - start) * lb)
+        self._engine.copy(*descs, to_device=True)
+        self.num_copies += len(cpu)
+
+    def _in_view(self, first: int, end: int, rows: int) -> Any:
+        """``[end - first, 2, rows, C, Hkv, D]`` view of the in-staging buffer packed by the
+        group of layers ``[first, end)``."""
+        stage = self._in_stage
+        assert stage is not None
+        n = rows * (end - first) * 2 * math.prod(self.block_shape)
+        return stage.view(-1)[:n].view(rows, end - first, 2, *self.block_shape).permute(
+            1, 2, 0, 3, 4, 5)
+
+    def _wait_half_free(self, st: Streams, stream: Any, h: int) -> None:
+        """``stream`` waits until the copies out of half ``h`` issued so far are done."""
+        if self._half_free[h] is not None:
+            st.wait(stream, self._half_free[h])
+
+    def _issue_out_staged(self, st: Streams, pairs: list[tuple[int, int]], gather: Any,
+                          dma: Any) -> tuple[Any, list[Any]]:
+        """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
+        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
+        returns the event after the last copy and what must stay referenced until then."""
+        size = self.staging_chunks
+        order = sorted(pairs, key=lambda p: p[1])
+        self._grow_out(min(len(order), size))
+        idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
+        refs: list[Any] = [idx, *self._out_stage]
+        event = None
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
+            h, self._next_half = self._next_half, self._next_half ^ 1
+            self._wait_half_free(st, gather, h)
+            st.run(gather, functools.partial(self._kernel, idx[k:k + len(piece)], False, 0,
+                                             self.num_layers, f"out{h}"))
+            st.wait(dma, st.record(gather))
+            runs = runs_of([c for _, c in piece])
+            st.run(dma, functools.partial(self._dma_rows, self._out_stage[h], runs, True))
+            event = self._half_free[h] = st.record(dma)
+        return event, refs
+
+    def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
+                         groups: int = 1) -> tuple[list[Any], list[Any]]:
+        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream`` by ``groups`` groups of layers:
+        per group, per piece of as many chunks as the in-staging buffer holds of the group's
+        layers (:attr:`staging_chunks` chunks of all layers), the copies of those layers of
+        each chunk into the buffer (one call), then a scatter of them into the GPU caches (one
+        stream: a piece's copies wait for the previous scatter). Returns what must stay
+        referenced until the stream's work is done, and one event per layer (after its
+        group's last scatter)."""
+        size, layers = self.staging_chunks, self.num_layers
+        order = sorted(pairs, key=lambda p: p[0])
+        self._grow_in(min(len(order), size))
+        stage = self._in_stage
+        assert stage is not None
+        cpu = np.fromiter((c for c, _ in order), dtype=np.uint64, count=len(order))
+        idx: dict[int, torch.Tensor] = {}  # rows a piece -> (row, gpu block) pairs
+        events: list[Any] = []
+        for a, b in layer_groups(layers, groups):
+            rows = min(stage.shape[0] * layers // (b - a), len(order))
+            if rows not in idx:
+                idx[rows] = st.upload(stream, [(j % rows, g) for j, (_, g) in enumerate(order)])
+            spans = (self._copier("in", True) if b - a == layers else
+                     self._spans(("in", a, b, rows), self._in_view(a, b, rows), True, a, b))
+            for k in range(0, len(order), rows):
+                m = min(rows, len(order) - k)
+                st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a, b))
+                st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
+            events += [st.record(stream)] * (b - a)
+        return [*idx.values(), stage], events
+
+    def _scatter(self, spans: list[tuple[int, int, Any]], pairs: torch.Tensor) -> None:
+        for a, b, copy in spans:
+            copy(pairs, 0, b - a)
+            self.num_copies += 1
