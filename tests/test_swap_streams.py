@@ -426,12 +426,12 @@ def swap_in_and_read(sw: KVSwapper, cpu: list[int], dst: list[int]) -> list[torc
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
-def test_cuda_default_is_hybrid_on_one_allocation() -> None:
-    """On CUDA the default method is `hybrid` (the kernel for swap-ins, gathers and the copy
-    engines for background swap-outs); the engine's caches are views of one allocation."""
+def test_cuda_default_is_staged_on_one_allocation() -> None:
+    """On CUDA the default method is `staged` (the copy engines both ways, swap-ins by groups
+    of layers); the engine's caches are views of one allocation."""
     sw = stacked_swapper(layers=2, blocks=8)
     assert sw.method == "kernel" and sw._gpu_stack is not None
-    assert KVSwapper(make_caches(device="cuda"), 4).method == "hybrid"
+    assert KVSwapper(make_caches(device="cuda"), 4).method == "staged"
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

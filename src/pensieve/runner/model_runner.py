@@ -84,7 +84,7 @@ class ModelRunner:
         background_swap_out: bool | None = None,
     ) -> None:
         """``swap_method``: the swapper's (``"hybrid"``, ``"kernel"``, ``"staged"``, ``"dma"``;
-        None: its default, hybrid on CUDA).
+        None: its default, staged on CUDA).
         ``background_swap_out``: let background swap-outs outlive their step (reported in
         :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank
         ``torch.distributed`` group (tensor parallelism), where only rank 0's count reaches

@@ -45,7 +45,7 @@ None):
   layer of it) with the GPU's SMs reading and writing the pinned, device-mapped CPU tier
   directly (:mod:`pensieve.kernels.triton_swap`), so scattered block ids cost no more than
   consecutive ones. Both directions through the SMs.
-- ``"hybrid"`` (default on CUDA): chunk-major host tier. Swap-ins and ``swap_out_first`` as
+- ``"hybrid"``: chunk-major host tier. Swap-ins and ``swap_out_first`` as
   ``kernel`` (SMs, zero-copy; swap-ins layer-pipelined). Background ``swap_out`` through the
   copy engines: the kernel gathers the chunks device-to-device into a contiguous device staging
   buffer ``[n, L, 2, C, Hkv, D]`` (rows in CPU-id order), then one ``cudaMemcpyAsync`` per
@@ -57,12 +57,17 @@ None):
   ``benchmarks/swap_bandwidth.py``): in 45.6-48.6 GB/s and out 46.5-53.7 GB/s alone (kernel:
   46.6-48.7 / 49.7-50.2), in + out together 30.5-33.4 GB/s each way (kernel: 27-29), and a
   GEMM beside in + out copies slowed 1.12-1.18x (kernel: 1.36-1.43x: SM copies both ways take
-  compute from the model).
-- ``"staged"``: as ``hybrid``, and swap-ins through the copy engines as well, by groups of
-  layers (``in_groups``, default 8): per group, one call
-  (:class:`~pensieve.runner.copy_engine.CopyEngine`, ``cuMemcpyBatchAsync``) copies those
-  layers of every chunk into a device staging buffer (as many chunks as it holds at a time),
-  then a scatter launch writes them into the GPU cache; layer i waits for its group only.
+  compute from the model). The default before ``staged`` by groups of layers.
+- ``"staged"`` (default on CUDA): as ``hybrid``, and swap-ins through the copy engines as
+  well, by groups of layers (``in_groups``, default 8): per group, one call (``CopyEngine``,
+  ``cuMemcpyBatchAsync``) copies those layers of every chunk into a device staging buffer (as
+  many chunks as it holds at a time), then a scatter launch writes them into the GPU cache;
+  layer i waits for its group only.
+  Chosen by measurement (H200, ``benchmarks/swap_bandwidth.py``): in + out together
+  39.9 / 45.3 / 46.5 GB/s each way for 64 / 256 / 1024 chunks against hybrid's 31-33 (the
+  SMs' reads of the mapped tier slow the copy engines' writes the other way), alone in
+  47.4-49.2 and out 47.8-54.5; serving agentic overload, level with hybrid (9.93 against
+  9.99 req/s over one window).
 - ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
   of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
   of a run are not consecutive (the method before the kernel, kept for comparison).
@@ -176,7 +181,7 @@ class KVSwapper(CopyPaths):
         """Bytes of K and V of one block in one layer."""
         self._cuda = self.device.type == "cuda"
         method = method or os.environ.get("PENSIEVE_SWAP_METHOD") or (
-            "hybrid" if self._cuda else "dma")
+            "staged" if self._cuda else "dma")
         if method not in METHODS:
             raise ValueError(f"swap method {method!r} not in {METHODS}")
         if streams is not None and (self._cuda or method not in STREAM_METHODS):
