@@ -36,14 +36,13 @@ import time
 import numpy as np
 import torch
 
-from pensieve.runner.copy_engine import CopyEngine
+from pensieve.runner.copy_engine import CopyEngine, pieces
 
 CONCURRENT_GBPS = 46.6  # H200, raw H2D + D2H at once, each way (the brief)
 def descriptors(dst_base: int, src_base: int, dst_offsets: list[int], src_offsets: list[int],
                 size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    dsts = np.asarray(dst_offsets, dtype=np.uint64) + np.uint64(dst_base)
-    srcs = np.asarray(src_offsets, dtype=np.uint64) + np.uint64(src_base)
-    return dsts, srcs, np.full(len(dsts), size, dtype=np.uint64)
+    return pieces(dst_base, np.asarray(dst_offsets), 1, src_base, np.asarray(src_offsets), 1,
+                  size)
 
 
 def main() -> None:
