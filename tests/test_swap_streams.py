@@ -665,26 +665,3 @@ def test_in_groups_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             make_swapper(caches, 4, "staged")
     with pytest.raises(ValueError, match="in_groups"):
         make_swapper(caches, 4, "staged", in_groups=0)
-
-
-@pytest.mark.parametrize("method", ["hybrid", "staged"])
-@pytest.mark.parametrize("seed", range(5))
-def test_staged_swap_outs_in_small_pieces_through_both_halves(method: str, seed: int) -> None:
-    """A batch far below ``staging_chunks`` still goes in pieces of 8+ chunks (4 here, both
-    halves reused), in any order the waits allow, and lands as the reference says."""
-    rng = random.Random(seed)
-    caches = list(torch.stack(make_caches(2, 40, 2, 1, 4, torch.float32)).unbind(0))
-    sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
-    sw = make_swapper(caches, 40, method, streams=sim, staging_chunks=64)
-    sw._triton = False
-    gpu, cpu = snapshot(sw)
-    plans = [SwapPlan(swap_out=list(zip(rng.sample(range(40), 32), rng.sample(range(40), 32),
-                                         strict=True))) for _ in range(2)]
-    for plan in plans:
-        sw.start_step(plan)
-        sw.end_step()
-        apply_reference(gpu, cpu, plan)
-        assert sw._out_stage[0].shape[0] == 8  # pieces of 8, not one of 32
-    sw.finish_step()
-    sim.drain()
-    assert_tiers(sw, gpu, cpu)

@@ -16,8 +16,6 @@ import torch
 from pensieve.runner.copy_engine import pieces, run_pieces
 from pensieve.runner.swap_streams import Streams, runs_of
 
-OUT_PIECES, OUT_MIN_PIECE = 4, 8
-"""Staged swap-outs: a batch goes in at least 4 pieces of 8+ chunks, gathers overlapping copies."""
 DEFAULT_IN_GROUPS = 8
 """Staged: groups of layers the swap-ins are copied by (layer i waits for its group only)."""
 
@@ -101,12 +99,10 @@ class StagedPaths:
     def _issue_out_staged(self, st: Streams, pairs: list[tuple[int, int]], gather: Any,
                           dma: Any) -> tuple[Any, list[Any]]:
         """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
-        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece and
-        in at least :data:`OUT_PIECES` pieces of :data:`OUT_MIN_PIECE` chunks or more (so the
-        first copy starts after a fraction of the gathers); returns the event after the last
-        copy and what must stay referenced until then."""
+        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
+        returns the event after the last copy and what must stay referenced until then."""
+        size = self.staging_chunks
         order = sorted(pairs, key=lambda p: p[1])
-        size = min(self.staging_chunks, max(OUT_MIN_PIECE, -(-len(order) // OUT_PIECES)))
         self._grow_out(min(len(order), size))
         idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
         refs: list[Any] = [idx, *self._out_stage]

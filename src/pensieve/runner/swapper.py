@@ -64,9 +64,9 @@ None):
   many chunks as it holds at a time), then a scatter launch writes them into the GPU cache;
   layer i waits for its group only.
   Chosen by measurement (H200, ``benchmarks/swap_bandwidth.py``): in + out together
-  39.9 / 45.3 / 46.5 GB/s each way for 64 / 256 / 1024 chunks against hybrid's 31-33 (the
+  36-46.5 GB/s each way for 64-1024 chunks in two runs against hybrid's 30-33 (the
   SMs' reads of the mapped tier slow the copy engines' writes the other way), alone in
-  47.4-49.2 and out 47.8-54.5; serving agentic overload, level with hybrid (9.93 against
+  44.4-49.2 and out 47.8-54.5; serving agentic overload, level with hybrid (9.93 against
   9.99 req/s over one window).
 - ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
   of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
