@@ -6,10 +6,13 @@ the engine's layout (views of one allocation). For each copy method of ``KVSwapp
 
     kernel   the Triton gather/scatter over the device-mapped CPU tier (SMs, both ways)
     hybrid   chunk-major CPU tier; swap-in as kernel (layer-pipelined), swap-out through the
-             copy engines: device-side gather into staging, one cudaMemcpy per run of
-             consecutive CPU ids (>= 6.5 MB), pieces of --staging-chunks through two halves
-    staged   as hybrid, and swap-in through the copy engines too (per-run cudaMemcpy into a
-             staging buffer, then a device-side scatter; not layer-pipelined)
+             copy engines: device-side gather into staging, one copy per run of consecutive
+             CPU ids (>= 6.5 MB, one batch call a piece), pieces of --staging-chunks through
+             two halves
+    staged   as hybrid, and swap-in through the copy engines too, by groups of layers
+             (PENSIEVE_SWAP_IN_GROUPS, default 8): per group one cuMemcpyBatchAsync call into
+             a staging buffer, then a device-side scatter; layer i waits for its group (the
+             default on CUDA)
     dma      one cudaMemcpy per run of consecutive CPU ids per layer (80 KB pieces)
 
 and each chunk count it times one step moving that many chunks with GPU and CPU block ids
