@@ -19,9 +19,11 @@ A variant is ``default`` or ``name=share[,name=share]`` with names among
 ``swap_out_threshold``, ``swap_out_batch`` and ``decode_reserve`` (shares of the GPU tier, as
 in ``TieredKVCache``), and may include the word ``urgent_pipelined``: the copy model's what-if
 of urgent swap-outs issued layer by layer with the swap-ins, so that only what exceeds the
-step's compute is waited for (``TransferModel.urgent_pipelined``; the runner does not do
-this yet). Defaults: ShareGPT, 40 / 60 GB, think 6 s, warm start 0.03, 400 s of
-arrivals, window 200-400 s (the real points' set-up) and the step-cost model refitted on them.
+step's compute is waited for (``TransferModel.urgent_pipelined``), and ``defer_admission=N``
+(a turn short of GPU blocks waits up to N steps for background swap-outs instead of
+urgent ones, ``TieredKVCache.defer_admission``). Defaults: ShareGPT, 40 / 60 GB, think 6 s,
+warm start 0.03, 400 s of arrivals, window 200-400 s (the real points' set-up) and the
+step-cost model refitted on them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ SETTINGS = {"swap_out_threshold": "swap_out_threshold_blocks",
             "decode_reserve": "decode_reserve_blocks"}
 CAUSES = ("admit", "grow", "suspend")
 PIPELINED = "urgent_pipelined"
+DEFER = "defer_admission"
+"""``defer_admission=N``: a turn short of blocks waits up to N steps for background swap-outs
+(``TieredKVCache.defer_admission``)."""
 
 
 def parse_variant(text: str) -> dict[str, float]:
@@ -63,6 +68,9 @@ def parse_variant(text: str) -> dict[str, float]:
             continue
         name, _, value = part.partition("=")
         name = name.strip()
+        if name == DEFER:
+            out[DEFER] = float(int(value))
+            continue
         if name not in SETTINGS:
             raise ValueError(f"unknown setting {name!r}; one of {', '.join(SETTINGS)}")
         share = float(value)
@@ -101,7 +109,9 @@ def run_variant(variant: dict[str, float], args: argparse.Namespace) -> dict[str
         transfer = dataclasses.replace(transfer, urgent_pipelined=True)
     eng = jobs.make_sim(job, cost, clock, transfer=transfer)
     for name, share in variant.items():
-        if name != PIPELINED:
+        if name == DEFER:
+            eng.cache.defer_admission = int(share)
+        elif name != PIPELINED:
             setattr(eng.cache, SETTINGS[name], int(share * eng.cache.gpu.num_blocks))
     counts: Counter[str] = Counter()
     saved = count_urgent(counts)

@@ -175,3 +175,27 @@ def test_copies_within_the_steps_compute_are_swapped_not_recomputed(tiny_llama) 
     stats = llm.cache_stats()
     assert stats["cpu_hit_tokens"] > 0 and stats["cpu_recomputed_tokens"] == 0, stats
     assert cache.step_overlap_s > 100 * cache.swap_chunk_s
+
+
+def test_deferred_admissions_match(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Admissions that wait for background swap-outs (``defer_admission``) change when a turn
+    runs, never what it generates; the engine's audit checks the blocks after every step."""
+    from pensieve.core.tiered_cache import TieredKVCache
+
+    path, model = tiny_llama
+    workload = every_path_workload()
+    want = expected(Reference(model), workload)
+    deferred = 0
+    orig = TieredKVCache._defer
+
+    def counted(self, *a):  # noqa: ANN001, ANN002, ANN202
+        nonlocal deferred
+        done = orig(self, *a)
+        deferred += done
+        return done
+
+    monkeypatch.setattr(TieredKVCache, "_defer", counted)
+    for policy in ("pensieve", "lru"):
+        llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8, defer_admission=2)
+        assert run(llm, workload) == want, policy
+    assert deferred > 0  # the workload did defer some admissions

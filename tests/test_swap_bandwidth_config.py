@@ -108,6 +108,29 @@ def test_decode_reserve_flag() -> None:
     assert cfg.cache.decode_reserve == 0.04
 
 
+def test_defer_admission_flag() -> None:
+    """``pensieve serve --defer-admission``: a whole number of steps reaching the cache (0 by
+    default); anything else refused by the parser, and by the config when given directly."""
+    from pensieve.engine.llm import LLM, build_engine_config
+    from pensieve.server.main import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).defer_admission is None  # the config's default
+    assert p.parse_args(["--defer-admission", "2"]).defer_admission == 2
+    for bad in ("-1", "1.5", "many", ""):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--defer-admission", bad])
+    cfg = build_engine_config(model="demo-random", device="cpu", defer_admission=2)
+    assert cfg.cache.defer_admission == 2 and CacheConfig().defer_admission == 0
+    for bad_value in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="defer_admission"):
+            CacheConfig(defer_admission=bad_value)  # type: ignore[arg-type]
+    llm = LLM(model="demo-random", device="cpu", num_gpu_blocks=16, num_cpu_blocks=4,
+              defer_admission=3)
+    assert llm.engine.scheduler.cache.defer_admission == 3
+
+
 def test_switch_interval_flag() -> None:
     """``pensieve serve --switch-interval-ms``: 0.5 ms unless given; a positive number of ms,
     anything else refused by the parser."""

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.core.config import SchedulerConfig
-from pensieve.core.conversation import Tier
+from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
@@ -298,7 +298,8 @@ class Driver:
             req.pending = pending
             spare = None if b % 4 == 0 else (b % 3) * 6
             swap_ins = cache.num_planned_swap_ins
-            if cache.admit(req, conv, req.pending_end(n), self.now, spare_tokens=spare):
+            if cache.admit(req, conv, req.pending_end(n), self.now, spare_tokens=spare,
+                           may_defer=b % 3 == 0):
                 if a % 2:  # as the scheduler does for a turn that computes next step
                     cache.swap_in_ahead(swap_ins)
                 n += req.num_pending - total
@@ -365,18 +366,20 @@ def operations(draw: st.DrawFn) -> list[tuple[str, int, int, float]]:
        gpu=st.integers(6, 20), cpu=st.integers(0, 8),
        swap_chunk_s=st.sampled_from([None, 0.0, 0.4, 1.5, 100.0]),
        threshold=st.sampled_from([0.0, 0.25, 0.5]), reserve=st.sampled_from([0.0, 0.1]),
-       refresh=st.sampled_from([0.0, 0.5, 5.0]))
+       refresh=st.sampled_from([0.0, 0.5, 5.0]), defer=st.sampled_from([0, 0, 1, 3]))
 def test_index_evicts_as_brute_force_and_stays_consistent(
         policy: str, ops: list[tuple[str, int, int, float]], gpu: int, cpu: int,
-        swap_chunk_s: float | None, threshold: float, reserve: float, refresh: float) -> None:
+        swap_chunk_s: float | None, threshold: float, reserve: float, refresh: float,
+        defer: int) -> None:
     """Random admit / grow / end / suspend / abort / delete / hints / steps (with background
     swap-outs left in flight): every victim the index picks is the brute-force lowest key (at
     ``now``) over every idle chunk, and every eviction pass does what :func:`reference_pass`
     does, whatever the re-key interval; the index and the counts match a full recomputation
-    after every operation."""
+    after every operation. Admissions may wait for background swap-outs (``defer``)."""
     cache = CheckedCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
                          decode_reserve=reserve, key_refresh_s=refresh,
                          swap_chunk_s=swap_chunk_s)
+    cache.defer_admission = defer
     d = Driver(cache)
     for op in ops:
         d.do(*op)
@@ -831,3 +834,62 @@ def test_turn_alone_is_not_deferred() -> None:
     out = s.schedule(now=4.0)
     assert [r.request_id for r in out.requests] == ["A2"]
     assert len(out.swaps.swap_in) == 3 and out.swaps.swap_in_ahead == []
+
+
+def _short_turn(cache: TieredKVCache, cid: str, new: int, now: float
+                ) -> tuple[Request, Conversation]:
+    conv = cache.conversation(cid)
+    req = Request(f"{cid}@{now}", conv.token_ids + [1] * new, SamplingParams(max_tokens=1),
+                  conversation_id=cid)
+    req.pending = cache.pending_for(req, conv)
+    return req, conv
+
+
+@pytest.mark.parametrize("may_defer", [True, False])
+def test_deferred_admission_waits_for_background_swap_outs(may_defer: bool) -> None:
+    """A turn short of GPU blocks, with other turns running (``may_defer``), starts background
+    swap-outs for what it lacks and waits; once they are reclaimed it is admitted with no
+    urgent swap-out. Without ``may_defer`` (or past its deferrals) the swap-outs are urgent."""
+    cache = make("pensieve", gpu=8, cpu=8, threshold=0.0)
+    cache.defer_admission = 1
+    cache.begin_step()
+    turn(cache, "A", 12, now=0.0)  # 3 chunks
+    turn(cache, "B", 12, now=1.0)  # 3 chunks: 2 GPU blocks free
+    cache.take_swap_plan()
+    req, conv = _short_turn(cache, "C", 16, now=2.0)  # needs 4 blocks: 2 short
+    admitted = cache.admit(req, conv, req.num_tokens, 2.0, may_defer=may_defer)
+    plan = cache.take_swap_plan()
+    cache.check_integrity()
+    if not may_defer:
+        assert admitted and len(plan.swap_out_first) == 2 and not plan.swap_out
+        return
+    assert not admitted and req.deferrals == 1 and not conv.running
+    assert len(plan.swap_out) == 2 and not plan.swap_out_first  # A's leading chunks
+    assert tiers(cache, "A") == ["cpu", "cpu", "gpu"]
+    cache.begin_step()
+    # still copying: a second try is past the deferrals, so it evicts urgently
+    again = cache.admit(req, conv, req.num_tokens, 2.1, may_defer=True)
+    assert again and len(cache.take_swap_plan().swap_out_first) == 2
+    cache.check_integrity()
+
+
+def test_deferred_admission_is_admitted_once_the_copies_are_done() -> None:
+    cache = make("pensieve", gpu=8, cpu=8, threshold=0.0)
+    cache.defer_admission = 2
+    cache.begin_step()
+    turn(cache, "A", 12, now=0.0)
+    turn(cache, "B", 12, now=1.0)
+    cache.take_swap_plan()
+    req, conv = _short_turn(cache, "C", 16, now=2.0)
+    assert not cache.admit(req, conv, req.num_tokens, 2.0, may_defer=True)
+    assert len(cache.take_swap_plan().swap_out) == 2
+    cache.begin_step()
+    # copies in flight: the blocks being reclaimed cover the shortfall, nothing more moves
+    assert not cache.admit(req, conv, req.num_tokens, 2.1, may_defer=True)
+    assert cache.take_swap_plan().is_empty and req.deferrals == 2
+    cache.reclaim_swap_outs(0)  # the runner reports the copies done
+    cache.begin_step()
+    assert cache.admit(req, conv, req.num_tokens, 2.2, may_defer=True)
+    plan = cache.take_swap_plan()
+    assert not plan.swap_out_first and not plan.swap_out
+    cache.check_integrity()

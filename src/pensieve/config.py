@@ -76,6 +76,10 @@ class CacheConfig:
     """Start ahead-of-time swap-out when free GPU blocks fall under this fraction."""
     decode_reserve: float = 0.10
     """Fraction of GPU blocks new turns may not take, kept for running decodes."""
+    defer_admission: int = 0
+    """Steps a turn short of GPU blocks may wait for background swap-outs to free them while
+    other turns run, instead of urgent swap-outs that the whole step waits for (0: never;
+    ``TieredKVCache.defer_admission``)."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"
@@ -95,6 +99,10 @@ class CacheConfig:
         from pensieve.core.eviction import get_policy
 
         get_policy(self.cache_policy)  # raises on an unknown name
+        if isinstance(self.defer_admission, bool) or not isinstance(self.defer_admission, int) \
+                or self.defer_admission < 0:
+            raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "
+                             f"{self.defer_admission!r}")
         bw = self.swap_bandwidth_gbps
         if isinstance(bw, str):
             if bw not in ("auto", "off"):

@@ -243,6 +243,7 @@ class SimEngine(EngineCore):
         vocab_size: int | None = None,
         transfer: TransferModel | None = DEFAULT_TRANSFER,
         swap_bandwidth_gbps: float | str | None = "auto",
+        defer_admission: int = 0,
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``block_bytes``: K+V bytes of
@@ -267,7 +268,8 @@ class SimEngine(EngineCore):
         always swap in), as ``LLMEngine.swap_chunk_s``."""
         cache = build_cache(tiers, chunk_cost, policy=cache_policy, chunk_size=chunk_size,
                             swap_out_threshold=swap_out_threshold,
-                            decode_reserve=decode_reserve, swap_chunk_s=self.swap_chunk_s)
+                            decode_reserve=decode_reserve, swap_chunk_s=self.swap_chunk_s,
+                            defer_admission=defer_admission)
         executor = SimExecutor(tiers, step_cost, clock, sample_token_id, transfer)
         executor.cache = cache
         super().__init__(Scheduler(scheduler_config, cache), executor, clock=clock.now,
@@ -290,6 +292,7 @@ class SimEngine(EngineCore):
         cc = config.cache
         tiers = sim_tiers(cc, block_bytes)
         kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
+        kw.setdefault("defer_admission", cc.defer_admission)
         return cls(config.scheduler, tiers.num_gpu_blocks, tiers.num_cpu_blocks, step_cost,
                    clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.cache_policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,

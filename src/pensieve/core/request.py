@@ -53,6 +53,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     first_token_time: float | None = None
     finish_time: float | None = None
+    deferrals: int = 0
+    """Steps this turn's admission waited for background swap-outs to free its blocks
+    (``TieredKVCache.defer_admission``)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -224,7 +224,8 @@ class Scheduler:
             # the last one's admission and prefill steps always run out.
             end = req.pending_end(n if prefill is None else total)
             since = cache.num_planned_swap_ins
-            if not cache.admit(req, conv, end, now, spare_tokens=budget - n):
+            if not cache.admit(req, conv, end, now, spare_tokens=budget - n,
+                               may_defer=bool(self.running)):
                 req.pending = []
                 break
             n += req.num_pending - total  # CPU chunks the cache chose to recompute

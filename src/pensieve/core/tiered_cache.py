@@ -81,6 +81,9 @@ class TieredKVCache(TierPools):
         super().__init__(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, chunk_cost,
                          swap_out_threshold, decode_reserve, swap_out_batch, key_refresh_s)
         self.swap_chunk_s = swap_chunk_s
+        self.defer_admission = 0
+        """Steps a turn short of GPU blocks may wait for background swap-outs to free them
+        (instead of urgent swap-outs that the whole step waits for); 0: never."""
         self.step_overlap_s = 0.0
         """Seconds of a step's own compute that its copies run beside (module docstring)."""
         self._step_recompute_s = 0.0
@@ -177,7 +180,7 @@ class TieredKVCache(TierPools):
         return holes
 
     def admit(self, req: Request, conv: Conversation, first_end: int, now: float,
-              spare_tokens: int | None = None) -> bool:
+              spare_tokens: int | None = None, may_defer: bool = False) -> bool:
         """Pin the conversation on the GPU for this turn, with blocks up to ``first_end``.
 
         Returns False, changing nothing, when the GPU cannot make room while keeping the
@@ -185,6 +188,9 @@ class TieredKVCache(TierPools):
         ``spare_tokens``: tokens of this step's budget left beyond the turn's share (bounds
         CPU chunks chosen for recomputation; None: no bound). Positions so chosen join
         ``req.pending`` before ``first_end``, so the blocks up to ``first_end`` still suffice.
+        ``may_defer``: other turns keep running, so with :attr:`defer_admission` a turn short
+        of blocks may wait a step for background swap-outs instead of urgent ones (returns
+        False then too; see :meth:`_defer`).
         """
         c = self.chunk_size
         chunks = conv.chunks
@@ -192,6 +198,8 @@ class TieredKVCache(TierPools):
         need = len(chunks) - on_gpu + max(0, cdiv(first_end, c) - len(chunks))
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         if shortfall > 0 and self._evictable_gpu_blocks() - on_gpu < shortfall:
+            return False
+        if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
             return False
         self._unindex(conv)
         conv.running = True  # pinned: never its own victim
@@ -232,6 +240,24 @@ class TieredKVCache(TierPools):
         st.new_prompt_tokens += req.num_tokens - max(conv.kv_end, history_kv)
         self._extend(conv, first_end)
         self._count(req, st)
+        return True
+
+    def _defer(self, req: Request, conv: Conversation, shortfall: int, now: float) -> bool:
+        """Whether the turn waits for background swap-outs rather than evicting urgently:
+        with :attr:`defer_admission` and a CPU tier, at most :attr:`defer_admission` times per
+        turn. What the blocks being reclaimed will not cover is evicted now, in the background
+        (the conversation itself kept out of the victims); the turn is admitted at a later
+        step, once those copies are done, without the step waiting for them."""
+        if self.cpu is None or req.deferrals >= self.defer_admission:
+            return False
+        req.deferrals += 1
+        short = shortfall - self._pending_reclaim_gpu()
+        if short > 0:
+            self._unindex(conv)
+            conv.running = True  # out of the victims while the pass runs, as in admission
+            self._evict_gpu(short, now, urgent=False)
+            conv.running = False
+            self._index(conv)
         return True
 
     def _choose_recompute(self, conv: Conversation, spare_tokens: int | None) -> int:

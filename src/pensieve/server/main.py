@@ -70,6 +70,13 @@ def seconds_arg(text: str) -> float:
     return v
 
 
+def steps_arg(text: str) -> int:
+    """A whole number >= 0 (``--defer-admission``)."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps >= 0, got {text!r}")
+    return int(text)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's options of ``pensieve serve``: model loading, devices, KV tiers, batching."""
     p.add_argument("--dtype", default="auto")
@@ -116,6 +123,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
                    help="unified: prefill and decode tokens share each step (default); "
                         "separate: a step runs prefills or decodes, not both")
+    p.add_argument("--defer-admission", type=steps_arg, default=None, metavar="STEPS",
+                   help="steps a turn short of GPU blocks may wait for background swap-outs "
+                        "to free them while other turns run, instead of swapping out "
+                        "urgently, which the whole step waits for (default: "
+                        "CacheConfig.defer_admission, 0: never)")
     p.add_argument("--swap-in-ahead-chunks", type=int, default=256,
                    help="chunks a step may swap in for turns that compute from the next step "
                         "on, so that no step waits for them (0: every turn computes in the "
@@ -225,7 +237,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
-        decode_reserve=args.decode_reserve,
+        decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
