@@ -134,10 +134,10 @@ class StagedPaths:
         stage = self._in_stage
         assert stage is not None
         cpu = np.fromiter((c for c, _ in order), dtype=np.uint64, count=len(order))
-        idx: dict[int, torch.Tensor] = {}  # rows a piece -> (row, gpu block) pairs
+        idx: dict[int, torch.Tensor] = {}  # chunks a piece -> (row, gpu block) pairs
         events: list[Any] = []
         for a, b in layer_groups(layers, groups):
-            rows = min(stage.shape[0] * layers // (b - a), len(order))
+            rows = stage.shape[0] * layers // (b - a)  # chunks a piece (the buffer's capacity)
             if rows not in idx:
                 idx[rows] = st.upload(stream, [(j % rows, g) for j, (_, g) in enumerate(order)])
             spans = (self._copier("in", True) if b - a == layers else
