@@ -31,12 +31,19 @@ def make(policy: str, gpu: int = 8, cpu: int = 4, threshold: float = 0.5) -> Tie
                          decode_reserve=0.0)
 
 
-def turn(cache: TieredKVCache, cid: str, new: int, now: float, out_token: int = 9) -> Request:
-    """Admit a turn of ``new`` input tokens, compute everything, sample one token, end it."""
+def new_turn(cache: TieredKVCache, cid: str, new: int, now: float
+             ) -> tuple[Request, Conversation]:
+    """A turn of ``new`` input tokens for ``cid``, its pending positions set, not admitted."""
     conv = cache.conversation(cid)
     req = Request(f"{cid}@{now}", conv.token_ids + [1] * new, SamplingParams(max_tokens=1),
                   conversation_id=cid)
     req.pending = cache.pending_for(req, conv)
+    return req, conv
+
+
+def turn(cache: TieredKVCache, cid: str, new: int, now: float, out_token: int = 9) -> Request:
+    """Admit a turn of ``new`` input tokens, compute everything, sample one token, end it."""
+    req, conv = new_turn(cache, cid, new, now)
     assert cache.admit(req, conv, req.num_tokens, now)
     req.take(req.num_pending)
     req.append_output(out_token)
@@ -836,15 +843,6 @@ def test_turn_alone_is_not_deferred() -> None:
     assert len(out.swaps.swap_in) == 3 and out.swaps.swap_in_ahead == []
 
 
-def _short_turn(cache: TieredKVCache, cid: str, new: int, now: float
-                ) -> tuple[Request, Conversation]:
-    conv = cache.conversation(cid)
-    req = Request(f"{cid}@{now}", conv.token_ids + [1] * new, SamplingParams(max_tokens=1),
-                  conversation_id=cid)
-    req.pending = cache.pending_for(req, conv)
-    return req, conv
-
-
 @pytest.mark.parametrize("may_defer", [True, False])
 def test_deferred_admission_waits_for_background_swap_outs(may_defer: bool) -> None:
     """A turn short of GPU blocks, with other turns running (``may_defer``), starts background
@@ -856,7 +854,7 @@ def test_deferred_admission_waits_for_background_swap_outs(may_defer: bool) -> N
     turn(cache, "A", 12, now=0.0)  # 3 chunks
     turn(cache, "B", 12, now=1.0)  # 3 chunks: 2 GPU blocks free
     cache.take_swap_plan()
-    req, conv = _short_turn(cache, "C", 16, now=2.0)  # needs 4 blocks: 2 short
+    req, conv = new_turn(cache, "C", 16, now=2.0)  # needs 4 blocks: 2 short
     admitted = cache.admit(req, conv, req.num_tokens, 2.0, may_defer=may_defer)
     plan = cache.take_swap_plan()
     cache.check_integrity()
@@ -880,7 +878,7 @@ def test_deferred_admission_is_admitted_once_the_copies_are_done() -> None:
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=1.0)
     cache.take_swap_plan()
-    req, conv = _short_turn(cache, "C", 16, now=2.0)
+    req, conv = new_turn(cache, "C", 16, now=2.0)
     assert not cache.admit(req, conv, req.num_tokens, 2.0, may_defer=True)
     assert len(cache.take_swap_plan().swap_out) == 2
     cache.begin_step()

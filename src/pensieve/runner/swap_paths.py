@@ -30,8 +30,8 @@ def ahead_path(ahead: str | None, method: str) -> str:
 
 def urgent_path(layered: bool | None, method: str) -> bool:
     """Whether urgent swap-outs go layer by layer: ``layered``, else
-    ``PENSIEVE_URGENT_LAYERED=1`` where it applies (not ``staged``, whose swap-ins are not
-    layered; not ``dma``, which has no streams)."""
+    ``PENSIEVE_URGENT_LAYERED=1`` where it applies (not ``staged``, whose swap-ins go by
+    groups of layers through the copy engines; not ``dma``, which has no streams)."""
     applies = method in STREAM_METHODS and method != "staged"
     if layered is None:
         return applies and os.environ.get("PENSIEVE_URGENT_LAYERED", "0") == "1"

@@ -28,7 +28,6 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-
 class StagedPaths:
     """Staging buffers and their copies; a base of
     :class:`~pensieve.runner.swap_copies.CopyPaths`, whose state they use."""
