@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-reserve", type=float, default=None,
                     help="share of the GPU tier admission keeps free for decode growth "
                          "(default: the engine's CacheConfig.decode_reserve, 0.10)")
+    ap.add_argument("--defer-admission", type=int, default=None, metavar="STEPS",
+                    help="steps a turn short of GPU blocks may wait for background swap-outs "
+                         "(default: the engine's CacheConfig.defer_admission, 3; results "
+                         "before it was the default ran with 0)")
     ap.add_argument("--swap-gbps", default=None, metavar="IN,OUT",
                     help="what-if copy rates, GB/s each way (default: the measured hybrid "
                          "rates of docs/results/swap/swap_bandwidth.json)")
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
              "warm_start": args.warm_start, "recompute_rule": args.recompute_rule,
              "template_tokens": args.template_tokens,
              "decode_reserve": args.decode_reserve, "swap_gbps": swap_gbps(args.swap_gbps),
+             "defer_admission": args.defer_admission,
              "length_scale": scale, "cost": cost.to_dict(), "model_name": args.step_cost}
             for s in systems for r in rates]
     t0 = time.time()

@@ -75,8 +75,9 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
     ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
     fields beyond the defaults, if any), ``swap_gbps`` (what-if copy rates ``[in, out]``;
-    the measured ones if absent or None) and ``decode_reserve`` (the share of the GPU tier
-    admission keeps free for decode growth; the engine's default if absent or None)."""
+    the measured ones if absent or None), ``decode_reserve`` (the share of the GPU tier
+    admission keeps free for decode growth) and ``defer_admission`` (steps a turn short of GPU
+    blocks may wait for background swap-outs); each the engine's default if absent or None."""
     from pensieve.bench.simulator import SimEngine
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
@@ -86,6 +87,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     cpu = int(job["cpu_kv_gb"] * 2**30 // block_bytes)
     reserve = job.get("decode_reserve")
     cache: dict[str, Any] = {} if reserve is None else {"decode_reserve": reserve}
+    if job.get("defer_admission") is not None:
+        cache["defer_admission"] = job["defer_admission"]
     rule = job.get("recompute_rule") or "step"
     if rule == "off":
         cache["swap_bandwidth_gbps"] = "off"

@@ -214,6 +214,8 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      else "sharegpt", "template_tokens": args.template_tokens,
                      "length_scale": 0.2 if args.tiny else 1.0,
                      "warm_start": r.get("warm_start_s_per_token"),
+                     # the real points were taken before deferred admission was the default
+                     "defer_admission": r.get("defer_admission", 0),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from pensieve.config import (
+    DEFAULT_DEFER_ADMISSION,
     DEFAULT_SWAP_BANDWIDTH_GBPS,
     CacheConfig,
     EngineConfig,
@@ -109,8 +110,9 @@ def test_decode_reserve_flag() -> None:
 
 
 def test_defer_admission_flag() -> None:
-    """``pensieve serve --defer-admission``: a whole number of steps reaching the cache (0 by
-    default); anything else refused by the parser, and by the config when given directly."""
+    """``pensieve serve --defer-admission``: a whole number of steps reaching the cache
+    (``DEFAULT_DEFER_ADMISSION``, 3, by default); anything else refused by the parser, and by
+    the config when given directly."""
     from pensieve.engine.llm import LLM, build_engine_config
     from pensieve.server.main import add_serve_args
 
@@ -122,7 +124,8 @@ def test_defer_admission_flag() -> None:
         with pytest.raises(SystemExit):
             p.parse_args(["--defer-admission", bad])
     cfg = build_engine_config(model="demo-random", device="cpu", defer_admission=2)
-    assert cfg.cache.defer_admission == 2 and CacheConfig().defer_admission == 0
+    assert cfg.cache.defer_admission == 2
+    assert CacheConfig().defer_admission == DEFAULT_DEFER_ADMISSION == 3
     for bad_value in (-1, 1.5, True):
         with pytest.raises(ValueError, match="defer_admission"):
             CacheConfig(defer_admission=bad_value)  # type: ignore[arg-type]

@@ -14,6 +14,13 @@ assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever
 (the copies before it: 11-23 GB/s on random ids; ``docs/results/swap/swap_bandwidth.json``).
 Measure another interconnect with ``benchmarks/swap_bandwidth.py`` and pass the figure."""
 
+DEFAULT_DEFER_ADMISSION = 3
+"""Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``).
+On the H200 (``docs/benchmarks.md``, "Admissions that wait for background swap-outs"): agentic
+overload at 1.3 sessions/s over HTTP 10.36 against 9.93 req/s, P90 -15%, urgent swap-outs
+60% -> 0%; ShareGPT at 1.25 level (6.76 against 6.70 req/s, P90 34.0 against 33.9), urgent
+26% -> 0%."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -76,7 +83,7 @@ class CacheConfig:
     """Start ahead-of-time swap-out when free GPU blocks fall under this fraction."""
     decode_reserve: float = 0.10
     """Fraction of GPU blocks new turns may not take, kept for running decodes."""
-    defer_admission: int = 0
+    defer_admission: int = DEFAULT_DEFER_ADMISSION
     """Steps a turn short of GPU blocks may wait for background swap-outs to free them while
     other turns run, instead of urgent swap-outs that the whole step waits for (0: never;
     ``TieredKVCache.defer_admission``)."""

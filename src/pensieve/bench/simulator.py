@@ -55,6 +55,7 @@ from pensieve.bench.step_cost import (
     TransferTimeline,
     features_of,
 )
+from pensieve.config import DEFAULT_DEFER_ADMISSION
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
@@ -243,7 +244,7 @@ class SimEngine(EngineCore):
         vocab_size: int | None = None,
         transfer: TransferModel | None = DEFAULT_TRANSFER,
         swap_bandwidth_gbps: float | str | None = "auto",
-        defer_admission: int = 0,
+        defer_admission: int = DEFAULT_DEFER_ADMISSION,
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``block_bytes``: K+V bytes of

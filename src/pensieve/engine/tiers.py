@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pensieve.config import CacheConfig, EngineConfig
+from pensieve.config import DEFAULT_DEFER_ADMISSION, CacheConfig, EngineConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
 from pensieve.core.tiered_cache import TieredKVCache, cdiv
@@ -105,7 +105,7 @@ def sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
 def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
                 policy: str, chunk_size: int, swap_out_threshold: float,
                 decode_reserve: float, swap_chunk_s: float | None,
-                defer_admission: int = 0) -> TieredKVCache:
+                defer_admission: int = DEFAULT_DEFER_ADMISSION) -> TieredKVCache:
     """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none).
     ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
     length."""

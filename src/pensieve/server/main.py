@@ -127,7 +127,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps a turn short of GPU blocks may wait for background swap-outs "
                         "to free them while other turns run, instead of swapping out "
                         "urgently, which the whole step waits for (default: "
-                        "CacheConfig.defer_admission, 0: never)")
+                        "CacheConfig.defer_admission, 3; 0: never)")
     p.add_argument("--swap-in-ahead-chunks", type=int, default=256,
                    help="chunks a step may swap in for turns that compute from the next step "
                         "on, so that no step waits for them (0: every turn computes in the "
