@@ -114,6 +114,13 @@ SCHEDULER: dict[str, dict[str, dict[str, Any]]] = {
     # A: --swap-in-ahead-chunks 0; B: the default (on)
     "pensieve_ahead_off_on_0.9": {"A": AHEAD_OFF, "B": {}},
 }
+DEFERRED: dict[str, int] = {
+    # servers run with --defer-admission 3; every other recorded point was taken before
+    # deferred admission existed or was the default (0: urgent evictions)
+    "agentic_words_overload_defer3_1.3": 3,
+    "sharegpt_40_60_defer3_pensieve_1.25": 3,
+}
+"""Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0)."""
 """(pair, side) -> the ``SchedulerConfig`` fields its server ran with beyond the simulator's
 defaults, for points whose ``points.jsonl`` does not record them; a pair not listed runs
 with the defaults (the current engine's)."""
@@ -214,8 +221,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      else "sharegpt", "template_tokens": args.template_tokens,
                      "length_scale": 0.2 if args.tiny else 1.0,
                      "warm_start": r.get("warm_start_s_per_token"),
-                     # the real points were taken before deferred admission was the default
-                     "defer_admission": r.get("defer_admission", 0),
+                     "defer_admission": r.get("defer_admission", DEFERRED.get(r["pair"], 0)),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 
