@@ -114,6 +114,9 @@ SCHEDULER: dict[str, dict[str, dict[str, Any]]] = {
     # A: --swap-in-ahead-chunks 0; B: the default (on)
     "pensieve_ahead_off_on_0.9": {"A": AHEAD_OFF, "B": {}},
 }
+"""(pair, side) -> the ``SchedulerConfig`` fields its server ran with beyond the simulator's
+defaults, for points whose ``points.jsonl`` does not record them; a pair not listed runs
+with the defaults (the current engine's)."""
 DEFERRED: dict[str, int] = {
     # servers run with --defer-admission 3; every other recorded point was taken before
     # deferred admission existed or was the default (0: urgent evictions)
@@ -121,9 +124,6 @@ DEFERRED: dict[str, int] = {
     "sharegpt_40_60_defer3_pensieve_1.25": 3,
 }
 """Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0)."""
-"""(pair, side) -> the ``SchedulerConfig`` fields its server ran with beyond the simulator's
-defaults, for points whose ``points.jsonl`` does not record them; a pair not listed runs
-with the defaults (the current engine's)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
 SCALED = ("base_s", "per_request_s", "per_kv_read_token_s", "per_decode_token_s")
 METRICS = (  # (key, label, scale)
