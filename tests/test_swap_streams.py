@@ -665,3 +665,42 @@ def test_in_groups_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             make_swapper(caches, 4, "staged")
     with pytest.raises(ValueError, match="in_groups"):
         make_swapper(caches, 4, "staged", in_groups=0)
+
+
+@pytest.mark.parametrize("conflict", [False, True])
+def test_staged_background_swap_outs_issued_after_the_first_group(conflict: bool) -> None:
+    """A staged step's background swap-outs that touch none of its swap-ins' blocks are
+    issued once the first group of swap-ins is, before the other groups (both copy engines
+    busy from the step's start); a swap-out to a CPU block a swap-in reads waits for the in
+    stream and is issued after all of it. Either way the tiers end as the reference's."""
+    caches = list(torch.stack(make_caches(4, 12, 2, 1, 4, torch.float32)).unbind(0))
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    order: list[str] = []
+    run = sim.run
+
+    def logged(stream: str | None, fn: Callable[[], None]) -> None:
+        order.append(stream or "compute")
+        run(stream, fn)
+
+    sim.run = logged  # type: ignore[method-assign]
+    sw = make_swapper(caches, 10, "staged", streams=sim, in_groups=4, staging_chunks=4)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    out_cpu = 2 if conflict else 8  # CPU block 2 is a swap-in's source
+    plan = SwapPlan(swap_in=[(1, 3), (2, 5)], swap_out=[(9, out_cpu), (10, 9)])
+    ready = sw.start_step(plan)
+    assert ready is not None
+    first_out = order.index("out")
+    in_runs = [i for i, s in enumerate(order) if s == "in"]
+    assert len(in_runs) == 8  # 4 groups x (copy, scatter)
+    if conflict:
+        assert first_out > in_runs[-1]
+    else:
+        assert in_runs[1] < first_out < in_runs[2]
+    for layer in range(4):
+        ready(layer)
+    sw.end_step()
+    sw.finish_step()
+    sim.drain()
+    apply_reference(gpu, cpu, plan)
+    assert_tiers(sw, gpu, cpu)
