@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -120,14 +119,12 @@ class StagedPaths:
         return event, refs
 
     def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
-                         groups: int = 1, after_first: Callable[[], None] | None = None
-                         ) -> tuple[list[Any], list[Any]]:
+                         groups: int = 1) -> tuple[list[Any], list[Any]]:
         """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream`` by ``groups`` groups of layers:
         per group, per piece of as many chunks as the in-staging buffer holds of the group's
         layers (:attr:`staging_chunks` chunks of all layers), the copies of those layers of
         each chunk into the buffer (one call), then a scatter of them into the GPU caches (one
-        stream: a piece's copies wait for the previous scatter); ``after_first`` is called
-        once the first group is issued. Returns what must stay
+        stream: a piece's copies wait for the previous scatter). Returns what must stay
         referenced until the stream's work is done, and one event per layer (after its
         group's last scatter)."""
         size, layers = self.staging_chunks, self.num_layers
@@ -149,9 +146,6 @@ class StagedPaths:
                 st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a, b))
                 st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
             events += [st.record(stream)] * (b - a)
-            if after_first is not None:
-                after_first()
-                after_first = None
         return [*idx.values(), stage], events
 
     def _scatter(self, spans: list[tuple[int, int, Any]], pairs: torch.Tensor) -> None:

@@ -62,8 +62,7 @@ None):
   well, by groups of layers (``in_groups``, default 8): per group, one call (``CopyEngine``,
   ``cuMemcpyBatchAsync``) copies those layers of every chunk into a device staging buffer (as
   many chunks as it holds at a time), then a scatter launch writes them into the GPU cache;
-  layer i waits for its group only. The step's background swap-outs, when they touch none
-  of its in-stream blocks, are issued right after the first group (else after every swap-in).
+  layer i waits for its group only.
   Chosen by measurement (H200, ``benchmarks/swap_bandwidth.py``): in + out together
   36-46.5 GB/s each way for 64-1024 chunks in two runs against hybrid's 30-33 (the
   SMs' reads of the mapped tier slow the copy engines' writes the other way), alone in
@@ -329,7 +328,6 @@ class KVSwapper(CopyPaths):
         layers = self.num_layers
         step = Step()
         compute_done = st.record(None)
-        issued_out = False
         events: list[Any] = []
         if plan.swap_out_first or plan.swap_in or plan.swap_in_ahead:
             st.wait(st.in_stream, compute_done)
@@ -344,13 +342,8 @@ class KVSwapper(CopyPaths):
                     st.run(s, functools.partial(self._kernel, step.out_first, False, 0,
                                                 layers))
             if plan.swap_in and self.method == "staged":
-                # background swap-outs that need not follow the in stream start once the
-                # first group of swap-ins is issued (both copy engines busy from the start)
-                early = functools.partial(self._issue_out, st, plan, compute_done, None)
-                step.swap_in, events = self._issue_in_staged(
-                    st, s, plan.swap_in, self.in_groups,
-                    None if waits.out_after_in or not plan.swap_out else early)
-                issued_out = bool(plan.swap_out) and not waits.out_after_in
+                step.swap_in, events = self._issue_in_staged(st, s, plan.swap_in,
+                                                             self.in_groups)
             elif plan.swap_in or layered:
                 if plan.swap_in:
                     step.swap_in = st.upload(s, plan.swap_in)
@@ -368,8 +361,20 @@ class KVSwapper(CopyPaths):
                 st.run(s, functools.partial(self._kernel, refs, True, 0, layers))
             last_in = st.record(s)
             self._ahead.append((last_in, refs))
-        if plan.swap_out and not issued_out:
-            self._issue_out(st, plan, compute_done, last_in if waits.out_after_in else None)
+        if plan.swap_out:
+            s = st.out_stream
+            st.wait(s, compute_done)
+            if waits.out_after_in:
+                st.wait(s, last_in)
+            if self.method in CHUNK_MAJOR:
+                event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
+            else:
+                refs = st.upload(s, plan.swap_out)
+                st.run(s, functools.partial(self._kernel, refs, False, 0, layers))
+                event = st.record(s)
+            touches = InFlight(frozenset(c for _, c in plan.swap_out),
+                               frozenset(g for g, _ in plan.swap_out))
+            self._in_flight.append(OutBatch(event, refs, touches))
         step.events = events
         self._step = step
         if not events:
