@@ -122,6 +122,9 @@ DEFERRED: dict[str, int] = {
     # deferred admission existed or was the default (0: urgent evictions)
     "agentic_words_overload_defer3_1.3": 3,
     "sharegpt_40_60_defer3_pensieve_1.25": 3,
+    # the default since 3afe2d0
+    "agentic_words_overload_defer3_1.3_again": 3,
+    "sharegpt_40_60_defer3_pensieve_1.45": 3,
 }
 """Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
