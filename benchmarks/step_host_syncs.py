@@ -25,7 +25,9 @@ reported::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -114,6 +116,9 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="then cProfile this many steps of the first configuration (its first "
+                         "--swap-in) and print the 25 functions of most own time")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -132,6 +137,19 @@ def main() -> None:
                    "swap_in": n, **run_config(runner, sched, args.iters, cuda)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if args.profile:
+        batch, ctx, prefill = (int(x) for x in args.configs.split(",")[0].split("x"))
+        n = min(args.swap_in[0], args.history // su.chunk)
+        sched = mixed(batch, ctx, prefill, args.history, n, su.chunk, random.Random(0),
+                      su.num_blocks)
+        runner.execute(sched)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.profile):
+            runner.execute(sched)
+        prof.disable()
+        print(f"cProfile of {args.profile} steps of {batch} x {ctx} + {prefill}, swap-in {n}:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     result = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "rows": rows}
     if args.out:
