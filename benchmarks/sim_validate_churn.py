@@ -19,7 +19,9 @@ cache) runs the same load through ``pensieve.bench.loadgen.run_load`` (the load 
 ``benchmarks/multiturn.py``: same workload, shuffle, seed, arrivals and think times), with
 
 * copies: ``TransferModel.load(swap_bandwidth.json, case="hybrid")`` -- the byte-weighted
-  rates of the engine's default swap method ("hybrid") on random block ids, swap-ins
+  one-way rates of ``hybrid`` on random block ids (the default before ``staged``, whose
+  one-way rates were within 1% of them in the same run,
+  ``docs/results/swap_batched/head_53dac50/``; the model has no in + out slowdown), swap-ins
   pipelined over the 40 layers, and steps of <= 512 tokens (mixed-step CUDA graphs, on by
   default) waiting for all their swap-ins;
 * the chat template: each turn's input gets ``--template-tokens`` (8) more tokens, as the

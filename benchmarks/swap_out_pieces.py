@@ -12,8 +12,8 @@ pieces the size of the swap-ins' share the engines more evenly. Arguments after 
 
     python benchmarks/swap_out_pieces.py --piece-kb 800 -- --methods staged --sweep-programs
 
-Measured on the H200 (``docs/results/swap_batched/out_pieces_7be8e94/``): the pieces made layer 0's swap-ins 2-3x later and the
-bandwidth no better, so the engine keeps whole pieces.
+Measured on the H200 (``docs/results/swap_batched/out_pieces_7be8e94/``): the pieces made
+layer 0's swap-ins 2-3x later and the bandwidth no better, so the engine keeps whole pieces.
 """
 
 from __future__ import annotations
