@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import random
 import statistics
-import sys
 import traceback
 import warnings
 from collections import Counter
@@ -39,28 +39,26 @@ from typing import Any
 
 import torch
 from decode_step import decode_step, setup
+from mixed_step import mixed_step
 
-from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
-from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.outputs import SchedulerOutput, SwapPlan
 from pensieve.runner.model_runner import ModelRunner
 
-GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def mixed(batch: int, ctx: int, prefill: int, history: int, swap_in: int, chunk: int,
           rng: random.Random, num_blocks: int) -> SchedulerOutput:
-    """``batch`` decodes plus one turn of ``prefill`` tokens after ``history``, whose first
-    ``swap_in`` chunks come from CPU blocks ``0 .. swap_in - 1``."""
+    """``batch`` decodes plus one turn of ``prefill`` tokens after ``history``
+    (``mixed_step.mixed_step``), whose first ``swap_in`` chunks come from CPU blocks
+    ``0 .. swap_in - 1``."""
     free = list(range(num_blocks))
     dec = decode_step(batch, ctx, chunk, rng, free)
     used = {b for s in dec.requests for b in s.block_table}
-    rest = [b for b in free if b not in used]
-    table = rest[:(history + prefill) // chunk + 1]
-    ids = [rng.randrange(1000) for _ in range(prefill)]
-    new = ScheduledRequest("prefill", table, [QueryRange(history, ids)], True, GREEDY, 0)
-    swaps = SwapPlan(swap_in=[(c, table[c]) for c in range(swap_in)])
-    return SchedulerOutput(requests=[*dec.requests, new], swaps=swaps)
+    step = mixed_step(dec, prefill, history, chunk, rng, [b for b in free if b not in used])
+    table = step.requests[-1].block_table
+    return dataclasses.replace(step, swaps=SwapPlan(swap_in=[(c, table[c])
+                                                             for c in range(swap_in)]))
 
 
 def sync_site(stack: list[traceback.FrameSummary]) -> str:
@@ -124,31 +122,27 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, device)
-    cpu_blocks = max(args.swap_in) if max(args.swap_in) else 0
-    runner = ModelRunner(su.model, su.kv, su.chunk, num_cpu_blocks=cpu_blocks)
+    runner = ModelRunner(su.model, su.kv, su.chunk, num_cpu_blocks=max(args.swap_in))
     rows = []
+    first: tuple[str, SchedulerOutput] | None = None
     for spec in args.configs.split(","):
         batch, ctx, prefill = (int(x) for x in spec.split("x"))
         for swap_in in args.swap_in:
             n = min(swap_in, args.history // su.chunk)
             sched = mixed(batch, ctx, prefill, args.history, n, su.chunk, random.Random(0),
                           su.num_blocks)
+            first = first or (f"{batch} x {ctx} + {prefill}, swap-in {n}", sched)
             row = {"batch": batch, "ctx": ctx, "prefill": prefill, "history": args.history,
                    "swap_in": n, **run_config(runner, sched, args.iters, cuda)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.profile:
-        batch, ctx, prefill = (int(x) for x in args.configs.split(",")[0].split("x"))
-        n = min(args.swap_in[0], args.history // su.chunk)
-        sched = mixed(batch, ctx, prefill, args.history, n, su.chunk, random.Random(0),
-                      su.num_blocks)
-        runner.execute(sched)
+    if args.profile and first is not None:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.profile):
-            runner.execute(sched)
+            runner.execute(first[1])
         prof.disable()
-        print(f"cProfile of {args.profile} steps of {batch} x {ctx} + {prefill}, swap-in {n}:")
+        print(f"cProfile of {args.profile} steps of {first[0]}:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     result = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "rows": rows}
@@ -162,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

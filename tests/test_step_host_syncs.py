@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from bench_scripts import load
 
-load("decode_step")  # the script's sibling import
+load("decode_step")  # the script's sibling imports
+load("mixed_step")
 
 
 def test_mixed_step_swaps_the_history_in() -> None:
