@@ -60,11 +60,12 @@ class TimelineStreams:
         self.in_stream = inner.in_stream
         self.out_stream = inner.out_stream
         self.dma_stream = inner.dma_stream
+        self.in_dma_stream = getattr(inner, "in_dma_stream", None)  # older engines: none
         self.marks: list[tuple[str, str, Any, Any]] = []
 
     def stream_name(self, stream: Any) -> str:
-        for name in ("in_stream", "out_stream", "dma_stream"):
-            if stream is getattr(self.inner, name):
+        for name in ("in_dma_stream", "in_stream", "out_stream", "dma_stream"):
+            if stream is not None and stream is getattr(self.inner, name, None):
                 return name.removesuffix("_stream")
         return "compute"
 
@@ -145,7 +146,7 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    streams = ["compute", "in", "out", "dma"]
+    streams = ["compute", "in_dma", "in", "out", "dma"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs) + 0.6), squeeze=False)
     colors = {"dma_group": "tab:blue", "scatter": "tab:orange", "kernel": "tab:green",
               "dma_rows": "tab:red", "upload": "tab:gray"}

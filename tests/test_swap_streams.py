@@ -58,8 +58,10 @@ class SimStreams:
 
     def __init__(self, rng: random.Random, eagerness: float = 0.5) -> None:
         self.in_stream, self.out_stream, self.dma_stream = "in", "out", "dma"
+        self.in_dma_stream = "indma"
         self.queues: dict[str, deque[tuple[str, Any]]] = {
-            "in": deque(), "out": deque(), "dma": deque(), "compute": deque()}
+            "in": deque(), "out": deque(), "dma": deque(), "indma": deque(),
+            "compute": deque()}
         self.rng = rng
         self.eagerness = eagerness
 
@@ -326,6 +328,14 @@ def test_simulator_catches_a_staging_half_reused_too_early(
     chunks not yet copied to the host."""
     monkeypatch.setattr(KVSwapper, "_wait_half_free", lambda self, st, stream, h: None)
     assert _fails(range(60), "hybrid") > 0
+
+
+def test_simulator_catches_an_in_staging_half_reused_too_early(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged swap-ins by groups: copies into a half that do not wait for the scatter out of
+    it overwrite chunks not yet scattered."""
+    monkeypatch.setattr(KVSwapper, "_wait_in_half", staticmethod(lambda st, dma, free: None))
+    assert _fails(range(60), "staged") > 0
 
 
 def test_simulator_catches_missing_cross_stream_waits(monkeypatch: pytest.MonkeyPatch) -> None:

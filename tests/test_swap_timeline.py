@@ -32,7 +32,7 @@ class ClockEvent:
 class NamedImmediate(Immediate):
     """Runs everything at once, with a distinct object per copy stream."""
 
-    in_stream, out_stream, dma_stream = "in", "out", "dma"  # type: ignore[assignment]
+    in_stream, out_stream, dma_stream, in_dma_stream = "in", "out", "dma", "indma"  # type: ignore[assignment]
 
 
 def test_op_label_names_the_function_and_its_scalar_arguments() -> None:
@@ -62,9 +62,9 @@ def test_wrapped_staged_streams_copy_as_before_and_mark_every_operation() -> Non
     run_step(sw, plan)
     assert_tiers(sw, gpu, cpu)
     ops = {(s, label.split(" ")[0]) for s, label, _, _ in tl.marks}
-    # swap-ins: copies by group into the staging buffer, then scatters, on the in stream;
+    # swap-ins: copies by group into the staging halves (in-dma stream), scatters (in stream);
     # swap-outs: a gather on the out stream and the host copies on the dma stream
-    assert {("in", "dma_group"), ("in", "scatter"), ("in", "upload"), ("out", "kernel"),
+    assert {("in_dma", "dma_group"), ("in", "scatter"), ("in", "upload"), ("out", "kernel"),
             ("dma", "dma_rows")} <= ops
     groups = sorted({label for s, label, _, _ in tl.marks if label.startswith("dma_group")})
     assert groups == ["dma_group 0 2", "dma_group 2 4"]

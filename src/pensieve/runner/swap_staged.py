@@ -1,7 +1,8 @@
 """The staged copies of the hybrid and staged methods (:mod:`pensieve.runner.swapper`):
 swap-outs gathered on the GPU into two staging halves then copied to the chunk-major host
 tier by the copy engines; staged swap-ins copied by groups of layers into a staging buffer,
-then scattered into the GPU caches. The copies between the staging buffers and the host go in
+then scattered into the GPU caches (by groups of layers: in two halves, each piece's copies
+overlapping the previous piece's scatter). The copies between the staging buffers and the host go in
 one call a piece (:class:`~pensieve.runner.copy_engine.CopyEngine`)."""
 
 from __future__ import annotations
@@ -81,14 +82,21 @@ class StagedPaths:
         self._engine.copy(*descs, to_device=True)
         self.num_copies += len(cpu)
 
-    def _in_view(self, first: int, end: int, rows: int) -> Any:
-        """``[end - first, 2, rows, C, Hkv, D]`` view of the in-staging buffer packed by the
-        group of layers ``[first, end)``."""
+    def _in_view(self, first: int, end: int, rows: int, half: int = 0, halves: int = 1
+                 ) -> Any:
+        """``[end - first, 2, rows, C, Hkv, D]`` view of the in-staging buffer (of its half
+        ``half`` when cut in ``halves`` = 2) packed by the group of layers ``[first, end)``."""
+        flat = self._in_flat(half, halves)
+        n = rows * (end - first) * 2 * math.prod(self.block_shape)
+        return flat[:n].view(rows, end - first, 2, *self.block_shape).permute(
+            1, 2, 0, 3, 4, 5)
+
+    def _in_flat(self, half: int, halves: int) -> torch.Tensor:
+        """The in-staging buffer flat, or its half ``half`` when cut in ``halves`` = 2."""
         stage = self._in_stage
         assert stage is not None
-        n = rows * (end - first) * 2 * math.prod(self.block_shape)
-        return stage.view(-1)[:n].view(rows, end - first, 2, *self.block_shape).permute(
-            1, 2, 0, 3, 4, 5)
+        size = stage.numel() // halves
+        return stage.view(-1)[half * size:(half + 1) * size]
 
     def _wait_half_free(self, st: Streams, stream: Any, h: int) -> None:
         """``stream`` waits until the copies out of half ``h`` issued so far are done."""
@@ -120,13 +128,17 @@ class StagedPaths:
 
     def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
                          groups: int = 1) -> tuple[list[Any], list[Any]]:
-        """Issue the swap-ins ``pairs`` (cpu, gpu) on ``stream`` by ``groups`` groups of layers:
-        per group, per piece of as many chunks as the in-staging buffer holds of the group's
-        layers (:attr:`staging_chunks` chunks of all layers), the copies of those layers of
-        each chunk into the buffer (one call), then a scatter of them into the GPU caches (one
-        stream: a piece's copies wait for the previous scatter). Returns what must stay
-        referenced until the stream's work is done, and one event per layer (after its
-        group's last scatter)."""
+        """Issue the swap-ins ``pairs`` (cpu, gpu) by ``groups`` groups of layers: per group,
+        per piece of as many chunks as the in-staging buffer holds of the group's layers
+        (:attr:`staging_chunks` chunks of all layers), the copies of those layers of each
+        chunk into the buffer (one call), then a scatter of them into the GPU caches on
+        ``stream``. By groups (``groups`` > 1), the buffer is cut in two halves used in turn
+        and the copies run on the in-copy stream (``Streams.in_dma_stream``), so that a
+        piece's copies overlap the previous piece's scatter: a piece's copies wait for the
+        scatter out of the half two pieces back; each scatter waits for its copies. All
+        layers at once (the default; ``swap_in_ahead``): one buffer, everything on
+        ``stream``. Returns what must stay referenced until the stream's work is done, and
+        one event per layer (after its group's last scatter, on ``stream``)."""
         size, layers = self.staging_chunks, self.num_layers
         order = sorted(pairs, key=lambda p: p[0])
         self._grow_in(min(len(order), size))
@@ -135,18 +147,48 @@ class StagedPaths:
         cpu = np.fromiter((c for c, _ in order), dtype=np.uint64, count=len(order))
         idx: dict[int, torch.Tensor] = {}  # chunks a piece -> (row, gpu block) pairs
         events: list[Any] = []
+        dma = st.in_dma_stream
+        free: list[Any] = [None, None]  # event after the last scatter out of each half
+        if groups > 1:  # the copies follow what the in stream waited for and ran so far
+            st.wait(dma, st.record(stream))
+        piece = 0
         for a, b in layer_groups(layers, groups):
-            rows = stage.shape[0] * layers // (b - a)  # chunks a piece (the buffer's capacity)
+            cap = stage.shape[0] * layers // (b - a)  # chunks the whole buffer holds
+            halves = 2 if b - a < layers and cap >= 2 else 1
+            rows = cap // halves  # chunks a piece
             if rows not in idx:
                 idx[rows] = st.upload(stream, [(j % rows, g) for j, (_, g) in enumerate(order)])
-            spans = (self._copier("in", True) if b - a == layers else
-                     self._spans(("in", a, b, rows), self._in_view(a, b, rows), True, a, b))
             for k in range(0, len(order), rows):
                 m = min(rows, len(order) - k)
-                st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a, b))
+                if halves == 1:
+                    spans = (self._copier("in", True) if b - a == layers else
+                             self._spans(("in", a, b, rows), self._in_view(a, b, rows), True,
+                                         a, b))
+                    st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a,
+                                                     b))
+                    st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
+                    if groups > 1:  # the whole buffer was used: both halves after this
+                        free = [st.record(stream)] * 2
+                        st.wait(dma, free[0])
+                    continue
+                h, piece = piece % 2, piece + 1
+                spans = self._spans(("in", a, b, rows, h), self._in_view(a, b, rows, h, 2),
+                                    True, a, b)
+                self._wait_in_half(st, dma, free[h])
+                st.run(dma, functools.partial(self._dma_group, self._in_flat(h, 2),
+                                              cpu[k:k + m], a, b))
+                st.wait(stream, st.record(dma))
                 st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
+                free[h] = st.record(stream)
             events += [st.record(stream)] * (b - a)
         return [*idx.values(), stage], events
+
+    @staticmethod
+    def _wait_in_half(st: Streams, dma: Any, free: Any) -> None:
+        """The in-copy stream waits for ``free``, the scatter out of the half it copies into
+        next (None: not used yet in this call)."""
+        if free is not None:
+            st.wait(dma, free)
 
     def _scatter(self, spans: list[tuple[int, int, Any]], pairs: torch.Tensor) -> None:
         for a, b, copy in spans:

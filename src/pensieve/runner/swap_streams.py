@@ -20,8 +20,13 @@ CUDA, kernel, hybrid and staged methods: copy streams and the compute (current) 
   half's "free" event, kept across batches and steps). The batch's event is recorded on the
   dma stream after its last copy: it covers the batch's gathers, and every older batch (one
   dma stream), so the FIFO and the hazard waits below are unchanged. A batch keeps its index
-  tensor and staging halves referenced until it is popped complete. ``staged`` swap-ins run
-  on the in stream: copies into the in-staging buffer, then the scatter, piece by piece.
+  tensor and staging halves referenced until it is popped complete. ``staged`` swap-ins:
+  copies into the in-staging buffer, then the scatter, piece by piece. All layers at once
+  (``swap_in_ahead``), both on the in stream; by groups of layers (a step's swap-ins), the
+  copies on the *in-dma* stream into the two halves of the buffer in turn and the scatters on
+  the in stream: the in-dma stream first waits for the in stream's work so far (an event),
+  each scatter for its copies, each piece's copies for the scatter out of the same half two
+  pieces back; the layer events are on the in stream, after the scatters.
 - Both copy streams first wait for an event recorded on the compute stream in
   :meth:`~KVSwapper.start_step`: no copy reads a block before the compute stream's earlier
   writes to it are done, nor overwrites one it may still read.
@@ -103,6 +108,8 @@ class Streams(Protocol):
     out_stream: Any
     dma_stream: Any
     """The hybrid methods' device-to-host copies of staged swap-outs."""
+    in_dma_stream: Any
+    """``staged``: the host-to-device copies of swap-ins by groups of layers."""
 
     def record(self, stream: Any) -> Any:
         """Record and return a new event on ``stream``."""
@@ -132,6 +139,7 @@ class CudaStreams:
         self.in_stream = torch.cuda.Stream(device, priority=-1)
         self.out_stream = torch.cuda.Stream(device)
         self.dma_stream = torch.cuda.Stream(device)
+        self.in_dma_stream = torch.cuda.Stream(device, priority=-1)
 
     def _s(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device) if stream is None else stream
@@ -164,7 +172,7 @@ class Immediate:
     """:class:`Streams` that run every operation at once (the synchronous path: the hybrid
     methods' staging logic on the CPU)."""
 
-    in_stream = out_stream = dma_stream = None
+    in_stream = out_stream = dma_stream = in_dma_stream = None
 
     def record(self, stream: Any) -> None:
         return None
