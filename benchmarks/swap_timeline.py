@@ -17,8 +17,11 @@ the swapper's ``_streams`` attribute and the ``Streams`` protocol).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -170,6 +173,22 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def profile_enqueue(sw: KVSwapper, plan: SwapPlan, steps: int, top: int = 25) -> str:
+    """cProfile of ``steps`` calls of ``start_step`` (the host's enqueue) on the plain
+    streams, each after a device sync (the step then finished untimed): the functions by
+    their own time, driver calls included."""
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        prof.enable()
+        sw.start_step(plan)
+        prof.disable()
+        sw.finish_step()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +202,9 @@ def main() -> None:
                     choices=["in", "out", "in+out"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also print a cProfile of STEPS enqueues per size and direction "
+                         "(without the timing events)")
     ap.add_argument("--label", default="", help="prefix of the variants' names")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--plot", default=None, help="write the PNG figure here")
@@ -218,6 +240,11 @@ def main() -> None:
             print(f"\n== {name}: median of {args.reps} " + ", ".join(
                 f"{k} {v:.2f}" for k, v in med.items()))
             print(fmt_ops(reps[mid]), flush=True)
+            if args.profile:
+                sw._streams = tl.inner
+                print(f"-- cProfile of {args.profile} enqueues ({name})\n"
+                      + profile_enqueue(sw, plan, args.profile), flush=True)
+                sw._streams = tl
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.out}")
