@@ -149,6 +149,7 @@ class StagedPaths:
         events: list[Any] = []
         dma = st.in_dma_stream
         free: list[Any] = [None, None]  # event after the last scatter out of each half
+        flats: list[torch.Tensor] = []  # the two halves, flat
         if groups > 1:  # the copies follow what the in stream waited for and ran so far
             st.wait(dma, st.record(stream))
         piece = 0
@@ -172,11 +173,13 @@ class StagedPaths:
                         st.wait(dma, free[0])
                     continue
                 h, piece = piece % 2, piece + 1
-                spans = self._spans(("in", a, b, rows, h), self._in_view(a, b, rows, h, 2),
-                                    True, a, b)
+                key = ("in", a, b, rows, h)
+                spans = self._copies.get(key) or self._spans(
+                    key, self._in_view(a, b, rows, h, 2), True, a, b)
+                if not flats:
+                    flats = [self._in_flat(0, 2), self._in_flat(1, 2)]
                 self._wait_in_half(st, dma, free[h])
-                st.run(dma, functools.partial(self._dma_group, self._in_flat(h, 2),
-                                              cpu[k:k + m], a, b))
+                st.run(dma, functools.partial(self._dma_group, flats[h], cpu[k:k + m], a, b))
                 st.wait(stream, st.record(dma))
                 st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
                 free[h] = st.record(stream)
