@@ -100,16 +100,22 @@ class TimelineStreams:
         self.inner.synchronize(event)
 
 
-def timeline_step(sw: KVSwapper, tl: TimelineStreams, plan: SwapPlan) -> list[dict]:
+def timeline_step(sw: KVSwapper, tl: TimelineStreams, plan: SwapPlan, bare: bool = False,
+                  last: bool = True) -> list[dict]:
     """Run one swap step; returns its operations as ``{stream, op, start_ms, end_ms}`` from
-    a mark on the compute stream just before ``start_step`` (sorted by start)."""
+    a mark on the compute stream just before ``start_step`` (sorted by start). ``bare``: on
+    the swapper's own streams, only the compute stream's marks; ``last``: mark the last
+    layer too (else layer 0 only, as ``swap_bandwidth.py`` does)."""
     tl.marks.clear()
+    if bare:
+        sw._streams = tl.inner
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
     start.record()
     ready = sw.start_step(plan)
     if ready is not None and plan.swap_in:
-        for i, name in ((0, "layer 0 ready"), (sw.num_layers - 1, "last layer ready")):
+        marks = ((0, "layer 0 ready"), (sw.num_layers - 1, "last layer ready"))
+        for i, name in marks if last else marks[:1]:
             ready(i)
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -117,6 +123,7 @@ def timeline_step(sw: KVSwapper, tl: TimelineStreams, plan: SwapPlan) -> list[di
     sw.end_step()
     sw.finish_step()
     torch.cuda.synchronize()
+    sw._streams = tl
     ops = [{"stream": s, "op": label, "start_ms": start.elapsed_time(a),
             "end_ms": start.elapsed_time(b)} for s, label, a, b in tl.marks]
     return sorted(ops, key=lambda o: (o["start_ms"], o["end_ms"]))
@@ -205,6 +212,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also print a cProfile of STEPS enqueues per size and direction "
                          "(without the timing events)")
+    ap.add_argument("--bare", action="store_true",
+                    help="also time each step without the brackets: the compute stream's marks "
+                         "only, both and layer 0 alone")
     ap.add_argument("--label", default="", help="prefix of the variants' names")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--plot", default=None, help="write the PNG figure here")
@@ -240,6 +250,16 @@ def main() -> None:
             print(f"\n== {name}: median of {args.reps} " + ", ".join(
                 f"{k} {v:.2f}" for k, v in med.items()))
             print(fmt_ops(reps[mid]), flush=True)
+            if args.bare:
+                for last in (True, False):
+                    timeline_step(sw, tl, plan, bare=True, last=last)
+                    bare = [summary(timeline_step(sw, tl, plan, bare=True, last=last))
+                            for _ in range(args.reps)]
+                    key = f"bare, {'both marks' if last else 'layer 0 mark only'}"
+                    result["runs"][name][key] = bare
+                    print(f"-- {key}: " + "; ".join(
+                        f"layer 0 {b['layer0_ms']:.2f}, last {b['last_layer_ms']:.2f}"
+                        for b in bare), flush=True)
             if args.profile:
                 sw._streams = tl.inner
                 print(f"-- cProfile of {args.profile} enqueues ({name})\n"
