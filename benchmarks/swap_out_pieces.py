@@ -13,7 +13,10 @@ pieces the size of the swap-ins' share the engines more evenly. Arguments after 
     python benchmarks/swap_out_pieces.py --piece-kb 800 -- --methods staged --sweep-programs
 
 Measured on the H200 (``docs/results/swap_batched/out_pieces_7be8e94/``): the pieces made
-layer 0's swap-ins 2-3x later and the bandwidth no better, so the engine keeps whole pieces.
+layer 0's swap-ins 2-3x later and the bandwidth no better, so the engine keeps whole pieces
+(that layer-0 column measures after ``swap_bandwidth.py``'s raw copies on the default stream,
+which make later compute there wait for the step's copies: ``docs/performance.md``, "A
+timeline of one swap step").
 """
 
 from __future__ import annotations
