@@ -108,12 +108,19 @@ def raw_copies(sw: KVSwapper, nbytes: int, reps: int) -> list[dict]:
     dev2 = sw.gpu_caches[1].reshape(-1)[:elems]
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
+    # Each on a stream of its own, not the default (compute) stream: once that stream has
+    # copied to or from the CPU tier, its later work waits for the swap steps' copies, which
+    # skewed the layer-0 column (docs/performance.md, "A timeline of one swap step").
     def h2d() -> dict[str, float]:
-        dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        s1.synchronize()
         return {}
 
     def d2h() -> dict[str, float]:
-        host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host.copy_(dev, non_blocking=True)
+        s2.synchronize()
         return {}
 
     def both() -> dict[str, float]:
