@@ -12,8 +12,12 @@ without them (``swap_timeline.py --bare``) layer 0 was usable at ~5.5 ms.
 
     python benchmarks/compute_behind_swaps.py --own-copies both --compute-stream default
 
-``--own-copies pinned`` copies from an ordinary pinned buffer instead of the CPU tier (the
-runner's kind of upload; not yet run on the GPU), ``none`` none at all.
+``--own-copies pinned`` copies to and from an ordinary pinned buffer instead of the CPU tier,
+``pinned-h2d`` only to the GPU (the runner's kind of upload), ``tolist`` reads a small tensor
+back with ``.tolist()`` (the sampler's kind), ``none`` none at all (not yet run on the GPU).
+``--all`` runs every variant, each in a process of its own. Every step ends with an 8 MB
+pinned upload on the compute stream, so with ``none`` the first step is the only one with no
+copy on that stream before it.
 """
 
 from __future__ import annotations
@@ -32,12 +36,27 @@ from pensieve.runner.swapper import KVSwapper
 sys.path.insert(0, str(Path(__file__).parent))
 from swap_bandwidth import plans  # noqa: E402
 
+VARIANTS = ["both", "h2d", "d2h", "pinned", "pinned-h2d", "tolist", "none"]
+
+
+def run_all(chunks: int, reps: int) -> None:
+    """Every variant, with the default stream and a pool stream, each in a fresh process
+    (the state under test lives in the process)."""
+    import subprocess
+
+    for stream in ("default", "pool"):
+        for v in VARIANTS:
+            subprocess.run([sys.executable, __file__, "--own-copies", v, "--compute-stream",
+                            stream, "--chunks", str(chunks), "--reps", str(reps)], check=True)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--own-copies", default="both",
-                    choices=["both", "h2d", "d2h", "pinned", "none"])
+                    choices=VARIANTS)
+    ap.add_argument("--all", action="store_true",
+                    help="every --own-copies variant and both streams, a process each")
     ap.add_argument("--compute-stream", default="default", choices=["default", "pool"],
                     help="the legacy default stream, or a pool stream made current")
     ap.add_argument("--chunks", type=int, default=256)
@@ -45,6 +64,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
+    if args.all:
+        run_all(args.chunks, args.reps)
+        return
     if args.compute_stream == "pool":
         torch.cuda.set_stream(torch.cuda.Stream())
     n = args.chunks
@@ -53,15 +75,17 @@ def main() -> None:
     sw = KVSwapper(caches, num_cpu, "staged")
     elems = num_cpu * sw.block_bytes // 4
     flat = sw.host_tier.view(-1)
-    if args.own_copies == "pinned":
+    if args.own_copies.startswith("pinned"):
         flat = torch.empty(elems, dtype=flat.dtype, pin_memory=True)
     dev = caches[0].reshape(-1)[:elems]
     pin = torch.empty(1 << 20, dtype=torch.int64, pin_memory=True)
     for _ in range(4):  # the compute stream's own copies
-        if args.own_copies in ("both", "h2d", "pinned"):
+        if args.own_copies in ("both", "h2d", "pinned", "pinned-h2d"):
             dev.copy_(flat[:elems], non_blocking=True)
         if args.own_copies in ("both", "d2h", "pinned"):
             flat[:elems].copy_(dev, non_blocking=True)
+        if args.own_copies == "tolist":
+            dev[:64].tolist()
     torch.cuda.synchronize()
     p = plans(n, "random", num_gpu, num_cpu, random.Random(f"0{n}random"))
     plan = SwapPlan(swap_in=[(c, g) for g, c in p["in"]], swap_out=p["out"])
