@@ -316,13 +316,18 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The KV shape's options (default: the 13B GQA-10 shape, chunks of 32 tokens)."""
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--kv-heads", type=int, default=10)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--methods", nargs="+", default=["kernel", "hybrid", "staged", "dma"],

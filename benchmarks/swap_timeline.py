@@ -36,7 +36,7 @@ from pensieve.runner.model_runner import allocate_kv_caches
 from pensieve.runner.swapper import KVSwapper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swap_bandwidth import plans  # noqa: E402
+from swap_bandwidth import add_shape_args, plans  # noqa: E402
 
 
 def op_label(fn: Callable[[], None]) -> str:
@@ -199,10 +199,7 @@ def profile_enqueue(sw: KVSwapper, plan: SwapPlan, steps: int, top: int = 25) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--kv-heads", type=int, default=10)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--chunk", type=int, default=32)
+    add_shape_args(ap)
     ap.add_argument("--chunks", type=int, nargs="+", default=[64])
     ap.add_argument("--method", default="staged")
     ap.add_argument("--dirs", nargs="+", default=["in", "out", "in+out"],
