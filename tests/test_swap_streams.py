@@ -675,3 +675,45 @@ def test_in_groups_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             make_swapper(caches, 4, "staged")
     with pytest.raises(ValueError, match="in_groups"):
         make_swapper(caches, 4, "staged", in_groups=0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(("layers", "in_groups", "staging"), [(3, 2, 1), (5, 2, 1), (4, 4, 2)])
+def test_staged_swap_ins_by_halves_and_whole_buffer_pieces(seed: int, layers: int,
+                                                           in_groups: int, staging: int) -> None:
+    """Groups whose share of the in-staging buffer holds fewer than two chunks use the whole
+    buffer (one piece on the in stream); the others its two halves in turn (copies on the
+    in-dma stream). Mixed in one step and across steps, in random stream orders, the tiers
+    match the reference, and each layer's event covers its own group's swap-ins."""
+    rng = random.Random(seed)
+    caches = list(torch.stack(make_caches(layers, 16, 2, 1, 4, torch.float32)).unbind(0))
+    sim = SimStreams(rng, eagerness=rng.choice([0.0, 0.3, 0.9]))
+    sw = make_swapper(caches, 12, "staged", streams=sim, in_groups=in_groups,
+                      staging_chunks=staging)
+    sw._triton = False
+    groups = swap_staged.layer_groups(layers, in_groups)
+    halved = {(a, b) for a, b in groups if staging * layers // (b - a) >= 2}
+    # (3, 2, 1): the whole buffer, then halves; (5, 2, 1): halves, then the whole buffer
+    assert halved == ({(2, 3)} if layers == 3 else {(0, 2)} if layers == 5 else set(groups))
+    gpu, cpu = snapshot(sw)
+    for _ in range(3):
+        n = rng.randint(1, 5)
+        g = rng.sample(range(16), 2 * n)
+        c = rng.sample(range(12), 2 * n)
+        plan = SwapPlan(swap_in=list(zip(c[:n], g[:n], strict=True)),
+                        swap_out=list(zip(g[n:], c[n:], strict=True)))
+        ready = sw.start_step(plan)
+        assert ready is not None and sw._step is not None and sw._step.events is not None
+        events = sw._step.events
+        apply_reference(gpu, cpu, plan)
+        a, b = groups[0]
+        sim.force(events[a])
+        for layer in range(a, b):  # the first group's layers hold their swap-ins
+            assert torch.equal(sw.gpu_caches[layer][:, g[:n]], gpu[layer][:, g[:n]])
+        for layer in range(layers):
+            ready(layer)
+        sim.synchronize(sim.record(None))
+        sw.end_step()
+    sw.finish_step()
+    sim.drain()
+    assert_tiers(sw, gpu, cpu)
