@@ -159,6 +159,7 @@ class StagedPaths:
             rows = cap // halves  # chunks a piece
             if rows not in idx:
                 idx[rows] = st.upload(stream, [(j % rows, g) for j, (_, g) in enumerate(order)])
+            last = None  # the group's last scatter's event, if recorded for a half
             for k in range(0, len(order), rows):
                 m = min(rows, len(order) - k)
                 if halves == 1:
@@ -171,6 +172,7 @@ class StagedPaths:
                     if groups > 1:  # the whole buffer was used: both halves after this
                         free = [st.record(stream)] * 2
                         st.wait(dma, free[0])
+                        last = free[0]
                     continue
                 h, piece = piece % 2, piece + 1
                 key = ("in", a, b, rows, h)
@@ -182,8 +184,8 @@ class StagedPaths:
                 st.run(dma, functools.partial(self._dma_group, flats[h], cpu[k:k + m], a, b))
                 st.wait(stream, st.record(dma))
                 st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
-                free[h] = st.record(stream)
-            events += [st.record(stream)] * (b - a)
+                free[h] = last = st.record(stream)
+            events += [last if last is not None else st.record(stream)] * (b - a)
         return [*idx.values(), stage], events
 
     @staticmethod
