@@ -65,10 +65,9 @@ None):
   layer i waits for its group only. The buffer is used by halves in turn, the copies on a
   stream of their own, so that a group's copies overlap the previous group's scatter.
   Chosen by measurement (H200, ``benchmarks/swap_bandwidth.py``): in + out together
-  36-46.5 GB/s each way for 64-1024 chunks in two runs against hybrid's 30-33 (the
-  SMs' reads of the mapped tier slow the copy engines' writes the other way); serving
-  agentic overload, level with hybrid (9.93 against 9.99 req/s over one window). By halves:
-  in alone 47.6-54.1 GB/s against 42.2-49.2 with one buffer, out 46.2-54.3.
+  36-46.5 GB/s each way for 64-1024 chunks against hybrid's 30-33 (the SMs' reads of the
+  mapped tier slow the copy engines' writes the other way); by halves, in alone 47.6-54.1
+  GB/s against 42.2-49.2 with one buffer, out 46.2-54.3.
 - ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
   of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
   of a run are not consecutive (the method before the kernel, kept for comparison).
