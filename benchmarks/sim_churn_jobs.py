@@ -31,21 +31,29 @@ SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
 KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
 GRAPH_MAX_TOKENS = 512
+GRAPH_MAX_SWAP_IN = 21
+"""The runner's ``graph_max_swap_in`` for this shape (``model_runner.graph_max_swap_in`` of
+one chunk's bytes; a test keeps the two equal): steps with more of their own swap-in chunks
+run eagerly."""
 PROFILE = (ROOT / "src" / "pensieve" / "profiles"
            / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 
 
-def transfer_model(gbps: list[float] | None = None) -> TransferModel:
+def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False) -> TransferModel:
     """The measured copies (``hybrid``'s one-way rates on random block ids; ``staged``'s,
     the default now, are within 1% of them), or what-if
-    rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining."""
+    rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining. ``graph_rule``: steps
+    of up to ``GRAPH_MAX_TOKENS`` tokens with more than ``GRAPH_MAX_SWAP_IN`` swap-in chunks of
+    their own run pipelined, as in the runner (else every such step waits for all its
+    swap-ins, as the validated fits assumed)."""
+    swap_in = GRAPH_MAX_SWAP_IN if graph_rule else None
     if gbps is not None:
         return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], num_layers=40,
-                             graph_max_tokens=GRAPH_MAX_TOKENS,
+                             graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in,
                              source=f"what-if {gbps[0]:g}/{gbps[1]:g} GB/s")
     return TransferModel.load(SWAP, case="hybrid", num_layers=40,
-                              graph_max_tokens=GRAPH_MAX_TOKENS)
+                              graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in)
 
 
 def conversations(workload: str, seed: int, template_tokens: int, length_scale: float,
@@ -99,7 +107,7 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                     chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
                     transfer=transfer if transfer is not None else transfer_model(
-                        job.get("swap_gbps")), **cache)
+                        job.get("swap_gbps"), bool(job.get("graph_swap_in_rule"))), **cache)
     if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
         eng.track_step_overlap = False
     return eng
@@ -206,3 +214,6 @@ def step_means(p: dict[str, Any]) -> None:
     p["prefill_step_mean_s"] = p["prefill_step_s"] / n_p if n_p else None
     p["decode_step_mean_s"] = d = p["decode_step_s"] / n_d if n_d else 0.0
     p["prefill_token_net_s"] = (p["prefill_step_s"] - n_p * d) / tok if tok else None
+    kinds = p.get("kinds")
+    if kinds:  # simulated points: the copy wait of the steps with prefill, per token
+        p["prefill_copy_wait_per_token_s"] = kinds["prefill"]["exposed_s"] / tok if tok else None

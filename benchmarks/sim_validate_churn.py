@@ -141,6 +141,7 @@ METRICS = (  # (key, label, scale)
     ("prefill_step_mean_s", "prefill step mean (ms)", 1e3),
     ("decode_step_mean_s", "decode step mean (ms)", 1e3),
     ("prefill_token_net_s", "us/prefill token, net", 1e6),
+    ("prefill_copy_wait_per_token_s", "of it copy wait (sim)", 1e6),
     ("swap_in_chunks", "swap-in chunks (run)", 1.0),
     ("decode_step_s", "decode-step s (run)", 1.0),
     ("prefill_steps", "prefill steps (run)", 1.0),
@@ -227,6 +228,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "length_scale": 0.2 if args.tiny else 1.0,
                      "warm_start": r.get("warm_start_s_per_token"),
                      "defer_admission": r.get("defer_admission", DEFERRED.get(r["pair"], 0)),
+                     "graph_swap_in_rule": getattr(args, "graph_swap_in_rule", False),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 
@@ -381,8 +383,9 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
     real = load_real(pairs)
     model = StepCostModel.load(args.fitted)
     name = "fitted model as is"
-    tm = transfer_model()
-    print(f"model: {args.fitted}\ncopies: {tm.source}", flush=True)
+    tm = transfer_model(graph_rule=args.graph_swap_in_rule)
+    print(f"model: {args.fitted}\ncopies: {tm.source}; graph steps: <= {GRAPH_MAX_TOKENS} "
+          f"tokens, <= {tm.graph_max_swap_in} swap-in chunks of their own", flush=True)
     sims = {name: run_jobs(real_jobs(real, model, name, args, pairs), args.workers)}
     tab = table(real, sims)
     print(tab, flush=True)
@@ -390,7 +393,8 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
     write_json(out / "sim_validate_churn.json", {
         "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
                                  "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
-                                 "graph_max_tokens": GRAPH_MAX_TOKENS},
+                                 "graph_max_tokens": GRAPH_MAX_TOKENS,
+                                 "graph_max_swap_in": tm.graph_max_swap_in},
         "fitted": str(args.fitted), "model": model.to_dict(),
         "sim": {k: strip(v) for k, v in sims.items()}, "errors": errors_of(real, sims),
         "args": vars(args), "wall_s": round(time.time() - t0, 1)})
@@ -465,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fitted", default=None,
                     help="a fitted step-cost model: simulate every point of --pairs with it "
                          "as is (no fit, no what-if), e.g. " + str(FIT_ALL.relative_to(ROOT)))
+    ap.add_argument("--graph-swap-in-rule", action="store_true",
+                    help="steps of <= 512 tokens with more than the runner's graph_max_swap_in "
+                         "swap-in chunks of their own run pipelined, as in the runner (the "
+                         "eager launch time is not modelled); default: every such step waits "
+                         "for all its swap-ins, as the fits assumed")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")
@@ -555,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
                                  "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
-                                 "graph_max_tokens": GRAPH_MAX_TOKENS},
+                                 "graph_max_tokens": GRAPH_MAX_TOKENS,
+                                 "graph_max_swap_in": tm.graph_max_swap_in},
         "base_step_cost": base.to_dict(),
         "fit_pair": fit_pair, "held_out": list(held_out),
         "models": {"fit_one": m_one.to_dict(), "fit_all": m_all.to_dict()},

@@ -567,3 +567,43 @@ def test_graph_steps_wait_for_all_swap_ins_and_empty_steps_drain() -> None:
     drain = tl.step(0.002, SwapPlan(), 0.0005, 0)
     assert drain.swap_outs_in_flight == 0 and not tl.in_flight
     assert 0.002 + drain.step_s == pytest.approx(first.background_done_at)
+
+
+def test_graph_steps_with_many_swap_ins_of_their_own_run_pipelined() -> None:
+    """The runner's rule (``ModelRunner.graph_max_swap_in``): a step the graphs would replay
+    runs eagerly, pipelined, when it has more swap-in chunks of its own than the limit; the
+    ones ahead do not count."""
+    m = TransferModel(num_layers=40, graph_max_tokens=512, graph_max_swap_in=21)
+    assert m.waits_for_all_swap_ins(100, 21) and not m.waits_for_all_swap_ins(100, 22)
+    assert not m.waits_for_all_swap_ins(1000, 0)  # eager by size, as before
+    assert TransferModel(pipelined=False, graph_max_swap_in=1).waits_for_all_swap_ins(10, 99)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="graph_max_swap_in"):
+            TransferModel(graph_max_swap_in=bad)  # type: ignore[arg-type]
+    assert TransferModel.from_dict(m.to_dict()) == m
+    rule_off = TransferModel(num_layers=40, graph_max_tokens=512)
+    compute = 0.020
+    for n, waits in ((21, True), (64, False)):
+        plan = SwapPlan(swap_in=pairs(n))
+        got = TransferTimeline(m, BB).step(0.0, plan, compute, 100)
+        all_in = TransferTimeline(rule_off, BB).step(0.0, plan, compute, 100)
+        t_in = n * BB / 45e9
+        assert all_in.exposed_copy_s == pytest.approx(t_in)
+        if waits:
+            assert got.exposed_copy_s == pytest.approx(t_in)
+        else:  # layer 0's share exposed, the rest behind the compute
+            assert got.exposed_copy_s == pytest.approx(t_in / 40)
+    ahead = SwapPlan(swap_in=pairs(4), swap_in_ahead=pairs(60, 100))
+    assert TransferTimeline(m, BB).step(0.0, ahead, compute, 100).exposed_copy_s == \
+        pytest.approx(4 * BB / 45e9)  # 4 of its own: a graph step waiting for them
+
+
+def test_simulated_graph_swap_in_limit_is_the_runners() -> None:
+    from bench_scripts import load
+
+    from pensieve.runner.model_runner import graph_max_swap_in
+
+    jobs = load("sim_churn_jobs")
+    assert jobs.GRAPH_MAX_SWAP_IN == graph_max_swap_in(jobs.KV_BYTES_PER_TOKEN * jobs.CHUNK)
+    assert jobs.transfer_model(graph_rule=True).graph_max_swap_in == jobs.GRAPH_MAX_SWAP_IN
+    assert jobs.transfer_model().graph_max_swap_in is None

@@ -80,6 +80,11 @@ class TransferModel:
     """Steps of at most this many tokens are taken to run from CUDA graphs and so wait for
     all their swap-ins (the engine on CUDA replays mixed steps up to 512 tokens when
     ``cuda_graph_mixed`` is on); larger steps run eagerly, pipelined. 0: none."""
+    graph_max_swap_in: int | None = None
+    """Of the steps :attr:`graph_max_tokens` covers, those with more of their own swap-in
+    chunks than this (``SwapPlan.swap_in``; not the ones ahead) run eagerly, pipelined, as the
+    runner does (``ModelRunner.graph_max_swap_in``). None: no limit (every such step waits for
+    all its swap-ins). The eager step's extra launch time is not modelled."""
     urgent_pipelined: bool = False
     """What-if (the runner does not do this): a step's urgent swap-outs go layer by layer with
     its swap-ins on the in stream (layer i's urgent copies, then its swap-ins, then its
@@ -107,6 +112,9 @@ class TransferModel:
                 or self.graph_max_tokens < 0:
             raise ValueError(f"graph_max_tokens must be an int >= 0, got "
                              f"{self.graph_max_tokens!r}")
+        g = self.graph_max_swap_in
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
+            raise ValueError(f"graph_max_swap_in must be None or an int >= 0, got {g!r}")
 
     def in_seconds(self, nbytes: float) -> float:
         """Transfer time of ``nbytes`` host-to-device (no latency)."""
@@ -116,11 +124,14 @@ class TransferModel:
         """Transfer time of ``nbytes`` device-to-host (no latency)."""
         return nbytes / (self.swap_out_gbps * 1e9)
 
-    def waits_for_all_swap_ins(self, num_tokens: int | None) -> bool:
-        """Whether a step of ``num_tokens`` tokens (None: unknown) computes only after all of
-        its swap-ins (not :attr:`pipelined`, or a CUDA-graph step)."""
+    def waits_for_all_swap_ins(self, num_tokens: int | None, num_swap_in: int = 0) -> bool:
+        """Whether a step of ``num_tokens`` tokens (None: unknown) with ``num_swap_in`` chunks
+        of its own to swap in computes only after all of its swap-ins (not :attr:`pipelined`,
+        or a CUDA-graph step)."""
         if not self.pipelined:
             return True
+        if self.graph_max_swap_in is not None and num_swap_in > self.graph_max_swap_in:
+            return False
         return num_tokens is not None and 0 < num_tokens <= self.graph_max_tokens
 
     def swap_in_finish(self, copy_start: float, compute_start: float, transfer_s: float,
@@ -276,7 +287,7 @@ class TransferTimeline:
         compute_start = max(0.0, self.ahead_done_at - start)
         in_start = max(in_start, compute_start)
         copy_start = in_start
-        layered = not m.waits_for_all_swap_ins(num_tokens)
+        layered = not m.waits_for_all_swap_ins(num_tokens, len(plan.swap_in))
         # urgent copies inside the layer pipeline (what-if): one stream of urgent + swap-in
         with_urgent = bool(plan.swap_out_first) and m.urgent_pipelined and layered
         if plan.swap_out_first:

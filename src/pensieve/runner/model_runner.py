@@ -47,6 +47,13 @@ more host time than its graph on the H200: benchmarks/mixed_step.py)."""
 SWAP_GBPS = 47.0
 """The swap kernel's swap-in rate on the H200, random block ids (benchmarks/swap_bandwidth.py)."""
 
+
+def graph_max_swap_in(chunk_bytes: int) -> int:
+    """The most swap-in chunks of ``chunk_bytes`` (all layers) a step may have and still
+    replay a CUDA graph: about ``GRAPH_SWAP_IN_WAIT_S`` of copying at ``SWAP_GBPS``."""
+    return max(1, int(GRAPH_SWAP_IN_WAIT_S * SWAP_GBPS * 1e9 / max(1, chunk_bytes)))
+
+
 def allocate_kv_caches(
     num_layers: int,
     num_blocks: int,
@@ -105,9 +112,8 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         """Replays the other steps that fit from CUDA graphs once :meth:`enable_mixed_graphs`
         ran."""
-        self.graph_max_swap_in = max(1, int(GRAPH_SWAP_IN_WAIT_S * SWAP_GBPS * 1e9
-                                            / max(1, self.swapper.num_layers
-                                                  * self.swapper.block_bytes)))
+        self.graph_max_swap_in = graph_max_swap_in(self.swapper.num_layers
+                                                   * self.swapper.block_bytes)
         """Steps with more swap-ins than this run eagerly, layer-pipelined: a graph replay must
         wait for every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S``
         at the swap kernel's rate), which costs more than the eager step's launch time."""
