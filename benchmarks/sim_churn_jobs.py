@@ -40,20 +40,24 @@ PROFILE = (ROOT / "src" / "pensieve" / "profiles"
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 
 
-def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False) -> TransferModel:
+def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
+                   eager_launch_s: float = 0.0) -> TransferModel:
     """The measured copies (``hybrid``'s one-way rates on random block ids; ``staged``'s,
     the default now, are within 1% of them), or what-if
     rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining. ``graph_rule``: steps
     of up to ``GRAPH_MAX_TOKENS`` tokens with more than ``GRAPH_MAX_SWAP_IN`` swap-in chunks of
     their own run pipelined, as in the runner (else every such step waits for all its
-    swap-ins, as the validated fits assumed)."""
+    swap-ins, as the validated fits assumed), each ``eager_launch_s`` longer."""
     swap_in = GRAPH_MAX_SWAP_IN if graph_rule else None
+    eager = eager_launch_s if graph_rule else 0.0
     if gbps is not None:
         return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], num_layers=40,
                              graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in,
+                             eager_launch_s=eager,
                              source=f"what-if {gbps[0]:g}/{gbps[1]:g} GB/s")
     return TransferModel.load(SWAP, case="hybrid", num_layers=40,
-                              graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in)
+                              graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in,
+                              eager_launch_s=eager)
 
 
 def conversations(workload: str, seed: int, template_tokens: int, length_scale: float,
@@ -107,7 +111,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                     chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
                     transfer=transfer if transfer is not None else transfer_model(
-                        job.get("swap_gbps"), bool(job.get("graph_swap_in_rule"))), **cache)
+                        job.get("swap_gbps"), bool(job.get("graph_swap_in_rule")),
+                        float(job.get("eager_launch_s") or 0.0)), **cache)
     if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
         eng.track_step_overlap = False
     return eng
@@ -151,7 +156,8 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
         k = kinds["prefill" if f.num_prefill_tokens > 0 else "decode"]
         k["n"] += 1
         k["s"] += dt
-        k["exposed_s"] += dt - cost.compute_time(f)
+        k["exposed_s"] += (f.exposed_copy_s if f.exposed_copy_s is not None
+                           else dt - cost.compute_time(f))
         k["prefill_tokens"] += f.num_prefill_tokens
         k["design"] = [a + b for a, b in zip(k["design"], _design_row(f))]
     p.update(prefill_step_s=kinds["prefill"]["s"], decode_step_s=kinds["decode"]["s"],

@@ -229,6 +229,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "warm_start": r.get("warm_start_s_per_token"),
                      "defer_admission": r.get("defer_admission", DEFERRED.get(r["pair"], 0)),
                      "graph_swap_in_rule": getattr(args, "graph_swap_in_rule", False),
+                     "eager_launch_s": getattr(args, "eager_launch_ms", 0.0) / 1e3,
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 
@@ -383,9 +384,11 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
     real = load_real(pairs)
     model = StepCostModel.load(args.fitted)
     name = "fitted model as is"
-    tm = transfer_model(graph_rule=args.graph_swap_in_rule)
+    tm = transfer_model(graph_rule=args.graph_swap_in_rule,
+                        eager_launch_s=args.eager_launch_ms / 1e3)
     print(f"model: {args.fitted}\ncopies: {tm.source}; graph steps: <= {GRAPH_MAX_TOKENS} "
-          f"tokens, <= {tm.graph_max_swap_in} swap-in chunks of their own", flush=True)
+          f"tokens, <= {tm.graph_max_swap_in} swap-in chunks of their own (else eagerly, "
+          f"+{tm.eager_launch_s * 1e3:g} ms)", flush=True)
     sims = {name: run_jobs(real_jobs(real, model, name, args, pairs), args.workers)}
     tab = table(real, sims)
     print(tab, flush=True)
@@ -394,7 +397,8 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
         "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
                                  "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
                                  "graph_max_tokens": GRAPH_MAX_TOKENS,
-                                 "graph_max_swap_in": tm.graph_max_swap_in},
+                                 "graph_max_swap_in": tm.graph_max_swap_in,
+                                 "eager_launch_s": tm.eager_launch_s},
         "fitted": str(args.fitted), "model": model.to_dict(),
         "sim": {k: strip(v) for k, v in sims.items()}, "errors": errors_of(real, sims),
         "args": vars(args), "wall_s": round(time.time() - t0, 1)})
@@ -474,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
                          "swap-in chunks of their own run pipelined, as in the runner (the "
                          "eager launch time is not modelled); default: every such step waits "
                          "for all its swap-ins, as the fits assumed")
+    ap.add_argument("--eager-launch-ms", type=float, default=0.0,
+                    help="with --graph-swap-in-rule: extra time of each step the rule makes run "
+                         "eagerly (default 0: not modelled)")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")
@@ -565,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
                                  "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
                                  "graph_max_tokens": GRAPH_MAX_TOKENS,
-                                 "graph_max_swap_in": tm.graph_max_swap_in},
+                                 "graph_max_swap_in": tm.graph_max_swap_in,
+                                 "eager_launch_s": tm.eager_launch_s},
         "base_step_cost": base.to_dict(),
         "fit_pair": fit_pair, "held_out": list(held_out),
         "models": {"fit_one": m_one.to_dict(), "fit_all": m_all.to_dict()},

@@ -5,6 +5,7 @@ simulated copy is done), per-step records, and compatibility with existing step-
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import random
@@ -607,3 +608,25 @@ def test_simulated_graph_swap_in_limit_is_the_runners() -> None:
     assert jobs.GRAPH_MAX_SWAP_IN == graph_max_swap_in(jobs.KV_BYTES_PER_TOKEN * jobs.CHUNK)
     assert jobs.transfer_model(graph_rule=True).graph_max_swap_in == jobs.GRAPH_MAX_SWAP_IN
     assert jobs.transfer_model().graph_max_swap_in is None
+
+
+def test_steps_the_rule_makes_eager_pay_the_eager_launch_time() -> None:
+    m = TransferModel(num_layers=40, graph_max_tokens=512, graph_max_swap_in=2,
+                      eager_launch_s=0.005)
+    assert m.eager_extra_s(100, 3) == 0.005
+    assert m.eager_extra_s(100, 2) == 0.0 and m.eager_extra_s(600, 3) == 0.0  # graph / eager
+    assert m.eager_extra_s(None, 3) == 0.0
+    assert TransferModel(graph_max_tokens=512, eager_launch_s=0.005).eager_extra_s(100, 99) \
+        == 0.0  # no rule, no eager steps
+    with pytest.raises(ValueError, match="eager_launch_s"):
+        TransferModel(eager_launch_s=-1.0)
+    steps = {}
+    for eager in (0.0, 0.005):
+        clock = VirtualClock()
+        sim = make_sim(dataclasses.replace(m, eager_launch_s=eager), clock)
+        sched = SchedulerOutput([_one_request("a", 5)], SwapPlan(swap_in=pairs(3, 10, 0)))
+        steps[eager] = (sim.executor.execute(sched).step_time_s, sim.executor.exposed_copy_s,
+                        sim.step_records[-1])
+    (t0, e0, r0), (t1, e1, r1) = steps[0.0], steps[0.005]
+    assert t1 == pytest.approx(t0 + 0.005, abs=1e-9)  # compute ran longer, the copies hid
+    assert e1 <= e0 and r1.compute_s == pytest.approx(r0.compute_s + 0.005)

@@ -186,9 +186,12 @@ class SimExecutor:
         if self.transfers is None:
             dt = self.step_cost.predict(feats)
         else:
-            tr = self.transfers.step(start, sched.swaps, compute, sched.num_scheduled_tokens)
+            n = sched.num_scheduled_tokens
+            eager = self.transfers.model.eager_extra_s(n, len(sched.swaps.swap_in))
+            compute += eager  # the eager launch of a step the graphs would have replayed
+            tr = self.transfers.step(start, sched.swaps, compute, n)
             feats = dataclasses.replace(feats, exposed_copy_s=tr.exposed_copy_s)
-            dt = self.step_cost.predict(feats)  # compute + exposed copy time
+            dt = self.step_cost.predict(feats) + eager  # compute + exposed copy time
             in_flight, done_at = tr.swap_outs_in_flight, tr.background_done_at
         self.clock.sleep_until(start + dt)
         self.step_log.append((feats, dt))

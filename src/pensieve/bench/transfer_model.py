@@ -84,7 +84,11 @@ class TransferModel:
     """Of the steps :attr:`graph_max_tokens` covers, those with more of their own swap-in
     chunks than this (``SwapPlan.swap_in``; not the ones ahead) run eagerly, pipelined, as the
     runner does (``ModelRunner.graph_max_swap_in``). None: no limit (every such step waits for
-    all its swap-ins). The eager step's extra launch time is not modelled."""
+    all its swap-ins). Their extra launch time: :attr:`eager_launch_s`."""
+    eager_launch_s: float = 0.0
+    """Extra time of a step that :attr:`graph_max_swap_in` makes run eagerly instead of from a
+    CUDA graph (the eager launch of a step of a few hundred tokens; the simulator adds it to
+    the step's compute). 0: not modelled."""
     urgent_pipelined: bool = False
     """What-if (the runner does not do this): a step's urgent swap-outs go layer by layer with
     its swap-ins on the in stream (layer i's urgent copies, then its swap-ins, then its
@@ -115,6 +119,10 @@ class TransferModel:
         g = self.graph_max_swap_in
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
             raise ValueError(f"graph_max_swap_in must be None or an int >= 0, got {g!r}")
+        e = float(self.eager_launch_s)
+        if not math.isfinite(e) or e < 0:
+            raise ValueError(f"eager_launch_s must be finite and >= 0, got {e}")
+        object.__setattr__(self, "eager_launch_s", e)
 
     def in_seconds(self, nbytes: float) -> float:
         """Transfer time of ``nbytes`` host-to-device (no latency)."""
@@ -133,6 +141,15 @@ class TransferModel:
         if self.graph_max_swap_in is not None and num_swap_in > self.graph_max_swap_in:
             return False
         return num_tokens is not None and 0 < num_tokens <= self.graph_max_tokens
+
+    def eager_extra_s(self, num_tokens: int | None, num_swap_in: int) -> float:
+        """:attr:`eager_launch_s` for a step of ``num_tokens`` tokens that the graphs would
+        replay but its ``num_swap_in`` chunks of its own make run eagerly, else 0."""
+        g = self.graph_max_swap_in
+        if (not self.eager_launch_s or g is None or num_swap_in <= g or num_tokens is None
+                or not 0 < num_tokens <= self.graph_max_tokens):
+            return 0.0
+        return self.eager_launch_s
 
     def swap_in_finish(self, copy_start: float, compute_start: float, transfer_s: float,
                        compute_s: float, pipelined: bool | None = None) -> float:
