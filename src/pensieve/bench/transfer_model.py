@@ -145,9 +145,8 @@ class TransferModel:
     def eager_extra_s(self, num_tokens: int | None, num_swap_in: int) -> float:
         """:attr:`eager_launch_s` for a step of ``num_tokens`` tokens that the graphs would
         replay but its ``num_swap_in`` chunks of its own make run eagerly, else 0."""
-        g = self.graph_max_swap_in
-        if (not self.eager_launch_s or g is None or num_swap_in <= g or num_tokens is None
-                or not 0 < num_tokens <= self.graph_max_tokens):
+        if (not self.eager_launch_s or not self.waits_for_all_swap_ins(num_tokens)
+                or self.waits_for_all_swap_ins(num_tokens, num_swap_in)):
             return 0.0
         return self.eager_launch_s
 

@@ -159,13 +159,13 @@ class StagedPaths:
             rows = cap // halves  # chunks a piece
             if rows not in idx:
                 idx[rows] = st.upload(stream, [(j % rows, g) for j, (_, g) in enumerate(order)])
+            if halves == 1:
+                spans = (self._copier("in", True) if b - a == layers else
+                         self._spans(("in", a, b, rows), self._in_view(a, b, rows), True, a, b))
             last = None  # the group's last scatter's event, if recorded for a half
             for k in range(0, len(order), rows):
                 m = min(rows, len(order) - k)
                 if halves == 1:
-                    spans = (self._copier("in", True) if b - a == layers else
-                             self._spans(("in", a, b, rows), self._in_view(a, b, rows), True,
-                                         a, b))
                     st.run(stream, functools.partial(self._dma_group, stage, cpu[k:k + m], a,
                                                      b))
                     st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
