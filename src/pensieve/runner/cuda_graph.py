@@ -39,6 +39,7 @@ from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.tiered_cache import cdiv
 from pensieve.kernels.launch_policy import decode_kv_splits, decode_split_span, use_split_span
 from pensieve.layers.attention import AttentionMetadata, first_attention
+from pensieve.runner.host_io import MappedArray, host_io_mode
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -109,12 +110,19 @@ class _StepGraphs:
     def _init_buffers(self, n64: int, n32: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-        self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self._mapped: list[MappedArray] | None = None
+        if pin and host_io_mode() == "mapped":  # read by a kernel: no copy engine
+            self._mapped = [MappedArray(n64, torch.int64, device),
+                            MappedArray(n32, torch.int32, device)]
+            self._host64, self._host32 = (m.host for m in self._mapped)
+            self._dev64, self._dev32 = (m.dev for m in self._mapped)
+        else:
+            self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+            self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+            self._dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
+            self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self._np64 = self._host64.numpy()
         self._np32 = self._host32.numpy()
-        self._dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
-        self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.captured = False
@@ -135,6 +143,12 @@ class _StepGraphs:
 
     def _copy_in(self, non_blocking: bool = True) -> None:
         """Everything is copied whole: one copy each, no per-bucket views to keep in sync."""
+        if self._mapped is not None:
+            for m in self._mapped:
+                m.upload(m.host.numel())
+            if not non_blocking:
+                torch.cuda.current_stream(self.device).synchronize()
+            return
         self._dev64.copy_(self._host64, non_blocking=non_blocking)
         self._dev32.copy_(self._host32, non_blocking=non_blocking)
 

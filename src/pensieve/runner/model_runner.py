@@ -2,7 +2,8 @@
 
 Device-agnostic: on CUDA the attention runs the Triton kernels, on the CPU the pure-torch
 references; everything else is the same code. Inputs are built on the host with plain Python
-lists, then copied to the device in one go (pinned, non-blocking on CUDA).
+lists, then copied to the device in one go (pinned, non-blocking on CUDA; or through mapped
+host arrays and kernels, :mod:`pensieve.runner.host_io`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pensieve.kernels.launch_policy import (
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
-from pensieve.runner.sampler import sample, token_logprobs
+from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
+from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.swapper import KVSwapper
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,11 @@ class ModelRunner:
         its swap-ins) follow a kernel, not the last step's read-back copy
         (``benchmarks/step_copies_behind_swaps.py``)."""
         self._fence = torch.zeros(1, device=self.device) if self.device.type == "cuda" else None
+        mapped = self.device.type == "cuda" and host_io_mode() == "mapped"
+        self._uploads = StepUploads(self.device) if mapped else None
+        self._readback = MappedReadback(self.device) if mapped else None
+        """``PENSIEVE_HOST_IO=mapped`` (:mod:`pensieve.runner.host_io`): the step's inputs and
+        sampled tokens through mapped host arrays and kernels instead of copies."""
         if self.device.type == "cuda":
             self._compile_attention()
 
@@ -171,9 +178,21 @@ class ModelRunner:
         self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.chunk_size, max_tokens,
                                         max_ranges, max_blocks, capture=capture)
 
-    def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
-        return t.to(self.device, non_blocking=True)
+    def _upload(self, arrays: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
+        """Host lists onto the device: pinned non-blocking copies, or (``PENSIEVE_HOST_IO=
+        mapped``) packed into mapped host arrays read by one kernel per dtype."""
+        if self._uploads is None:
+            return [torch.tensor(data, dtype=dt, pin_memory=self._pin).to(
+                self.device, non_blocking=True) for data, dt in arrays]
+        for data, dt in arrays:
+            self._uploads.add(data, dt)
+        return self._uploads.upload()
+
+    def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled tokens on the host (waits for the compute stream's work so far)."""
+        if self._readback is None:
+            return tokens.tolist()
+        return self._readback.read(tokens)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled ranges into token, position, slot and range arrays."""
@@ -203,30 +222,25 @@ class ModelRunner:
                 max_q = max(max_q, rng.query_len)
             if s.sample:
                 logits_idx.append(len(input_ids) - 1)
-        attn = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_start_loc=self._to_device(qsl, torch.int32),
-            range_start_pos=self._to_device(range_start, torch.int32),
-            range_table=self._to_device(range_table, torch.int32),
-            block_tables=self._to_device(tables, torch.int32).view(len(sched.requests), -1),
-            max_query_len=max_q,
-        )
+        i64, i32 = torch.int64, torch.int32
+        arrays = [(slots, i64), (qsl, i32), (range_start, i32), (range_table, i32),
+                  (tables, i32), (input_ids, i64), (positions, i64), (logits_idx, i64)]
+        splits = 0
         if max_q == 1:  # a decode step: ragged ones split KV by span
-            self._decode_splits(attn, [p + 1 for p in range_start])
-        return StepInputs(
-            input_ids=self._to_device(input_ids, torch.int64),
-            positions=self._to_device(positions, torch.int64),
-            attn=attn,
-            logits_indices=self._to_device(logits_idx, torch.int64),
+            kv_lens = [p + 1 for p in range_start]
+            if use_split_span(kv_lens, self.decode_span_mode):
+                hkv = self.kv_caches[0].shape[-2]
+                splits = decode_kv_splits(len(kv_lens), hkv, self.device)
+                arrays.append(([decode_split_span(kv_lens, hkv, self.device)], i32))
+        t = self._upload(arrays)
+        attn = AttentionMetadata(
+            slot_mapping=t[0], query_start_loc=t[1], range_start_pos=t[2], range_table=t[3],
+            block_tables=t[4].view(len(sched.requests), -1), max_query_len=max_q,
         )
-
-    def _decode_splits(self, attn: AttentionMetadata, kv_lens: list[int]) -> None:
-        """Set a ragged decode step's KV splits by span (:func:`use_split_span`)."""
-        if use_split_span(kv_lens, self.decode_span_mode):
-            hkv = self.kv_caches[0].shape[-2]
-            attn.num_kv_splits = decode_kv_splits(len(kv_lens), hkv, self.device)
-            span = decode_split_span(kv_lens, hkv, self.device)
-            attn.kv_split_span = self._to_device([span], torch.int32)
+        if splits:
+            attn.num_kv_splits = splits
+            attn.kv_split_span = t[8]
+        return StepInputs(input_ids=t[5], positions=t[6], attn=attn, logits_indices=t[7])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -277,9 +291,9 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:
             params = [s.sampling_params for s in sampled]
-            tokens = sample(
+            tokens = self._read_tokens(sample_tensor(
                 logits, params, [s.num_output_tokens for s in sampled]
-            )  # .tolist() inside synchronises with the device
+            ))  # waits for the compute stream
             # from the same logits (a graph replay's output buffer is not reused before this)
             logprobs = {sampled[i].request_id: lp
                         for i, lp in token_logprobs(logits, params, tokens).items()}

@@ -33,13 +33,17 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
 ) -> list[int]:
     """Pick one token per row. logits: ``[N, V]`` float32; returns N token ids."""
-    n = logits.shape[0]
-    if n == 0:
-        return []
+    return sample_tensor(logits, params, num_output_tokens).tolist()
+
+
+def sample_tensor(
+    logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+) -> torch.Tensor:
+    """:func:`sample` without the read-back: the ``[N]`` int64 token ids on the device."""
     greedy_tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return greedy_tokens.tolist()
+        return greedy_tokens
     dev = logits.device
     rows = torch.tensor(random_rows, device=dev)
     sub = logits[rows].float()
@@ -62,7 +66,7 @@ def sample(
     picked = (probs / noise).argmax(dim=-1)
     out = greedy_tokens.clone()
     out[rows] = picked
-    return out.tolist()
+    return out
 
 
 def token_logprobs(

@@ -1,0 +1,116 @@
+"""The compute stream's own host transfers: a step's inputs up, its sampled tokens back.
+
+Two ways (``PENSIEVE_HOST_IO``, read once):
+
+- ``copy`` (the default): pinned uploads (``Tensor.to(device, non_blocking=True)``) and
+  ``.tolist()``: copies on the compute stream, so on the GPU's copy engines, beside the
+  swapper's copies;
+- ``mapped``: the host writes the inputs into page-locked, device-mapped host arrays and a
+  kernel (:func:`~pensieve.kernels.launch_swap.copy_words`) reads them into device arrays; a
+  kernel writes the sampled tokens into a mapped host array and the host waits for an event
+  recorded after it. The compute stream then never uses a copy engine, so none of its work
+  queues behind the swap copies there (``benchmarks/step_copies_behind_swaps.py`` measures
+  both ways beside swaps).
+
+A mapped host array is rewritten only by the next step's inputs, after the step's tokens have
+been read back, which waits for the compute stream: no kernel still reads it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HOST_IO_MODES = ("copy", "mapped")
+
+
+def host_io_mode() -> str:
+    """``PENSIEVE_HOST_IO``: ``copy`` (default) or ``mapped``; anything else is an error."""
+    mode = os.environ.get("PENSIEVE_HOST_IO", "copy")
+    if mode not in HOST_IO_MODES:
+        raise ValueError(f"PENSIEVE_HOST_IO={mode!r}: expected one of {HOST_IO_MODES}")
+    return mode
+
+
+class MappedArray:
+    """A flat page-locked, device-mapped host array of ``dtype`` and its device mirror: write
+    ``host`` (or ``np``, its numpy view) and call :meth:`upload`; grows on demand. On the CPU
+    (tests, with Triton's interpreter) the host array itself stands for the mapped one."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._alloc(max(n, 1))
+
+    def _alloc(self, n: int) -> None:
+        from pensieve.kernels.launch_swap import register_host, unregister_host
+
+        old = getattr(self, "host", None)
+        self.host = torch.zeros(n, dtype=self.dtype)
+        self.np = self.host.numpy()
+        cuda = self.device.type == "cuda"
+        self.mapped = register_host(self.host, self.device) if cuda else self.host
+        self.dev = torch.zeros(n, dtype=self.dtype, device=self.device)
+        if old is not None and cuda:  # the last step's kernels are done (its read-back waited)
+            unregister_host(old)
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` elements (a grown array forgets its contents)."""
+        if n > self.host.numel():
+            self._alloc(max(n, 2 * self.host.numel()))
+
+    def upload(self, n: int) -> torch.Tensor:
+        """The first ``n`` host elements onto the device (a kernel on the current stream)."""
+        from pensieve.kernels.launch_swap import copy_words
+
+        copy_words(self.mapped, self.dev, n)
+        return self.dev[:n]
+
+
+class StepUploads:
+    """A step's input arrays, packed into one :class:`MappedArray` per dtype and uploaded
+    with one kernel each: ``add(values, dtype)`` returns the array's index, ``upload()`` the
+    device tensors in that order (views into the mirrors, valid until the next step's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._arrays = {dt: MappedArray(1 << 16, dt, device) for dt in (torch.int64, torch.int32)}
+        self._pending: list[tuple[list[int], torch.dtype]] = []
+
+    def add(self, values: list[int], dtype: torch.dtype) -> int:
+        self._pending.append((values, dtype))
+        return len(self._pending) - 1
+
+    def upload(self) -> list[torch.Tensor]:
+        spans = []
+        sizes = dict.fromkeys(self._arrays, 0)
+        for values, dt in self._pending:
+            spans.append((dt, sizes[dt], len(values)))
+            sizes[dt] += len(values)
+        for dt, n in sizes.items():
+            self._arrays[dt].reserve(n)
+        for (values, dt), (_, off, n) in zip(self._pending, spans, strict=True):
+            self._arrays[dt].np[off:off + n] = values
+        dev = {dt: self._arrays[dt].upload(n) for dt, n in sizes.items() if n}
+        self._pending = []
+        return [dev[dt][off:off + n] for dt, off, n in spans]
+
+
+class MappedReadback:
+    """Reads a small 1-D int64 device tensor back to the host through a mapped host array
+    (a kernel writes it; the host waits for an event after the kernel)."""
+
+    def __init__(self, device: torch.device, n: int = 4096) -> None:
+        self.device = device
+        self._array = MappedArray(n, torch.int64, device)
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def read(self, t: torch.Tensor) -> list[int]:
+        from pensieve.kernels.launch_swap import copy_words
+
+        n = t.numel()
+        self._array.reserve(n)
+        copy_words(t.reshape(-1).to(torch.int64).contiguous(), self._array.mapped, n)
+        if self._event is not None:
+            self._event.record()
+            self._event.synchronize()
+        return self._array.host[:n].tolist()
