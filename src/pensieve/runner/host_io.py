@@ -2,15 +2,19 @@
 
 Two ways (``PENSIEVE_HOST_IO``, read once):
 
-- ``copy`` (the default): pinned uploads (``Tensor.to(device, non_blocking=True)``) and
-  ``.tolist()``: copies on the compute stream, so on the GPU's copy engines, beside the
-  swapper's copies;
-- ``mapped``: the host writes the inputs into page-locked, device-mapped host arrays and a
-  kernel (:func:`~pensieve.kernels.launch_swap.copy_words`) reads them into device arrays; a
+- ``mapped`` (the default on CUDA): the host writes the inputs into page-locked,
+  device-mapped host arrays and a kernel (:func:`~pensieve.kernels.launch_swap.copy_words`)
+  reads them into device arrays; a
   kernel writes the sampled tokens into a mapped host array and the host waits for an event
   recorded after it. The compute stream then never uses a copy engine, so none of its work
-  queues behind the swap copies there (``benchmarks/step_copies_behind_swaps.py`` measures
-  both ways beside swaps).
+  queues behind the swap copies there;
+- ``copy`` (the CPU's way): pinned uploads (``Tensor.to(device, non_blocking=True)``) and
+  ``.tolist()``: copies on the compute stream, so on the GPU's copy engines, where they wait
+  for the swapper's copies queued before them. On the H200 (``benchmarks/
+  step_copies_behind_swaps.py``, ``docs/results/step_copies_57306fd/``) a step beside 256
+  chunks of background swap-outs had its tokens on the host at 32.3 ms against 4.6 mapped
+  (its compute ended at 6.8 ms), and a step's uploads waited for all of its swap-ins, so its
+  layer 0 could not start before the last swap-in (layer pipelining lost).
 
 A mapped host array is rewritten only by the next step's inputs, after the step's tokens have
 been read back, which waits for the compute stream: no kernel still reads it.
@@ -26,8 +30,9 @@ HOST_IO_MODES = ("copy", "mapped")
 
 
 def host_io_mode() -> str:
-    """``PENSIEVE_HOST_IO``: ``copy`` (default) or ``mapped``; anything else is an error."""
-    mode = os.environ.get("PENSIEVE_HOST_IO", "copy")
+    """``PENSIEVE_HOST_IO``: ``mapped`` (default) or ``copy``; anything else is an error
+    (the CPU always copies)."""
+    mode = os.environ.get("PENSIEVE_HOST_IO", "mapped")
     if mode not in HOST_IO_MODES:
         raise ValueError(f"PENSIEVE_HOST_IO={mode!r}: expected one of {HOST_IO_MODES}")
     return mode

@@ -9,7 +9,6 @@ host arrays and kernels, :mod:`pensieve.runner.host_io`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -126,12 +125,6 @@ class ModelRunner:
         """Of those, the steps whose attention split KV by span (ragged ones, by default)."""
         self.num_mixed_graph_steps = 0
         """Steps run through :attr:`mixed_graphs` so far."""
-        self.step_fence = os.environ.get("PENSIEVE_STEP_FENCE", "0") == "1"
-        """Launch a one-element kernel on the compute stream at each step's start, so that the
-        step's first event record and waits (:meth:`KVSwapper.start_step`, a graph's wait for
-        its swap-ins) follow a kernel, not the last step's read-back copy
-        (``benchmarks/step_copies_behind_swaps.py``)."""
-        self._fence = torch.zeros(1, device=self.device) if self.device.type == "cuda" else None
         mapped = self.device.type == "cuda" and host_io_mode() == "mapped"
         self._uploads = StepUploads(self.device) if mapped else None
         self._readback = MappedReadback(self.device) if mapped else None
@@ -250,8 +243,6 @@ class ModelRunner:
         swap-outs may still run (:attr:`RunnerOutput.swap_outs_in_flight`). A step without
         requests waits for every copy in flight and reports 0."""
         t0 = time.perf_counter()
-        if self.step_fence and self._fence is not None:
-            self._fence.add_(1)
         layer_ready = self.swapper.start_step(sched.swaps)
         if not sched.requests:
             self.swapper.finish_step()
