@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from pensieve.kernels import triton_swap  # noqa: E402
 from pensieve.kernels.launch_swap import copy_words  # noqa: E402
 from pensieve.runner import host_io  # noqa: E402
-from pensieve.runner.host_io import MappedReadback, StepUploads  # noqa: E402
+from pensieve.runner.host_io import MappedArray, MappedReadback, StepUploads  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -119,6 +119,27 @@ def test_runner_inputs_same_both_ways(tmp_path) -> None:  # noqa: ANN001
                 assert a.dtype == b.dtype and torch.equal(a, b), name
         assert got.attn.num_kv_splits == want.attn.num_kv_splits
         assert got.attn.max_query_len == want.attn.max_query_len
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_mapped_arrays_are_unregistered_when_collected_or_grown() -> None:
+    """A collected or replaced mapped array gives its registration back: registering the same
+    host memory again works (cudaHostRegister fails on memory still registered)."""
+    import gc
+
+    from pensieve.kernels.launch_swap import register_host, unregister_host
+
+    a = MappedArray(4096, torch.int64, DEV)
+    first = a.host
+    a.reserve(3 * 4096)  # grows: the first host array is unregistered
+    m = register_host(first, DEV)
+    unregister_host(m.tensor)
+    host = a.host
+    del a
+    gc.collect()
+    m = register_host(host, DEV)
+    unregister_host(m.tensor)
 
 
 @pytest.mark.gpu

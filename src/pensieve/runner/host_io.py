@@ -2,19 +2,23 @@
 
 Two ways (``PENSIEVE_HOST_IO``, read once):
 
-- ``mapped`` (the default on CUDA): the host writes the inputs into page-locked,
+- ``mapped``: the host writes the inputs into page-locked,
   device-mapped host arrays and a kernel (:func:`~pensieve.kernels.launch_swap.copy_words`)
   reads them into device arrays; a
   kernel writes the sampled tokens into a mapped host array and the host waits for an event
   recorded after it. The compute stream then never uses a copy engine, so none of its work
   queues behind the swap copies there;
-- ``copy`` (the CPU's way): pinned uploads (``Tensor.to(device, non_blocking=True)``) and
-  ``.tolist()``: copies on the compute stream, so on the GPU's copy engines, where they wait
-  for the swapper's copies queued before them. On the H200 (``benchmarks/
-  step_copies_behind_swaps.py``, ``docs/results/step_copies_57306fd/``) a step beside 256
-  chunks of background swap-outs had its tokens on the host at 32.3 ms against 4.6 mapped
-  (its compute ended at 6.8 ms), and a step's uploads waited for all of its swap-ins, so its
-  layer 0 could not start before the last swap-in (layer pipelining lost).
+- ``copy`` (the default, and the CPU's way): pinned uploads (``Tensor.to(device,
+  non_blocking=True)``) and ``.tolist()``: copies on the compute stream, so on the GPU's copy
+  engines, where they wait for the swapper's copies queued before them. On the H200
+  (``benchmarks/step_copies_behind_swaps.py``, ``docs/results/step_copies_57306fd/``) a step
+  beside 256 chunks of background swap-outs had its tokens on the host at 32.3 ms against 4.6
+  mapped (its compute ended at 6.8 ms), and a step's uploads waited for all of its swap-ins,
+  so its layer 0 could not start before the last swap-in (layer pipelining lost). Yet serving
+  ShareGPT at 1.45 sessions/s over HTTP with ``mapped``
+  (``docs/results/churn/sharegpt_40_60_mapped_pensieve_1.45/``), decode steps were unchanged
+  (22.1 against 22.2 ms) and steps with prefill took longer (73.0 against 53.2 ms, their host
+  issue 32.4 against 12.7 ms), for reasons not yet found: so ``copy`` stays the default.
 
 A mapped host array is rewritten only by the next step's inputs, after the step's tokens have
 been read back, which waits for the compute stream: no kernel still reads it.
@@ -23,6 +27,7 @@ been read back, which waits for the compute stream: no kernel still reads it.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -30,9 +35,9 @@ HOST_IO_MODES = ("copy", "mapped")
 
 
 def host_io_mode() -> str:
-    """``PENSIEVE_HOST_IO``: ``mapped`` (default) or ``copy``; anything else is an error
-    (the CPU always copies)."""
-    mode = os.environ.get("PENSIEVE_HOST_IO", "mapped")
+    """``PENSIEVE_HOST_IO``: ``copy`` (default) or ``mapped`` (CUDA only; the CPU always
+    copies); anything else is an error."""
+    mode = os.environ.get("PENSIEVE_HOST_IO", "copy")
     if mode not in HOST_IO_MODES:
         raise ValueError(f"PENSIEVE_HOST_IO={mode!r}: expected one of {HOST_IO_MODES}")
     return mode
@@ -50,14 +55,17 @@ class MappedArray:
     def _alloc(self, n: int) -> None:
         from pensieve.kernels.launch_swap import register_host, unregister_host
 
-        old = getattr(self, "host", None)
+        release = getattr(self, "_release", None)
         self.host = torch.zeros(n, dtype=self.dtype)
         self.np = self.host.numpy()
         cuda = self.device.type == "cuda"
         self.mapped = register_host(self.host, self.device) if cuda else self.host
+        # unregistered when this array is collected, or replaced (below): a registration left
+        # behind would make a later cudaHostRegister of reused memory fail
+        self._release = weakref.finalize(self, unregister_host, self.host) if cuda else None
         self.dev = torch.zeros(n, dtype=self.dtype, device=self.device)
-        if old is not None and cuda:  # the last step's kernels are done (its read-back waited)
-            unregister_host(old)
+        if release is not None:  # the last step's kernels are done (its read-back waited)
+            release()
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` elements (a grown array forgets its contents)."""
