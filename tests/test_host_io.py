@@ -77,6 +77,8 @@ def test_mapped_readback_reads_and_grows() -> None:
 
 
 def test_host_io_mode_rejects_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PENSIEVE_HOST_IO", raising=False)
+    assert host_io.host_io_mode() == "copy"  # the default: mapped did not gain in serving
     monkeypatch.setenv("PENSIEVE_HOST_IO", "zero-copy")
     with pytest.raises(ValueError, match="PENSIEVE_HOST_IO"):
         host_io.host_io_mode()
