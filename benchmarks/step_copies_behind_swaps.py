@@ -40,11 +40,9 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.kernels.launch_swap import _Pointer, register_host
+from pensieve.kernels.launch_swap import copy_words, register_host
 from pensieve.runner.model_runner import allocate_kv_caches
 from pensieve.runner.swapper import KVSwapper
 
@@ -54,17 +52,6 @@ from swap_bandwidth import plans  # noqa: E402
 COMBOS = [("none", False), ("copy", False), ("copy", True), ("mapped", False),
           ("mapped", True)]
 LOADS = ["quiet", "out", "ahead", "in"]
-
-
-@triton.jit
-def _copy(src, dst, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
-
-
-def kernel_copy(src, dst, n: int) -> None:
-    _copy[(triton.cdiv(n, 1024),)](src, dst, n, BLOCK=1024)
 
 
 class Step:
@@ -91,8 +78,7 @@ class Step:
                 self.dev_in[off:off + k].copy_(t, non_blocking=True)
                 off += k
         elif self.io == "mapped":
-            kernel_copy(_Pointer(self.mapped_in.device_ptr, torch.int64), self.dev_in,
-                        self.dev_in.numel())
+            copy_words(self.mapped_in, self.dev_in, self.dev_in.numel())
         return self.dev_in[:self.sizes[0]]
 
     def readback(self) -> list[int]:
@@ -100,7 +86,7 @@ class Step:
             return self.tokens.tolist()
         ev = torch.cuda.Event()
         if self.io == "mapped":
-            kernel_copy(self.tokens, _Pointer(self.mapped_out.device_ptr, torch.int64), 64)
+            copy_words(self.tokens, self.mapped_out, 64)
         ev.record()
         ev.synchronize()
         return self.host_out.tolist()

@@ -60,9 +60,7 @@ def test_step_uploads_pack_and_grow() -> None:
         sizes = [rng.randint(0, 50) for _ in range(5)] + ([70_000] if step == 2 else [])
         arrays = [([rng.randrange(-2**31, 2**31) for _ in range(k)],
                    torch.int64 if i % 2 else torch.int32) for i, k in enumerate(sizes)]
-        for values, dt in arrays:
-            up.add(values, dt)
-        got = up.upload()
+        got = up.upload(arrays)
         assert len(got) == len(arrays)
         for t, (values, dt) in zip(got, arrays, strict=True):
             assert t.dtype == dt and t.device.type == DEV.type

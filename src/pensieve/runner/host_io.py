@@ -2,9 +2,8 @@
 
 Two ways (``PENSIEVE_HOST_IO``, read once):
 
-- ``mapped``: the host writes the inputs into page-locked,
-  device-mapped host arrays and a kernel (:func:`~pensieve.kernels.launch_swap.copy_words`)
-  reads them into device arrays; a
+- ``mapped``: the host writes the inputs into page-locked, device-mapped host arrays and a
+  kernel (:func:`~pensieve.kernels.launch_swap.copy_words`) reads them into device arrays; a
   kernel writes the sampled tokens into a mapped host array and the host waits for an event
   recorded after it. The compute stream then never uses a copy engine, so none of its work
   queues behind the swap copies there;
@@ -44,12 +43,14 @@ def host_io_mode() -> str:
 
 
 class MappedArray:
-    """A flat page-locked, device-mapped host array of ``dtype`` and its device mirror: write
-    ``host`` (or ``np``, its numpy view) and call :meth:`upload`; grows on demand. On the CPU
-    (tests, with Triton's interpreter) the host array itself stands for the mapped one."""
+    """A flat page-locked, device-mapped host array of ``dtype`` and (``mirror``) its device
+    mirror: write ``host`` (or ``np``, its numpy view) and call :meth:`upload`; grows on
+    demand. On the CPU (tests, with Triton's interpreter) the host array itself stands for the
+    mapped one."""
 
-    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device,
+                 mirror: bool = True) -> None:
+        self.dtype, self.device, self._mirror = dtype, device, mirror
         self._alloc(max(n, 1))
 
     def _alloc(self, n: int) -> None:
@@ -63,7 +64,7 @@ class MappedArray:
         # unregistered when this array is collected, or replaced (below): a registration left
         # behind would make a later cudaHostRegister of reused memory fail
         self._release = weakref.finalize(self, unregister_host, self.host) if cuda else None
-        self.dev = torch.zeros(n, dtype=self.dtype, device=self.device)
+        self.dev = torch.zeros(n if self._mirror else 0, dtype=self.dtype, device=self.device)
         if release is not None:  # the last step's kernels are done (its read-back waited)
             release()
 
@@ -82,29 +83,24 @@ class MappedArray:
 
 class StepUploads:
     """A step's input arrays, packed into one :class:`MappedArray` per dtype and uploaded
-    with one kernel each: ``add(values, dtype)`` returns the array's index, ``upload()`` the
-    device tensors in that order (views into the mirrors, valid until the next step's)."""
+    with one kernel each."""
 
     def __init__(self, device: torch.device) -> None:
         self._arrays = {dt: MappedArray(1 << 16, dt, device) for dt in (torch.int64, torch.int32)}
-        self._pending: list[tuple[list[int], torch.dtype]] = []
 
-    def add(self, values: list[int], dtype: torch.dtype) -> int:
-        self._pending.append((values, dtype))
-        return len(self._pending) - 1
-
-    def upload(self) -> list[torch.Tensor]:
+    def upload(self, arrays: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
+        """``arrays`` (values, dtype) onto the device: their device tensors in that order
+        (views into the mirrors, valid until the next call)."""
         spans = []
         sizes = dict.fromkeys(self._arrays, 0)
-        for values, dt in self._pending:
+        for values, dt in arrays:
             spans.append((dt, sizes[dt], len(values)))
             sizes[dt] += len(values)
         for dt, n in sizes.items():
             self._arrays[dt].reserve(n)
-        for (values, dt), (_, off, n) in zip(self._pending, spans, strict=True):
+        for (values, _), (dt, off, n) in zip(arrays, spans, strict=True):
             self._arrays[dt].np[off:off + n] = values
         dev = {dt: self._arrays[dt].upload(n) for dt, n in sizes.items() if n}
-        self._pending = []
         return [dev[dt][off:off + n] for dt, off, n in spans]
 
 
@@ -114,7 +110,7 @@ class MappedReadback:
 
     def __init__(self, device: torch.device, n: int = 4096) -> None:
         self.device = device
-        self._array = MappedArray(n, torch.int64, device)
+        self._array = MappedArray(n, torch.int64, device, mirror=False)
         self._event = torch.cuda.Event() if device.type == "cuda" else None
 
     def read(self, t: torch.Tensor) -> list[int]:

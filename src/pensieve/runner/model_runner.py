@@ -177,9 +177,7 @@ class ModelRunner:
         if self._uploads is None:
             return [torch.tensor(data, dtype=dt, pin_memory=self._pin).to(
                 self.device, non_blocking=True) for data, dt in arrays]
-        for data, dt in arrays:
-            self._uploads.add(data, dt)
-        return self._uploads.upload()
+        return self._uploads.upload(arrays)
 
     def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
         """The sampled tokens on the host (waits for the compute stream's work so far)."""
