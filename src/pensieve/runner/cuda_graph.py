@@ -39,6 +39,7 @@ from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.tiered_cache import cdiv
 from pensieve.kernels.launch_policy import decode_kv_splits, decode_split_span, use_split_span
 from pensieve.layers.attention import AttentionMetadata, first_attention
+from pensieve.runner.graph_waits import GraphLayerWaits
 from pensieve.runner.host_io import MappedArray, host_io_mode
 
 
@@ -340,7 +341,10 @@ class MixedGraphs(_StepGraphs):
         max_ranges: int,
         max_blocks: int,
         capture: bool = True,
+        layer_waits: GraphLayerWaits | None = None,
     ) -> None:
+        """``layer_waits``: captured per-group swap-in waits (:mod:`pensieve.runner.graph_waits`;
+        None: a step with swap-ins waits for all of them before its replay)."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")
@@ -350,6 +354,7 @@ class MixedGraphs(_StepGraphs):
         self.model = model
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
+        self.layer_waits = layer_waits
         self.max_tokens = max_tokens = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
         self.max_ranges = max_ranges
         self.max_blocks = max_blocks
@@ -389,6 +394,7 @@ class MixedGraphs(_StepGraphs):
             work_items=self.work_items[: self._items_bound(bucket)],
             num_work_items=self.num_work_items,
             tiles=MIXED_TILES,
+            layer_ready=None if self.layer_waits is None else self.layer_waits.wait,
         )
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
                             meta)

@@ -23,6 +23,7 @@ from pensieve.kernels.launch_policy import (
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
+from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
 from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
 from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.swapper import KVSwapper
@@ -116,9 +117,10 @@ class ModelRunner:
         ran."""
         self.graph_max_swap_in = graph_max_swap_in(self.swapper.num_layers
                                                    * self.swapper.block_bytes)
-        """Steps with more swap-ins than this run eagerly, layer-pipelined: a graph replay must
-        wait for every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S``
-        at the swap kernel's rate), which costs more than the eager step's launch time."""
+        """Steps with more swap-ins than this replay no graph without per-group waits (the
+        decode graphs; mixed-step graphs captured on CUDA have them): such a replay waits for
+        every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S`` at the
+        swap kernel's rate), which costs more than the eager step's launch time."""
         self.num_graph_steps = 0
         """Steps run through :attr:`decode_graphs` so far."""
         self.num_span_graph_steps = 0
@@ -167,9 +169,17 @@ class ModelRunner:
 
     def enable_mixed_graphs(self, max_tokens: int, max_ranges: int, max_blocks: int,
                             capture: bool = True) -> None:
-        """Capture steps of up to ``max_tokens`` tokens in ``max_ranges`` query ranges."""
+        """Capture steps of up to ``max_tokens`` tokens in ``max_ranges`` query ranges; on
+        CUDA with the swapper's streams, with per-group swap-in waits
+        (:mod:`pensieve.runner.graph_waits`), so steps with any number of swap-ins replay."""
+        waits = None
+        sw = self.swapper
+        if capture and sw.num_cpu_blocks > 0:  # captured: on CUDA
+            waits = GraphLayerWaits(wait_layers(sw.method, sw.num_layers, sw.in_groups),
+                                    self.device)
         self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.chunk_size, max_tokens,
-                                        max_ranges, max_blocks, capture=capture)
+                                        max_ranges, max_blocks, capture=capture,
+                                        layer_waits=waits)
 
     def _upload(self, arrays: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
         """Host lists onto the device: pinned non-blocking copies, or (``PENSIEVE_HOST_IO=
@@ -233,6 +243,17 @@ class ModelRunner:
             attn.kv_split_span = t[8]
         return StepInputs(input_ids=t[5], positions=t[6], attn=attn, logits_indices=t[7])
 
+    def _graphs_for(self, sched: SchedulerOutput) -> DecodeGraphs | MixedGraphs | None:
+        """The graphs that replay the step, if any: a graph without per-group waits only when
+        the step's swap-ins are few (:attr:`graph_max_swap_in`)."""
+        few = len(sched.swaps.swap_in) <= self.graph_max_swap_in
+        for g in (self.decode_graphs, self.mixed_graphs):
+            if g is None or not (few or getattr(g, "layer_waits", None) is not None):
+                continue
+            if g.can_run(sched):
+                return g
+        return None
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step: the step's swaps (pipelined with the layers), the model, sampling.
@@ -240,24 +261,33 @@ class ModelRunner:
         The step's urgent swap-outs and swap-ins have finished when this returns; background
         swap-outs may still run (:attr:`RunnerOutput.swap_outs_in_flight`). A step without
         requests waits for every copy in flight and reports 0."""
+
         t0 = time.perf_counter()
-        layer_ready = self.swapper.start_step(sched.swaps)
         if not sched.requests:
+            self.swapper.start_step(sched.swaps)
             self.swapper.finish_step()
             dt = time.perf_counter() - t0
             return RunnerOutput(sampled_token_ids={}, step_time_s=dt, swap_outs_in_flight=0,
                                 host_prepare_s=dt, host_issue_s=dt)
         sampled = [s for s in sched.requests if s.sample]
-        graphs = None
-        if len(sched.swaps.swap_in) <= self.graph_max_swap_in:
-            graphs = next((g for g in (self.decode_graphs, self.mixed_graphs)
-                           if g is not None and g.can_run(sched)), None)
+        graphs = self._graphs_for(sched)
+        # The step's inputs go up before its swaps are issued: copies on the compute stream
+        # queue on the copy engines behind the swap copies issued before them, and layer 0
+        # would wait for the last swap-in (benchmarks/step_copies_behind_swaps.py).
+        if graphs is not None:
+            bucket = graphs.fill(sched)
+        else:
+            inp = self.prepare_inputs(sched)
+        layer_ready = self.swapper.start_step(sched.swaps)
         logits: torch.Tensor | None = None
         split_span = False
         if graphs is not None:
-            if layer_ready is not None:  # a graph cannot wait per layer: wait for all
-                layer_ready(len(self.kv_caches) - 1)
-            bucket = graphs.fill(sched)
+            if layer_ready is not None:
+                waits = graphs.layer_waits if graphs is self.mixed_graphs else None
+                if waits is not None:  # the graph's layers wait for their groups
+                    waits.arm(layer_ready)
+                else:  # a graph without waits: wait for all before its first layer
+                    layer_ready(len(self.kv_caches) - 1)
             t_prepared = time.perf_counter()
             out = graphs.replay(sched, bucket)
             logits = out if sampled else None
@@ -268,7 +298,6 @@ class ModelRunner:
             else:
                 self.num_mixed_graph_steps += 1
         else:
-            inp = self.prepare_inputs(sched)
             inp.attn.layer_ready = layer_ready
             split_span = inp.attn.kv_split_span is not None
             t_prepared = time.perf_counter()
