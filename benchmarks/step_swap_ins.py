@@ -56,7 +56,7 @@ def build_step(batch: int, ctx: int, prefill: int, history: int, swap_in: int,
     spare = [b for b in rest if b not in set(table)]
     cpu = rng.sample(range(cpu_blocks), swap_in + swap_out)
     return SchedulerOutput(requests=step.requests, swaps=SwapPlan(
-        swap_in=[(table[c], cpu[c]) for c in range(swap_in)],
+        swap_in=[(cpu[c], table[c]) for c in range(swap_in)],
         swap_out=[(spare[i], cpu[swap_in + i]) for i in range(swap_out)]))
 
 

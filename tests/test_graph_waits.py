@@ -48,7 +48,7 @@ def _step(swap_in: int) -> SchedulerOutput:
                            sample=True, sampling_params=SamplingParams(temperature=0.0),
                            num_output_tokens=0)
     return SchedulerOutput(requests=[req],
-                           swaps=SwapPlan(swap_in=[(g, g) for g in range(swap_in)]))
+                           swaps=SwapPlan(swap_in=[(c, c) for c in range(swap_in)]))
 
 
 def test_inputs_go_up_before_the_swaps_are_issued(tmp_path) -> None:  # noqa: ANN001
@@ -186,9 +186,9 @@ def test_step_swap_ins_builds_disjoint_swaps() -> None:
     sched = build_step(batch=4, ctx=100, prefill=20, history=256, swap_in=5, swap_out=3,
                        chunk=32, num_blocks=64, cpu_blocks=10, rng=random.Random(0))
     turn = sched.requests[-1]
-    assert [g for g, _ in sched.swaps.swap_in] == list(turn.block_table[:5])
+    assert [g for _, g in sched.swaps.swap_in] == list(turn.block_table[:5])  # (cpu, gpu)
     used = {b for s in sched.requests for b in s.block_table}
     assert not {g for g, _ in sched.swaps.swap_out} & used
-    cpu = [c for _, c in sched.swaps.swap_in + sched.swaps.swap_out]
+    cpu = [c for c, _ in sched.swaps.swap_in] + [c for _, c in sched.swaps.swap_out]
     assert len(set(cpu)) == 8 and all(0 <= c < 10 for c in cpu)
     assert len(sched.requests) == 5 and turn.ranges[0].start_pos == 256

@@ -355,6 +355,9 @@ class MixedGraphs(_StepGraphs):
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.layer_waits = layer_waits
+        """Armed before a replay with swap-ins; None: wait for all of them instead."""
+        self._captured_waits = layer_waits
+        """Keeps the events the captured graphs wait on alive as long as the graphs."""
         self.max_tokens = max_tokens = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
         self.max_ranges = max_ranges
         self.max_blocks = max_blocks
