@@ -32,6 +32,8 @@ KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
 GRAPH_MAX_TOKENS = 512
 GRAPH_MAX_SWAP_IN = 21
+STAGED_GROUPS = 8
+"""The ``staged`` swapper's groups of layers (``KVSwapper.in_groups``, its default)."""
 """The runner's ``graph_max_swap_in`` for this shape (``model_runner.graph_max_swap_in`` of
 one chunk's bytes; a test keeps the two equal): steps with more of their own swap-in chunks
 run eagerly."""
@@ -41,22 +43,24 @@ PROFILE = (ROOT / "src" / "pensieve" / "profiles"
 
 
 def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
-                   eager_launch_s: float = 0.0) -> TransferModel:
+                   eager_launch_s: float = 0.0, group_waits: bool = False) -> TransferModel:
     """The measured copies (``hybrid``'s one-way rates on random block ids; ``staged``'s,
     the default now, are within 1% of them), or what-if
     rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining. ``graph_rule``: steps
     of up to ``GRAPH_MAX_TOKENS`` tokens with more than ``GRAPH_MAX_SWAP_IN`` swap-in chunks of
-    their own run pipelined, as in the runner (else every such step waits for all its
-    swap-ins, as the validated fits assumed), each ``eager_launch_s`` longer."""
+    their own run pipelined, as in the runner before per-group waits (else every such step
+    waits for all its swap-ins, as the validated fits assumed), each ``eager_launch_s`` longer.
+    ``group_waits``: the runner now (``runner/graph_waits.py``): every step, graph or eager,
+    pipelined by the ``staged`` swapper's 8 groups of layers."""
     swap_in = GRAPH_MAX_SWAP_IN if graph_rule else None
     eager = eager_launch_s if graph_rule else 0.0
+    shape: dict[str, Any] = ({"num_layers": STAGED_GROUPS, "graph_max_tokens": 0} if group_waits
+                             else {"num_layers": 40, "graph_max_tokens": GRAPH_MAX_TOKENS})
     if gbps is not None:
-        return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], num_layers=40,
-                             graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in,
-                             eager_launch_s=eager,
+        return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], **shape,
+                             graph_max_swap_in=swap_in, eager_launch_s=eager,
                              source=f"what-if {gbps[0]:g}/{gbps[1]:g} GB/s")
-    return TransferModel.load(SWAP, case="hybrid", num_layers=40,
-                              graph_max_tokens=GRAPH_MAX_TOKENS, graph_max_swap_in=swap_in,
+    return TransferModel.load(SWAP, case="hybrid", **shape, graph_max_swap_in=swap_in,
                               eager_launch_s=eager)
 
 
@@ -112,7 +116,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
                     transfer=transfer if transfer is not None else transfer_model(
                         job.get("swap_gbps"), bool(job.get("graph_swap_in_rule")),
-                        float(job.get("eager_launch_s") or 0.0)), **cache)
+                        float(job.get("eager_launch_s") or 0.0),
+                        bool(job.get("graph_group_waits"))), **cache)
     if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
         eng.track_step_overlap = False
     return eng

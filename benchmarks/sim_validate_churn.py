@@ -127,6 +127,8 @@ DEFERRED: dict[str, int] = {
     # the default since 3afe2d0
     "agentic_words_overload_defer3_1.3_again": 3,
     "sharegpt_40_60_defer3_pensieve_1.45": 3,
+    "sharegpt_40_60_groups_pensieve_1.25": 3,  # the runner with per-group graph waits
+    "sharegpt_40_60_groups_pensieve_1.45": 3,
 }
 """Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
@@ -230,6 +232,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "defer_admission": r.get("defer_admission", DEFERRED.get(r["pair"], 0)),
                      "graph_swap_in_rule": getattr(args, "graph_swap_in_rule", False),
                      "eager_launch_s": getattr(args, "eager_launch_ms", 0.0) / 1e3,
+                     "graph_group_waits": getattr(args, "graph_group_waits", False),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 
@@ -385,18 +388,21 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
     model = StepCostModel.load(args.fitted)
     name = "fitted model as is"
     tm = transfer_model(graph_rule=args.graph_swap_in_rule,
-                        eager_launch_s=args.eager_launch_ms / 1e3)
-    print(f"model: {args.fitted}\ncopies: {tm.source}; graph steps: <= {GRAPH_MAX_TOKENS} "
-          f"tokens, <= {tm.graph_max_swap_in} swap-in chunks of their own (else eagerly, "
-          f"+{tm.eager_launch_s * 1e3:g} ms)", flush=True)
+                        eager_launch_s=args.eager_launch_ms / 1e3,
+                        group_waits=args.graph_group_waits)
+    print(f"model: {args.fitted}\ncopies: {tm.source}; steps waiting for all swap-ins: <= "
+          f"{tm.graph_max_tokens} tokens, <= {tm.graph_max_swap_in} swap-in chunks of their "
+          f"own (else pipelined over {tm.num_layers}, +{tm.eager_launch_s * 1e3:g} ms)",
+          flush=True)
     sims = {name: run_jobs(real_jobs(real, model, name, args, pairs), args.workers)}
     tab = table(real, sims)
     print(tab, flush=True)
     plot(real, sims, out / "sim_validate_churn.png")
     write_json(out / "sim_validate_churn.json", {
         "real": real, "copies": {"source": tm.source, "swap_in_gbps": tm.swap_in_gbps,
-                                 "swap_out_gbps": tm.swap_out_gbps, "num_layers": 40,
-                                 "graph_max_tokens": GRAPH_MAX_TOKENS,
+                                 "swap_out_gbps": tm.swap_out_gbps,
+                                 "num_layers": tm.num_layers,
+                                 "graph_max_tokens": tm.graph_max_tokens,
                                  "graph_max_swap_in": tm.graph_max_swap_in,
                                  "eager_launch_s": tm.eager_launch_s},
         "fitted": str(args.fitted), "model": model.to_dict(),
@@ -481,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager-launch-ms", type=float, default=0.0,
                     help="with --graph-swap-in-rule: extra time of each step the rule makes run "
                          "eagerly (default 0: not modelled)")
+    ap.add_argument("--graph-group-waits", action="store_true",
+                    help="the runner since per-group graph waits (runner/graph_waits.py): every "
+                         "step's swap-ins pipelined by the staged swapper's 8 groups of layers, "
+                         "graph or eager")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")
