@@ -13,11 +13,16 @@ Two ways (``PENSIEVE_HOST_IO``, read once):
   (``benchmarks/step_copies_behind_swaps.py``, ``docs/results/step_copies_57306fd/``) a step
   beside 256 chunks of background swap-outs had its tokens on the host at 32.3 ms against 4.6
   mapped (its compute ended at 6.8 ms), and a step's uploads waited for all of its swap-ins,
-  so its layer 0 could not start before the last swap-in (layer pipelining lost). Yet serving
+  so its layer 0 could not start before the last swap-in (layer pipelining lost). Serving
   ShareGPT at 1.45 sessions/s over HTTP with ``mapped``
   (``docs/results/churn/sharegpt_40_60_mapped_pensieve_1.45/``), decode steps were unchanged
   (22.1 against 22.2 ms) and steps with prefill took longer (73.0 against 53.2 ms, their host
-  issue 32.4 against 12.7 ms), for reasons not yet found: so ``copy`` stays the default.
+  issue 32.4 against 12.7 ms), for reasons not found. The runner now uploads a step's inputs
+  before it issues the step's swaps, so with ``copy`` they no longer queue behind them: a
+  ShareGPT-like eager step with 64-256 swap-ins then took 33.0-37.6 ms with copies and
+  32.2-36.8 ms mapped, against 36.7-60.0 ms with the uploads after the swaps
+  (``benchmarks/step_swap_ins.py``, ``docs/results/step_swap_ins_9e5770c/``). ``copy`` stays
+  the default.
 
 A mapped host array is rewritten only by the next step's inputs, after the step's tokens have
 been read back, which waits for the compute stream: no kernel still reads it.
