@@ -120,6 +120,40 @@ def test_eager_decode_steps_split_by_span_are_counted(checkpoint, monkeypatch) -
     assert any(r.decode_split_span for r in seen)
 
 
+@pytest.mark.parametrize("span", ["0", "1"])
+def test_eager_mixed_steps_with_decodes_split_match_hf(checkpoint, monkeypatch,
+                                                       span: str) -> None:  # noqa: ANN001
+    """``PENSIEVE_MIXED_DECODES=split`` without graphs: the mixed steps' decodes go first, in
+    a decode launch of their own (split by span with ``PENSIEVE_DECODE_SPAN=1``); same greedy
+    tokens as HF, with chunked prefill and recomputation under pressure."""
+    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", "split")
+    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
+    path, prompts, expected = checkpoint
+    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, chunk_size=16,
+              max_num_batched_tokens=96, num_gpu_blocks=36)
+    runner = llm.engine.runner
+    seen = []
+    prepare = runner.prepare_inputs
+
+    def spy(sched):  # noqa: ANN001, ANN202
+        inp = prepare(sched)
+        seen.append(inp.attn.decode)
+        return inp
+
+    runner.prepare_inputs = spy
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outs] == expected
+    split = [d for d in seen if d is not None]
+    assert split, "no step had decodes and longer ranges together"
+    assert all((d.kv_split_span is not None) == (span == "1") for d in split)
+
+
+def test_a_bad_mixed_decodes_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", "apart")
+    with pytest.raises(ValueError, match="PENSIEVE_MIXED_DECODES"):
+        LLM(model=checkpoint[0], dtype="float32", device="cpu")
+
+
 def test_a_bad_decode_span_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001
     """Read once when the runner starts, not at the first decode step of a serving engine."""
     monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "yes")
@@ -127,11 +161,15 @@ def test_a_bad_decode_span_setting_fails_at_start(checkpoint, monkeypatch) -> No
         LLM(model=checkpoint[0], dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize("decodes", ["together", "split"])
 @pytest.mark.parametrize("pressure", [False, True])
-def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noqa: ANN001
+def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool, decodes: str,
+                                     monkeypatch) -> None:  # noqa: ANN001
     """Every step through the static-buffer graph paths (run eagerly here): prefill and mixed
     steps padded to token buckets with empty range slots, decode steps to batch buckets; same
-    greedy tokens as HF, with chunked prefill, suspensions and recomputation under pressure."""
+    greedy tokens as HF, with chunked prefill, suspensions and recomputation under pressure.
+    ``split``: a mixed step's decodes first, in a decode launch of their own."""
+    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", decodes)
     path, prompts, expected = checkpoint
     extra = dict(chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=36) if pressure else {}
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, **extra)
@@ -143,6 +181,7 @@ def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noq
         runner.enable_decode_graphs(max_batch=8, max_blocks=max_blocks, capture=False)
     mixed = runner.mixed_graphs
     assert mixed is not None and mixed.buckets[0] == 16
+    assert mixed.split_decodes == (decodes == "split")
     outs = llm.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
     assert runner.num_mixed_graph_steps > 0
@@ -152,7 +191,7 @@ def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool) -> None:  # noq
 def test_token_buckets_and_mixed_graph_shape() -> None:
     from pensieve.config import EngineConfig, ModelConfig
     from pensieve.core.config import SchedulerConfig
-    from pensieve.runner.cuda_graph import token_buckets
+    from pensieve.runner.mixed_graphs import token_buckets
 
     assert token_buckets(100) == [16, 32, 64, 96, 100]
     b = token_buckets(8192)

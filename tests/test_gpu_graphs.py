@@ -19,8 +19,13 @@ from pensieve import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize("decodes", ["together", "split"])
 @pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
-def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN001
+def test_graph_decode_matches_eager(tmp_path, kind: str, decodes: str,
+                                    monkeypatch) -> None:  # noqa: ANN001
+    """``decodes``: ``PENSIEVE_MIXED_DECODES`` of both engines (``split``: a mixed step's
+    decodes in a decode launch of their own, split by span in the graphs)."""
+    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", decodes)
     torch.manual_seed(0)
     if kind == "opt":
         cfg = transformers.OPTConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2,
@@ -45,6 +50,7 @@ def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN00
     assert eager.engine.runner.decode_graphs is None
     assert graph.engine.runner.mixed_graphs is not None
     assert graph.engine.runner.mixed_graphs.buckets == [16, 32, 64, 96, 128]
+    assert graph.engine.runner.mixed_graphs.split_decodes == (decodes == "split")
     assert eager.engine.runner.mixed_graphs is None
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 7, 40, 100, 3, 260)]

@@ -592,3 +592,38 @@ def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype) -> None
     with pytest.raises(ValueError, match="tiles"):
         paged_attention_triton(*b.args(), max_query_len=b.max_query_len, work_items=work,
                                num_work_items=num)
+
+
+@pytest.mark.parametrize("group,dtype,span", [(4, F32, 32), (1, BF16, None), (8, F16, 64)])
+def test_decodes_in_a_launch_of_their_own(group, dtype, span) -> None:
+    """``PENSIEVE_MIXED_DECODES=split``: a mixed step's one-token ranges (its first tokens)
+    attend in a decode launch with KV splits (by span, or equal parts), its other ranges in a
+    second launch whose ``query_start_loc`` starts past them; together every token equals
+    the reference."""
+    tables = [[(c, 1)] for c in (0, 5, 40, 130)] + [[(0, 20)], [(37, 9)], [(3, 1), (70, 12)]]
+    b = make_batch(tables, chunk=16, dtype=dtype, **shape_kw(group, False))
+    qsl = b.query_start_loc.tolist()
+    ranges = [(qsl[r], qsl[r + 1] - qsl[r], int(b.range_start_pos[r]), int(b.range_table[r]))
+              for r in range(len(qsl) - 1)]
+    ranges = [x for x in ranges if x[1] == 1] + [x for x in ranges if x[1] > 1]
+    rows = torch.cat([torch.arange(lo, lo + n) for lo, n, _, _ in ranges])
+    q = b.q[rows.to(b.q.device)].contiguous()
+    offs = [0]
+    for _, n, _, _ in ranges:
+        offs.append(offs[-1] + n)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    qsl_t = torch.tensor(offs, **i32)
+    start_t = torch.tensor([s for *_, s, _ in ranges], **i32)
+    table_t = torch.tensor([t for *_, t in ranges], **i32)
+    d = sum(1 for _, n, _, _ in ranges if n == 1)
+    common = (b.k_cache, b.v_cache, b.block_tables)
+    ref = paged_attention_ref(q, *common, qsl_t, start_t, table_t, b.scale,
+                              out=torch.empty(q.shape, device=q.device))
+    out = torch.full_like(q, float("nan"))
+    span_t = None if span is None else torch.tensor([span], **i32)
+    paged_attention_triton(q, *common, qsl_t[: d + 1], start_t[:d], table_t[:d], b.scale,
+                           max_query_len=1, out=out, num_kv_splits=4, kv_split_span=span_t)
+    assert torch.isnan(out[d:]).all()  # the decode launch writes its own rows only
+    paged_attention_triton(q, *common, qsl_t[d:], start_t[d:], table_t[d:], b.scale,
+                           max_query_len=max(n for _, n, _, _ in ranges), out=out)
+    assert_close(out, ref, dtype)

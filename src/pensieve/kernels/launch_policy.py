@@ -46,6 +46,23 @@ def decode_split_span_mode() -> str:
     return mode
 
 
+def mixed_decodes_mode() -> str:
+    """``PENSIEVE_MIXED_DECODES``: how a step with prefill tokens attends for its one-token
+    ranges (its decodes). ``together`` (the default): in the same launch as its other ranges,
+    unsplit; ``split``: in a decode launch of their own, KV split by span where ragged
+    (:func:`use_split_span`; always in the mixed-step CUDA graphs, whose span then covers the
+    longest range when the step is not ragged), before the launch of the other ranges.
+
+    Why: a decode-only step of 56 ragged contexts took 34.5-37.3 ms unsplit against 18.8-20.8
+    split by span (docs/performance.md, "Decode over ragged contexts"), and serving ShareGPT a
+    step with prefill took ~20 ms more than a decode step for ~270 computed tokens. ``split``
+    has not been timed on the GPU yet (``benchmarks/mixed_step_ragged.py``)."""
+    mode = os.environ.get("PENSIEVE_MIXED_DECODES", "together")
+    if mode not in ("together", "split"):
+        raise ValueError(f"PENSIEVE_MIXED_DECODES must be together or split, got {mode!r}")
+    return mode
+
+
 def decode_is_ragged(kv_lens: Sequence[int]) -> bool:
     """Whether the longest context exceeds :data:`RAGGED_RATIO` times the mean."""
     return bool(kv_lens) and max(kv_lens) * len(kv_lens) > RAGGED_RATIO * sum(kv_lens)

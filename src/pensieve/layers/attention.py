@@ -51,6 +51,12 @@ class AttentionMetadata:
     kv_split_span: torch.Tensor | None = None
     """``[1]`` int32: a decode step's split span, with ``num_kv_splits``
     (:func:`pensieve.kernels.launch_policy.decode_split_span`). None: equal parts."""
+    decode: AttentionMetadata | None = None
+    """The step's one-token ranges when they attend in a decode launch of their own
+    (``PENSIEVE_MIXED_DECODES=split``): their ``query_start_loc``, ``range_start_pos``,
+    ``range_table`` (offsets into the same tokens), ``max_query_len`` 1 and KV splits; the
+    fields above then cover the other ranges only. ``slot_mapping`` and ``block_tables`` are
+    the step's."""
 
 
 class PagedAttention(nn.Module):
@@ -83,11 +89,19 @@ class PagedAttention(nn.Module):
         if meta.layer_ready is not None:
             meta.layer_ready(self.layer_idx)
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        out = None
+        dec = meta.decode
+        if dec is not None:  # the decodes first, into the rows they own
+            out = paged_attention(
+                q, kv_cache[0], kv_cache[1], meta.block_tables, dec.query_start_loc,
+                dec.range_start_pos, dec.range_table, self.scale, max_query_len=1,
+                num_kv_splits=dec.num_kv_splits, kv_split_span=dec.kv_split_span,
+            )
         out = paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
             meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
-            work_items=meta.work_items, num_work_items=meta.num_work_items, tiles=meta.tiles,
-            num_kv_splits=meta.num_kv_splits, kv_split_span=meta.kv_split_span,
+            out=out, work_items=meta.work_items, num_work_items=meta.num_work_items,
+            tiles=meta.tiles, num_kv_splits=meta.num_kv_splits, kv_split_span=meta.kv_split_span,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 

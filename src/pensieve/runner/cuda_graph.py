@@ -22,12 +22,8 @@ synchronised (sampling reads the tokens), so the host buffers are free to overwr
 ``capture=False`` runs the very same padded static-buffer forward eagerly: that is how the CPU
 tests check the padding against the ordinary path, and what runs where CUDA graphs cannot.
 
-Mixed steps (prefill ranges, with or without decodes) have ranges of any number and length,
-and the attention kernel's grid normally follows them. :class:`MixedGraphs` captures per
-*token bucket* with a fixed number of range slots and runs the attention kernel in its
-static-grid mode: the host cuts the step's ranges into work items for fixed tiles
-(:func:`pensieve.kernels.launch.work_items_for`), and the grid is the bound on the item count
-of the bucket, the surplus programs exiting at once.
+Every other step that fits replays from :class:`~pensieve.runner.mixed_graphs.MixedGraphs`
+(:mod:`pensieve.runner.mixed_graphs`), a :class:`StepGraphs` too.
 """
 
 from __future__ import annotations
@@ -36,10 +32,12 @@ import numpy as np
 import torch
 
 from pensieve.core.outputs import SchedulerOutput
-from pensieve.core.tiered_cache import cdiv
-from pensieve.kernels.launch_policy import decode_kv_splits, decode_split_span, use_split_span
-from pensieve.layers.attention import AttentionMetadata, first_attention
-from pensieve.runner.graph_waits import GraphLayerWaits
+from pensieve.kernels.launch_policy import (
+    decode_kv_splits,
+    decode_split_span,
+    use_split_span,
+)
+from pensieve.layers.attention import AttentionMetadata
 from pensieve.runner.host_io import MappedArray, host_io_mode
 
 
@@ -51,26 +49,7 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-MIXED_GRAPH_MAX_TOKENS = 512
-"""Mixed steps of more tokens run eagerly. Measured on the H200 (13B GQA-10, bf16, 32 decodes
-at 2k plus a 320-token turn, ``benchmarks/mixed_step.py``): the eager step was 0.55 ms over its
-prefill's GEMM floor, so its host time already hides behind the GPU's work, while a graph
-padded to a coarse bucket pays for its padding tokens (a 352-token step in a 512 bucket: +3.4
-ms). Graphs pay off where the host's launch time dominates: few prefill tokens."""
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """16, then multiples of 32 to 256, of 64 to 512, of 256 to 2048, then of 512, up to and
-    including ``max_tokens``: a padded step wastes at most 32 tokens up to 256 and 64 up to
-    512, where the step's time still grows with every token."""
-    sizes = [16, *range(32, 257, 32), *range(320, 513, 64), *range(768, 2049, 256)]
-    sizes = [b for b in sizes if b < max_tokens]
-    sizes += [b for b in range(2560, max_tokens, 512)]
-    sizes.append(max_tokens)
-    return sorted(set(sizes))
-
-
-def _capture(buckets: list[int], forward, device: torch.device, pool=None):  # noqa: ANN001, ANN202
+def capture_buckets(buckets: list[int], forward, device: torch.device, pool=None):  # noqa: ANN001, ANN202
     """One graph per bucket, largest first, sharing one memory pool (``pool``: another set's,
     None: a new one); returns (graphs, outputs, pool)."""
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -99,7 +78,7 @@ def is_decode_step(sched: SchedulerOutput) -> bool:
     )
 
 
-class _StepGraphs:
+class StepGraphs:
     """What both graph kinds share: two pinned host buffers (int64, int32) mirrored by device
     buffers the graphs read, one graph per bucket, and the replay of a filled step.
     Subclasses lay out the buffers, and define ``_forward(bucket)``, ``_dummy_inputs()`` (what
@@ -162,7 +141,7 @@ class _StepGraphs:
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         self._dummy_inputs()
         self._copy_in(non_blocking=False)
-        self._graphs, self._logits, self.pool = _capture(self.buckets, self._forward,
+        self._graphs, self._logits, self.pool = capture_buckets(self.buckets, self._forward,
                                                          self.device, pool)
         self.captured = True
 
@@ -187,7 +166,7 @@ class _StepGraphs:
         return logits[: self._rows(sched)]
 
 
-class DecodeGraphs(_StepGraphs):
+class DecodeGraphs(StepGraphs):
     """Static-buffer decode forward for batches up to ``max_batch``, captured per bucket."""
 
     def __init__(
@@ -314,158 +293,5 @@ class DecodeGraphs(_StepGraphs):
             np32[-1] = decode_split_span(kv_lens, self.num_kv_heads, self.device)
         if self.captured:
             self._graphs, self._logits = self._by_variant[self.split_span]
-        self._copy_in()
-        return bucket
-
-
-MIXED_TILES = (64, 64, 4, 3)
-"""Attention tiles of mixed-step graphs: the shape the launcher picks for batches of short
-and long ranges together (docs/performance.md, "Attention kernel")."""
-
-
-class MixedGraphs(_StepGraphs):
-    """Static-buffer forward of any step with up to ``max_tokens`` tokens in up to
-    ``max_ranges`` query ranges (of at most as many requests), captured per token bucket.
-
-    Padding: tokens past the step's get slot ``-1`` and belong to no range; range slots past
-    the step's are empty (``query_start_loc`` repeats the token count) and have no work items;
-    the logits rows past the sampled requests' are garbage and never read.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        kv_caches: list[torch.Tensor],
-        chunk_size: int,
-        max_tokens: int,
-        max_ranges: int,
-        max_blocks: int,
-        capture: bool = True,
-        layer_waits: GraphLayerWaits | None = None,
-    ) -> None:
-        """``layer_waits``: captured per-group swap-in waits (:mod:`pensieve.runner.graph_waits`;
-        None: a step with swap-ins waits for all of them before its replay)."""
-        if min(max_tokens, max_ranges, max_blocks) < 1:
-            raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
-                             f"{max_blocks} must be >= 1")
-        attn = first_attention(model)
-        if attn is None:
-            raise ValueError("the model has no PagedAttention layer")
-        self.model = model
-        self.kv_caches = kv_caches
-        self.chunk_size = chunk_size
-        self.layer_waits = layer_waits
-        """Armed before a replay with swap-ins; None: wait for all of them instead."""
-        self._captured_waits = layer_waits
-        """Keeps the events the captured graphs wait on alive as long as the graphs."""
-        self.max_tokens = max_tokens = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
-        self.max_ranges = max_ranges
-        self.max_blocks = max_blocks
-        self.group = attn.num_heads // attn.num_kv_heads
-        self.buckets = token_buckets(max_tokens)
-        t, r, mb = max_tokens, max_ranges, max_blocks
-        self.max_items = self._items_bound(t)
-        # int64: [ids | positions | slots | logits rows]
-        # int32: [query_start_loc | start_pos | range_table | tables | work items | item count]
-        self._init_buffers(3 * t + r, (r + 1) + 2 * r + r * mb + self.max_items + 1,
-                           kv_caches[0].device)
-        d64, d32 = self._dev64, self._dev32
-        self.input_ids, self.positions = d64[:t], d64[t : 2 * t]
-        self.slot_mapping, self.logits_rows = d64[2 * t : 3 * t], d64[3 * t :]
-        o = r + 1
-        self.query_start_loc = d32[:o]
-        self.range_start_pos, self.range_table = d32[o : o + r], d32[o + r : o + 2 * r]
-        o += 2 * r
-        self.block_tables = d32[o : o + r * mb].view(r, mb)
-        o += r * mb
-        self.work_items, self.num_work_items = d32[o : o + self.max_items], d32[-1:]
-        if capture:
-            self.capture()
-
-    def _items_bound(self, tokens: int) -> int:
-        return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges
-
-    # ------------------------------------------------------------------ forward on the buffers
-    def _forward(self, bucket: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc=self.query_start_loc,
-            range_start_pos=self.range_start_pos,
-            range_table=self.range_table,
-            block_tables=self.block_tables,
-            max_query_len=bucket,
-            work_items=self.work_items[: self._items_bound(bucket)],
-            num_work_items=self.num_work_items,
-            tiles=MIXED_TILES,
-            layer_ready=None if self.layer_waits is None else self.layer_waits.wait,
-        )
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
-                            meta)
-        return self.model.compute_logits(hidden[self.logits_rows])
-
-    def _dummy_inputs(self) -> None:
-        """No ranges, no work items; every token skips the KV store."""
-        t = self.max_tokens
-        self._np64[:] = 0
-        self._np64[2 * t : 3 * t] = -1
-        self._np32[:] = 0
-
-    def _rows(self, sched: SchedulerOutput) -> int:
-        return sum(1 for s in sched.requests if s.sample)
-
-    # ------------------------------------------------------------------ one step
-    def can_run(self, sched: SchedulerOutput) -> bool:
-        reqs = sched.requests
-        if not reqs or len(reqs) > self.max_ranges:
-            return False
-        ranges = sum(len(s.ranges) for s in reqs)
-        tokens = sum(r.query_len for s in reqs for r in s.ranges)
-        return (0 < tokens <= self.max_tokens and ranges <= self.max_ranges
-                and all(len(s.block_table) <= self.max_blocks for s in reqs))
-
-    def fill(self, sched: SchedulerOutput) -> int:
-        """Write a step's inputs into the static buffers; returns its bucket."""
-        from pensieve.kernels.launch import work_items_for
-
-        t_max, r_max, mb, c = self.max_tokens, self.max_ranges, self.max_blocks, self.chunk_size
-        np64, np32 = self._np64, self._np32
-        ids, positions = np64[:t_max], np64[t_max : 2 * t_max]
-        slots, rows = np64[2 * t_max : 3 * t_max], np64[3 * t_max :]
-        qsl = np32[: r_max + 1]
-        start, rtab = np32[r_max + 1 : 2 * r_max + 1], np32[2 * r_max + 1 : 3 * r_max + 1]
-        o = 3 * r_max + 1
-        tables = np32[o : o + r_max * mb].reshape(r_max, mb)
-        work = np32[o + r_max * mb : o + r_max * mb + self.max_items]
-        t = r = k = 0
-        qlens: list[int] = []
-        for i, s in enumerate(sched.requests):
-            table = np.asarray(s.block_table, dtype=np.int64)
-            tables[i, : len(table)] = table
-            for rng in s.ranges:
-                n = rng.query_len
-                pos = np.arange(rng.start_pos, rng.start_pos + n, dtype=np.int64)
-                ids[t : t + n] = rng.token_ids
-                positions[t : t + n] = pos
-                slots[t : t + n] = table[pos // c] * c + pos % c
-                start[r], rtab[r] = rng.start_pos, i
-                t += n
-                r += 1
-                qsl[r] = t
-                qlens.append(n)
-            if s.sample:
-                rows[k] = t - 1
-                k += 1
-        bucket = self.bucket_for(t)
-        ids[t:bucket] = 0
-        positions[t:bucket] = 0
-        slots[t:bucket] = -1
-        qsl[0] = 0
-        qsl[r + 1 :] = t
-        start[r:] = 0
-        rtab[r:] = 0
-        rows[k:] = 0
-        items = work_items_for(qlens, self.group, MIXED_TILES[0])
-        work[: len(items)] = items
-        np32[-1] = len(items)
         self._copy_in()
         return bucket

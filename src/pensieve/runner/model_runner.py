@@ -19,12 +19,14 @@ from pensieve.kernels.launch_policy import (
     decode_kv_splits,
     decode_split_span,
     decode_split_span_mode,
+    mixed_decodes_mode,
     use_split_span,
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
-from pensieve.runner.cuda_graph import DecodeGraphs, MixedGraphs
+from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
 from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
+from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.swapper import KVSwapper
 
@@ -110,6 +112,8 @@ class ModelRunner:
                                  background=background_swap_out)
         self.decode_span_mode = decode_split_span_mode()
         """``PENSIEVE_DECODE_SPAN``, read (and checked) once."""
+        self.mixed_decodes = mixed_decodes_mode()
+        """``PENSIEVE_MIXED_DECODES``, read (and checked) once."""
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
         self.mixed_graphs: MixedGraphs | None = None
@@ -179,7 +183,8 @@ class ModelRunner:
                                     self.device)
         self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.chunk_size, max_tokens,
                                         max_ranges, max_blocks, capture=capture,
-                                        layer_waits=waits)
+                                        layer_waits=waits, decodes=self.mixed_decodes,
+                                        span_mode=self.decode_span_mode)
 
     def _upload(self, arrays: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
         """Host lists onto the device: pinned non-blocking copies, or (``PENSIEVE_HOST_IO=
@@ -196,51 +201,73 @@ class ModelRunner:
         return self._readback.read(tokens)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled ranges into token, position, slot and range arrays."""
+        """Flatten the scheduled ranges into token, position, slot and range arrays. With
+        ``PENSIEVE_MIXED_DECODES=split``, a step with one-token ranges (decodes) and longer
+        ones puts the decodes' tokens first and gives them a decode launch of their own
+        (``AttentionMetadata.decode``)."""
         c = self.chunk_size
+        items = [(i, j, rng) for i, s in enumerate(sched.requests)
+                 for j, rng in enumerate(s.ranges)]
+        split = (self.mixed_decodes == "split" and any(r.query_len == 1 for *_, r in items)
+                 and any(r.query_len > 1 for *_, r in items))
+        if split:  # stable: the decodes first, then the other ranges, each in step order
+            items = ([x for x in items if x[2].query_len == 1]
+                     + [x for x in items if x[2].query_len > 1])
+        num_dec = sum(1 for *_, r in items if r.query_len == 1) if split else 0
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         range_start: list[int] = []
         range_table: list[int] = []
-        logits_idx: list[int] = []
+        ends: dict[tuple[int, int], int] = {}
+        max_q = 0
+        for i, j, rng in items:
+            table = sched.requests[i].block_table
+            input_ids.extend(rng.token_ids)
+            pos = range(rng.start_pos, rng.end_pos)
+            positions.extend(pos)
+            slots.extend(table[p // c] * c + p % c for p in pos)
+            qsl.append(len(input_ids))
+            range_start.append(rng.start_pos)
+            range_table.append(i)
+            ends[i, j] = len(input_ids)
+            if len(qsl) > num_dec + 1:  # the decode launch's ranges are not the others'
+                max_q = max(max_q, rng.query_len)
+        logits_idx = [ends[i, len(s.ranges) - 1] - 1 for i, s in enumerate(sched.requests)
+                      if s.sample]
         max_blocks = max(len(s.block_table) for s in sched.requests)
         tables: list[int] = []
-        max_q = 0
-        for i, s in enumerate(sched.requests):
-            table = s.block_table
-            tables.extend(table)
-            tables.extend([0] * (max_blocks - len(table)))
-            for rng in s.ranges:
-                input_ids.extend(rng.token_ids)
-                pos = range(rng.start_pos, rng.end_pos)
-                positions.extend(pos)
-                slots.extend(table[p // c] * c + p % c for p in pos)
-                qsl.append(len(input_ids))
-                range_start.append(rng.start_pos)
-                range_table.append(i)
-                max_q = max(max_q, rng.query_len)
-            if s.sample:
-                logits_idx.append(len(input_ids) - 1)
+        for s in sched.requests:
+            tables.extend(s.block_table)
+            tables.extend([0] * (max_blocks - len(s.block_table)))
+        d = num_dec
         i64, i32 = torch.int64, torch.int32
-        arrays = [(slots, i64), (qsl, i32), (range_start, i32), (range_table, i32),
+        arrays = [(slots, i64), (qsl[d:], i32), (range_start[d:], i32), (range_table[d:], i32),
                   (tables, i32), (input_ids, i64), (positions, i64), (logits_idx, i64)]
+        if split:
+            arrays += [(qsl[: d + 1], i32), (range_start[:d], i32), (range_table[:d], i32)]
+        dec_starts = range_start[:d] if split else range_start if max_q == 1 else []
+        kv_lens = [p + 1 for p in dec_starts]  # a decode launch: ragged ones split by span
         splits = 0
-        if max_q == 1:  # a decode step: ragged ones split KV by span
-            kv_lens = [p + 1 for p in range_start]
-            if use_split_span(kv_lens, self.decode_span_mode):
-                hkv = self.kv_caches[0].shape[-2]
-                splits = decode_kv_splits(len(kv_lens), hkv, self.device)
-                arrays.append(([decode_split_span(kv_lens, hkv, self.device)], i32))
+        if kv_lens and use_split_span(kv_lens, self.decode_span_mode):
+            hkv = self.kv_caches[0].shape[-2]
+            splits = decode_kv_splits(len(kv_lens), hkv, self.device)
+            arrays.append(([decode_split_span(kv_lens, hkv, self.device)], i32))
         t = self._upload(arrays)
+        tables_t = t[4].view(len(sched.requests), -1)
         attn = AttentionMetadata(
             slot_mapping=t[0], query_start_loc=t[1], range_start_pos=t[2], range_table=t[3],
-            block_tables=t[4].view(len(sched.requests), -1), max_query_len=max_q,
+            block_tables=tables_t, max_query_len=max_q,
         )
+        dec = attn
+        if split:
+            dec = attn.decode = AttentionMetadata(
+                slot_mapping=t[0], query_start_loc=t[8], range_start_pos=t[9],
+                range_table=t[10], block_tables=tables_t, max_query_len=1)
         if splits:
-            attn.num_kv_splits = splits
-            attn.kv_split_span = t[8]
+            dec.num_kv_splits = splits
+            dec.kv_split_span = t[-1]
         return StepInputs(input_ids=t[5], positions=t[6], attn=attn, logits_indices=t[7])
 
     def _graphs_for(self, sched: SchedulerOutput) -> DecodeGraphs | MixedGraphs | None:
