@@ -6,7 +6,10 @@ decodes go through the mixed-step kernel, unsplit. This times, through
 ``ModelRunner.execute`` from CUDA graphs, ``--batch`` decodes alone (decode graphs) and with
 one turn of P new tokens after ``--history`` cached ones (mixed-step graphs), for contexts
 drawn as ``decode_ragged.py`` draws them (lognormal, ShareGPT's fit) and for the same number
-of decodes at their mean (uniform). ``extra`` = mixed step - decode step::
+of decodes at their mean (uniform). ``extra`` = mixed step - decode step. ``--decodes``: the
+runners' ``PENSIEVE_MIXED_DECODES`` (``together``: the decodes in the mixed-step kernel, as
+the engine does by default; ``split``: in a decode launch of their own, split by span), one
+runner each::
 
     python benchmarks/mixed_step_ragged.py --out mixed_step_ragged.json
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 
 import torch
@@ -38,14 +42,18 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--kv-gb", type=float, default=60.0)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--decodes", default="together,split")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, torch.device("cuda"))
     prefills = [int(p) for p in args.prefills.split(",")]
     max_blocks = max(args.max_ctx, args.history + max(prefills)) // su.chunk + 2
-    runner = ModelRunner(su.model, su.kv, su.chunk)
-    runner.enable_decode_graphs(args.batch + 1, max_blocks)
-    runner.enable_mixed_graphs(args.batch + max(prefills), args.batch + 1, max_blocks)
+    runners = {}
+    for mode in args.decodes.split(","):
+        os.environ["PENSIEVE_MIXED_DECODES"] = mode  # read when the runner is built
+        runner = runners[mode] = ModelRunner(su.model, su.kv, su.chunk)
+        runner.enable_decode_graphs(args.batch + 1, max_blocks)
+        runner.enable_mixed_graphs(args.batch + max(prefills), args.batch + 1, max_blocks)
     rng = random.Random(0)
     free = list(range(su.num_blocks))
     rows = []
@@ -56,17 +64,19 @@ def main() -> None:
             dec = step_for(ctxs, su.chunk, rng, free)
             used = {b for s in dec.requests for b in s.block_table}
             rest = [b for b in free if b not in used]
-            row = {"draw": draw, "contexts": kind, "mean_ctx": mean, "max_ctx": max(ctxs),
-                   "decode_ms": round(time_step(runner, dec, args.iters), 3)}
-            for p in prefills:
-                before = runner.num_mixed_graph_steps
-                mixed = mixed_step(dec, p, args.history, su.chunk, rng, rest)
-                ms = time_step(runner, mixed, args.iters)
-                assert runner.num_mixed_graph_steps > before, "no mixed graph replayed"
-                row[f"mixed_{p}_ms"] = round(ms, 3)
-                row[f"extra_{p}_ms"] = round(ms - row["decode_ms"], 3)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            mixed = {p: mixed_step(dec, p, args.history, su.chunk, rng, rest) for p in prefills}
+            for mode, runner in runners.items():
+                row = {"decodes": mode, "draw": draw, "contexts": kind, "mean_ctx": mean,
+                       "max_ctx": max(ctxs),
+                       "decode_ms": round(time_step(runner, dec, args.iters), 3)}
+                for p in prefills:
+                    before = runner.num_mixed_graph_steps
+                    ms = time_step(runner, mixed[p], args.iters)
+                    assert runner.num_mixed_graph_steps > before, "no mixed graph replayed"
+                    row[f"mixed_{p}_ms"] = round(ms, 3)
+                    row[f"extra_{p}_ms"] = round(ms - row["decode_ms"], 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(),
