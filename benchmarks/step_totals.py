@@ -81,6 +81,8 @@ def costs(m: dict[str, float]) -> dict[str, float]:
         else 0.0,
         "split_span_share": m.get("pensieve_decode_split_span_steps_total", 0.0) / steps_d
         if steps_d else 0.0,
+        "prefill_graph_share": m.get("pensieve_graph_steps_total:prefill", 0.0) / steps_p
+        if steps_p else 0.0,
     }
 
 
@@ -158,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("us_per_prefill_token", "us_per_prefill_token_net", "prefill_step_ms",
             "decode_step_ms", "scheduler_ms_per_step", "urgent_swap_out_share")
     host = ("prefill_step_ms", "prefill_host_prepare_ms", "prefill_host_issue_ms",
-            "decode_step_ms", "decode_host_prepare_ms", "decode_host_issue_ms")
+            "decode_step_ms", "decode_host_prepare_ms", "decode_host_issue_ms",
+            "prefill_graph_share")
     found = [(name, costs(m)) for arg in args.inputs for name, m in sources(arg)]
     for cols in (keys, host):
         print(f"{'server':48} " + " ".join(f"{k:>26}" for k in cols))

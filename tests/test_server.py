@@ -473,6 +473,9 @@ def test_metrics_step_accounting(server: Server) -> None:
     # one request's decode steps are never ragged: none split KV by span (PENSIEVE_DECODE_SPAN
     # is auto)
     assert server.metric("pensieve_decode_split_span_steps_total") == spans
+    # the CPU has no CUDA graphs: every step ran eagerly
+    for kind in ("prefill", "decode"):
+        assert server.metric(f'pensieve_graph_steps_total{{kind="{kind}"}}') == 0
     assert server.metric('pensieve_step_execute_seconds_total{kind="prefill"}') > secs
     assert server.metric('pensieve_scheduler_seconds_total{phase="schedule"}') > 0
     # the runner's host time, next to the step time: prepare <= issue <= execute

@@ -28,7 +28,7 @@ def test_record_splits_prefill_and_decode_and_counts_swaps() -> None:
         swaps=SwapPlan(swap_out_first=[(5, 1)], swap_in=[(2, 6), (3, 7)], swap_out=[(8, 4)]),
     )
     out = RunnerOutput({"a": 1, "b": 2, "c": 3}, step_time_s=0.5, swap_outs_in_flight=1,
-                       host_prepare_s=0.01, host_issue_s=0.04)
+                       host_prepare_s=0.01, host_issue_s=0.04, graph_replay=True)
     r = StepRecord.of(sched, out, 0.001, 0.5, 0.002)
     assert (r.prefill_tokens, r.decode_tokens, r.num_requests) == (6, 1, 3)
     assert (r.swap_in_chunks, r.swap_out_chunks, r.urgent_swap_out_chunks) == (2, 1, 1)
@@ -45,6 +45,7 @@ def test_record_splits_prefill_and_decode_and_counts_swaps() -> None:
     assert d["steps"] == 2 and d["prefill_steps"] == 1
     assert d["prefill_step_execute_s"] == 0.5 and d["decode_step_execute_s"] == 0.25
     assert d["decode_tokens"] == 2 and d["prefill_tokens"] == 6
+    assert r.graph_replay and (d["graph_steps"], d["prefill_graph_steps"]) == (1, 1)
 
 
 def test_engine_calls_observers_once_per_step() -> None:
@@ -82,6 +83,8 @@ def test_step_totals_script_reads_metrics_text() -> None:
         'pensieve_step_host_issue_seconds_total{kind="prefill"} 0.2',
         'pensieve_step_host_issue_seconds_total{kind="decode"} 0.06',
         "pensieve_decode_split_span_steps_total 6.0",
+        'pensieve_graph_steps_total{kind="prefill"} 4.0',
+        'pensieve_graph_steps_total{kind="decode"} 30.0',
     ])
     c = mod.costs(mod.parse(text))
     assert c["us_per_prefill_token"] == 200.0          # 2 s / 10k tokens
@@ -89,6 +92,7 @@ def test_step_totals_script_reads_metrics_text() -> None:
     assert c["decode_step_ms"] == 100.0 and c["scheduler_ms_per_step"] == 1.0
     assert c["urgent_swap_out_share"] == 0.25
     assert c["split_span_share"] == 0.2                # 6 of 30 decode steps
+    assert c["prefill_graph_share"] == 0.4             # 4 of 10 steps with prefill
     assert c["prefill_host_prepare_ms"] == 5.0 and c["prefill_host_issue_ms"] == 20.0
     assert c["decode_host_issue_ms"] == 2.0 and c["decode_host_prepare_ms"] == 0.0
 

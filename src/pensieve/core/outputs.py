@@ -154,6 +154,9 @@ class RunnerOutput:
     decode_split_span: bool = False
     """Whether the step's decode attention split KV by span (a ragged decode step:
     ``kernels/launch_policy.py``); counted on ``/metrics`` to show how often it applies."""
+    graph_replay: bool = False
+    """Whether the step replayed a CUDA graph (decode or mixed-step) rather than running
+    eagerly; counted on ``/metrics`` by step kind."""
     swap_outs_in_flight: int = 0
     """Background swap-out batches (one per step whose plan had ``swap_out``) whose copies
     are still running after this step, this step's included. They complete in plan order, so

@@ -79,6 +79,7 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
                                host_issue_s=sum(o.host_issue_s for o in outputs),
                                swap_outs_in_flight=outputs[-1].swap_outs_in_flight,
                                decode_split_span=any(o.decode_split_span for o in outputs),
+                               graph_replay=all(o.graph_replay for o in outputs),
                                logprobs=logprobs)
     for rid, why in step.failed.items():
         log.error("request %s failed in a step and is aborted: %s", rid, why)

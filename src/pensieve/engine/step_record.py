@@ -60,6 +60,8 @@ class StepRecord:
     """The runner's host time until the whole forward was issued (``RunnerOutput.host_issue_s``)."""
     decode_split_span: bool = False
     """The decode attention split KV by span (``RunnerOutput.decode_split_span``)."""
+    graph_replay: bool = False
+    """The step replayed a CUDA graph (``RunnerOutput.graph_replay``)."""
     sched: SchedulerOutput | None = field(default=None, repr=False, compare=False)
     """The step's plan (for observers that derive more from it; not in :meth:`as_dict`)."""
     output: RunnerOutput | None = field(default=None, repr=False, compare=False)
@@ -77,8 +79,8 @@ class StepRecord:
         return StepRecord(len(sched.requests), prefill, decode, sw.num_swap_in_chunks,
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
                           schedule_s, execute_s, update_s, out.step_time_s, failed_requests,
-                          out.host_prepare_s, out.host_issue_s, out.decode_split_span, sched,
-                          out)
+                          out.host_prepare_s, out.host_issue_s, out.decode_split_span,
+                          out.graph_replay, sched, out)
 
     def as_dict(self) -> dict[str, Any]:
         """The counts and times (not the plan and output objects)."""
@@ -111,6 +113,10 @@ class StepTotals:
     decode_step_issue_s: float = 0.0
     split_span_steps: int = 0
     """Steps whose decode attention split KV by span (ragged contexts)."""
+    graph_steps: int = 0
+    """Steps replayed from CUDA graphs."""
+    prefill_graph_steps: int = 0
+    """Of those, the steps that computed prefill tokens (mixed-step graphs)."""
 
     def __call__(self, r: StepRecord) -> None:
         self.steps += 1
@@ -123,8 +129,10 @@ class StepTotals:
         self.update_s += r.update_s
         self.execute_s += r.execute_s
         self.split_span_steps += r.decode_split_span
+        self.graph_steps += r.graph_replay
         if r.has_prefill:
             self.prefill_steps += 1
+            self.prefill_graph_steps += r.graph_replay
             self.prefill_step_execute_s += r.execute_s
             self.prefill_step_prepare_s += r.host_prepare_s
             self.prefill_step_issue_s += r.host_issue_s

@@ -354,6 +354,7 @@ class ModelRunner:
             host_prepare_s=t_prepared - t0,
             host_issue_s=t_issued - t0,
             decode_split_span=split_span,
+            graph_replay=graphs is not None and graphs.captured,
         )
 
 

@@ -67,6 +67,11 @@ def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
     c.add_metric(["prefill"], st.get("prefill_steps", 0))
     c.add_metric(["decode"], st.get("steps", 0) - st.get("prefill_steps", 0))
     yield c
+    c = CounterMetricFamily("pensieve_graph_steps", "Engine steps replayed from CUDA graphs "
+                            "(the rest ran eagerly), by step kind", labels=["kind"])
+    c.add_metric(["prefill"], st.get("prefill_graph_steps", 0))
+    c.add_metric(["decode"], st.get("graph_steps", 0) - st.get("prefill_graph_steps", 0))
+    yield c
     yield CounterMetricFamily("pensieve_decode_split_span_steps", "Engine steps whose decode "
                               "attention split KV by span (ragged contexts; "
                               "PENSIEVE_DECODE_SPAN)", value=st.get("split_span_steps", 0))
