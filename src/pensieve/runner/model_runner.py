@@ -274,11 +274,12 @@ class ModelRunner:
         """The graphs that replay the step, if any: a graph without per-group waits only when
         the step's swap-ins are few (:attr:`graph_max_swap_in`)."""
         few = len(sched.swaps.swap_in) <= self.graph_max_swap_in
-        for g in (self.decode_graphs, self.mixed_graphs):
-            if g is None or not (few or getattr(g, "layer_waits", None) is not None):
-                continue
-            if g.can_run(sched):
-                return g
+        if few and self.decode_graphs is not None and self.decode_graphs.can_run(sched):
+            return self.decode_graphs
+        mixed = self.mixed_graphs
+        if (mixed is not None and (few or mixed.layer_waits is not None)
+                and mixed.can_run(sched)):
+            return mixed
         return None
 
     @torch.inference_mode()
@@ -288,7 +289,6 @@ class ModelRunner:
         The step's urgent swap-outs and swap-ins have finished when this returns; background
         swap-outs may still run (:attr:`RunnerOutput.swap_outs_in_flight`). A step without
         requests waits for every copy in flight and reports 0."""
-
         t0 = time.perf_counter()
         if not sched.requests:
             self.swapper.start_step(sched.swaps)
