@@ -124,6 +124,17 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests and self.swaps.is_empty
 
+    def ranges_in_order(self, decodes_first: bool) -> tuple[list[tuple[int, int, QueryRange]], int]:
+        """Every query range as ``(request index, range index, range)``, in step order or,
+        ``decodes_first``, the one-token ranges first (stable), then the others; and how many
+        one-token ranges lead (0 unless ``decodes_first``). The runner's token layout when a
+        step's decodes attend in a launch of their own."""
+        items = [(i, j, rng) for i, s in enumerate(self.requests) for j, rng in enumerate(s.ranges)]
+        if not decodes_first:
+            return items, 0
+        dec = [x for x in items if x[2].query_len == 1]
+        return dec + [x for x in items if x[2].query_len > 1], len(dec)
+
 
 class TokenLogprobs(NamedTuple):
     """A sampled token's log-probability and the most likely tokens of its position."""

@@ -87,10 +87,10 @@ class MixedGraphs(StepGraphs):
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.layer_waits = layer_waits
+        """Armed before a replay with swap-ins; None: wait for all of them instead."""
         self.split_decodes = decodes == "split"
         self.span_mode = span_mode
         self.num_kv_heads = kv_caches[0].shape[-2]
-        """Armed before a replay with swap-ins; None: wait for all of them instead."""
         self._captured_waits = layer_waits
         """Keeps the events the captured graphs wait on alive as long as the graphs."""
         self.max_tokens = max_tokens = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
@@ -193,12 +193,7 @@ class MixedGraphs(StepGraphs):
         o = self._dec_at
         dqsl, dstart = np32[o : o + r_max + 1], np32[o + r_max + 1 : o + 2 * r_max + 1]
         drtab = np32[o + 2 * r_max + 1 : o + 3 * r_max + 1]
-        items = [(i, j, rng) for i, s in enumerate(sched.requests)
-                 for j, rng in enumerate(s.ranges)]
-        if self.split_decodes:  # stable: the decodes first
-            items = ([x for x in items if x[2].query_len == 1]
-                     + [x for x in items if x[2].query_len > 1])
-        num_dec = sum(1 for *_, r in items if r.query_len == 1) if self.split_decodes else 0
+        items, num_dec = sched.ranges_in_order(decodes_first=self.split_decodes)
         for i, s in enumerate(sched.requests):
             tables[i, : len(s.block_table)] = s.block_table
         t = r = d = 0

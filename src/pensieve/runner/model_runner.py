@@ -206,14 +206,9 @@ class ModelRunner:
         ones puts the decodes' tokens first and gives them a decode launch of their own
         (``AttentionMetadata.decode``)."""
         c = self.chunk_size
-        items = [(i, j, rng) for i, s in enumerate(sched.requests)
-                 for j, rng in enumerate(s.ranges)]
-        split = (self.mixed_decodes == "split" and any(r.query_len == 1 for *_, r in items)
-                 and any(r.query_len > 1 for *_, r in items))
-        if split:  # stable: the decodes first, then the other ranges, each in step order
-            items = ([x for x in items if x[2].query_len == 1]
-                     + [x for x in items if x[2].query_len > 1])
-        num_dec = sum(1 for *_, r in items if r.query_len == 1) if split else 0
+        qlens = [r.query_len for s in sched.requests for r in s.ranges]
+        split = self.mixed_decodes == "split" and min(qlens) == 1 and max(qlens) > 1
+        items, num_dec = sched.ranges_in_order(decodes_first=split)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -221,7 +216,6 @@ class ModelRunner:
         range_start: list[int] = []
         range_table: list[int] = []
         ends: dict[tuple[int, int], int] = {}
-        max_q = 0
         for i, j, rng in items:
             table = sched.requests[i].block_table
             input_ids.extend(rng.token_ids)
@@ -232,8 +226,7 @@ class ModelRunner:
             range_start.append(rng.start_pos)
             range_table.append(i)
             ends[i, j] = len(input_ids)
-            if len(qsl) > num_dec + 1:  # the decode launch's ranges are not the others'
-                max_q = max(max_q, rng.query_len)
+        max_q = max(r.query_len for *_, r in items[num_dec:])  # the decode launch's apart
         logits_idx = [ends[i, len(s.ranges) - 1] - 1 for i, s in enumerate(sched.requests)
                       if s.sample]
         max_blocks = max(len(s.block_table) for s in sched.requests)
