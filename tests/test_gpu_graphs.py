@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 import transformers
+from tiny_hf import assert_same_turns, swap_llm_kwargs
 
 from pensieve import LLM, SamplingParams
 
@@ -39,10 +40,7 @@ def test_graph_decode_matches_eager(tmp_path, kind: str, decodes: str,
                                        initializer_range=0.1)
         hf = transformers.LlamaForCausalLM(cfg)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    common = dict(model=str(tmp_path), dtype="float32", device="cuda", chunk_size=16,
-                  max_num_batched_tokens=128, max_model_len=1024, num_gpu_blocks=40,
-                  num_cpu_blocks=64, cuda_graph_max_batch=8, cuda_graph_mixed=True,
-                  swap_bandwidth_gbps="off")  # always swap: the test is about swap-ins
+    common = swap_llm_kwargs(tmp_path)  # always swap: the test is about swap-ins
     graph = LLM(**common)
     eager = LLM(**common, enforce_eager=True)
     assert graph.engine.runner.decode_graphs is not None
@@ -58,13 +56,7 @@ def test_graph_decode_matches_eager(tmp_path, kind: str, decodes: str,
     outs = [[o.output_token_ids for o in llm.generate(prompts, greedy)] for llm in (graph, eager)]
     assert outs[0] == outs[1]
     # multi-turn under a tiny GPU tier: swaps and drops around the graph steps
-    for r in range(2):
-        convs = [f"c{i}" for i in range(6)]
-        turn = [[rng.randrange(512) for _ in range(rng.randint(20, 60))] for _ in convs]
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-        outs = [[o.output_token_ids for o in llm.generate(turn, params, conversation_ids=convs)]
-                for llm in (graph, eager)]
-        assert outs[0] == outs[1], f"round {r}"
+    assert_same_turns([graph, eager], rng, rounds=2)
     assert graph.engine.runner.num_graph_steps > 0
     assert graph.engine.runner.num_span_graph_steps > 0  # ragged batches: split by span
     assert graph.engine.runner.num_mixed_graph_steps > 0

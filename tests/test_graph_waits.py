@@ -136,21 +136,12 @@ def test_graphs_with_waits_give_the_tokens_of_graphs_that_wait_for_all(
         tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Steps with swap-ins replayed with per-group waits (armed each such step) give the
     greedy tokens of replays that wait for all swap-ins first, under a tiny GPU tier."""
-    import transformers
+    from tiny_hf import assert_same_turns, tiny_swap_llama
 
-    from pensieve import LLM, SamplingParams
+    from pensieve import LLM
     from pensieve.runner import graph_waits
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=3, num_attention_heads=8,
-                                   num_key_value_heads=2, max_position_embeddings=1024,
-                                   initializer_range=0.1)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    common = dict(model=str(tmp_path), dtype="float32", device="cuda", chunk_size=16,
-                  max_num_batched_tokens=128, max_model_len=1024, num_gpu_blocks=40,
-                  num_cpu_blocks=64, cuda_graph_max_batch=8, cuda_graph_mixed=True,
-                  swap_bandwidth_gbps="off")
+    common = tiny_swap_llama(tmp_path, num_layers=3)
     armed = []
     arm = graph_waits.GraphLayerWaits.arm
 
@@ -163,14 +154,7 @@ def test_graphs_with_waits_give_the_tokens_of_graphs_that_wait_for_all(
     all_first = LLM(**common)
     assert with_waits.engine.runner.mixed_graphs.layer_waits is not None
     all_first.engine.runner.mixed_graphs.layer_waits = None  # wait for all, as before
-    rng = random.Random(0)
-    for r in range(3):
-        convs = [f"c{i}" for i in range(6)]
-        turn = [[rng.randrange(512) for _ in range(rng.randint(20, 60))] for _ in convs]
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-        outs = [[o.output_token_ids for o in llm.generate(turn, params, conversation_ids=convs)]
-                for llm in (with_waits, all_first)]
-        assert outs[0] == outs[1], f"round {r}"
+    assert_same_turns([with_waits, all_first], random.Random(0), rounds=3)
     assert with_waits.cache_stats()["swapped_in_tokens"] > 0
     assert armed, "no step with swap-ins replayed a graph with waits"
 

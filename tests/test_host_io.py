@@ -147,32 +147,16 @@ def test_mapped_arrays_are_unregistered_when_collected_or_grown() -> None:
 def test_mapped_runner_gives_the_same_tokens(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Graphs and eager steps, with swaps under a tiny GPU tier: the same greedy tokens with
     the step's transfers through mapped host arrays as through copies."""
-    import transformers
+    from tiny_hf import assert_same_turns, tiny_swap_llama
 
-    from pensieve import LLM, SamplingParams
+    from pensieve import LLM
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, max_position_embeddings=1024,
-                                   initializer_range=0.1)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    common = dict(model=str(tmp_path), dtype="float32", device="cuda", chunk_size=16,
-                  max_num_batched_tokens=128, max_model_len=1024, num_gpu_blocks=40,
-                  num_cpu_blocks=64, cuda_graph_max_batch=8, cuda_graph_mixed=True,
-                  swap_bandwidth_gbps="off")
+    common = tiny_swap_llama(tmp_path)
     llms = {}
     for mode in ("copy", "mapped"):
         monkeypatch.setenv("PENSIEVE_HOST_IO", mode)
         llms[mode] = LLM(**common)
     assert llms["mapped"].engine.runner._readback is not None
     assert llms["copy"].engine.runner._readback is None
-    rng = random.Random(0)
-    for r in range(3):
-        convs = [f"c{i}" for i in range(6)]
-        turn = [[rng.randrange(512) for _ in range(rng.randint(20, 60))] for _ in convs]
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-        outs = [[o.output_token_ids for o in llm.generate(turn, params, conversation_ids=convs)]
-                for llm in llms.values()]
-        assert outs[0] == outs[1], f"round {r}"
+    assert_same_turns(list(llms.values()), random.Random(0), rounds=3)
     assert llms["mapped"].cache_stats()["swapped_in_tokens"] > 0

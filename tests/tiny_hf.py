@@ -48,3 +48,36 @@ def ours_greedy(model_path, prompts=PROMPTS, n=NEW_TOKENS) -> list[list[int]]:
     llm = LLM(model_path, dtype="float32", device="cpu", num_gpu_blocks=64, chunk_size=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     return [o.output_token_ids for o in outs]
+
+
+def tiny_swap_llama(path, num_layers: int = 2) -> dict:
+    """A random tiny Llama (GQA) saved to ``path``, and the ``LLM`` arguments the GPU tests run
+    it with: a 40-block GPU tier, a CPU tier, decode and mixed-step graphs, and every CPU chunk
+    swapped in (never recomputed: the tests are about swap-ins)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=num_layers, num_attention_heads=8,
+                                   num_key_value_heads=2, max_position_embeddings=1024,
+                                   initializer_range=0.1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return swap_llm_kwargs(path)
+
+
+def swap_llm_kwargs(path) -> dict:
+    """The ``LLM`` arguments of :func:`tiny_swap_llama` for a model saved at ``path``."""
+    return dict(model=str(path), dtype="float32", device="cuda", chunk_size=16,
+                max_num_batched_tokens=128, max_model_len=1024, num_gpu_blocks=40,
+                num_cpu_blocks=64, cuda_graph_max_batch=8, cuda_graph_mixed=True,
+                swap_bandwidth_gbps="off")
+
+
+def assert_same_turns(llms, rng, rounds: int) -> None:
+    """``rounds`` turns of six conversations (20-60 new tokens each, 30 greedy tokens out)
+    through every engine of ``llms``: each round, the same tokens from all."""
+    for r in range(rounds):
+        convs = [f"c{i}" for i in range(6)]
+        turn = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 60))] for _ in convs]
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        outs = [[o.output_token_ids for o in llm.generate(turn, params, conversation_ids=convs)]
+                for llm in llms]
+        assert all(o == outs[0] for o in outs), f"round {r}"
