@@ -123,9 +123,10 @@ def test_eager_decode_steps_split_by_span_are_counted(checkpoint, monkeypatch) -
 @pytest.mark.parametrize("span", ["0", "1"])
 def test_eager_mixed_steps_with_decodes_split_match_hf(checkpoint, monkeypatch,
                                                        span: str) -> None:  # noqa: ANN001
-    """``PENSIEVE_MIXED_DECODES=split`` without graphs: the mixed steps' decodes go first, in
-    a decode launch of their own (split by span with ``PENSIEVE_DECODE_SPAN=1``); same greedy
-    tokens as HF, with chunked prefill and recomputation under pressure."""
+    """``PENSIEVE_MIXED_DECODES=split`` without graphs: a mixed step's decodes go first, in a
+    decode launch of their own split by span, where they are to be split
+    (``PENSIEVE_DECODE_SPAN=1``: always; ``0``: never, so they stay with the other ranges);
+    same greedy tokens as HF, with chunked prefill and recomputation under pressure."""
     monkeypatch.setenv("PENSIEVE_MIXED_DECODES", "split")
     monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
     path, prompts, expected = checkpoint
@@ -137,15 +138,20 @@ def test_eager_mixed_steps_with_decodes_split_match_hf(checkpoint, monkeypatch,
 
     def spy(sched):  # noqa: ANN001, ANN202
         inp = prepare(sched)
-        seen.append(inp.attn.decode)
+        qlens = [r.query_len for s in sched.requests for r in s.ranges]
+        seen.append((min(qlens) == 1 < max(qlens), inp.attn.decode))
         return inp
 
     runner.prepare_inputs = spy
     outs = llm.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == expected
-    split = [d for d in seen if d is not None]
-    assert split, "no step had decodes and longer ranges together"
-    assert all((d.kv_split_span is not None) == (span == "1") for d in split)
+    mixed = [d for with_decodes, d in seen if with_decodes]
+    assert mixed, "no step had decodes and longer ranges together"
+    if span == "1":
+        assert all(d is not None and d.kv_split_span is not None for d in mixed)
+    else:
+        assert all(d is None for d in mixed)
+    assert all(d is None for with_decodes, d in seen if not with_decodes)
 
 
 def test_a_bad_mixed_decodes_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001

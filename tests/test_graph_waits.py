@@ -181,8 +181,9 @@ def test_step_swap_ins_builds_disjoint_swaps() -> None:
 def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """``PENSIEVE_MIXED_DECODES=split`` on the CPU: a step with decodes at ragged positions, a
     request that recomputes its leading tokens beside a one-token turn, and a prefill turn,
-    eagerly and through the static-buffer mixed-step graph path: the logits of the sampled
-    rows equal those of the decodes attended in one launch with the rest."""
+    eagerly and through the static-buffer mixed-step graph path, split (ragged: max > 2x
+    mean) and not (span ``0``): the logits of the sampled rows equal those of the decodes
+    attended in one launch with the rest."""
     rng = random.Random(1)
     req = []
     blocks = iter(range(32))
@@ -201,19 +202,22 @@ def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> N
     add("d2", [(17, 1)], 18)
     sched = SchedulerOutput(requests=req)
     logits = {}
-    for mode in ("together", "split"):
+    # span "0": decodes not to be split, so "split" leaves them with the rest (and the
+    # graphs' decode launch empty)
+    for mode, span in (("together", "auto"), ("split", "auto"), ("split", "0")):
         monkeypatch.setenv("PENSIEVE_MIXED_DECODES", mode)
-        runner = _tiny_runner(tmp_path / mode)
+        monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
+        runner = _tiny_runner(tmp_path / f"{mode}{span}")
         torch.manual_seed(3)
         for t in runner.kv_caches:
             t.normal_()
         inp = runner.prepare_inputs(sched)
-        assert (inp.attn.decode is not None) == (mode == "split")
+        assert (inp.attn.decode is not None) == (mode == "split" and span == "auto")
         hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.attn)
-        logits[mode, "eager"] = runner.model.compute_logits(hidden[inp.logits_indices])
+        logits[mode, span, "eager"] = runner.model.compute_logits(hidden[inp.logits_indices])
         runner.enable_mixed_graphs(128, 8, 8, capture=False)
-        logits[mode, "graph"] = runner.mixed_graphs.run(sched)
-    want = logits["together", "eager"]
+        logits[mode, span, "graph"] = runner.mixed_graphs.run(sched)
+    want = logits["together", "auto", "eager"]
     assert want.shape[0] == 5
     for key, got in logits.items():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(key))

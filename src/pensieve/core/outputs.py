@@ -124,6 +124,10 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests and self.swaps.is_empty
 
+    def decode_kv_lens(self) -> list[int]:
+        """The KV length each one-token range (decode) attends over, in step order."""
+        return [r.start_pos + 1 for s in self.requests for r in s.ranges if r.query_len == 1]
+
     def ranges_in_order(self, decodes_first: bool) -> tuple[list[tuple[int, int, QueryRange]], int]:
         """Every query range as ``(request index, range index, range)``, in step order or,
         ``decodes_first``, the one-token ranges first (stable), then the others; and how many

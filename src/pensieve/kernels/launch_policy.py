@@ -49,14 +49,18 @@ def decode_split_span_mode() -> str:
 def mixed_decodes_mode() -> str:
     """``PENSIEVE_MIXED_DECODES``: how a step with prefill tokens attends for its one-token
     ranges (its decodes). ``together`` (the default): in the same launch as its other ranges,
-    unsplit; ``split``: in a decode launch of their own, KV split by span where ragged
-    (:func:`use_split_span`; always in the mixed-step CUDA graphs, whose span then covers the
-    longest range when the step is not ragged), before the launch of the other ranges.
+    unsplit; ``split``: where the decodes are ragged (:func:`use_split_span`), in a decode
+    launch of their own, KV split by span, before the launch of the other ranges; where they
+    are not, as ``together``.
 
     Why: a decode-only step of 56 ragged contexts took 34.5-37.3 ms unsplit against 18.8-20.8
-    split by span (docs/performance.md, "Decode over ragged contexts"), and serving ShareGPT a
-    step with prefill took ~20 ms more than a decode step for ~270 computed tokens. ``split``
-    has not been timed on the GPU yet (``benchmarks/mixed_step_ragged.py``)."""
+    split by span (docs/performance.md, "Decode over ragged contexts"). Through the mixed-step
+    CUDA graphs (``benchmarks/mixed_step_ragged.py``, 56 decodes, H200, 13B GQA-10), 16 / 160
+    prefill tokens added 11.1-12.7 / 14.1-15.7 ms to a decode step of ragged contexts with the
+    decodes together and 3.1-3.5 / 5.3-5.7 ms split; at uniform contexts, where one split a
+    range is all a span gives, splitting cost 3.6-3.7 ms more than together: hence together
+    there.
+    """
     mode = os.environ.get("PENSIEVE_MIXED_DECODES", "together")
     if mode not in ("together", "split"):
         raise ValueError(f"PENSIEVE_MIXED_DECODES must be together or split, got {mode!r}")

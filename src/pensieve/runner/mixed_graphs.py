@@ -75,8 +75,10 @@ class MixedGraphs(StepGraphs):
         None: a step with swap-ins waits for all of them before its replay). ``decodes``
         (``PENSIEVE_MIXED_DECODES``): ``split`` gives the one-token ranges a decode launch of
         their own over ``min(bucket, max_ranges)`` range slots, KV split by a span set per
-        step (``span_mode`` as ``PENSIEVE_DECODE_SPAN``: where the step's decodes are not to
-        be split, the span covers the longest, one split each)."""
+        step, where the step's decodes are ragged (``span_mode`` as ``PENSIEVE_DECODE_SPAN``);
+        a step whose decodes are not puts them with its other ranges and leaves the decode
+        launch empty (one split a range cost 3.6-3.7 ms a step more than the mixed-step kernel
+        at 56 uniform decodes, ``benchmarks/mixed_step_ragged.py``)."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")
@@ -177,8 +179,8 @@ class MixedGraphs(StepGraphs):
 
     def fill(self, sched: SchedulerOutput) -> int:
         """Write a step's inputs into the static buffers; returns its bucket. With
-        :attr:`split_decodes` the one-token ranges come first, in the decode launch's
-        arrays, and the others after them."""
+        :attr:`split_decodes` and ragged decodes the one-token ranges come first, in the
+        decode launch's arrays, and the others after them."""
         from pensieve.kernels.launch import work_items_for
 
         t_max, r_max, mb, c = self.max_tokens, self.max_ranges, self.max_blocks, self.chunk_size
@@ -193,7 +195,9 @@ class MixedGraphs(StepGraphs):
         o = self._dec_at
         dqsl, dstart = np32[o : o + r_max + 1], np32[o + r_max + 1 : o + 2 * r_max + 1]
         drtab = np32[o + 2 * r_max + 1 : o + 3 * r_max + 1]
-        items, num_dec = sched.ranges_in_order(decodes_first=self.split_decodes)
+        dec_lens = sched.decode_kv_lens() if self.split_decodes else []
+        split = bool(dec_lens) and use_split_span(dec_lens, self.span_mode)
+        items, num_dec = sched.ranges_in_order(decodes_first=split)
         for i, s in enumerate(sched.requests):
             tables[i, : len(s.block_table)] = s.block_table
         t = r = d = 0
@@ -235,12 +239,9 @@ class MixedGraphs(StepGraphs):
         dqsl[d + 1 :] = d
         dstart[d:] = 0
         drtab[d:] = 0
-        if self.split_decodes:
-            kv_lens = (dstart[:d] + 1).tolist()
-            if kv_lens and use_split_span(kv_lens, self.span_mode):
-                span = decode_split_span(kv_lens, self.num_kv_heads, self.device)
-            else:  # one split a range: the span covers the longest
-                span = -(-max(kv_lens, default=1) // SPAN_ALIGN) * SPAN_ALIGN
+        if self.split_decodes:  # an empty decode launch where the decodes are not ragged
+            span = (decode_split_span(dec_lens, self.num_kv_heads, self.device) if split
+                    else SPAN_ALIGN)
             np32[self._dec_at + 3 * r_max + 1] = span
         items_ = work_items_for(qlens, self.group, MIXED_TILES[0])
         work[: len(items_)] = items_

@@ -207,7 +207,8 @@ class ModelRunner:
         (``AttentionMetadata.decode``)."""
         c = self.chunk_size
         qlens = [r.query_len for s in sched.requests for r in s.ranges]
-        split = self.mixed_decodes == "split" and min(qlens) == 1 and max(qlens) > 1
+        split = (self.mixed_decodes == "split" and min(qlens) == 1 and max(qlens) > 1
+                 and use_split_span(sched.decode_kv_lens(), self.decode_span_mode))
         items, num_dec = sched.ranges_in_order(decodes_first=split)
         input_ids: list[int] = []
         positions: list[int] = []
