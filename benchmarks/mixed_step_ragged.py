@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=60.0)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--decodes", default="together,split")
+    ap.add_argument("--max-ranges", type=int, default=None,
+                    help="range slots of the mixed-step graphs (default: batch + 1; "
+                    "pensieve serve captures 256)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, torch.device("cuda"))
@@ -53,7 +56,8 @@ def main() -> None:
         os.environ["PENSIEVE_MIXED_DECODES"] = mode  # read when the runner is built
         runner = runners[mode] = ModelRunner(su.model, su.kv, su.chunk)
         runner.enable_decode_graphs(args.batch + 1, max_blocks)
-        runner.enable_mixed_graphs(args.batch + max(prefills), args.batch + 1, max_blocks)
+        runner.enable_mixed_graphs(args.batch + max(prefills), args.max_ranges or args.batch + 1,
+                                   max_blocks)
     rng = random.Random(0)
     free = list(range(su.num_blocks))
     rows = []
