@@ -206,9 +206,10 @@ class ModelRunner:
         ones puts the decodes' tokens first and gives them a decode launch of their own
         (``AttentionMetadata.decode``)."""
         c = self.chunk_size
-        qlens = [r.query_len for s in sched.requests for r in s.ranges]
-        split = (self.mixed_decodes == "split" and min(qlens) == 1 and max(qlens) > 1
-                 and use_split_span(sched.decode_kv_lens(), self.decode_span_mode))
+        num_ranges = sum(len(s.ranges) for s in sched.requests)
+        dec_lens = sched.decode_kv_lens()  # a decode launch's: ragged ones split by span
+        by_span = bool(dec_lens) and use_split_span(dec_lens, self.decode_span_mode)
+        split = self.mixed_decodes == "split" and by_span and len(dec_lens) < num_ranges
         items, num_dec = sched.ranges_in_order(decodes_first=split)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -241,13 +242,11 @@ class ModelRunner:
                   (tables, i32), (input_ids, i64), (positions, i64), (logits_idx, i64)]
         if split:
             arrays += [(qsl[: d + 1], i32), (range_start[:d], i32), (range_table[:d], i32)]
-        dec_starts = range_start[:d] if split else range_start if max_q == 1 else []
-        kv_lens = [p + 1 for p in dec_starts]  # a decode launch: ragged ones split by span
         splits = 0
-        if kv_lens and use_split_span(kv_lens, self.decode_span_mode):
+        if by_span and (split or max_q == 1):  # a decode launch, split by span
             hkv = self.kv_caches[0].shape[-2]
-            splits = decode_kv_splits(len(kv_lens), hkv, self.device)
-            arrays.append(([decode_split_span(kv_lens, hkv, self.device)], i32))
+            splits = decode_kv_splits(len(dec_lens), hkv, self.device)
+            arrays.append(([decode_split_span(dec_lens, hkv, self.device)], i32))
         t = self._upload(arrays)
         tables_t = t[4].view(len(sched.requests), -1)
         attn = AttentionMetadata(
