@@ -2,13 +2,14 @@
 
 A decode-only step of ragged contexts splits its KV by span (``PENSIEVE_DECODE_SPAN=auto``,
 docs/performance.md, "Decode over ragged contexts"); in a step with prefill tokens the same
-decodes go through the mixed-step kernel, unsplit. This times, through
+decodes went through the mixed-step kernel, unsplit, until ``PENSIEVE_MIXED_DECODES=split``
+(now the default) gave them a launch of their own. This times, through
 ``ModelRunner.execute`` from CUDA graphs, ``--batch`` decodes alone (decode graphs) and with
 one turn of P new tokens after ``--history`` cached ones (mixed-step graphs), for contexts
 drawn as ``decode_ragged.py`` draws them (lognormal, ShareGPT's fit) and for the same number
 of decodes at their mean (uniform). ``extra`` = mixed step - decode step. ``--decodes``: the
-runners' ``PENSIEVE_MIXED_DECODES`` (``together``: the decodes in the mixed-step kernel, as
-the engine does by default; ``split``: in a decode launch of their own, split by span), one
+runners' ``PENSIEVE_MIXED_DECODES`` (``together``: the decodes in the mixed-step kernel;
+``split``, the engine's default: in a decode launch of their own, split by span where ragged), one
 runner each::
 
     python benchmarks/mixed_step_ragged.py --out mixed_step_ragged.json

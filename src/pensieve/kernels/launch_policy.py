@@ -48,20 +48,23 @@ def decode_split_span_mode() -> str:
 
 def mixed_decodes_mode() -> str:
     """``PENSIEVE_MIXED_DECODES``: how a step with prefill tokens attends for its one-token
-    ranges (its decodes). ``together`` (the default): in the same launch as its other ranges,
-    unsplit; ``split``: where the decodes are ragged (:func:`use_split_span`), in a decode
-    launch of their own, KV split by span, before the launch of the other ranges; where they
-    are not, as ``together``.
+    ranges (its decodes). ``split`` (the default): where the decodes are ragged
+    (:func:`use_split_span`), in a decode launch of their own, KV split by span, before the
+    launch of the other ranges; where they are not, as ``together``: in the same launch as
+    the other ranges, unsplit.
 
     Why: a decode-only step of 56 ragged contexts took 34.5-37.3 ms unsplit against 18.8-20.8
     split by span (docs/performance.md, "Decode over ragged contexts"). Through the mixed-step
     CUDA graphs (``benchmarks/mixed_step_ragged.py``, 56 decodes, H200, 13B GQA-10), 16 / 160
-    prefill tokens added 11.1-12.7 / 14.1-15.7 ms to a decode step of ragged contexts with the
-    decodes together and 3.1-3.5 / 5.3-5.7 ms split; at uniform contexts, where one split a
-    range is all a span gives, splitting cost 3.6-3.7 ms more than together: hence together
-    there.
+    prefill tokens added 11.1-13.5 / 14.1-16.4 ms to a decode step of ragged contexts with the
+    decodes together and 3.1-3.5 / 5.3-5.7 ms split (with 57 or 256 range slots); at uniform
+    contexts, where one split a range is all a span gives, splitting cost up to 3.7 ms more
+    than together: hence together there. Serving ShareGPT over HTTP (40 / 60 GB tiers),
+    ``split`` took pensieve's steps with prefill from 76.0 to 55.3 us per computed token net of
+    decodes at 1.25 sessions/s and from 58.0 to 51.7 at 1.45; the agentic overload point was
+    unchanged (39.2 us) with 2% more throughput (docs/performance.md).
     """
-    mode = os.environ.get("PENSIEVE_MIXED_DECODES", "together")
+    mode = os.environ.get("PENSIEVE_MIXED_DECODES", "split")
     if mode not in ("together", "split"):
         raise ValueError(f"PENSIEVE_MIXED_DECODES must be together or split, got {mode!r}")
     return mode

@@ -68,7 +68,7 @@ class MixedGraphs(StepGraphs):
         max_blocks: int,
         capture: bool = True,
         layer_waits: GraphLayerWaits | None = None,
-        decodes: str = "together",
+        decodes: str = "split",
         span_mode: str = "auto",
     ) -> None:
         """``layer_waits``: captured per-group swap-in waits (:mod:`pensieve.runner.graph_waits`;
