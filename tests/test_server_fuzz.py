@@ -291,6 +291,13 @@ def test_shutdown_timeout_ends_turns_with_an_error_event_not_a_traceback(
     with httpx.stream("POST", srv.url + CHAT, timeout=120, json={**body, "stream": True}) as r:
         lines = r.iter_lines()
         events = [next(lines)]
+        # both turns in the engine before Ctrl-C (on a loaded machine the plain request's
+        # thread may not have sent it yet: the server would then refuse the connection)
+        deadline = time.monotonic() + 30
+        while (srv.metric("pensieve_requests_running")
+               + srv.metric("pensieve_requests_waiting")) < 2:
+            assert time.monotonic() < deadline, "the non-streaming turn never arrived"
+            time.sleep(0.05)
         srv.proc.send_signal(signal.SIGINT)
         events += list(lines)
     t_plain.join(timeout=120)

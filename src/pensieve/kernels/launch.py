@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 
@@ -151,14 +153,16 @@ def attention_tile_choices(head_dim: int, is_cuda: bool) -> set[tuple[int, int, 
             if m <= r}
 
 
-def work_items_for(query_lens: list[int], group: int, block_m: int) -> list[int]:
+def work_items_for(query_lens: Sequence[int] | np.ndarray, group: int, block_m: int
+                   ) -> np.ndarray:
     """Work items of the static-grid mode: ``range * 65536 + tile`` for every ``block_m``-row
-    tile of every range (rows = query tokens x ``group`` query heads per KV head). At most
-    ``cdiv(total_tokens * group, block_m) + len(query_lens)`` items."""
-    items: list[int] = []
-    for r, q in enumerate(query_lens):
-        items.extend(r * 65536 + t for t in range(triton.cdiv(q * group, block_m)))
-    return items
+    tile of every range (rows = query tokens x ``group`` query heads per KV head), int32, in
+    range order. At most ``cdiv(total_tokens * group, block_m) + len(query_lens)`` items."""
+    tiles = (np.asarray(query_lens, dtype=np.int64) * group + block_m - 1) // block_m
+    firsts = np.cumsum(tiles) - tiles  # each range's first item
+    ranges = np.repeat(np.arange(len(tiles), dtype=np.int64), tiles)
+    within = np.arange(int(tiles.sum()), dtype=np.int64) - np.repeat(firsts, tiles)
+    return (ranges * 65536 + within).astype(np.int32)
 
 
 def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,

@@ -198,34 +198,32 @@ class MixedGraphs(StepGraphs):
         dec_lens = sched.decode_kv_lens() if self.split_decodes else []
         split = bool(dec_lens) and use_split_span(dec_lens, self.span_mode)
         items, num_dec = sched.ranges_in_order(decodes_first=split)
-        for i, s in enumerate(sched.requests):
+        reqs = sched.requests
+        for i, s in enumerate(reqs):
             tables[i, : len(s.block_table)] = s.block_table
-        t = r = d = 0
-        qlens: list[int] = []
-        ends: dict[tuple[int, int], int] = {}
-        for i, j, rng in items:
-            n = rng.query_len
-            table = tables[i]
-            pos = np.arange(rng.start_pos, rng.start_pos + n, dtype=np.int64)
-            ids[t : t + n] = rng.token_ids
-            positions[t : t + n] = pos
-            slots[t : t + n] = table[pos // c].astype(np.int64) * c + pos % c
-            t += n
-            ends[i, j] = t
-            if d < num_dec:  # a decode of the decode launch
-                dstart[d], drtab[d] = rng.start_pos, i
-                d += 1
-                dqsl[d] = t
-                continue
-            start[r], rtab[r] = rng.start_pos, i
-            r += 1
-            qsl[r] = t
-            qlens.append(n)
-        k = 0
-        for i, s in enumerate(sched.requests):
-            if s.sample:
-                rows[k] = ends[i, len(s.ranges) - 1] - 1
-                k += 1
+        # per range, in the step's token order (decodes first where split)
+        n = len(items)
+        req = np.fromiter((i for i, _, _ in items), np.int64, n)
+        starts = np.fromiter((rng.start_pos for _, _, rng in items), np.int64, n)
+        qlens = np.fromiter((rng.query_len for _, _, rng in items), np.int64, n)
+        ends = np.cumsum(qlens)
+        t = int(ends[-1]) if n else 0
+        # per token
+        pos = np.arange(t, dtype=np.int64) + np.repeat(starts - (ends - qlens), qlens)
+        ids[:t] = [tok for _, _, rng in items for tok in rng.token_ids]
+        positions[:t] = pos
+        slots[:t] = tables[np.repeat(req, qlens), pos // c].astype(np.int64) * c + pos % c
+        # the decode launch's ranges, then the others'
+        d, r = num_dec, n - num_dec
+        dstart[:d], drtab[:d], dqsl[1 : d + 1] = starts[:d], req[:d], ends[:d]
+        start[:r], rtab[:r], qsl[1 : r + 1] = starts[d:], req[d:], ends[d:]
+        # logits rows: the last token of each sampled request's last range
+        last = np.fromiter((j == len(reqs[i].ranges) - 1 for i, j, _ in items), np.bool_, n)
+        req_end = np.zeros(len(reqs), dtype=np.int64)
+        req_end[req[last]] = ends[last]
+        sample = np.fromiter((s.sample for s in reqs), np.bool_, len(reqs))
+        k = int(sample.sum())
+        rows[:k] = req_end[sample] - 1
         bucket = self.bucket_for(t)
         ids[t:bucket] = 0
         positions[t:bucket] = 0
@@ -243,7 +241,7 @@ class MixedGraphs(StepGraphs):
             span = (decode_split_span(dec_lens, self.num_kv_heads, self.device) if split
                     else SPAN_ALIGN)
             np32[self._dec_at + 3 * r_max + 1] = span
-        items_ = work_items_for(qlens, self.group, MIXED_TILES[0])
+        items_ = work_items_for(qlens[d:], self.group, MIXED_TILES[0])
         work[: len(items_)] = items_
         np32[-1] = len(items_)
         self._copy_in()

@@ -1,0 +1,147 @@
+"""``MixedGraphs.fill`` (vectorized over ranges and tokens) against a range-by-range
+reference, for random steps: decodes, prefill turns, requests that recompute leading tokens
+beside a new turn, unsampled requests; decodes together or split (ragged or not)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.kernels.launch import work_items_for
+from pensieve.kernels.launch_policy import use_split_span
+from pensieve.runner.mixed_graphs import MIXED_TILES
+
+CHUNK, BLOCKS, MAX_TOKENS, MAX_RANGES, MAX_BLOCKS = 16, 64, 128, 12, 16
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):  # noqa: ANN001, ANN201
+    import transformers
+
+    from pensieve.models.loader import load_model
+    from pensieve.runner.mixed_graphs import MixedGraphs
+    from pensieve.runner.model_runner import allocate_kv_caches
+
+    path = tmp_path_factory.mktemp("fill")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    model, _ = load_model(str(path), dtype=torch.float32, device=torch.device("cpu"))
+    kv = allocate_kv_caches(1, BLOCKS, CHUNK, 2, 8, torch.float32, torch.device("cpu"))
+    return {(d, s): MixedGraphs(model, kv, CHUNK, MAX_TOKENS, MAX_RANGES, MAX_BLOCKS,
+                                capture=False, decodes=d, span_mode=s)
+            for d in ("together", "split") for s in ("auto", "1")}
+
+
+@st.composite
+def steps(draw) -> SchedulerOutput:  # noqa: ANN001
+    reqs = []
+    for i in range(draw(st.integers(1, 6))):
+        ctx = draw(st.integers(1, MAX_BLOCKS * CHUNK - 8))
+        size = (ctx + 4) // CHUNK + 1  # room for a new turn after ctx
+        table = tuple(draw(st.lists(st.integers(0, BLOCKS - 1), min_size=size, max_size=size)))
+        kind = draw(st.sampled_from(["decode", "turn", "recompute"]))
+        tok = st.integers(0, 63)
+        if kind == "decode":
+            ranges = [QueryRange(ctx - 1, [draw(tok)])]
+        elif kind == "turn":
+            n = draw(st.integers(1, min(ctx, 20)))
+            ranges = [QueryRange(ctx - n, draw(st.lists(tok, min_size=n, max_size=n)))]
+        else:  # leading tokens recomputed, then a new turn of 1-4 tokens at the end
+            lead = draw(st.integers(1, min(ctx, 10)))
+            new = draw(st.integers(1, 4))
+            ranges = [QueryRange(0, draw(st.lists(tok, min_size=lead, max_size=lead))),
+                      QueryRange(ctx, draw(st.lists(tok, min_size=new, max_size=new)))]
+        reqs.append(ScheduledRequest(request_id=f"r{i}", block_table=table, ranges=ranges,
+                                     sample=draw(st.booleans()),
+                                     sampling_params=SamplingParams(temperature=0.0),
+                                     num_output_tokens=0))
+    return SchedulerOutput(requests=reqs)
+
+
+def _reference(g, sched: SchedulerOutput, split: bool) -> dict[str, list[int]]:  # noqa: ANN001
+    """Range by range, in the order the kernels read them."""
+    items, num_dec = sched.ranges_in_order(decodes_first=split)
+    out: dict[str, list[int]] = {k: [] for k in ("ids", "pos", "slots", "qsl", "start", "rtab",
+                                                 "dqsl", "dstart", "drtab")}
+    out["qsl"], out["dqsl"] = [num_dec], [0]
+    ends, t = {}, 0
+    for n, (i, j, rng) in enumerate(items):
+        table = sched.requests[i].block_table
+        for k, tok in enumerate(rng.token_ids):
+            p = rng.start_pos + k
+            out["ids"].append(tok)
+            out["pos"].append(p)
+            out["slots"].append(table[p // CHUNK] * CHUNK + p % CHUNK)
+        t += rng.query_len
+        ends[i, j] = t
+        pre = "d" if n < num_dec else ""
+        out[pre + "start"].append(rng.start_pos)
+        out[pre + "rtab"].append(i)
+        out[pre + "qsl"].append(t)
+    out["rows"] = [ends[i, len(s.ranges) - 1] - 1 for i, s in enumerate(sched.requests)
+                   if s.sample]
+    qsl = out["qsl"]
+    out["work"] = work_items_for([b - a for a, b in zip(qsl, qsl[1:])], g.group,
+                                 MIXED_TILES[0]).tolist()
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(sched=steps(), decodes=st.sampled_from(["together", "split"]),
+       span=st.sampled_from(["auto", "1"]))
+def test_fill_writes_what_a_range_by_range_reference_writes(graphs, sched, decodes: str,
+                                                            span: str) -> None:  # noqa: ANN001
+    g = graphs[decodes, span]
+    if not g.can_run(sched):
+        return
+    bucket = g.fill(sched)
+    dec_lens = sched.decode_kv_lens()
+    split = decodes == "split" and bool(dec_lens) and use_split_span(dec_lens, span)
+    ref = _reference(g, sched, split)
+    t, n, nd = len(ref["ids"]), len(ref["qsl"]) - 1, len(ref["dqsl"]) - 1
+    h64, h32 = g._np64, g._np32
+    mt, mr = MAX_TOKENS, MAX_RANGES
+    assert bucket >= t
+    assert h64[:t].tolist() == ref["ids"]
+    assert h64[mt : mt + t].tolist() == ref["pos"]
+    assert h64[2 * mt : 2 * mt + t].tolist() == ref["slots"]
+    assert (h64[2 * mt + t : 2 * mt + bucket] == -1).all()
+    assert h64[3 * mt : 3 * mt + len(ref["rows"])].tolist() == ref["rows"]
+    assert h32[: n + 1].tolist() == ref["qsl"]
+    assert (h32[n + 1 : mr + 1] == t).all()
+    assert h32[mr + 1 : mr + 1 + n].tolist() == ref["start"]
+    assert h32[2 * mr + 1 : 2 * mr + 1 + n].tolist() == ref["rtab"]
+    o = g._dec_at
+    assert h32[o : o + nd + 1].tolist() == ref["dqsl"]
+    assert h32[o + mr + 1 : o + mr + 1 + nd].tolist() == ref["dstart"]
+    assert h32[o + 2 * mr + 1 : o + 2 * mr + 1 + nd].tolist() == ref["drtab"]
+    w0 = 3 * mr + 1 + mr * MAX_BLOCKS
+    assert h32[w0 : w0 + len(ref["work"])].tolist() == ref["work"]
+    assert h32[-1] == len(ref["work"])
+    assert (nd > 0) == split
+    assert np.array_equal(g._host32.numpy(), h32)  # the numpy views write the host buffer
+
+
+def test_graph_fill_host_benchmark_runs(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """``benchmarks/graph_fill_host.py`` on a tiny set-up: one row a batch, both fills timed."""
+    import json
+    import sys
+
+    from bench_scripts import load
+
+    monkeypatch.delenv("PENSIEVE_MIXED_DECODES", raising=False)  # the default
+    out = tmp_path / "fill.json"
+    monkeypatch.setattr(sys, "argv", ["graph_fill_host.py", "--batches", "3,9", "--iters", "2",
+                                      "--reps", "1", "--prefill", "20", "--out", str(out)])
+    load("graph_fill_host").main()
+    rows = json.loads(out.read_text())
+    assert [r["decodes"] for r in rows] == [3, 9]
+    assert all(r["decode_fill_ms"] > 0 and r["mixed_fill_ms"] > 0 for r in rows)
+    assert all(r["mixed_decodes"] == "split" for r in rows)
