@@ -129,6 +129,9 @@ DEFERRED: dict[str, int] = {
     "sharegpt_40_60_defer3_pensieve_1.45": 3,
     "sharegpt_40_60_groups_pensieve_1.25": 3,  # the runner with per-group graph waits
     "sharegpt_40_60_groups_pensieve_1.45": 3,
+    "sharegpt_40_60_split_pensieve_1.25": 3,  # the decodes of steps with prefill split
+    "sharegpt_40_60_split_pensieve_1.45": 3,
+    "agentic_words_overload_split_1.3": 3,
 }
 """Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
