@@ -133,7 +133,9 @@ DEFERRED: dict[str, int] = {
     "sharegpt_40_60_split_pensieve_1.45": 3,
     "agentic_words_overload_split_1.3": 3,
 }
-"""Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0)."""
+"""Steps a turn short of GPU blocks waited for background swap-outs, per pair (default 0), for
+points whose servers did not export it yet (``pensieve_defer_admission_steps`` in their saved
+``/metrics``, which takes precedence over this table)."""
 FUSED = ROOT / "docs" / "results" / "multiturn_fused" / "step_cost_h200_fused.json"
 SCALED = ("base_s", "per_request_s", "per_kv_read_token_s", "per_decode_token_s")
 METRICS = (  # (key, label, scale)
@@ -187,6 +189,8 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
                 swap_out_chunks=g('pensieve_swap_chunks_total:out')
                 + g('pensieve_swap_chunks_total:out_urgent'),
                 urgent_swap_out_chunks=g('pensieve_swap_chunks_total:out_urgent'))
+            if "pensieve_defer_admission_steps" in m:  # servers that export their setting
+                p.setdefault("defer_admission", int(m["pensieve_defer_admission_steps"]))
             p["steps"] = p["prefill_steps"] + p["decode_steps"]
             step_means(p)
             real.append(p)

@@ -161,3 +161,24 @@ def test_shutdown_timeout_flag() -> None:
     for bad in ("-1", "inf", "nan", "soon"):
         with pytest.raises(SystemExit):
             p.parse_args(["--shutdown-timeout", bad])
+
+
+
+def test_defer_admission_is_on_the_record() -> None:
+    """The setting a server ran with is in its ``/metrics`` (``pensieve_defer_admission_steps``),
+    so that a run's saved metrics say it (the simulator's validation reads it from there)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pensieve.engine.llm import LLM
+    from pensieve.server.engine_loop import Snapshot
+    from pensieve.server.metrics import _EngineCollector
+
+    llm = LLM(model="demo-random", device="cpu", num_gpu_blocks=16, num_cpu_blocks=4,
+              defer_admission=2)
+    stats = llm.cache_stats()
+    assert stats["defer_admission"] == 2
+    reg = CollectorRegistry()
+    reg.register(_EngineCollector(SimpleNamespace(snapshot=Snapshot(stats=stats))))
+    assert "pensieve_defer_admission_steps 2.0" in generate_latest(reg).decode()

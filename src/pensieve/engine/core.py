@@ -245,7 +245,8 @@ class EngineCore:
 
     def cache_stats(self) -> dict[str, int]:
         """Totals since start: token sources, swaps (bytes, all ranks), drops, suspensions,
-        failed requests, blocks in use."""
+        failed requests, blocks in use; and ``defer_admission``, the setting (so that a run's
+        saved metrics say what it ran with)."""
         out = self.cache.stats.as_dict()
         out["split_range_requests"] = self.split_range_requests
         out["failed_requests"] = self.failed_requests
@@ -255,6 +256,7 @@ class EngineCore:
         cpu = self.cache.cpu
         out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
         out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
+        out["defer_admission"] = self.cache.defer_admission  # a setting, for the record
         return out
 
 

@@ -56,6 +56,10 @@ class _EngineCollector(Collector):
         yield used
         yield total
         yield usage
+        g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
+                              "GPU blocks may wait for background swap-outs (--defer-admission)")
+        g.add_metric([], st.get("defer_admission", 0))
+        yield g
         yield from _step_metrics(snap.steps or {})
 
 
