@@ -10,7 +10,6 @@ of the bucket, the surplus programs exiting at once.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pensieve.core.outputs import SchedulerOutput
@@ -24,6 +23,7 @@ from pensieve.kernels.launch_policy import (
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import StepGraphs
 from pensieve.runner.graph_waits import GraphLayerWaits
+from pensieve.runner.step_layout import range_layout
 
 MIXED_GRAPH_MAX_TOKENS = 512
 """Mixed steps of more tokens run eagerly. Measured on the H200 (13B GQA-10, bf16, 32 decodes
@@ -198,32 +198,14 @@ class MixedGraphs(StepGraphs):
         dec_lens = sched.decode_kv_lens() if self.split_decodes else []
         split = bool(dec_lens) and use_split_span(dec_lens, self.span_mode)
         items, num_dec = sched.ranges_in_order(decodes_first=split)
-        reqs = sched.requests
-        for i, s in enumerate(reqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        # per range, in the step's token order (decodes first where split)
-        n = len(items)
-        req = np.fromiter((i for i, _, _ in items), np.int64, n)
-        starts = np.fromiter((rng.start_pos for _, _, rng in items), np.int64, n)
-        qlens = np.fromiter((rng.query_len for _, _, rng in items), np.int64, n)
-        ends = np.cumsum(qlens)
-        t = int(ends[-1]) if n else 0
-        # per token
-        pos = np.arange(t, dtype=np.int64) + np.repeat(starts - (ends - qlens), qlens)
-        ids[:t] = [tok for _, _, rng in items for tok in rng.token_ids]
-        positions[:t] = pos
-        slots[:t] = tables[np.repeat(req, qlens), pos // c].astype(np.int64) * c + pos % c
+        lay = range_layout(sched, items, tables, c)
+        t, d, r = lay.num_tokens, num_dec, len(items) - num_dec
+        ids[:t], positions[:t], slots[:t] = lay.ids, lay.positions, lay.slots
         # the decode launch's ranges, then the others'
-        d, r = num_dec, n - num_dec
-        dstart[:d], drtab[:d], dqsl[1 : d + 1] = starts[:d], req[:d], ends[:d]
-        start[:r], rtab[:r], qsl[1 : r + 1] = starts[d:], req[d:], ends[d:]
-        # logits rows: the last token of each sampled request's last range
-        last = np.fromiter((j == len(reqs[i].ranges) - 1 for i, j, _ in items), np.bool_, n)
-        req_end = np.zeros(len(reqs), dtype=np.int64)
-        req_end[req[last]] = ends[last]
-        sample = np.fromiter((s.sample for s in reqs), np.bool_, len(reqs))
-        k = int(sample.sum())
-        rows[:k] = req_end[sample] - 1
+        dstart[:d], drtab[:d], dqsl[1 : d + 1] = lay.starts[:d], lay.req[:d], lay.ends[:d]
+        start[:r], rtab[:r], qsl[1 : r + 1] = lay.starts[d:], lay.req[d:], lay.ends[d:]
+        k = len(lay.rows)
+        rows[:k] = lay.rows
         bucket = self.bucket_for(t)
         ids[t:bucket] = 0
         positions[t:bucket] = 0
@@ -241,7 +223,7 @@ class MixedGraphs(StepGraphs):
             span = (decode_split_span(dec_lens, self.num_kv_heads, self.device) if split
                     else SPAN_ALIGN)
             np32[self._dec_at + 3 * r_max + 1] = span
-        items_ = work_items_for(qlens[d:], self.group, MIXED_TILES[0])
+        items_ = work_items_for(lay.qlens[d:], self.group, MIXED_TILES[0])
         work[: len(items_)] = items_
         np32[-1] = len(items_)
         self._copy_in()

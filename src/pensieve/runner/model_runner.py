@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -28,6 +29,7 @@ from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
 from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
 from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
+from pensieve.runner.step_layout import range_layout
 from pensieve.runner.swapper import KVSwapper
 
 log = logging.getLogger(__name__)
@@ -205,43 +207,22 @@ class ModelRunner:
         ``PENSIEVE_MIXED_DECODES=split``, a step with one-token ranges (decodes) and longer
         ones puts the decodes' tokens first and gives them a decode launch of their own
         (``AttentionMetadata.decode``)."""
-        c = self.chunk_size
         num_ranges = sum(len(s.ranges) for s in sched.requests)
         dec_lens = sched.decode_kv_lens()  # a decode launch's: ragged ones split by span
         by_span = bool(dec_lens) and use_split_span(dec_lens, self.decode_span_mode)
         split = self.mixed_decodes == "split" and by_span and len(dec_lens) < num_ranges
         items, num_dec = sched.ranges_in_order(decodes_first=split)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        range_start: list[int] = []
-        range_table: list[int] = []
-        ends: dict[tuple[int, int], int] = {}
-        for i, j, rng in items:
-            table = sched.requests[i].block_table
-            input_ids.extend(rng.token_ids)
-            pos = range(rng.start_pos, rng.end_pos)
-            positions.extend(pos)
-            slots.extend(table[p // c] * c + p % c for p in pos)
-            qsl.append(len(input_ids))
-            range_start.append(rng.start_pos)
-            range_table.append(i)
-            ends[i, j] = len(input_ids)
-        max_q = max(r.query_len for *_, r in items[num_dec:])  # the decode launch's apart
-        logits_idx = [ends[i, len(s.ranges) - 1] - 1 for i, s in enumerate(sched.requests)
-                      if s.sample]
         max_blocks = max(len(s.block_table) for s in sched.requests)
-        tables: list[int] = []
-        for s in sched.requests:
-            tables.extend(s.block_table)
-            tables.extend([0] * (max_blocks - len(s.block_table)))
+        tables = np.zeros((len(sched.requests), max_blocks), dtype=np.int32)
+        lay = range_layout(sched, items, tables, self.chunk_size)
+        qsl = np.concatenate(([0], lay.ends))
+        max_q = int(lay.qlens[num_dec:].max())  # the decode launch's apart
         d = num_dec
         i64, i32 = torch.int64, torch.int32
-        arrays = [(slots, i64), (qsl[d:], i32), (range_start[d:], i32), (range_table[d:], i32),
-                  (tables, i32), (input_ids, i64), (positions, i64), (logits_idx, i64)]
+        arrays = [(lay.slots, i64), (qsl[d:], i32), (lay.starts[d:], i32), (lay.req[d:], i32),
+                  (tables.ravel(), i32), (lay.ids, i64), (lay.positions, i64), (lay.rows, i64)]
         if split:
-            arrays += [(qsl[: d + 1], i32), (range_start[:d], i32), (range_table[:d], i32)]
+            arrays += [(qsl[: d + 1], i32), (lay.starts[:d], i32), (lay.req[:d], i32)]
         splits = 0
         if by_span and (split or max_q == 1):  # a decode launch, split by span
             hkv = self.kv_caches[0].shape[-2]
