@@ -44,8 +44,8 @@
 # Writes to $OUT (default results_tmp), six files: summary.txt (side by side, also printed),
 # points.jsonl (both points), churn_timeseries.png (sessions in flight, tier occupancy, running /
 # waiting vs time, window shaded), run.log, and churn.tgz: per system its points.jsonl,
-# timeseries.jsonl, requests.jsonl.gz, client and progress logs, the server log and its
-# /metrics at the end.
+# timeseries.jsonl, requests.jsonl.gz, steps.jsonl.gz (every engine step, the server's
+# PENSIEVE_STEP_LOG), client and progress logs, the server log and its /metrics at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -99,7 +99,7 @@ finish() {  # gather what there is into $OUT, print the summary
   for s in $sides; do
     [ -f "$w/$s/timeseries.jsonl" ] && ts+=("$w/$s/timeseries.jsonl")
     [ -f "$w/$s/requests.jsonl" ] && gzip -f "$w/$s/requests.jsonl"
-    [ -f "$w/$s/steps.jsonl" ] && gzip -f "$w/$s/steps.jsonl"  # inproc: every engine step
+    [ -f "$w/$s/steps.jsonl" ] && gzip -f "$w/$s/steps.jsonl"  # every engine step
     [ -f "$w/$s/progress.log" ] && tr '\r' '\n' < "$w/$s/progress.log" \
       | grep -v -e ' @ ' -e '^\s*$' | tail -n 200 > "$w/$s/progress_tail.log" \
       && rm -f "$w/$s/progress.log"
@@ -178,7 +178,8 @@ for s in $sides; do
   # queued turns; it aborts them after 10 s, inside stop_servers's 15 s (the default 30 s ran
   # into its SIGKILL). SERVE_ARGS can override it.
   # shellcheck disable=SC2046,SC2086  # pin, SERVE_ENV and SERVE_ARGS are lists of words
-  env $(pin "$g") $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
+  # PENSIEVE_STEP_LOG: every engine step as a JSON line (steps.jsonl.gz in churn.tgz)
+  env $(pin "$g") PENSIEVE_STEP_LOG="$w/$s/steps.jsonl" $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
     --cache-policy "$sys" --host 127.0.0.1 --port "$p" --store "$w/conversations_$s.db" \
     --log-level "${LOG_LEVEL:-warning}" --shutdown-timeout 10 ${SERVE_ARGS:-} $extra \
     > "$w/server_${s}_$sys.log" 2>&1 &

@@ -24,7 +24,10 @@ mapped`` (inputs and ids through mapped host arrays). CUDA only::
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import time
@@ -124,6 +127,24 @@ def measure(runner: ModelRunner, sched: SchedulerOutput, way: str, order: str, m
             "host_issue_ms": round(statistics.median(issues), 3)}
 
 
+def profile_steps(runner: ModelRunner, sched: SchedulerOutput, way: str, steps: int,
+                  top: int = 30) -> str:
+    """cProfile of ``steps`` calls of ``ModelRunner.execute`` (inputs first), each from an
+    idle device: the functions by their own time, driver calls included."""
+    prof = cProfile.Profile()
+    with Way(runner, way, False):
+        for _ in range(3):
+            run_once(runner, sched, "inputs_first")
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            prof.enable()
+            runner.execute(sched)
+            prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama2-13b-gqa10")
@@ -138,9 +159,15 @@ def main() -> None:
                     help="background swap-out chunks the step issues")
     ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ", ".join(WAYS))
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also print a cProfile of STEPS executes per swap-in count and way")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
+    ways = [w for w in args.ways.split(",") if w]
+    if not ways or set(ways) - set(WAYS):
+        raise SystemExit(f"--ways: a comma-separated choice of {', '.join(WAYS)}")
     if not torch.cuda.is_available():
         raise SystemExit("step_swap_ins.py needs CUDA (CUDA graphs and copy streams)")
     dev = torch.device("cuda")
@@ -161,7 +188,10 @@ def main() -> None:
     for n in swap_ins:
         sched = build_step(args.batch, args.ctx, args.prefill, args.history, n, args.swap_out,
                            su.chunk, su.num_blocks, cpu_blocks, random.Random(n))
-        for way in WAYS:
+        for way in ways:
+            if args.profile:
+                print(f"-- cProfile of {args.profile} steps ({way}, {n} swap-ins)\n"
+                      + profile_steps(runner, sched, way, args.profile), flush=True)
             for order in ORDERS:
                 for mapped in ((False, True) if way == "eager" else (False,)):
                     row = {"swap_in": n, "way": way, "order": order,

@@ -288,3 +288,31 @@ def test_decode_graph_shape_follows_config() -> None:
         ModelConfig(cuda_graph_max_batch=0)
     llm = LLM(model="llama-tiny", dtype="float32", device="cpu", num_gpu_blocks=16)
     assert llm.engine.runner.decode_graphs is None  # the CPU never captures
+
+
+def test_step_log_writes_every_step_as_the_totals_count_them(checkpoint, tmp_path) -> None:  # noqa: ANN001
+    """``StepLog`` (``PENSIEVE_STEP_LOG``) writes one JSON line per step; summed, the lines
+    give the totals ``/metrics`` exports, and each carries the plan's split of swap-ins and
+    its prefill ranges."""
+    import json
+
+    from pensieve.engine.step_record import StepLog
+
+    path, prompts, expected = checkpoint
+    llm = LLM(model=path, dtype="float32", device="cpu")
+    totals, log = StepTotals(), StepLog(str(tmp_path / "steps.jsonl"))
+    llm.engine.step_observers += [totals, log]
+    outs = llm.generate(prompts, GREEDY)
+    log.close()
+    assert [o.output_token_ids for o in outs] == expected
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(rows) == totals.steps > 0
+    assert sum(r["prefill_tokens"] for r in rows) == totals.prefill_tokens
+    assert sum(r["decode_tokens"] for r in rows) == totals.decode_tokens
+    assert sum(r["prefill_tokens"] > 0 for r in rows) == totals.prefill_steps
+    ts = [r["t"] for r in rows]
+    assert ts == sorted(ts)
+    for r in rows:
+        assert r["swap_in_step"] + r["swap_in_ahead"] == r["swap_in_chunks"]
+        assert (r["prefill_ranges"] > 0) == (r["prefill_tokens"] > 0)
+        assert r["prefill_kv"] >= r["prefill_tokens"]

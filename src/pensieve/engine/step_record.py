@@ -10,8 +10,10 @@ No torch here.
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import IO, Any
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 
@@ -143,3 +145,38 @@ class StepTotals:
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def step_log_row(r: StepRecord, t: float) -> dict[str, Any]:
+    """One step as a JSON-ready row: :meth:`StepRecord.as_dict`, ``t`` (seconds since the log
+    opened) and, from the plan, the swap-ins the step waits for (``swap_in_step``) apart from
+    those copied ahead for the next (``swap_in_ahead``), the prefill ranges and the KV they
+    attend over (``prefill_ranges``, ``prefill_kv``: positions summed over the ranges' ends)."""
+    row = r.as_dict()
+    row["t"] = round(t, 4)
+    if r.sched is not None:
+        sw = r.sched.swaps
+        row["swap_in_step"] = len(sw.swap_in)
+        row["swap_in_ahead"] = len(sw.swap_in_ahead)
+        ends = [q.start_pos + q.query_len for s in r.sched.requests for q in s.ranges
+                if q.query_len > 1 or s.num_output_tokens == 0]
+        row["prefill_ranges"] = len(ends)
+        row["prefill_kv"] = sum(ends)
+    return row
+
+
+class StepLog:
+    """A step observer that appends every step to a JSON-lines file (``pensieve serve`` with
+    ``PENSIEVE_STEP_LOG=path``): what ``benchmarks/step_totals.py`` and the simulator's fits
+    read, from a server as users run it. Line-buffered: a server stopped at any point leaves
+    whole lines."""
+
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._t0 = time.monotonic()
+
+    def __call__(self, r: StepRecord) -> None:
+        self._file.write(json.dumps(step_log_row(r, time.monotonic() - self._t0)) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

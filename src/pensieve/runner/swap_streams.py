@@ -52,12 +52,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from pensieve.core.copy_order import copy_waits
 from pensieve.core.outputs import SwapPlan
+
+_T = TypeVar("_T")
 
 # ---------------------------------------------------------------------- ordering (pure)
 
@@ -131,15 +133,23 @@ class Streams(Protocol):
 
 
 class CudaStreams:
-    """:class:`Streams` on a CUDA device: a high-priority in stream, a normal out stream."""
+    """:class:`Streams` on a CUDA device: a high-priority in stream, a normal out stream.
+
+    A step with swap-ins switches streams ~20 times on the host: :meth:`run` sets and restores
+    the current stream itself, on a device with an explicit index, where
+    ``torch.cuda.stream(...)`` and ``torch.cuda.current_stream()`` look the current device up
+    through several Python calls each time (about a third of the host time of issuing a
+    step's staged swap-ins, ``benchmarks/step_host_phases.py``)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self._index = index
         # High priority: swap-ins are on the step's critical path.
-        self.in_stream = torch.cuda.Stream(device, priority=-1)
-        self.out_stream = torch.cuda.Stream(device)
-        self.dma_stream = torch.cuda.Stream(device)
-        self.in_dma_stream = torch.cuda.Stream(device, priority=-1)
+        self.in_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.out_stream = torch.cuda.Stream(self.device)
+        self.dma_stream = torch.cuda.Stream(self.device)
+        self.in_dma_stream = torch.cuda.Stream(self.device, priority=-1)
 
     def _s(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device) if stream is None else stream
@@ -154,12 +164,23 @@ class CudaStreams:
 
     def upload(self, stream: torch.cuda.Stream, pairs: list[tuple[int, int]]) -> torch.Tensor:
         host = torch.tensor(pairs, dtype=torch.int64, pin_memory=True)
-        with torch.cuda.stream(stream):  # allocated for, and copied on, that stream
-            return host.to(self.device, non_blocking=True)
+        # allocated for, and copied on, that stream
+        return self._on(stream, lambda: host.to(self.device, non_blocking=True))
 
     def run(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
-        with torch.cuda.stream(stream):
-            fn()
+        self._on(stream, fn)
+
+    def _on(self, stream: torch.cuda.Stream, fn: Callable[[], _T]) -> _T:
+        """``fn()`` with ``stream`` current, then the stream before it again."""
+        if torch.cuda.current_device() != self._index:  # let torch switch the device too
+            with torch.cuda.stream(stream):
+                return fn()
+        prev = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(stream)
+        try:
+            return fn()
+        finally:
+            torch.cuda.set_stream(prev)
 
     def query(self, event: torch.cuda.Event) -> bool:
         return event.query()

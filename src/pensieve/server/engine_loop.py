@@ -11,13 +11,14 @@ the engine's host work off the GIL the HTTP side holds.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pensieve.core.outputs import TokenLogprobs
 from pensieve.engine.outputs import RequestOutput
-from pensieve.engine.step_record import StepTotals
+from pensieve.engine.step_record import StepLog, StepTotals
 from pensieve.server.engine_ops import rebase
 
 log = logging.getLogger("pensieve.server")
@@ -77,6 +78,9 @@ class EngineLoop:
         self.updates: list[tuple[str, Update]] = []
         self.step_totals = StepTotals()
         engine.step_observers.append(self.step_totals)
+        path = os.environ.get("PENSIEVE_STEP_LOG")
+        if path:  # every step as a JSON line, for the step-cost analyses
+            engine.step_observers.append(StepLog(path))
 
     def snapshot(self) -> Snapshot:
         eng = self.engine
