@@ -18,7 +18,8 @@ seconds and the chunks moved between the tiers. This prints, per server:
 Input: ``metrics_end.txt`` files (what ``benchmarks/churn_points.sh`` saves in ``churn.tgz``), a
 ``churn.tgz`` itself, or a server URL (``http://host:port``). In-process runs
 (``MODE=inproc``) have no server: their ``steps.jsonl(.gz)`` (every engine step with its host
-times, ``multiturn.py --engine real``) is summed into the same counters::
+times, ``multiturn.py --engine real``) is summed into the same counters, as is a server's own
+step log (``PENSIEVE_STEP_LOG``, saved by ``churn_points.sh``)::
 
     python benchmarks/step_totals.py docs/results/churn/stateless_pensieve_0.7/churn.tgz
 """
@@ -98,12 +99,18 @@ def totals_of_steps(lines: list[str]) -> dict[str, float]:
         if not line.strip():
             continue
         d = json.loads(line)
+        if "prefill_tokens" in d:  # a server's PENSIEVE_STEP_LOG row (StepRecord.as_dict)
+            d = {"num_prefill_tokens": d["prefill_tokens"], "time_s": d["execute_s"],
+                 "host": {"execute_s": d["execute_s"], "prepare_s": d["host_prepare_s"],
+                          "issue_s": d["host_issue_s"], "schedule_s": d["schedule_s"],
+                          "update_s": d["update_s"]}, **d}
         host = d.get("host") or {}
         kind = "prefill" if d.get("num_prefill_tokens", 0) > 0 else "decode"
         add(f"pensieve_steps_total:{kind}", 1)
         add(f"pensieve_step_execute_seconds_total:{kind}", host.get("execute_s", d["time_s"]))
         add(f"pensieve_step_host_prepare_seconds_total:{kind}", host.get("prepare_s", 0.0))
         add(f"pensieve_step_host_issue_seconds_total:{kind}", host.get("issue_s", 0.0))
+        add(f"pensieve_graph_steps_total:{kind}", float(d.get("graph_replay", False)))
         add("pensieve_computed_tokens_total:prefill", d.get("num_prefill_tokens", 0))
         add("pensieve_scheduler_seconds_total:schedule", host.get("schedule_s", 0.0))
         add("pensieve_scheduler_seconds_total:update", host.get("update_s", 0.0))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,8 +193,8 @@ class ModelRunner:
         """Host lists onto the device: pinned non-blocking copies, or (``PENSIEVE_HOST_IO=
         mapped``) packed into mapped host arrays read by one kernel per dtype."""
         if self._uploads is None:
-            return [torch.tensor(data, dtype=dt, pin_memory=self._pin).to(
-                self.device, non_blocking=True) for data, dt in arrays]
+            return [_pinned(data, dt, self._pin).to(self.device, non_blocking=True)
+                    for data, dt in arrays]
         return self._uploads.upload(arrays)
 
     def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
@@ -330,6 +331,15 @@ class ModelRunner:
             decode_split_span=split_span,
             graph_replay=graphs is not None and graphs.captured,
         )
+
+
+def _pinned(data: Any, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """``data`` (a list or a numpy array) in a new host tensor of ``dtype``, page-locked if
+    ``pin`` (``torch.tensor`` cannot pin what it builds from a numpy array)."""
+    a = np.asarray(data)
+    t = torch.empty(a.shape, dtype=dtype, pin_memory=pin)
+    t.numpy()[...] = a
+    return t
 
 
 def _multi_rank() -> bool:
