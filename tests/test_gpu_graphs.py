@@ -17,7 +17,8 @@ from tiny_hf import assert_same_turns, swap_llm_kwargs
 
 from pensieve import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.mark.parametrize("decodes", ["together", "split"])

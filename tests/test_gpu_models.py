@@ -20,7 +20,8 @@ import transformers
 
 from pensieve import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TOP_K = 5
 MAX_NEW = 32

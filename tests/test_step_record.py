@@ -152,3 +152,53 @@ def test_model_runner_reports_its_host_time(tiny_llama) -> None:  # noqa: ANN001
     d = totals.as_dict()
     assert 0.0 < d["prefill_step_prepare_s"] <= d["prefill_step_issue_s"]
     assert 0.0 < d["decode_step_prepare_s"] <= d["decode_step_issue_s"]
+
+
+def _server_log(tmp_path):  # noqa: ANN001, ANN202
+    """A server step log (StepLog) of three steps: one with 400 prefill tokens (a graph replay,
+    5 chunks of its own swapped in, 3 ahead), two decode-only steps of 10 ms."""
+    from pensieve.engine.step_record import StepLog
+
+    def sched(prefill: int, swaps: SwapPlan) -> SchedulerOutput:
+        reqs = [ScheduledRequest("d", [0, 1], [QueryRange(40, [1])], True, P, 3)]
+        if prefill:
+            reqs.append(ScheduledRequest("p", [2] * 20, [QueryRange(100, [7] * prefill)],
+                                         True, P, 0))
+        return SchedulerOutput(requests=reqs, swaps=swaps)
+
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(str(path))
+    big = SwapPlan(swap_in=[(i, i) for i in range(5)], swap_in_ahead=[(9, 9)] * 3)
+    log(StepRecord.of(sched(400, big), RunnerOutput({}, step_time_s=0.04, host_prepare_s=0.002,
+                                                     host_issue_s=0.003, graph_replay=True),
+                      0.001, 0.04, 0.001))
+    for _ in range(2):
+        log(StepRecord.of(sched(0, SwapPlan()), RunnerOutput({}, step_time_s=0.01), 0.0, 0.01,
+                          0.0))
+    log.close()
+    return path
+
+
+def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) -> None:  # noqa: ANN001
+    """A server's PENSIEVE_STEP_LOG rows: step_totals.py sums them into the /metrics counters;
+    step_breakdown.py splits the steps with prefill by class with the same net cost."""
+    path = _server_log(tmp_path)
+    totals = load("step_totals")
+    [(_, m)] = totals.sources(str(path))
+    c = totals.costs(m)
+    assert c["prefill_steps"] == 1 and c["decode_steps"] == 2
+    assert c["us_per_prefill_token"] == 100.0 and c["us_per_prefill_token_net"] == 75.0
+    assert c["prefill_host_prepare_ms"] == 2.0 and c["prefill_graph_share"] == 1.0
+    brk = load("step_breakdown")
+    s = brk.summarize(brk.load_rows(str(path)))
+    assert s["decode_steps"] == 2 and s["decode_step_ms"] == 10.0
+    by = {c["class"]: c for c in s["classes"]}
+    every = by["all steps with prefill"]
+    assert every["steps"] == 1 and every["net_us_per_token"] == 75.0
+    assert every["swap_in_step"] == 5 and every["swap_in_ahead"] == 3
+    assert by["graph, own swap-ins"]["steps"] == 1 and by["eager"]["steps"] == 0
+    assert by["256-511 tokens"]["steps"] == 1 and by["1-63 tokens"]["steps"] == 0
+    assert "us/tok net" in brk.table(s)
+    png = tmp_path / "b.png"
+    assert brk.main([str(path), "--plot", str(png), "--json", str(tmp_path / "b.json")]) == 0
+    assert png.stat().st_size > 0

@@ -1,0 +1,159 @@
+"""Where the time of steps with prefill goes, from a server's own step log.
+
+``pensieve serve`` with ``PENSIEVE_STEP_LOG=path`` writes every engine step as a JSON line
+(``churn_points.sh`` sets it and saves ``steps.jsonl.gz`` in ``churn.tgz``). This splits the
+steps with prefill into classes and prints, per class: steps, prefill tokens a step, the mean
+step (executor) time, the runner's host prepare and issue times, the chunks swapped in by the
+step itself and copied ahead for the next, and the cost *net* of the step's decodes (the step's
+time less the mean decode-only step, per computed prefill token: what
+``benchmarks/step_totals.py`` reports for all of them together), with each class's share of
+the prefill tokens and of that net time. Classes: replayed from a CUDA graph or eager; with or
+without swap-ins of its own; by prefill tokens a step. ``--plot`` draws the net cost per token
+against the step's prefill tokens::
+
+    python benchmarks/step_breakdown.py \
+        docs/results/churn/sharegpt_40_60_pensieve_1.25_c517300/churn.tgz \
+        --plot step_breakdown.png --json step_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+TOKEN_BINS = (1, 64, 128, 256, 512, 1024, 4096)
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """The step rows of a ``steps.jsonl(.gz)`` or of the first ``steps.jsonl.gz`` in a
+    ``churn.tgz``."""
+    p = Path(path)
+    if p.suffix in (".tgz", ".gz") and tarfile.is_tarfile(p):
+        with tarfile.open(p) as tar:
+            member = next((m for m in tar.getmembers()
+                           if m.name.rsplit("/", 1)[-1] == "steps.jsonl.gz"), None)
+            if member is None:
+                raise SystemExit(f"{path}: no steps.jsonl.gz (a server run with "
+                                 "PENSIEVE_STEP_LOG, churn_points.sh saves it)")
+            f = tar.extractfile(member)
+            assert f is not None
+            text = gzip.decompress(f.read()).decode()
+    else:
+        opener = gzip.open if p.suffix == ".gz" else open
+        with opener(p, "rt") as fh:
+            text = fh.read()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not rows or "prefill_tokens" not in rows[0]:
+        raise SystemExit(f"{path}: not a server step log (StepRecord rows)")
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per class of steps with prefill: counts, means and the net cost per prefill token."""
+    decode = [r["execute_s"] for r in rows if r["prefill_tokens"] == 0]
+    if not decode:
+        raise SystemExit("no decode-only steps: the net cost needs their mean")
+    base = statistics.fmean(decode)
+    prefill = [r for r in rows if r["prefill_tokens"] > 0]
+    all_tokens = sum(r["prefill_tokens"] for r in prefill) or 1
+    all_net = sum(r["execute_s"] - base for r in prefill) or 1.0
+
+    def row(name: str, sel: list[dict[str, Any]]) -> dict[str, Any]:
+        if not sel:
+            return {"class": name, "steps": 0}
+        tokens = sum(r["prefill_tokens"] for r in sel)
+        net = sum(r["execute_s"] - base for r in sel)
+
+        def mean(key: str) -> float:
+            return statistics.fmean(r.get(key, 0) for r in sel)
+
+        return {"class": name, "steps": len(sel), "tokens_per_step": tokens / len(sel),
+                "step_ms": mean("execute_s") * 1e3, "prepare_ms": mean("host_prepare_s") * 1e3,
+                "issue_ms": mean("host_issue_s") * 1e3, "swap_in_step": mean("swap_in_step"),
+                "swap_in_ahead": mean("swap_in_ahead"), "decodes": mean("decode_tokens"),
+                "net_us_per_token": net / tokens * 1e6, "token_share": tokens / all_tokens,
+                "net_share": net / all_net}
+
+    classes = [row("all steps with prefill", prefill),
+               row("graph", [r for r in prefill if r["graph_replay"]]),
+               row("eager", [r for r in prefill if not r["graph_replay"]]),
+               row("graph, own swap-ins", [r for r in prefill if r["graph_replay"]
+                                           and r.get("swap_in_step", 0) > 0]),
+               row("graph, none of its own", [r for r in prefill if r["graph_replay"]
+                                              and r.get("swap_in_step", 0) == 0])]
+    edges = [*TOKEN_BINS, None]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = [r for r in prefill if r["prefill_tokens"] >= lo
+               and (hi is None or r["prefill_tokens"] < hi)]
+        classes.append(row(f"{lo}-{hi - 1} tokens" if hi else f">= {lo} tokens", sel))
+    return {"decode_step_ms": base * 1e3, "decode_steps": len(decode), "classes": classes,
+            "points": [(r["prefill_tokens"], (r["execute_s"] - base) * 1e3,
+                        bool(r["graph_replay"])) for r in prefill]}
+
+
+def table(s: dict[str, Any]) -> str:
+    cols = [("steps", "steps", "{:>6}"), ("tokens_per_step", "tok/step", "{:>8.1f}"),
+            ("step_ms", "step ms", "{:>8.2f}"), ("prepare_ms", "prep ms", "{:>8.2f}"),
+            ("issue_ms", "issue ms", "{:>8.2f}"), ("swap_in_step", "swap-in", "{:>8.1f}"),
+            ("swap_in_ahead", "ahead", "{:>8.1f}"), ("decodes", "decodes", "{:>8.1f}"),
+            ("net_us_per_token", "us/tok net", "{:>10.1f}"),
+            ("token_share", "tokens", "{:>7.1%}"), ("net_share", "net time", "{:>8.1%}")]
+    width = [len(f.format(0)) for _, _, f in cols]
+    out = [f"decode-only steps: {s['decode_steps']}, mean {s['decode_step_ms']:.2f} ms",
+           f"{'class':<24} " + " ".join(f"{h:>{w}}" for (_, h, _), w in zip(cols, width))]
+    for c in s["classes"]:
+        if not c["steps"]:
+            out.append(f"{c['class']:<24} {0:>6}")
+            continue
+        out.append(f"{c['class']:<24} " + " ".join(f.format(c[k]) for k, _, f in cols))
+    return "\n".join(out)
+
+
+def plot(s: dict[str, Any], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for graph, label, color in ((True, "replayed from a graph", "tab:blue"),
+                                (False, "eager", "tab:orange")):
+        pts = [(t, ms / t * 1e3) for t, ms, g in s["points"] if g == graph]
+        if pts:
+            ax.scatter(*zip(*pts), s=6, alpha=0.4, color=color, label=label)
+    ax.set_xscale("log")
+    ax.set_ylim(-50, 400)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("prefill tokens of the step")
+    ax.set_ylabel("step time less the mean decode step,\nper prefill token (us)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("log", help="steps.jsonl(.gz) of a server, or a churn.tgz holding one")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    s = summarize(load_rows(args.log))
+    print(table(s))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in s.items() if k != "points"}, f, indent=1)
+    if args.plot:
+        plot(s, args.plot, f"steps with prefill: {args.log}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
