@@ -24,11 +24,8 @@ captured with that many waits). CUDA only::
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import random
 import statistics
 import time
@@ -38,7 +35,7 @@ from typing import Any
 
 import torch
 from decode_step import setup
-from step_swap_ins import build_step
+from step_swap_ins import add_step_args, build_step, profile_executes
 
 from pensieve.runner.model_runner import ModelRunner
 
@@ -94,34 +91,11 @@ def measure(runner: ModelRunner, sched: Any, iters: int) -> dict[str, float]:
     return {f"{p}_ms": round(statistics.median(times[p]), 3) for p in PHASES}
 
 
-def profile(runner: ModelRunner, sched: Any, steps: int, top: int = 45) -> str:
-    """cProfile of ``steps`` executes from an idle device, by cumulative time."""
-    prof = cProfile.Profile()
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        prof.enable()
-        runner.execute(sched)
-        prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
-    return buf.getvalue()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama2-13b-gqa10")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, default=52)
-    ap.add_argument("--ctx", type=int, default=2304)
-    ap.add_argument("--prefill", type=int, default=288)
-    ap.add_argument("--history", type=int, default=4096)
-    ap.add_argument("--swap-in", default="0,64,128",
-                    help="history chunks swapped in by the step, comma-separated")
-    ap.add_argument("--swap-out", type=int, default=64,
-                    help="background swap-out chunks the step issues")
+    add_step_args(ap, 52, 2304, 288, 4096, "0,64,128")
     ap.add_argument("--groups", default="8,4,2",
                     help="PENSIEVE_SWAP_IN_GROUPS values, comma-separated")
-    ap.add_argument("--kv-gb", type=float, default=40.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also print a cProfile (by cumulative time) of STEPS executes at the "
@@ -149,7 +123,8 @@ def main() -> None:
                                random.Random(n))
             if args.profile and (not rows or rows[0]["groups"] == groups):
                 print(f"-- cProfile of {args.profile} steps ({groups} groups, {n} swap-ins)\n"
-                      + profile(runner, sched, args.profile), flush=True)
+                      + profile_executes(runner, sched, args.profile, "cumulative", 45),
+                      flush=True)
             row = {"groups": groups, "swap_in": n, "method": runner.swapper.method,
                    **measure(runner, sched, args.iters)}
             rows.append(row)

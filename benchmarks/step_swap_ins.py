@@ -127,37 +127,48 @@ def measure(runner: ModelRunner, sched: SchedulerOutput, way: str, order: str, m
             "host_issue_ms": round(statistics.median(issues), 3)}
 
 
-def profile_steps(runner: ModelRunner, sched: SchedulerOutput, way: str, steps: int,
-                  top: int = 30) -> str:
-    """cProfile of ``steps`` calls of ``ModelRunner.execute`` (inputs first), each from an
-    idle device: the functions by their own time, driver calls included."""
+def profile_executes(runner: ModelRunner, sched: SchedulerOutput, steps: int,
+                     sort: str = "tottime", top: int = 30) -> str:
+    """cProfile of ``steps`` calls of ``ModelRunner.execute``, each from an idle device,
+    sorted by ``sort``: driver calls included."""
     prof = cProfile.Profile()
-    with Way(runner, way, False):
-        for _ in range(3):
-            run_once(runner, sched, "inputs_first")
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            prof.enable()
-            runner.execute(sched)
-            prof.disable()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        prof.enable()
+        runner.execute(sched)
+        prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
     return buf.getvalue()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def profile_steps(runner: ModelRunner, sched: SchedulerOutput, way: str, steps: int) -> str:
+    """:func:`profile_executes` of the step run ``way`` (inputs first), after a warm-up."""
+    with Way(runner, way, False):
+        for _ in range(3):
+            run_once(runner, sched, "inputs_first")
+        return profile_executes(runner, sched, steps)
+
+
+def add_step_args(ap: argparse.ArgumentParser, batch: int, ctx: int, prefill: int,
+                  history: int, swap_in: str) -> None:
+    """The step's shape, with these defaults, and the model's."""
     ap.add_argument("--model", default="llama2-13b-gqa10")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--ctx", type=int, default=1792)
-    ap.add_argument("--prefill", type=int, default=160)
-    ap.add_argument("--history", type=int, default=8192)
-    ap.add_argument("--swap-in", default="0,16,64,128,256",
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--ctx", type=int, default=ctx)
+    ap.add_argument("--prefill", type=int, default=prefill)
+    ap.add_argument("--history", type=int, default=history)
+    ap.add_argument("--swap-in", default=swap_in,
                     help="history chunks swapped in by the step, comma-separated")
     ap.add_argument("--swap-out", type=int, default=64,
                     help="background swap-out chunks the step issues")
     ap.add_argument("--kv-gb", type=float, default=40.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_step_args(ap, 64, 1792, 160, 8192, "0,16,64,128,256")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of " + ", ".join(WAYS))
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
