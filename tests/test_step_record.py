@@ -202,3 +202,28 @@ def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) 
     png = tmp_path / "b.png"
     assert brk.main([str(path), "--plot", str(png), "--json", str(tmp_path / "b.json")]) == 0
     assert png.stat().st_size > 0
+
+
+def test_server_engine_loop_opens_the_step_log_or_warns(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """``PENSIEVE_STEP_LOG``: the engine loop adds a StepLog; a path it cannot open leaves the
+    server running without one, with a warning."""
+    from types import SimpleNamespace
+
+    from pensieve.engine.step_record import StepLog
+    from pensieve.server.engine_loop import EngineLoop
+
+    def loop() -> list:  # type: ignore[type-arg]
+        eng = SimpleNamespace(step_observers=[])
+        EngineLoop(eng, lambda *a: None)
+        return eng.step_observers
+
+    monkeypatch.delenv("PENSIEVE_STEP_LOG", raising=False)
+    assert [type(o) for o in loop()] == [StepTotals]
+    monkeypatch.setenv("PENSIEVE_STEP_LOG", str(tmp_path / "steps.jsonl"))
+    observers = loop()
+    assert [type(o) for o in observers] == [StepTotals, StepLog]
+    observers[1].close()
+    monkeypatch.setenv("PENSIEVE_STEP_LOG", str(tmp_path))  # a directory
+    with caplog.at_level("WARNING", logger="pensieve.server"):
+        assert [type(o) for o in loop()] == [StepTotals]
+    assert "PENSIEVE_STEP_LOG" in caplog.text

@@ -80,7 +80,10 @@ class EngineLoop:
         engine.step_observers.append(self.step_totals)
         path = os.environ.get("PENSIEVE_STEP_LOG")
         if path:  # every step as a JSON line, for the step-cost analyses
-            engine.step_observers.append(StepLog(path))
+            try:
+                engine.step_observers.append(StepLog(path))
+            except OSError as e:  # serve anyway: the log is for analysis only
+                log.warning("PENSIEVE_STEP_LOG=%s cannot be opened (%s): no step log", path, e)
 
     def snapshot(self) -> Snapshot:
         eng = self.engine
