@@ -221,3 +221,34 @@ def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> N
     assert want.shape[0] == 5
     for key, got in logits.items():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(key))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_ahead_copies_waited_for_by_layers_give_the_same_tokens(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """``PENSIEVE_AHEAD_WAITS=layers`` (each layer of the next step waits for its group of
+    the ahead copies) gives the greedy tokens of waiting for all of them first, under a tiny
+    GPU tier where turns are swapped in ahead."""
+    from tiny_hf import assert_same_turns, tiny_swap_llama
+
+    from pensieve import LLM
+    from pensieve.runner.swapper import KVSwapper
+
+    common = tiny_swap_llama(tmp_path, num_layers=3)
+    layered_waits = []
+    wait_ahead = KVSwapper._wait_ahead
+
+    def counting(self):  # noqa: ANN001, ANN202
+        events = wait_ahead(self)
+        layered_waits.append(events is not None)
+        return events
+
+    monkeypatch.setattr(KVSwapper, "_wait_ahead", counting)
+    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "layers")
+    layered = LLM(**common)
+    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "all")
+    whole = LLM(**common)
+    assert layered.engine.runner.swapper.ahead_waits == "layers"
+    assert whole.engine.runner.swapper.ahead_waits == "all"
+    assert_same_turns([layered, whole], random.Random(1), rounds=3)
+    assert any(layered_waits), "no step waited for ahead copies by layers"

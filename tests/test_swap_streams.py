@@ -134,7 +134,8 @@ class SimStreams:
 
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
-             ahead_path: str = "kernel", urgent_layered: bool = False) -> None:
+             ahead_path: str = "kernel", urgent_layered: bool = False,
+             ahead_waits: str = "all") -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -149,7 +150,7 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
     sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
                       ahead=ahead_path if method in ("hybrid", "staged") else None,
-                      urgent_layered=urgent_layered)
+                      urgent_layered=urgent_layered, ahead_waits=ahead_waits)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
@@ -242,6 +243,44 @@ def test_simulated_swap_ins_ahead_through_the_copy_engines(seed: int) -> None:
     simulate(seed, method="hybrid", ahead_path="dma")
 
 
+@pytest.mark.parametrize(("method", "ahead_path"), [("staged", "kernel"), ("hybrid", "dma")])
+@pytest.mark.parametrize("seed", range(40))
+def test_simulated_ahead_copies_waited_for_by_layers(seed: int, method: str,
+                                                     ahead_path: str) -> None:
+    """``ahead_waits="layers"``: the ahead copies go by groups of layers, and the next step's
+    layer i waits for its group only (also when the step has no copies of its own); it still
+    reads them done, its writes and swap-outs land after them, and the tiers end as the
+    sequential reference's."""
+    simulate(seed, method=method, ahead_path=ahead_path, ahead_waits="layers")
+
+
+def test_simulator_catches_ahead_copies_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation is sharp enough: a step whose layers do not wait for the previous
+    step's ahead copies reads some of them not yet done."""
+    def no_wait(self: KVSwapper) -> None:
+        return None
+
+    monkeypatch.setattr(KVSwapper, "_wait_ahead", no_wait)
+    assert _fails(range(40), "staged", ahead_waits="layers") > 0
+
+
+def test_ahead_waits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
+    assert make_swapper(caches, 4, "staged").ahead_waits == "all"  # the default
+    assert make_swapper(caches, 4, "staged", ahead_waits="layers").ahead_waits == "layers"
+    assert make_swapper(caches, 4, "hybrid", ahead="dma",
+                        ahead_waits="layers").ahead_waits == "layers"
+    for method in ("kernel", "hybrid"):  # ahead copies through the kernel: all at once
+        with pytest.raises(ValueError, match="ahead waits 'layers'"):
+            make_swapper(caches, 4, method, ahead_waits="layers")
+    with pytest.raises(ValueError, match="not in"):
+        make_swapper(caches, 4, "staged", ahead_waits="some")
+    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "layers")
+    assert make_swapper(caches, 4, "staged").ahead_waits == "layers"
+    assert make_swapper(caches, 4, "kernel").ahead_waits == "all"  # where it applies only
+    assert make_swapper(caches, 4, "dma").ahead_waits == "all"
+
+
 @pytest.mark.parametrize("method", ["kernel", "hybrid"])
 @pytest.mark.parametrize("seed", range(40))
 def test_simulated_layered_urgent_swap_outs(seed: int, method: str) -> None:
@@ -312,11 +351,12 @@ def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert make_swapper(caches, 4, "dma").ahead == "kernel"  # where it applies only
 
 
-def _fails(seeds: range, method: str = "kernel", urgent_layered: bool = False) -> int:
+def _fails(seeds: range, method: str = "kernel", urgent_layered: bool = False,
+           **kw: Any) -> int:
     failed = 0
     for seed in seeds:
         try:
-            simulate(seed, method=method, urgent_layered=urgent_layered)
+            simulate(seed, method=method, urgent_layered=urgent_layered, **kw)
         except AssertionError:
             failed += 1
     return failed

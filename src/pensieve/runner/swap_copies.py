@@ -276,6 +276,32 @@ class CopyPaths(StagedPaths):
 
     # ------------------------------------------------------------------ DMA
 
+    def _batch_plan(self, plan: SwapPlan) -> Step:
+        """Synchronous and DMA paths: the three lists batched (DMA: runs and staging, grown
+        to the largest list; kernel: pair tensors; staged: the pairs)."""
+        if self.method in STREAM_METHODS:
+            def t(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
+                return torch.tensor(pairs, dtype=torch.int64) if pairs else None
+
+            def staged(pairs: list[tuple[int, int]]) -> Staged | None:
+                return Staged(list(pairs)) if pairs else None
+
+            chunk_major = self.method in CHUNK_MAJOR
+            step = Step(t(plan.swap_out_first),
+                         staged(plan.swap_in) if self.method == "staged" else t(plan.swap_in),
+                         staged(plan.swap_out) if chunk_major else t(plan.swap_out))
+        else:
+            out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
+            swap_in = self._batch([(g, c) for c, g in plan.swap_in])
+            swap_out = self._batch([(g, c) for g, c in plan.swap_out])
+            staged = [b.n for b in (out_first, swap_in, swap_out)
+                      if b is not None and b.gpu is None]
+            need = 2 * max(staged, default=0) * self.gpu_caches[0][0, 0].numel()
+            if need > self._staging.numel():
+                self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
+            step = Step(out_first, swap_in, swap_out)
+        return step
+
     def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
         assert self._stream is not None
         compute = torch.cuda.current_stream(self.device)
@@ -408,4 +434,3 @@ def stacked_layers(caches: list[torch.Tensor]) -> torch.Tensor | None:
     if last_end > first.untyped_storage().nbytes() // esize:
         return None
     return first.as_strided((len(caches), *first.shape), (step // esize, *first.stride()))
-

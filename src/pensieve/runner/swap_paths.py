@@ -1,12 +1,15 @@
 """How the swapper's optional copy paths are chosen: swap-ins ahead through the kernel or the
-copy engines, urgent swap-outs at once or layer by layer, staged swap-ins by how many groups
-of layers (:mod:`pensieve.runner.swapper`),
-from the constructor's argument or, given None, the environment where the path applies."""
+copy engines, and how the next step waits for them; urgent swap-outs at once or layer by
+layer; staged swap-ins by how many groups of layers (:mod:`pensieve.runner.swapper`), from the
+constructor's argument or, given None, the environment where the path applies. And the
+validation of a plan's block ids."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
+from pensieve.core.outputs import SwapPlan
 from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
 from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS
 
@@ -50,3 +53,50 @@ def in_groups_of(in_groups: int | None, num_layers: int) -> int:
     if in_groups < 1:
         raise ValueError(f"in_groups {in_groups} < 1 (PENSIEVE_SWAP_IN_GROUPS: a count)")
     return min(in_groups, num_layers)
+
+
+AHEAD_WAITS = ("all", "layers")
+"""How a step's compute waits for the previous step's ``swap_in_ahead`` copies
+(:class:`KVSwapper` ``ahead_waits``)."""
+
+
+def ahead_waits_of(waits: str | None, method: str, ahead: str) -> str:
+    """``"all"``: the step's compute waits for every ahead copy before anything else;
+    ``"layers"``: the ahead copies go by the staged swap-ins' groups of layers, and each layer
+    of the next step waits for its group only (as for the step's own swap-ins), so the step
+    starts while the tail of the copies still runs. ``layers`` needs the ahead copies through
+    the copy engines (``staged``, or ``ahead="dma"``). ``waits``, else
+    ``PENSIEVE_AHEAD_WAITS`` where it applies, else ``"all"``."""
+    chosen = waits or os.environ.get("PENSIEVE_AHEAD_WAITS") or "all"
+    if chosen not in AHEAD_WAITS:
+        raise ValueError(f"ahead waits {chosen!r} not in {AHEAD_WAITS}")
+    applies = method in STREAM_METHODS and (method == "staged" or ahead == "dma")
+    if chosen == "layers" and not applies:
+        if waits is not None:
+            raise ValueError("ahead waits 'layers' need the ahead copies through the copy "
+                             f"engines (method 'staged' or ahead 'dma'), not {method!r} / "
+                             f"{ahead!r}")
+        return "all"  # the environment's choice, where it applies
+    return chosen
+
+
+def check_plan(plan: SwapPlan, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    """ValueError unless every list of ``plan`` has block ids in range and distinct."""
+    check_pairs(plan.swap_out_first, "swap_out_first", True, num_gpu_blocks, num_cpu_blocks)
+    check_pairs(plan.swap_in, "swap_in", False, num_gpu_blocks, num_cpu_blocks)
+    check_pairs(plan.swap_in_ahead, "swap_in_ahead", False, num_gpu_blocks, num_cpu_blocks)
+    check_pairs(plan.swap_out, "swap_out", True, num_gpu_blocks, num_cpu_blocks)
+
+
+def check_pairs(pairs: Sequence[tuple[int, int]], what: str, gpu_first: bool,
+                num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    if not pairs:
+        return
+    gpu = [p[0] if gpu_first else p[1] for p in pairs]
+    cpu = [p[1] if gpu_first else p[0] for p in pairs]
+    if min(gpu) < 0 or max(gpu) >= num_gpu_blocks:
+        raise ValueError(f"{what}: GPU block out of range [0, {num_gpu_blocks})")
+    if min(cpu) < 0 or max(cpu) >= num_cpu_blocks:
+        raise ValueError(f"{what}: CPU block out of range [0, {num_cpu_blocks})")
+    if len(set(gpu)) != len(gpu) or len(set(cpu)) != len(cpu):
+        raise ValueError(f"{what}: repeated GPU or CPU block")

@@ -9,7 +9,10 @@ CUDA, kernel, hybrid and staged methods: copy streams and the compute (current) 
   content is copied out. Then ``swap_in_ahead`` (one launch, all layers, an event after it):
   the step's compute does not wait for it; the next step's ``start_step`` makes the compute
   stream wait for that event before anything else (and so, through the event recorded on the
-  compute stream, both copy streams' next work).
+  compute stream, both copy streams' next work). With ``ahead_waits="layers"`` the ahead
+  copies go by groups of layers as a step's staged swap-ins do, the next step's layer i waits
+  for its group's event (the step's own swap-ins, later on the in stream, cover them), and the
+  out stream waits for the last ahead event itself.
 - The *out* stream runs the background ``swap_out`` (one launch, all layers), concurrently
   with the in stream (PCIe is full duplex). It is not waited for at the end of the step: each
   such batch joins a FIFO of batches in flight (its event, its index tensor, the CPU blocks it

@@ -19,12 +19,16 @@ Semantics. For every layer the three lists of a plan apply one after the other::
 
 ``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
 wait for them and the next :meth:`~KVSwapper.start_step` makes the compute stream wait before
-anything else; the synchronous paths copy them with the step's swap-ins. They go through the
-swap kernel (``ahead="kernel"``, the default) or, with a chunk-major host tier (``hybrid``,
-``staged``), through the copy engines as ``staged`` swap-ins do (``ahead="dma"``: runs of
-consecutive CPU blocks into a device staging buffer, then a scatter; no SMs held while the
-step they overlap computes). ``PENSIEVE_SWAP_AHEAD`` picks one when the constructor is given
-None. Which is faster beside a running step has not been measured.
+anything else, or, with ``ahead_waits="layers"`` (``PENSIEVE_AHEAD_WAITS=layers``; copies
+through the copy engines only), copies them by the staged swap-ins' groups of layers and has
+each layer of the next step wait for its group (its ``layer_ready``), so that step starts
+while the tail of the copies runs; the synchronous paths copy them with the step's swap-ins.
+They go through the swap kernel (``ahead="kernel"``, the default) or, with a chunk-major
+host tier (``hybrid``, ``staged``), through the copy engines as ``staged`` swap-ins do
+(``ahead="dma"``: runs of consecutive CPU blocks into a device staging buffer, then a
+scatter; no SMs held while the step they overlap computes). ``PENSIEVE_SWAP_AHEAD`` picks
+one when the constructor is given None. Which is faster beside a running step has not been
+measured.
 
 ``swap_out_first`` copies go, on streams, in one launch for every layer before the swap-ins
 (the step's compute waits for all of them), or with ``urgent_layered`` (``kernel`` and
@@ -98,7 +102,6 @@ from __future__ import annotations
 import functools
 import os
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -118,7 +121,14 @@ from pensieve.runner.swap_copies import (
     check_caches,
     stacked_layers,
 )
-from pensieve.runner.swap_paths import AHEAD_PATHS, ahead_path, in_groups_of, urgent_path
+from pensieve.runner.swap_paths import (
+    AHEAD_PATHS,
+    ahead_path,
+    ahead_waits_of,
+    check_plan,
+    in_groups_of,
+    urgent_path,
+)
 from pensieve.runner.swap_streams import (
     IMMEDIATE,
     InFlight,
@@ -150,7 +160,10 @@ class KVSwapper(CopyPaths):
     :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
     parallelism, where only rank 0's count reaches the scheduler). ``in_groups``: the groups
     of layers staged swap-ins are copied by (None: ``PENSIEVE_SWAP_IN_GROUPS``, else
-    :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``streams``: for tests, a
+    :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``ahead_waits``: how the next
+    step waits for ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
+    (:func:`~pensieve.runner.swap_paths.ahead_waits_of`; None: ``PENSIEVE_AHEAD_WAITS``,
+    else ``"all"``). ``streams``: for tests, a
     :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
     """
 
@@ -167,6 +180,7 @@ class KVSwapper(CopyPaths):
         ahead: str | None = None,
         urgent_layered: bool | None = None,
         in_groups: int | None = None,
+        ahead_waits: str | None = None,
     ) -> None:
         check_caches(gpu_caches, num_cpu_blocks)
         first = gpu_caches[0]
@@ -175,8 +189,7 @@ class KVSwapper(CopyPaths):
         self.num_layers = len(gpu_caches)
         self.num_gpu_blocks = first.shape[1]
         self.num_cpu_blocks = num_cpu_blocks
-        self.block_shape = tuple(first.shape[2:])
-        """``(chunk_size, num_kv_heads, head_dim)``."""
+        self.block_shape = tuple(first.shape[2:])  # (chunk_size, num_kv_heads, head_dim)
         self.block_bytes = 2 * first[0, 0].numel() * first.element_size()
         """Bytes of K and V of one block in one layer."""
         self._cuda = self.device.type == "cuda"
@@ -202,6 +215,7 @@ class KVSwapper(CopyPaths):
         self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS
         """Hybrid and staged methods: chunks per staging piece and half."""
         self.in_groups = in_groups_of(in_groups, self.num_layers)
+        self.ahead_waits = ahead_waits_of(ahead_waits, method, self.ahead)  # "all" | "layers"
         chunk_major = method in CHUNK_MAJOR
         self.host_layout = "chunk-major" if chunk_major else "layer-major"
         """``"layer-major"``: :attr:`host_tier` is ``[L, 2, num_cpu_blocks, C, Hkv, D]``;
@@ -222,13 +236,12 @@ class KVSwapper(CopyPaths):
         self._init_copies(streams)
         self._step: Step | None = None
         self._in_flight: deque[OutBatch] = deque()
-        self._ahead: deque[tuple[Any, Any]] = deque()
-        """Streams: (event, references) of each step's ``swap_in_ahead`` copies not seen done;
-        the next step's compute waits for the newest (one stream: it covers the older)."""
-        self.bytes_in = 0
-        """Cumulative bytes copied CPU -> GPU (K and V, all layers)."""
-        self.bytes_out = 0
-        """Cumulative bytes copied GPU -> CPU."""
+        self._ahead: deque[tuple[Any, Any, list[Any] | None]] = deque()
+        """Streams: (event, references, per-layer events with ``ahead_waits="layers"``) of
+        each step's ``swap_in_ahead`` copies not seen done; the next step's compute waits for
+        the newest (one stream: it covers the older), before anything or layer by layer."""
+        self.bytes_in = self.bytes_out = 0
+        """Cumulative bytes copied CPU -> GPU and GPU -> CPU (K and V, all layers)."""
         self.num_copies = 0
         """Cumulative host<->device copies (DMA: K and V per run per layer; staged: per run, or
         per chunk per group of layers) plus kernel launches."""
@@ -247,11 +260,11 @@ class KVSwapper(CopyPaths):
         """
         if self._step is not None:
             self.end_step()
-        self._wait_ahead()
+        ahead = self._wait_ahead()
+        if self._streams is not None and not plan.is_empty:
+            return self._start_streams(plan, ahead)
         if plan.is_empty:
-            return None
-        if self._streams is not None:
-            return self._start_streams(plan)
+            return None if ahead is None else self._layer_waits([ahead])
         if plan.swap_in_ahead:  # synchronous paths: copied with the step's own swap-ins
             plan = SwapPlan(plan.swap_out_first, plan.swap_in + plan.swap_in_ahead,
                             plan.swap_out)
@@ -271,11 +284,32 @@ class KVSwapper(CopyPaths):
 
         return layer_ready
 
-    def _wait_ahead(self) -> None:
-        """The compute stream waits for the earlier steps' ``swap_in_ahead`` copies."""
-        if self._ahead:
-            assert self._streams is not None
-            self._streams.wait(None, self._ahead[-1][0])
+    def _wait_ahead(self) -> list[Any] | None:
+        """The compute stream waits for the earlier steps' ``swap_in_ahead`` copies; with
+        ``ahead_waits="layers"`` only the out stream does (the compute stream no longer orders
+        the swap-outs after them), and this returns the per-layer events the step's layers
+        wait for instead."""
+        if not self._ahead:
+            return None
+        st, (last, _, layers) = self._streams, self._ahead[-1]
+        assert st is not None
+        if layers is None:
+            st.wait(None, last)
+            return None
+        st.wait(st.out_stream, last)
+        return layers
+
+    def _layer_waits(self, lists: list[list[Any]]) -> LayerReady:
+        """``layer_ready``: the current stream waits for layer i's event of each list."""
+        st = self._streams
+        assert st is not None
+
+        def layer_ready(i: int) -> None:
+            self._check_layer(i)
+            for events in lists:
+                st.wait(None, events[i])
+
+        return layer_ready
 
     def end_step(self) -> int:
         """End the step: wait for what it needs and return how many background swap-out
@@ -319,10 +353,10 @@ class KVSwapper(CopyPaths):
 
     # ------------------------------------------------------------------ kernel, streams
 
-    def _start_streams(self, plan: SwapPlan) -> LayerReady | None:
+    def _start_streams(self, plan: SwapPlan, ahead: list[Any] | None) -> LayerReady | None:
         st = self._streams
         assert st is not None
-        self._validate(plan)
+        check_plan(plan, self.num_gpu_blocks, self.num_cpu_blocks)
         waits = step_waits(plan, [b.touches for b in self._in_flight])
         self._count(plan)
         layers = self.num_layers
@@ -354,13 +388,17 @@ class KVSwapper(CopyPaths):
         last_in = step.in_done
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
-            if self.method == "staged" or self.ahead == "dma":
-                refs: Any = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
+            by_layer: list[Any] | None = None
+            if self.ahead_waits == "layers":  # by groups, as the step's own swap-ins
+                refs, by_layer = self._issue_in_staged(st, s, plan.swap_in_ahead,
+                                                       self.in_groups)
+            elif self.method == "staged" or self.ahead == "dma":
+                refs = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
             else:
                 refs = st.upload(s, plan.swap_in_ahead)
                 st.run(s, functools.partial(self._kernel, refs, True, 0, layers))
             last_in = st.record(s)
-            self._ahead.append((last_in, refs))
+            self._ahead.append((last_in, refs, by_layer))
         if plan.swap_out:
             s = st.out_stream
             st.wait(s, compute_done)
@@ -377,14 +415,9 @@ class KVSwapper(CopyPaths):
             self._in_flight.append(OutBatch(event, refs, touches))
         step.events = events
         self._step = step
-        if not events:
-            return None
-
-        def layer_ready(i: int) -> None:
-            self._check_layer(i)
-            st.wait(None, events[i])
-
-        return layer_ready
+        # the step's own events follow the ahead copies on the in stream: they cover them
+        waits = [events] if events else [] if ahead is None else [ahead]
+        return self._layer_waits(waits) if waits else None
 
     def _issue_layers(self, st: Streams, s: Any, step: Step, layered: bool) -> list[Any]:
         """Layer by layer on the in stream: layer i's urgent copies (``layered``), then its
@@ -453,48 +486,9 @@ class KVSwapper(CopyPaths):
         self.bytes_out += n_out * self.num_layers * self.block_bytes
         self.bytes_in += plan.num_swap_in_chunks * self.num_layers * self.block_bytes
 
-    def _validate(self, plan: SwapPlan) -> None:
-        self._check_pairs(plan.swap_out_first, "swap_out_first", gpu_first=True)
-        self._check_pairs(plan.swap_in, "swap_in", gpu_first=False)
-        self._check_pairs(plan.swap_in_ahead, "swap_in_ahead", gpu_first=False)
-        self._check_pairs(plan.swap_out, "swap_out", gpu_first=True)
-
-    def _check_pairs(self, pairs: Sequence[tuple[int, int]], what: str, gpu_first: bool) -> None:
-        if not pairs:
-            return
-        gpu = [p[0] if gpu_first else p[1] for p in pairs]
-        cpu = [p[1] if gpu_first else p[0] for p in pairs]
-        if min(gpu) < 0 or max(gpu) >= self.num_gpu_blocks:
-            raise ValueError(f"{what}: GPU block out of range [0, {self.num_gpu_blocks})")
-        if min(cpu) < 0 or max(cpu) >= self.num_cpu_blocks:
-            raise ValueError(f"{what}: CPU block out of range [0, {self.num_cpu_blocks})")
-        if len(set(gpu)) != len(gpu) or len(set(cpu)) != len(cpu):
-            raise ValueError(f"{what}: repeated GPU or CPU block")
-
     def _prepare(self, plan: SwapPlan) -> Step:
-        """Synchronous and DMA paths: validate, then batch the three lists (DMA: runs and
-        staging, grown to the largest list; kernel: pair tensors)."""
-        self._validate(plan)
-        if self.method in STREAM_METHODS:
-            def t(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
-                return torch.tensor(pairs, dtype=torch.int64) if pairs else None
-
-            def staged(pairs: list[tuple[int, int]]) -> Staged | None:
-                return Staged(list(pairs)) if pairs else None
-
-            chunk_major = self.method in CHUNK_MAJOR
-            step = Step(t(plan.swap_out_first),
-                         staged(plan.swap_in) if self.method == "staged" else t(plan.swap_in),
-                         staged(plan.swap_out) if chunk_major else t(plan.swap_out))
-        else:
-            out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
-            swap_in = self._batch([(g, c) for c, g in plan.swap_in])
-            swap_out = self._batch([(g, c) for g, c in plan.swap_out])
-            staged = [b.n for b in (out_first, swap_in, swap_out)
-                      if b is not None and b.gpu is None]
-            need = 2 * max(staged, default=0) * self.gpu_caches[0][0, 0].numel()
-            if need > self._staging.numel():
-                self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
-            step = Step(out_first, swap_in, swap_out)
+        """Synchronous and DMA paths: validate, then batch the three lists."""
+        check_plan(plan, self.num_gpu_blocks, self.num_cpu_blocks)
+        step = self._batch_plan(plan)
         self._count(plan)
         return step
