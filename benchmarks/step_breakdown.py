@@ -8,7 +8,9 @@ step itself and copied ahead for the next, and the cost *net* of the step's deco
 time less the mean decode-only step, per computed prefill token: what
 ``benchmarks/step_totals.py`` reports for all of them together), with each class's share of
 the prefill tokens and of that net time. Classes: replayed from a CUDA graph or eager; with or
-without swap-ins of its own; by prefill tokens a step. ``--plot`` draws the net cost per token
+without swap-ins of its own; by prefill tokens a step. Then the small steps with prefill (under
+64 tokens) by how many chunks the step before them copied ahead (``swap_in_ahead``, which the
+step waits for): what they cost over a decode step. ``--plot`` draws the net cost per token
 against the step's prefill tokens::
 
     python benchmarks/step_breakdown.py \
@@ -28,6 +30,10 @@ from pathlib import Path
 from typing import Any
 
 TOKEN_BINS = (1, 64, 128, 256, 512, 1024, 4096)
+AHEAD_BINS = (0, 1, 64, 128, 256)
+SMALL = 64
+"""Steps with fewer prefill tokens than this are "small": their compute is a small part of
+what they cost over a decode step, so what they wait for shows."""
 
 
 def load_rows(path: str) -> list[dict[str, Any]]:
@@ -92,7 +98,18 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         sel = [r for r in prefill if r["prefill_tokens"] >= lo
                and (hi is None or r["prefill_tokens"] < hi)]
         classes.append(row(f"{lo}-{hi - 1} tokens" if hi else f">= {lo} tokens", sel))
+    after = []  # small steps with prefill by the previous step's chunks copied ahead
+    edges2 = [*AHEAD_BINS, None]
+    for lo, hi in zip(edges2[:-1], edges2[1:]):
+        extra = [(r["execute_s"] - base) * 1e3 for p, r in zip(rows, rows[1:])
+                 if 0 < r["prefill_tokens"] < SMALL and p.get("swap_in_ahead", 0) >= lo
+                 and (hi is None or p.get("swap_in_ahead", 0) < hi)]
+        name = str(lo) if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi else f">= {lo}")
+        after.append({"prev_ahead": name, "steps": len(extra),
+                      "extra_ms_mean": statistics.fmean(extra) if extra else None,
+                      "extra_ms_median": statistics.median(extra) if extra else None})
     return {"decode_step_ms": base * 1e3, "decode_steps": len(decode), "classes": classes,
+            "small_after_ahead": after,
             "points": [(r["prefill_tokens"], (r["execute_s"] - base) * 1e3,
                         bool(r["graph_replay"])) for r in prefill]}
 
@@ -112,6 +129,13 @@ def table(s: dict[str, Any]) -> str:
             out.append(f"{c['class']:<24} {0:>6}")
             continue
         out.append(f"{c['class']:<24} " + " ".join(f.format(c[k]) for k, _, f in cols))
+    out += ["", f"steps with 1-{SMALL - 1} prefill tokens, by the chunks the step before copied "
+            "ahead: ms over the mean decode step",
+            f"{'chunks ahead before':<24} {'steps':>6} {'mean':>8} {'median':>8}"]
+    for a in s["small_after_ahead"]:
+        cells = (f"{a['extra_ms_mean']:>8.2f} {a['extra_ms_median']:>8.2f}" if a["steps"]
+                 else f"{'-':>8} {'-':>8}")
+        out.append(f"{a['prev_ahead']:<24} {a['steps']:>6} {cells}")
     return "\n".join(out)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from bench_scripts import load
 
 from pensieve.core.outputs import (
@@ -179,6 +180,27 @@ def _server_log(tmp_path):  # noqa: ANN001, ANN202
     return path
 
 
+def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None:
+    """step_breakdown.py: a small step with prefill counts in the bin of the chunks its
+    previous step copied ahead, with its time over the mean decode step."""
+    brk = load("step_breakdown")
+
+    def row(prefill: int, ahead: int, ms: float) -> dict:
+        return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
+                "host_prepare_s": 0.0, "host_issue_s": 0.0, "graph_replay": True,
+                "swap_in_step": 0, "swap_in_ahead": ahead}
+
+    rows = [row(0, 0, 20.0), row(0, 100, 20.0), row(10, 0, 26.0), row(0, 0, 20.0),
+            row(20, 0, 21.0), row(0, 5, 20.0), row(300, 0, 30.0), row(30, 0, 23.0)]
+    s = brk.summarize(rows)
+    assert s["decode_step_ms"] == 20.0
+    bins = {a["prev_ahead"]: a for a in s["small_after_ahead"]}
+    assert bins["64-127"]["steps"] == 1 and bins["64-127"]["extra_ms_mean"] == pytest.approx(6.0)
+    assert bins["0"]["steps"] == 2 and bins["0"]["extra_ms_mean"] == pytest.approx(2.0)
+    assert bins["1-63"]["steps"] == 0  # the step after 5 ahead has 300 tokens: not small
+    assert bins[">= 256"]["extra_ms_median"] is None
+
+
 def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) -> None:  # noqa: ANN001
     """A server's PENSIEVE_STEP_LOG rows: step_totals.py sums them into the /metrics counters;
     step_breakdown.py splits the steps with prefill by class with the same net cost."""
@@ -199,6 +221,8 @@ def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) 
     assert by["graph, own swap-ins"]["steps"] == 1 and by["eager"]["steps"] == 0
     assert by["256-511 tokens"]["steps"] == 1 and by["1-63 tokens"]["steps"] == 0
     assert "us/tok net" in brk.table(s)
+    # no small step with prefill (the only one has 400 tokens): every bin empty
+    assert [a["steps"] for a in s["small_after_ahead"]] == [0] * len(brk.AHEAD_BINS)
     png = tmp_path / "b.png"
     assert brk.main([str(path), "--plot", str(png), "--json", str(tmp_path / "b.json")]) == 0
     assert png.stat().st_size > 0
