@@ -43,7 +43,8 @@ PROFILE = (ROOT / "src" / "pensieve" / "profiles"
 
 
 def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
-                   eager_launch_s: float = 0.0, group_waits: bool = False) -> TransferModel:
+                   eager_launch_s: float = 0.0, group_waits: bool = False,
+                   ahead_layered: bool = False) -> TransferModel:
     """The measured copies (``hybrid``'s one-way rates on random block ids; ``staged``'s,
     the default now, are within 1% of them), or what-if
     rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining. ``graph_rule``: steps
@@ -51,11 +52,14 @@ def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
     their own run pipelined, as in the runner before per-group waits (else every such step
     waits for all its swap-ins, as the validated fits assumed), each ``eager_launch_s`` longer.
     ``group_waits``: the runner now (``runner/graph_waits.py``): every step, graph or eager,
-    pipelined by the ``staged`` swapper's 8 groups of layers."""
+    pipelined by the ``staged`` swapper's 8 groups of layers. ``ahead_layered``: what-if,
+    the next step waits for the copies ahead layer by layer (``PENSIEVE_AHEAD_WAITS=layers``;
+    :attr:`TransferModel.ahead_layered`)."""
     swap_in = GRAPH_MAX_SWAP_IN if graph_rule else None
     eager = eager_launch_s if graph_rule else 0.0
     shape: dict[str, Any] = ({"num_layers": STAGED_GROUPS, "graph_max_tokens": 0} if group_waits
                              else {"num_layers": 40, "graph_max_tokens": GRAPH_MAX_TOKENS})
+    shape["ahead_layered"] = ahead_layered
     if gbps is not None:
         return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], **shape,
                              graph_max_swap_in=swap_in, eager_launch_s=eager,
@@ -117,7 +121,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                     transfer=transfer if transfer is not None else transfer_model(
                         job.get("swap_gbps"), bool(job.get("graph_swap_in_rule")),
                         float(job.get("eager_launch_s") or 0.0),
-                        bool(job.get("graph_group_waits"))), **cache)
+                        bool(job.get("graph_group_waits")),
+                        bool(job.get("ahead_layered"))), **cache)
     if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
         eng.track_step_overlap = False
     return eng

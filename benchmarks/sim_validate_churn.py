@@ -240,6 +240,7 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "graph_swap_in_rule": getattr(args, "graph_swap_in_rule", False),
                      "eager_launch_s": getattr(args, "eager_launch_ms", 0.0) / 1e3,
                      "graph_group_waits": getattr(args, "graph_group_waits", False),
+                     "ahead_layered": getattr(args, "ahead_layered", False),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 
@@ -396,7 +397,7 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
     name = "fitted model as is"
     tm = transfer_model(graph_rule=args.graph_swap_in_rule,
                         eager_launch_s=args.eager_launch_ms / 1e3,
-                        group_waits=args.graph_group_waits)
+                        group_waits=args.graph_group_waits, ahead_layered=args.ahead_layered)
     print(f"model: {args.fitted}\ncopies: {tm.source}; steps waiting for all swap-ins: <= "
           f"{tm.graph_max_tokens} tokens, <= {tm.graph_max_swap_in} swap-in chunks of their "
           f"own (else pipelined over {tm.num_layers}, +{tm.eager_launch_s * 1e3:g} ms)",
@@ -498,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the runner since per-group graph waits (runner/graph_waits.py): every "
                          "step's swap-ins pipelined by the staged swapper's 8 groups of layers, "
                          "graph or eager")
+    ap.add_argument("--ahead-layered", action="store_true",
+                    help="what-if: each step waits for the copies ahead layer by layer "
+                         "(PENSIEVE_AHEAD_WAITS=layers), not before its compute")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")

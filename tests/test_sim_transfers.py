@@ -214,6 +214,34 @@ def test_swap_ins_ahead_overlap_their_step_and_delay_the_next_compute() -> None:
     assert tl3.step(0.001, SwapPlan(), 0.0, num_tokens=0).step_s == pytest.approx(t - 0.001)
 
 
+def test_swap_ins_ahead_waited_for_by_layers_overlap_the_next_compute() -> None:
+    """What-if ``ahead_layered``: the next step's compute starts at once and its layers wait
+    for the tail of the copies ahead (layer i for its share), so only what the compute does not
+    cover shows; a step that waits for all its swap-ins (a graph step) still waits for them
+    first, and an empty step still drains them."""
+    m = TransferModel(ahead_layered=True, num_layers=8)
+    t = m.in_seconds(20 * BB)  # ~2.9 ms
+    ahead = SwapPlan(swap_in_ahead=[(c, g) for g, c in pairs(20)])
+    tl = TransferTimeline(m, BB)
+    tl.step(0.0, ahead, 0.001)
+    rem = t - 0.001
+    nxt = tl.step(0.001, SwapPlan(), 0.010)  # 10 ms of compute cover the ~1.9 ms left
+    assert nxt.step_s == pytest.approx(max(0.010, rem / 8 + 0.010, rem + 0.010 / 8))
+    assert nxt.step_s < rem + 0.010  # what waiting for all first costs
+    short = TransferTimeline(m, BB)
+    short.step(0.0, ahead, 0.001)
+    end = short.step(0.001, SwapPlan(), 0.0008).step_s  # compute shorter than the tail
+    assert end == pytest.approx(rem + 0.0008 / 8)
+    graph = TransferTimeline(TransferModel(ahead_layered=True, num_layers=8,
+                                           graph_max_tokens=512), BB)
+    graph.step(0.0, ahead, 0.001)
+    assert graph.step(0.001, SwapPlan(), 0.010, num_tokens=100).step_s == \
+        pytest.approx(rem + 0.010)
+    empty = TransferTimeline(m, BB)
+    empty.step(0.0, ahead, 0.001)
+    assert empty.step(0.001, SwapPlan(), 0.0, num_tokens=0).step_s == pytest.approx(rem)
+
+
 def test_urgent_swap_outs_are_exposed_and_go_first() -> None:
     tl = TransferTimeline(TransferModel(), BB)
     bg = tl.step(0.0, SwapPlan(swap_out=pairs(100)), 0.001)

@@ -95,6 +95,11 @@ class TransferModel:
     attention) instead of all before the step's compute, so they are exposed only beyond the
     compute, like the swap-ins. A step that waits for all of its swap-ins (:attr:`pipelined`
     off, a CUDA-graph step) still waits for all of its urgent copies first."""
+    ahead_layered: bool = False
+    """What-if (the runner's ``PENSIEVE_AHEAD_WAITS=layers``, not its default): a step waits
+    for the previous step's ``swap_in_ahead`` copies layer by layer, as for its own pipelined
+    swap-ins, instead of before its compute; a step that waits for all of its swap-ins (a
+    CUDA-graph step here) still waits for all of them first."""
     source: str = ""
     """Where the rates come from (a file, "default")."""
 
@@ -300,10 +305,13 @@ class TransferTimeline:
         # the in stream (urgent swap-outs, then swap-ins) waits for a conflicting batch
         in_start = max(0.0, self.in_flight[after].done_at - start) if after >= 0 else 0.0
         # the previous step's copies ahead: on the in stream, and waited for by the compute
-        compute_start = max(0.0, self.ahead_done_at - start)
-        in_start = max(in_start, compute_start)
-        copy_start = in_start
+        # (before it, or with ahead_layered layer by layer, pipelined with it)
         layered = not m.waits_for_all_swap_ins(num_tokens, len(plan.swap_in))
+        ahead_rem = max(0.0, self.ahead_done_at - start)
+        ahead_by_layer = m.ahead_layered and layered and num_tokens != 0
+        compute_start = 0.0 if ahead_by_layer else ahead_rem
+        in_start = max(in_start, ahead_rem)
+        copy_start = in_start
         # urgent copies inside the layer pipeline (what-if): one stream of urgent + swap-in
         with_urgent = bool(plan.swap_out_first) and m.urgent_pipelined and layered
         if plan.swap_out_first:
@@ -319,6 +327,9 @@ class TransferTimeline:
             self.out_free_at = max(self.out_free_at, start + in_start + urgent)
         t_layers = t_in + (t_urgent if with_urgent else 0.0)
         end = m.swap_in_finish(copy_start, compute_start, t_layers, compute_s, layered)
+        if ahead_by_layer and ahead_rem > 0.0:  # the ahead copies' tail, already under way
+            end = max(end, m.swap_in_finish(-m.latency_s, compute_start, ahead_rem, compute_s,
+                                            True))
         in_done = copy_start + (m.latency_s + t_layers if plan.swap_in or with_urgent else 0.0)
         if plan.swap_in_ahead:  # after the step's own in-stream copies, not waited for by it
             in_done += m.latency_s + m.in_seconds(len(plan.swap_in_ahead) * bb)
