@@ -99,7 +99,7 @@ def run_once(runner: ModelRunner, sched: SchedulerOutput, order: str) -> tuple[f
     if order == "swaps_first":  # the swaps issued, then the step with them already issued
         swapper = runner.swapper
         ready = swapper.start_step(sched.swaps)
-        swapper.start_step = lambda plan: ready  # type: ignore[method-assign]
+        swapper.start_step = lambda plan, defer_background=False: ready  # type: ignore
         try:
             out = runner.execute(sched)
         finally:

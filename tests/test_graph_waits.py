@@ -62,9 +62,9 @@ def test_inputs_go_up_before_the_swaps_are_issued(tmp_path) -> None:  # noqa: AN
         calls.append("upload")
         return upload(arrays)
 
-    def spy_start(plan):  # noqa: ANN001, ANN202
+    def spy_start(plan, defer_background=False):  # noqa: ANN001, ANN202
         calls.append("swaps")
-        return start(plan)
+        return start(plan, defer_background)
 
     runner._upload = spy_upload
     runner.swapper.start_step = spy_start
@@ -225,30 +225,37 @@ def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> N
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_ahead_copies_waited_for_by_layers_give_the_same_tokens(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("ahead_waits", "after_launch"),
+                         [("layers", "0"), ("all", "1"), ("layers", "1")])
+def test_ahead_waits_and_background_after_launch_give_the_same_tokens(
+        tmp_path, monkeypatch, ahead_waits: str, after_launch: str) -> None:  # noqa: ANN001
     """``PENSIEVE_AHEAD_WAITS=layers`` (each layer of the next step waits for its group of
-    the ahead copies) gives the greedy tokens of waiting for all of them first, under a tiny
-    GPU tier where turns are swapped in ahead."""
+    the ahead copies) and ``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1`` (a graph step issues its
+    ahead copies and background swap-outs once its forward is launched) give the greedy
+    tokens of the defaults, under a tiny GPU tier where turns are swapped in ahead."""
     from tiny_hf import assert_same_turns, tiny_swap_llama
 
     from pensieve import LLM
     from pensieve.runner.swapper import KVSwapper
 
     common = tiny_swap_llama(tmp_path, num_layers=3)
-    layered_waits = []
-    wait_ahead = KVSwapper._wait_ahead
+    deferred = []
+    start = KVSwapper.start_step
 
-    def counting(self):  # noqa: ANN001, ANN202
-        events = wait_ahead(self)
-        layered_waits.append(events is not None)
-        return events
+    def counting(self, plan, defer_background=False):  # noqa: ANN001, ANN202
+        deferred.append(defer_background and bool(plan.swap_in_ahead or plan.swap_out))
+        return start(self, plan, defer_background)
 
-    monkeypatch.setattr(KVSwapper, "_wait_ahead", counting)
-    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "layers")
-    layered = LLM(**common)
+    monkeypatch.setattr(KVSwapper, "start_step", counting)
+    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", ahead_waits)
+    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", after_launch)
+    variant = LLM(**common)
     monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "all")
-    whole = LLM(**common)
-    assert layered.engine.runner.swapper.ahead_waits == "layers"
-    assert whole.engine.runner.swapper.ahead_waits == "all"
-    assert_same_turns([layered, whole], random.Random(1), rounds=3)
-    assert any(layered_waits), "no step waited for ahead copies by layers"
+    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "0")
+    default = LLM(**common)
+    assert variant.engine.runner.swapper.ahead_waits == ahead_waits
+    assert variant.engine.runner.background_after_launch == (after_launch == "1")
+    assert_same_turns([variant, default], random.Random(1), rounds=3)
+    assert variant.cache_stats()["swapped_in_tokens"] > 0
+    if after_launch == "1":
+        assert any(deferred), "no graph step deferred its background copies"

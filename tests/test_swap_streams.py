@@ -135,7 +135,7 @@ class SimStreams:
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
              ahead_path: str = "kernel", urgent_layered: bool = False,
-             ahead_waits: str = "all") -> None:
+             ahead_waits: str = "all", defer: bool = False) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -143,7 +143,9 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     reported in flight may still read (the contract of ``end_step``'s count). Checks the
     reads, the counts and both tiers against the sequential reference. With ``ahead``, plans
     also carry ``swap_in_ahead`` copies, read by the next step's compute (their CPU blocks left
-    alone for two steps, as the cache does)."""
+    alone for two steps, as the cache does). ``defer``: the background copies (ahead and
+    background swap-outs) issued after the step's compute, as the runner does with
+    ``defer_background``."""
     rng = random.Random(seed)
     layers, g_blocks, c_blocks = 2, 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
@@ -188,9 +190,7 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
             swap_out=list(zip(swap_out_g, cpu_pick(len(swap_out_g), avoid), strict=True)),
             swap_in_ahead=list(zip(ahead_c, ahead_g, strict=True)),
         )
-        ready = sw.start_step(plan)
-        if plan.swap_out:
-            out_events.append(sw._in_flight[-1].event)
+        ready = sw.start_step(plan, defer_background=defer)
         reads: dict[int, torch.Tensor] = {}
         for layer in range(layers):
             if ready is not None:
@@ -204,6 +204,9 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
                 caches[layer][:, writes] = value
 
             sim.run(None, compute)
+        sw.issue_background()  # (no-op unless deferred) once the forward is issued
+        if plan.swap_out:
+            out_events.append(sw._in_flight[-1].event)
         sim.synchronize(sim.record(None))  # the runner's sync of the compute stream
         n = sw.end_step()
         assert n == sum(not e.done for e in out_events), "end_step miscounts"
@@ -252,6 +255,52 @@ def test_simulated_ahead_copies_waited_for_by_layers(seed: int, method: str,
     reads them done, its writes and swap-outs land after them, and the tiers end as the
     sequential reference's."""
     simulate(seed, method=method, ahead_path=ahead_path, ahead_waits="layers")
+
+
+@pytest.mark.parametrize(("method", "ahead_waits"),
+                         [("kernel", "all"), ("hybrid", "all"), ("staged", "all"),
+                          ("staged", "layers")])
+@pytest.mark.parametrize("seed", range(40))
+def test_simulated_background_copies_issued_after_the_compute(seed: int, method: str,
+                                                              ahead_waits: str) -> None:
+    """``defer_background``: the ahead copies and background swap-outs issued once the
+    step's compute is (``issue_background``) wait for the same events as when issued first:
+    the reads, the counts and the tiers match the sequential reference."""
+    simulate(seed, method=method, ahead_waits=ahead_waits, defer=True)
+
+
+def test_deferred_background_copies_are_issued_by_end_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that never calls ``issue_background`` still gets the copies: ``end_step``
+    issues them; ``issue_background`` twice issues them once; the tiers end as the sequential
+    reference's."""
+    calls = []
+    issue = KVSwapper._issue_background
+
+    def counting(self: KVSwapper, *args: Any) -> None:
+        calls.append(1)
+        issue(self, *args)
+
+    monkeypatch.setattr(KVSwapper, "_issue_background", counting)
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, "staged", streams=sim)
+    sw._triton = False
+    gpu, cpu = snapshot(sw)
+    first = SwapPlan(swap_in=[(0, 1)], swap_out=[(2, 3)], swap_in_ahead=[(4, 5)])
+    sw.start_step(first, defer_background=True)
+    assert not calls and not sw._in_flight and not sw._ahead  # held back
+    sw.end_step()
+    assert len(calls) == 1
+    second = SwapPlan(swap_out=[(6, 7)])
+    sw.start_step(second, defer_background=True)
+    sw.issue_background()
+    sw.issue_background()
+    assert len(calls) == 2
+    sw.finish_step()
+    sim.drain()
+    for plan in (first, second):
+        apply_reference(gpu, cpu, plan)
+    assert_tiers(sw, gpu, cpu)
 
 
 def test_simulator_catches_ahead_copies_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:

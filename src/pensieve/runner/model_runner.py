@@ -9,6 +9,7 @@ host arrays and kernels, :mod:`pensieve.runner.host_io`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,11 @@ class ModelRunner:
             background_swap_out = not _multi_rank()
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
+        self.background_after_launch = os.environ.get("PENSIEVE_BACKGROUND_AFTER_LAUNCH") == "1"
+        """A step replayed from a graph issues its copies ahead and background swap-outs
+        once its forward is launched, not before (``KVSwapper.start_step``'s
+        ``defer_background``): their host time then overlaps the forward. Opt-in
+        (``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1``): not yet measured on the GPU."""
         self.decode_span_mode = decode_split_span_mode()
         """``PENSIEVE_DECODE_SPAN``, read (and checked) once."""
         self.mixed_decodes = mixed_decodes_mode()
@@ -280,7 +286,8 @@ class ModelRunner:
             bucket = graphs.fill(sched)
         else:
             inp = self.prepare_inputs(sched)
-        layer_ready = self.swapper.start_step(sched.swaps)
+        layer_ready = self.swapper.start_step(
+            sched.swaps, defer_background=graphs is not None and self.background_after_launch)
         logits: torch.Tensor | None = None
         split_span = False
         if graphs is not None:
@@ -307,6 +314,7 @@ class ModelRunner:
             if sampled:
                 logits = self.model.compute_logits(hidden[inp.logits_indices])
         t_issued = time.perf_counter()
+        self.swapper.issue_background()  # what start_step deferred, if anything
         tokens: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:

@@ -8,6 +8,7 @@ on; the host tier is allocated by :func:`allocate_host_tier`.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -301,6 +302,20 @@ class CopyPaths(StagedPaths):
                 self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
             step = Step(out_first, swap_in, swap_out)
         return step
+
+    def _issue_layers(self, st: Streams, s: Any, step: Step, layered: bool) -> list[Any]:
+        """Layer by layer on the in stream: layer i's urgent copies (``layered``), then its
+        swap-ins, then the event layer i's attention waits for."""
+        events = []
+        for layer in range(self.num_layers):
+            if layered:
+                st.run(s, functools.partial(self._kernel, step.out_first, False, layer,
+                                            layer + 1))
+            if step.swap_in is not None:
+                st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
+                                            layer + 1))
+            events.append(st.record(s))
+        return events
 
     def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
         assert self._stream is not None

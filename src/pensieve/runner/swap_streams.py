@@ -220,6 +220,18 @@ class Immediate:
 IMMEDIATE = Immediate()
 
 
+def layer_waits(st: Streams, lists: list[list[Any]], check: Callable[[int], None]
+                ) -> Callable[[int], None]:
+    """``layer_ready``: ``check(i)``, then the current stream waits for layer i's event of
+    each list."""
+    def layer_ready(i: int) -> None:
+        check(i)
+        for events in lists:
+            st.wait(None, events[i])
+
+    return layer_ready
+
+
 def runs_of(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive values in ``ids`` (in list order): ``(first index, first
     id, length)`` each."""

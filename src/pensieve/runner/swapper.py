@@ -135,6 +135,7 @@ from pensieve.runner.swap_streams import (
     OutBatch,
     StepWaits,
     Streams,
+    layer_waits,
     pop_completed,
     step_waits,
 )
@@ -234,7 +235,7 @@ class KVSwapper(CopyPaths):
         one storage; None: one launch per layer."""
         self._triton = self._cuda or os.environ.get("TRITON_INTERPRET") == "1"
         self._init_copies(streams)
-        self._step: Step | None = None
+        self._step, self._deferred = None, None  # the step; its deferred copies (start_step)
         self._in_flight: deque[OutBatch] = deque()
         self._ahead: deque[tuple[Any, Any, list[Any] | None]] = deque()
         """Streams: (event, references, per-layer events with ``ahead_waits="layers"``) of
@@ -251,20 +252,25 @@ class KVSwapper(CopyPaths):
     # ------------------------------------------------------------------ step API
 
     @torch.inference_mode()
-    def start_step(self, plan: SwapPlan) -> LayerReady | None:
+    def start_step(self, plan: SwapPlan, defer_background: bool = False) -> LayerReady | None:
         """Issue the plan's copies; returns the ``layer_ready`` callback, or None if no wait.
 
         On CUDA every copy is enqueued before this returns (the host does not wait); the
         callback makes the *current* stream wait for layer i. A step not yet ended is ended
         first (:meth:`end_step`). Raises ValueError (and copies nothing) on an invalid plan.
+        ``defer_background`` (streams only): the copies the step's compute never waits for
+        (``swap_in_ahead``, background ``swap_out``) are issued by :meth:`issue_background`
+        instead, which the caller calls once the forward is issued (the copies then wait for
+        the same events: only the host's work moves), or else :meth:`end_step` does.
         """
         if self._step is not None:
             self.end_step()
         ahead = self._wait_ahead()
         if self._streams is not None and not plan.is_empty:
-            return self._start_streams(plan, ahead)
+            return self._start_streams(plan, ahead, defer_background)
         if plan.is_empty:
-            return None if ahead is None else self._layer_waits([ahead])
+            return None if ahead is None else layer_waits(self._streams, [ahead],
+                                                          self._check_layer)
         if plan.swap_in_ahead:  # synchronous paths: copied with the step's own swap-ins
             plan = SwapPlan(plan.swap_out_first, plan.swap_in + plan.swap_in_ahead,
                             plan.swap_out)
@@ -299,18 +305,6 @@ class KVSwapper(CopyPaths):
         st.wait(st.out_stream, last)
         return layers
 
-    def _layer_waits(self, lists: list[list[Any]]) -> LayerReady:
-        """``layer_ready``: the current stream waits for layer i's event of each list."""
-        st = self._streams
-        assert st is not None
-
-        def layer_ready(i: int) -> None:
-            self._check_layer(i)
-            for events in lists:
-                st.wait(None, events[i])
-
-        return layer_ready
-
     def end_step(self) -> int:
         """End the step: wait for what it needs and return how many background swap-out
         batches are still in flight (this step's included; 0 when all are done).
@@ -319,6 +313,7 @@ class KVSwapper(CopyPaths):
         compute stream's sync has normally covered them) and polls the background batches
         (with ``background=False`` waits for them too). DMA and the CPU: every copy of the
         step is complete on return (0)."""
+        self.issue_background()
         step, self._step = self._step, None
         if self._streams is None:
             self._finish_sync(step)
@@ -353,7 +348,14 @@ class KVSwapper(CopyPaths):
 
     # ------------------------------------------------------------------ kernel, streams
 
-    def _start_streams(self, plan: SwapPlan, ahead: list[Any] | None) -> LayerReady | None:
+    def issue_background(self) -> None:
+        """Issue the copies :meth:`start_step` deferred (no-op when none are)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred()
+
+    def _start_streams(self, plan: SwapPlan, ahead: list[Any] | None, defer: bool
+                       ) -> LayerReady | None:
         st = self._streams
         assert st is not None
         check_plan(plan, self.num_gpu_blocks, self.num_cpu_blocks)
@@ -385,7 +387,23 @@ class KVSwapper(CopyPaths):
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
-        last_in = step.in_done
+        background = functools.partial(self._issue_background, st, plan, compute_done,
+                                       step.in_done, waits.out_after_in)
+        if defer and (plan.swap_in_ahead or plan.swap_out):
+            self._deferred = background
+        else:
+            background()
+        step.events = events
+        self._step = step
+        # the step's own events follow the ahead copies on the in stream: they cover them
+        lists = [events] if events else [] if ahead is None else [ahead]
+        return layer_waits(st, lists, self._check_layer) if lists else None
+
+    def _issue_background(self, st: Streams, plan: SwapPlan, compute_done: Any, last_in: Any,
+                          out_after_in: bool) -> None:
+        """A step's copies its compute does not wait for: ``swap_in_ahead`` after its
+        swap-ins on the in stream, then the background ``swap_out`` on the out stream."""
+        layers = self.num_layers
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
             by_layer: list[Any] | None = None
@@ -402,7 +420,7 @@ class KVSwapper(CopyPaths):
         if plan.swap_out:
             s = st.out_stream
             st.wait(s, compute_done)
-            if waits.out_after_in:
+            if out_after_in:
                 st.wait(s, last_in)
             if self.method in CHUNK_MAJOR:
                 event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
@@ -413,25 +431,6 @@ class KVSwapper(CopyPaths):
             touches = InFlight(frozenset(c for _, c in plan.swap_out),
                                frozenset(g for g, _ in plan.swap_out))
             self._in_flight.append(OutBatch(event, refs, touches))
-        step.events = events
-        self._step = step
-        # the step's own events follow the ahead copies on the in stream: they cover them
-        waits = [events] if events else [] if ahead is None else [ahead]
-        return self._layer_waits(waits) if waits else None
-
-    def _issue_layers(self, st: Streams, s: Any, step: Step, layered: bool) -> list[Any]:
-        """Layer by layer on the in stream: layer i's urgent copies (``layered``), then its
-        swap-ins, then the event layer i's attention waits for."""
-        events = []
-        for layer in range(self.num_layers):
-            if layered:
-                st.run(s, functools.partial(self._kernel, step.out_first, False, layer,
-                                            layer + 1))
-            if step.swap_in is not None:
-                st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
-                                            layer + 1))
-            events.append(st.record(s))
-        return events
 
     def _drain(self) -> None:
         if self._in_flight:
