@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from bench_scripts import load
 
@@ -247,6 +249,10 @@ def test_server_engine_loop_opens_the_step_log_or_warns(tmp_path, monkeypatch, c
     observers = loop()
     assert [type(o) for o in observers] == [StepTotals, StepLog]
     observers[1].close()
+    monkeypatch.setenv("PENSIEVE_STEP_LOG", str(tmp_path / "steps_{pid}.jsonl"))
+    observers = loop()
+    observers[1].close()
+    assert (tmp_path / f"steps_{os.getpid()}.jsonl").exists()  # one file per process
     monkeypatch.setenv("PENSIEVE_STEP_LOG", str(tmp_path))  # a directory
     with caplog.at_level("WARNING", logger="pensieve.server"):
         assert [type(o) for o in loop()] == [StepTotals]

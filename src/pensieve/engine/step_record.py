@@ -11,6 +11,7 @@ No torch here.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field, fields
 from typing import IO, Any
@@ -169,9 +170,11 @@ class StepLog:
     """A step observer that appends every step to a JSON-lines file (``pensieve serve`` with
     ``PENSIEVE_STEP_LOG=path``): what ``benchmarks/step_totals.py`` and the simulator's fits
     read, from a server as users run it. Line-buffered: a server stopped at any point leaves
-    whole lines."""
+    whole lines. ``{pid}`` in ``path`` becomes the process id: one file per engine process
+    where several serve (replicas), whose steps would otherwise interleave in one file."""
 
     def __init__(self, path: str) -> None:
+        path = path.replace("{pid}", str(os.getpid()))
         self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._t0 = time.monotonic()
 
