@@ -10,8 +10,9 @@ time less the mean decode-only step, per computed prefill token: what
 the prefill tokens and of that net time. Classes: replayed from a CUDA graph or eager; with or
 without swap-ins of its own; by prefill tokens a step. Then the small steps with prefill (under
 64 tokens) by how many chunks the step before them copied ahead (``swap_in_ahead``, which the
-step waits for): what they cost over a decode step. ``--plot`` draws the net cost per token
-against the step's prefill tokens::
+step waits for): what they cost over a decode step, and from those the rate the copies ahead
+moved at in serving (:func:`ahead_rate`). ``--plot`` draws the net cost per token against the
+step's prefill tokens::
 
     python benchmarks/step_breakdown.py \
         docs/results/churn/sharegpt_40_60_pensieve_1.25_c517300/churn.tgz \
@@ -60,8 +61,31 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per class of steps with prefill: counts, means and the net cost per prefill token."""
+def ahead_rate(rows: list[dict[str, Any]], base_s: float, chunk_bytes: float,
+               min_chunks: int = 32) -> dict[str, Any]:
+    """The rate the copies ahead moved at, implied by the small steps after them: a step of
+    fewer than :data:`SMALL` prefill tokens after one that copied at least ``min_chunks``
+    ahead waits ``w`` = its time over a decode step beyond what such steps cost after none
+    (``base_s``); the in stream then took (the step before's time less its host prepare) + w
+    for that step's own swap-ins and its copies ahead: ``chunks x chunk_bytes`` over that."""
+    rates = []
+    for p, r in zip(rows, rows[1:]):
+        if 0 < r["prefill_tokens"] < SMALL and p.get("swap_in_ahead", 0) >= min_chunks:
+            wait = max(0.0, r["execute_s"] - base_s)
+            took = p["execute_s"] - p.get("host_prepare_s", 0.0) + wait
+            chunks = p["swap_in_ahead"] + p.get("swap_in_step", 0)
+            if took > 0:
+                rates.append(chunks * chunk_bytes / took / 1e9)
+    if not rates:
+        return {"pairs": 0}
+    q = statistics.quantiles(rates, n=4) if len(rates) > 1 else [rates[0]] * 3
+    return {"pairs": len(rates), "gbps_p25": q[0], "gbps_median": q[1], "gbps_p75": q[2]}
+
+
+def summarize(rows: list[dict[str, Any]], chunk_bytes: float = 0.0) -> dict[str, Any]:
+    """Per class of steps with prefill: counts, means and the net cost per prefill token;
+    the small steps by the copies ahead before them; with ``chunk_bytes``, the rate the
+    copies ahead moved at (:func:`ahead_rate`)."""
     decode = [r["execute_s"] for r in rows if r["prefill_tokens"] == 0]
     if not decode:
         raise SystemExit("no decode-only steps: the net cost needs their mean")
@@ -108,8 +132,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         after.append({"prev_ahead": name, "steps": len(extra),
                       "extra_ms_mean": statistics.fmean(extra) if extra else None,
                       "extra_ms_median": statistics.median(extra) if extra else None})
+    none_before = after[0]["extra_ms_mean"]
+    rate = (ahead_rate(rows, base + none_before / 1e3, chunk_bytes)
+            if chunk_bytes and none_before is not None else None)
     return {"decode_step_ms": base * 1e3, "decode_steps": len(decode), "classes": classes,
-            "small_after_ahead": after,
+            "small_after_ahead": after, "ahead_rate": rate,
             "points": [(r["prefill_tokens"], (r["execute_s"] - base) * 1e3,
                         bool(r["graph_replay"])) for r in prefill]}
 
@@ -136,6 +163,11 @@ def table(s: dict[str, Any]) -> str:
         cells = (f"{a['extra_ms_mean']:>8.2f} {a['extra_ms_median']:>8.2f}" if a["steps"]
                  else f"{'-':>8} {'-':>8}")
         out.append(f"{a['prev_ahead']:<24} {a['steps']:>6} {cells}")
+    r = s.get("ahead_rate")
+    if r and r["pairs"]:
+        out += ["", f"copies ahead (>= 32 chunks) before a small step, implied in-stream rate: "
+                f"median {r['gbps_median']:.1f} GB/s (quartiles {r['gbps_p25']:.1f}-"
+                f"{r['gbps_p75']:.1f}) over {r['pairs']} pairs"]
     return "\n".join(out)
 
 
@@ -168,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("log", help="steps.jsonl(.gz) of a server, or a churn.tgz holding one")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--chunk-mb", type=float, default=6.55,
+                    help="MB of one chunk, all layers, K and V (default: Llama 2-13B GQA-10, "
+                         "32 tokens, bf16), for the copies' implied rate; 0: not computed")
     args = ap.parse_args(argv)
-    s = summarize(load_rows(args.log))
+    s = summarize(load_rows(args.log), args.chunk_mb * 1e6)
     print(table(s))
     if args.json:
         with open(args.json, "w") as f:

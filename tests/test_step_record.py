@@ -203,6 +203,26 @@ def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None
     assert bins[">= 256"]["extra_ms_median"] is None
 
 
+def test_the_rate_of_copies_ahead_implied_by_the_small_step_after_them() -> None:
+    """step_breakdown.py: the copies ahead of a step took its time (less host prepare) plus
+    what the small step after it waited beyond a small step after none."""
+    brk = load("step_breakdown")
+
+    def row(prefill: int, ahead: int, ms: float) -> dict:
+        return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
+                "host_prepare_s": 0.0, "host_issue_s": 0.0, "graph_replay": True,
+                "swap_in_step": 0, "swap_in_ahead": ahead}
+
+    rows = [row(0, 0, 20.0), row(10, 0, 21.0), row(0, 64, 20.0), row(10, 0, 31.0)]
+    s = brk.summarize(rows, chunk_bytes=1e6)
+    assert s["decode_step_ms"] == pytest.approx(20.0)
+    r = s["ahead_rate"]
+    assert r["pairs"] == 1  # 64 chunks of 1 MB in 20 + (31 - 21) ms
+    assert r["gbps_median"] == pytest.approx(64e6 / 0.030 / 1e9)
+    assert "implied in-stream rate" in brk.table(s)
+    assert brk.summarize(rows)["ahead_rate"] is None  # no chunk size: not computed
+
+
 def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) -> None:  # noqa: ANN001
     """A server's PENSIEVE_STEP_LOG rows: step_totals.py sums them into the /metrics counters;
     step_breakdown.py splits the steps with prefill by class with the same net cost."""
