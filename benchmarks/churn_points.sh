@@ -33,6 +33,7 @@
 # PENSIEVE_SWAP_AHEAD=dma),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
+# PROFILE_STEPS (START:COUNT: each server's steps START.. as a profiler trace, trace.json.gz),
 # TOKENIZER (words | demo: chat_model_dir.py --tokenizer), WORKLOAD (agentic | sharegpt: the
 # packaged ShareGPT lengths; a --workload in the extra args also sets it), PYTHON, SITE.
 # Steady state sooner: `--warm-start S_PER_TOKEN` among the extra args starts the load with the
@@ -100,6 +101,7 @@ finish() {  # gather what there is into $OUT, print the summary
     [ -f "$w/$s/timeseries.jsonl" ] && ts+=("$w/$s/timeseries.jsonl")
     [ -f "$w/$s/requests.jsonl" ] && gzip -f "$w/$s/requests.jsonl"
     [ -f "$w/$s/steps.jsonl" ] && gzip -f "$w/$s/steps.jsonl"  # every engine step
+    [ -f "$w/$s/trace.json" ] && gzip -f "$w/$s/trace.json"  # PROFILE_STEPS
     [ -f "$w/$s/progress.log" ] && tr '\r' '\n' < "$w/$s/progress.log" \
       | grep -v -e ' @ ' -e '^\s*$' | tail -n 200 > "$w/$s/progress_tail.log" \
       && rm -f "$w/$s/progress.log"
@@ -178,8 +180,11 @@ for s in $sides; do
   # queued turns; it aborts them after 10 s, inside stop_servers's 15 s (the default 30 s ran
   # into its SIGKILL). SERVE_ARGS can override it.
   # shellcheck disable=SC2046,SC2086  # pin, SERVE_ENV and SERVE_ARGS are lists of words
-  # PENSIEVE_STEP_LOG: every engine step as a JSON line (steps.jsonl.gz in churn.tgz)
-  env $(pin "$g") PENSIEVE_STEP_LOG="$w/$s/steps.jsonl" $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
+  # PENSIEVE_STEP_LOG: every engine step as a JSON line (steps.jsonl.gz in churn.tgz);
+  # PROFILE_STEPS=START:COUNT: a profiler trace of those steps (trace.json.gz)
+  prof=()
+  [ -n "${PROFILE_STEPS:-}" ] && prof=(PENSIEVE_PROFILE_STEPS="$PROFILE_STEPS:$w/$s/trace.json")
+  env $(pin "$g") PENSIEVE_STEP_LOG="$w/$s/steps.jsonl" ${prof[@]+"${prof[@]}"} $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
     --cache-policy "$sys" --host 127.0.0.1 --port "$p" --store "$w/conversations_$s.db" \
     --log-level "${LOG_LEVEL:-warning}" --shutdown-timeout 10 ${SERVE_ARGS:-} $extra \
     > "$w/server_${s}_$sys.log" 2>&1 &

@@ -20,6 +20,7 @@ from pensieve.core.outputs import TokenLogprobs
 from pensieve.engine.outputs import RequestOutput
 from pensieve.engine.step_record import StepLog, StepTotals
 from pensieve.server.engine_ops import rebase
+from pensieve.server.step_profile import StepProfile
 
 log = logging.getLogger("pensieve.server")
 
@@ -84,6 +85,8 @@ class EngineLoop:
                 engine.step_observers.append(StepLog(path))
             except OSError as e:  # serve anyway: the log is for analysis only
                 log.warning("PENSIEVE_STEP_LOG=%s cannot be opened (%s): no step log", path, e)
+        self.profile = StepProfile.from_env()
+        """``PENSIEVE_PROFILE_STEPS``: a profiler trace of a window of steps."""
 
     def snapshot(self) -> Snapshot:
         eng = self.engine
@@ -133,6 +136,9 @@ class EngineLoop:
     def step(self) -> None:
         """One engine step; its tokens, outputs and errors become updates."""
         eng = self.engine
+        prof = self.profile
+        if prof is not None:
+            prof.before_step()
         try:
             finished = eng.step()
         except Exception as e:  # noqa: BLE001 - a bug: fail what is in flight, keep serving
@@ -141,6 +147,9 @@ class EngineLoop:
                 eng.abort_request(rid)
                 self.push(rid, Update(error=EngineRequestError(f"engine step failed: {e}")))
             return
+        finally:
+            if prof is not None:
+                prof.after_step()
         done = {o.request_id for o in finished}
         for rid, tok in eng.last_sampled.items():
             if rid not in done:
