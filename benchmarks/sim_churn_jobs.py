@@ -42,9 +42,16 @@ PROFILE = (ROOT / "src" / "pensieve" / "profiles"
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 
 
+ISSUE_GROUP_S, ISSUE_CHUNK_S = 0.149e-3, 0.0062e-3
+"""Host time to issue staged copies, per group of layers and per chunk: a least-squares fit
+(no intercept) of the swap-in and swap-out issue times of ``benchmarks/step_host_phases.py``
+on the H200 (``docs/results/step_host_phases/``; 1-8 groups, 64-128 chunks)."""
+
+
 def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
                    eager_launch_s: float = 0.0, group_waits: bool = False,
-                   ahead_layered: bool = False) -> TransferModel:
+                   ahead_layered: bool = False, issue_costs: bool = False,
+                   background_after_launch: bool = False) -> TransferModel:
     """The measured copies (``hybrid``'s one-way rates on random block ids; ``staged``'s,
     the default now, are within 1% of them), or what-if
     rates ``gbps`` = ``[in, out]`` GB/s with the same layer pipelining. ``graph_rule``: steps
@@ -54,12 +61,19 @@ def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
     ``group_waits``: the runner now (``runner/graph_waits.py``): every step, graph or eager,
     pipelined by the ``staged`` swapper's 8 groups of layers. ``ahead_layered``: what-if,
     the next step waits for the copies ahead layer by layer (``PENSIEVE_AHEAD_WAITS=layers``;
-    :attr:`TransferModel.ahead_layered`)."""
+    :attr:`TransferModel.ahead_layered`). ``issue_costs``: the host's issue of the copies
+    before the forward (:data:`ISSUE_GROUP_S`, :data:`ISSUE_CHUNK_S`); with
+    ``background_after_launch`` (what-if, ``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1``) a graph
+    step issues its ahead copies and background swap-outs after its launch."""
     swap_in = GRAPH_MAX_SWAP_IN if graph_rule else None
     eager = eager_launch_s if graph_rule else 0.0
     shape: dict[str, Any] = ({"num_layers": STAGED_GROUPS, "graph_max_tokens": 0} if group_waits
                              else {"num_layers": 40, "graph_max_tokens": GRAPH_MAX_TOKENS})
     shape["ahead_layered"] = ahead_layered
+    shape["background_after_launch"] = background_after_launch
+    if issue_costs:
+        shape.update(issue_group_s=ISSUE_GROUP_S, issue_chunk_s=ISSUE_CHUNK_S,
+                     in_groups=STAGED_GROUPS)
     if gbps is not None:
         return TransferModel(swap_in_gbps=gbps[0], swap_out_gbps=gbps[1], **shape,
                              graph_max_swap_in=swap_in, eager_launch_s=eager,
@@ -122,7 +136,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                         job.get("swap_gbps"), bool(job.get("graph_swap_in_rule")),
                         float(job.get("eager_launch_s") or 0.0),
                         bool(job.get("graph_group_waits")),
-                        bool(job.get("ahead_layered"))), **cache)
+                        bool(job.get("ahead_layered")), bool(job.get("issue_costs")),
+                        bool(job.get("background_after_launch"))), **cache)
     if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
         eng.track_step_overlap = False
     return eng

@@ -241,6 +241,9 @@ def real_jobs(real: list[dict[str, Any]], cost: StepCostModel, name: str,
                      "eager_launch_s": getattr(args, "eager_launch_ms", 0.0) / 1e3,
                      "graph_group_waits": getattr(args, "graph_group_waits", False),
                      "ahead_layered": getattr(args, "ahead_layered", False),
+                     "issue_costs": getattr(args, "issue_costs", False),
+                     "background_after_launch": getattr(args, "background_after_launch",
+                                                        False),
                      "cost": cost.to_dict(), "model_name": name})
     return jobs
 
@@ -397,7 +400,9 @@ def run_fitted(args: argparse.Namespace, pairs: tuple[str, ...], out: Path) -> i
     name = "fitted model as is"
     tm = transfer_model(graph_rule=args.graph_swap_in_rule,
                         eager_launch_s=args.eager_launch_ms / 1e3,
-                        group_waits=args.graph_group_waits, ahead_layered=args.ahead_layered)
+                        group_waits=args.graph_group_waits, ahead_layered=args.ahead_layered,
+                        issue_costs=args.issue_costs,
+                        background_after_launch=args.background_after_launch)
     print(f"model: {args.fitted}\ncopies: {tm.source}; steps waiting for all swap-ins: <= "
           f"{tm.graph_max_tokens} tokens, <= {tm.graph_max_swap_in} swap-in chunks of their "
           f"own (else pipelined over {tm.num_layers}, +{tm.eager_launch_s * 1e3:g} ms)",
@@ -502,6 +507,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ahead-layered", action="store_true",
                     help="what-if: each step waits for the copies ahead layer by layer "
                          "(PENSIEVE_AHEAD_WAITS=layers), not before its compute")
+    ap.add_argument("--issue-costs", action="store_true",
+                    help="model the host's issue of the copies before each forward (measured "
+                         "per group of layers and per chunk, sim_churn_jobs.ISSUE_*); fit "
+                         "with it before comparing what-ifs with it")
+    ap.add_argument("--background-after-launch", action="store_true",
+                    help="what-if: graph steps issue their ahead copies and background "
+                         "swap-outs after the launch (PENSIEVE_BACKGROUND_AFTER_LAUNCH=1); "
+                         "with --issue-costs")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
                          "one what-if rate")

@@ -242,6 +242,36 @@ def test_swap_ins_ahead_waited_for_by_layers_overlap_the_next_compute() -> None:
     assert empty.step(0.001, SwapPlan(), 0.0, num_tokens=0).step_s == pytest.approx(rem)
 
 
+def test_host_issue_of_the_copies_delays_the_forward_unless_after_the_launch() -> None:
+    """``issue_group_s`` / ``issue_chunk_s``: the host's issue of a step's copies comes before
+    its forward (own swap-ins by ``in_groups``, the rest in one group each; ahead copies by
+    ``in_groups`` with ``ahead_layered``); with ``background_after_launch`` a graph-sized
+    step issues its ahead copies and background swap-outs after the launch instead, which
+    then start that much later."""
+    g, c = 1.5e-4, 6e-6
+    base = dict(issue_group_s=g, issue_chunk_s=c, in_groups=8, num_layers=8)
+    out = SwapPlan(swap_out=pairs(10), swap_in_ahead=pairs(20, 100, 100))
+    before = TransferTimeline(TransferModel(**base), BB).step(0.0, out, 0.010, 100)
+    assert before.step_s == pytest.approx(0.010 + (g + 20 * c) + (g + 10 * c))
+    layered = TransferTimeline(TransferModel(**base, ahead_layered=True), BB)
+    assert layered.step(0.0, out, 0.010, 100).step_s == pytest.approx(
+        0.010 + (8 * g + 20 * c) + (g + 10 * c))
+    own = TransferTimeline(TransferModel(**base), BB).step(0.0, SwapPlan(swap_in=pairs(4)),
+                                                           0.010, 100)
+    assert own.step_s >= 0.010 + 8 * g + 4 * c
+    m = TransferModel(**base, background_after_launch=True)
+    after = TransferTimeline(m, BB)
+    r = after.step(0.0, out, 0.010, 100)
+    assert r.step_s == pytest.approx(0.010)  # nothing of its own to issue first
+    issued = (g + 20 * c) + (g + 10 * c)
+    assert r.background_done_at == pytest.approx(issued + m.out_seconds(10 * BB))
+    assert after.ahead_done_at == pytest.approx(issued + m.in_seconds(20 * BB))
+    eager = TransferTimeline(m, BB).step(0.0, out, 0.010, 2000)  # not a graph step
+    assert eager.step_s == pytest.approx(before.step_s)
+    with pytest.raises(ValueError, match="issue_group_s"):
+        TransferModel(issue_group_s=-1.0)
+
+
 def test_urgent_swap_outs_are_exposed_and_go_first() -> None:
     tl = TransferTimeline(TransferModel(), BB)
     bg = tl.step(0.0, SwapPlan(swap_out=pairs(100)), 0.001)

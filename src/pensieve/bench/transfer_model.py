@@ -100,6 +100,21 @@ class TransferModel:
     for the previous step's ``swap_in_ahead`` copies layer by layer, as for its own pipelined
     swap-ins, instead of before its compute; a step that waits for all of its swap-ins (a
     CUDA-graph step here) still waits for all of them first."""
+    issue_group_s: float = 0.0
+    """Host time to issue one group of staged copies (a copy call, a scatter or gather launch,
+    their events), before the step's forward is launched: the device idles meanwhile. 0: not
+    modelled (the fitted step costs hold it on average)."""
+    issue_chunk_s: float = 0.0
+    """Host time to issue the copies of one chunk (descriptors, index uploads)."""
+    in_groups: int = 8
+    """Groups of layers a step's own swap-ins are issued by (the ``staged`` swapper's); its
+    ahead copies go in one, or with :attr:`ahead_layered` in as many."""
+    background_after_launch: bool = False
+    """What-if (the runner's ``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1``): a step of at most
+    :attr:`defer_max_tokens` tokens (a graph step) issues its ahead copies and background
+    swap-outs once its forward is launched: their issue time is off the step's critical path,
+    and they start that much later."""
+    defer_max_tokens: int = 512
     source: str = ""
     """Where the rates come from (a file, "default")."""
 
@@ -109,10 +124,13 @@ class TransferModel:
             if not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive, finite rate in GB/s, got {v}")
             object.__setattr__(self, name, v)
-        lat = float(self.latency_s)
-        if not math.isfinite(lat) or lat < 0:
-            raise ValueError(f"latency_s must be finite and >= 0, got {lat}")
-        object.__setattr__(self, "latency_s", lat)
+        for name in ("latency_s", "issue_group_s", "issue_chunk_s"):
+            v = float(getattr(self, name))
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
+            object.__setattr__(self, name, v)
+        if self.in_groups < 1:
+            raise ValueError(f"in_groups must be >= 1, got {self.in_groups}")
         if self.num_layers is not None and (isinstance(self.num_layers, bool)
                                             or not isinstance(self.num_layers, int)
                                             or self.num_layers < 1):
@@ -312,6 +330,9 @@ class TransferTimeline:
         compute_start = 0.0 if ahead_by_layer else ahead_rem
         in_start = max(in_start, ahead_rem)
         copy_start = in_start
+        # the host's issue of the step's copies before its forward is launched
+        host, after_launch = self._issue_s(plan, num_tokens)
+        compute_start = max(compute_start, host)
         # urgent copies inside the layer pipeline (what-if): one stream of urgent + swap-in
         with_urgent = bool(plan.swap_out_first) and m.urgent_pipelined and layered
         if plan.swap_out_first:
@@ -332,11 +353,12 @@ class TransferTimeline:
                                             True))
         in_done = copy_start + (m.latency_s + t_layers if plan.swap_in or with_urgent else 0.0)
         if plan.swap_in_ahead:  # after the step's own in-stream copies, not waited for by it
+            in_done = max(in_done, after_launch)
             in_done += m.latency_s + m.in_seconds(len(plan.swap_in_ahead) * bb)
             self.ahead_done_at = start + in_done
         done_at: float | None = None
         if plan.swap_out:
-            b_start = max(start, self.out_free_at)
+            b_start = max(start + after_launch, self.out_free_at)
             if out_after_in:
                 b_start = max(b_start, start + in_done)
             done_at = b_start + m.latency_s + t_bg
@@ -352,6 +374,30 @@ class TransferTimeline:
         return StepTransfer(step_s=end, exposed_copy_s=max(0.0, end - compute_s),
                             swap_outs_in_flight=len(self.in_flight), swap_in_s=t_in,
                             urgent_s=t_urgent, background_s=t_bg, background_done_at=done_at)
+
+    def _issue_s(self, plan: SwapPlan, num_tokens: int | None) -> tuple[float, float]:
+        """(host time before the forward is launched, when the copies deferred past the
+        launch are issued): the step's own swap-ins by :attr:`~TransferModel.in_groups`,
+        urgent swap-outs, ahead copies and background swap-outs in one group each (the ahead
+        copies by ``in_groups`` with ``ahead_layered``); the last two after the launch with
+        ``background_after_launch`` on a step of at most ``defer_max_tokens`` tokens."""
+        m = self.model
+        if not (m.issue_group_s or m.issue_chunk_s):
+            return 0.0, 0.0
+
+        def issue(groups: int, chunks: int) -> float:
+            return m.issue_group_s * groups + m.issue_chunk_s * chunks if chunks else 0.0
+
+        own = (issue(m.in_groups, len(plan.swap_in))
+               + issue(1, len(plan.swap_out_first)))
+        ahead_groups = m.in_groups if m.ahead_layered else 1
+        background = (issue(ahead_groups, len(plan.swap_in_ahead))
+                      + issue(1, len(plan.swap_out)))
+        deferred = (m.background_after_launch and num_tokens is not None
+                    and 0 < num_tokens <= m.defer_max_tokens)
+        if deferred:
+            return own, own + background
+        return own + background, 0.0
 
     def _pop(self, t: float) -> None:
         while self.in_flight and self.in_flight[0].done_at <= t:
