@@ -102,6 +102,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -213,8 +214,7 @@ class KVSwapper(CopyPaths):
         self._num_programs = num_programs or DEFAULT_PROGRAMS
         self._tile_bytes: int | None = None
         self.background = background
-        self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS
-        """Hybrid and staged methods: chunks per staging piece and half."""
+        self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS  # per piece and half
         self.in_groups = in_groups_of(in_groups, self.num_layers)
         self.ahead_waits = ahead_waits_of(ahead_waits, method, self.ahead)  # "all" | "layers"
         chunk_major = method in CHUNK_MAJOR
@@ -235,7 +235,8 @@ class KVSwapper(CopyPaths):
         one storage; None: one launch per layer."""
         self._triton = self._cuda or os.environ.get("TRITON_INTERPRET") == "1"
         self._init_copies(streams)
-        self._step, self._deferred = None, None  # the step; its deferred copies (start_step)
+        self._step: Step | None = None
+        self._deferred: Callable[[], None] | None = None  # start_step's deferred copies
         self._in_flight: deque[OutBatch] = deque()
         self._ahead: deque[tuple[Any, Any, list[Any] | None]] = deque()
         """Streams: (event, references, per-layer events with ``ahead_waits="layers"``) of
@@ -396,8 +397,9 @@ class KVSwapper(CopyPaths):
         step.events = events
         self._step = step
         # the step's own events follow the ahead copies on the in stream: they cover them
-        lists = [events] if events else [] if ahead is None else [ahead]
-        return layer_waits(st, lists, self._check_layer) if lists else None
+        layer_events = events or ahead
+        return (None if layer_events is None
+                else layer_waits(st, [layer_events], self._check_layer))
 
     def _issue_background(self, st: Streams, plan: SwapPlan, compute_done: Any, last_in: Any,
                           out_after_in: bool) -> None:
