@@ -34,8 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from decode_step import setup
-from step_swap_ins import add_step_args, build_step, profile_executes
+from step_swap_ins import add_step_args, build_step, profile_executes, step_shape
 
 from pensieve.runner.model_runner import ModelRunner
 
@@ -102,16 +101,9 @@ def main() -> None:
                     "first --groups value and each swap-in count")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("step_host_phases.py needs CUDA (CUDA graphs and copy streams)")
-    dev = torch.device("cuda")
-    su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, dev)
-    swap_ins = [int(x) for x in args.swap_in.split(",")]
-    if max(swap_ins) * su.chunk > args.history:
-        raise SystemExit(f"--history {args.history} holds fewer than {max(swap_ins)} chunks")
-    cpu_blocks = max(swap_ins) + args.swap_out
-    tokens = args.batch + args.prefill
-    max_blocks = (args.history + args.prefill) // su.chunk + 2
+    sh = step_shape(args, "step_host_phases.py")
+    su, swap_ins, cpu_blocks = sh.su, sh.swap_ins, sh.cpu_blocks
+    tokens, max_blocks = sh.tokens, sh.max_blocks
     rows = []
     for groups in [int(g) for g in args.groups.split(",")]:
         os.environ["PENSIEVE_SWAP_IN_GROUPS"] = str(groups)

@@ -31,10 +31,11 @@ import pstats
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from decode_step import decode_step, setup
+from decode_step import Setup, decode_step, setup
 from mixed_step import mixed_step
 
 from pensieve.core.outputs import SchedulerOutput, SwapPlan
@@ -150,6 +151,29 @@ def profile_steps(runner: ModelRunner, sched: SchedulerOutput, way: str, steps: 
         return profile_executes(runner, sched, steps)
 
 
+@dataclass
+class StepShape:
+    """The model, the swap-in counts of ``--swap-in`` and what the runner needs for them."""
+
+    su: Setup
+    swap_ins: list[int]
+    cpu_blocks: int
+    tokens: int
+    max_blocks: int
+
+
+def step_shape(args: argparse.Namespace, script: str) -> StepShape:
+    """Load the model of :func:`add_step_args`' arguments (CUDA only) and check them."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs CUDA (CUDA graphs and copy streams)")
+    su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, torch.device("cuda"))
+    swap_ins = [int(x) for x in args.swap_in.split(",")]
+    if max(swap_ins) * su.chunk > args.history:
+        raise SystemExit(f"--history {args.history} holds fewer than {max(swap_ins)} chunks")
+    return StepShape(su, swap_ins, max(swap_ins) + args.swap_out, args.batch + args.prefill,
+                     (args.history + args.prefill) // su.chunk + 2)
+
+
 def add_step_args(ap: argparse.ArgumentParser, batch: int, ctx: int, prefill: int,
                   history: int, swap_in: str) -> None:
     """The step's shape, with these defaults, and the model's."""
@@ -179,17 +203,10 @@ def main() -> None:
     ways = [w for w in args.ways.split(",") if w]
     if not ways or set(ways) - set(WAYS):
         raise SystemExit(f"--ways: a comma-separated choice of {', '.join(WAYS)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("step_swap_ins.py needs CUDA (CUDA graphs and copy streams)")
-    dev = torch.device("cuda")
-    su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, dev)
-    swap_ins = [int(x) for x in args.swap_in.split(",")]
-    if max(swap_ins) * su.chunk > args.history:
-        raise SystemExit(f"--history {args.history} holds fewer than {max(swap_ins)} chunks")
-    cpu_blocks = max(swap_ins) + args.swap_out
+    sh = step_shape(args, "step_swap_ins.py")
+    su, swap_ins, cpu_blocks = sh.su, sh.swap_ins, sh.cpu_blocks
+    tokens, max_blocks = sh.tokens, sh.max_blocks
     runner = ModelRunner(su.model, su.kv, su.chunk, num_cpu_blocks=cpu_blocks)
-    tokens = args.batch + args.prefill
-    max_blocks = (args.history + args.prefill) // su.chunk + 2
     t0 = time.perf_counter()
     runner.enable_mixed_graphs(tokens, args.batch + 1, max_blocks)
     print(f"captured mixed-step graphs up to {tokens} tokens in "
