@@ -70,7 +70,8 @@ def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
     shape: dict[str, Any] = ({"num_layers": STAGED_GROUPS, "graph_max_tokens": 0} if group_waits
                              else {"num_layers": 40, "graph_max_tokens": GRAPH_MAX_TOKENS})
     shape["ahead_layered"] = ahead_layered
-    shape["background_after_launch"] = background_after_launch
+    shape.update(background_after_launch=background_after_launch,
+                 defer_max_tokens=GRAPH_MAX_TOKENS)
     if issue_costs:
         shape.update(issue_group_s=ISSUE_GROUP_S, issue_chunk_s=ISSUE_CHUNK_S,
                      in_groups=STAGED_GROUPS)

@@ -115,6 +115,8 @@ class TransferModel:
     swap-outs once its forward is launched: their issue time is off the step's critical path,
     and they start that much later."""
     defer_max_tokens: int = 512
+    """The largest step :attr:`background_after_launch` applies to: the runner's mixed-step
+    graphs' (``MIXED_GRAPH_MAX_TOKENS``); larger steps run eagerly and issue every copy first."""
     source: str = ""
     """Where the rates come from (a file, "default")."""
 
