@@ -55,6 +55,20 @@ def test_a_failing_step_still_counts(tmp_path, monkeypatch) -> None:  # noqa: AN
     assert loop.profile is not None and loop.profile.done and (tmp_path / "t.json").exists()
 
 
+def test_a_server_stopped_inside_the_window_writes_the_steps_it_has(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("PENSIEVE_PROFILE_STEPS", f"1:100:{path}")
+    loop = EngineLoop(_fake_engine(), lambda *a: None)
+    for _ in range(3):
+        loop.step()
+    assert not path.exists()  # steps 1-2 of a window of 100
+    loop.close()
+    assert loop.profile is not None and loop.profile.done
+    names = {e.get("name", "") for e in json.loads(path.read_text())["traceEvents"]}
+    assert any("matmul" in n or "mm" in n for n in names)
+    loop.close()  # a second close writes nothing more
+
+
 @pytest.mark.parametrize("spec", ["10", "a:b:c", "1:0:/tmp/x", "-1:2:/tmp/x", "1:2:"])
 def test_a_malformed_spec_serves_without_a_profile(spec: str, monkeypatch, caplog) -> None:  # noqa: ANN001
     monkeypatch.setenv("PENSIEVE_PROFILE_STEPS", spec)

@@ -37,6 +37,7 @@ from swap_util import (
 
 from pensieve.core.outputs import SwapPlan
 from pensieve.runner import swap_staged
+from pensieve.runner.swap_paths import env_flag
 from pensieve.runner import swapper as swapper_mod
 from pensieve.runner.swapper import (
     KVSwapper,
@@ -371,6 +372,24 @@ def test_urgent_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert make_swapper(caches, 4, "kernel").urgent_layered is True
     assert make_swapper(caches, 4, "staged").urgent_layered is False  # where it applies only
     assert make_swapper(caches, 4, "dma").urgent_layered is False
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_on_off_variables_refuse_other_values(monkeypatch: pytest.MonkeyPatch,
+                                              value: str) -> None:
+    """A typo in an on/off variable is an error that names it, not a silent "off"."""
+    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
+    monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", value)
+    with pytest.raises(ValueError, match="PENSIEVE_URGENT_LAYERED"):
+        make_swapper(caches, 4, "kernel")
+    for off in ("", "0", " 0 "):
+        monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", off)
+        assert make_swapper(caches, 4, "kernel").urgent_layered is False
+    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", value)
+    with pytest.raises(ValueError, match="PENSIEVE_BACKGROUND_AFTER_LAUNCH"):
+        env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH")
+    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "1")
+    assert env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH") is True
 
 
 @pytest.mark.parametrize("method", STREAM_METHODS)

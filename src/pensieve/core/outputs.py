@@ -106,6 +106,28 @@ class SwapPlan:
         """Chunks copied in during the step: its own swap-ins and those ahead."""
         return len(self.swap_in) + len(self.swap_in_ahead)
 
+    def check(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """ValueError unless every list has its block ids in range and distinct (a runner
+        checks a plan before it issues any copy of it)."""
+        _check_pairs(self.swap_out_first, "swap_out_first", True, num_gpu_blocks, num_cpu_blocks)
+        _check_pairs(self.swap_in, "swap_in", False, num_gpu_blocks, num_cpu_blocks)
+        _check_pairs(self.swap_in_ahead, "swap_in_ahead", False, num_gpu_blocks, num_cpu_blocks)
+        _check_pairs(self.swap_out, "swap_out", True, num_gpu_blocks, num_cpu_blocks)
+
+
+def _check_pairs(pairs: list[tuple[int, int]], what: str, gpu_first: bool,
+                 num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    if not pairs:
+        return
+    gpu = [p[0] if gpu_first else p[1] for p in pairs]
+    cpu = [p[1] if gpu_first else p[0] for p in pairs]
+    if min(gpu) < 0 or max(gpu) >= num_gpu_blocks:
+        raise ValueError(f"{what}: GPU block out of range [0, {num_gpu_blocks})")
+    if min(cpu) < 0 or max(cpu) >= num_cpu_blocks:
+        raise ValueError(f"{what}: CPU block out of range [0, {num_cpu_blocks})")
+    if len(set(gpu)) != len(gpu) or len(set(cpu)) != len(cpu):
+        raise ValueError(f"{what}: repeated GPU or CPU block")
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -9,7 +9,6 @@ host arrays and kernels, :mod:`pensieve.runner.host_io`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
 from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.step_layout import range_layout
+from pensieve.runner.swap_paths import env_flag
 from pensieve.runner.swapper import KVSwapper
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class ModelRunner:
             background_swap_out = not _multi_rank()
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
-        self.background_after_launch = os.environ.get("PENSIEVE_BACKGROUND_AFTER_LAUNCH") == "1"
+        self.background_after_launch = env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH")
         """A step replayed from a graph issues its copies ahead and background swap-outs
         once its forward is launched, not before (``KVSwapper.start_step``'s
         ``defer_background``): their host time then overlaps the forward. Opt-in

@@ -1,17 +1,27 @@
 """How the swapper's optional copy paths are chosen: swap-ins ahead through the kernel or the
 copy engines, and how the next step waits for them; urgent swap-outs at once or layer by
 layer; staged swap-ins by how many groups of layers (:mod:`pensieve.runner.swapper`), from the
-constructor's argument or, given None, the environment where the path applies. And the
-validation of a plan's block ids."""
+constructor's argument or, given None, the environment where the path applies; and
+:func:`env_flag`, the one reading of the runner's on/off environment variables."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-
-from pensieve.core.outputs import SwapPlan
 from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
 from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS
+
+FLAG_VALUES = {"": False, "0": False, "1": True}
+"""What an on/off environment variable may be set to (unset is off)."""
+
+
+def env_flag(name: str) -> bool:
+    """The on/off environment variable ``name``: unset, empty or ``0`` is off, ``1`` on;
+    anything else is a ValueError that names it (a typo must not silently mean off)."""
+    value = os.environ.get(name, "").strip()
+    if value not in FLAG_VALUES:
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return FLAG_VALUES[value]
+
 
 AHEAD_PATHS = ("kernel", "dma")
 """Ways ``swap_in_ahead`` copies may run on streams (:class:`KVSwapper` ``ahead``)."""
@@ -37,7 +47,7 @@ def urgent_path(layered: bool | None, method: str) -> bool:
     groups of layers through the copy engines; not ``dma``, which has no streams)."""
     applies = method in STREAM_METHODS and method != "staged"
     if layered is None:
-        return applies and os.environ.get("PENSIEVE_URGENT_LAYERED", "0") == "1"
+        return applies and env_flag("PENSIEVE_URGENT_LAYERED")
     if layered and not applies:
         raise ValueError(f"layered urgent swap-outs need the kernel or hybrid method, "
                          f"not {method!r}")
@@ -78,25 +88,3 @@ def ahead_waits_of(waits: str | None, method: str, ahead: str) -> str:
                              f"{ahead!r}")
         return "all"  # the environment's choice, where it applies
     return chosen
-
-
-def check_plan(plan: SwapPlan, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-    """ValueError unless every list of ``plan`` has block ids in range and distinct."""
-    check_pairs(plan.swap_out_first, "swap_out_first", True, num_gpu_blocks, num_cpu_blocks)
-    check_pairs(plan.swap_in, "swap_in", False, num_gpu_blocks, num_cpu_blocks)
-    check_pairs(plan.swap_in_ahead, "swap_in_ahead", False, num_gpu_blocks, num_cpu_blocks)
-    check_pairs(plan.swap_out, "swap_out", True, num_gpu_blocks, num_cpu_blocks)
-
-
-def check_pairs(pairs: Sequence[tuple[int, int]], what: str, gpu_first: bool,
-                num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-    if not pairs:
-        return
-    gpu = [p[0] if gpu_first else p[1] for p in pairs]
-    cpu = [p[1] if gpu_first else p[0] for p in pairs]
-    if min(gpu) < 0 or max(gpu) >= num_gpu_blocks:
-        raise ValueError(f"{what}: GPU block out of range [0, {num_gpu_blocks})")
-    if min(cpu) < 0 or max(cpu) >= num_cpu_blocks:
-        raise ValueError(f"{what}: CPU block out of range [0, {num_cpu_blocks})")
-    if len(set(gpu)) != len(gpu) or len(set(cpu)) != len(cpu):
-        raise ValueError(f"{what}: repeated GPU or CPU block")

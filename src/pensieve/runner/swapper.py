@@ -126,7 +126,6 @@ from pensieve.runner.swap_paths import (
     AHEAD_PATHS,
     ahead_path,
     ahead_waits_of,
-    check_plan,
     in_groups_of,
     urgent_path,
 )
@@ -359,7 +358,7 @@ class KVSwapper(CopyPaths):
                        ) -> LayerReady | None:
         st = self._streams
         assert st is not None
-        check_plan(plan, self.num_gpu_blocks, self.num_cpu_blocks)
+        plan.check(self.num_gpu_blocks, self.num_cpu_blocks)
         waits = step_waits(plan, [b.touches for b in self._in_flight])
         self._count(plan)
         layers = self.num_layers
@@ -489,7 +488,7 @@ class KVSwapper(CopyPaths):
 
     def _prepare(self, plan: SwapPlan) -> Step:
         """Synchronous and DMA paths: validate, then batch the three lists."""
-        check_plan(plan, self.num_gpu_blocks, self.num_cpu_blocks)
+        plan.check(self.num_gpu_blocks, self.num_cpu_blocks)
         step = self._batch_plan(plan)
         self._count(plan)
         return step

@@ -207,6 +207,7 @@ class AsyncEngine(EngineClient):
                 core.step()
             self._dispatch(core.take())
             self.snapshot = core.snapshot()
+        core.close()
         log.info("engine thread stopped at %s", time.strftime("%X"))
 
 

@@ -129,6 +129,14 @@ class EngineLoop:
         elif kind != "noop":
             raise ValueError(f"unknown engine command {kind!r}")
 
+    def close(self) -> None:
+        """The server stops: write what the step profile has and close the step log."""
+        if self.profile is not None:
+            self.profile.close()
+        for obs in self.engine.step_observers:
+            if isinstance(obs, StepLog):
+                obs.close()
+
     @property
     def busy(self) -> bool:
         return bool(self.engine.has_unfinished())

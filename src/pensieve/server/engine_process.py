@@ -159,6 +159,7 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
     try:
         _serve(core, cmds, out)
     finally:
+        core.close()
         engine.shutdown()
 
 

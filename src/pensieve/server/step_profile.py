@@ -4,7 +4,7 @@
 ``START`` to ``START + COUNT - 1`` (counted from 0 since the engine started) with
 ``torch.profiler`` (the host's calls and, on CUDA, every kernel, copy and stream wait) and
 writes them as a Chrome trace to ``PATH`` (``{pid}`` in it becomes the process id), once the
-window ends. What it is for: the timeline of steps under a real serving load (which copies
+window ends (or, with the steps it has, when the server stops inside it). What it is for: the timeline of steps under a real serving load (which copies
 run beside which compute, how long a step's host work leaves the device idle), where the
 benchmarks' steps are built by hand. Profiling slows the steps it records; the others run
 as usual.
@@ -67,12 +67,20 @@ class StepProfile:
         self.steps += 1
         if self._prof is None or self.steps < self.start + self.count:
             return
+        self._write()
+
+    def close(self) -> None:
+        """The server stops: a window still open is written with the steps it has."""
+        if self._prof is not None:
+            self._write()
+
+    def _write(self) -> None:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
+        last = self.steps - 1
         try:
             prof.export_chrome_trace(self.path)
-            log.info("wrote the profile of steps %d-%d to %s", self.start,
-                     self.start + self.count - 1, self.path)
+            log.info("wrote the profile of steps %d-%d to %s", self.start, last, self.path)
         except OSError as e:  # serve anyway
             log.warning("%s: cannot write %s (%s)", ENV, self.path, e)
         self.done = True
