@@ -37,8 +37,8 @@ from swap_util import (
 
 from pensieve.core.outputs import SwapPlan
 from pensieve.runner import swap_staged
-from pensieve.runner.swap_paths import env_flag
 from pensieve.runner import swapper as swapper_mod
+from pensieve.runner.swap_paths import env_flag
 from pensieve.runner.swapper import (
     KVSwapper,
     StepWaits,

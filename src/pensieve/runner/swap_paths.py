@@ -7,6 +7,7 @@ constructor's argument or, given None, the environment where the path applies; a
 from __future__ import annotations
 
 import os
+
 from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
 from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS
 

@@ -4,10 +4,10 @@
 ``START`` to ``START + COUNT - 1`` (counted from 0 since the engine started) with
 ``torch.profiler`` (the host's calls and, on CUDA, every kernel, copy and stream wait) and
 writes them as a Chrome trace to ``PATH`` (``{pid}`` in it becomes the process id), once the
-window ends (or, with the steps it has, when the server stops inside it). What it is for: the timeline of steps under a real serving load (which copies
-run beside which compute, how long a step's host work leaves the device idle), where the
-benchmarks' steps are built by hand. Profiling slows the steps it records; the others run
-as usual.
+window ends, or with the steps it has when the server stops inside it. What it is for: the
+timeline of steps under a real serving load (which copies run beside which compute, how long
+a step's host work leaves the device idle), where the benchmarks' steps are built by hand.
+Profiling slows the steps it records; the others run as usual.
 """
 
 from __future__ import annotations
