@@ -36,9 +36,9 @@ from swap_util import (
 )
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.envs import env_flag
 from pensieve.runner import swap_staged
 from pensieve.runner import swapper as swapper_mod
-from pensieve.runner.swap_paths import env_flag
 from pensieve.runner.swapper import (
     KVSwapper,
     StepWaits,
@@ -136,7 +136,7 @@ class SimStreams:
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
              ahead_path: str = "kernel", urgent_layered: bool = False,
-             ahead_waits: str = "all", defer: bool = False) -> None:
+             ahead_waits: str = "all", defer: bool = False, out_first: bool = False) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -146,7 +146,8 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     also carry ``swap_in_ahead`` copies, read by the next step's compute (their CPU blocks left
     alone for two steps, as the cache does). ``defer``: the background copies (ahead and
     background swap-outs) issued after the step's compute, as the runner does with
-    ``defer_background``."""
+    ``defer_background``. ``out_first``: background swap-outs issued before the swap-ins
+    (``PENSIEVE_SWAP_OUT_FIRST``)."""
     rng = random.Random(seed)
     layers, g_blocks, c_blocks = 2, 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
@@ -155,6 +156,7 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
                       ahead=ahead_path if method in ("hybrid", "staged") else None,
                       urgent_layered=urgent_layered, ahead_waits=ahead_waits)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
+    sw.out_first = out_first
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
     out_events: list[Any] = []
@@ -268,6 +270,45 @@ def test_simulated_background_copies_issued_after_the_compute(seed: int, method:
     step's compute is (``issue_background``) wait for the same events as when issued first:
     the reads, the counts and the tiers match the sequential reference."""
     simulate(seed, method=method, ahead_waits=ahead_waits, defer=True)
+
+
+@pytest.mark.parametrize("method", STREAM_METHODS)
+@pytest.mark.parametrize("seed", range(40))
+def test_simulated_swap_outs_issued_first(seed: int, method: str) -> None:
+    """``out_first``: background swap-outs that need not follow the step's swap-ins are
+    issued before them; reads, counts and tiers still match the sequential reference."""
+    simulate(seed, method=method, out_first=True)
+
+
+def test_swap_outs_first_go_before_the_swap_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order itself: with ``PENSIEVE_SWAP_OUT_FIRST=1`` the out stream's first work is
+    enqueued before the in stream's; a swap-out into a CPU block the step's swap-ins read
+    still follows them."""
+    monkeypatch.setenv("PENSIEVE_SWAP_OUT_FIRST", "1")
+    sim = SimStreams(random.Random(0), eagerness=0.0)
+    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, "staged", streams=sim)
+    sw._triton = False
+    assert sw.out_first
+    order: list[str] = []
+    issue_out, issue_in = sw._issue_out_staged, sw._issue_in_staged
+    monkeypatch.setattr(sw, "_issue_out_staged", lambda *a: (order.append("out"),
+                                                             issue_out(*a))[1])
+    monkeypatch.setattr(sw, "_issue_in_staged", lambda *a: (order.append("in"),
+                                                            issue_in(*a))[1])
+    gpu, cpu = snapshot(sw)
+    first = SwapPlan(swap_in=[(0, 1)], swap_out=[(2, 3)])
+    sw.start_step(first)
+    assert order == ["out", "in"]
+    sw.end_step()
+    order.clear()
+    second = SwapPlan(swap_in=[(3, 4)], swap_out=[(5, 3)])  # CPU block 3: read, then written
+    sw.start_step(second)
+    assert order == ["in", "out"]
+    sw.finish_step()
+    sim.drain()
+    for plan in (first, second):
+        apply_reference(gpu, cpu, plan)
+    assert_tiers(sw, gpu, cpu)
 
 
 def test_deferred_background_copies_are_issued_by_end_step(

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from pensieve.envs import env_flag
 from pensieve.kernels.launch_policy import (
     decode_kv_splits,
     decode_split_span,
@@ -31,7 +32,6 @@ from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
 from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.step_layout import range_layout
-from pensieve.runner.swap_paths import env_flag
 from pensieve.runner.swapper import KVSwapper
 
 log = logging.getLogger(__name__)

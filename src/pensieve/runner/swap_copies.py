@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.envs import env_flag
 from pensieve.runner.copy_engine import CopyEngine
 from pensieve.runner.swap_staged import StagedPaths
-from pensieve.runner.swap_streams import CudaStreams, Streams
+from pensieve.runner.swap_streams import CudaStreams, InFlight, OutBatch, Streams
 
 LayerReady = Callable[[int], None]
 METHODS = ("kernel", "hybrid", "staged", "dma")
@@ -172,10 +173,33 @@ class CopyPaths(StagedPaths):
             self._stream = torch.cuda.Stream(self.device, priority=-1)
         self._staging = torch.empty(0, dtype=self.gpu_caches[0].dtype, device=self.device)
         """DMA: the staging buffer of runs whose GPU blocks are not consecutive."""
+        self.out_first = env_flag("PENSIEVE_SWAP_OUT_FIRST")
+        """Streams: a step's background swap-outs are issued before its swap-ins (when they
+        need not follow them), so both directions run from the step's start; else after
+        them (the default: the swap-ins the step waits for have the link to themselves
+        until then)."""
         self._engine = CopyEngine(self.device)
         """Hybrid, staged: the copies between the staging buffers and the host tier."""
         self._chunk_bytes = self.num_layers * self.block_bytes
         """Bytes of one chunk of every layer (a row of the chunk-major tiers)."""
+
+    def _issue_out(self, st: Streams, plan: SwapPlan, compute_done: Any, after: Any) -> None:
+        """Issue ``plan``'s background swap-outs on the out stream, after ``compute_done``
+        (the compute before the step) and ``after`` (an in-stream event, or None), and put
+        the batch in flight."""
+        s = st.out_stream
+        st.wait(s, compute_done)
+        if after is not None:
+            st.wait(s, after)
+        if self.method in CHUNK_MAJOR:
+            event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
+        else:
+            refs = st.upload(s, plan.swap_out)
+            st.run(s, functools.partial(self._kernel, refs, False, 0, self.num_layers))
+            event = st.record(s)
+        touches = InFlight(frozenset(c for _, c in plan.swap_out),
+                           frozenset(g for g, _ in plan.swap_out))
+        self._in_flight.append(OutBatch(event, refs, touches))
 
     @property
     def num_programs(self) -> int:

@@ -1,28 +1,15 @@
 """How the swapper's optional copy paths are chosen: swap-ins ahead through the kernel or the
 copy engines, and how the next step waits for them; urgent swap-outs at once or layer by
 layer; staged swap-ins by how many groups of layers (:mod:`pensieve.runner.swapper`), from the
-constructor's argument or, given None, the environment where the path applies; and
-:func:`env_flag`, the one reading of the runner's on/off environment variables."""
+constructor's argument or, given None, the environment where the path applies."""
 
 from __future__ import annotations
 
 import os
 
+from pensieve.envs import env_flag
 from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
 from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS
-
-FLAG_VALUES = {"": False, "0": False, "1": True}
-"""What an on/off environment variable may be set to (unset is off)."""
-
-
-def env_flag(name: str) -> bool:
-    """The on/off environment variable ``name``: unset, empty or ``0`` is off, ``1`` on;
-    anything else is a ValueError that names it (a typo must not silently mean off)."""
-    value = os.environ.get(name, "").strip()
-    if value not in FLAG_VALUES:
-        raise ValueError(f"{name}={value!r}: expected 0 or 1")
-    return FLAG_VALUES[value]
-
 
 AHEAD_PATHS = ("kernel", "dma")
 """Ways ``swap_in_ahead`` copies may run on streams (:class:`KVSwapper` ``ahead``)."""

@@ -365,6 +365,9 @@ class KVSwapper(CopyPaths):
         step = Step()
         compute_done = st.record(None)
         events: list[Any] = []
+        out_first = self.out_first and not (defer or waits.out_after_in)
+        if out_first and plan.swap_out:  # both ways busy from the step's start
+            self._issue_out(st, plan, compute_done, None)
         if plan.swap_out_first or plan.swap_in or plan.swap_in_ahead:
             st.wait(st.in_stream, compute_done)
             if waits.in_after >= 0:
@@ -387,6 +390,8 @@ class KVSwapper(CopyPaths):
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
+        if out_first:
+            plan = SwapPlan(swap_in_ahead=plan.swap_in_ahead)  # its swap-outs are issued
         background = functools.partial(self._issue_background, st, plan, compute_done,
                                        step.in_done, waits.out_after_in)
         if defer and (plan.swap_in_ahead or plan.swap_out):
@@ -419,19 +424,7 @@ class KVSwapper(CopyPaths):
             last_in = st.record(s)
             self._ahead.append((last_in, refs, by_layer))
         if plan.swap_out:
-            s = st.out_stream
-            st.wait(s, compute_done)
-            if out_after_in:
-                st.wait(s, last_in)
-            if self.method in CHUNK_MAJOR:
-                event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
-            else:
-                refs = st.upload(s, plan.swap_out)
-                st.run(s, functools.partial(self._kernel, refs, False, 0, layers))
-                event = st.record(s)
-            touches = InFlight(frozenset(c for _, c in plan.swap_out),
-                               frozenset(g for g, _ in plan.swap_out))
-            self._in_flight.append(OutBatch(event, refs, touches))
+            self._issue_out(st, plan, compute_done, last_in if out_after_in else None)
 
     def _drain(self) -> None:
         if self._in_flight:
