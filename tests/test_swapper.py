@@ -84,6 +84,21 @@ def test_random_plans_match_reference(device: str, method: str, stacked: bool,
                                       seed: int) -> None:
     """Several steps of random plans; the lists may share blocks (order decides the result).
     ``stacked``: the caches are views of one allocation (one launch covers every layer)."""
+    _random_plans(device, method, stacked, seed)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", STREAM_METHODS)
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_swap_outs_first_match_reference(method: str, seed: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PENSIEVE_SWAP_OUT_FIRST=1`` on the GPU: the same random plans, the same tiers."""
+    monkeypatch.setenv("PENSIEVE_SWAP_OUT_FIRST", "1")
+    _random_plans("cuda", method, True, seed)
+
+
+def _random_plans(device: str, method: str, stacked: bool, seed: int) -> None:
     rng = random.Random(seed)
     gpu_blocks, cpu_blocks = 48, 40
     caches = make_caches(3, gpu_blocks, 4, device=device)
