@@ -357,7 +357,10 @@ def test_simulator_catches_ahead_copies_not_waited_for(monkeypatch: pytest.Monke
 
 def test_ahead_waits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = make_caches(2, 4, 2, 1, 4, torch.float32)
-    assert make_swapper(caches, 4, "staged").ahead_waits == "all"  # the default
+    assert make_swapper(caches, 4, "staged").ahead_waits == "layers"  # the default
+    for method in ("kernel", "hybrid", "dma"):  # where it does not apply
+        assert make_swapper(caches, 4, method).ahead_waits == "all"
+    assert make_swapper(caches, 4, "staged", ahead_waits="all").ahead_waits == "all"
     assert make_swapper(caches, 4, "staged", ahead_waits="layers").ahead_waits == "layers"
     assert make_swapper(caches, 4, "hybrid", ahead="dma",
                         ahead_waits="layers").ahead_waits == "layers"
@@ -366,6 +369,8 @@ def test_ahead_waits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             make_swapper(caches, 4, method, ahead_waits="layers")
     with pytest.raises(ValueError, match="not in"):
         make_swapper(caches, 4, "staged", ahead_waits="some")
+    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "all")
+    assert make_swapper(caches, 4, "staged").ahead_waits == "all"
     monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "layers")
     assert make_swapper(caches, 4, "staged").ahead_waits == "layers"
     assert make_swapper(caches, 4, "kernel").ahead_waits == "all"  # where it applies only
@@ -426,6 +431,11 @@ def test_on_off_variables_refuse_other_values(monkeypatch: pytest.MonkeyPatch,
     for off in ("", "0", " 0 "):
         monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", off)
         assert make_swapper(caches, 4, "kernel").urgent_layered is False
+    for unset, default in (("", True), ("", False)):
+        monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", unset)
+        assert env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH", default) is default
+    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "0")
+    assert env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH", True) is False
     monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", value)
     with pytest.raises(ValueError, match="PENSIEVE_BACKGROUND_AFTER_LAUNCH"):
         env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH")

@@ -96,7 +96,8 @@ class TransferModel:
     compute, like the swap-ins. A step that waits for all of its swap-ins (:attr:`pipelined`
     off, a CUDA-graph step) still waits for all of its urgent copies first."""
     ahead_layered: bool = False
-    """What-if (the runner's ``PENSIEVE_AHEAD_WAITS=layers``, not its default): a step waits
+    """The runner's ``ahead_waits="layers"`` (its default since ``16b8fc3``'s A/B; off here
+    unless asked, as in the fits and validations before it): a step waits
     for the previous step's ``swap_in_ahead`` copies layer by layer, as for its own pipelined
     swap-ins, instead of before its compute; a step that waits for all of its swap-ins (a
     CUDA-graph step here) still waits for all of them first."""
@@ -110,7 +111,8 @@ class TransferModel:
     """Groups of layers a step's own swap-ins are issued by (the ``staged`` swapper's); its
     ahead copies go in one, or with :attr:`ahead_layered` in as many."""
     background_after_launch: bool = False
-    """What-if (the runner's ``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1``): a step of at most
+    """The runner's ``PENSIEVE_BACKGROUND_AFTER_LAUNCH`` (its default since ``16b8fc3``'s
+    A/B; off here unless asked): a step of at most
     :attr:`defer_max_tokens` tokens (a graph step) issues its ahead copies and background
     swap-outs once its forward is launched: their issue time is off the step's critical path,
     and they start that much later."""

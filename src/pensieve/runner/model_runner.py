@@ -114,11 +114,13 @@ class ModelRunner:
             background_swap_out = not _multi_rank()
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
-        self.background_after_launch = env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH")
+        self.background_after_launch = env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH", True)
         """A step replayed from a graph issues its copies ahead and background swap-outs
         once its forward is launched, not before (``KVSwapper.start_step``'s
-        ``defer_background``): their host time then overlaps the forward. Opt-in
-        (``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1``): not yet measured on the GPU."""
+        ``defer_background``): their host time then overlaps the forward. On by default
+        (``PENSIEVE_BACKGROUND_AFTER_LAUNCH=0`` turns it off): with ``ahead_waits="layers"``
+        it took ShareGPT's steps with prefill from 52.5 to 51.2 us per computed token on the
+        H200 (``docs/performance.md``)."""
         self.decode_span_mode = decode_split_span_mode()
         """``PENSIEVE_DECODE_SPAN``, read (and checked) once."""
         self.mixed_decodes = mixed_decodes_mode()

@@ -64,11 +64,12 @@ def ahead_waits_of(waits: str | None, method: str, ahead: str) -> str:
     of the next step waits for its group only (as for the step's own swap-ins), so the step
     starts while the tail of the copies still runs. ``layers`` needs the ahead copies through
     the copy engines (``staged``, or ``ahead="dma"``). ``waits``, else
-    ``PENSIEVE_AHEAD_WAITS`` where it applies, else ``"all"``."""
-    chosen = waits or os.environ.get("PENSIEVE_AHEAD_WAITS") or "all"
+    ``PENSIEVE_AHEAD_WAITS``, else ``"layers"``, each where it applies, else ``"all"``."""
+    applies = method in STREAM_METHODS and (method == "staged" or ahead == "dma")
+    chosen = waits or os.environ.get("PENSIEVE_AHEAD_WAITS") or (
+        "layers" if applies else "all")
     if chosen not in AHEAD_WAITS:
         raise ValueError(f"ahead waits {chosen!r} not in {AHEAD_WAITS}")
-    applies = method in STREAM_METHODS and (method == "staged" or ahead == "dma")
     if chosen == "layers" and not applies:
         if waits is not None:
             raise ValueError("ahead waits 'layers' need the ahead copies through the copy "

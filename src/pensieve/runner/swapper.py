@@ -19,10 +19,10 @@ Semantics. For every layer the three lists of a plan apply one after the other::
 
 ``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
 wait for them and the next :meth:`~KVSwapper.start_step` makes the compute stream wait before
-anything else, or, with ``ahead_waits="layers"`` (``PENSIEVE_AHEAD_WAITS=layers``; copies
-through the copy engines only), copies them by the staged swap-ins' groups of layers and has
-each layer of the next step wait for its group (its ``layer_ready``), so that step starts
-while the tail of the copies runs; the synchronous paths copy them with the step's swap-ins.
+anything else, or, with ``ahead_waits="layers"`` (the default where the copies go through
+the copy engines; ``PENSIEVE_AHEAD_WAITS=all`` turns it off), copies them by the staged
+swap-ins' groups of layers and has each layer of the next step wait for its group (its
+``layer_ready``), so that step starts while the tail of the copies runs; the synchronous paths copy them with the step's swap-ins.
 They go through the swap kernel (``ahead="kernel"``, the default) or, with a chunk-major
 host tier (``hybrid``, ``staged``), through the copy engines as ``staged`` swap-ins do
 (``ahead="dma"``: runs of consecutive CPU blocks into a device staging buffer, then a
@@ -164,7 +164,7 @@ class KVSwapper(CopyPaths):
     :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``ahead_waits``: how the next
     step waits for ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
     (:func:`~pensieve.runner.swap_paths.ahead_waits_of`; None: ``PENSIEVE_AHEAD_WAITS``,
-    else ``"all"``). ``streams``: for tests, a
+    else ``"layers"`` where it applies). ``streams``: for tests, a
     :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
     """
 
