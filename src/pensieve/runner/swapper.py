@@ -22,7 +22,8 @@ wait for them and the next :meth:`~KVSwapper.start_step` makes the compute strea
 anything else, or, with ``ahead_waits="layers"`` (the default where the copies go through
 the copy engines; ``PENSIEVE_AHEAD_WAITS=all`` turns it off), copies them by the staged
 swap-ins' groups of layers and has each layer of the next step wait for its group (its
-``layer_ready``), so that step starts while the tail of the copies runs; the synchronous paths copy them with the step's swap-ins.
+``layer_ready``), so that step starts while the tail of the copies runs; the synchronous
+paths copy them with the step's swap-ins.
 They go through the swap kernel (``ahead="kernel"``, the default) or, with a chunk-major
 host tier (``hybrid``, ``staged``), through the copy engines as ``staged`` swap-ins do
 (``ahead="dma"``: runs of consecutive CPU blocks into a device staging buffer, then a
