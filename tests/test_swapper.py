@@ -35,7 +35,7 @@ from swap_util import (  # noqa: F401  (_seed: the autouse fixture)
 )
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.runner import swap_copies, swap_staged, swap_streams
+from pensieve.runner import swap_copies, swap_streams
 from pensieve.runner.swapper import (
     InFlight,
     KVSwapper,
@@ -463,17 +463,6 @@ def test_host_layout_and_cpu_cache_views(method: str) -> None:
         assert torch.equal(torch.stack(sw.cpu_caches), host)
 
 
-def test_out_pieces_start_small_then_fill_the_halves() -> None:
-    assert swap_staged.out_pieces(0, 64) == []
-    assert swap_staged.out_pieces(10, 64) == [(0, 10)]
-    assert swap_staged.out_pieces(64, 64) == [(0, 16), (16, 64)]
-    assert swap_staged.out_pieces(200, 64) == [(0, 16), (16, 80), (80, 144), (144, 200)]
-    assert swap_staged.out_pieces(3, 1) == [(0, 1), (1, 2), (2, 3)]
-    for n in range(0, 300, 7):
-        spans = swap_staged.out_pieces(n, 64)
-        assert sum(b - a for a, b in spans) == n and all(0 < b - a <= 64 for a, b in spans)
-
-
 def test_runs_of() -> None:
     assert swap_streams.runs_of([]) == []
     assert swap_streams.runs_of([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
@@ -493,9 +482,8 @@ def test_staged_copies_per_run_and_bounded_staging(method: str) -> None:
     run_step(sw, plan)
     apply_reference(gpu, cpu, plan)
     assert_tiers(sw, gpu, cpu)
-    # pieces by CPU id (a first piece of 5 // 4 = 1, then 5s): 10 | 11..15 | 16 20 22 25 26
-    # | 27 -> runs 1 + 1 + 4 + 1, gathers 4
-    assert sw.num_copies == 4 + 7
+    # pieces by CPU id: 10..14 | 15 16 20 22 25 | 26 27 -> runs 1 + 4 + 1, gathers 3
+    assert sw.num_copies == 3 + 6
     assert [t.shape[0] for t in sw._out_stage] == [5, 5]
     plan = SwapPlan(swap_in=list(zip(cpu_ids, random.Random(1).sample(range(40), 12),
                                      strict=True)))

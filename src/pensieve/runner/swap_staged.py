@@ -29,19 +29,6 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def out_pieces(n: int, size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of the pieces ``n`` swap-outs are gathered and copied by: a first
-    piece of ``size // 4`` chunks (at least 1), then pieces of ``size``. The copy to the host
-    starts once the first piece is gathered, and each later piece is gathered while the one
-    before it copies, so a small first piece starts the copies sooner (64 chunks of 6.5 MB
-    gathered at once took 0.9 ms on the H200 before the first byte moved)."""
-    first = max(1, size // 4)
-    edges = [0]
-    while edges[-1] < n:
-        edges.append(min(n, edges[-1] + (first if len(edges) == 1 else size)))
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
 class StagedPaths:
     """Staging buffers and their copies; a base of
     :class:`~pensieve.runner.swap_copies.CopyPaths`, whose state they use."""
@@ -119,20 +106,19 @@ class StagedPaths:
     def _issue_out_staged(self, st: Streams, pairs: list[tuple[int, int]], gather: Any,
                           dma: Any) -> tuple[Any, list[Any]]:
         """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
-        halves and copies to the host on ``dma``, by :func:`out_pieces` (at most
-        :attr:`staging_chunks` a piece); returns the event after the last copy and what must
-        stay referenced until then."""
+        halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
+        returns the event after the last copy and what must stay referenced until then."""
+        size = self.staging_chunks
         order = sorted(pairs, key=lambda p: p[1])
-        spans = out_pieces(len(order), self.staging_chunks)
-        self._grow_out(max(b - a for a, b in spans))
-        idx = st.upload(gather, [(order[j][0], j - a) for a, b in spans for j in range(a, b)])
+        self._grow_out(min(len(order), size))
+        idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
         refs: list[Any] = [idx, *self._out_stage]
         event = None
-        for a, b in spans:
-            piece = order[a:b]
+        for k in range(0, len(order), size):
+            piece = order[k:k + size]
             h, self._next_half = self._next_half, self._next_half ^ 1
             self._wait_half_free(st, gather, h)
-            st.run(gather, functools.partial(self._kernel, idx[a:b], False, 0,
+            st.run(gather, functools.partial(self._kernel, idx[k:k + len(piece)], False, 0,
                                              self.num_layers, f"out{h}"))
             st.wait(dma, st.record(gather))
             runs = runs_of([c for _, c in piece])
