@@ -13,6 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from test_logprobs import chat_llama  # noqa: F401 - the fixture
 
+from pensieve.server.engine_loop import EngineStartError
+
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
 
 
@@ -152,8 +154,21 @@ def test_engine_process_start_failure_is_an_error(tmp_path: Any) -> None:
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}))
     cfg = build_engine_config(model=str(bad), device="cpu", num_gpu_blocks=8)
-    with pytest.raises(RuntimeError, match="failed to start"):
+    with pytest.raises(EngineStartError, match="failed to start"):
         ProcessEngine(cfg)
+
+
+def test_a_bad_setting_stops_serve_with_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``pensieve serve`` with an on/off variable set to neither 0 nor 1: exit code 2 and the
+    variable named on one line, not a traceback."""
+    from pensieve.cli import main
+
+    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "yes")
+    assert main(["serve", "llama-tiny", "--load-format", "dummy", "--device", "cpu",
+                 "--num-gpu-blocks", "8", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "PENSIEVE_BACKGROUND_AFTER_LAUNCH='yes'" in err and "Traceback" not in err
 
 
 class _BusyCore:

@@ -125,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pensieve: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from pensieve.server.engine_loop import EngineStartError
+
+        if not isinstance(e, EngineStartError):
+            raise
+        print(f"pensieve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

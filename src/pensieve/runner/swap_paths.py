@@ -35,7 +35,7 @@ def urgent_path(layered: bool | None, method: str) -> bool:
     groups of layers through the copy engines; not ``dma``, which has no streams)."""
     applies = method in STREAM_METHODS and method != "staged"
     if layered is None:
-        return applies and env_flag("PENSIEVE_URGENT_LAYERED")
+        return env_flag("PENSIEVE_URGENT_LAYERED") and applies  # read (checked) everywhere
     if layered and not applies:
         raise ValueError(f"layered urgent swap-outs need the kernel or hybrid method, "
                          f"not {method!r}")

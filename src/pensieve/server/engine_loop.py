@@ -31,6 +31,11 @@ class EngineRequestError(RuntimeError):
     was before the turn; nothing of the turn may be stored."""
 
 
+class EngineStartError(RuntimeError):
+    """The engine could not be built (a bad setting, a model that does not load): the server
+    does not start, and ``pensieve serve`` says why in one line."""
+
+
 class ServerStoppingError(EngineRequestError):
     """The server stopped while the turn ran (its graceful shutdown ran out): the turn was
     aborted, its conversation is as it was before the turn."""

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pensieve.server.async_engine import EngineClient
-from pensieve.server.engine_loop import EngineLoop, EngineRequestError, Snapshot
+from pensieve.server.engine_loop import EngineLoop, EngineRequestError, EngineStartError, Snapshot
 
 log = logging.getLogger("pensieve.server")
 
@@ -62,7 +62,7 @@ class ProcessEngine(EngineClient):
             kind, info = "failed", f"the engine process exited ({self._proc.exitcode})"
         if kind != "ready":
             self._proc.join(timeout=10)
-            raise RuntimeError(f"the engine process failed to start: {info}")
+            raise EngineStartError(f"the engine process failed to start: {info}")
         self.info: dict[str, Any] = info
         """What the server needs to know of the engine: ``kv_tokens`` (GPU tier)."""
         self.snapshot: Snapshot = info["snapshot"]
