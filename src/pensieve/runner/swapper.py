@@ -100,6 +100,7 @@ every operation executed at once (``staged`` swap-ins at the first ``layer_ready
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections import deque
@@ -391,8 +392,8 @@ class KVSwapper(CopyPaths):
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
-        if out_first:
-            plan = SwapPlan(swap_in_ahead=plan.swap_in_ahead)  # its swap-outs are issued
+        if out_first:  # what is left to issue: the same plan without its swap-outs
+            plan = dataclasses.replace(plan, swap_out=[])
         background = functools.partial(self._issue_background, st, plan, compute_done,
                                        step.in_done, waits.out_after_in)
         if defer and (plan.swap_in_ahead or plan.swap_out):
