@@ -11,7 +11,9 @@ the prefill tokens and of that net time. Classes: replayed from a CUDA graph or 
 without swap-ins of its own; by prefill tokens a step. Then the small steps with prefill (under
 64 tokens) by how many chunks the step before them copied ahead (``swap_in_ahead``, which the
 step waits for): what they cost over a decode step, and from those the rate the copies ahead
-moved at in serving (:func:`ahead_rate`). ``--plot`` draws the net cost per token against the
+moved at in serving (:func:`ahead_rate`), and the same small steps by the KV positions their
+prefill ranges attend over, with or without copies ahead before them (:func:`small_by_kv`:
+the turns admitted with copies ahead are those with long histories). ``--plot`` draws the net cost per token against the
 step's prefill tokens::
 
     python benchmarks/step_breakdown.py \
@@ -32,6 +34,8 @@ from typing import Any
 
 TOKEN_BINS = (1, 64, 128, 256, 512, 1024, 4096)
 AHEAD_BINS = (0, 1, 64, 128, 256)
+KV_BINS = (0, 1000, 2000, 4000, 8000)
+"""Bins of the KV positions a small step's prefill ranges attend over (``prefill_kv``)."""
 SMALL = 64
 """Steps with fewer prefill tokens than this are "small": their compute is a small part of
 what they cost over a decode step, so what they wait for shows."""
@@ -82,6 +86,28 @@ def ahead_rate(rows: list[dict[str, Any]], base_s: float, chunk_bytes: float,
     return {"pairs": len(rates), "gbps_p25": q[0], "gbps_median": q[1], "gbps_p75": q[2]}
 
 
+def small_by_kv(rows: list[dict[str, Any]], base: float) -> list[dict[str, Any]]:
+    """The small steps with prefill by the KV positions their prefill ranges attend over
+    (``prefill_kv``), split by whether the step before copied anything ahead: what they cost
+    over a decode step. The turns admitted with copies ahead are the ones with long
+    histories, so the two causes of their cost (the copies, the attention over the history)
+    come together; the steps with long histories and no copies before them tell them apart."""
+    out = []
+    edges = [*KV_BINS, None]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        for ahead in (False, True):
+            extra = [(r["execute_s"] - base) * 1e3 for p, r in zip(rows, rows[1:])
+                     if 0 < r["prefill_tokens"] < SMALL
+                     and lo <= r.get("prefill_kv", 0)
+                     and (hi is None or r.get("prefill_kv", 0) < hi)
+                     and (p.get("swap_in_ahead", 0) > 0) == ahead]
+            out.append({"prefill_kv": f"{lo}-{hi - 1}" if hi else f">= {lo}",
+                        "ahead_before": ahead, "steps": len(extra),
+                        "extra_ms_mean": statistics.fmean(extra) if extra else None,
+                        "extra_ms_median": statistics.median(extra) if extra else None})
+    return out
+
+
 def summarize(rows: list[dict[str, Any]], chunk_bytes: float = 0.0) -> dict[str, Any]:
     """Per class of steps with prefill: counts, means and the net cost per prefill token;
     the small steps by the copies ahead before them; with ``chunk_bytes``, the rate the
@@ -129,14 +155,19 @@ def summarize(rows: list[dict[str, Any]], chunk_bytes: float = 0.0) -> dict[str,
                  if 0 < r["prefill_tokens"] < SMALL and p.get("swap_in_ahead", 0) >= lo
                  and (hi is None or p.get("swap_in_ahead", 0) < hi)]
         name = str(lo) if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi else f">= {lo}")
+        kv = [r.get("prefill_kv", 0) for p, r in zip(rows, rows[1:])
+              if 0 < r["prefill_tokens"] < SMALL and p.get("swap_in_ahead", 0) >= lo
+              and (hi is None or p.get("swap_in_ahead", 0) < hi)]
         after.append({"prev_ahead": name, "steps": len(extra),
                       "extra_ms_mean": statistics.fmean(extra) if extra else None,
-                      "extra_ms_median": statistics.median(extra) if extra else None})
+                      "extra_ms_median": statistics.median(extra) if extra else None,
+                      "prefill_kv_mean": statistics.fmean(kv) if kv else None})
+    by_kv = small_by_kv(rows, base)
     none_before = after[0]["extra_ms_mean"]
     rate = (ahead_rate(rows, base + none_before / 1e3, chunk_bytes)
             if chunk_bytes and none_before is not None else None)
     return {"decode_step_ms": base * 1e3, "decode_steps": len(decode), "classes": classes,
-            "small_after_ahead": after, "ahead_rate": rate,
+            "small_after_ahead": after, "small_by_kv": by_kv, "ahead_rate": rate,
             "points": [(r["prefill_tokens"], (r["execute_s"] - base) * 1e3,
                         bool(r["graph_replay"])) for r in prefill]}
 
@@ -158,11 +189,18 @@ def table(s: dict[str, Any]) -> str:
         out.append(f"{c['class']:<24} " + " ".join(f.format(c[k]) for k, _, f in cols))
     out += ["", f"steps with 1-{SMALL - 1} prefill tokens, by the chunks the step before copied "
             "ahead: ms over the mean decode step",
-            f"{'chunks ahead before':<24} {'steps':>6} {'mean':>8} {'median':>8}"]
+            f"{'chunks ahead before':<24} {'steps':>6} {'mean':>8} {'median':>8} {'KV':>8}"]
     for a in s["small_after_ahead"]:
-        cells = (f"{a['extra_ms_mean']:>8.2f} {a['extra_ms_median']:>8.2f}" if a["steps"]
-                 else f"{'-':>8} {'-':>8}")
+        cells = (f"{a['extra_ms_mean']:>8.2f} {a['extra_ms_median']:>8.2f} "
+                 f"{a['prefill_kv_mean']:>8.0f}" if a["steps"] else f"{'-':>8} {'-':>8} {'-':>8}")
         out.append(f"{a['prev_ahead']:<24} {a['steps']:>6} {cells}")
+    out += ["(KV: mean positions the step's prefill ranges attend over)", "",
+            "the same steps by those positions, with or without copies ahead before them",
+            f"{'prefill KV':<14} {'ahead before':<13} {'steps':>6} {'mean':>8} {'median':>8}"]
+    for a in s.get("small_by_kv", []):
+        if a["steps"]:
+            out.append(f"{a['prefill_kv']:<14} {'yes' if a['ahead_before'] else 'no':<13} "
+                       f"{a['steps']:>6} {a['extra_ms_mean']:>8.2f} {a['extra_ms_median']:>8.2f}")
     r = s.get("ahead_rate")
     if r and r["pairs"]:
         out += ["", f"copies ahead (>= 32 chunks) before a small step, implied in-stream rate: "

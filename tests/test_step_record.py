@@ -203,6 +203,31 @@ def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None
     assert bins[">= 256"]["extra_ms_median"] is None
 
 
+def test_small_steps_by_the_kv_their_prefill_attends_over() -> None:
+    """step_breakdown.py: small steps binned by ``prefill_kv``, with and without copies ahead
+    in the step before; the ahead bins carry the mean of those positions."""
+    brk = load("step_breakdown")
+
+    def row(prefill: int, ahead: int, kv: int, ms: float) -> dict:
+        return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
+                "host_prepare_s": 0.0, "host_issue_s": 0.0, "graph_replay": True,
+                "swap_in_step": 0, "swap_in_ahead": ahead, "prefill_kv": kv}
+
+    rows = [row(0, 0, 0, 20.0), row(10, 0, 1500, 21.0), row(0, 80, 0, 20.0),
+            row(20, 0, 1800, 25.0), row(0, 0, 0, 20.0), row(30, 0, 500, 22.0)]
+    s = brk.summarize(rows)
+    cells = {(a["prefill_kv"], a["ahead_before"]): a for a in s["small_by_kv"]}
+    assert cells[("1000-1999", False)]["steps"] == 1
+    assert cells[("1000-1999", False)]["extra_ms_mean"] == pytest.approx(1.0)
+    assert cells[("1000-1999", True)]["extra_ms_mean"] == pytest.approx(5.0)
+    assert cells[("0-999", False)]["extra_ms_mean"] == pytest.approx(2.0)
+    assert cells[(">= 8000", True)]["steps"] == 0
+    bins = {a["prev_ahead"]: a for a in s["small_after_ahead"]}
+    assert bins["64-127"]["prefill_kv_mean"] == pytest.approx(1800)
+    assert bins["0"]["prefill_kv_mean"] == pytest.approx(1000)
+    assert "prefill KV" in brk.table(s)
+
+
 def test_the_rate_of_copies_ahead_implied_by_the_small_step_after_them() -> None:
     """step_breakdown.py: the copies ahead of a step took its time (less host prepare) plus
     what the small step after it waited beyond a small step after none."""
