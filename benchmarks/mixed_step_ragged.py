@@ -10,9 +10,13 @@ drawn as ``decode_ragged.py`` draws them (lognormal, ShareGPT's fit) and for the
 of decodes at their mean (uniform). ``extra`` = mixed step - decode step. ``--decodes``: the
 runners' ``PENSIEVE_MIXED_DECODES`` (``together``: the decodes in the mixed-step kernel;
 ``split``, the engine's default: in a decode launch of their own, split by span where ragged), one
-runner each::
+runner each. ``--history`` may list several lengths (``512,1792,4096,8192``): the turn's
+attention over its history, which the mixed-step graphs run without KV splits (columns
+``mixed_P_hH_ms`` / ``extra_P_hH_ms`` then)::
 
     python benchmarks/mixed_step_ragged.py --out mixed_step_ragged.json
+    python benchmarks/mixed_step_ragged.py --prefills 24 --history 512,1792,4096,8192 \
+        --decodes split --draws 1 --out mixed_step_history.json
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=56)
     ap.add_argument("--prefills", default="16,160")
-    ap.add_argument("--history", type=int, default=1792)
+    ap.add_argument("--history", default="1792",
+                    help="cached tokens before the turn; a comma list times each")
     ap.add_argument("--median", type=float, default=1500.0)
     ap.add_argument("--sigma", type=float, default=1.23)
     ap.add_argument("--max-ctx", type=int, default=16000)
@@ -51,7 +56,13 @@ def main() -> None:
     args = ap.parse_args()
     su = setup(args.model, getattr(torch, args.dtype), args.kv_gb, torch.device("cuda"))
     prefills = [int(p) for p in args.prefills.split(",")]
-    max_blocks = max(args.max_ctx, args.history + max(prefills)) // su.chunk + 2
+    histories = [int(h) for h in args.history.split(",")]
+    cases = [(p, h) for h in histories for p in prefills]
+
+    def key(p: int, h: int) -> str:
+        return f"{p}_h{h}" if len(histories) > 1 else str(p)
+
+    max_blocks = max(args.max_ctx, max(histories) + max(prefills)) // su.chunk + 2
     runners = {}
     for mode in args.decodes.split(","):
         os.environ["PENSIEVE_MIXED_DECODES"] = mode  # read when the runner is built
@@ -69,17 +80,17 @@ def main() -> None:
             dec = step_for(ctxs, su.chunk, rng, free)
             used = {b for s in dec.requests for b in s.block_table}
             rest = [b for b in free if b not in used]
-            mixed = {p: mixed_step(dec, p, args.history, su.chunk, rng, rest) for p in prefills}
+            mixed = {(p, h): mixed_step(dec, p, h, su.chunk, rng, rest) for p, h in cases}
             for mode, runner in runners.items():
                 row = {"decodes": mode, "draw": draw, "contexts": kind, "mean_ctx": mean,
                        "max_ctx": max(ctxs),
                        "decode_ms": round(time_step(runner, dec, args.iters), 3)}
-                for p in prefills:
+                for p, h in cases:
                     before = runner.num_mixed_graph_steps
-                    ms = time_step(runner, mixed[p], args.iters)
+                    ms = time_step(runner, mixed[p, h], args.iters)
                     assert runner.num_mixed_graph_steps > before, "no mixed graph replayed"
-                    row[f"mixed_{p}_ms"] = round(ms, 3)
-                    row[f"extra_{p}_ms"] = round(ms - row["decode_ms"], 3)
+                    row[f"mixed_{key(p, h)}_ms"] = round(ms, 3)
+                    row[f"extra_{key(p, h)}_ms"] = round(ms - row["decode_ms"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
