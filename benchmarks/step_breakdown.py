@@ -13,8 +13,8 @@ without swap-ins of its own; by prefill tokens a step. Then the small steps with
 step waits for): what they cost over a decode step, and from those the rate the copies ahead
 moved at in serving (:func:`ahead_rate`), and the same small steps by the KV positions their
 prefill ranges attend over, with or without copies ahead before them (:func:`small_by_kv`:
-the turns admitted with copies ahead are those with long histories). ``--plot`` draws the net cost per token against the
-step's prefill tokens::
+the turns admitted with copies ahead are those with long histories). ``--plot`` draws the
+net cost per token against the step's prefill tokens::
 
     python benchmarks/step_breakdown.py \
         docs/results/churn/sharegpt_40_60_pensieve_1.25_c517300/churn.tgz \
