@@ -151,13 +151,12 @@ def summarize(rows: list[dict[str, Any]], chunk_bytes: float = 0.0) -> dict[str,
     after = []  # small steps with prefill by the previous step's chunks copied ahead
     edges2 = [*AHEAD_BINS, None]
     for lo, hi in zip(edges2[:-1], edges2[1:]):
-        extra = [(r["execute_s"] - base) * 1e3 for p, r in zip(rows, rows[1:])
+        small = [r for p, r in zip(rows, rows[1:])
                  if 0 < r["prefill_tokens"] < SMALL and p.get("swap_in_ahead", 0) >= lo
                  and (hi is None or p.get("swap_in_ahead", 0) < hi)]
+        extra = [(r["execute_s"] - base) * 1e3 for r in small]
+        kv = [r.get("prefill_kv", 0) for r in small]
         name = str(lo) if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi else f">= {lo}")
-        kv = [r.get("prefill_kv", 0) for p, r in zip(rows, rows[1:])
-              if 0 < r["prefill_tokens"] < SMALL and p.get("swap_in_ahead", 0) >= lo
-              and (hi is None or p.get("swap_in_ahead", 0) < hi)]
         after.append({"prev_ahead": name, "steps": len(extra),
                       "extra_ms_mean": statistics.fmean(extra) if extra else None,
                       "extra_ms_median": statistics.median(extra) if extra else None,
