@@ -24,10 +24,7 @@ mapped`` (inputs and ids through mapped host arrays). CUDA only::
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import random
 import statistics
 import time
@@ -36,6 +33,7 @@ from typing import Any
 
 import torch
 from decode_step import Setup, decode_step, setup
+from host_profile import profile_calls
 from mixed_step import mixed_step
 
 from pensieve.core.outputs import SchedulerOutput, SwapPlan
@@ -132,15 +130,7 @@ def profile_executes(runner: ModelRunner, sched: SchedulerOutput, steps: int,
                      sort: str = "tottime", top: int = 30) -> str:
     """cProfile of ``steps`` calls of ``ModelRunner.execute``, each from an idle device,
     sorted by ``sort``: driver calls included."""
-    prof = cProfile.Profile()
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        prof.enable()
-        runner.execute(sched)
-        prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
-    return buf.getvalue()
+    return profile_calls(lambda: runner.execute(sched), steps, sort, top)
 
 
 def profile_steps(runner: ModelRunner, sched: SchedulerOutput, way: str, steps: int) -> str:

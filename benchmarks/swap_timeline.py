@@ -17,11 +17,8 @@ the swapper's ``_streams`` attribute and the ``Streams`` protocol).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import functools
-import io
 import json
-import pstats
 import random
 import statistics
 import sys
@@ -36,6 +33,7 @@ from pensieve.runner.model_runner import allocate_kv_caches
 from pensieve.runner.swapper import KVSwapper
 
 sys.path.insert(0, str(Path(__file__).parent))
+from host_profile import profile_calls  # noqa: E402
 from swap_bandwidth import add_shape_args, plans  # noqa: E402
 
 
@@ -184,16 +182,7 @@ def profile_enqueue(sw: KVSwapper, plan: SwapPlan, steps: int, top: int = 25) ->
     """cProfile of ``steps`` calls of ``start_step`` (the host's enqueue) on the plain
     streams, each after a device sync (the step then finished untimed): the functions by
     their own time, driver calls included."""
-    prof = cProfile.Profile()
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        prof.enable()
-        sw.start_step(plan)
-        prof.disable()
-        sw.finish_step()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
+    return profile_calls(lambda: sw.start_step(plan), steps, "tottime", top, sw.finish_step)
 
 
 def main() -> None:
