@@ -84,12 +84,16 @@ class EngineLoop:
         self.updates: list[tuple[str, Update]] = []
         self.step_totals = StepTotals()
         engine.step_observers.append(self.step_totals)
+        self.step_log: StepLog | None = None
+        """``PENSIEVE_STEP_LOG``: every step as a JSON line, for the step-cost analyses."""
         path = os.environ.get("PENSIEVE_STEP_LOG")
-        if path:  # every step as a JSON line, for the step-cost analyses
+        if path:
             try:
-                engine.step_observers.append(StepLog(path))
+                self.step_log = StepLog(path)
             except OSError as e:  # serve anyway: the log is for analysis only
                 log.warning("PENSIEVE_STEP_LOG=%s cannot be opened (%s): no step log", path, e)
+            else:
+                engine.step_observers.append(self.step_log)
         self.profile = StepProfile.from_env()
         """``PENSIEVE_PROFILE_STEPS``: a profiler trace of a window of steps."""
 
@@ -138,9 +142,8 @@ class EngineLoop:
         """The server stops: write what the step profile has and close the step log."""
         if self.profile is not None:
             self.profile.close()
-        for obs in self.engine.step_observers:
-            if isinstance(obs, StepLog):
-                obs.close()
+        if self.step_log is not None:
+            self.step_log.close()
 
     @property
     def busy(self) -> bool:
