@@ -570,10 +570,14 @@ def test_split_count_beyond_the_combiner_raises() -> None:
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("splits,span", [(None, None), (4, None), (4, 32), (8, 16)])
+def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype, splits, span) -> None:
     """The static-grid mode of CUDA graphs: a grid sized for a bound on the work items (the
-    rest exit), items cut for fixed tiles; prefill, decode and prefix ranges mixed."""
-    b = make_batch([[(0, 37)], [(40, 1)], [(5, 20), (25, 3)], [(0, 1)]],
+    rest exit), items cut for fixed tiles; prefill, decode and prefix ranges mixed, a short
+    turn after a long history among them. With KV splits (equal parts, or by span, where a
+    range uses only the splits its length needs and the item-major combiner reads only
+    those), every token still equals the reference."""
+    b = make_batch([[(0, 37)], [(40, 1)], [(5, 20), (25, 3)], [(0, 1)], [(150, 6)]],
                    **shape_kw(group, False), chunk=16, dtype=dtype)
     tiles = (16, 16, 4, 2)
     qsl = b.query_start_loc.tolist()
@@ -585,8 +589,10 @@ def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype) -> None
     work[: len(items)] = torch.tensor(items, dtype=torch.int32)
     num = torch.tensor([len(items)], dtype=torch.int32, device=DEVICE)
     out = torch.full_like(b.q, float("nan"))
+    span_t = None if span is None else torch.tensor([span], dtype=torch.int32, device=DEVICE)
     paged_attention_triton(*b.args(), max_query_len=b.max_query_len, out=out, tiles=tiles,
-                           work_items=work, num_work_items=num)
+                           work_items=work, num_work_items=num, num_kv_splits=splits,
+                           kv_split_span=span_t)
     ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
     assert_close(out, ref, dtype)
     with pytest.raises(ValueError, match="tiles"):

@@ -88,8 +88,12 @@ def _reference(g, sched: SchedulerOutput, split: bool) -> dict[str, list[int]]: 
     out["rows"] = [ends[i, len(s.ranges) - 1] - 1 for i, s in enumerate(sched.requests)
                    if s.sample]
     qsl = out["qsl"]
-    out["work"] = work_items_for([b - a for a, b in zip(qsl, qsl[1:])], g.group,
-                                 MIXED_TILES[0]).tolist()
+    qlens = [b - a for a, b in zip(qsl, qsl[1:])]
+    out["work"] = work_items_for(qlens, g.group, MIXED_TILES[0]).tolist()
+    # the items' split span: the KV positions their tiles read over 4 programs a SM (4 SMs
+    # off CUDA), at least 256, a multiple of 256
+    work = sum(-(-q * g.group // MIXED_TILES[0]) * (s + q) for q, s in zip(qlens, out["start"]))
+    out["span"] = -(-max(256, work * g.num_kv_heads // 16) // 256) * 256
     return out
 
 
@@ -125,8 +129,38 @@ def test_fill_writes_what_a_range_by_range_reference_writes(graphs, sched, decod
     w0 = 3 * mr + 1 + mr * MAX_BLOCKS
     assert h32[w0 : w0 + len(ref["work"])].tolist() == ref["work"]
     assert h32[-1] == len(ref["work"])
+    assert g.kv_splits and h32[-2] == ref["span"]
     assert (nd > 0) == split
     assert np.array_equal(g._host32.numpy(), h32)  # the numpy views write the host buffer
+
+
+def test_mixed_kv_splits_follow_the_bucket_only() -> None:
+    """The split grid of a mixed-step graph fills 4 programs a SM (4 SMs off CUDA) for the
+    bucket's tiles, at most MAX_SPLITS; the span grows with the KV the step's tiles read."""
+    from pensieve.kernels.launch_policy import MAX_SPLITS, mixed_kv_splits, mixed_split_span
+
+    cpu = torch.device("cpu")
+    assert mixed_kv_splits(16, 4, 64, 10, cpu) == 2  # 1 tile x 10 heads -> 16 programs wanted
+    assert mixed_kv_splits(16, 4, 64, 1, cpu) == 16
+    assert mixed_kv_splits(512, 4, 64, 10, cpu) == 1
+    assert mixed_kv_splits(1, 1, 64, 1, cpu) == min(16, MAX_SPLITS)
+    assert mixed_split_span(np.array([24]), np.array([100]), 4, 64, 10, cpu) == 256
+    # 2 tiles x (8,192 + 24) positions x 10 heads / 16 programs = 10,270 -> 10,496
+    assert mixed_split_span(np.array([24]), np.array([8192]), 4, 64, 10, cpu) == 10496
+    assert mixed_split_span(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 4, 64,
+                            10, cpu) == 256
+
+
+def test_mixed_kv_splits_env(monkeypatch) -> None:  # noqa: ANN001
+    from pensieve.kernels.launch_policy import mixed_kv_splits_mode
+
+    monkeypatch.delenv("PENSIEVE_MIXED_SPLITS", raising=False)
+    assert mixed_kv_splits_mode()
+    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", "0")
+    assert not mixed_kv_splits_mode()
+    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", "yes")
+    with pytest.raises(ValueError, match="PENSIEVE_MIXED_SPLITS"):
+        mixed_kv_splits_mode()
 
 
 def test_graph_fill_host_benchmark_runs(tmp_path, monkeypatch) -> None:  # noqa: ANN001

@@ -287,13 +287,11 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
     if worklist:
         if num_work_items is None or tiles_arg is None:
             raise ValueError("work_items needs num_work_items and the tiles it was cut for")
-        if num_kv_splits not in (None, 1):
-            raise ValueError("work_items runs without KV splits")
         _check_index("work_items", work_items, 1)
         _check_index("num_work_items", num_work_items, 1)
         for name, t in (("work_items", work_items), ("num_work_items", num_work_items)):
             _check_device(name, t, device)
-        splits = 1
+        splits = num_kv_splits or 1  # the caller's: the grid must not follow the ranges
     else:
         splits = num_kv_splits
         if splits is None:
@@ -310,16 +308,38 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
 
 
 def _check_span(kv_split_span: torch.Tensor | None, max_query_len: int, splits: int,
-                device: torch.device) -> bool:
+                device: torch.device, worklist: bool) -> bool:
     """Whether the launch splits by span; raises if it cannot."""
     if kv_split_span is None:
         return False
-    if max_query_len != 1 or splits < 2:
-        raise ValueError("kv_split_span is for decode (max_query_len 1) with num_kv_splits > 1; "
-                         f"got max_query_len {max_query_len}, {splits} splits")
+    if splits < 2 or (max_query_len != 1 and not worklist):
+        raise ValueError("kv_split_span is for decode (max_query_len 1) or work items, with "
+                         f"num_kv_splits > 1; got max_query_len {max_query_len}, {splits} splits")
     _check_index("kv_split_span", kv_split_span, 1)
     _check_device("kv_split_span", kv_split_span, device)
     return True
+
+
+def _combine(out: torch.Tensor, ws: tuple[torch.Tensor, ...], query_start_loc: torch.Tensor,
+             range_start_pos: torch.Tensor, span_t: torch.Tensor,
+             work_items: torch.Tensor | None, num_work: torch.Tensor, max_query_len: int,
+             splits: int, group: int, tiles: tuple[int, int, int], span: bool) -> None:
+    """Merge a split launch's partials into ``out``: item by item in the static-grid mode
+    (``work_items``), else by (range, query token, head)."""
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    block_m, block_n, num_warps = tiles
+    if work_items is not None:
+        _k._combine_items_kernel[(work_items.shape[0], 1, num_heads // group)](
+            out, *ws, query_start_loc, range_start_pos, work_items, num_work, span_t,
+            out.stride(0), out.stride(1), num_heads, splits, GROUP=group, HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_N=block_n, SPAN=span, num_warps=num_warps,
+        )
+        return
+    _k._combine_splits_kernel[(len(range_start_pos), max_query_len, num_heads)](
+        out, *ws, query_start_loc, range_start_pos, span_t, out.stride(0),
+        out.stride(1), num_heads, splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS,
+        BLOCK_N=block_n, SPAN=span, num_warps=4,
+    )
 
 
 def paged_attention_triton(
@@ -359,9 +379,10 @@ def paged_attention_triton(
     a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
     default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
     graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
-    ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for), no KV splits;
-    the grid is ``max_items`` whatever the ranges. kv_split_span: decode with splits: ``[1]``
-    int32, the fewest positions a split covers (``launch_policy``). Returns out.
+    ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for); the grid is
+    ``max_items`` x ``num_kv_splits`` (None: 1) whatever the ranges. kv_split_span: decode
+    or work items, with splits: ``[1]`` int32, the fewest positions a split covers
+    (``launch_policy``). Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
@@ -374,12 +395,13 @@ def paged_attention_triton(
     (block_m, block_n, num_warps, num_stages), splits, (ws_acc, ws_m, ws_l) = _launch_plan(
         q, out, num_kv_heads, num_ranges, max_query_len, tiles, num_kv_splits, work_items,
         num_work_items)
-    span = _check_span(kv_split_span, max_query_len, splits, q.device)
-    grid = ((work_items.shape[0], 1, num_kv_heads) if work_items is not None else
+    worklist = work_items is not None
+    span = _check_span(kv_split_span, max_query_len, splits, q.device, worklist)
+    grid = ((work_items.shape[0], splits, num_kv_heads) if worklist else
             (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
     unused = query_start_loc  # stands in for the pointers a mode does not read
-    work = work_items if work_items is not None else unused
-    num_work = num_work_items if num_work_items is not None else unused
+    work = work_items if worklist else unused
+    num_work = num_work_items if worklist else unused
     span_t = kv_split_span if span else unused
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
@@ -392,13 +414,11 @@ def paged_attention_triton(
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
         FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
-        SPLIT=splits > 1, WORKLIST=work_items is not None, SPAN=span,
+        SPLIT=splits > 1, WORKLIST=worklist, SPAN=span,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        _k._combine_splits_kernel[(num_ranges, max_query_len, num_heads)](
-            out, ws_acc, ws_m, ws_l, query_start_loc, range_start_pos, span_t, out.stride(0),
-            out.stride(1), num_heads, splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS,
-            BLOCK_N=block_n, SPAN=span, num_warps=4,
-        )
+        _combine(out, (ws_acc, ws_m, ws_l), query_start_loc, range_start_pos, span_t,
+                 work_items if worklist else None, num_work, max_query_len, splits, group,
+                 (block_m, block_n, num_warps), span)
     return out

@@ -16,7 +16,10 @@ import functools
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from pensieve.envs import env_flag
 
 MAX_SPLITS = 32
 """Most KV splits of one range (the combiner's block)."""
@@ -103,6 +106,40 @@ def decode_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int
     programs = max(1, batch * num_kv_heads)
     fill = 1 if programs >= target else _next_pow2(-(-target // programs))
     return min(MAX_SPLITS, max(DECODE_MIN_SPLITS, fill))
+
+
+def mixed_kv_splits_mode() -> bool:
+    """``PENSIEVE_MIXED_SPLITS`` (0 / 1, default 1): whether the attention of a mixed-step
+    CUDA graph (prefill ranges, work items) splits KV by span (:func:`mixed_kv_splits`,
+    :func:`mixed_split_span`). Unsplit, a turn of a few tokens after thousands of cached ones
+    runs on a few programs per KV head (2 tiles x 10 KV heads for 24 tokens of a GQA-4 model)
+    over the whole history: on the H200 (13B GQA-10, ``benchmarks/mixed_step_ragged.py``) a
+    24-token turn added 1.6 / 3.2 / 6.1 / 11.1 ms to a decode step after 512 / 1,792 / 4,096
+    / 8,192 cached tokens."""
+    return env_flag("PENSIEVE_MIXED_SPLITS", True)
+
+
+def mixed_kv_splits(tokens: int, group: int, block_m: int, num_kv_heads: int,
+                    device: torch.device) -> int:
+    """The KV split count (grid) of a static-grid launch of up to ``tokens`` query tokens
+    (a mixed-step graph's bucket): enough programs to fill the GPU (4 per SM) if every
+    ``block_m``-row tile were one work item, at most :data:`MAX_SPLITS`. Depends only on the
+    bucket, so the captured grid stays right for any ranges."""
+    programs = max(1, -(-tokens * group // block_m)) * num_kv_heads
+    target = 4 * num_sms(device)
+    return 1 if programs >= target else min(MAX_SPLITS, _next_pow2(-(-target // programs)))
+
+
+def mixed_split_span(qlens: np.ndarray, starts: np.ndarray, group: int, block_m: int,
+                     num_kv_heads: int, device: torch.device) -> int:
+    """The fewest KV positions a split of a static-grid launch covers, per step: the KV
+    positions its tiles read (each tile up to its range's end), spread over 4 programs per
+    SM, never below :data:`SPAN_ALIGN`, rounded up to a multiple of it. A step of short
+    ranges thus keeps one split a tile; a few tokens after a long history get many."""
+    tiles = (np.asarray(qlens, dtype=np.int64) * group + block_m - 1) // block_m
+    work = int((tiles * (np.asarray(starts, dtype=np.int64) + qlens)).sum()) * num_kv_heads
+    span = max(SPAN_ALIGN, work // (4 * num_sms(device)))
+    return -(-span // SPAN_ALIGN) * SPAN_ALIGN
 
 
 def decode_split_span(kv_lens: Sequence[int], num_kv_heads: int, device: torch.device) -> int:

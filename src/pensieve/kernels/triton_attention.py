@@ -24,6 +24,9 @@ Attention design (``_paged_attention_kernel``):
   partials; ``_combine_splits_kernel`` merges them with their softmax weights. Ragged decode
   steps split by *span* instead (pieces of at least a per-step length read from device memory,
   each range using only the splits it needs): the longest request no longer runs on alone.
+  The static-grid mode of CUDA graphs (work items) splits the same way, by span, so that a
+  turn of a few tokens after a long history does not run on a handful of programs;
+  ``_combine_items_kernel`` merges its partials item by item.
 * Online softmax (base 2, scale folded in) with fp32 statistics and accumulator; the score
   tile lives in registers only. fp16/bf16 inputs use the native tensor-core dot with fp32
   accumulation; ``FP32`` makes both dots exact float32 ("ieee", no tf32). The launcher also
@@ -214,10 +217,12 @@ def _paged_attention_kernel(
     are cut into pieces near the batch's mean, so one long request no longer keeps its
     program running long after the others have finished.
 
-    With ``WORKLIST`` (no split) the grid is ``(max_items, 1, num_kv_heads)``: program ``i``
+    With ``WORKLIST`` the grid is ``(max_items, num_splits, num_kv_heads)``: program ``i``
     takes work item ``work[i] = range * 65536 + tile`` if ``i < num_work[0]`` and exits
     otherwise. The grid then depends only on a bound of the item count, not on the ranges, so
-    a step whose ranges change from step to step can replay from a CUDA graph.
+    a step whose ranges change from step to step can replay from a CUDA graph. With ``SPLIT``
+    (and ``SPAN``: any range length) ``_combine_items_kernel`` merges the partials, item by
+    item.
     """
     if WORKLIST:
         item = tl.program_id(0)
@@ -226,7 +231,7 @@ def _paged_attention_kernel(
         packed = tl.load(work_ptr + item)
         rng = packed // 65536
         tile = packed % 65536
-        split = 0
+        split = tl.program_id(1)  # 0 unless SPLIT: the grid's second dim is num_splits
     else:
         rng = tl.program_id(0)
         tile = tl.program_id(1) // num_splits
@@ -356,4 +361,83 @@ def _combine_splits_kernel(
     tl.store(
         out_ptr + tok * stride_o_t + head * stride_o_h + d,
         o.to(out_ptr.dtype.element_ty),
+    )
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_items_kernel(
+    out_ptr,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    query_start_loc_ptr,
+    range_start_pos_ptr,
+    work_ptr,
+    num_work_ptr,
+    span_ptr,
+    stride_o_t,
+    stride_o_h,
+    num_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPAN: tl.constexpr,
+):
+    """Merge the split-KV partials of the static-grid mode (``WORKLIST`` with ``SPLIT``):
+    program ``(i, 0, kv_head)`` merges the rows of work item ``i`` (the rows its attention
+    programs wrote), one split after another with an online softmax, and writes them to
+    ``out``. It recomputes the tile's KV length and split length as the attention kernel did,
+    so with ``SPAN`` it reads only the splits that wrote. Grid and item count as the
+    attention launch's, so a CUDA graph replays it for any ranges."""
+    item = tl.program_id(0)
+    if item >= tl.load(num_work_ptr):
+        return
+    packed = tl.load(work_ptr + item)
+    rng = packed // 65536
+    tile = packed % 65536
+    kv_head = tl.program_id(2)
+    q_lo = tl.load(query_start_loc_ptr + rng)
+    query_len = tl.load(query_start_loc_ptr + rng + 1) - q_lo
+    row0 = tile * BLOCK_M
+    if row0 >= query_len * GROUP:
+        return
+    start_pos = tl.load(range_start_pos_ptr + rng)
+    last_qi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, query_len - 1)
+    kv_len = start_pos + last_qi + 1
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    used = num_splits
+    if SPAN:
+        per_split = tl.maximum(per_split, tl.load(span_ptr))
+        used = tl.minimum(tl.cdiv(kv_len, per_split), num_splits)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = qi < query_len
+    tok = (q_lo + qi).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    ws_row0 = (tok * num_heads + head) * num_splits
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for split in range(0, used):
+        ws_row = ws_row0 + split
+        m_s = tl.load(ws_m_ptr + ws_row, mask=row_valid, other=-1.0e30)
+        l_s = tl.load(ws_l_ptr + ws_row, mask=row_valid, other=0.0)
+        acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :],
+                        mask=row_valid[:, None], other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        a = tl.exp2(m_i - m_new)
+        b = tl.exp2(m_s - m_new)
+        acc = acc * a[:, None] + acc_s * b[:, None]
+        l_i = l_i * a + l_s * b
+        m_i = m_new
+    l_i = tl.where(row_valid, l_i, 1.0)
+    tl.store(
+        out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h
+        + d[None, :],
+        (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
     )

@@ -18,6 +18,9 @@ from pensieve.kernels.launch_policy import (
     SPAN_ALIGN,
     decode_kv_splits,
     decode_split_span,
+    mixed_kv_splits,
+    mixed_kv_splits_mode,
+    mixed_split_span,
     use_split_span,
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
@@ -70,6 +73,7 @@ class MixedGraphs(StepGraphs):
         layer_waits: GraphLayerWaits | None = None,
         decodes: str = "split",
         span_mode: str = "auto",
+        kv_splits: bool | None = None,
     ) -> None:
         """``layer_waits``: captured per-group swap-in waits (:mod:`pensieve.runner.graph_waits`;
         None: a step with swap-ins waits for all of them before its replay). ``decodes``
@@ -78,7 +82,9 @@ class MixedGraphs(StepGraphs):
         step, where the step's decodes are ragged (``span_mode`` as ``PENSIEVE_DECODE_SPAN``);
         a step whose decodes are not puts them with its other ranges and leaves the decode
         launch empty (one split a range cost 3.6-3.7 ms a step more than the mixed-step kernel
-        at 56 uniform decodes, ``benchmarks/mixed_step_ragged.py``)."""
+        at 56 uniform decodes, ``benchmarks/mixed_step_ragged.py``). ``kv_splits``: the other
+        ranges' attention splits KV by a span set per step (None: ``PENSIEVE_MIXED_SPLITS``,
+        :func:`~pensieve.kernels.launch_policy.mixed_kv_splits_mode`)."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")
@@ -92,6 +98,7 @@ class MixedGraphs(StepGraphs):
         """Armed before a replay with swap-ins; None: wait for all of them instead."""
         self.split_decodes = decodes == "split"
         self.span_mode = span_mode
+        self.kv_splits = mixed_kv_splits_mode() if kv_splits is None else kv_splits
         self.num_kv_heads = kv_caches[0].shape[-2]
         self._captured_waits = layer_waits
         """Keeps the events the captured graphs wait on alive as long as the graphs."""
@@ -105,9 +112,9 @@ class MixedGraphs(StepGraphs):
         # int64: [ids | positions | slots | logits rows]
         # int32: [query_start_loc | start_pos | range_table | tables | work items
         #         | the decode launch's query_start_loc | start_pos | range_table | span
-        #         | item count]
+        #         | the work items' split span | item count]
         self._init_buffers(3 * t + r, (r + 1) + 2 * r + r * mb + self.max_items
-                           + (r + 1) + 2 * r + 2, kv_caches[0].device)
+                           + (r + 1) + 2 * r + 3, kv_caches[0].device)
         d64, d32 = self._dev64, self._dev32
         self.input_ids, self.positions = d64[:t], d64[t : 2 * t]
         self.slot_mapping, self.logits_rows = d64[2 * t : 3 * t], d64[3 * t :]
@@ -118,6 +125,7 @@ class MixedGraphs(StepGraphs):
         self.block_tables = d32[o : o + r * mb].view(r, mb)
         o += r * mb
         self.work_items, self.num_work_items = d32[o : o + self.max_items], d32[-1:]
+        self.items_span = d32[-2:-1]
         o += self.max_items
         self._dec_at = o  # where the decode launch's arrays start in the int32 buffers
         self.dec_query_start_loc = d32[o : o + r + 1]
@@ -130,8 +138,16 @@ class MixedGraphs(StepGraphs):
     def _items_bound(self, tokens: int) -> int:
         return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges
 
+    def _items_splits(self, bucket: int) -> int:
+        """KV splits of the work items' launch in the graph of ``bucket`` tokens."""
+        if not self.kv_splits:
+            return 1
+        return mixed_kv_splits(bucket, self.group, MIXED_TILES[0], self.num_kv_heads,
+                               self.device)
+
     # ------------------------------------------------------------------ forward on the buffers
     def _forward(self, bucket: int) -> torch.Tensor:
+        splits = self._items_splits(bucket)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             query_start_loc=self.query_start_loc,
@@ -142,6 +158,8 @@ class MixedGraphs(StepGraphs):
             work_items=self.work_items[: self._items_bound(bucket)],
             num_work_items=self.num_work_items,
             tiles=MIXED_TILES,
+            num_kv_splits=splits,
+            kv_split_span=self.items_span if splits > 1 else None,
             layer_ready=None if self.layer_waits is None else self.layer_waits.wait,
         )
         if self.split_decodes:
@@ -163,6 +181,7 @@ class MixedGraphs(StepGraphs):
         self._np64[2 * t : 3 * t] = -1
         self._np32[:] = 0
         self._np32[self._dec_at + 3 * self.max_ranges + 1] = SPAN_ALIGN
+        self._np32[-2] = SPAN_ALIGN
 
     def _rows(self, sched: SchedulerOutput) -> int:
         return sum(1 for s in sched.requests if s.sample)
@@ -226,5 +245,8 @@ class MixedGraphs(StepGraphs):
         items_ = work_items_for(lay.qlens[d:], self.group, MIXED_TILES[0])
         work[: len(items_)] = items_
         np32[-1] = len(items_)
+        if self.kv_splits:
+            np32[-2] = mixed_split_span(lay.qlens[d:], lay.starts[d:], self.group,
+                                        MIXED_TILES[0], self.num_kv_heads, self.device)
         self._copy_in()
         return bucket
