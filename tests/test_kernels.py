@@ -570,7 +570,7 @@ def test_split_count_beyond_the_combiner_raises() -> None:
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("splits,span", [(None, None), (4, None), (4, 32), (8, 16)])
+@pytest.mark.parametrize("splits,span", [(None, None), (4, 32), (8, 16), (32, 16)])
 def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype, splits, span) -> None:
     """The static-grid mode of CUDA graphs: a grid sized for a bound on the work items (the
     rest exit), items cut for fixed tiles; prefill, decode and prefix ranges mixed, a short
@@ -582,8 +582,12 @@ def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype, splits,
     tiles = (16, 16, 4, 2)
     qsl = b.query_start_loc.tolist()
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
-    items = launch.work_items_for(qlens, group, tiles[0])
-    bound = -(-sum(qlens) * group // tiles[0]) + len(qlens)
+    items = launch.work_items_for(qlens, group, tiles[0], b.range_start_pos.tolist(),
+                                  splits or 1, span or 0, tiles[1])
+    # a tile of kv_len positions comes cdiv(kv_len, per_split) <= 1 + kv_len // span times
+    kv = sum(-(-n * group // tiles[0]) * (int(s) + n)
+             for s, n in zip(b.range_start_pos.tolist(), qlens))
+    bound = -(-sum(qlens) * group // tiles[0]) + len(qlens) + (kv // span if span else 0)
     assert len(items) <= bound
     work = torch.zeros(bound + 5, dtype=torch.int32, device=DEVICE)  # padded past the bound
     work[: len(items)] = torch.tensor(items, dtype=torch.int32)
@@ -598,6 +602,28 @@ def test_worklist_mode_matches_reference(group: int, dtype: torch.dtype, splits,
     with pytest.raises(ValueError, match="tiles"):
         paged_attention_triton(*b.args(), max_query_len=b.max_query_len, work_items=work,
                                num_work_items=num)
+    with pytest.raises(ValueError, match="kv_split_span"):
+        paged_attention_triton(*b.args(), max_query_len=b.max_query_len, work_items=work,
+                               num_work_items=num, tiles=tiles, num_kv_splits=4)
+
+
+def test_split_work_items_follow_the_kernels_cut() -> None:
+    """Each tile once per KV split it uses: ``max(equal part, span)``-position pieces of the
+    positions up to the tile's last query token, as a loop over tiles lists them."""
+    qlens, starts, group, bm, bn = [37, 1, 6, 200], [0, 900, 150, 3000], 4, 16, 16
+    for splits, span in ((4, 32), (8, 256), (32, 16)):
+        want = []
+        for r, (n, s0) in enumerate(zip(qlens, starts)):
+            for tile in range(-(-n * group // bm)):
+                kv = s0 + min(((tile + 1) * bm - 1) // group, n - 1) + 1
+                per = max(math.ceil(math.ceil(kv / splits) / bn) * bn, span)
+                want += [r * 65536 + tile * 32 + k for k in range(min(-(-kv // per), splits))]
+        got = launch.work_items_for(qlens, group, bm, starts, splits, span, bn).tolist()
+        assert got == want
+    assert launch.work_items_for(qlens, group, bm).tolist() == [
+        r * 65536 + t * 32 for r, n in enumerate(qlens) for t in range(-(-n * group // bm))]
+    with pytest.raises(ValueError, match="tiles"):
+        launch.work_items_for([4096], 8, 16)
 
 
 @pytest.mark.parametrize("group,dtype,span", [(4, F32, 32), (1, BF16, None), (8, F16, 64)])

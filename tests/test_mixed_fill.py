@@ -89,11 +89,13 @@ def _reference(g, sched: SchedulerOutput, split: bool) -> dict[str, list[int]]: 
                    if s.sample]
     qsl = out["qsl"]
     qlens = [b - a for a, b in zip(qsl, qsl[1:])]
-    out["work"] = work_items_for(qlens, g.group, MIXED_TILES[0]).tolist()
     # the items' split span: the KV positions their tiles read over 4 programs a SM (4 SMs
     # off CUDA), at least 256, a multiple of 256
     work = sum(-(-q * g.group // MIXED_TILES[0]) * (s + q) for q, s in zip(qlens, out["start"]))
-    out["span"] = -(-max(256, work * g.num_kv_heads // 16) // 256) * 256
+    out["span"] = -(-max(256, -(-work * g.num_kv_heads // 16)) // 256) * 256
+    splits = g._items_splits(g.bucket_for(t))
+    out["work"] = work_items_for(qlens, g.group, MIXED_TILES[0], out["start"], splits,
+                                 out["span"], MIXED_TILES[1]).tolist()
     return out
 
 

@@ -153,16 +153,42 @@ def attention_tile_choices(head_dim: int, is_cuda: bool) -> set[tuple[int, int, 
             if m <= r}
 
 
-def work_items_for(query_lens: Sequence[int] | np.ndarray, group: int, block_m: int
-                   ) -> np.ndarray:
-    """Work items of the static-grid mode: ``range * 65536 + tile`` for every ``block_m``-row
-    tile of every range (rows = query tokens x ``group`` query heads per KV head), int32, in
-    range order. At most ``cdiv(total_tokens * group, block_m) + len(query_lens)`` items."""
-    tiles = (np.asarray(query_lens, dtype=np.int64) * group + block_m - 1) // block_m
+ITEM_SPLIT_BITS = 5
+"""A work item's low bits hold its KV split (``MAX_SPLITS`` = 32 fits)."""
+
+
+def work_items_for(query_lens: Sequence[int] | np.ndarray, group: int, block_m: int,
+                   starts: Sequence[int] | np.ndarray | None = None, splits: int = 1,
+                   span: int = 0, block_n: int = 64) -> np.ndarray:
+    """Work items of the static-grid mode, int32 ``range * 65536 + tile * 32 + split``: every
+    ``block_m``-row tile of every range (rows = query tokens x ``group`` query heads per KV
+    head), in range order. At most ``cdiv(total_tokens * group, block_m) + len(query_lens)``
+    items unsplit. With ``splits`` > 1 (and ``starts``, the ranges' first positions, ``span``
+    and ``block_n`` as the launch's), each tile comes once per KV split it uses, as the kernel
+    cuts its KV (``max(equal part, span)``-position pieces): ``sum(cdiv(kv_len, per_split))``
+    items, at most ``sum(kv_len) / span`` more than unsplit."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    tiles = (q * group + block_m - 1) // block_m
+    if len(tiles) and tiles.max() >= 65536 >> ITEM_SPLIT_BITS:
+        raise ValueError(f"a range of {int(tiles.max())} tiles: work items hold fewer than "
+                         f"{65536 >> ITEM_SPLIT_BITS}")
     firsts = np.cumsum(tiles) - tiles  # each range's first item
     ranges = np.repeat(np.arange(len(tiles), dtype=np.int64), tiles)
     within = np.arange(int(tiles.sum()), dtype=np.int64) - np.repeat(firsts, tiles)
-    return (ranges * 65536 + within).astype(np.int32)
+    items = ranges * 65536 + (within << ITEM_SPLIT_BITS)
+    if splits > 1:
+        if starts is None:
+            raise ValueError("split work items need the ranges' starts")
+        ql = q[ranges]
+        kv = np.asarray(starts, dtype=np.int64)[ranges] + np.minimum(
+            ((within + 1) * block_m - 1) // group, ql - 1) + 1
+        equal = -(-kv // splits)  # the kernel's equal part, aligned to block_n
+        per = np.maximum(-(-equal // block_n) * block_n, span)
+        used = np.minimum(-(-kv // per), splits)
+        firsts = np.cumsum(used) - used
+        items = np.repeat(items, used) + (np.arange(int(used.sum()), dtype=np.int64)
+                                          - np.repeat(firsts, used))
+    return items.astype(np.int32)
 
 
 def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
@@ -266,7 +292,7 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_ranges: int,
                  max_query_len: int, tiles: tuple[int, int, int, int] | None,
                  num_kv_splits: int | None, work_items: torch.Tensor | None,
-                 num_work_items: torch.Tensor | None
+                 num_work_items: torch.Tensor | None, kv_split_span: torch.Tensor | None
                  ) -> tuple[tuple[int, int, int, int], int, tuple[torch.Tensor, ...]]:
     """The tiles, the KV split count and the split workspaces (``out`` thrice when unsplit)
     of one :func:`paged_attention_triton` launch."""
@@ -292,6 +318,9 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
         for name, t in (("work_items", work_items), ("num_work_items", num_work_items)):
             _check_device(name, t, device)
         splits = num_kv_splits or 1  # the caller's: the grid must not follow the ranges
+        if splits > 1 and kv_split_span is None:
+            raise ValueError("work_items with KV splits needs kv_split_span (the split span "
+                             "the items were cut for)")
     else:
         splits = num_kv_splits
         if splits is None:
@@ -378,11 +407,11 @@ def paged_attention_triton(
     picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
     a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
     default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
-    graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile`` and
-    ``[1]`` int32 count; needs ``tiles`` (the tiles the items were cut for); the grid is
-    ``max_items`` x ``num_kv_splits`` (None: 1) whatever the ranges. kv_split_span: decode
-    or work items, with splits: ``[1]`` int32, the fewest positions a split covers
-    (``launch_policy``). Returns out.
+    graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile * 32 +
+    KV split`` and ``[1]`` int32 count; needs ``tiles`` (and with ``num_kv_splits`` > 1 the
+    span) the items were cut for; the grid is ``max_items`` whatever the ranges.
+    kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
+    split covers (``launch_policy``). Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
@@ -394,10 +423,10 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     (block_m, block_n, num_warps, num_stages), splits, (ws_acc, ws_m, ws_l) = _launch_plan(
         q, out, num_kv_heads, num_ranges, max_query_len, tiles, num_kv_splits, work_items,
-        num_work_items)
+        num_work_items, kv_split_span)
     worklist = work_items is not None
     span = _check_span(kv_split_span, max_query_len, splits, q.device, worklist)
-    grid = ((work_items.shape[0], splits, num_kv_heads) if worklist else
+    grid = ((work_items.shape[0], 1, num_kv_heads) if worklist else
             (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
     unused = query_start_loc  # stands in for the pointers a mode does not read
     work = work_items if worklist else unused

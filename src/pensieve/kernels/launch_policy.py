@@ -138,8 +138,16 @@ def mixed_split_span(qlens: np.ndarray, starts: np.ndarray, group: int, block_m:
     ranges thus keeps one split a tile; a few tokens after a long history get many."""
     tiles = (np.asarray(qlens, dtype=np.int64) * group + block_m - 1) // block_m
     work = int((tiles * (np.asarray(starts, dtype=np.int64) + qlens)).sum()) * num_kv_heads
-    span = max(SPAN_ALIGN, work // (4 * num_sms(device)))
+    span = max(SPAN_ALIGN, -(-work // (4 * num_sms(device))))
     return -(-span // SPAN_ALIGN) * SPAN_ALIGN
+
+
+def mixed_split_items(num_kv_heads: int, device: torch.device) -> int:
+    """The most work items the splits of :func:`mixed_split_span` add to a step's unsplit
+    ones: a tile of ``kv_len`` positions comes ``cdiv(kv_len, per_split)`` times, and
+    ``per_split >= span >= sum(kv_len) * num_kv_heads / (4 * SMs)``, so at most
+    ``4 * SMs / num_kv_heads`` more in all."""
+    return 4 * num_sms(device) // num_kv_heads
 
 
 def decode_split_span(kv_lens: Sequence[int], num_kv_heads: int, device: torch.device) -> int:

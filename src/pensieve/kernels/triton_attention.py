@@ -217,12 +217,12 @@ def _paged_attention_kernel(
     are cut into pieces near the batch's mean, so one long request no longer keeps its
     program running long after the others have finished.
 
-    With ``WORKLIST`` the grid is ``(max_items, num_splits, num_kv_heads)``: program ``i``
-    takes work item ``work[i] = range * 65536 + tile`` if ``i < num_work[0]`` and exits
+    With ``WORKLIST`` the grid is ``(max_items, 1, num_kv_heads)``: program ``i`` takes work
+    item ``work[i] = range * 65536 + tile * 32 + split`` if ``i < num_work[0]`` and exits
     otherwise. The grid then depends only on a bound of the item count, not on the ranges, so
     a step whose ranges change from step to step can replay from a CUDA graph. With ``SPLIT``
-    (and ``SPAN``: any range length) ``_combine_items_kernel`` merges the partials, item by
-    item.
+    (and ``SPAN``, any range length) the host lists each tile once per split it uses
+    (``launch.work_items_for``), and ``_combine_items_kernel`` merges the partials.
     """
     if WORKLIST:
         item = tl.program_id(0)
@@ -230,8 +230,8 @@ def _paged_attention_kernel(
             return
         packed = tl.load(work_ptr + item)
         rng = packed // 65536
-        tile = packed % 65536
-        split = tl.program_id(1)  # 0 unless SPLIT: the grid's second dim is num_splits
+        tile = (packed % 65536) // 32
+        split = packed % 32  # 0 unless SPLIT
     else:
         rng = tl.program_id(0)
         tile = tl.program_id(1) // num_splits
@@ -386,8 +386,8 @@ def _combine_items_kernel(
     SPAN: tl.constexpr,
 ):
     """Merge the split-KV partials of the static-grid mode (``WORKLIST`` with ``SPLIT``):
-    program ``(i, 0, kv_head)`` merges the rows of work item ``i`` (the rows its attention
-    programs wrote), one split after another with an online softmax, and writes them to
+    program ``(i, 0, kv_head)``, where work item ``i`` is a tile's first split, merges the
+    rows of that tile, one split after another with an online softmax, and writes them to
     ``out``. It recomputes the tile's KV length and split length as the attention kernel did,
     so with ``SPAN`` it reads only the splits that wrote. Grid and item count as the
     attention launch's, so a CUDA graph replays it for any ranges."""
@@ -395,8 +395,10 @@ def _combine_items_kernel(
     if item >= tl.load(num_work_ptr):
         return
     packed = tl.load(work_ptr + item)
+    if packed % 32 != 0:  # the tile's first split's item merges all of them
+        return
     rng = packed // 65536
-    tile = packed % 65536
+    tile = (packed % 65536) // 32
     kv_head = tl.program_id(2)
     q_lo = tl.load(query_start_loc_ptr + rng)
     query_len = tl.load(query_start_loc_ptr + rng + 1) - q_lo

@@ -20,6 +20,7 @@ from pensieve.kernels.launch_policy import (
     decode_split_span,
     mixed_kv_splits,
     mixed_kv_splits_mode,
+    mixed_split_items,
     mixed_split_span,
     use_split_span,
 )
@@ -99,6 +100,7 @@ class MixedGraphs(StepGraphs):
         self.split_decodes = decodes == "split"
         self.span_mode = span_mode
         self.kv_splits = mixed_kv_splits_mode() if kv_splits is None else kv_splits
+        self.device = kv_caches[0].device
         self.num_kv_heads = kv_caches[0].shape[-2]
         self._captured_waits = layer_waits
         """Keeps the events the captured graphs wait on alive as long as the graphs."""
@@ -136,7 +138,8 @@ class MixedGraphs(StepGraphs):
             self.capture()
 
     def _items_bound(self, tokens: int) -> int:
-        return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges
+        extra = mixed_split_items(self.num_kv_heads, self.device) if self.kv_splits else 0
+        return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges + extra
 
     def _items_splits(self, bucket: int) -> int:
         """KV splits of the work items' launch in the graph of ``bucket`` tokens."""
@@ -242,11 +245,16 @@ class MixedGraphs(StepGraphs):
             span = (decode_split_span(dec_lens, self.num_kv_heads, self.device) if split
                     else SPAN_ALIGN)
             np32[self._dec_at + 3 * r_max + 1] = span
-        items_ = work_items_for(lay.qlens[d:], self.group, MIXED_TILES[0])
+        span = SPAN_ALIGN
+        if self.kv_splits:
+            span = mixed_split_span(lay.qlens[d:], lay.starts[d:], self.group, MIXED_TILES[0],
+                                    self.num_kv_heads, self.device)
+        items_ = work_items_for(lay.qlens[d:], self.group, MIXED_TILES[0], lay.starts[d:],
+                                self._items_splits(bucket), span, MIXED_TILES[1])
+        if len(items_) > self._items_bound(bucket):  # cannot happen (mixed_split_items)
+            raise RuntimeError(f"{len(items_)} work items over the graph's bound")
         work[: len(items_)] = items_
         np32[-1] = len(items_)
-        if self.kv_splits:
-            np32[-2] = mixed_split_span(lay.qlens[d:], lay.starts[d:], self.group,
-                                        MIXED_TILES[0], self.num_kv_heads, self.device)
+        np32[-2] = span
         self._copy_in()
         return bucket
