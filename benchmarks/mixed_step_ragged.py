@@ -11,8 +11,8 @@ of decodes at their mean (uniform). ``extra`` = mixed step - decode step. ``--de
 runners' ``PENSIEVE_MIXED_DECODES`` (``together``: the decodes in the mixed-step kernel;
 ``split``, the engine's default: in a decode launch of their own, split by span where ragged), one
 runner each. ``--history`` may list several lengths (``512,1792,4096,8192``): the turn's
-attention over its history, which the mixed-step graphs run without KV splits (columns
-``mixed_P_hH_ms`` / ``extra_P_hH_ms`` then)::
+attention over its history, which the mixed-step graphs split over KV by a span set per step
+unless ``PENSIEVE_MIXED_SPLITS=0`` (columns ``mixed_P_hH_ms`` / ``extra_P_hH_ms`` then)::
 
     python benchmarks/mixed_step_ragged.py --out mixed_step_ragged.json
     python benchmarks/mixed_step_ragged.py --prefills 24 --history 512,1792,4096,8192 \
