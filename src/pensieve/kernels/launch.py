@@ -361,7 +361,7 @@ def _combine(out: torch.Tensor, ws: tuple[torch.Tensor, ...], query_start_loc: t
         _k._combine_items_kernel[(work_items.shape[0], 1, num_heads // group)](
             out, *ws, query_start_loc, range_start_pos, work_items, num_work, span_t,
             out.stride(0), out.stride(1), num_heads, splits, GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_M=block_m, BLOCK_N=block_n, SPAN=span, num_warps=num_warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
         return
     _k._combine_splits_kernel[(len(range_start_pos), max_query_len, num_heads)](

@@ -383,13 +383,13 @@ def _combine_items_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPAN: tl.constexpr,
 ):
-    """Merge the split-KV partials of the static-grid mode (``WORKLIST`` with ``SPLIT``):
+    """Merge the split-KV partials of the static-grid mode (``WORKLIST`` with ``SPLIT``,
+    always by span):
     program ``(i, 0, kv_head)``, where work item ``i`` is a tile's first split, merges the
     rows of that tile, one split after another with an online softmax, and writes them to
     ``out``. It recomputes the tile's KV length and split length as the attention kernel did,
-    so with ``SPAN`` it reads only the splits that wrote. Grid and item count as the
+    so it reads only the splits that wrote. Grid and item count as the
     attention launch's, so a CUDA graph replays it for any ranges."""
     item = tl.program_id(0)
     if item >= tl.load(num_work_ptr):
@@ -408,11 +408,9 @@ def _combine_items_kernel(
     start_pos = tl.load(range_start_pos_ptr + rng)
     last_qi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, query_len - 1)
     kv_len = start_pos + last_qi + 1
-    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    used = num_splits
-    if SPAN:
-        per_split = tl.maximum(per_split, tl.load(span_ptr))
-        used = tl.minimum(tl.cdiv(kv_len, per_split), num_splits)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N,
+                           tl.load(span_ptr))
+    used = tl.minimum(tl.cdiv(kv_len, per_split), num_splits)
 
     rows = row0 + tl.arange(0, BLOCK_M)
     qi = rows // GROUP

@@ -100,8 +100,10 @@ class MixedGraphs(StepGraphs):
         self.split_decodes = decodes == "split"
         self.span_mode = span_mode
         self.kv_splits = mixed_kv_splits_mode() if kv_splits is None else kv_splits
-        self.device = kv_caches[0].device
         self.num_kv_heads = kv_caches[0].shape[-2]
+        self._split_items = (mixed_split_items(self.num_kv_heads, kv_caches[0].device)
+                             if self.kv_splits else 0)
+        """The most work items the KV splits add to a step's (0 unsplit)."""
         self._captured_waits = layer_waits
         """Keeps the events the captured graphs wait on alive as long as the graphs."""
         self.max_tokens = max_tokens = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
@@ -138,8 +140,7 @@ class MixedGraphs(StepGraphs):
             self.capture()
 
     def _items_bound(self, tokens: int) -> int:
-        extra = mixed_split_items(self.num_kv_heads, self.device) if self.kv_splits else 0
-        return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges + extra
+        return cdiv(tokens * self.group, MIXED_TILES[0]) + self.max_ranges + self._split_items
 
     def _items_splits(self, bucket: int) -> int:
         """KV splits of the work items' launch in the graph of ``bucket`` tokens."""
