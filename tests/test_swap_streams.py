@@ -136,7 +136,8 @@ class SimStreams:
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
              ahead_path: str = "kernel", urgent_layered: bool = False,
-             ahead_waits: str = "all", defer: bool = False, out_first: bool = False) -> None:
+             ahead_waits: str = "all", defer: bool = False, out_first: bool = False,
+             layers: int = 2, out_groups: int = 1) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -147,9 +148,10 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     alone for two steps, as the cache does). ``defer``: the background copies (ahead and
     background swap-outs) issued after the step's compute, as the runner does with
     ``defer_background``. ``out_first``: background swap-outs issued before the swap-ins
-    (``PENSIEVE_SWAP_OUT_FIRST``)."""
+    (``PENSIEVE_SWAP_OUT_FIRST``). ``out_groups``: background swap-outs gathered and copied
+    by that many groups of ``layers`` layers (``PENSIEVE_SWAP_OUT_GROUPS``)."""
     rng = random.Random(seed)
-    layers, g_blocks, c_blocks = 2, 14, 12
+    g_blocks, c_blocks = 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
     sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
     sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
@@ -157,6 +159,7 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
                       urgent_layered=urgent_layered, ahead_waits=ahead_waits)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
     sw.out_first = out_first
+    sw.out_groups = out_groups
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
     out_events: list[Any] = []
@@ -278,6 +281,52 @@ def test_simulated_swap_outs_issued_first(seed: int, method: str) -> None:
     """``out_first``: background swap-outs that need not follow the step's swap-ins are
     issued before them; reads, counts and tiers still match the sequential reference."""
     simulate(seed, method=method, out_first=True)
+
+
+@pytest.mark.parametrize(("method", "layers", "groups"),
+                         [("hybrid", 3, 2), ("staged", 3, 3), ("staged", 5, 2)])
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("out_first", [False, True])
+def test_simulated_swap_outs_by_groups_of_layers(seed: int, method: str, layers: int,
+                                                 groups: int, out_first: bool) -> None:
+    """Background swap-outs by groups of layers (each group's copies to the host after its
+    own gather, a staging half packed by group): reads, counts and tiers still match the
+    sequential reference, issued after or before the swap-ins."""
+    simulate(seed, method=method, out_first=out_first, layers=layers, out_groups=groups)
+
+
+def test_simulator_catches_a_group_copied_before_its_gather(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By groups: a group's copies to the host that do not wait for its gather copy stale
+    staging rows."""
+    real = swap_staged.StagedPaths._issue_out_staged
+
+    def no_wait(self: Any, st: Any, pairs: Any, gather: Any, dma: Any) -> Any:
+        wait = st.wait
+        st.wait = lambda stream, event: None if stream is dma else wait(stream, event)
+        try:
+            return real(self, st, pairs, gather, dma)
+        finally:
+            st.wait = wait
+
+    monkeypatch.setattr(swap_staged.StagedPaths, "_issue_out_staged", no_wait)
+    failed = 0
+    for seed in range(40):
+        try:
+            simulate(seed, method="staged", layers=3, out_groups=3)
+        except AssertionError:
+            failed += 1
+    assert failed > 0
+
+
+def test_out_groups_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PENSIEVE_SWAP_OUT_GROUPS", "4")
+    sw = make_swapper(make_caches(3, 8, 2, 1, 4, torch.float32), 8, "staged")
+    assert sw.out_groups == 3  # at most one per layer
+    for bad in ("0", "x", "-1"):
+        monkeypatch.setenv("PENSIEVE_SWAP_OUT_GROUPS", bad)
+        with pytest.raises(ValueError, match="PENSIEVE_SWAP_OUT_GROUPS"):
+            make_swapper(make_caches(3, 8, 2, 1, 4, torch.float32), 8, "staged")
 
 
 def test_swap_outs_first_go_before_the_swap_ins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.envs import env_flag
 from pensieve.runner.copy_engine import CopyEngine
-from pensieve.runner.swap_staged import StagedPaths
+from pensieve.runner.swap_staged import StagedPaths, out_groups_of
 from pensieve.runner.swap_streams import CudaStreams, InFlight, OutBatch, Streams
 
 LayerReady = Callable[[int], None]
@@ -178,6 +178,9 @@ class CopyPaths(StagedPaths):
         need not follow them), so both directions run from the step's start; else after
         them (the default: the swap-ins the step waits for have the link to themselves
         until then)."""
+        self.out_groups = out_groups_of(self.num_layers)
+        """Hybrid, staged: groups of layers the background swap-outs are gathered and copied
+        to the host by (:meth:`_issue_out_staged`)."""
         self._engine = CopyEngine(self.device)
         """Hybrid, staged: the copies between the staging buffers and the host tier."""
         self._chunk_bytes = self.num_layers * self.block_bytes
@@ -291,8 +294,8 @@ class CopyPaths(StagedPaths):
             self._kernel(pairs, True, 0, 1)
             if self.method in CHUNK_MAJOR:
                 self._grow_out(1)
-                self._kernel(pairs, False, 0, layers, "out0")
-                self._kernel(pairs, False, 0, layers, "out1")
+                for _ in range(2):  # both halves, by the swap-outs' groups of layers
+                    self._issue_out_staged(self._streams, [(0, 0)], s, s)
             if self.method == "staged":  # CPU block 0 holds GPU block 0 now
                 self._issue_in_staged(self._streams, s, [(0, 0)])
                 self._issue_in_staged(self._streams, s, [(0, 0)], self.in_groups)

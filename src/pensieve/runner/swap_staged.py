@@ -2,13 +2,17 @@
 swap-outs gathered on the GPU into two staging halves then copied to the chunk-major host
 tier by the copy engines; staged swap-ins copied by groups of layers into a staging buffer,
 then scattered into the GPU caches (by groups of layers: in two halves, each piece's copies
-overlapping the previous piece's scatter). The copies between the staging buffers and the host go in
-one call a piece (:class:`~pensieve.runner.copy_engine.CopyEngine`)."""
+overlapping the previous piece's scatter). Swap-outs may go by groups of layers too
+(``PENSIEVE_SWAP_OUT_GROUPS``): each group's gather, then its copies to the host, so the copy
+engines start after a group's gather rather than the whole piece's. The copies between the
+staging buffers and the host go in one call a piece (and group)
+(:class:`~pensieve.runner.copy_engine.CopyEngine`)."""
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -19,6 +23,19 @@ from pensieve.runner.swap_streams import Streams, runs_of
 
 DEFAULT_IN_GROUPS = 8
 """Staged: groups of layers the swap-ins are copied by (layer i waits for its group only)."""
+
+
+DEFAULT_OUT_GROUPS = 1
+"""Hybrid, staged: groups of layers the background swap-outs are gathered and copied by."""
+
+
+def out_groups_of(num_layers: int) -> int:
+    """Groups of layers of the staged swap-outs: ``PENSIEVE_SWAP_OUT_GROUPS``, else
+    :data:`DEFAULT_OUT_GROUPS`; at most one per layer."""
+    env = os.environ.get("PENSIEVE_SWAP_OUT_GROUPS") or str(DEFAULT_OUT_GROUPS)
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"PENSIEVE_SWAP_OUT_GROUPS={env!r}: a count >= 1")
+    return min(int(env), num_layers)
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -107,24 +124,62 @@ class StagedPaths:
                           dma: Any) -> tuple[Any, list[Any]]:
         """Issue the swap-outs ``pairs`` (gpu, cpu) as gathers on ``gather`` into the staging
         halves and copies to the host on ``dma``, at most :attr:`staging_chunks` per piece;
-        returns the event after the last copy and what must stay referenced until then."""
+        by :attr:`out_groups` groups of layers, each group's copies following its own
+        gather (a half packed by group, as :meth:`_in_view`). Returns the event after the
+        last copy and what must stay referenced until then."""
         size = self.staging_chunks
         order = sorted(pairs, key=lambda p: p[1])
         self._grow_out(min(len(order), size))
-        idx = st.upload(gather, [(g, j % size) for j, (g, _) in enumerate(order)])
+        rows = self._out_stage[0].shape[0]
+        idx = st.upload(gather, [(g, j % rows) for j, (g, _) in enumerate(order)])
         refs: list[Any] = [idx, *self._out_stage]
+        groups = layer_groups(self.num_layers, self.out_groups)
         event = None
-        for k in range(0, len(order), size):
-            piece = order[k:k + size]
+        for k in range(0, len(order), rows):
+            piece = order[k:k + rows]
             h, self._next_half = self._next_half, self._next_half ^ 1
             self._wait_half_free(st, gather, h)
-            st.run(gather, functools.partial(self._kernel, idx[k:k + len(piece)], False, 0,
-                                             self.num_layers, f"out{h}"))
-            st.wait(dma, st.record(gather))
-            runs = runs_of([c for _, c in piece])
-            st.run(dma, functools.partial(self._dma_rows, self._out_stage[h], runs, True))
+            pairs_k = idx[k:k + len(piece)]
+            if len(groups) == 1:
+                st.run(gather, functools.partial(self._kernel, pairs_k, False, 0,
+                                                 self.num_layers, f"out{h}"))
+                st.wait(dma, st.record(gather))
+                runs = runs_of([c for _, c in piece])
+                st.run(dma, functools.partial(self._dma_rows, self._out_stage[h], runs, True))
+            else:
+                cpu = np.fromiter((c for _, c in piece), dtype=np.uint64, count=len(piece))
+                for a, b in groups:
+                    spans = self._out_group_spans(h, a, b, rows)
+                    st.run(gather, functools.partial(self._scatter, spans, pairs_k))
+                    st.wait(dma, st.record(gather))
+                    st.run(dma, functools.partial(self._dma_out_group, h, rows, cpu, a, b))
             event = self._half_free[h] = st.record(dma)
         return event, refs
+
+    def _out_group_spans(self, h: int, a: int, b: int, rows: int) -> list[tuple[int, int, Any]]:
+        """Gather launches of layers ``[a, b)`` into out-staging half ``h`` packed by group:
+        the group's ``[rows, b - a, 2, C, Hkv, D]`` block starts ``rows * a`` layers of a
+        chunk into the half."""
+        key = (f"out{h}", a, b, rows)
+        spans = self._copies.get(key)
+        if spans is None:
+            n = rows * (b - a) * 2 * math.prod(self.block_shape)
+            off = rows * a * 2 * math.prod(self.block_shape)
+            view = self._out_stage[h].view(-1)[off:off + n].view(
+                rows, b - a, 2, *self.block_shape).permute(1, 2, 0, 3, 4, 5)
+            spans = self._spans(key, view, False, a, b)
+        return spans
+
+    def _dma_out_group(self, h: int, rows: int, cpu: np.ndarray, a: int, b: int) -> None:
+        """Copy layers ``[a, b)`` of the first ``len(cpu)`` rows of out-staging half ``h``
+        (packed by group, :meth:`_out_group_spans`) to the CPU blocks ``cpu``: one copy per
+        chunk, one call."""
+        lb = self.block_bytes
+        stage = self._out_stage[h].data_ptr() + rows * a * lb
+        descs = pieces(self._host.data_ptr() + a * lb, cpu, self._chunk_bytes, stage,
+                       np.arange(len(cpu), dtype=np.uint64), (b - a) * lb, (b - a) * lb)
+        self._engine.copy(*descs, to_device=False)
+        self.num_copies += len(cpu)
 
     def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
                          groups: int = 1) -> tuple[list[Any], list[Any]]:
