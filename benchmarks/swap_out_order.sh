@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # In + out together: the step's background swap-outs issued after its swap-ins (the default)
 # against before them (PENSIEVE_SWAP_OUT_FIRST=1), each with the swap-outs gathered and copied
-# by each count of groups of layers in GROUPS (PENSIEVE_SWAP_OUT_GROUPS), on one GPU,
+# by each count of groups of layers in OUT_GROUPS (PENSIEVE_SWAP_OUT_GROUPS), on one GPU,
 # alternated ROUNDS times so that the machine's drift shows as the spread within each setting.
 # Per round, order and groups:
 #   swap_bandwidth.py --methods staged (GB/s each way, in alone / out alone / in + out, the
@@ -11,12 +11,12 @@
 # A round is not started once BUDGET_S seconds (default: none) have passed.
 # Writes to $OUT (default results_tmp): bw_<order>_g<groups>_<round>.{txt,json},
 # tl_<order>_g<groups>_<round>.txt, and in_out_table.txt (benchmarks/swap_in_out_table.py).
-#   OUT=/tmp/order ROUNDS=2 REPS=4 GROUPS="1 8" bash benchmarks/swap_out_order.sh
+#   OUT=/tmp/order ROUNDS=2 REPS=4 OUT_GROUPS="1 8" bash benchmarks/swap_out_order.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-results_tmp}; mkdir -p "$out"
-rounds=${ROUNDS:-2}; reps=${REPS:-4}; groups=${GROUPS:-1}; budget=${BUDGET_S:-0}
+rounds=${ROUNDS:-2}; reps=${REPS:-4}; groups=${OUT_GROUPS:-1}; budget=${BUDGET_S:-0}
 start=$SECONDS
 for r in $(seq 1 "$rounds"); do
   if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then

@@ -16,12 +16,15 @@ Measured on the H200 (``docs/results/swap_batched/out_pieces_7be8e94/``): the pi
 layer 0's swap-ins 2-3x later and the bandwidth no better, so the engine keeps whole pieces
 (that layer-0 column measures after ``swap_bandwidth.py``'s raw copies on the default stream,
 which make later compute there wait for the step's copies: ``docs/performance.md``, "A
-timeline of one swap step").
+timeline of one swap step"). The swap-outs by groups of layers (``PENSIEVE_SWAP_OUT_GROUPS``,
+default 8 since it was measured) copy one piece per chunk per group already; this what-if
+cuts the swap-outs of all layers at once, so it runs with ``PENSIEVE_SWAP_OUT_GROUPS=1``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +71,7 @@ def main() -> None:
     ap.add_argument("--piece-kb", type=int, default=800)
     args = ap.parse_args(own)
     patch(args.piece_kb * 1024)
+    os.environ["PENSIEVE_SWAP_OUT_GROUPS"] = "1"  # the patched copies: all layers at once
     sys.path.insert(0, str(Path(__file__).parent))
     import swap_bandwidth
 

@@ -157,7 +157,8 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     streams = ["compute", "in_dma", "in", "out", "dma"]
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs) + 0.6), squeeze=False)
     colors = {"dma_group": "tab:blue", "scatter": "tab:orange", "kernel": "tab:green",
-              "dma_rows": "tab:red", "upload": "tab:gray"}
+              "gather": "tab:olive", "dma_rows": "tab:red", "dma_out_group": "tab:pink",
+              "upload": "tab:gray"}
     for ax, (name, ops) in zip(axes[:, 0], runs.items(), strict=True):
         for o in ops:
             y = streams.index(o["stream"]) if o["stream"] in streams else len(streams)

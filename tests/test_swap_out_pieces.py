@@ -31,6 +31,7 @@ def test_patched_staged_swap_outs_match_the_reference(monkeypatch: pytest.Monkey
     monkeypatch.setattr(StagedPaths, "_dma_rows", StagedPaths._dma_rows)  # restored after
     caches = make_caches(3, 16, 4, 2, 8, torch.float32)
     sw = make_swapper(caches, 12, "staged")
+    sw.out_groups = 1  # the patched host copies: swap-outs of all layers at once
     piece = sw.block_bytes  # one layer of a chunk a piece: 3 pieces a chunk
     mod.patch(piece)
     gpu, cpu = snapshot(sw)

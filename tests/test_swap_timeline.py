@@ -8,6 +8,7 @@ import itertools
 import random
 from pathlib import Path
 
+import pytest
 from bench_scripts import load
 from swap_util import apply_reference, assert_tiers, make_caches, make_swapper, run_step, snapshot
 
@@ -46,10 +47,13 @@ def test_op_label_names_the_function_and_its_scalar_arguments() -> None:
     assert tl_mod.op_label(lambda: None) == "<lambda>"
 
 
-def test_wrapped_staged_streams_copy_as_before_and_mark_every_operation() -> None:
+@pytest.mark.parametrize("out_groups", [1, 2])
+def test_wrapped_staged_streams_copy_as_before_and_mark_every_operation(out_groups: int
+                                                                        ) -> None:
     caches = make_caches(layers=4, blocks=24)
     inner = NamedImmediate()
     sw = make_swapper(caches, 16, "staged", streams=inner, in_groups=2, staging_chunks=2)
+    sw.out_groups = out_groups
     tl = tl_mod.TimelineStreams(inner, event=ClockEvent)
     sw._streams = tl
     rng = random.Random(0)
@@ -63,9 +67,11 @@ def test_wrapped_staged_streams_copy_as_before_and_mark_every_operation() -> Non
     assert_tiers(sw, gpu, cpu)
     ops = {(s, label.split(" ")[0]) for s, label, _, _ in tl.marks}
     # swap-ins: copies by group into the staging halves (in-dma stream), scatters (in stream);
-    # swap-outs: a gather on the out stream and the host copies on the dma stream
-    assert {("in_dma", "dma_group"), ("in", "scatter"), ("in", "upload"), ("out", "kernel"),
-            ("dma", "dma_rows")} <= ops
+    # swap-outs: a gather on the out stream and the host copies on the dma stream (by
+    # groups of layers: a gather and copies per group)
+    out = ({("out", "kernel"), ("dma", "dma_rows")} if out_groups == 1 else
+           {("out", "gather"), ("dma", "dma_out_group")})
+    assert {("in_dma", "dma_group"), ("in", "scatter"), ("in", "upload"), *out} <= ops
     groups = sorted({label for s, label, _, _ in tl.marks if label.startswith("dma_group")})
     assert groups == ["dma_group 0 2", "dma_group 2 4"]
     for _, _, a, b in tl.marks:

@@ -475,6 +475,7 @@ def test_staged_copies_per_run_and_bounded_staging(method: str) -> None:
     gather per piece and one host copy per run of consecutive CPU ids within a piece."""
     caches = list(torch.stack(make_caches(2, 40, 4, 2, 8)).unbind(0))
     sw = make_swapper(caches, 32, method, staging_chunks=5)
+    sw.out_groups = 1  # swap-outs of all layers at once (by groups: the test below)
     gpu, cpu = snapshot(sw)
     gpu_ids = random.Random(0).sample(range(40), 12)
     cpu_ids = [*range(10, 17), 20, 22, *range(25, 28)]  # runs 10..16 | 20 | 22 | 25..27
@@ -496,3 +497,20 @@ def test_staged_copies_per_run_and_bounded_staging(method: str) -> None:
         assert sw._in_stage.shape[0] == 5
     else:
         assert sw.num_copies == 2 and sw._in_stage is None  # one launch per layer
+
+
+@pytest.mark.parametrize("method", ["hybrid", "staged"])
+def test_staged_swap_outs_by_groups_of_layers(method: str) -> None:
+    """By groups of layers: per piece, one gather and one host copy per chunk for each
+    group; the staging halves hold the same rows, packed by group."""
+    caches = list(torch.stack(make_caches(3, 40, 4, 2, 8)).unbind(0))
+    sw = make_swapper(caches, 32, method, staging_chunks=5)
+    sw.out_groups = 2  # layers 0 | 1..2
+    gpu, cpu = snapshot(sw)
+    plan = SwapPlan(swap_out=list(zip(random.Random(0).sample(range(40), 12),
+                                      random.Random(1).sample(range(32), 12), strict=True)))
+    run_step(sw, plan)
+    apply_reference(gpu, cpu, plan)
+    assert_tiers(sw, gpu, cpu)
+    assert sw.num_copies == 3 * 2 + 12 * 2  # 3 pieces: gathers per group, copies per chunk
+    assert [t.shape[0] for t in sw._out_stage] == [5, 5]

@@ -25,7 +25,7 @@ DEFAULT_IN_GROUPS = 8
 """Staged: groups of layers the swap-ins are copied by (layer i waits for its group only)."""
 
 
-DEFAULT_OUT_GROUPS = 1
+DEFAULT_OUT_GROUPS = 8
 """Hybrid, staged: groups of layers the background swap-outs are gathered and copied by."""
 
 
@@ -150,7 +150,7 @@ class StagedPaths:
                 cpu = np.fromiter((c for _, c in piece), dtype=np.uint64, count=len(piece))
                 for a, b in groups:
                     spans = self._out_group_spans(h, a, b, rows)
-                    st.run(gather, functools.partial(self._scatter, spans, pairs_k))
+                    st.run(gather, functools.partial(self._gather, spans, pairs_k))
                     st.wait(dma, st.record(gather))
                     st.run(dma, functools.partial(self._dma_out_group, h, rows, cpu, a, b))
             event = self._half_free[h] = st.record(dma)
@@ -254,3 +254,7 @@ class StagedPaths:
         for a, b, copy in spans:
             copy(pairs, 0, b - a)
             self.num_copies += 1
+
+    def _gather(self, spans: list[tuple[int, int, Any]], pairs: torch.Tensor) -> None:
+        """The launches ``spans`` (a swap-out group's gather into its staging half)."""
+        self._scatter(spans, pairs)
