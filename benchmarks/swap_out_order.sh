@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # In + out together: the step's background swap-outs issued after its swap-ins (the default,
-# order "after") against before them (PENSIEVE_SWAP_OUT_FIRST=1, "first") and after the
-# swap-ins' first group of layers (PENSIEVE_SWAP_OUT_EARLY=1, "early"): the orders in ORDERS
-# (default "after first"), each with the swap-outs gathered and copied
+# order "after") against before them (PENSIEVE_SWAP_OUT_FIRST=1, "first"): the orders in
+# ORDERS (default "after first"), each with the swap-outs gathered and copied
 # by each count of groups of layers in OUT_GROUPS (PENSIEVE_SWAP_OUT_GROUPS, default 8), on one GPU,
 # alternated ROUNDS times so that the machine's drift shows as the spread within each setting.
 # Per round, order and groups:
@@ -14,7 +13,7 @@
 # Writes to $OUT (default results_tmp): bw_<order>_g<groups>_<round>.{txt,json},
 # tl_<order>_g<groups>_<round>.txt, and in_out_table.txt (benchmarks/swap_in_out_table.py).
 #   OUT=/tmp/order ROUNDS=2 REPS=4 OUT_GROUPS="1 8" bash benchmarks/swap_out_order.sh
-#   OUT=/tmp/order ORDERS="after early" OUT_GROUPS=8 bash benchmarks/swap_out_order.sh
+#   OUT=/tmp/order ORDERS=after OUT_GROUPS="1 8" bash benchmarks/swap_out_order.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -27,17 +26,16 @@ for r in $(seq 1 "$rounds"); do
   fi
   for order in ${ORDERS:-after first}; do
     flag=0; [ "$order" = first ] && flag=1
-    early=0; [ "$order" = early ] && early=1
     for g in $groups; do
       tag=${order}_g${g}_$r
       echo "== round $r, swap-outs $order the swap-ins, by $g group(s) of layers" \
            "($((SECONDS - start)) s)"
-      PENSIEVE_SWAP_OUT_FIRST=$flag PENSIEVE_SWAP_OUT_EARLY=$early \
+      PENSIEVE_SWAP_OUT_FIRST=$flag \
         PENSIEVE_SWAP_OUT_GROUPS=$g python benchmarks/swap_bandwidth.py --methods staged \
         --sweep-programs --reps "$reps" --out "$out/bw_$tag.json" > "$out/bw_$tag.txt" 2>&1 \
         || echo "swap_bandwidth failed: see bw_$tag.txt"
       if [ "${TIMELINE:-0}" = 1 ]; then
-        PENSIEVE_SWAP_OUT_FIRST=$flag PENSIEVE_SWAP_OUT_EARLY=$early \
+        PENSIEVE_SWAP_OUT_FIRST=$flag \
           PENSIEVE_SWAP_OUT_GROUPS=$g python benchmarks/swap_timeline.py --chunks 64 256 \
           --dirs in+out --reps 3 --bare --label "$order g$g: " > "$out/tl_$tag.txt" 2>&1 \
           || echo "swap_timeline failed: see tl_$tag.txt"

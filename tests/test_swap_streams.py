@@ -137,7 +137,7 @@ class SimStreams:
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
              ahead_path: str = "kernel", urgent_layered: bool = False,
              ahead_waits: str = "all", defer: bool = False, out_first: bool = False,
-             layers: int = 2, out_groups: int = 1, out_early: bool = False) -> None:
+             layers: int = 2, out_groups: int = 1) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -149,8 +149,7 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     background swap-outs) issued after the step's compute, as the runner does with
     ``defer_background``. ``out_first``: background swap-outs issued before the swap-ins
     (``PENSIEVE_SWAP_OUT_FIRST``). ``out_groups``: background swap-outs gathered and copied
-    by that many groups of ``layers`` layers (``PENSIEVE_SWAP_OUT_GROUPS``). ``out_early``:
-    issued after the swap-ins' first group of layers (``PENSIEVE_SWAP_OUT_EARLY``)."""
+    by that many groups of ``layers`` layers (``PENSIEVE_SWAP_OUT_GROUPS``)."""
     rng = random.Random(seed)
     g_blocks, c_blocks = 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
@@ -161,7 +160,6 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
     sw.out_first = out_first
     sw.out_groups = out_groups
-    sw.out_early = out_early
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
     out_events: list[Any] = []
@@ -295,47 +293,6 @@ def test_simulated_swap_outs_by_groups_of_layers(seed: int, method: str, layers:
     own gather, a staging half packed by group): reads, counts and tiers still match the
     sequential reference, issued after or before the swap-ins."""
     simulate(seed, method=method, out_first=out_first, layers=layers, out_groups=groups)
-
-
-@pytest.mark.parametrize(("layers", "out_groups"), [(2, 1), (3, 2), (4, 4)])
-@pytest.mark.parametrize("seed", range(30))
-def test_simulated_swap_outs_issued_early(seed: int, layers: int, out_groups: int) -> None:
-    """``out_early``: background swap-outs issued after the swap-ins' first group of layers
-    (when they need not follow them); reads, counts and tiers still match the sequential
-    reference."""
-    simulate(seed, method="staged", out_early=True, layers=layers, out_groups=out_groups)
-
-
-def test_swap_outs_early_go_after_the_first_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The order itself: with ``PENSIEVE_SWAP_OUT_EARLY=1`` the swap-outs are issued between
-    the swap-ins' first and second group of layers; without it, after the last."""
-    order: list[str] = []
-    for early in ("1", "0"):
-        monkeypatch.setenv("PENSIEVE_SWAP_OUT_EARLY", early)
-        sim = SimStreams(random.Random(0), eagerness=0.0)
-        sw = make_swapper(make_caches(4, 8, 2, 1, 4, torch.float32), 8, "staged", streams=sim,
-                          in_groups=2)
-        sw._triton = False
-        assert sw.out_early == (early == "1")
-        issue_out, run = sw._issue_out_staged, sim.run
-        order.clear()
-        monkeypatch.setattr(sw, "_issue_out_staged",
-                            lambda *a, f=issue_out: (order.append("out"), f(*a))[1])
-
-        def issue(stream: Any, fn: Any, run: Any = run, group: Any = sw._dma_group) -> None:
-            if getattr(fn, "func", None) == group:  # noted when issued
-                order.append(f"in {fn.args[2]}")
-            run(stream, fn)
-
-        monkeypatch.setattr(sim, "run", issue)
-        gpu, cpu = snapshot(sw)
-        plan = SwapPlan(swap_in=[(0, 1)], swap_out=[(2, 3)])
-        run_step(sw, plan)
-        sw.finish_step()
-        sim.drain()
-        apply_reference(gpu, cpu, plan)
-        assert_tiers(sw, gpu, cpu)
-        assert order == (["in 0", "out", "in 2"] if early == "1" else ["in 0", "in 2", "out"])
 
 
 def test_simulator_catches_a_group_copied_before_its_gather(

@@ -181,10 +181,6 @@ class CopyPaths(StagedPaths):
         self.out_groups = out_groups_of(self.num_layers)
         """Hybrid, staged: groups of layers the background swap-outs are gathered and copied
         to the host by (:meth:`_issue_out_staged`)."""
-        self.out_early = env_flag("PENSIEVE_SWAP_OUT_EARLY")
-        """Staged: a step's background swap-outs that need not follow its swap-ins are issued
-        right after the swap-ins' first group of layers (layer 0's copies have the link to
-        themselves, the rest share it); ``out_first`` wins when both are set."""
         self._engine = CopyEngine(self.device)
         """Hybrid, staged: the copies between the staging buffers and the host tier."""
         self._chunk_bytes = self.num_layers * self.block_bytes

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -183,8 +182,7 @@ class StagedPaths:
         self.num_copies += len(cpu)
 
     def _issue_in_staged(self, st: Streams, stream: Any, pairs: list[tuple[int, int]],
-                         groups: int = 1, after_first: Callable[[], None] | None = None
-                         ) -> tuple[list[Any], list[Any]]:
+                         groups: int = 1) -> tuple[list[Any], list[Any]]:
         """Issue the swap-ins ``pairs`` (cpu, gpu) by ``groups`` groups of layers: per group,
         per piece of as many chunks as the in-staging buffer holds of the group's layers
         (:attr:`staging_chunks` chunks of all layers), the copies of those layers of each
@@ -194,10 +192,8 @@ class StagedPaths:
         piece's copies overlap the previous piece's scatter: a piece's copies wait for the
         scatter out of the half two pieces back; each scatter waits for its copies. All
         layers at once (the default; ``swap_in_ahead``): one buffer, everything on
-        ``stream``. ``after_first``: called once the first group is issued (the engine
-        issues the step's background swap-outs there with ``PENSIEVE_SWAP_OUT_EARLY=1``).
-        Returns what must stay referenced until the stream's work is done, and one event
-        per layer (after its group's last scatter, on ``stream``)."""
+        ``stream``. Returns what must stay referenced until the stream's work is done, and
+        one event per layer (after its group's last scatter, on ``stream``)."""
         size, layers = self.staging_chunks, self.num_layers
         order = sorted(pairs, key=lambda p: p[0])
         self._grow_in(min(len(order), size))
@@ -245,9 +241,6 @@ class StagedPaths:
                 st.run(stream, functools.partial(self._scatter, spans, idx[rows][k:k + m]))
                 free[h] = last = st.record(stream)
             events += [last if last is not None else st.record(stream)] * (b - a)
-            if after_first is not None:
-                after_first()
-                after_first = None
         return [*idx.values(), stage], events
 
     @staticmethod

@@ -368,8 +368,6 @@ class KVSwapper(CopyPaths):
         compute_done = st.record(None)
         events: list[Any] = []
         out_first = self.out_first and not (defer or waits.out_after_in)
-        early = (self.out_early and not (out_first or defer or waits.out_after_in)
-                 and bool(plan.swap_out) and bool(plan.swap_in) and self.method == "staged")
         if out_first and plan.swap_out:  # both ways busy from the step's start
             self._issue_out(st, plan, compute_done, None)
         if plan.swap_out_first or plan.swap_in or plan.swap_in_ahead:
@@ -385,10 +383,8 @@ class KVSwapper(CopyPaths):
                     st.run(s, functools.partial(self._kernel, step.out_first, False, 0,
                                                 layers))
             if plan.swap_in and self.method == "staged":
-                out = (functools.partial(self._issue_out, st, plan, compute_done, None)
-                       if early else None)
                 step.swap_in, events = self._issue_in_staged(st, s, plan.swap_in,
-                                                             self.in_groups, out)
+                                                             self.in_groups)
             elif plan.swap_in or layered:
                 if plan.swap_in:
                     step.swap_in = st.upload(s, plan.swap_in)
@@ -396,7 +392,7 @@ class KVSwapper(CopyPaths):
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
-        if out_first or early:  # what is left to issue: the plan without its swap-outs
+        if out_first:  # what is left to issue: the same plan without its swap-outs
             plan = dataclasses.replace(plan, swap_out=[])
         background = functools.partial(self._issue_background, st, plan, compute_done,
                                        step.in_done, waits.out_after_in)
