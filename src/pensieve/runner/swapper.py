@@ -54,7 +54,9 @@ None):
   ``kernel`` (SMs, zero-copy; swap-ins layer-pipelined). Background ``swap_out`` through the
   copy engines: the kernel gathers the chunks device-to-device into a contiguous device staging
   buffer ``[n, L, 2, C, Hkv, D]`` (rows in CPU-id order), then one copy per maximal run of
-  consecutive CPU ids (one chunk of all layers or more per copy; one batch call). Staged in
+  consecutive CPU ids (one chunk of all layers or more per copy; one batch call); by default
+  by 8 groups of layers instead (``PENSIEVE_SWAP_OUT_GROUPS``): each group's gather, then one
+  copy per chunk of its layers, so the copies start after one group's gather. Staged in
   pieces of at most ``staging_chunks`` chunks through two staging halves (so the staging memory
   is bounded, 2 x ``staging_chunks`` chunks, and the gather of piece k+1 overlaps the copy of
   piece k).
