@@ -9,7 +9,7 @@ import os
 
 from pensieve.envs import env_flag
 from pensieve.runner.swap_copies import CHUNK_MAJOR, STREAM_METHODS
-from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS
+from pensieve.runner.swap_staged import DEFAULT_IN_GROUPS, groups_of
 
 AHEAD_PATHS = ("kernel", "dma")
 """Ways ``swap_in_ahead`` copies may run on streams (:class:`KVSwapper` ``ahead``)."""
@@ -45,12 +45,8 @@ def urgent_path(layered: bool | None, method: str) -> bool:
 def in_groups_of(in_groups: int | None, num_layers: int) -> int:
     """Groups of layers of the staged swap-ins: ``in_groups``, else ``PENSIEVE_SWAP_IN_GROUPS``,
     else :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`; at most one per layer."""
-    if in_groups is None:
-        env = os.environ.get("PENSIEVE_SWAP_IN_GROUPS") or str(DEFAULT_IN_GROUPS)
-        in_groups = int(env) if env.isdigit() else 0
-    if in_groups < 1:
-        raise ValueError(f"in_groups {in_groups} < 1 (PENSIEVE_SWAP_IN_GROUPS: a count)")
-    return min(in_groups, num_layers)
+    return groups_of(in_groups, "in_groups", "PENSIEVE_SWAP_IN_GROUPS", DEFAULT_IN_GROUPS,
+                     num_layers)
 
 
 AHEAD_WAITS = ("all", "layers")

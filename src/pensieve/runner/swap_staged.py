@@ -29,13 +29,22 @@ DEFAULT_OUT_GROUPS = 8
 """Hybrid, staged: groups of layers the background swap-outs are gathered and copied by."""
 
 
+def groups_of(value: int | None, name: str, env: str, default: int, num_layers: int) -> int:
+    """Groups of layers of a staged copy path: ``value``, else the environment's ``env``,
+    else ``default``; at most one per layer; raises on a count below 1."""
+    if value is None:
+        text = os.environ.get(env) or str(default)
+        value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise ValueError(f"{name} {value} < 1 ({env}: a count)")
+    return min(value, num_layers)
+
+
 def out_groups_of(num_layers: int) -> int:
     """Groups of layers of the staged swap-outs: ``PENSIEVE_SWAP_OUT_GROUPS``, else
-    :data:`DEFAULT_OUT_GROUPS`; at most one per layer."""
-    env = os.environ.get("PENSIEVE_SWAP_OUT_GROUPS") or str(DEFAULT_OUT_GROUPS)
-    if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"PENSIEVE_SWAP_OUT_GROUPS={env!r}: a count >= 1")
-    return min(int(env), num_layers)
+    :data:`DEFAULT_OUT_GROUPS`."""
+    return groups_of(None, "out_groups", "PENSIEVE_SWAP_OUT_GROUPS", DEFAULT_OUT_GROUPS,
+                     num_layers)
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -103,10 +112,7 @@ class StagedPaths:
                  ) -> Any:
         """``[end - first, 2, rows, C, Hkv, D]`` view of the in-staging buffer (of its half
         ``half`` when cut in ``halves`` = 2) packed by the group of layers ``[first, end)``."""
-        flat = self._in_flat(half, halves)
-        n = rows * (end - first) * 2 * math.prod(self.block_shape)
-        return flat[:n].view(rows, end - first, 2, *self.block_shape).permute(
-            1, 2, 0, 3, 4, 5)
+        return self._packed(self._in_flat(half, halves), rows, end - first)
 
     def _in_flat(self, half: int, halves: int) -> torch.Tensor:
         """The in-staging buffer flat, or its half ``half`` when cut in ``halves`` = 2."""
@@ -163,12 +169,15 @@ class StagedPaths:
         key = (f"out{h}", a, b, rows)
         spans = self._copies.get(key)
         if spans is None:
-            n = rows * (b - a) * 2 * math.prod(self.block_shape)
-            off = rows * a * 2 * math.prod(self.block_shape)
-            view = self._out_stage[h].view(-1)[off:off + n].view(
-                rows, b - a, 2, *self.block_shape).permute(1, 2, 0, 3, 4, 5)
-            spans = self._spans(key, view, False, a, b)
+            flat = self._out_stage[h].view(-1)[rows * a * 2 * math.prod(self.block_shape):]
+            spans = self._spans(key, self._packed(flat, rows, b - a), False, a, b)
         return spans
+
+    def _packed(self, flat: torch.Tensor, rows: int, layers: int) -> Any:
+        """``[layers, 2, rows, C, Hkv, D]`` view of the start of ``flat`` holding ``rows``
+        chunks of ``layers`` layers each, chunk-major (a staging buffer packed by group)."""
+        n = rows * layers * 2 * math.prod(self.block_shape)
+        return flat[:n].view(rows, layers, 2, *self.block_shape).permute(1, 2, 0, 3, 4, 5)
 
     def _dma_out_group(self, h: int, rows: int, cpu: np.ndarray, a: int, b: int) -> None:
         """Copy layers ``[a, b)`` of the first ``len(cpu)`` rows of out-staging half ``h``
