@@ -22,6 +22,14 @@ drawn at random (random order, scattered)::
     out      background swap_out
     in+out   both in one step, disjoint blocks: on two streams at once (kernel, hybrid,
              staged), DMA on one stream one after the other
+    in+out xK   ``--steps`` K such steps back to back, as a serving engine under churn
+             issues them: each step waits for its own swap-ins only (``end_step``), its
+             background swap-outs run on beside the next steps, and the clock stops once the
+             last copy is done. GB/s each way = K steps' bytes of one direction over that
+             time; ``step`` is then the median time from a step's ``start_step`` to its
+             swap-ins done. The steps' swap-ins and swap-outs never share a block, so no step
+             waits for an earlier one's swap-outs (the steps cycle through as many disjoint
+             plans as the tiers hold)
 
 Times are host wall clock from ``start_step`` to ``finish_step`` (after a device
 synchronize; median of ``--reps`` after a warm-up). ``GB/s`` is per direction (in+out: each
@@ -158,9 +166,46 @@ def plans(n: int, pattern: str, num_gpu: int, num_cpu: int, rng: random.Random
     return {"in": list(zip(g_in, c_in, strict=True)), "out": list(zip(g_out, c_out, strict=True))}
 
 
+def step_plans(n: int, steps: int, num_gpu: int, num_cpu: int, rng: random.Random
+               ) -> list[SwapPlan]:
+    """``steps`` in + out plans of ``n`` chunks each way, random ids. No block is both swapped
+    in and swapped out by any of them: they cycle through as many plans on disjoint GPU and
+    CPU blocks as the tiers hold (at least one), so a step's swap-ins never wait for an
+    earlier step's swap-outs."""
+    sets = max(1, min(steps, num_gpu // (2 * n), num_cpu // (2 * n)))
+    g = rng.sample(range(num_gpu), 2 * n * sets)
+    c = rng.sample(range(num_cpu), 2 * n * sets)
+    cycle = []
+    for k in range(sets):
+        lo, mid, hi = 2 * n * k, 2 * n * k + n, 2 * n * (k + 1)
+        cycle.append(SwapPlan(swap_in=list(zip(c[lo:mid], g[lo:mid], strict=True)),
+                              swap_out=list(zip(g[mid:hi], c[mid:hi], strict=True))))
+    return [cycle[k % sets] for k in range(steps)]
+
+
+def swapper_steps(sw: KVSwapper, step_plans_: list[SwapPlan]) -> Callable[[], dict[str, float]]:
+    """The plans as consecutive serving steps: each waits for its swap-ins only, and the
+    background swap-outs of the earlier steps stay in flight; then every copy is waited for.
+    Reports the median time from a step's start to its swap-ins done, and of its enqueue."""
+    def steps() -> dict[str, float]:
+        ins, enqueue = [], []
+        for plan in step_plans_:
+            t0 = time.perf_counter()
+            sw.start_step(plan)
+            enqueue.append(time.perf_counter() - t0)
+            sw.end_step()
+            ins.append(time.perf_counter() - t0)
+        sw.finish_step()
+        return {"step_s": statistics.median(ins), "enqueue_s": statistics.median(enqueue)}
+
+    return steps
+
+
 def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: int,
-                num_cpu: int, step_bytes: int, reps: int, seed: int) -> list[dict]:
+                num_cpu: int, step_bytes: int, reps: int, seed: int, steps: int = 0
+                ) -> list[dict]:
     rows = []
+    programs = sw.num_programs if sw.method in STREAM_METHODS else None
     for n in sizes:
         for pattern in patterns:
             p = plans(n, pattern, num_gpu, num_cpu, random.Random(f"{seed}{n}{pattern}"))
@@ -170,9 +215,13 @@ def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: i
                                     ("in+out", SwapPlan(swap_in=swap_in, swap_out=p["out"]))):
                 t = timed(swapper_step(sw, plan), reps)
                 add(rows, {"method": sw.method, "pattern": pattern, "dir": direction,
-                           "chunks": n, "programs": sw.num_programs
-                           if sw.method in STREAM_METHODS else None,
-                           "bytes": n * step_bytes, **t})
+                           "chunks": n, "programs": programs, "bytes": n * step_bytes, **t})
+        if steps > 1 and sw.method in STREAM_METHODS:
+            seq = step_plans(n, steps, num_gpu, num_cpu, random.Random(f"{seed}{n}steps"))
+            t = timed(swapper_steps(sw, seq), reps)
+            add(rows, {"method": sw.method, "pattern": "random", "dir": f"in+out x{steps}",
+                       "chunks": n, "steps": steps, "programs": programs,
+                       "bytes": steps * n * step_bytes, **t})
     return rows
 
 
@@ -222,7 +271,7 @@ def sweep_rows(sw: KVSwapper, programs: list[int], tiles: list[int], n: int, num
     return rows
 
 
-HEADER = (f"{'method':<15}{'pattern':>9}{'dir':>8}{'chunks':>7}{'prog':>6}{'tile':>7}"
+HEADER = (f"{'method':<15}{'pattern':>9}{'dir':>11}{'chunks':>7}{'prog':>6}{'tile':>7}"
           f"{'MB/dir':>9}{'ms':>9}{'GB/s':>8}{'vs 45':>7}{'enqueue':>9}{'step':>9}"
           f"{'layer0':>8}{'gemm x':>8}")
 
@@ -235,7 +284,7 @@ def fmt_row(r: dict) -> str:
     t = r.get("tile_bytes")
     tile = "-" if not t else f"{t // 1024}K" if t >= 1024 else f"{t}B"
     gx = f"{r['gemm_slowdown']:.2f}" if "gemm_slowdown" in r else "-"
-    return (f"{r['method']:<15}{r.get('pattern', '-'):>9}{r['dir']:>8}{r['chunks']:>7}"
+    return (f"{r['method']:<15}{r.get('pattern', '-'):>9}{r['dir']:>11}{r['chunks']:>7}"
             f"{prog:>6}{tile:>7}{r['bytes'] / 1e6:>9.1f}{ms('s'):>9}{r['gbps']:>8.1f}"
             f"{r['gbps'] / TARGET_GBPS:>7.0%}{ms('enqueue_s'):>9}{ms('step_s'):>9}"
             f"{ms('layer0_s'):>8}{gx:>8}")
@@ -349,6 +398,9 @@ def main() -> None:
     ap.add_argument("--cpu-blocks", type=int, default=None,
                     help="CPU blocks per layer (default: 2 x the largest size, 4 x with "
                          "--patterns scattered)")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="the 'in+out xK' row: K in + out steps back to back per size, for "
+                         "the stream methods (0: no such row)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -393,7 +445,7 @@ def main() -> None:
               + (f"; staging {args.staging_chunks} chunks per piece, 2 halves"
                  if method in ("hybrid", "staged") else ""), flush=True)
         rows += method_rows(sw, args.sizes, args.patterns, num_gpu, num_cpu, step_bytes,
-                            args.reps, args.seed)
+                            args.reps, args.seed, args.steps)
         if method in args.sweep_methods and args.sweep_programs:
             print(f"{method} sweep ({args.sweep_chunks} chunks, random ids; gemm x: "
                   f"{args.gemm_n}^3 bf16 GEMMs beside in+out copies / alone)", flush=True)

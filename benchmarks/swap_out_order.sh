@@ -5,8 +5,9 @@
 # by each count of groups of layers in OUT_GROUPS (PENSIEVE_SWAP_OUT_GROUPS, default 8), on one GPU,
 # alternated ROUNDS times so that the machine's drift shows as the spread within each setting.
 # Per round, order and groups:
-#   swap_bandwidth.py --methods staged (GB/s each way, in alone / out alone / in + out, the
-#     raw two-stream rate of the same call, and when the swap-ins of in + out were done), and
+#   swap_bandwidth.py --methods staged --steps STEPS (GB/s each way, in alone / out alone /
+#     in + out, the raw two-stream rate of the same call, and when the swap-ins of in + out
+#     were done; and STEPS (default 8) in + out steps back to back, as serving issues them), and
 #   with TIMELINE=1, swap_timeline.py --bare at 64 and 256 chunks (the compute stream's marks
 #     for layer 0 and the last layer, without the per-copy brackets).
 # A round is not started once BUDGET_S seconds (default: none) have passed.
@@ -32,7 +33,7 @@ for r in $(seq 1 "$rounds"); do
            "($((SECONDS - start)) s)"
       PENSIEVE_SWAP_OUT_FIRST=$flag \
         PENSIEVE_SWAP_OUT_GROUPS=$g python benchmarks/swap_bandwidth.py --methods staged \
-        --sweep-programs --reps "$reps" --out "$out/bw_$tag.json" > "$out/bw_$tag.txt" 2>&1 \
+        --sweep-programs --steps "${STEPS:-8}" --reps "$reps" --out "$out/bw_$tag.json" > "$out/bw_$tag.txt" 2>&1 \
         || echo "swap_bandwidth failed: see bw_$tag.txt"
       if [ "${TIMELINE:-0}" = 1 ]; then
         PENSIEVE_SWAP_OUT_FIRST=$flag \
