@@ -213,7 +213,9 @@ def _paged_attention_kernel(
     ``span_ptr[0]`` positions (a multiple of ``BLOCK_N``, read from device memory so that a
     CUDA graph follows the step's contexts): ``max(equal part, span)``. A range then uses only
     as many splits as its length needs, and the programs of its other splits exit at once
-    without writing; ``_combine_splits_kernel`` recomputes which splits wrote. Long ranges
+    without writing; ``_combine_splits_kernel`` recomputes which splits wrote. A tile whose
+    KV fits one split (``kv_len <= max(equal part, span)``) writes ``out`` itself, normalised,
+    and the combiners skip it (they recompute the same condition). Long ranges
     are cut into pieces near the batch's mean, so one long request no longer keeps its
     program running long after the others have finished.
 
@@ -296,21 +298,22 @@ def _paged_attention_kernel(
             stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
         )
 
+    o_ptrs = (out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h
+              + d[None, :])
+    direct = not SPLIT
     if SPLIT:
+        if SPAN:  # the tile's only split writes the output: no partials, no combine
+            direct = kv_len <= per_split
+    if direct:
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None])
+    else:
         # An empty split (kv_lo >= kv_len) leaves m = -1e30, l = 0: weight 0 when combined.
         ws_row = (tok * num_heads + head) * num_splits + split
         tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=row_valid[:, None])
         tl.store(ws_m_ptr + ws_row, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws_row, l_i, mask=row_valid)
-    else:
-        acc = acc / l_i[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h
-            + d[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -349,6 +352,8 @@ def _combine_splits_kernel(
         kv_len = tl.load(range_start_pos_ptr + rng) + 1
         per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N,
                                tl.load(span_ptr))
+        if kv_len <= per_split:  # one split: the attention kernel wrote out itself
+            return
         valid = valid & (splits * per_split < kv_len)
     d = tl.arange(0, HEAD_DIM)
     ws_row = (tok * num_heads + head) * num_splits + splits
@@ -411,6 +416,8 @@ def _combine_items_kernel(
     per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N,
                            tl.load(span_ptr))
     used = tl.minimum(tl.cdiv(kv_len, per_split), num_splits)
+    if used <= 1:  # one split: the attention kernel wrote out itself
+        return
 
     rows = row0 + tl.arange(0, BLOCK_M)
     qi = rows // GROUP
