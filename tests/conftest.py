@@ -9,6 +9,19 @@ import pytest
 TINY_LLAMA_VOCAB = 256
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Without CUDA, Triton kernels run through the interpreter. Chosen here, before any test
+    module imports ``pensieve.kernels``: a kernel module imported before the variable is set
+    keeps compiled kernels, and a later module that sets it then fails on them (as
+    ``test_mixed_splits.py`` did when run right after ``test_mixed_fill.py``)."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     """A random Llama (vocab 256, hidden 64, 2 layers, 4 query / 2 KV heads, seed 0) saved as
