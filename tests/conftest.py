@@ -10,10 +10,11 @@ TINY_LLAMA_VOCAB = 256
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Without CUDA, Triton kernels run through the interpreter. Chosen here, before any test
-    module imports ``pensieve.kernels``: a kernel module imported before the variable is set
-    keeps compiled kernels, and a later module that sets it then fails on them (as
-    ``test_mixed_splits.py`` did when run right after ``test_mixed_fill.py``)."""
+    """Without CUDA, Triton kernels run through the interpreter. Chosen here only, before any
+    test module imports ``pensieve.kernels``: a kernel module imported before the variable is
+    set keeps compiled kernels (each kernel test module used to set it and reload its kernel
+    module, and ``test_mixed_splits.py`` still failed when run right after
+    ``test_mixed_fill.py``)."""
     import os
 
     import torch

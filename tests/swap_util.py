@@ -1,32 +1,21 @@
 """Shared set-up and helpers of the swapper tests (``test_swapper.py``,
 ``test_swap_streams.py``): caches, a swapper with a filled CPU tier, the block-by-block
-reference of a SwapPlan and the checks against it. Imported first, so that without CUDA the
-swap kernel runs through Triton's interpreter."""
+reference of a SwapPlan and the checks against it. Without CUDA the swap kernel runs through
+Triton's interpreter (``conftest.py`` chooses it before any kernel module is imported)."""
 
 from __future__ import annotations
 
-import os
+import random
+import zlib
+from typing import Any
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import random  # noqa: E402
-import zlib  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-
-from pensieve.core.outputs import SwapPlan  # noqa: E402
-from pensieve.kernels import triton_swap  # noqa: E402
-from pensieve.runner.swapper import (  # noqa: E402
+from pensieve.core.outputs import SwapPlan
+from pensieve.runner.swapper import (
     KVSwapper,
 )
-
-if not torch.cuda.is_available():
-    importlib.reload(triton_swap)  # imported before the interpreter was chosen
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]

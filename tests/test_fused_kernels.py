@@ -11,32 +11,22 @@ H200 run saw one-ulp differences there). Triton's interpreter truncates to bf16 
 rounding to nearest, so on the CPU even the bf16 sum is compared within one ulp.
 """
 
-import os
+import zlib
 
+import pytest
 import torch
+import transformers
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-import transformers  # noqa: E402
-
-import pensieve.kernels as kernels  # noqa: E402
-from pensieve.kernels import triton_fused  # noqa: E402
-from pensieve.kernels.launch_fused import (  # noqa: E402
+import pensieve.kernels as kernels
+from pensieve.kernels.launch_fused import (
     rms_norm_triton,
     rotary_triton,
     silu_and_mul_triton,
 )
-from pensieve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref  # noqa: E402
+from pensieve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-if not HAS_CUDA:
-    importlib.reload(triton_fused)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # bf16 has 8 significant bits: one ulp is 2**-7 relative.

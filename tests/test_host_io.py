@@ -5,27 +5,17 @@ stands for the mapped one); with CUDA the arrays are page-locked and device-mapp
 runner with ``PENSIEVE_HOST_IO=mapped`` gives the tokens of the copying one.
 """
 
-import os
+import random
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-
-from pensieve.kernels import triton_swap  # noqa: E402
-from pensieve.kernels.launch_swap import copy_words  # noqa: E402
-from pensieve.runner import host_io  # noqa: E402
-from pensieve.runner.host_io import MappedArray, MappedReadback, StepUploads  # noqa: E402
+from pensieve.kernels.launch_swap import copy_words
+from pensieve.runner import host_io
+from pensieve.runner.host_io import MappedArray, MappedReadback, StepUploads
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-if not HAS_CUDA:
-    importlib.reload(triton_swap)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

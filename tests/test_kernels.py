@@ -8,32 +8,20 @@ Every run poisons its output with NaN and checks that every element was written;
 slots and block-table padding point at NaN too, so any read outside a range's context shows.
 """
 
-import os
+import math
+import zlib
+from dataclasses import dataclass
 
+import pytest
 import torch
 
-# The interpreter must be chosen before the kernels are decorated, i.e. before pensieve's
-# Triton module is imported. With CUDA the kernels compile natively instead.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import math  # noqa: E402
-import zlib  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-
-import pensieve.kernels as kernels  # noqa: E402
-from pensieve.kernels import launch, triton_attention  # noqa: E402
-from pensieve.kernels.launch import paged_attention_triton, store_kv_triton  # noqa: E402
-from pensieve.kernels.reference import paged_attention_ref, store_kv_ref  # noqa: E402
+import pensieve.kernels as kernels
+from pensieve.kernels import launch
+from pensieve.kernels.launch import paged_attention_triton, store_kv_triton
+from pensieve.kernels.reference import paged_attention_ref, store_kv_ref
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-if not HAS_CUDA:
-    # Another test module may have imported the kernels before the interpreter was chosen.
-    importlib.reload(triton_attention)
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 

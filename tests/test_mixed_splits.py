@@ -7,25 +7,18 @@ attention, which ignores work items and splits. Turns after long histories are s
 a new prompt and a short turn ride along, with the decodes together or in their own launch.
 """
 
-import os
+import random
 
+import numpy as np
+import pytest
 import torch
+import transformers
 
-# The interpreter must be chosen before the kernels are decorated (as in test_kernels.py).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import random  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import transformers  # noqa: E402
-
-import pensieve.kernels as kernels  # noqa: E402
-from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput  # noqa: E402
-from pensieve.core.sampling_params import SamplingParams  # noqa: E402
-from pensieve.kernels.launch import work_items_for  # noqa: E402
-from pensieve.runner.mixed_graphs import MIXED_TILES, MixedGraphs  # noqa: E402
+import pensieve.kernels as kernels
+from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.kernels.launch import work_items_for
+from pensieve.runner.mixed_graphs import MIXED_TILES, MixedGraphs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CHUNK, BLOCKS, MAX_BLOCKS = 16, 256, 80

@@ -7,27 +7,18 @@ are bit for bit (the kernel copies raw words): the inputs are random bits, NaN p
 negative zeros included, which any float conversion would change.
 """
 
-import os
+import random
+import zlib
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-import random  # noqa: E402
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-
-from pensieve.kernels import launch_swap, triton_swap  # noqa: E402
-from pensieve.kernels.launch_swap import MappedHost, swap_blocks_triton  # noqa: E402
-from pensieve.kernels.reference import swap_blocks_ref  # noqa: E402
+from pensieve.kernels import launch_swap
+from pensieve.kernels.launch_swap import MappedHost, swap_blocks_triton
+from pensieve.kernels.reference import swap_blocks_ref
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-if not HAS_CUDA:
-    importlib.reload(triton_swap)
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
