@@ -173,13 +173,9 @@ def step_plans(n: int, steps: int, num_gpu: int, num_cpu: int, rng: random.Rando
     CPU blocks as the tiers hold (at least one), so a step's swap-ins never wait for an
     earlier step's swap-outs."""
     sets = max(1, min(steps, num_gpu // (2 * n), num_cpu // (2 * n)))
-    g = rng.sample(range(num_gpu), 2 * n * sets)
-    c = rng.sample(range(num_cpu), 2 * n * sets)
-    cycle = []
-    for k in range(sets):
-        lo, mid, hi = 2 * n * k, 2 * n * k + n, 2 * n * (k + 1)
-        cycle.append(SwapPlan(swap_in=list(zip(c[lo:mid], g[lo:mid], strict=True)),
-                              swap_out=list(zip(g[mid:hi], c[mid:hi], strict=True))))
+    p = plans(n * sets, "random", num_gpu, num_cpu, rng)
+    cycle = [SwapPlan(swap_in=[(c, g) for g, c in p["in"][k * n:(k + 1) * n]],
+                      swap_out=p["out"][k * n:(k + 1) * n]) for k in range(sets)]
     return [cycle[k % sets] for k in range(steps)]
 
 
