@@ -41,6 +41,18 @@ class QueryRange(NamedTuple):
         return self.start_pos + len(self.token_ids)
 
 
+class TokenHistory(NamedTuple):
+    """The tokens a request's logits processors read (penalties, ``min_tokens``); a step
+    carries it only for the requests whose sampling parameters need it."""
+
+    prompt_token_ids: list[int]
+    """The turn's whole context (the conversation's history and the new input)."""
+    output_token_ids: list[int]
+    """The tokens generated so far in this turn."""
+    eos_token_ids: tuple[int, ...]
+    """End-of-sequence ids that ``min_tokens`` masks (empty with ``ignore_eos``)."""
+
+
 class ScheduledRequest(NamedTuple):
     """One request's share of a step."""
 
@@ -56,6 +68,8 @@ class ScheduledRequest(NamedTuple):
     sampling_params: SamplingParams
     num_output_tokens: int
     """Tokens generated so far: seeds per-token randomness when the request has a seed."""
+    token_history: TokenHistory | None = None
+    """Set when this step samples for a request whose processors read its tokens."""
 
     @property
     def num_scheduled_tokens(self) -> int:

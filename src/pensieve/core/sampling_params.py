@@ -10,6 +10,10 @@ _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
 """Most alternatives per token that ``logprobs`` may ask for (OpenAI's limit)."""
+MAX_PENALTY = 2.0
+"""Bound of ``presence_penalty`` and ``frequency_penalty`` (OpenAI's: [-2, 2])."""
+MAX_LOGIT_BIAS = 100.0
+"""Bound of a ``logit_bias`` value (OpenAI's: [-100, 100])."""
 
 
 @dataclass(frozen=True)
@@ -17,8 +21,11 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
-    nucleus sampling. With a ``seed`` the sampled tokens depend only on the seed, the logits and
-    the index of the output token, never on which other requests share the batch.
+    nucleus sampling. The logits processors (``logit_bias``, ``min_tokens``, the three
+    penalties) change the logits before greedy or random picking, as vLLM orders them; ``min_p``
+    then filters after temperature. With a ``seed`` the sampled tokens depend only on the seed,
+    the logits and the index of the output token, never on which other requests share the
+    batch.
     """
 
     max_tokens: int = 16
@@ -39,6 +46,20 @@ class SamplingParams:
     """Return each sampled token's log-probability and this many most likely alternatives
     (0..20; None: no log-probabilities). They are the model's: a log-softmax of the logits
     before temperature, top-k and top-p, as vLLM returns them by default."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output ([-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it occurs in the output ([-2, 2])."""
+    repetition_penalty: float = 1.0
+    """HF/CTRL penalty over prompt and output tokens: a positive logit is divided by it, a
+    negative one multiplied (> 0; 1: off)."""
+    min_tokens: int = 0
+    """End-of-sequence and stop token ids are masked until this many tokens are generated."""
+    min_p: float = 0.0
+    """Drop tokens whose probability (after temperature) is below ``min_p`` times the most
+    likely one's ([0, 1]; 0: off)."""
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(token id, bias) pairs added to the logits (a dict is accepted and sorted)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -64,8 +85,56 @@ class SamplingParams:
         if not all(0 <= t <= _INT63_MAX for t in stops):
             raise ValueError(f"stop_token_ids must be ints in [0, {_INT63_MAX}]")
         object.__setattr__(self, "stop_token_ids", stops)
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        """Bounds of the logits processors' fields (OpenAI's and vLLM's)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp <= 1e6:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        items = (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                 else self.logit_bias)
+        bias: dict[int, float] = {}
+        for tok, val in items:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok <= _INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+            if not _is_number(val) or not -MAX_LOGIT_BIAS <= val <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], "
+                                 f"got {val!r} for token {tok}")
+            bias[tok] = float(val)
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
 
     @property
     def greedy(self) -> bool:
         """True when the argmax token is always taken."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a penalty reads the request's tokens."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """True when the sampler needs the request's tokens (penalties, ``min_tokens``)."""
+        return self.has_penalties or self.min_tokens > 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when some processor changes this request's logits before picking."""
+        return self.needs_token_history or bool(self.logit_bias)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

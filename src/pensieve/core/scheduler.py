@@ -33,7 +33,13 @@ from collections import deque
 
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.conversation import Conversation
-from pensieve.core.outputs import QueryRange, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pensieve.core.outputs import (
+    QueryRange,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenHistory,
+)
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.tiered_cache import TieredKVCache
 
@@ -246,9 +252,13 @@ class Scheduler:
             ranges = [QueryRange(lo, req.token_ids_range(lo, hi))]
         else:
             ranges = req.take(n)
-        # (request_id, block_table, ranges, sample, sampling_params, num_output_tokens)
+        params = req.sampling_params
+        history = None
+        if not pending and params.needs_token_history:
+            history = TokenHistory(req.prompt_token_ids, req.output_token_ids,
+                                   () if params.ignore_eos else req.eos_token_ids)
         return ScheduledRequest(req.request_id, conv.block_table, ranges, not pending,
-                                req.sampling_params, len(req.output_token_ids))
+                                params, len(req.output_token_ids), history)
 
     def _suspend(self, req: Request, now: float) -> None:
         self.running.remove(req)

@@ -104,6 +104,9 @@ class EngineCore:
         if bad:
             raise ValueError(
                 f"request {request_id}: token ids out of range [0, {hi}): {bad[:5]}")
+        bad_bias = [t for t, _ in params.logit_bias if hi is not None and t >= hi]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids out of range [0, {hi}): {bad_bias[:5]}")
         context = list(prompt_token_ids)
         if conversation_id is not None:
             conv = self.cache.conversations.get(conversation_id)

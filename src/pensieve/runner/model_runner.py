@@ -322,7 +322,8 @@ class ModelRunner:
         if logits is not None:
             params = [s.sampling_params for s in sampled]
             tokens = self._read_tokens(sample_tensor(
-                logits, params, [s.num_output_tokens for s in sampled]
+                logits, params, [s.num_output_tokens for s in sampled],
+                [s.token_history for s in sampled],
             ))  # waits for the compute stream
             # from the same logits (a graph replay's output buffer is not reused before this)
             logprobs = {sampled[i].request_id: lp

@@ -1,4 +1,6 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; log-probabilities.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds;
+log-probabilities. The logits processors (penalties, ``logit_bias``, ``min_tokens``) run first,
+in :mod:`.logits_processors`.
 
 Sampling uses the exponential-race form of a categorical draw (``argmax(p / E)`` with
 ``E ~ Exp(1)``), so a seeded request's noise depends only on its seed and output index.
@@ -8,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from pensieve.core.outputs import TokenLogprobs
+from pensieve.core.outputs import TokenHistory, TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.runner.logits_processors import apply_min_p, process_logits
 
 _SEED_STRIDE = 1_000_003
 
@@ -30,16 +33,20 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int],
+    histories: list[TokenHistory | None] | None = None,
 ) -> list[int]:
-    """Pick one token per row. logits: ``[N, V]`` float32; returns N token ids."""
-    return sample_tensor(logits, params, num_output_tokens).tolist()
+    """Pick one token per row. logits: ``[N, V]`` float32; returns N token ids. ``histories``
+    (one per row) feed the processors that read a request's tokens."""
+    return sample_tensor(logits, params, num_output_tokens, histories).tolist()
 
 
 def sample_tensor(
-    logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int],
+    histories: list[TokenHistory | None] | None = None,
 ) -> torch.Tensor:
     """:func:`sample` without the read-back: the ``[N]`` int64 token ids on the device."""
+    logits = process_logits(logits, params, histories)
     greedy_tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
@@ -53,6 +60,8 @@ def sample_tensor(
     top_p = torch.tensor([params[i].top_p for i in random_rows], device=dev)
     if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
         _apply_top_k_top_p(sub, top_k, top_p)
+    if any(params[i].min_p > 0.0 for i in random_rows):
+        apply_min_p(sub, torch.tensor([params[i].min_p for i in random_rows], device=dev))
     probs = sub.softmax(dim=-1)
     noise = torch.empty_like(probs)
     for j, i in enumerate(random_rows):
