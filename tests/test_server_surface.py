@@ -120,7 +120,8 @@ def test_sse_escapes_line_separators(tok: Any, served: Any) -> None:
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
-    ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("logit_bias", {"1": 5})])
+    ("best_of", 3), ("echo", True), ("guided_json", {"type": "object"}),
+    ("structured_outputs", {"json": {}})])
 def test_unsupported_fields_are_400(served: Any, field: str, value: Any) -> None:
     http, ex, client = served
     with pytest.raises(openai.BadRequestError) as e:

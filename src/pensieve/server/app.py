@@ -25,16 +25,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.server import engine_ops
 from pensieve.server.errors import APIError, error_body, error_response
+from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
 from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
+from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
 log = logging.getLogger("pensieve.server")
@@ -51,27 +54,18 @@ def _tenant(state: ServerState, request: Request) -> str:
     return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-                "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-                "repetition_penalty": (None, 1), "logit_bias": (None, {}),
-                "top_logprobs": (None, 0), "best_of": (None, 1),
-                "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0)}
-"""Fields this server does not implement, with the values that ask for nothing (allowed).
-(``top_logprobs`` is a chat field; /v1/completions asks for alternatives with ``logprobs``.)"""
+def _check_model(state: ServerState, model: str | None) -> None:
+    """404 on a model that is neither a served name nor the model's path or directory name."""
+    if model is not None and model not in state.names and model not in state.model_aliases:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{list(state.names)}", code="model_not_found", param="model")
 
 
 def _check_request(state: ServerState, body: _Sampling) -> None:
-    """400 on a field asking for what is not implemented; 404 on an unknown model."""
-    extra = body.model_extra or {}
-    for name, inert in _UNSUPPORTED.items():
-        if name in extra and not any(extra[name] == v and type(extra[name]) in
-                                     (type(v), int, float) for v in inert):
-            raise APIError(400, f"{name} is not supported by this server", param=name,
-                           code="unsupported_parameter")
-    if body.model is not None and body.model not in state.names:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                       f"{list(state.names)}", code="model_not_found", param="model")
+    """400 on a field asking for what is not implemented (:mod:`.fields`); 404 on an unknown
+    model."""
+    check_fields(body)
+    _check_model(state, body.model)
 
 
 async def _admitted(state: ServerState, fn: Callable[[], Awaitable[Response]]) -> Response:
@@ -97,8 +91,13 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Pensieve", version="0.1.0")
     app.state.pensieve = state
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
+    if state.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["x-conversation-id"])
     _add_error_handlers(app)
     _add_info_routes(app, state)
+    add_token_routes(app, state, lambda m: _check_model(state, m), _tenant)
     _add_conversation_routes(app, state)
     _add_generation_routes(app, state)
     document_errors(app)
@@ -132,7 +131,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
-    """``/health``, ``/metrics`` (Prometheus) and ``/v1/models``."""
+    """``/health``, ``/metrics`` (Prometheus; without a key with ``metrics_public``) and
+    ``/v1/models``."""
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, Any] | JSONResponse:
@@ -147,7 +147,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
-        _tenant(state, request)
+        if not state.metrics_public:
+            _tenant(state, request)
         state.metrics.queued.set(state.queued)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -192,17 +193,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         tenant = _tenant(state, request)
         _check_request(state, body)
+        check_message_fields(body.messages)
         if state.renderer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
 
         async def go() -> Response:
             try:
-                msgs = await off_loop(state, lambda: [{"role": m.role, "content": m.text()}
-                                                      for m in body.messages])
+                msgs = await off_loop(state, lambda: [m.as_dict() for m in body.messages])
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
             cid = body.conversation_id or request.headers.get("x-conversation-id")
-            turn = await chat_turn(state, tenant, cid, msgs)
+            turn = await chat_turn(state, tenant, cid, msgs, body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await run_turn(state, body, turn, max_tokens, request, chat=True)
 
@@ -217,7 +218,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             cid = body.conversation_id or request.headers.get("x-conversation-id")
             turn = await completion_turn(state, tenant, cid, body.prompt,
                                          body.create_conversation)
-            return await run_turn(state, body, turn, body.max_tokens or 16, request, chat=False)
+            return await run_turn(state, body, turn, body.max_tokens, request, chat=False)
 
         return await _admitted(state, go)
 

@@ -25,6 +25,13 @@ DEFAULT_TEMPLATE = (
 """Used when the tokenizer has no chat template of its own."""
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tools", "documents", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""Arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set."""
+
+
 class ChatRenderer:
     """Renders messages with the tokenizer's chat template (or ``chat_template``, or a plain
     default when the tokenizer has none)."""
@@ -42,9 +49,16 @@ class ChatRenderer:
         self._special.update({t.content: i for i, t in
                               getattr(tokenizer, "added_tokens_decoder", {}).items()})
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The template's tokens; ``template_kwargs`` are extra template variables (e.g.
+        ``enable_thinking``; ValueError for a name the renderer sets itself)."""
+        kwargs = dict(template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:

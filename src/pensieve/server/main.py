@@ -146,6 +146,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model's names in the API (the first is the one reported; a "
                         "request naming another model gets a 404)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="origins whose browser pages may call the API (CORS; '*' for any; "
+                        "default: none)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without an API key, for Prometheus scrapers (default: "
+                        "/metrics needs a key when --api-key is set)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the model's own)")
     p.add_argument("--chat-template", default=None,
@@ -197,6 +203,15 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         close()
     return 0
+
+
+def model_aliases(model: str, path: Any) -> tuple[str, ...]:
+    """Names of the model besides its served names: the argument as given, its resolved
+    directory, and their last components (``/models/Qwen3-8B`` also answers to ``Qwen3-8B``)."""
+    names = [model, Path(model).name]
+    if path is not None:
+        names += [str(path), Path(path).name]
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
 def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
@@ -260,13 +275,13 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
     store = open_store(args.store)
-    kv_tokens = (aengine.info["kv_tokens"] if engine is None
-                 else engine.cache.gpu.num_blocks * engine.cache.chunk_size)
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
                         Metrics(aengine), served_model_names=names,
+                        model_aliases=model_aliases(args.model, path),
+                        allowed_origins=tuple(args.allowed_origins or ()),
+                        metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests,
                         max_request_bytes=args.max_request_bytes,
-                        default_max_tokens=max(1, min(1024, kv_tokens // 2)),
                         extra_stop_token_ids=tuple(eos_ids),
                         sampling_defaults=sampling_defaults)
     app = create_app(state)

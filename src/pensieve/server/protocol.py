@@ -1,4 +1,7 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), with Pensieve's extensions."""
+"""Request bodies of the OpenAI-compatible API (pydantic), with Pensieve's extensions.
+
+The declared fields are the honoured ones; what a body sends beyond them is checked by
+:mod:`.fields` (accepted only where it asks for nothing, else a 400 naming it)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,15 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
+    name: str | None = None
+    """Passed to the chat template with the message (templates that read it use it)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template gets it."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -41,6 +53,17 @@ class _Sampling(BaseModel):
     top_k: int = 0
     n: int = Field(default=1, ge=1, le=1)
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """vLLM: HF's repetition penalty over the prompt and the output (1: off)."""
+    min_tokens: int = 0
+    """vLLM: end-of-sequence, stop ids and stop strings do not end the answer before this
+    many tokens."""
+    min_p: float = 0.0
+    """vLLM: drop tokens less likely than ``min_p`` times the most likely one."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's form) to a bias in [-100, 100] added to its logit."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -57,6 +80,16 @@ class _Sampling(BaseModel):
         """Alternatives per token asked for (None: no log-probabilities)."""
         return None
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with int keys; ValueError for a key that is not a token id."""
+        out: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        return out
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -70,6 +103,8 @@ class ChatCompletionRequest(_Sampling):
     """Return each answer token's log-probability (``choices[0].logprobs.content``)."""
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """With ``logprobs``: this many most likely alternatives per token."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
 
     def num_logprobs(self) -> int | None:
         """Raises ValueError for ``top_logprobs`` without ``logprobs: true`` (as vLLM)."""

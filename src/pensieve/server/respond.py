@@ -36,7 +36,8 @@ from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.turns import Turn, engine_call, off_loop
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                    "logprobs"}
+                    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "min_tokens", "min_p", "logit_bias"}
 MAX_STOP_STRINGS = 64
 
 
@@ -89,7 +90,11 @@ def _params(state: ServerState, body: _Sampling, max_tokens: int,
                               top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
                               seed=body.seed,
                               stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
-                              logprobs=num_logprobs)
+                              logprobs=num_logprobs, presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty,
+                              min_tokens=body.min_tokens, min_p=body.min_p,
+                              logit_bias=body.logit_bias_ids())
     except ValueError as e:  # SamplingParams names the field first in its messages
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
@@ -104,8 +109,8 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
         raise APIError(400, f"the conversation's context ({context_len} tokens) exceeds "
                        f"max_model_len={state.max_model_len}",
                        code="context_length_exceeded", param="messages")
-    if max_tokens is None:
-        max_tokens = min(room, state.default_max_tokens)
+    if max_tokens is None:  # the rest of the context, as vLLM (or the server's cap)
+        max_tokens = min(room, state.default_max_tokens or room)
     elif max_tokens > room:
         raise APIError(400, f"max_tokens={max_tokens} exceeds the room left in the context "
                        f"({room} of max_model_len={state.max_model_len})",
@@ -200,7 +205,8 @@ class TurnOutput:
         else:
             self.first_token_t = now
         self.last_token_t = now
-        return self.stops.feed(self.detok.add(token)) if self.detok else ""
+        armed = len(self.tokens) >= self.body.min_tokens  # no stop string before min_tokens
+        return self.stops.feed(self.detok.add(token), armed) if self.detok else ""
 
     async def updates(self, first: Any, stream: Any) -> AsyncIterator[tuple[str, Result | None]]:
         """(new text, None) per token, then (last text, the finished turn)."""

@@ -29,12 +29,20 @@ class ServerState:
     metrics: Metrics
     served_model_names: tuple[str, ...] = ()
     """Names a request's ``model`` may give (``model_name`` first); empty: only it."""
+    model_aliases: tuple[str, ...] = ()
+    """Other names a request's ``model`` may give: the model's path and directory name (vLLM
+    serves a model under its path; benchmark clients send the tokenizer path)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origins allowed by CORS (empty: no CORS headers)."""
+    metrics_public: bool = False
+    """``/metrics`` without an API key (for scrapers)."""
     max_queued_requests: int | None = None
     """Requests waiting for their first token beyond which a new one gets a 429 (None: no
     limit)."""
     max_request_bytes: int = 8 * 2**20
-    default_max_tokens: int = 1024
-    """``max_tokens`` of a request that gives none (capped by the room left in the context)."""
+    default_max_tokens: int | None = None
+    """``max_tokens`` of a request that gives none (capped by the room left in the context;
+    None: the room left, as vLLM)."""
     extra_stop_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids of ``generation_config.json``: every turn stops on them."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)

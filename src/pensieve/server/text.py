@@ -67,12 +67,13 @@ class StopStrings:
         self.emitted = 0
         self.stopped = False
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str, armed: bool = True) -> str:
         """Add ``delta``; return the newly releasable text. After a match, :attr:`stopped` is
-        set and the text up to the stop string is released; later calls return ''."""
+        set and the text up to the stop string is released; later calls return ''. Text fed
+        with ``armed`` False (before ``min_tokens``) is released unmatched, as vLLM does."""
         if self.stopped:
             return ""
-        if not self.stops:
+        if not self.stops or not armed:
             self.text += delta
             self.emitted = len(self.text)
             return delta
