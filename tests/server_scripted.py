@@ -101,6 +101,8 @@ class ScriptedExecutor:
         self.cpu: dict[int, list[int | None]] = {}
         self.seen: list[list[int | None]] = []
         """Per request, in order: the context its first sampled token attended to."""
+        self.sampled_with: dict[str, tuple[Any, Any]] = {}
+        """Per request id: the sampling parameters and token history of its last sample."""
         self.computed: list[int] = []
         """Per request, in order: positions computed before its first sampled token."""
         self._computing: dict[str, int] = {}
@@ -134,6 +136,7 @@ class ScriptedExecutor:
                 self._computing[s.request_id] = (self._computing.get(s.request_id, 0)
                                                  + s.num_scheduled_tokens)
             if s.sample:
+                self.sampled_with[s.request_id] = (s.sampling_params, s.token_history)
                 if s.num_output_tokens == 0:
                     self.seen.append([self._block(self.gpu, s.block_table[p // CHUNK])[p % CHUNK]
                                       for p in range(s.context_len)])
@@ -174,7 +177,9 @@ def scripted_app(tokenizer: Any, store: Path,
 
     eng, ex = scripted_engine(len(tokenizer), (tokenizer.eos_token_id,), wrap=wrap)
     aeng = AsyncEngine(eng)  # type: ignore[arg-type]
+    fields: dict[str, Any] = {"api_keys": (), "max_model_len": 1024,
+                              "max_turn_tokens": eng.scheduler.max_turn_tokens, **kw}
     state = ServerState(engine=aeng, store=ConversationStore(str(store)),
                         renderer=ChatRenderer(tokenizer), model_name="scripted", is_demo=False,
-                        api_keys=(), max_model_len=1024, metrics=Metrics(aeng), **kw)
+                        metrics=Metrics(aeng), **fields)
     return create_app(state), ex

@@ -77,6 +77,13 @@ class Scheduler:
         return self.cache.stats.suspended_requests
 
     # ------------------------------------------------------------------ requests in and out
+    @property
+    def max_turn_tokens(self) -> int:
+        """Most tokens (context and answer) one turn may hold: the GPU tier less its decode
+        reserve, within ``max_model_len``."""
+        usable = self.cache.gpu.num_blocks - self.cache.decode_reserve_blocks
+        return min(usable * self.cache.chunk_size, self.config.max_model_len)
+
     def check_new_turn(
         self, conversation_id: str | None, num_tokens: int, max_tokens: int = 1
     ) -> None:
@@ -92,7 +99,7 @@ class Scheduler:
         c = self.cache.chunk_size
         usable = self.cache.gpu.num_blocks - self.cache.decode_reserve_blocks
         longest = min(num_tokens + max_tokens, self.config.max_model_len)
-        if -(-longest // c) > usable:
+        if longest > self.max_turn_tokens:
             raise ValueError(
                 f"context of {num_tokens} tokens plus up to {max_tokens} generated needs more "
                 f"KV blocks than the GPU tier has ({usable} usable blocks of {c} tokens)"

@@ -64,7 +64,8 @@ class ProcessEngine(EngineClient):
             self._proc.join(timeout=10)
             raise EngineStartError(f"the engine process failed to start: {info}")
         self.info: dict[str, Any] = info
-        """What the server needs to know of the engine: ``kv_tokens`` (GPU tier)."""
+        """What the server needs to know of the engine: ``kv_tokens`` (GPU tier) and
+        ``max_turn_tokens`` (:attr:`Scheduler.max_turn_tokens`)."""
         self.snapshot: Snapshot = info["snapshot"]
         self._reader = threading.Thread(target=self._read, name="pensieve-engine-reader",
                                         daemon=True)
@@ -155,7 +156,8 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
 
     core = EngineLoop(engine, reply)
     kv_tokens = engine.cache.gpu.num_blocks * engine.cache.chunk_size
-    out.send(("ready", {"kv_tokens": kv_tokens, "snapshot": core.snapshot()}))
+    out.send(("ready", {"kv_tokens": kv_tokens, "snapshot": core.snapshot(),
+                        "max_turn_tokens": engine.scheduler.max_turn_tokens}))
     try:
         _serve(core, cmds, out)
     finally:

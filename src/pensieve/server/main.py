@@ -275,9 +275,12 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
     store = open_store(args.store)
+    turn_tokens = (aengine.info["max_turn_tokens"] if engine is None
+                   else engine.scheduler.max_turn_tokens)
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
                         Metrics(aengine), served_model_names=names,
                         model_aliases=model_aliases(args.model, path),
+                        max_turn_tokens=turn_tokens,
                         allowed_origins=tuple(args.allowed_origins or ()),
                         metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests,

@@ -110,7 +110,8 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
                        f"max_model_len={state.max_model_len}",
                        code="context_length_exceeded", param="messages")
     if max_tokens is None:  # the rest of the context, as vLLM (or the server's cap)
-        max_tokens = min(room, state.default_max_tokens or room)
+        fits = (state.max_turn_tokens or state.max_model_len) - context_len
+        max_tokens = max(1, min(room, fits, state.default_max_tokens or room))
     elif max_tokens > room:
         raise APIError(400, f"max_tokens={max_tokens} exceeds the room left in the context "
                        f"({room} of max_model_len={state.max_model_len})",

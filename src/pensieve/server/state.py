@@ -43,6 +43,9 @@ class ServerState:
     default_max_tokens: int | None = None
     """``max_tokens`` of a request that gives none (capped by the room left in the context;
     None: the room left, as vLLM)."""
+    max_turn_tokens: int | None = None
+    """Most tokens (context and answer) the engine holds for one turn (its GPU tier; None:
+    ``max_model_len``): the room a default ``max_tokens`` fills."""
     extra_stop_token_ids: tuple[int, ...] = ()
     """End-of-sequence ids of ``generation_config.json``: every turn stops on them."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
