@@ -97,6 +97,8 @@ class ScriptedExecutor:
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.script: list[int] = []
         self.filler = 0
+        self.scripts: dict[int | None, list[int]] = {}
+        """Scripts of requests by their sampling seed (others follow :attr:`script`)."""
         self.gpu: dict[int, list[int | None]] = {}
         self.cpu: dict[int, list[int | None]] = {}
         self.seen: list[list[int | None]] = []
@@ -142,7 +144,8 @@ class ScriptedExecutor:
                                       for p in range(s.context_len)])
                     self.computed.append(self._computing.pop(s.request_id))
                 i = s.num_output_tokens
-                sampled[s.request_id] = self.script[i] if i < len(self.script) else self.filler
+                script = self.scripts.get(s.sampling_params.seed, self.script)
+                sampled[s.request_id] = script[i] if i < len(script) else self.filler
         for g, c in sw.swap_out:
             self.cpu[c] = list(self._block(self.gpu, g))
         return RunnerOutput(sampled_token_ids=sampled)

@@ -180,3 +180,63 @@ def test_metrics_public(tok: Any, tmp_path: Path, public: bool) -> None:
         assert http.get("/metrics", headers={"authorization": "Bearer secret"}).status_code \
             == 200
         assert http.get("/v1/models").status_code == 401  # only /metrics opens
+
+
+def _prompt_tokens_computed(http: TestClient) -> float:
+    """pensieve_prompt_tokens{source=new|recomputed} summed: context tokens computed."""
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("pensieve_prompt_tokens_total{") and (
+                'source="new"' in line or 'source="recomputed"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_n_choices_share_the_prompt(tok: Any, served: Any) -> None:
+    http, ex, client = served
+    answers = [" zero", " one", " two", " three"]
+    ex.scripts = {100 + i: _enc(tok, a) + [tok.eos_token_id] for i, a in enumerate(answers)}
+    before, runs = _prompt_tokens_computed(http), len(ex.computed)
+    r = client.chat.completions.create(model="scripted", messages=MSGS, n=4, seed=100,
+                                       max_tokens=8)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.message.content for c in r.choices] == answers  # choice i: seed + i
+    prompt = r.usage.prompt_tokens
+    # the prompt is computed once: each later choice recomputes its last token only
+    assert ex.computed[runs:] == [prompt, 1, 1, 1]
+    assert _prompt_tokens_computed(http) - before == prompt + 3
+    assert r.usage.completion_tokens == sum(len(_enc(tok, a)) + 1 for a in answers)
+    # the conversation continues with choice 0: its KV is reused by the next turn
+    msgs = MSGS + [{"role": "assistant", "content": " zero"}, {"role": "user", "content": "?"}]
+    ex.scripts, ex.script = {}, _enc(tok, " ok") + [tok.eos_token_id]
+    r2 = client.chat.completions.create(model="scripted", messages=msgs, max_tokens=4)
+    assert r2.model_extra["conversation_id"] == r.model_extra["conversation_id"]
+    assert r2.usage.prompt_tokens_details.cached_tokens >= prompt
+    stored = http.get(f"/v1/conversations/{r.model_extra['conversation_id']}").json()
+    assert [m["content"] for m in stored["messages"]][1:3] == [" zero", "?"]
+
+
+def test_n_choices_stream_per_index(tok: Any, served: Any) -> None:
+    http, ex, client = served
+    answers = [" zero", " one", " two"]
+    ex.scripts = {7 + i: _enc(tok, a) + [tok.eos_token_id] for i, a in enumerate(answers)}
+    texts, finish = ["", "", ""], [None, None, None]
+    usage = None
+    for chunk in client.chat.completions.create(model="scripted", messages=MSGS, n=3, seed=7,
+                                                max_tokens=8, stream=True,
+                                                stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+        usage = chunk.usage or usage
+    assert texts == answers and finish == ["stop"] * 3
+    assert usage is not None and usage.completion_tokens == sum(
+        len(_enc(tok, a)) + 1 for a in answers)
+    # completions without a conversation: a temporary one, dropped after
+    ex.scripts = {}
+    ex.script = _enc(tok, " ok") + [tok.eos_token_id]
+    runs = len(ex.computed)
+    r = client.completions.create(model="scripted", prompt=[5, 6, 7, 8], n=2, max_tokens=4)
+    assert [c.text for c in r.choices] == [" ok", " ok"] and ex.computed[runs:] == [4, 1]
+    r = client.completions.create(model="scripted", prompt=[5, 6, 7, 8], n=2, max_tokens=4)
+    assert ex.computed[runs + 2:] == [4, 1]  # nothing kept from the last request

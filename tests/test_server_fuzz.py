@@ -93,6 +93,21 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": u, "response_format": {"type": "json_schema"}},
         {"messages": u, "logprobs": True}, {"messages": u, "presence_penalty": 2},
         {"messages": [{"role": "user", "content": "memory " * 2000}]},
+        {"messages": u, "frequency_penalty": "x"}, {"messages": u, "repetition_penalty": -1},
+        {"messages": u, "repetition_penalty": 1e308}, {"messages": u, "min_p": -0.1},
+        {"messages": u, "min_tokens": 10**9}, {"messages": u, "min_tokens": -1},
+        {"messages": u, "logit_bias": {"-1": 1}}, {"messages": u, "logit_bias": {"1": 1e9}},
+        {"messages": u, "logit_bias": {str(2**70): 1}}, {"messages": u, "logit_bias": []},
+        {"messages": u, "chat_template_kwargs": {"messages": []}},
+        {"messages": u, "chat_template_kwargs": {"bos_token": {"a": [1]}}},
+        {"messages": u, "chat_template_kwargs": 5}, {"messages": u, "best_of": 4},
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        {"messages": u, "made_up_field": 1}, {"messages": u, "n": 17},
+        {"messages": u, "n": 3, "stream": True, "max_tokens": 3, "seed": 1},
+        {"messages": u, "n": 2, "max_tokens": 2, "stop": ["e"], "min_tokens": 1},
+        {"messages": u, "max_tokens": 4, "min_tokens": 4, "repetition_penalty": 1.5,
+         "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0.5,
+         "logit_bias": {"1": 100, "2": -100}, "stop": ["a"]},
     ]
     reqs: list[tuple[str, dict[str, Any]]] = [(CHAT, _json(b)) for b in bodies]
     reqs += [(CHAT, raw(b)) for b in (
@@ -101,11 +116,18 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         b'"temperature": NaN}', b'{"messages": [{"role": "user", "content": "x"}], '
         b'"stop": "\\udfff"}', b"\xff\xfe\x00", b'{"messages": [' + b"{}," * 3000 + b"{}]}")]
     reqs += [("/v1/completions", _json(b)) for b in (
-        {"prompt": []}, {"prompt": ""}, {"prompt": [-1]}, {"prompt": [10**9]},
+        {"prompt": [1, 2], "n": 3, "max_tokens": 2}, {"prompt": []}, {"prompt": ""},
+        {"prompt": [-1]}, {"prompt": [10**9]},
         {"prompt": [1.5]}, {"prompt": "\ud800"}, {"prompt": [1, 2], "conversation_id": "c"},
         {"prompt": [1, 2], "max_tokens": 0}, {"prompt": None}, {"prompt": {"a": 1}},
         {"prompt": [1, 2], "create_conversation": "maybe"})]
     reqs += [("/v1/completions", raw(b'{"prompt": "\\udc00abc", "max_tokens": 2}'))]
+    reqs += [("/tokenize", _json(b)) for b in (
+        {}, {"prompt": "hi", "messages": u}, {"prompt": 5}, {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}]}, {"prompt": "\ud800"},
+        {"messages": u, "chat_template_kwargs": {"tokenize": 1}}, {"prompt": "x", "foo": 1})]
+    reqs += [("/detokenize", _json(b)) for b in (
+        {}, {"tokens": [-1]}, {"tokens": [2**70]}, {"tokens": "abc"}, {"tokens": [1.5]})]
     reqs += [(CHAT, {"json": {"messages": u}, "headers": {"authorization": "Bearer \x7f"}}),
              (CHAT, {"content": b"messages=hi",
                      "headers": {"content-type": "application/x-www-form-urlencoded"}}),
@@ -122,7 +144,18 @@ _VALUE = st.recursive(
     max_leaves=12)
 _FIELDS = ["model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
            "stream", "stream_options", "ignore_eos", "conversation_id", "keep_alive_s",
-           "priority", "n", "tools", "logprobs", "max_completion_tokens", "presence_penalty"]
+           "priority", "tools", "logprobs", "max_completion_tokens", "user", "best_of",
+           "chat_template_kwargs", "metadata"]
+_NUMBER = st.floats(min_value=-3, max_value=3) | _VALUE
+_SAMPLING = {  # mostly in range, so the processors run on the engine
+    "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
+    "repetition_penalty": st.floats(min_value=0.01, max_value=3) | _VALUE,
+    "min_p": st.floats(min_value=0, max_value=1) | _VALUE,
+    "min_tokens": st.integers(min_value=-1, max_value=4) | _VALUE,
+    "n": st.integers(min_value=0, max_value=3) | _VALUE,
+    "logit_bias": st.dictionaries(st.integers(-5, 70000).map(str),
+                                  st.floats(min_value=-150, max_value=150), max_size=4)
+    | _VALUE}
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant",
                                                            "tool", "x"]),
                                   "content": st.text(max_size=40) | _VALUE})
@@ -130,7 +163,7 @@ _BODY = st.fixed_dictionaries(
     {"messages": st.lists(_MESSAGE, max_size=4) | _VALUE,
      "max_tokens": st.integers(min_value=1, max_value=3) | st.sampled_from(
          [0, -1, 10**6, "2", None, 2.0])},
-    optional={f: _VALUE for f in _FIELDS})
+    optional={**{f: _VALUE for f in _FIELDS}, **_SAMPLING})
 
 
 def test_fuzz_no_5xx_no_hang_good_streams_identical(server: Server) -> None:

@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pensieve.core.sampling_params import MAX_LOGPROBS
 
+MAX_CHOICES = 16
+"""Most choices one request may ask for (``n``): they decode one after another."""
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -51,7 +54,8 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = 0
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices for the prompt, sharing its KV; the conversation continues with choice 0."""
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -122,18 +122,12 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
                           body.keep_alive_s)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
-    stream = state.engine.generate(rid, turn.prompt_ids, params, turn.cid,
-                                   full_context=turn.full_context)
-    try:
-        first = await stream.__anext__()
-    except ConversationBusyError as e:
-        raise APIError(409, str(e), code="conversation_busy") from e
-    except ValueError as e:
-        await forget_new(state, turn)
-        raise APIError(400, str(e)) from e
-    except EngineRequestError as e:
-        await forget_new(state, turn)
-        raise engine_error(e) from e
+    if body.n > 1:
+        from pensieve.server.choices import run_choices
+
+        return await run_choices(state, body, turn, params, request, chat, stop_texts, rid)
+    first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.cid,
+                                turn.full_context)
     state.metrics.ttft.observe(time.monotonic() - t0)
     out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts)
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
@@ -148,6 +142,25 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     if result is None:
         return error_response(499, "client closed the request")
     return JSONResponse(out.final_body(result), headers=headers)
+
+
+async def start(state: ServerState, turn: Turn, rid: str, prompt: list[int],
+                params: SamplingParams, cid: str | None, full_context: bool
+                ) -> tuple[Any, Any]:
+    """Submit a request; (its first update, the stream). A request refused before its first
+    token is an APIError (409 busy, 400 invalid, 500/503 engine), its new conversation
+    forgotten."""
+    stream = state.engine.generate(rid, prompt, params, cid, full_context=full_context)
+    try:
+        return await stream.__anext__(), stream
+    except ConversationBusyError as e:
+        raise APIError(409, str(e), code="conversation_busy") from e
+    except ValueError as e:
+        await forget_new(state, turn)
+        raise APIError(400, str(e)) from e
+    except EngineRequestError as e:
+        await forget_new(state, turn)
+        raise engine_error(e) from e
 
 
 def engine_error(e: EngineRequestError) -> APIError:
@@ -168,6 +181,13 @@ async def forget_new(state: ServerState, turn: Turn) -> None:
             pass  # the engine is gone, and the conversation with it
 
 
+def error_event(e: EngineRequestError | APIError) -> str:
+    """A failed turn as the error event OpenAI's clients read."""
+    err = engine_error(e) if isinstance(e, EngineRequestError) else e
+    return sse_data({"error": {"message": err.message, "type": err.type,
+                               "param": err.param, "code": err.code}})
+
+
 def sse_data(obj: dict[str, Any]) -> str:
     """One SSE event. Line separators other than ``\\n`` (U+0085, U+2028, U+2029) are escaped:
     clients that split lines as ``str.splitlines`` does would break the JSON on them."""
@@ -180,9 +200,16 @@ class TurnOutput:
     """Formats one turn's stream or response and records the turn when it completes."""
 
     def __init__(self, state: ServerState, body: _Sampling, turn: Turn, rid: str, chat: bool,
-                 t0: float, stops: list[str]) -> None:
+                 t0: float, stops: list[str], index: int = 0, record: bool = True) -> None:
         self.state, self.body, self.turn, self.rid, self.chat, self.t0 = (
             state, body, turn, rid, chat, t0)
+        self.engine_rid = rid
+        """The engine's request (:attr:`rid`, the response's id, is the same but for a choice
+        of ``n`` > 1)."""
+        self.index = index
+        """The choice this output is (``n`` > 1)."""
+        self.record = record
+        """Store the completed turn (only choice 0 continues the conversation)."""
         self.created = int(time.time())
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs | None] = []
@@ -195,6 +222,7 @@ class TurnOutput:
                              else None)
         self.detok = IncrementalDetokenizer(tok) if tok is not None else None
         self.stops = StopStrings(stops)
+        self.result: Result | None = None
         self.first_token_t = self.last_token_t = t0
 
     def _feed(self, token: int, logprobs: TokenLogprobs | None = None) -> str:
@@ -234,8 +262,8 @@ class TurnOutput:
             if self.stops.stopped:
                 result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
                                 "stop", self.cache)
-                await engine_call(self.state, engine_ops.stop_turn, self.rid, self.turn.cid,
-                                  result.prompt_ids + result.output_ids)
+                await engine_call(self.state, engine_ops.stop_turn, self.engine_rid,
+                                  self.turn.cid, result.prompt_ids + result.output_ids)
                 await stream.aclose()  # the request is finished: no abort
                 await self._finish(result)
                 yield delta, result
@@ -246,13 +274,14 @@ class TurnOutput:
 
     async def _finish(self, result: Result) -> None:
         """Metrics, and the completed turn persisted (before the client sees its end)."""
+        self.result = result
         m = self.state.metrics
         m.latency.observe(time.monotonic() - self.t0)
         m.generation_tokens.inc(len(result.output_ids))
         if len(self.tokens) > 1:  # time per output token after the first
             m.tpot.observe((self.last_token_t - self.first_token_t) / (len(self.tokens) - 1))
         turn = self.turn
-        if turn.cid is None:
+        if turn.cid is None or not self.record:
             return
         conv = turn.stored or StoredConversation(turn.cid, turn.tenant)
         if self.chat:
@@ -276,7 +305,7 @@ class TurnOutput:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def final_body(self, result: Result) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": result.finish_reason,
                                   "logprobs": self._logprobs(len(result.output_ids))}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
@@ -314,17 +343,27 @@ class TurnOutput:
             d: dict[str, Any] = {"content": delta}
             if first:
                 d["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish,
+            choice: dict[str, Any] = {"index": self.index, "delta": d, "finish_reason": finish,
                                       "logprobs": lp}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
+            choice = {"index": self.index, "text": delta, "finish_reason": finish,
+                      "logprobs": lp}
             obj = "text_completion"
         return sse_data({"id": self.rid, "object": obj, "created": self.created,
                          "model": self._model(), "choices": [choice],
                          "conversation_id": self.turn.cid, **(extra or {})})
 
-    async def sse(self, first: Any, stream: Any) -> AsyncIterator[str]:
+    def usage_chunk(self, usage: dict[str, Any]) -> str:
+        """The last event's usage, when ``stream_options.include_usage`` asks for it."""
+        return sse_data({"id": self.rid, "object": "chat.completion.chunk" if self.chat
+                         else "text_completion", "created": self.created,
+                         "model": self._model(), "choices": [], "usage": usage,
+                         "conversation_id": self.turn.cid})
+
+    async def sse(self, first: Any, stream: Any, last: bool = True) -> AsyncIterator[str]:
+        """The turn's events; with ``last`` the usage and ``[DONE]`` too (not when more
+        choices follow). :attr:`result` is set when the turn completed."""
         completed = False
         try:
             yield self._chunk("", None, first=True)
@@ -336,17 +375,12 @@ class TurnOutput:
                     completed = True
                     yield self._chunk(delta, result.finish_reason,
                                       extra={"pensieve": {"cache": result.cache}})
-                    if (self.body.stream_options or {}).get("include_usage"):
-                        yield sse_data({"id": self.rid, "object": "chat.completion.chunk"
-                                        if self.chat else "text_completion",
-                                        "created": self.created, "model": self._model(),
-                                        "choices": [], "usage": self.usage(result),
-                                        "conversation_id": self.turn.cid})
+                    if last and (self.body.stream_options or {}).get("include_usage"):
+                        yield self.usage_chunk(self.usage(result))
             except EngineRequestError as e:  # an error event, as OpenAI's clients read it
-                err = engine_error(e)
-                yield sse_data({"error": {"message": err.message, "type": err.type,
-                                          "param": None, "code": err.code}})
-            yield "data: [DONE]\n\n"
+                yield error_event(e)
+            if last or not completed:
+                yield "data: [DONE]\n\n"
         finally:
             if not completed:  # the client went away or the engine failed the request: the
                 await stream.aclose()  # turn is aborted, the conversation left as it was

@@ -243,8 +243,10 @@ def render(state: ServerState, messages: list[dict[str, Any]],
     try:
         return state.renderer.render(messages, add_generation_prompt=True,
                                      template_kwargs=template_kwargs)
-    except (TemplateError, TypeError) as e:  # e.g. one that demands alternating roles
+    except TemplateError as e:  # e.g. a template that demands alternating roles
         raise APIError(400, f"the chat template refused the messages: {e}",
                        param="messages") from e
-    except ValueError as e:
-        raise APIError(400, str(e), param="chat_template_kwargs") from e
+    except Exception as e:  # noqa: BLE001 - the template on the client's kwargs and messages
+        raise APIError(400, f"the chat template failed on the request: {type(e).__name__}: "
+                       f"{e}", param="chat_template_kwargs" if template_kwargs else "messages"
+                       ) from e
