@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pensieve.server.reasoning import thinks
+
 DEFAULT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'system' %}System: {{ m['content'] }}\n"
@@ -44,6 +46,8 @@ class ChatRenderer:
             tokenizer.chat_template = DEFAULT_TEMPLATE
         if getattr(tokenizer, "bos_token", None) is None:
             tokenizer.bos_token = ""
+        self.thinks = thinks(tokenizer)
+        """The model thinks in ``<think>`` tags: answers get ``reasoning_content``."""
         self._special = {t: i for t, i in zip(tokenizer.all_special_tokens,
                                               tokenizer.all_special_ids, strict=False)}
         self._special.update({t.content: i for i, t in

@@ -30,6 +30,7 @@ from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
+from pensieve.server.reasoning import ReasoningStream, split_reasoning
 from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
@@ -223,6 +224,9 @@ class TurnOutput:
         self.detok = IncrementalDetokenizer(tok) if tok is not None else None
         self.stops = StopStrings(stops)
         self.result: Result | None = None
+        thinks = chat and state.renderer is not None and state.renderer.thinks
+        self.reasoning = ReasoningStream() if thinks else None
+        """Splits a thinking model's streamed reasoning from its content."""
         self.first_token_t = self.last_token_t = t0
 
     def _feed(self, token: int, logprobs: TokenLogprobs | None = None) -> str:
@@ -285,7 +289,9 @@ class TurnOutput:
             return
         conv = turn.stored or StoredConversation(turn.cid, turn.tenant)
         if self.chat:
-            conv.messages = turn.prev + turn.new + [{"role": "assistant", "content": result.text}]
+            # the answer as the client re-sends it: without a thinking model's reasoning
+            content = self._message(result.text)["content"]
+            conv.messages = turn.prev + turn.new + [{"role": "assistant", "content": content}]
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
         conv.token_ids = result.prompt_ids + result.output_ids
@@ -308,13 +314,20 @@ class TurnOutput:
         choice: dict[str, Any] = {"index": self.index, "finish_reason": result.finish_reason,
                                   "logprobs": self._logprobs(len(result.output_ids))}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"] = self._message(result.text)
         else:
             choice["text"] = result.text
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self._model(), "choices": [choice],
                 "usage": self.usage(result), "conversation_id": self.turn.cid,
                 "pensieve": {"cache": result.cache}}
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """The assistant message; a thinking model's reasoning apart (:mod:`.reasoning`)."""
+        if self.reasoning is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = split_reasoning(text)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     def _model(self) -> str:
         return self.body.model or self.state.model_name
@@ -341,6 +354,12 @@ class TurnOutput:
         lp = None if first else self._logprobs(len(self.tokens))
         if self.chat:
             d: dict[str, Any] = {"content": delta}
+            if self.reasoning is not None:
+                r, c = self.reasoning.feed(delta)
+                if finish is not None:
+                    r2, c2 = self.reasoning.flush()
+                    r, c = r + r2, c + c2
+                d = {"content": c, **({"reasoning_content": r} if r else {})}
             if first:
                 d["role"] = "assistant"
             choice: dict[str, Any] = {"index": self.index, "delta": d, "finish_reason": finish,
