@@ -161,7 +161,7 @@ def test_bad_input_gets_clear_4xx(server: Server) -> None:
                   400)
     user = [{"role": "user", "content": "hi"}]
     for bad in ({"max_tokens": 0}, {"max_tokens": "many"}, {"max_tokens": MAX_LEN * 2},
-                {"temperature": -1}, {"top_p": 0}, {"n": 3}, {"tools": [{"type": "function"}]}):
+                {"temperature": -1}, {"top_p": 0}, {"n": 17}, {"tools": [{"type": "function"}]}):
         _assert_error(_post(server, path, json={"messages": user, **bad}), 400)
     long = [{"role": "user", "content": "memory " * MAX_LEN}]
     err = _assert_error(_post(server, path, json={"messages": long}), 400)
