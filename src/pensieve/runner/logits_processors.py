@@ -99,7 +99,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
     applied (vLLM's order). logits: ``[N, V]``; histories: one per row (None: none needed)."""
     if not any(p.processes_logits for p in params):
         return logits
-    hist = histories if histories is not None else [None] * len(params)
+    hist: list[TokenHistory | None] = (list(histories) if histories is not None
+                                       else [None] * len(params))
     out = logits.float().clone()
     apply_logit_bias(out, params)
     apply_min_tokens(out, params, hist)

@@ -95,7 +95,7 @@ def _params(state: ServerState, body: _Sampling, max_tokens: int,
                               frequency_penalty=body.frequency_penalty,
                               repetition_penalty=body.repetition_penalty,
                               min_tokens=body.min_tokens, min_p=body.min_p,
-                              logit_bias=body.logit_bias_ids())
+                              logit_bias=tuple(body.logit_bias_ids().items()))
     except ValueError as e:  # SamplingParams names the field first in its messages
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
