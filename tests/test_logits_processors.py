@@ -143,3 +143,28 @@ def test_flags() -> None:
     assert not SamplingParams(logit_bias={1: 1.0}).needs_token_history
     assert SamplingParams(min_tokens=1).needs_token_history
     assert SamplingParams(logit_bias={5: 1, 2: -1}).logit_bias == ((2, -1.0), (5, 1.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_equals_cpu() -> None:
+    """The processors and the picks on the GPU equal the CPU's (greedy rows exactly; the
+    processed logits to float tolerance), with processed and plain rows in one batch."""
+    lg = _logits(6, seed=6) * 2
+    params = [SamplingParams(temperature=0, repetition_penalty=1.7, presence_penalty=0.3),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, frequency_penalty=2.0, logit_bias={5: 4.0}),
+              SamplingParams(temperature=0, min_tokens=3, max_tokens=8,
+                             stop_token_ids=(int(lg[3].argmax()),)),
+              SamplingParams(temperature=0.7, seed=3, min_p=0.2, top_k=10),
+              SamplingParams(temperature=0, logit_bias={1: -100.0, 2: 100.0})]
+    hists = [_hist([1, 2, 3, 3], [4, 5, 5]), None, _hist([9], [5, 5, 5, 6]),
+             _hist([0], [1], (7,)), _hist([2], [2]), None]
+    cpu = process_logits(lg, params, hists)
+    gpu = process_logits(lg.cuda(), params, hists)
+    torch.testing.assert_close(gpu.cpu(), cpu)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    n = [len(h.output_token_ids) if h else 0 for h in hists]
+    on_cpu = sample(lg.clone(), params, n, hists)
+    on_gpu = sample(lg.cuda(), params, n, hists)
+    assert [on_gpu[i] for i in greedy] == [on_cpu[i] for i in greedy]
+    assert on_gpu[5] == 2 and on_gpu[3] != int(lg[3].argmax())
