@@ -113,8 +113,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "0.10). Running out suspends a request (tiered policies: to the CPU "
                         "tier) or recomputes it later (stateless, gpu-only)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest context (default: the model's max_position_embeddings, at "
-                        "most 16384; more than that is refused)")
+                   help="longest context (default: the model's max_position_embeddings; more "
+                        "than that is refused, and so is a length whose KV the GPU tier "
+                        "cannot hold for one request)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory for weights, activations and the KV "
                         "cache (vLLM's meaning; default 0.9)")
