@@ -14,6 +14,9 @@ assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever
 (the copies before it: 11-23 GB/s on random ids; ``docs/results/swap/swap_bandwidth.json``).
 Measure another interconnect with ``benchmarks/swap_bandwidth.py`` and pass the figure."""
 
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8")
+"""Values of :attr:`CacheConfig.kv_cache_dtype` (``fp8`` is ``fp8_e4m3``, as in vLLM)."""
+
 DEFAULT_DEFER_ADMISSION = 3
 """Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``).
 On the H200 (``docs/benchmarks.md``, "Admissions that wait for background swap-outs"): agentic
@@ -87,6 +90,11 @@ class CacheConfig:
     """Steps a turn short of GPU blocks may wait for background swap-outs to free them while
     other turns run, instead of urgent swap-outs that the whole step waits for (0: never;
     ``TieredKVCache.defer_admission``)."""
+    kv_cache_dtype: str = "auto"
+    """Element type of the KV cache in both tiers and every copy between them: ``auto`` (the
+    model's dtype), ``bf16``, ``fp16``, ``fp32``, or ``fp8_e4m3`` (``fp8``: float8 e4m3 with
+    a float32 scale per layer and KV head, 1 unless set; half the bytes of bf16 per token,
+    read directly by the attention kernels)."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"
@@ -106,6 +114,9 @@ class CacheConfig:
         from pensieve.core.eviction import get_policy
 
         get_policy(self.cache_policy)  # raises on an unknown name
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if isinstance(self.defer_admission, bool) or not isinstance(self.defer_admission, int) \
                 or self.defer_admission < 0:
             raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "

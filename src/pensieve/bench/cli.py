@@ -14,6 +14,10 @@
 - ``swaps``: CPU<->GPU swap bandwidth of the swapper's copy methods (CUDA;
   ``benchmarks/swap_bandwidth.py``).
 - ``workload-stats``: turn and context statistics of the workloads (the paper's Table 2).
+- ``long-attention``: our attention kernel against torch SDPA at 32k-128k contexts (CUDA;
+  :mod:`pensieve.bench.long_attention`).
+- ``kv-accuracy``: an FP8 KV cache against a 16/32-bit one, greedy agreement and logprob
+  error (:mod:`pensieve.bench.kv_accuracy`).
 
 ``multiturn`` and ``swaps`` run the scripts of the source tree's ``benchmarks/`` folder with
 the arguments given.
@@ -37,6 +41,15 @@ from typing import Any
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 """The source tree's benchmarks folder (absent from an installed wheel)."""
 SCRIPTS = {"multiturn": "multiturn.py", "swaps": "swap_bandwidth.py"}
+MODULES = {
+    "long-attention": ("pensieve.bench.long_attention",
+                       "attention at 32k-128k contexts against torch SDPA, CUDA"),
+    "prefill-stall": ("pensieve.bench.prefill_stall",
+                      "how long a long prompt entering a batch stalls its decodes"),
+    "kv-accuracy": ("pensieve.bench.kv_accuracy",
+                    "FP8 KV cache against 16/32-bit: greedy agreement, logprob error"),
+}
+"""Subcommands that are a module of this package with its own ``main(argv)``."""
 SHAREGPT_LENGTHS = BENCHMARKS / "data" / "sharegpt_merged_lengths.json.gz"
 
 
@@ -242,6 +255,8 @@ def add_bench_parser(sub: Any) -> None:
                     help="systems side by side in process, real or simulated (its own --help)")
     bsub.add_parser("swaps", add_help=False,
                     help="CPU<->GPU swap bandwidth of the copy methods, CUDA (its own --help)")
+    for name, (_, text) in MODULES.items():
+        bsub.add_parser(name, add_help=False, help=f"{text} (its own --help)")
     w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
     add_workload_stats_args(w)
     w.set_defaults(func=workload_stats_cmd)
@@ -252,4 +267,8 @@ def script_command(argv: list[str]) -> int | None:
     options are the script's own; None for any other command line."""
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in SCRIPTS:
         return run_script(argv[1], argv[2:])
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in MODULES:
+        import importlib
+
+        return int(importlib.import_module(MODULES[argv[1]][0]).main(argv[2:]) or 0)
     return None

@@ -65,11 +65,9 @@ class LLMEngine(EngineCore):
             )
             self.dtype = next(self.model.parameters()).dtype
             executor = LocalExecutor(config, self.model, self.hf_config, self.device)
-        try:
-            check_fits(config.scheduler.max_model_len, cc.chunk_size, executor.tiers)
-        except ValueError:
-            executor.shutdown()
-            raise
+        too_long = check_fits(config.scheduler.max_model_len, cc.chunk_size, executor.tiers)
+        if too_long:
+            log.warning("%s; a turn that grows past the tier is ended with an error", too_long)
         self.block_bytes = executor.tiers.block_bytes
         """One rank's bytes per chunk (under tensor parallelism the ranks copy their slices
         at once, each on its link)."""

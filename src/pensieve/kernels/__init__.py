@@ -65,25 +65,28 @@ def _use_fused(t: torch.Tensor) -> bool:
     return CHOICE.fused_ops and _use_triton(t)
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
-    """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots."""
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None,  # noqa: ANN001
+             v_scale=None) -> None:  # noqa: ANN001
+    """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots (an FP8
+    cache: divided by the per-head ``k_scale`` / ``v_scale``)."""
     if _use_triton(key):
         from pensieve.kernels.launch import store_kv_triton
 
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(  # noqa: ANN201
     q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table, scale,
     max_query_len: int, out=None, work_items=None, num_work_items=None, tiles=None,  # noqa: ANN001
-    num_kv_splits=None, kv_split_span=None,  # noqa: ANN001
+    num_kv_splits=None, kv_split_span=None, k_scale=None, v_scale=None,  # noqa: ANN001
 ):
     """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`.
     ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode;
     ``num_kv_splits``, ``kv_split_span``: its KV splits (see
-    :func:`launch.paged_attention_triton`); the reference computes the same without them."""
+    :func:`launch.paged_attention_triton`); the reference computes the same without them.
+    ``k_scale``, ``v_scale``: an FP8 cache's per-head scales."""
     if _use_triton(q):
         from pensieve.kernels.launch import paged_attention_triton
 
@@ -91,11 +94,11 @@ def paged_attention(  # noqa: ANN201
             q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
             scale, max_query_len=max_query_len, out=out, tiles=tiles, work_items=work_items,
             num_work_items=num_work_items, num_kv_splits=num_kv_splits,
-            kv_split_span=kv_split_span,
+            kv_split_span=kv_split_span, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
-        scale, out=out,
+        scale, out=out, k_scale=k_scale, v_scale=v_scale,
     )
 
 

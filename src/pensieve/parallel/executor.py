@@ -41,6 +41,7 @@ import torch
 from pensieve.config import EngineConfig
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.engine.executor import TierSizes
+from pensieve.engine.local import resolve_kv_dtype
 from pensieve.engine.tiers import cpu_tier_blocks
 from pensieve.models.loader import build_model
 from pensieve.parallel.tp import check_shardable, local_kv_heads
@@ -83,7 +84,8 @@ class TPExecutor:
         cc = config.cache
         m: Any = self.model
         kv_heads = local_kv_heads(m.num_kv_heads, world)
-        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim, dtype)
+        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim,
+                                         resolve_kv_dtype(cc.kv_cache_dtype, dtype))
         # cpu_kv_gb is the host's total (all ranks' tiers share its memory); gpu_kv_gb and
         # gpu_memory_utilization apply to each rank's own device.
         num_cpu_blocks = cpu_tier_blocks(cc, block_bytes, device.type, ranks=world)

@@ -158,8 +158,9 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         c = self.kv_caches[0]
+        dtype = next(self.model.parameters()).dtype
         n = compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                      self.chunk_size, c.dtype, self.device)
+                                      self.chunk_size, dtype, self.device, kv_dtype=c.dtype)
         log.info("compiled %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     def capture_graphs(self, decode_shape: tuple[int, int] | None,

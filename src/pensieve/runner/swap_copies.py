@@ -438,6 +438,8 @@ class CopyPaths(StagedPaths):
             buf = self._stage(b.n)  # [2, n, C, Hkv, D]
             dst = b.stage.views(buf[0]) + b.stage.views(buf[1])
             torch._foreach_copy_(dst, src, non_blocking=True)
+            if gpu.dtype == torch.float8_e4m3fn:  # no index_copy_ for float8 on the CPU
+                gpu, buf = gpu.view(torch.uint8), buf.view(torch.uint8)
             gpu.index_copy_(1, b.index, buf)
         self.num_copies += len(dst)
 

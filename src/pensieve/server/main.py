@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pensieve.config import KV_CACHE_DTYPES
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.models.builtin import DEFAULT_MODEL
@@ -105,6 +106,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "benchmarks/swap_bandwidth.py); the cache swaps a CPU-tier chunk in only "
                         "where that beats recomputing it. auto (default): 45 on CUDA, off on the "
                         "CPU; off: always swap in")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type in both tiers: auto (the model's dtype), "
+                        "bf16, fp16, fp32, or fp8_e4m3 (fp8): half bf16's bytes per token, "
+                        "a float32 scale per layer and KV head")
     p.add_argument("--cache-policy", default="pensieve",
                    choices=["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"])
     p.add_argument("--decode-reserve", type=fraction_arg, default=None, metavar="FRACTION",
@@ -238,6 +243,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
+        kv_cache_dtype=args.kv_cache_dtype,
         decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
