@@ -11,12 +11,14 @@ from pensieve.kernels.reference import paged_attention_ref, store_kv_ref
 from pensieve.runner.model_runner import kv_bytes_per_block
 
 F8 = torch.float8_e4m3fn
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+"""The kernels run on the GPU where there is one, else in Triton's interpreter."""
 H, HKV, D, C, NB = 4, 2, 32, 16, 8
 KS = torch.tensor([0.5, 2.0])
 VS = torch.tensor([1.0, 0.25])
 
 
-def _filled(t: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+def _filled(t: int, device: str = DEV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                     torch.Tensor]:
     """An FP8 cache holding ``t`` random tokens (stored by the reference) and the same in
     float32."""
@@ -29,7 +31,7 @@ def _filled(t: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, to
     store_kv_ref(k, v, kc, vc, slots, KS, VS)
     store_kv_ref(k, v, kf, vf, slots)
     # a block table in the order the slots were given, so positions follow the tokens
-    return kc.to(device), vc.to(device), kf.to(device), vf.to(device)
+    return tuple(x.to(device) for x in (kc, vc, kf, vf))  # type: ignore[return-value]
 
 
 def test_store_ref_scales_and_saturates() -> None:
@@ -56,8 +58,9 @@ def _ranges(lens: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     for _, n in lens:
         qsl.append(qsl[-1] + n)
     i32 = torch.int32
-    return (torch.tensor(qsl, dtype=i32), torch.tensor([s for s, _ in lens], dtype=i32),
-            torch.zeros(len(lens), dtype=i32))
+    return (torch.tensor(qsl, dtype=i32, device=DEV),
+            torch.tensor([s for s, _ in lens], dtype=i32, device=DEV),
+            torch.zeros(len(lens), dtype=i32, device=DEV))
 
 
 @pytest.mark.parametrize("lens,splits", [
@@ -71,12 +74,14 @@ def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | N
     kc, vc, kf, vf = _filled(NB * C)
     qsl, rsp, rt = _ranges(lens)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(int(qsl[-1]), H, D, generator=g)
-    bt = torch.arange(NB, dtype=torch.int32)[None]
+    q = torch.randn(int(qsl[-1]), H, D, generator=g).to(DEV)
+    bt = torch.arange(NB, dtype=torch.int32, device=DEV)[None]
     mq = max(n for _, n in lens)
+    ks, vs = KS.to(DEV), VS.to(DEV)
     got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, max_query_len=mq,
-                                 num_kv_splits=splits, k_scale=KS, v_scale=VS)
-    ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=KS, v_scale=VS)
+                                 num_kv_splits=splits, k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
+    # float32 queries: the kernel's dots are exact float32 ("ieee") on both devices
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     exact = paged_attention_ref(q, kf, vf, bt, qsl, rsp, rt, D**-0.5)
     assert ((ref - exact).norm() / exact.norm()) < 0.2  # e4m3: 3 mantissa bits
@@ -88,16 +93,17 @@ def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | N
 def test_launcher_checks_scales() -> None:
     kc, vc, kf, _ = _filled(4)
     qsl, rsp, rt = _ranges([(0, 4)])
-    q = torch.zeros(4, H, D)
-    bt = torch.zeros(1, NB, dtype=torch.int32)
+    q = torch.zeros(4, H, D, device=DEV)
+    bt = torch.zeros(1, NB, dtype=torch.int32, device=DEV)
+    ks, vs = KS.to(DEV), VS.to(DEV)
     with pytest.raises(ValueError, match="needs k_scale"):
         paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, 1.0, max_query_len=4)
     with pytest.raises(ValueError, match="v_scale must be"):
         paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, 1.0, max_query_len=4,
-                               k_scale=KS, v_scale=torch.ones(3))
+                               k_scale=ks, v_scale=torch.ones(3, device=DEV))
     with pytest.raises(ValueError, match="for an FP8 cache"):
         paged_attention_triton(q, kf, kf, bt, qsl, rsp, rt, 1.0, max_query_len=4,
-                               k_scale=KS, v_scale=VS)
+                               k_scale=ks, v_scale=vs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU test: Triton's interpreter "

@@ -84,9 +84,15 @@ def _sdpa_best(q: Any, k: Any, v: Any, lower_right: bool, warmup: int,
     return best
 
 
+SWEEP_TILES = [(bm, bn, w, st) for bm in (16,) for bn in (32, 64, 128) for w in (4, 8)
+               for st in (2, 3, 4)]
+"""Decode tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) that ``--sweep`` times."""
+
+
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
-         iters: int, seed: int = 0) -> dict[str, Any]:
-    """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``."""
+         iters: int, seed: int = 0, sweep: bool = False) -> dict[str, Any]:
+    """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``;
+    ``sweep``: also time every decode tile of :data:`SWEEP_TILES` and KV splits 4-32."""
     import torch
 
     from pensieve.kernels.launch import FP8_KV, paged_attention_triton
@@ -130,6 +136,24 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
         res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
         res[f"ratio_{kv}"] = res[f"ours_{kv}_s"] / t_sdpa
         res[f"max_err_{kv}"] = float(err.max())
+        if sweep and q_len == 1:
+            best = None
+            for tiles in SWEEP_TILES:
+                for splits in (4, 8, 16, 32):
+                    def tiled(kc: Any = kc, vc: Any = vc, scales: dict = scales,
+                              tiles: Any = tiles, splits: int = splits) -> Any:
+                        return paged_attention_triton(
+                            q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
+                            tiles=tiles, num_kv_splits=splits, **scales)
+                    try:
+                        t = _time(tiled, 1, max(3, iters // 2))
+                    except Exception:  # a tile the device cannot fit
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, tiles, splits)
+            if best is not None:
+                res[f"best_{kv}_s"], res[f"best_{kv}_tiles"], res[f"best_{kv}_splits"] = best
+                res[f"best_ratio_{kv}"] = best[0] / t_sdpa
         del kc, vc
         torch.cuda.empty_cache()
     return res
@@ -150,6 +174,9 @@ def _plot(rows: list[dict[str, Any]], kv_dtypes: list[str], path: str) -> None:
         x = [r["context"] // 1024 for r in sel]
         for kv in kv_dtypes:
             ax.plot(x, [r[f"ratio_{kv}"] for r in sel], "o-", label=f"ours ({kv} KV)")
+            if all(f"best_ratio_{kv}" in r for r in sel):
+                ax.plot(x, [r[f"best_ratio_{kv}"] for r in sel], "x:",
+                        label=f"best swept tile ({kv})")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(1.1, color="red", lw=0.8, ls="--", label="1.1x")
         ax.set_title(name)
@@ -170,11 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-dtypes", default="bf16,fp8")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true",
+                   help="decode cases: also time each tile of SWEEP_TILES and 4-32 KV splits")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
+    import warnings
+
     import torch
 
+    warnings.simplefilter("ignore", UserWarning)  # SDPA's "kernel not used" for each backend
     if not torch.cuda.is_available():
         print("long-attention needs a CUDA device", file=sys.stderr)
         return 2
@@ -186,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
              for b in a.decode_batches.split(",")]
     rows = []
     for ctx, q_len, batch in tqdm(todo, desc="long-attention"):
-        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters)
+        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep)
         rows.append(r)
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items()))

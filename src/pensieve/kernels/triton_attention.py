@@ -153,7 +153,7 @@ def _attn_kv_tile(
         v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        k = k.to(q.dtype)  # FP8 KV: upcast in registers (a no-op for a 16-bit cache)
+        k = k.to(q.dtype)  # FP8 KV: upcast to fp16 in registers (no-op for a 16-bit cache)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k))
     s = s * scale_log2
@@ -300,6 +300,11 @@ def _paged_attention_kernel(
     )
     if FP32:
         q = q.to(tl.float32)
+    elif KV_FP8:
+        # e4m3 -> fp16 is one conversion per two elements on Hopper (bf16 takes several), so
+        # an FP8 cache attends in fp16: q and the probabilities are rounded to fp16 instead
+        # of bf16 (3 more mantissa bits; q beyond fp16's 65504 would overflow).
+        q = q.to(tl.float16)
     q_pos = start_pos + qi
 
     first_pos = start_pos + row0 // GROUP  # every valid row sees positions 0..first_pos
