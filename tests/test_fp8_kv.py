@@ -119,3 +119,21 @@ def test_triton_store_fp8_equals_reference_on_gpu() -> None:
     store_kv_ref(k, v, *want, slots, KS.cuda(), VS.cuda())
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU test: bf16 queries take the "
+                    "tensor-core path (fp16 over an FP8 cache) only on the GPU")
+@pytest.mark.parametrize("lens,splits", [([(0, 100)], None), ([(90, 1), (12, 1)], 4)])
+def test_triton_attention_fp8_bf16_queries_on_gpu(lens: list[tuple[int, int]],
+                                                  splits: int | None) -> None:
+    kc, vc, _, _ = _filled(NB * C)
+    qsl, rsp, rt = _ranges(lens)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(int(qsl[-1]), H, D, generator=g).to(DEV, torch.bfloat16)
+    bt = torch.arange(NB, dtype=torch.int32, device=DEV)[None]
+    ks, vs = KS.to(DEV), VS.to(DEV)
+    got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5,
+                                 max_query_len=max(n for _, n in lens), num_kv_splits=splits,
+                                 k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
