@@ -318,3 +318,32 @@ def test_rows_of_a_store_without_checksums_are_stamped_at_open(db: tuple[Path, d
         assert report.corrupt == ["c02"]
     finally:
         store.close()
+
+
+class Locked:
+    """A connection whose reads fail as when another process holds the file past the busy
+    timeout."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        if sql.lstrip().upper().startswith("SELECT"):
+            raise sqlite3.OperationalError("database is locked")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def test_a_read_that_fails_is_the_store_unavailable_not_a_corrupt_conversation(
+        db: tuple[Path, dict]) -> None:
+    path, _ = db
+    store = ConversationStore(str(path))
+    try:
+        store._db = Locked(store._db)  # type: ignore[assignment]
+        with pytest.raises(StoreWriteError, match="cannot read.*locked") as e:
+            store.get("c01")
+        assert e.value.status == 503 and e.value.code == "store_unavailable"
+    finally:
+        store.close()

@@ -98,11 +98,14 @@ class CorruptConversationError(APIError):
 
 class StoreWriteError(APIError):
     """The store refused a write (disk full, read-only file or mount, a lost database): the
-    turn was answered but not stored (a 503, ``store_unavailable``)."""
+    turn was answered but not stored (a 503, ``store_unavailable``). With ``action="read"``:
+    a read that failed for a reason other than damage (locked past the busy timeout, an I/O
+    error)."""
 
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(503, f"the conversation store cannot write: {type(error).__name__}: "
-                         f"{error}", "server_error", code="store_unavailable")
+    def __init__(self, error: BaseException, action: str = "write") -> None:
+        super().__init__(503, f"the conversation store cannot {action}: "
+                         f"{type(error).__name__}: {error}", "server_error",
+                         code="store_unavailable")
 
 
 class StaleTurnError(APIError):
@@ -322,6 +325,8 @@ class ConversationStore:
                 row = self._db.execute(
                     f"SELECT {SELECT_COLUMNS} FROM conversations WHERE id = ?",
                     (conversation_id,)).fetchone()
+            except sqlite3.OperationalError as e:  # locked, I/O: the store, not the row
+                raise StoreWriteError(e, "read") from e
             except sqlite3.DatabaseError as e:  # a damaged page
                 raise CorruptConversationError(conversation_id, f"unreadable: {e}") from e
         return None if row is None else from_row(row, conversation_id)

@@ -130,36 +130,41 @@ def open_checked(target: str) -> tuple[Store, StoreReport]:
             store = PostgresStore(target)
         else:
             store = _open_sqlite(target)
-        report = StoreReport(quick_check=store.quick_check()
-                             if isinstance(store, ConversationStore) else [])
-        if report.quick_check:
-            log.error("store %s: PRAGMA quick_check found damage: %s", target,
-                      "; ".join(report.quick_check[:5]))
-        store.probe()
-        ids = store.ids()
-        for cid in ids:
-            try:
-                store.get(cid)
-            except CorruptConversationError:
-                report.corrupt.append(cid)
-    except StoreWriteError as e:
-        _close(store)
-        raise StoreOpenError(f"the conversation store {target} takes no writes (read-only "
-                             f"file, directory or mount, or a full disk): {e.message}") from e
+        report = _check(store, target)
     except StoreOpenError:
         _close(store)
         raise
     except Exception as e:  # noqa: BLE001 - sqlite3, OSError, psycopg: all mean unusable
         _close(store)
-        raise StoreOpenError(f"cannot open the conversation store {target}: "
-                             f"{type(e).__name__}: {e}") from e
+        why = e.message if isinstance(e, StoreWriteError) else f"{type(e).__name__}: {e}"
+        raise StoreOpenError(f"cannot open the conversation store {target}: {why}") from e
+    return store, report
+
+
+def _check(store: Store, target: str) -> StoreReport:
+    """Steps 3 to 5 on an open store: quick_check, the write probe, every row."""
+    report = StoreReport(quick_check=store.quick_check()
+                         if isinstance(store, ConversationStore) else [])
+    if report.quick_check:
+        log.error("store %s: PRAGMA quick_check found damage: %s", target,
+                  "; ".join(report.quick_check[:5]))
+    try:
+        store.probe()
+    except StoreWriteError as e:
+        raise StoreOpenError(f"the conversation store {target} takes no writes (read-only "
+                             f"file, directory or mount, or a full disk): {e.message}") from e
+    ids = store.ids()
+    for cid in ids:
+        try:
+            store.get(cid)
+        except CorruptConversationError:
+            report.corrupt.append(cid)
     if report.corrupt:
         log.error("store %s: %d conversation(s) are corrupt and will be refused: %s", target,
                   len(report.corrupt), ", ".join(report.corrupt[:20]))
     log.info("store %s: quick_check %s, %d conversation(s) verified", target,
-             "found damage" if report.quick_check else "ok",
-             len(ids) - len(report.corrupt))
-    return store, report
+             "found damage" if report.quick_check else "ok", len(ids) - len(report.corrupt))
+    return report
 
 
 def _close(store: Store | None) -> None:
