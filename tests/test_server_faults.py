@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -142,12 +143,22 @@ def test_a_killed_engine_stops_the_server_and_no_completed_turn_is_lost(
             data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
             assert "error" in data[-1], data[-1]
     print(f"\nengine killed: the server exited 1 in {took:.1f} s")
+    # one conversation edited in the store meanwhile: the restarted server names it
+    cid, edited = list(done)[:2]
+    raw = sqlite3.connect(store)
+    raw.execute("UPDATE conversations SET token_ids = '[1, 2, 3]' WHERE id = ?", (edited,))
+    raw.commit()
+    raw.close()
     srv2 = Server(store, cache)
     try:
-        for cid, turns in done.items():
-            conv = httpx.get(f"{srv2.url}/v1/conversations/{cid}").json()
-            assert len(conv["turns"]) == turns, conv
-        cid = next(iter(done))
+        health = httpx.get(srv2.url + "/health").json()
+        assert health["status"] == "ok" and health["store"]["corrupt_conversations"] == 1
+        for c, turns in done.items():
+            r = httpx.get(f"{srv2.url}/v1/conversations/{c}")
+            if c == edited:
+                assert r.json()["error"]["code"] == "conversation_corrupt"
+                continue
+            assert len(r.json()["turns"]) == turns, r.json()
         r = httpx.post(srv2.url + CHAT, timeout=60, json={
             "messages": [{"role": "user", "content": "after"}], "conversation_id": cid,
             "max_tokens": 4})
@@ -155,3 +166,5 @@ def test_a_killed_engine_stops_the_server_and_no_completed_turn_is_lost(
         assert r.json()["pensieve"]["cache"]["recomputed_tokens"] > 0
     finally:
         srv2.stop()
+    log = Path(srv2.log.name).read_text()
+    assert f"1 conversation(s) are corrupt and will be refused: {edited}" in log, log[-3000:]
