@@ -12,14 +12,15 @@ and their conversations stay as they were before the turn. uvicorn's own timeout
 SIGTERM and SIGINT shut down the same way: uvicorn catches both, drains, and then re-raises
 the signal it caught; here both re-raise into a handler that does nothing, so ``serve``
 goes on to stop the engine and close the store (its write-ahead log merged) and exits 0.
-(With Python's default handlers SIGTERM killed the process there, status -15, the store
-left unclosed.)
+(Python's default SIGTERM handler would kill the process there, before the store is
+closed.)
 
 If the engine stops (its process killed, or its thread dead), the server shuts down the
 same way and ``serve`` exits 1 so that a supervisor restarts it: streams in flight have
 their error event, every completed turn is in the store, and the restarted server
-continues each conversation from there (KV recomputed). It does not restart the engine in
-place: a server that keeps answering 500 with a dead engine was the alternative.
+continues each conversation from there (KV recomputed). The engine is not restarted in
+place: a restart of the whole process brings every part back to a known state, and a
+supervisor already counts and spaces restarts.
 """
 
 from __future__ import annotations
