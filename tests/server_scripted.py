@@ -176,5 +176,5 @@ def scripted_app(tokenizer: Any, store: Path,
     aeng = AsyncEngine(eng)  # type: ignore[arg-type]
     state = ServerState(engine=aeng, store=ConversationStore(str(store)),
                         renderer=ChatRenderer(tokenizer), model_name="scripted", is_demo=False,
-                        api_keys=(), max_model_len=1024, metrics=Metrics(aeng), **kw)
+                        max_model_len=1024, metrics=Metrics(aeng), **{"api_keys": (), **kw})
     return create_app(state), ex

@@ -196,13 +196,11 @@ def serve(args: argparse.Namespace) -> int:
     reason = ("the server is shutting down: the turn was not completed (its conversation is "
               "as it was before the turn)")
     try:
-        run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
-                   lambda: state.engine.end_streams(reason))
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it has handled: the shutdown is done
+        code = run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
+                          lambda: state.engine.end_streams(reason), lambda: state.engine.alive)
     finally:
         close()
-    return 0
+    return code
 
 
 def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
@@ -220,15 +218,9 @@ def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None,
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
-    from pensieve.models.demo import is_demo
     from pensieve.models.loader import resolve_config
-    from pensieve.models.tokenizer import load_tokenizer
-    from pensieve.server.app import create_app
-    from pensieve.server.chat import ChatRenderer
-    from pensieve.server.metrics import Metrics
-    from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
-    from pensieve.server.state import ServerState
-    from pensieve.server.stores import open_store
+    from pensieve.server.model_defaults import checked_max_model_len
+    from pensieve.server.store_check import open_checked
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
@@ -251,7 +243,36 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )
-    engine, aengine = _start_engine(cfg, args)
+    # the store first: one that cannot be used stops the server before the engine is built
+    store, report = open_checked(args.store)
+    try:
+        engine, aengine = _start_engine(cfg, args)
+    except BaseException:
+        store.close()
+        raise
+    try:
+        app, close = _assemble(args, path, engine, aengine, store, report, keys, max_len)
+    except BaseException:
+        aengine.shutdown()
+        if engine is not None:
+            engine.shutdown()
+        store.close()
+        raise
+    return app, close
+
+
+def _assemble(args: argparse.Namespace, path: Any, engine: LLMEngine | None, aengine: Any,
+              store: Any, report: Any, keys: list[str], max_len: int
+              ) -> tuple[Any, Callable[[], None]]:
+    """The app over a started engine and an open store, and the function that stops them."""
+    from pensieve.models.demo import is_demo
+    from pensieve.models.tokenizer import load_tokenizer
+    from pensieve.server.app import create_app
+    from pensieve.server.chat import ChatRenderer
+    from pensieve.server.metrics import Metrics
+    from pensieve.server.model_defaults import generation_defaults
+    from pensieve.server.state import ServerState
+
     demo = is_demo(path)
     template = args.chat_template
     if template is not None and Path(template).is_file():
@@ -266,7 +287,6 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
                   ["pensieve-demo" if demo else Path(args.model).name])
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
-    store = open_store(args.store)
     kv_tokens = (aengine.info["kv_tokens"] if engine is None
                  else engine.cache.gpu.num_blocks * engine.cache.chunk_size)
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
@@ -275,7 +295,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
                         max_request_bytes=args.max_request_bytes,
                         default_max_tokens=max(1, min(1024, kv_tokens // 2)),
                         extra_stop_token_ids=tuple(eos_ids),
-                        sampling_defaults=sampling_defaults)
+                        sampling_defaults=sampling_defaults,
+                        corrupt_conversations=len(report.corrupt))
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")

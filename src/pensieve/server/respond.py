@@ -8,11 +8,19 @@ the context plus the tokens up to the one that completed it; the next turn's exa
 recomputes from the first token that differs). A completed turn is stored before the client
 sees its end. A turn the client leaves, or that the engine fails (an OpenAI-shaped 500, or an
 error event in a stream), leaves its conversation as it was.
+
+A turn the store fails to write (disk full, read-only store) is still answered, marked as not
+stored: ``"pensieve": {"stored": false}`` in the body (and the last chunk of a stream), the
+``x-pensieve-stored: false`` header on a JSON answer, and in a stream an error event
+(``store_unavailable``) before ``[DONE]``. Its conversation stays as the store has it (a new
+one is forgotten: its id leads nowhere), and ``/health`` reports ``degraded`` until a write
+succeeds again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,13 +39,15 @@ from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
 from pensieve.server.state import ServerState
-from pensieve.server.store import StoredConversation
+from pensieve.server.store import StoredConversation, StoreWriteError
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.turns import Turn, engine_call, off_loop
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                     "logprobs"}
 MAX_STOP_STRINGS = 64
+
+log = logging.getLogger("pensieve.server")
 
 
 @dataclass
@@ -141,6 +151,8 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
         raise engine_error(e) from e
     if result is None:
         return error_response(499, "client closed the request")
+    if turn.cid is not None:
+        headers["x-pensieve-stored"] = "false" if out.store_failure else "true"
     return JSONResponse(out.final_body(result), headers=headers)
 
 
@@ -170,6 +182,12 @@ def sse_data(obj: dict[str, Any]) -> str:
     return "data: " + text.replace("\x85", "\\u0085") + "\n\n"
 
 
+def _error_event(err: APIError) -> str:
+    """An error as a stream's event, as OpenAI's clients read it."""
+    return sse_data({"error": {"message": err.message, "type": err.type, "param": err.param,
+                               "code": err.code}})
+
+
 class TurnOutput:
     """Formats one turn's stream or response and records the turn when it completes."""
 
@@ -190,6 +208,8 @@ class TurnOutput:
         self.detok = IncrementalDetokenizer(tok) if tok is not None else None
         self.stops = StopStrings(stops)
         self.first_token_t = self.last_token_t = t0
+        self.store_failure: StoreWriteError | None = None
+        """Why the completed turn is not stored (None: stored, or nothing to store)."""
 
     def _feed(self, token: int, logprobs: TokenLogprobs | None = None) -> str:
         self.tokens.append(token)
@@ -260,7 +280,31 @@ class TurnOutput:
         conv.turns = conv.turns + [{"context_len": len(result.prompt_ids),
                                     "output_len": len(result.output_ids)}]
         store = self.state.store
-        await off_loop(self.state, lambda: store.save_turn(conv))
+        try:
+            await off_loop(self.state, lambda: store.save_turn(conv))
+        except StoreWriteError as e:
+            await self._not_stored(e)
+            return
+        self.state.store_error = None
+
+    async def _not_stored(self, e: StoreWriteError) -> None:
+        """The turn was answered but the store refused it: say so, and leave nothing of a
+        new conversation in the engine (the next turn of an old one restores its stored
+        history)."""
+        self.store_failure = e
+        self.state.store_error = e.message
+        log.error("conversation %s: the turn is answered but not stored: %s", self.turn.cid,
+                  e.message)
+        if self.turn.new_conversation and self.turn.cid is not None:
+            try:
+                await self.state.engine.call(engine_ops.drop_conversation, self.turn.cid)
+            except (EngineRequestError, ConversationBusyError):
+                pass  # the engine is gone, or the next turn already started
+
+    def _pensieve(self, result: Result) -> dict[str, Any]:
+        """The body's ``pensieve`` object: the turn's cache statistics and whether it is
+        stored."""
+        return {"cache": result.cache, "stored": self.store_failure is None}
 
     def usage(self, result: Result) -> dict[str, Any]:
         n_in, n_out = len(result.prompt_ids), len(result.output_ids)
@@ -278,7 +322,7 @@ class TurnOutput:
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self._model(), "choices": [choice],
                 "usage": self.usage(result), "conversation_id": self.turn.cid,
-                "pensieve": {"cache": result.cache}}
+                "pensieve": self._pensieve(result)}
 
     def _model(self) -> str:
         return self.body.model or self.state.model_name
@@ -328,17 +372,19 @@ class TurnOutput:
                         continue
                     completed = True
                     yield self._chunk(delta, result.finish_reason,
-                                      extra={"pensieve": {"cache": result.cache}})
+                                      extra={"pensieve": self._pensieve(result)})
                     if (self.body.stream_options or {}).get("include_usage"):
                         yield sse_data({"id": self.rid, "object": "chat.completion.chunk"
                                         if self.chat else "text_completion",
                                         "created": self.created, "model": self._model(),
                                         "choices": [], "usage": self.usage(result),
                                         "conversation_id": self.turn.cid})
+                if self.store_failure is not None:
+                    yield _error_event(self.store_failure)
             except EngineRequestError as e:  # an error event, as OpenAI's clients read it
-                err = engine_error(e)
-                yield sse_data({"error": {"message": err.message, "type": err.type,
-                                          "param": None, "code": err.code}})
+                yield _error_event(engine_error(e))
+            except APIError as e:  # the turn's write refused (a stale turn)
+                yield _error_event(e)
             yield "data: [DONE]\n\n"
         finally:
             if not completed:  # the client went away or the engine failed the request: the
