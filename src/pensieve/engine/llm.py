@@ -28,6 +28,7 @@ _FIELDS = {
     "max_num_batched_tokens": SchedulerConfig, "max_num_seqs": SchedulerConfig,
     "max_model_len": SchedulerConfig, "enable_chunked_prefill": SchedulerConfig,
     "batching": SchedulerConfig, "swap_in_ahead_chunks": SchedulerConfig,
+    "prefill_attention_pairs": SchedulerConfig,
 }
 
 

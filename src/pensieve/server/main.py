@@ -126,6 +126,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cache (vLLM's meaning; default 0.9)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prefill-attention-pairs", type=int, default=None, metavar="PAIRS",
+                   help="most (query token, KV position) pairs a step's prefill attends over: "
+                        "long turns are prefilled in smaller pieces as their context grows, so "
+                        "running decodes never wait long (default: max-num-batched-tokens x "
+                        "16384, which leaves contexts up to ~16k as they were)")
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
                    help="unified: prefill and decode tokens share each step (default); "
                         "separate: a step runs prefills or decodes, not both")
@@ -239,6 +244,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
+        prefill_attention_pairs=args.prefill_attention_pairs,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
