@@ -12,7 +12,8 @@ shape with 10 KV heads in bf16, GPU tier 40 GB, CPU tier 60 GB):
 
 Each point's set-up (rate, think time, tiers, warm-up, duration) is read from its
 ``points.jsonl``; each server's own totals at the end (steps and executor seconds by step kind,
-computed tokens, swap chunks) from ``metrics_end.txt`` inside ``churn.tgz``.
+computed tokens, swap chunks) from ``metrics_end.txt`` inside ``real_points.tgz`` (the
+servers' ``points.jsonl`` and ``metrics_end.txt`` of a run's ``churn.tgz``).
 
 The simulator (:class:`~pensieve.bench.simulator.SimEngine`, the same scheduler and tiered
 cache) runs the same load through ``pensieve.bench.loadgen.run_load`` (the load generator of
@@ -165,7 +166,7 @@ def load_real(pairs: tuple[str, ...] = DEFAULT_PAIRS) -> list[dict[str, Any]]:
     real = []
     for pair in pairs:
         files = {k.removeprefix("./"): v
-                 for k, v in archive_files(CHURN / pair / "churn.tgz").items()}
+                 for k, v in archive_files(CHURN / pair / "real_points.tgz").items()}
         for side in [s for s in ("A", "B")  # a one-server run has side A only
                      if f"{s}/points.jsonl" in files]:
             def member(name: str, side: str = side,
