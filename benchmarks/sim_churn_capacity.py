@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_churn_jobs import add_sweep_args, run_jobs, sweep_times  # noqa: E402
-
 from pensieve.bench.metrics import capacity_at  # noqa: E402
+from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel  # noqa: E402
 
 

@@ -17,7 +17,7 @@ servers' ``points.jsonl`` and ``metrics_end.txt`` of a run's ``churn.tgz``).
 
 The simulator (:class:`~pensieve.bench.simulator.SimEngine`, the same scheduler and tiered
 cache) runs the same load through ``pensieve.bench.loadgen.run_load`` (the load generator of
-``benchmarks/multiturn.py``: same workload, shuffle, seed, arrivals and think times), with
+``src/pensieve/bench/multiturn.py``: same workload, shuffle, seed, arrivals and think times), with
 
 * copies: ``TransferModel.load(swap_bandwidth.json, case="hybrid")`` -- the byte-weighted
   one-way rates of ``hybrid`` on random block ids (the default before ``staged``, whose
@@ -90,18 +90,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim_churn_jobs import (  # noqa: E402
+from pensieve.bench.metrics import capacity_at  # noqa: E402
+from pensieve.bench.sim_churn_jobs import (  # noqa: E402
     FIT_ALL,
     GRAPH_MAX_TOKENS,
     run_jobs,
     step_means,
     transfer_model,
 )
-from step_totals import archive_files  # noqa: E402
-from step_totals import parse as parse_metrics_text  # noqa: E402
-
-from pensieve.bench.metrics import capacity_at  # noqa: E402
 from pensieve.bench.step_cost import StepCostModel, nnls  # noqa: E402
+from pensieve.bench.step_totals import archive_files  # noqa: E402
+from pensieve.bench.step_totals import parse as parse_metrics_text  # noqa: E402
 
 CHURN = ROOT / "docs" / "results" / "churn"
 DEFAULT_PAIRS = ("stateless_pensieve_0.45_0.85", "stateless_pensieve_0.55_1.0",
@@ -492,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                          "first); the others are its held-out points")
     ap.add_argument("--fitted", default=None,
                     help="a fitted step-cost model: simulate every point of --pairs with it "
-                         "as is (no fit, no what-if), e.g. " + str(FIT_ALL.relative_to(ROOT)))
+                         "as is (no fit, no what-if), e.g. " + str(FIT_ALL))
     ap.add_argument("--graph-swap-in-rule", action="store_true",
                     help="steps of <= 512 tokens with more than the runner's graph_max_swap_in "
                          "swap-in chunks of their own run pipelined, as in the runner (the "

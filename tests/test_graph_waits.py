@@ -159,25 +159,6 @@ def test_graphs_with_waits_give_the_tokens_of_graphs_that_wait_for_all(
     assert armed, "no step with swap-ins replayed a graph with waits"
 
 
-def test_step_swap_ins_builds_disjoint_swaps() -> None:
-    """benchmarks/step_swap_ins.py: the turn's first history chunks come in from distinct CPU
-    blocks; the swap-outs read GPU blocks no request of the step uses, into other CPU blocks."""
-    from bench_scripts import load
-
-    load("decode_step")  # the script's sibling imports
-    load("mixed_step")
-    build_step = load("step_swap_ins").build_step
-    sched = build_step(batch=4, ctx=100, prefill=20, history=256, swap_in=5, swap_out=3,
-                       chunk=32, num_blocks=64, cpu_blocks=10, rng=random.Random(0))
-    turn = sched.requests[-1]
-    assert [g for _, g in sched.swaps.swap_in] == list(turn.block_table[:5])  # (cpu, gpu)
-    used = {b for s in sched.requests for b in s.block_table}
-    assert not {g for g, _ in sched.swaps.swap_out} & used
-    cpu = [c for c, _ in sched.swaps.swap_in] + [c for _, c in sched.swaps.swap_out]
-    assert len(set(cpu)) == 8 and all(0 <= c < 10 for c in cpu)
-    assert len(sched.requests) == 5 and turn.ranges[0].start_pos == 256
-
-
 def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """``PENSIEVE_MIXED_DECODES=split`` on the CPU: a step with decodes at ragged positions, a
     request that recomputes its leading tokens beside a one-token turn, and a prefill turn,

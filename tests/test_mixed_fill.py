@@ -165,19 +165,3 @@ def test_mixed_kv_splits_env(monkeypatch) -> None:  # noqa: ANN001
         mixed_kv_splits_mode()
 
 
-def test_graph_fill_host_benchmark_runs(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """``benchmarks/graph_fill_host.py`` on a tiny set-up: one row a batch, both fills timed."""
-    import json
-    import sys
-
-    from bench_scripts import load
-
-    monkeypatch.delenv("PENSIEVE_MIXED_DECODES", raising=False)  # the default
-    out = tmp_path / "fill.json"
-    monkeypatch.setattr(sys, "argv", ["graph_fill_host.py", "--batches", "3,9", "--iters", "2",
-                                      "--reps", "1", "--prefill", "20", "--out", str(out)])
-    load("graph_fill_host").main()
-    rows = json.loads(out.read_text())
-    assert [r["decodes"] for r in rows] == [3, 9]
-    assert all(r["decode_fill_ms"] > 0 and r["mixed_fill_ms"] > 0 for r in rows)
-    assert all(r["mixed_decodes"] == "split" for r in rows)

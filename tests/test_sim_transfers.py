@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import importlib
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -577,13 +576,6 @@ def test_old_step_records_still_fit(tmp_path: Path) -> None:
     # new records (exposed_copy_s written, maybe null) read back too
     f = recs[0][0]
     assert StepFeatures.from_dict(json.loads(json.dumps(f.to_dict()))) == f
-    # and the refit script runs on such a file
-    small = tmp_path / "steps.jsonl"
-    small.write_text("".join(lines))
-    out = tmp_path / "fit.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_step_cost.py"), str(small),
-                    "--out", str(out)], check=True, capture_output=True)
-    assert StepCostModel.load(out).fit_num_records == 400
 
 
 def test_copy_waits_match_the_runner() -> None:
@@ -658,11 +650,10 @@ def test_graph_steps_with_many_swap_ins_of_their_own_run_pipelined() -> None:
 
 
 def test_simulated_graph_swap_in_limit_is_the_runners() -> None:
-    from bench_scripts import load
 
     from pensieve.runner.model_runner import graph_max_swap_in
 
-    jobs = load("sim_churn_jobs")
+    jobs = importlib.import_module("pensieve.bench.sim_churn_jobs")
     assert jobs.GRAPH_MAX_SWAP_IN == graph_max_swap_in(jobs.KV_BYTES_PER_TOKEN * jobs.CHUNK)
     assert jobs.transfer_model(graph_rule=True).graph_max_swap_in == jobs.GRAPH_MAX_SWAP_IN
     assert jobs.transfer_model().graph_max_swap_in is None

@@ -78,7 +78,9 @@ def _bench(name: str = "sim_validate_churn") -> Any:
 
 
 def _jobs() -> Any:
-    return _bench("sim_churn_jobs")
+    import pensieve.bench.sim_churn_jobs as jobs
+
+    return jobs
 
 
 def test_sides_and_scheduler_settings() -> None:
@@ -200,37 +202,3 @@ def test_what_if_copy_rates() -> None:
     assert (eng.transfer.swap_in_gbps, eng.transfer.swap_out_gbps) == (30.0, 20.0)
 
 
-def test_sim_urgent_swapouts_tiny(tmp_path: Path) -> None:
-    """benchmarks/sim_urgent_swapouts.py on tiers small enough to need urgent swap-outs: every
-    urgent chunk the steps report was planned by one of the counted cache calls (they count
-    what they planned; a chunk swapped out and back in within one step's plan is cancelled
-    there, so the steps report at most as many), and a setting that is not a share is
-    refused."""
-    mod = _bench("sim_urgent_swapouts")
-    assert mod.parse_variant("default") == {}
-    assert mod.parse_variant("decode_reserve=0.05,swap_out_batch=0.1") == {
-        "decode_reserve": 0.05, "swap_out_batch": 0.1}
-    with pytest.raises(ValueError, match="unknown setting"):
-        mod.parse_variant("reserve=0.1")
-    with pytest.raises(ValueError, match="share"):
-        mod.parse_variant("decode_reserve=1.5")
-    assert mod.parse_variant("urgent_pipelined,decode_reserve=0.05") == {
-        "urgent_pipelined": 1.0, "decode_reserve": 0.05}
-    out = tmp_path / "rows.json"
-    assert mod.main(["--rate", "1.0", "--gpu-kv-gb", "0.3", "--cpu-kv-gb", "1.0",
-                     "--duration", "40", "--warmup", "20", "--length-scale", "0.2",
-                     "--variants", "default;decode_reserve=0.02;urgent_pipelined",
-                     "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == [{}, {"decode_reserve": 0.02},
-                                            {"urgent_pipelined": 1.0}]
-    # in this run the steps waited on copies half as long (0.2 against 0.4 s)
-    assert rows[2]["exposed_copy_s"] <= rows[0]["exposed_copy_s"]
-    for r in rows:
-        assert r["swap_out_chunks"] > 0 and r["urgent_chunks"] > 0
-        planned = sum(r["urgent_by_cause"].values())
-        assert r["urgent_chunks"] <= planned <= 1.01 * r["urgent_chunks"]
-        assert 0 < r["urgent_share"] <= 1 and r["throughput_rps"] > 0
-    # the wrappers are gone afterwards: the cache's own methods again
-    from pensieve.core.tiered_cache import TieredKVCache
-    assert TieredKVCache.admit.__qualname__ == "TieredKVCache.admit"

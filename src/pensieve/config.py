@@ -12,7 +12,7 @@ DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
 assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever the block ids
 (the copies before it: 11-23 GB/s on random ids; ``docs/results/swap/swap_bandwidth.json``).
-Measure another interconnect with ``benchmarks/swap_bandwidth.py`` and pass the figure."""
+Measure another interconnect with ``pensieve.bench.swap_bandwidth`` and pass the figure."""
 
 DEFAULT_DEFER_ADMISSION = 3
 """Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``).

@@ -54,7 +54,7 @@ GRAPH_SWAP_IN_WAIT_S = 3e-3
 """The longest wait for swap-ins worth a graph replay (an eager step with prefill costs ~5-7 ms
 more host time than its graph on the H200: benchmarks/mixed_step.py)."""
 SWAP_GBPS = 47.0
-"""The swap kernel's swap-in rate on the H200, random block ids (benchmarks/swap_bandwidth.py)."""
+"""The swap kernel's swap-in rate on the H200, random block ids (pensieve.bench.swap_bandwidth)."""
 
 
 def graph_max_swap_in(chunk_bytes: int) -> int:

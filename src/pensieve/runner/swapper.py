@@ -61,7 +61,7 @@ None):
   is bounded, 2 x ``staging_chunks`` chunks, and the gather of piece k+1 overlaps the copy of
   piece k).
   Chosen by measurement (H200, 13B GQA-10 shape, random block ids, 64-1024 chunks,
-  ``benchmarks/swap_bandwidth.py``): in 45.6-48.6 GB/s and out 46.5-53.7 GB/s alone (kernel:
+  ``pensieve.bench.swap_bandwidth``): in 45.6-48.6 GB/s and out 46.5-53.7 GB/s alone (kernel:
   46.6-48.7 / 49.7-50.2), in + out together 30.5-33.4 GB/s each way (kernel: 27-29), and a
   GEMM beside in + out copies slowed 1.12-1.18x (kernel: 1.36-1.43x: SM copies both ways take
   compute from the model). The default before ``staged`` by groups of layers.
@@ -71,7 +71,7 @@ None):
   many chunks as it holds at a time), then a scatter launch writes them into the GPU cache;
   layer i waits for its group only. The buffer is used by halves in turn, the copies on a
   stream of their own, so that a group's copies overlap the previous group's scatter.
-  Chosen by measurement (H200, ``benchmarks/swap_bandwidth.py``): in + out together
+  Chosen by measurement (H200, ``pensieve.bench.swap_bandwidth``): in + out together
   36-46.5 GB/s each way for 64-1024 chunks against hybrid's 30-33 (the SMs' reads of the
   mapped tier slow the copy engines' writes the other way); by halves, in alone 47.6-54.1
   GB/s against 42.2-49.2 with one buffer, out 46.2-54.3.

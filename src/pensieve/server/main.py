@@ -102,7 +102,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-bandwidth-gbps", type=swap_bandwidth_arg, default="auto",
                    metavar="GBPS|auto|off",
                    help="measured one-way rate of KV copies between the tiers (GB/s; "
-                        "benchmarks/swap_bandwidth.py); the cache swaps a CPU-tier chunk in only "
+                        "pensieve.bench.swap_bandwidth); the cache swaps a CPU-tier chunk in only "
                         "where that beats recomputing it. auto (default): 45 on CUDA, off on the "
                         "CPU; off: always swap in")
     p.add_argument("--cache-policy", default="pensieve",

@@ -40,7 +40,7 @@ than a session lifetime to reach their steady occupancy: the time series shows w
 steps (vLLM 0.2 style, ``SchedulerConfig.batching``) instead of unified ones; each point
 records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ours to set).
 
-    python benchmarks/multiturn.py --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
+    pensieve bench multiturn --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
         --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
         --gpu-kv-gb 4 --cpu-kv-gb 22 --duration 60 --warmup 10 --out results/multiturn
 """
@@ -86,7 +86,7 @@ class StepLog:
     """Step observer of the shared engine: each step's features and executor time, labelled
     with the system the point runs (the simulator is calibrated from these rows), and under
     ``host`` the step's host times (scheduler, executor wall, the runner's prepare and issue:
-    ``benchmarks/step_totals.py`` sums them as it does a server's ``/metrics``)."""
+    ``pensieve.bench.step_totals`` sums them as it does a server's ``/metrics``)."""
 
     def __init__(self) -> None:
         self.system = ""
@@ -176,7 +176,8 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
                      cache_policy=system, block_bytes=block_bytes)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``pensieve bench multiturn``."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="stateless,gpu-only,pensieve")
@@ -247,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                     "separate prefill and decode steps (vLLM 0.2 style; real and sim engines)")
     ap.add_argument("--tag", default="", help="label stored with every point")
     ap.add_argument("--out", default="results/multiturn")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked against each other (``--batching`` settled to its default)."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.engine == "sim" and not args.step_cost:
         ap.error("--engine sim needs --step-cost")
@@ -264,8 +271,77 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--batching separate applies to Pensieve's engine, not to the hf system")
     args.batching = args.batching or "unified"
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def run_point(system: str, rate: float, engine: Any, clock: Any, convs: list[Any],
+              args: argparse.Namespace, wl: Any, lifetime: float, t_start: float
+              ) -> tuple[dict[str, Any], Any]:
+    """Drive ``engine`` with the load at ``rate``: the point's summary line and the run."""
+    bar = tqdm(desc=f"{system} @ {rate}/s", unit="req", leave=False)
+
+    def progress(n: int, total: int, bar: Any = bar) -> None:
+        bar.total = total
+        bar.update(n - bar.n)
+
+    # token ids < 32000 as always, fewer for a model with a smaller vocabulary (tiny
+    # presets on the CPU)
+    vocab = min(32000, getattr(engine, "vocab_size", None) or 32000)
+    res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
+                   vocab, seed=args.seed, drain_s=args.drain, progress=progress,
+                   sample_interval_s=args.sample_interval or None,
+                   warm_start=warm_start_from(args.warm_start))
+    bar.close()
+    batching = None if args.engine == "http" or system == "hf" else args.batching
+    point = {"system": system, "conv_rate": rate, "engine": args.engine,
+             "batching": batching, "workload": wl.name,
+             "api": args.api if args.engine == "http" else None,
+             "session_lifetime_est_s": round(lifetime, 1),
+             "length_scale": args.length_scale,
+             "model": args.model, "think_time_s": args.think_time,
+             "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
+             "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
+             "warm_start_s_per_token": args.warm_start,
+             "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
+             **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
+    if args.engine == "http":  # was the client a bottleneck, did requests fail?
+        point.update(http_errors=engine.errors, http_throttled=engine.throttled,
+                     http_peak_in_flight=engine.peak_in_flight,
+                     max_connections=args.max_connections)
+        if args.api == "chat":
+            point.update(http_history_misses=engine.history_misses,
+                         tokens_per_word=round(engine.tokens_per_word, 4),
+                         ignore_eos=args.ignore_eos)
+    return point, res
+
+
+def write_point(out: Path, point: dict[str, Any], res: Any, steps: Any,
+                args: argparse.Namespace) -> None:
+    """Append the point, its time series, its requests and its steps to ``out``'s files."""
+    system, rate, batching = point["system"], point["conv_rate"], point["batching"]
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in point.items()}
+    with open(out / "points.jsonl", "a") as f:
+        f.write(json.dumps(clean) + "\n")
+    if res.samples:
+        with open(out / "timeseries.jsonl", "a") as f:
+            f.write(json.dumps({k: point[k] for k in (
+                "system", "conv_rate", "engine", "api", "workload", "tag",
+                "warmup_s", "duration_s")} | {"drain_s": args.drain,
+                                              "samples": res.samples}) + "\n")
+    with open(out / "requests.jsonl", "a") as f:
+        for r in res.records:
+            f.write(json.dumps({"system": system, "conv_rate": rate, "tag": args.tag,
+                                "batching": batching, **r.as_dict()}) + "\n")
+    if steps:
+        with open(out / "steps.jsonl", "a") as f:
+            for s in steps:
+                f.write(json.dumps(s) + "\n")
+
+
+def prepared_load(args: argparse.Namespace) -> tuple[Any, list[Any], float]:
+    """The workload, its conversations (scaled, shuffled) and their mean session lifetime;
+    ``args.warmup`` settled to seconds."""
     wl = workload(args)
     convs = list(wl.conversations)
     if args.length_scale != 1.0:
@@ -294,83 +370,50 @@ def main(argv: list[str] | None = None) -> int:
                   f"lifetime (~{lifetime:.0f} s: turns x (think time + ~20 ms a token of "
                   "answer)); the window may not be at steady state", file=sys.stderr)
     if args.warmup >= args.duration:
-        ap.error(f"--warmup {args.warmup} leaves no window in --duration {args.duration}")
+        raise SystemExit(f"--warmup {args.warmup} leaves no window in --duration "
+                         f"{args.duration}")
+    return wl, convs, lifetime
+
+
+def build_engine(system: str, args: argparse.Namespace, real: RealEngines) -> tuple[Any, Any,
+                                                                                     Any]:
+    """(engine, clock, step records or None) of one point of ``system``."""
+    if args.engine == "sim":
+        clock: Any = VirtualClock()
+        return build_sim(system, args, clock), clock, None
+    if args.engine == "http":
+        from pensieve.bench.http_engine import HTTPEngine
+
+        clock = WallClock()
+        return HTTPEngine(
+            args.url, api_key=args.api_key, model=args.http_model,
+            max_workers=args.max_connections, clock=clock,
+            delete_conversations=not args.keep_conversations, api=args.api,
+            ignore_eos=args.ignore_eos, calibrate=args.calibrate,
+            metrics_interval_s=args.sample_interval or None), clock, None
+    clock = WallClock()
+    engine, steps = real.build(system, clock)
+    return engine, clock, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl, convs, lifetime = prepared_load(args)
     real = RealEngines(args)
     for system in args.systems.split(","):
         for rate in (float(r) for r in args.rates.split(",")):
             t_start = time.time()
             try:
-                if args.engine == "sim":
-                    clock: Any = VirtualClock()
-                    engine, steps = build_sim(system, args, clock), None
-                elif args.engine == "http":
-                    from pensieve.bench.http_engine import HTTPEngine
-
-                    clock = WallClock()
-                    engine, steps = HTTPEngine(
-                        args.url, api_key=args.api_key, model=args.http_model,
-                        max_workers=args.max_connections, clock=clock,
-                        delete_conversations=not args.keep_conversations, api=args.api,
-                        ignore_eos=args.ignore_eos, calibrate=args.calibrate,
-                        metrics_interval_s=args.sample_interval or None), None
-                else:
-                    clock = WallClock()
-                    engine, steps = real.build(system, clock)
+                engine, clock, steps = build_engine(system, args, real)
             except Exception as e:  # noqa: BLE001 - one system failing must not stop the rest
                 print(f"{system}: could not build: {type(e).__name__}: {e}", flush=True)
                 break
-            bar = tqdm(desc=f"{system} @ {rate}/s", unit="req", leave=False)
-
-            def progress(n: int, total: int, bar: Any = bar) -> None:
-                bar.total = total
-                bar.update(n - bar.n)
-
-            # token ids < 32000 as always, fewer for a model with a smaller vocabulary (tiny
-            # presets on the CPU)
-            vocab = min(32000, getattr(engine, "vocab_size", None) or 32000)
-            res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
-                           vocab, seed=args.seed, drain_s=args.drain, progress=progress,
-                           sample_interval_s=args.sample_interval or None,
-                           warm_start=warm_start_from(args.warm_start))
-            bar.close()
-            batching = None if args.engine == "http" or system == "hf" else args.batching
-            point = {"system": system, "conv_rate": rate, "engine": args.engine,
-                     "batching": batching, "workload": wl.name,
-                     "api": args.api if args.engine == "http" else None,
-                     "session_lifetime_est_s": round(lifetime, 1),
-                     "length_scale": args.length_scale,
-                     "model": args.model, "think_time_s": args.think_time,
-                     "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
-                     "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
-                     "warm_start_s_per_token": args.warm_start,
-                     "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
-                     **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
-            if args.engine == "http":  # was the client a bottleneck, did requests fail?
-                point.update(http_errors=engine.errors, http_throttled=engine.throttled,
-                             http_peak_in_flight=engine.peak_in_flight,
-                             max_connections=args.max_connections)
-                if args.api == "chat":
-                    point.update(http_history_misses=engine.history_misses,
-                                 tokens_per_word=round(engine.tokens_per_word, 4),
-                                 ignore_eos=args.ignore_eos)
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                     for k, v in point.items()}
-            with open(out / "points.jsonl", "a") as f:
-                f.write(json.dumps(clean) + "\n")
-            if res.samples:
-                with open(out / "timeseries.jsonl", "a") as f:
-                    f.write(json.dumps({k: point[k] for k in (
-                        "system", "conv_rate", "engine", "api", "workload", "tag",
-                        "warmup_s", "duration_s")} | {"drain_s": args.drain,
-                                                      "samples": res.samples}) + "\n")
-            with open(out / "requests.jsonl", "a") as f:
-                for r in res.records:
-                    f.write(json.dumps({"system": system, "conv_rate": rate, "tag": args.tag,
-                                        "batching": batching, **r.as_dict()}) + "\n")
-            if steps:
-                with open(out / "steps.jsonl", "a") as f:
-                    for s in steps:
-                        f.write(json.dumps(s) + "\n")
+            point, res = run_point(system, rate, engine, clock, convs, args, wl, lifetime,
+                                   t_start)
+            write_point(out, point, res, steps, args)
+            batching = point["batching"]
             label = system if batching in (None, "unified") else f"{system}/{batching}"
             print(f"{label:>10} rate {rate:5.2f}/s: {point['throughput_rps']:.3f} req/s, "
                   f"P90 norm {point['normalized_latency_s_p90'] * 1e3:.1f} ms/tok, "

@@ -14,11 +14,11 @@
 # Env: RUN_DIR (default /tmp/pensieve_long_run); the command gets the caller's environment,
 # with OUT replaced. A ShareGPT steady point at 40 / 60 GB (~1,000 s warm-up; docs/benchmarks.md):
 #   call 1: cd .snap; GPU_KV_GB=40 CPU_KV_GB=60 THINK=6 WARMUP=1000 WINDOW=300 DRAIN=25 \
-#             BUDGET_S=1450 MODEL=chatmodel TAG=sharegpt bash benchmarks/long_run.sh start \
+#             BUDGET_S=1450 MODEL=chatmodel TAG=sharegpt bash scripts/long_run.sh start \
 #             bash benchmarks/churn_points.sh stateless,pensieve 0.8,1.0 --workload sharegpt; \
-#           bash benchmarks/long_run.sh wait 560
-#   call 2: bash benchmarks/long_run.sh wait 570            (any directory: RUN_DIR is absolute)
-#   call 3: bash benchmarks/long_run.sh wait 570 && OUT=$OUT bash benchmarks/long_run.sh collect
+#           bash scripts/long_run.sh wait 560
+#   call 2: bash scripts/long_run.sh wait 570            (any directory: RUN_DIR is absolute)
+#   call 3: bash scripts/long_run.sh wait 570 && OUT=$OUT bash scripts/long_run.sh collect
 # Make each call as soon as the last returns: an idle machine is given back after ~30 s, and
 # the run with it. The whole run must end within the 30 minutes a machine may be held.
 set -uo pipefail

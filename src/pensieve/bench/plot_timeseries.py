@@ -1,9 +1,9 @@
 """The time series of multi-turn points: is the measurement window at steady state?
 
-    python benchmarks/plot_timeseries.py results/churn/timeseries.jsonl [more.jsonl ...] \
+    python -m pensieve.bench.plot_timeseries results/churn/timeseries.jsonl [more.jsonl ...] \
         --out results/churn/churn [--title TITLE]
 
-Reads the ``timeseries.jsonl`` lines that ``benchmarks/multiturn.py`` writes (one per point:
+Reads the ``timeseries.jsonl`` lines that ``pensieve.bench.multiturn`` writes (one per point:
 its samples, one a second) and draws ``<out>_timeseries.png``, one line per point (system @
 rate): sessions in flight (client side; requests in flight dashed), GPU and CPU KV blocks used
 as a share of the tier, requests running (waiting dashed), against time since the first

@@ -44,7 +44,7 @@ size and per tile at ``--sweep-chunks`` chunks, and how much a bf16 GEMM loop on
 stream slows down while in+out copies run beside it (``gemm x``: its time with copies /
 alone), to pick ``DEFAULT_PROGRAMS`` by measurement.
 
-    python benchmarks/swap_bandwidth.py --out swap_bandwidth.json --plot swap_bandwidth.png
+    pensieve bench swaps --out swap_bandwidth.json --plot swap_bandwidth.png
 """
 
 from __future__ import annotations
@@ -369,7 +369,8 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--chunk", type=int, default=32)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``pensieve bench swaps``."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap)
@@ -401,7 +402,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--plot", default=None, help="write the PNG figure here")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
 
@@ -452,6 +457,15 @@ def main() -> None:
             sw.num_programs = args.programs
         del sw
         gc.collect()
+    report(args, rows, sweep, {"sms": sms, "gpu_blocks": num_gpu, "cpu_blocks": num_cpu,
+                               "chunk_bytes_per_layer": step_bytes // args.layers,
+                               "pin_s": pin_s})
+    return 0
+
+
+def report(args: argparse.Namespace, rows: list[dict], sweep: list[dict], run: dict) -> None:
+    """Print the tables and write ``--out`` (JSON) and ``--plot`` (PNG)."""
+    import triton
 
     print("\n" + fmt_table(rows))
     if sweep:
@@ -461,12 +475,11 @@ def main() -> None:
           f"enqueue/step/layer0 in ms; kernel default {DEFAULT_PROGRAMS} programs, "
           f"{DEFAULT_TILE_BYTES // 1024} KB tiles; targets {TARGET_GBPS} GB/s each way "
           f"({CONCURRENT_GBPS} concurrent raw), reference {REFERENCE_GBPS} one way.")
-    result = {"device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__,
-              "triton": triton.__version__,
-              "config": vars(args) | {"gpu_blocks": num_gpu, "cpu_blocks": num_cpu,
-                                      "chunk_bytes_per_layer": step_bytes // args.layers,
-                                      "pin_s": pin_s, "default_programs": DEFAULT_PROGRAMS,
-                                      "default_tile_bytes": DEFAULT_TILE_BYTES},
+    config = {k: v for k, v in run.items() if k != "sms"}
+    result = {"device": torch.cuda.get_device_name(), "sms": run["sms"],
+              "torch": torch.__version__, "triton": triton.__version__,
+              "config": vars(args) | config | {"default_programs": DEFAULT_PROGRAMS,
+                                               "default_tile_bytes": DEFAULT_TILE_BYTES},
               "reference_gbps": REFERENCE_GBPS, "target_gbps": TARGET_GBPS,
               "rows": rows, "sweep": sweep}
     if args.out:
@@ -482,4 +495,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

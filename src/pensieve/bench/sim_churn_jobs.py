@@ -1,33 +1,33 @@
-"""The simulated churn runs behind ``sim_validate_churn.py``, ``sim_churn_capacity.py`` and
-``sim_replicas.py``: the real servers' set-up in the simulator (tiers, policy, retention cost
-profile, measured copy rates, scheduler settings), the workloads as ``benchmarks/multiturn.py``
-draws them, one point per job (a dict, so jobs run in worker processes) and the options a
-simulated sweep shares."""
+"""The simulated churn runs behind ``benchmarks/sim_validate_churn.py`` and
+``benchmarks/sim_churn_capacity.py``: the real servers' set-up in the simulator (tiers, policy,
+retention cost profile, measured copy rates, scheduler settings), the workloads as
+:mod:`pensieve.bench.multiturn` draws them, one point per job (a dict, so jobs run in worker
+processes) and the options a simulated sweep shares."""
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+from pensieve.bench.engine_api import VirtualClock
+from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
+from pensieve.bench.metrics import summarize
+from pensieve.bench.step_cost import StepCostModel, TransferModel
+from pensieve.bench.workload_types import DEFAULT_SHAREGPT_MERGED_CACHE
 
-from pensieve.bench.engine_api import VirtualClock  # noqa: E402
-from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from  # noqa: E402
-from pensieve.bench.metrics import summarize  # noqa: E402
-from pensieve.bench.step_cost import StepCostModel, TransferModel  # noqa: E402
-
-FIT_ALL = ROOT / "docs" / "results" / "sim_churn_process" / "step_cost_churn_fit_all.json"
+RESULTS = Path("docs") / "results"
+"""The repository's recorded results, relative to the working directory: the simulated churn
+sweeps run from a source checkout, whose recorded fits and real points they read."""
+FIT_ALL = RESULTS / "sim_churn_process" / "step_cost_churn_fit_all.json"
 """The default step cost of ``sim_churn_capacity.py`` and ``sim_replicas.py``: the fit on the
 engine-process servers' points (``sim_validate_churn.py --out docs/results/sim_churn_process
 ...``). The thread servers' fit, which the older tables used, is
 ``docs/results/sim_churn/step_cost_churn_fit_all.json``."""
-SWAP = ROOT / "docs" / "results" / "swap" / "swap_bandwidth.json"
+SWAP = RESULTS / "swap" / "swap_bandwidth.json"
 KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
 GRAPH_MAX_TOKENS = 512
@@ -37,7 +37,7 @@ STAGED_GROUPS = 8
 """The runner's ``graph_max_swap_in`` for this shape (``model_runner.graph_max_swap_in`` of
 one chunk's bytes; a test keeps the two equal): steps with more of their own swap-in chunks
 run eagerly."""
-PROFILE = (ROOT / "src" / "pensieve" / "profiles"
+PROFILE = (Path(__file__).resolve().parents[1] / "profiles"
            / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 
@@ -92,15 +92,14 @@ def conversations(workload: str, seed: int, template_tokens: int, length_scale: 
 
         convs = list(agentic_workload(5000, seed=seed).conversations)
     else:
-        convs = list(load_workload(str(ROOT / "benchmarks" / "data"
-                                       / "sharegpt_merged_lengths.json.gz")).conversations)
+        convs = list(load_workload(str(DEFAULT_SHAREGPT_MERGED_CACHE)).conversations)
     if template_tokens or length_scale != 1.0:
         def sc(n: int) -> int:
             return max(1, round(n * length_scale))
         convs = [Conversation(c.conv_id, [Turn(sc(t.input_len) + template_tokens,
                                                sc(t.output_len)) for t in c.turns])
                  for c in convs]
-    random.Random(seed).shuffle(convs)  # as benchmarks/multiturn.py
+    random.Random(seed).shuffle(convs)  # as pensieve.bench.multiturn
     return convs
 
 
@@ -241,7 +240,7 @@ def run_jobs(jobs: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
 
 def step_means(p: dict[str, Any]) -> None:
     """Mean seconds of a prefill / decode step and executor seconds per computed prefill token
-    net of the decodes riding along (``benchmarks/step_totals.py``), from run totals."""
+    net of the decodes riding along (``pensieve.bench.step_totals``), from run totals."""
     n_p, n_d, tok = p["prefill_steps"], p["decode_steps"], p["prefill_tokens_run"]
     p["prefill_step_mean_s"] = p["prefill_step_s"] / n_p if n_p else None
     p["decode_step_mean_s"] = d = p["decode_step_s"] / n_d if n_d else 0.0
