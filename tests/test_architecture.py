@@ -136,6 +136,8 @@ ENGINE_CONFIG_READERS = {
 ENGINE_CONFIG_BUILDERS = {
     "pensieve.server.main": "the server's composition root: builds it from the command line "
                             "(build_engine_config) and passes it to LLMEngine, reading nothing",
+    "pensieve.bench.multiturn": "the in-process benchmark's composition root: builds the "
+                                "engine of its real points from its command line",
 }
 """Modules that may build an engine config and pass it on, but read none of it."""
 

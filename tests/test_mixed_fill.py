@@ -153,15 +153,3 @@ def test_mixed_kv_splits_follow_the_bucket_only() -> None:
                             10, cpu) == 256
 
 
-def test_mixed_kv_splits_env(monkeypatch) -> None:  # noqa: ANN001
-    from pensieve.kernels.launch_policy import mixed_kv_splits_mode
-
-    monkeypatch.delenv("PENSIEVE_MIXED_SPLITS", raising=False)
-    assert mixed_kv_splits_mode()
-    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", "0")
-    assert not mixed_kv_splits_mode()
-    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", "yes")
-    with pytest.raises(ValueError, match="PENSIEVE_MIXED_SPLITS"):
-        mixed_kv_splits_mode()
-
-

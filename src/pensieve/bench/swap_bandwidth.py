@@ -10,7 +10,7 @@ the engine's layout (views of one allocation). For each copy method of ``KVSwapp
              CPU ids (>= 6.5 MB, one batch call a piece), pieces of --staging-chunks through
              two halves
     staged   as hybrid, and swap-in through the copy engines too, by groups of layers
-             (PENSIEVE_SWAP_IN_GROUPS, default 8): per group one cuMemcpyBatchAsync call into
+             (KVSwapper in_groups, default 8): per group one cuMemcpyBatchAsync call into
              a staging buffer, then a device-side scatter; layer i waits for its group (the
              default on CUDA)
     dma      one cudaMemcpy per run of consecutive CPU ids per layer (80 KB pieces)

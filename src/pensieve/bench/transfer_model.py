@@ -111,8 +111,7 @@ class TransferModel:
     """Groups of layers a step's own swap-ins are issued by (the ``staged`` swapper's); its
     ahead copies go in one, or with :attr:`ahead_layered` in as many."""
     background_after_launch: bool = False
-    """The runner's ``PENSIEVE_BACKGROUND_AFTER_LAUNCH`` (its default since ``16b8fc3``'s
-    A/B; off here unless asked): a step of at most
+    """The runner's way since ``16b8fc3``'s A/B (off here unless asked): a step of at most
     :attr:`defer_max_tokens` tokens (a graph step) issues its ahead copies and background
     swap-outs once its forward is launched: their issue time is off the step's critical path,
     and they start that much later."""
