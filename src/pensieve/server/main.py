@@ -48,10 +48,9 @@ def fraction_arg(text: str) -> float:
 
 
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
-"""The server's thread switch interval. The engine thread needs the GIL between the GPU's
-steps while the event loop streams tokens: at 1.0 agentic sessions/s on an H200 (13B) 0.5 ms
-instead of Python's 5 ms cut the runner's host time before each forward by 14-27% and gave
-+1.9% throughput, -8% P90 latency (docs/benchmarks.md)."""
+"""The server's thread switch interval: the engine thread needs the GIL between the GPU's
+steps while the event loop streams tokens, and a shorter interval than Python's 5 ms gives it
+sooner (the A/B: docs/benchmarks.md)."""
 
 
 def positive_ms_arg(text: str) -> float:
