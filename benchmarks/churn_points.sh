@@ -30,7 +30,7 @@
 # inproc: `multiturn.py --engine real` in process on each GPU instead of servers, same load),
 # SERVE_ARGS (more flags for both servers), SERVE_ARGS_A / SERVE_ARGS_B (one server),
 # SERVE_ENV_A / SERVE_ENV_B (NAME=VALUE words for one server's environment, e.g.
-# PENSIEVE_SWAP_AHEAD=dma),
+# PENSIEVE_STEP_LOG=steps.jsonl),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
 # PROFILE_STEPS (START:COUNT: each server's steps START.. as a profiler trace, trace.json.gz),

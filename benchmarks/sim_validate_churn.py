@@ -506,14 +506,14 @@ def main(argv: list[str] | None = None) -> int:
                          "graph or eager")
     ap.add_argument("--ahead-layered", action="store_true",
                     help="what-if: each step waits for the copies ahead layer by layer "
-                         "(PENSIEVE_AHEAD_WAITS=layers), not before its compute")
+                         "(the swapper's ahead_waits=\"layers\"), not before its compute")
     ap.add_argument("--issue-costs", action="store_true",
                     help="model the host's issue of the copies before each forward (measured "
                          "per group of layers and per chunk, sim_churn_jobs.ISSUE_*); fit "
                          "with it before comparing what-ifs with it")
     ap.add_argument("--background-after-launch", action="store_true",
                     help="what-if: graph steps issue their ahead copies and background "
-                         "swap-outs after the launch (PENSIEVE_BACKGROUND_AFTER_LAUNCH=1); "
+                         "swap-outs after the launch (the runner's way now); "
                          "with --issue-costs")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: 40 s runs at 1/5 of the lengths, one calibration pass, "
