@@ -1,4 +1,4 @@
-"""benchmarks/sim_validate_churn.py at tiny size: reads the real churn points, runs the
+"""pensieve.bench.sim_validate_churn at tiny size: reads the real churn points, runs the
 simulator on a short, scaled-down version of their load, recalibrates, writes its outputs."""
 
 from __future__ import annotations
@@ -10,18 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_scripts import load
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "sim_validate_churn.py"
+VALIDATE = [sys.executable, "-m", "pensieve.bench.sim_validate_churn"]
 
 
 @pytest.mark.slow  # fits and simulates every real churn point, even at tiny size
 def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1",
+    r = subprocess.run([*VALIDATE, "--tiny", "--workers", "1",
                         "--whatif-systems", "stateless,pensieve", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_validate_churn.json").read_text())
     assert len(d["real"]) == 6  # three pairs of the current engine
@@ -38,13 +37,13 @@ def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
 
 
 def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
-    """benchmarks/sim_churn_capacity.py at tiny size: every (system, rate) point is run and a
+    """pensieve.bench.sim_churn_capacity at tiny size: every (system, rate) point is run and a
     capacity is reported per target for each system."""
     pytest.importorskip("matplotlib")
-    script = ROOT / "benchmarks" / "sim_churn_capacity.py"
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--workers", "1", "--rates",
-                        "0.5,1.0", "--systems", "stateless,pensieve", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pensieve.bench.sim_churn_capacity", "--tiny",
+                        "--workers", "1", "--rates", "0.5,1.0", "--systems",
+                        "stateless,pensieve", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_churn_capacity.json").read_text())
     assert {(p["system"], p["conv_rate"]) for p in d["points"]} == {
@@ -72,9 +71,11 @@ def test_ramp_bins_the_samples() -> None:
     assert got[0]["requests_waiting"] == 0.0  # a count the samples lack reads 0
 
 
-def _bench(name: str = "sim_validate_churn") -> Any:
-    """A module of ``benchmarks/`` (default: the script under test)."""
-    return load(name)
+def _bench() -> Any:
+    """``pensieve.bench.sim_validate``: the real points and the fit behind the tool."""
+    import pensieve.bench.sim_validate as svc
+
+    return svc
 
 
 def _jobs() -> Any:
@@ -129,10 +130,10 @@ def test_sim_validate_fitted_tiny(tmp_path: Path) -> None:
     """``--fitted``: the ahead off/on pair simulated with the all-pairs fit as is (tiny size),
     each side with its own scheduler settings, errors per side."""
     pytest.importorskip("matplotlib")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1", "--fitted",
+    r = subprocess.run([*VALIDATE, "--tiny", "--workers", "1", "--fitted",
                         str(ROOT / "docs/results/sim_churn/step_cost_churn_fit_all.json"),
                         "--pairs", "pensieve_ahead_off_on_0.9", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_validate_churn.json").read_text())
     assert [p["side"] for p in d["real"]] == ["A", "B"]
@@ -158,7 +159,7 @@ def test_real_jobs_simulate_each_points_workload() -> None:
     pairs = ("sharegpt_stateless_pensieve_0.7", "agentic_words_prefixlru_pensieve_0.85")
     real = svc.load_real(pairs)
     args = argparse.Namespace(tiny=False, seed=0, template_tokens=8)
-    jobs = svc.real_jobs(real, StepCostModel.load(svc.FIT_ALL), "m", args, pairs)
+    jobs = svc.real_jobs(real, StepCostModel.load(_jobs().FIT_ALL), "m", args, pairs)
     got = {(j["pair"], j["side"]): (j["workload"], j["gpu_kv_gb"], j["think"]) for j in jobs}
     assert got == {
         ("sharegpt_stateless_pensieve_0.7", "A"): ("sharegpt", 8.0, 6.0),
@@ -181,7 +182,8 @@ def test_one_server_runs_load_as_side_a() -> None:
 def test_what_if_copy_rates() -> None:
     """``--swap-gbps``: one rate for both ways or IN,OUT; a simulated engine then charges its
     copies at those rates (the default: the measured ones)."""
-    sim_churn_capacity = _bench("sim_churn_capacity")
+    import pensieve.bench.sim_churn_capacity as sim_churn_capacity
+
     assert sim_churn_capacity.swap_gbps(None) is None
     assert sim_churn_capacity.swap_gbps("30") == [30.0, 30.0]
     assert sim_churn_capacity.swap_gbps("40,50") == [40.0, 50.0]

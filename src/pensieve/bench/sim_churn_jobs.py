@@ -1,5 +1,5 @@
-"""The simulated churn runs behind ``benchmarks/sim_validate_churn.py`` and
-``benchmarks/sim_churn_capacity.py``: the real servers' set-up in the simulator (tiers, policy,
+"""The simulated churn runs behind :mod:`pensieve.bench.sim_validate_churn` and
+:mod:`pensieve.bench.sim_churn_capacity`: the real servers' set-up in the simulator (tiers, policy,
 retention cost profile, measured copy rates, scheduler settings), the workloads as
 :mod:`pensieve.bench.multiturn` draws them, one point per job (a dict, so jobs run in worker
 processes) and the options a simulated sweep shares."""
@@ -23,7 +23,7 @@ RESULTS = Path("docs") / "results"
 """The repository's recorded results, relative to the working directory: the simulated churn
 sweeps run from a source checkout, whose recorded fits and real points they read."""
 FIT_ALL = RESULTS / "sim_churn_process" / "step_cost_churn_fit_all.json"
-"""The default step cost of ``sim_churn_capacity.py`` and ``sim_replicas.py``: the fit on the
+"""The default step cost of :mod:`pensieve.bench.sim_churn_capacity`: the fit on the
 engine-process servers' points (``sim_validate_churn.py --out docs/results/sim_churn_process
 ...``). The thread servers' fit, which the older tables used, is
 ``docs/results/sim_churn/step_cost_churn_fit_all.json``."""
@@ -210,7 +210,7 @@ def ramp(samples: list[dict[str, Any]], every_s: float = 50.0) -> list[dict[str,
 
 
 def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
-    """The options a simulated sweep shares (``sim_churn_capacity.py``, ``sim_replicas.py``)."""
+    """The options a simulated sweep shares (:mod:`pensieve.bench.sim_churn_capacity`)."""
     ap.add_argument("--step-cost", default=str(FIT_ALL))
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=300.0)

@@ -1,5 +1,5 @@
 """Capacity of each policy on the agentic churn workload, in the simulator re-validated on the
-H200 churn points (``benchmarks/sim_validate_churn.py``).
+H200 churn points (:mod:`pensieve.bench.sim_validate_churn`).
 
 The real runs measured a few rates per system; this sweeps the rate in the simulator with
 the step cost fitted on the real points (``--step-cost``; default the engine-process
@@ -12,13 +12,13 @@ throughput with P90 normalized latency under each target, interpolated between r
 writes JSON (with each run's state over time, `ramp`) and two PNGs (capacity; `sim_churn_ramp.png`:
 sessions in flight and GPU blocks used over each run, the window shaded)::
 
-    python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity_process
+    python -m pensieve.bench.sim_churn_capacity --out docs/results/sim_churn_capacity_process
 
 ``--workload sharegpt`` sweeps the packaged ShareGPT lengths instead, with the tiers and think
 time given (the real ShareGPT point of docs/benchmarks.md was 8 / 22 GB, think 6 s; the
 paper's set-up is 40 / 220 GB, think 60 s)::
 
-    python benchmarks/sim_churn_capacity.py --workload sharegpt --gpu-kv-gb 8 --cpu-kv-gb 22 \
+    python -m pensieve.bench.sim_churn_capacity --workload sharegpt --gpu-kv-gb 8 --cpu-kv-gb 22 \
         --think 6 --rates 0.4,0.5,0.6,0.7,0.8,1.0 --out docs/results/sim_sharegpt_capacity_process
 """
 
@@ -31,10 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pensieve.bench.metrics import capacity_at  # noqa: E402
-from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times  # noqa: E402
-from pensieve.bench.step_cost import StepCostModel  # noqa: E402
+from pensieve.bench.metrics import capacity_at
+from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times
+from pensieve.bench.step_cost import StepCostModel
 
 
 def swap_gbps(text: str | None) -> list[float] | None:
@@ -60,7 +59,8 @@ def _moved(p: dict) -> str:
                      for k in moved) or "-"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/sim_churn_capacity")
     ap.add_argument("--systems", default="stateless,prefix-lru,pensieve")
@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="what-if copy rates, GB/s each way (default: the measured hybrid "
                          "rates of docs/results/swap/swap_bandwidth.json)")
     add_sweep_args(ap, targets="50,100,150")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     cost = StepCostModel.load(args.step_cost)
     systems = args.systems.split(",")
     rates = [float(r) for r in args.rates.split(",")]
@@ -125,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         {"args": vars(args), "points": slim, "capacity": caps,
          "wall_s": round(time.time() - t0, 1)}, indent=1,
         default=lambda o: None if isinstance(o, float) else str(o)))
+    plot_capacity(points, systems, args, out / "sim_churn_capacity.png")
+    plot_ramp(points, systems, (warmup, duration), out / "sim_churn_ramp.png")
+    print(f"wrote {out}/sim_churn_capacity.json, .png, sim_churn_ramp.png; "
+          f"{time.time() - t0:.0f} s")
+    return 0
+
+
+def plot_capacity(points: list[dict], systems: list[str], args: argparse.Namespace,
+                  path: Path) -> None:
+    """Throughput against P90 normalized latency per system, the targets dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "sim_churn_capacity.png", dpi=110)
-    plot_ramp(points, systems, (warmup, duration), out / "sim_churn_ramp.png")
-    print(f"wrote {out}/sim_churn_capacity.json, .png, sim_churn_ramp.png; "
-          f"{time.time() - t0:.0f} s")
-    return 0
+    fig.savefig(path, dpi=110)
 
 
 def plot_ramp(points: list[dict], systems: list[str], window: tuple[float, float],
