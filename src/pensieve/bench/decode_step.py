@@ -7,7 +7,7 @@ hand-built :class:`SchedulerOutput` (the same object the scheduler emits), so th
 building inputs, the forward pass, the LM head and greedy sampling, and the host's wait for the
 token ids. Distinct KV blocks per request (random ids), dummy weights.
 
-    python benchmarks/decode_step.py --model llama2-13b-gqa10 --out decode_step.json \
+    python -m pensieve.bench.decode_step --model llama2-13b-gqa10 --out decode_step.json \
         --plot decode_step.png
 
 Host time of a step (``host_ms``) is the time until the step's last kernel is enqueued;
@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -98,7 +99,8 @@ def setup(model_name: str, dtype: torch.dtype, kv_gb: float, device: torch.devic
     return Setup(model, kv, chunk, num_blocks, weight_bytes, block_bytes // chunk)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama2-13b-gqa10")
     ap.add_argument("--dtype", default="bfloat16")
@@ -109,7 +111,48 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def time_mode(name: str, runner: ModelRunner, sched: Any, su: Setup, iters: int,
+              floor_ms: float) -> dict[str, float]:
+    """Median wall and GPU time of ``iters`` steps through ``runner`` (after 3 warm-up steps),
+    and the host's enqueue time of the forward alone, for one config; keys prefixed by
+    ``name``."""
+    for _ in range(3):
+        runner.execute(sched)
+    walls, gpus = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+            enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t = time.perf_counter()
+        runner.execute(sched)  # ends with the host waiting for the sampled ids
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        gpus.append(start.elapsed_time(end) / 1e3)
+    # Host time: the enqueue time of the forward alone (no sync), once per config.
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    if name == "graph":
+        runner.decode_graphs.run(sched)
+    else:
+        inp = runner.prepare_inputs(sched)
+        h = su.model(inp.input_ids, inp.positions, su.kv, inp.attn)
+        su.model.compute_logits(h[inp.logits_indices])
+    enqueue = time.perf_counter() - t
+    torch.cuda.synchronize()
+    med = statistics.median(walls)
+    return {f"{name}_ms": round(med * 1e3, 3),
+            f"{name}_gpu_ms": round(statistics.median(gpus) * 1e3, 3),
+            f"{name}_host_ms": round(enqueue * 1e3, 3),
+            f"{name}_x_floor": round(med * 1e3 / floor_ms, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
@@ -139,36 +182,7 @@ def main() -> None:
         row = {"batch": batch, "ctx": ctx, "floor_ms": round(floor_ms, 3)}
         for name, runner in (("eager", eager), ("graph", graphs)):
             sched = decode_step(batch, ctx, chunk, rng, free)
-            for _ in range(3):
-                runner.execute(sched)
-            walls, gpus = [], []
-            for _ in range(args.iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                t = time.perf_counter()
-                runner.execute(sched)  # ends with the host waiting for the sampled ids
-                end.record()
-                torch.cuda.synchronize()
-                walls.append(time.perf_counter() - t)
-                gpus.append(start.elapsed_time(end) / 1e3)
-            # Host time: the enqueue time of the forward alone (no sync), once per config.
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            if name == "graph":
-                graphs.decode_graphs.run(sched)
-            else:
-                inp = runner.prepare_inputs(sched)
-                h = model(inp.input_ids, inp.positions, kv, inp.attn)
-                model.compute_logits(h[inp.logits_indices])
-            enqueue = time.perf_counter() - t
-            torch.cuda.synchronize()
-            med = statistics.median(walls)
-            row[f"{name}_ms"] = round(med * 1e3, 3)
-            row[f"{name}_gpu_ms"] = round(statistics.median(gpus) * 1e3, 3)
-            row[f"{name}_host_ms"] = round(enqueue * 1e3, 3)
-            row[f"{name}_x_floor"] = round(med * 1e3 / floor_ms, 2)
+            row.update(time_mode(name, runner, sched, su, args.iters, floor_ms))
         row["speedup"] = round(row["eager_ms"] / row["graph_ms"], 2)
         rows.append(row)
         tqdm.write(json.dumps(row))
@@ -188,27 +202,33 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
-        import matplotlib
+        plot(rows, contexts, args)
+    return 0
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), sharey=True)
-        for ax, ctx in zip(axes if len(contexts) > 1 else [axes], contexts):
-            rs = [r for r in rows if r["ctx"] == ctx and "skipped" not in r]
-            xs = [r["batch"] for r in rs]
-            for key, style in (("floor_ms", "k--"), ("eager_ms", "o-"), ("graph_ms", "s-")):
-                ax.plot(xs, [r[key] for r in rs], style, label=key[:-3])
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"context {ctx}")
-            ax.set_xlabel("batch (requests)")
-            ax.grid(alpha=0.3)
-        (axes[0] if len(contexts) > 1 else axes).set_ylabel("decode step (ms)")
-        (axes[0] if len(contexts) > 1 else axes).legend()
-        fig.suptitle(f"{args.model} {args.dtype} decode step vs HBM floor")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+def plot(rows: list[dict], contexts: list[int], args: argparse.Namespace) -> None:
+    """Eager and graph step times against the HBM floor, one panel per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), sharey=True)
+    for ax, ctx in zip(axes if len(contexts) > 1 else [axes], contexts):
+        rs = [r for r in rows if r["ctx"] == ctx and "skipped" not in r]
+        xs = [r["batch"] for r in rs]
+        for key, style in (("floor_ms", "k--"), ("eager_ms", "o-"), ("graph_ms", "s-")):
+            ax.plot(xs, [r[key] for r in rs], style, label=key[:-3])
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"context {ctx}")
+        ax.set_xlabel("batch (requests)")
+        ax.grid(alpha=0.3)
+    (axes[0] if len(contexts) > 1 else axes).set_ylabel("decode step (ms)")
+    (axes[0] if len(contexts) > 1 else axes).legend()
+    fig.suptitle(f"{args.model} {args.dtype} decode step vs HBM floor")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,11 +1,12 @@
 """Kernel-level profile of a decode step: where the device time of one step goes.
 
-For each ``BATCHxCTX`` config, a decode step of ``BATCH`` requests at context ``CTX`` (built as in
-``decode_step.py``: dummy weights, distinct random KV blocks, through ``ModelRunner.execute``)
-is run a few times to warm up, timed without the profiler (``wall``: median of ``--iters``
-steps, each ending with the host's wait for the sampled ids), then ``--steps`` steps are
-recorded with ``torch.profiler`` (CPU + CUDA activities), eagerly and replayed from the decode
-CUDA graphs. Only the graph buckets of the profiled batch sizes are captured.
+For each ``BATCHxCTX`` config, a decode step of ``BATCH`` requests at context ``CTX`` (built as
+in :mod:`pensieve.bench.decode_step`: dummy weights, distinct random KV blocks, through
+``ModelRunner.execute``) is run a few times to warm up, timed without the profiler (``wall``:
+median of ``--iters`` steps, each ending with the host's wait for the sampled ids), then
+``--steps`` steps are recorded with ``torch.profiler`` (CPU + CUDA activities), eagerly and
+replayed from the decode CUDA graphs. Only the graph buckets of the profiled batch sizes are
+captured.
 
 Every device event (kernel, memcpy, memset) is put in a category by its name alone
 (:func:`categorize`): gemm, attention, kv_store, norm, rotary, elementwise, sampling, memcpy,
@@ -20,7 +21,7 @@ a graph replay (only the input copies around it), the output says so and gives n
 On the H200 (expected under 2 minutes with the default configs: ~20 s model init, ~5 s to
 capture the 3 buckets, a few seconds per config and mode)::
 
-    python benchmarks/profile_step.py --model llama2-13b-gqa10 --kv-gb 60 \\
+    python -m pensieve.bench.profile_step --model llama2-13b-gqa10 --kv-gb 60 \\
         --out profile_step.json --plot profile_step.png --trace trace.json.gz
 
 ``--trace`` writes a gzipped chrome trace (chrome://tracing, https://ui.perfetto.dev) of one
@@ -48,10 +49,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from decode_step import HBM_TBPS, Setup, decode_step, setup
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from pensieve.bench.decode_step import HBM_TBPS, Setup, decode_step, setup
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.model_runner import ModelRunner
@@ -326,7 +327,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama2-13b-gqa10")
     ap.add_argument("--dtype", default="bfloat16")
@@ -345,24 +347,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--trace-config", default=None, help="BATCHxCTX to trace (default: the "
                     "first profiled)")
     ap.add_argument("--trace-mode", default="graph", choices=("eager", "graph"))
-    args = ap.parse_args(argv)
+    return ap
 
-    device = torch.device(args.device)
-    on_device = device.type == "cuda"
-    dtype = getattr(torch, args.dtype)
-    configs = parse_configs(args.configs)
-    t0 = time.perf_counter()
-    su: Setup = setup(args.model, dtype, args.kv_gb, device)
-    init_s = time.perf_counter() - t0
-    gemm_bytes = gemm_weight_bytes(su.model)
-    fitting = [(b, c) for b, c in configs if su.fits(b, c)]
-    print(f"{args.model} {args.dtype} on {device}: weights {su.weight_bytes / 1e9:.2f} GB "
-          f"(GEMMs read {gemm_bytes / 1e9:.2f} GB), {su.num_blocks} KV blocks, "
-          f"set up in {init_s:.1f} s")
 
+def build_runners(su: Setup, fitting: list[tuple[int, int]], no_graphs: bool,
+                  on_device: bool) -> tuple[dict[str, ModelRunner], bool, float, list[int]]:
+    """The eager runner and, unless ``no_graphs``, one replaying decode graphs of the profiled
+    batch sizes (captured on CUDA): (runners by mode, captured, capture seconds, buckets)."""
     runners: dict[str, ModelRunner] = {"eager": ModelRunner(su.model, su.kv, su.chunk)}
     captured, capture_s, buckets = False, 0.0, []
-    if not args.no_graphs and fitting:
+    if not no_graphs and fitting:
         buckets = sorted({b for b, _ in fitting})
         graphs = DecodeGraphs(su.model, su.kv, su.chunk, max(buckets),
                               su.graph_max_blocks(max(buckets), max(c for _, c in fitting)),
@@ -381,6 +375,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runner = ModelRunner(su.model, su.kv, su.chunk)
         runner.decode_graphs = graphs
         runners["graph"] = runner
+    return runners, captured, capture_s, buckets
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+
+    device = torch.device(args.device)
+    on_device = device.type == "cuda"
+    dtype = getattr(torch, args.dtype)
+    configs = parse_configs(args.configs)
+    t0 = time.perf_counter()
+    su: Setup = setup(args.model, dtype, args.kv_gb, device)
+    init_s = time.perf_counter() - t0
+    gemm_bytes = gemm_weight_bytes(su.model)
+    fitting = [(b, c) for b, c in configs if su.fits(b, c)]
+    print(f"{args.model} {args.dtype} on {device}: weights {su.weight_bytes / 1e9:.2f} GB "
+          f"(GEMMs read {gemm_bytes / 1e9:.2f} GB), {su.num_blocks} KV blocks, "
+          f"set up in {init_s:.1f} s")
+
+    runners, captured, capture_s, buckets = build_runners(su, fitting, args.no_graphs,
+                                                          on_device)
 
     trace_cfg = parse_configs(args.trace_config)[0] if args.trace_config else (
         fitting[0] if fitting else None)
