@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     from pensieve import LLM
+    from pensieve.core.config import SchedulerConfig
     from pensieve.models.loader import resolve_config
 
     kw = {"load_format": a.load_format, "device": a.device, "gpu_kv_gb": a.gpu_kv_gb,
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(a.model, **{k: v for k, v in kw.items() if v is not None})
     res = measure(llm, a.decodes, a.decode_context, a.prompt,
                   vocab=int(resolve_config(a.model)[0].vocab_size))
-    res["config"] = {**vars(a), "max_num_batched_tokens":
-                     llm.engine.config.scheduler.max_num_batched_tokens}
+    res["config"] = {**vars(a), "max_num_batched_tokens": a.max_num_batched_tokens
+                     or SchedulerConfig().max_num_batched_tokens}
     print(json.dumps({k: v for k, v in res.items() if k != "steps"}, indent=1))
     if a.out:
         with open(a.out, "w") as f:

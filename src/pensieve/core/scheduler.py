@@ -168,8 +168,7 @@ class Scheduler:
         """One step's requests under the token budget. ``prefill``: None takes every kind of
         work (unified batches); True only prefill work, False only decodes (separate batches).
         """
-        cache = self.cache
-        budget = self.config.max_num_batched_tokens
+        cache, budget = self.cache, self.config.max_num_batched_tokens
         self._pairs_left = self.config.attention_pairs()
         scheduled: list[ScheduledRequest] = []
 
@@ -188,11 +187,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_pending, budget)
-            if n > 1:
-                n = self._attention_cap(pending[0][0], n)
-                if n == 0:
-                    i += 1
-                    continue
+            if n > 1 and not (n := self._attention_cap(pending[0][0], n)):
+                i += 1
+                continue
             end = lo + n if len(pending) == 1 else req.pending_end(n)
             cid = req.conversation_id  # a running turn's conversation exists
             conv = conversations[cid if cid is not None else req.request_id]
@@ -210,10 +207,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (and, with
-        # separate batches, while the head's work is of this step's kind). A turn with chunks
-        # to swap in, admitted into a step that has other work, computes from the next step
-        # on: its swap-ins copy during this step, which does not wait for them (unified only).
+        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (separate
+        # batches: while the head's work is of this step's kind). A turn with chunks to swap
+        # in, admitted into a step with other work, computes from the next step on (unified).
         ahead_left = self.config.swap_in_ahead_chunks if prefill is None else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -226,8 +222,7 @@ class Scheduler:
                 break
             n = min(total, budget)
             if n > 1 and self.config.enable_chunked_prefill:
-                n = self._attention_cap(pending[0][0], n)
-                if n == 0:
+                if not (n := self._attention_cap(pending[0][0], n)):
                     break
             req.pending = pending
             # Separate batches admit a turn only with blocks for all of its prefill (as vLLM

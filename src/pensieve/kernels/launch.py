@@ -451,8 +451,8 @@ def paged_attention_triton(
     KV split`` and ``[1]`` int32 count; needs ``tiles`` (and with ``num_kv_splits`` > 1 the
     span) the items were cut for; the grid is ``max_items`` whatever the ranges.
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
-    split covers (``launch_policy``). k_scale, v_scale: ``[num_kv_heads]`` float32, for
-    (and only for) an FP8 cache (``FP8_KV``) of q's heads. Returns out.
+    split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
+    float32 scales. Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
@@ -471,20 +471,16 @@ def paged_attention_triton(
     grid = ((work_items.shape[0], 1, num_kv_heads) if worklist else
             (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
     unused = query_start_loc  # stands in for the pointers a mode does not read
-    work = work_items if worklist else unused
-    num_work = num_work_items if worklist else unused
+    work, num_work = (work_items, num_work_items) if worklist else (unused, unused)
     span_t = kv_split_span if span else unused
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
         ks, vs, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
-        FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
+        FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),  # noqa: E501 (the interpreter's tl.dot reads bf16 as uint16: upcast there)
         SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -53,7 +53,7 @@ class AttentionMetadata:
     (:func:`pensieve.kernels.launch_policy.decode_split_span`). None: equal parts."""
     decode: AttentionMetadata | None = None
     """The step's one-token ranges when they attend in a decode launch of their own
-    (``PENSIEVE_MIXED_DECODES=split``): their ``query_start_loc``, ``range_start_pos``,
+    (``launch_policy.MIXED_DECODES`` ``split``): their ``query_start_loc``, ``range_start_pos``,
     ``range_table`` (offsets into the same tokens), ``max_query_len`` 1 and KV splits; the
     fields above then cover the other ranges only. ``slot_mapping`` and ``block_tables`` are
     the step's."""

@@ -49,10 +49,9 @@ def fraction_arg(text: str) -> float:
 
 
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
-"""The server's thread switch interval. The engine thread needs the GIL between the GPU's
-steps while the event loop streams tokens: at 1.0 agentic sessions/s on an H200 (13B) 0.5 ms
-instead of Python's 5 ms cut the runner's host time before each forward by 14-27% and gave
-+1.9% throughput, -8% P90 latency (docs/benchmarks.md)."""
+"""The server's thread switch interval: the engine thread needs the GIL between the GPU's
+steps while the event loop streams tokens, and a shorter interval than Python's 5 ms gives it
+sooner (the A/B: docs/benchmarks.md)."""
 
 
 def positive_ms_arg(text: str) -> float:
@@ -103,7 +102,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-bandwidth-gbps", type=swap_bandwidth_arg, default="auto",
                    metavar="GBPS|auto|off",
                    help="measured one-way rate of KV copies between the tiers (GB/s; "
-                        "benchmarks/swap_bandwidth.py); the cache swaps a CPU-tier chunk in only "
+                        "pensieve.bench.swap_bandwidth); the cache swaps a CPU-tier chunk in only "
                         "where that beats recomputing it. auto (default): 45 on CUDA, off on the "
                         "CPU; off: always swap in")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
