@@ -12,7 +12,7 @@
 # running and waiting); each point says whether its window was at steady state (the halves'
 # means within 10%: `steady_state`; and within the window's own noise: `steady_within_noise`).
 # Set-up: Llama 2-13B shape with 10 KV heads (preset llama2-13b-gqa10 + a word-level tokenizer
-# whose id sequences all re-tokenize to themselves, via benchmarks/chat_model_dir.py; TOKENIZER=
+# whose id sequences all re-tokenize to themselves, via src/pensieve/bench/chat_model_dir.py; TOKENIZER=
 # demo for the demo SentencePiece one), dummy weights, bf16, GPU KV tier 40 GB, CPU tier 60 GB.
 #
 # Usage: churn_points.sh [SYSTEM_A,SYSTEM_B] [RATE | RATE_A,RATE_B] [extra multiturn.py args]
@@ -20,7 +20,7 @@
 #        system near its own capacity). One system alone (e.g. `pensieve 1.0`) runs one
 #        server on GPU A: what a one-GPU machine can do (compare with an earlier run's point).
 # The device image lacks fastapi/uvicorn/pydantic: run
-#   ../shared/tools/device-wheels.sh annotated-doc anyio==4.16.0
+#   bash scripts/device-wheels.sh annotated-doc anyio==4.16.0
 # here first and carry .whl; they are installed into $SITE (default /tmp/site).
 # Env overrides: MODEL (preset, model dir or demo), MODEL_SET (chat_model_dir.py --set;
 # default max_position_embeddings=16384; a value replaces it, e.g. "max_position_embeddings=16384
@@ -30,7 +30,7 @@
 # inproc: `multiturn.py --engine real` in process on each GPU instead of servers, same load),
 # SERVE_ARGS (more flags for both servers), SERVE_ARGS_A / SERVE_ARGS_B (one server),
 # SERVE_ENV_A / SERVE_ENV_B (NAME=VALUE words for one server's environment, e.g.
-# PENSIEVE_SWAP_AHEAD=dma),
+# PENSIEVE_STEP_LOG=steps.jsonl),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
 # PROFILE_STEPS (START:COUNT: each server's steps START.. as a profiler trace, trace.json.gz),
@@ -110,12 +110,12 @@ finish() {  # gather what there is into $OUT, print the summary
     [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 2000000 ] && gzip -f "$f"
   done
   if [ ${#ts[@]} -gt 0 ]; then
-    "$py" benchmarks/plot_timeseries.py "${ts[@]}" --out "$out/churn" --title \
+    "$py" -m pensieve.bench.plot_timeseries "${ts[@]}" --out "$out/churn" --title \
       "$sys_a$([ "$sides" = A ] || echo " vs $sys_b"), $rate sessions/s, $workload, $model, tiers $gpu_kv/$cpu_kv GB, $label" \
       >> "$log" 2>&1 || say "plot failed"
   fi
   if [ -s "$out/points.jsonl" ]; then
-    "$py" benchmarks/churn_summary.py "$out/points.jsonl" > "$out/summary.txt" 2>> "$log"
+    "$py" -m pensieve.bench.churn_summary "$out/points.jsonl" > "$out/summary.txt" 2>> "$log"
     cat "$out/summary.txt"
   else
     say "no points"
@@ -143,7 +143,7 @@ if [ "$mode" = inproc ]; then
     mkdir -p "$w/$s"
     # shellcheck disable=SC2046
     env $(pin "$g") timeout $(( warmup + window + drain + start_est + 60 )) \
-      "$py" benchmarks/multiturn.py --engine real --systems "$sys" --rates "$r" "${load_args[@]}" \
+      "$py" -m pensieve.bench.multiturn --engine real --systems "$sys" --rates "$r" "${load_args[@]}" \
       "${model_args[@]}" --duration $(( warmup + window )) --warmup "$warmup" \
       --drain "$drain" --out "$w/$s" "$@" > "$w/$s/client.log" 2> "$w/$s/progress.log" &
     eval "pid_$s=$!"
@@ -165,7 +165,7 @@ if [ "$api" = chat ] && [ "$model" != demo ] && [ ! -d "$model" ]; then
   # contexts beyond max_position_embeddings, so the benchmark's model allows 16,384 (the
   # client's --max-model-len) unless MODEL_SET says otherwise. The shape is unchanged.
   for kv in ${MODEL_SET:-max_position_embeddings=16384}; do set_args+=(--set "$kv"); done
-  serve_model=$("$py" benchmarks/chat_model_dir.py "$model" "$w/model" "${set_args[@]}" \
+  serve_model=$("$py" -m pensieve.bench.chat_model_dir "$model" "$w/model" "${set_args[@]}" \
                  --tokenizer "${TOKENIZER:-words}") \
     || { say "could not build a chat model directory for $model"; exit 2; }
   say "serving $model with the ${TOKENIZER:-words} tokenizer from $serve_model"
@@ -254,7 +254,7 @@ say "both up after $elapsed s: arrivals for $duration s (window $warmup-$duratio
 
 for s in $sides; do
   if [ $s = A ]; then sys=$sys_a; p=$port; r=$rate_a; else sys=$sys_b; p=$((port + 1)); r=$rate_b; fi
-  timeout $(( duration + drain + 60 )) "$py" benchmarks/multiturn.py --engine http --api "$api" \
+  timeout $(( duration + drain + 60 )) "$py" -m pensieve.bench.multiturn --engine http --api "$api" \
     --url "http://127.0.0.1:$p" --systems "$sys" --rates "$r" "${load_args[@]}" \
     --duration "$duration" \
     --warmup "$warmup" --drain "$drain" --max-connections "${MAX_CONN:-1024}" \

@@ -6,7 +6,7 @@
 # 22 GB, 60 s of arrivals, 10 s warm-up, 20 s drain; the server's --cache-policy is SYSTEM.
 # Usage: http_point.sh SYSTEM RATE [extra multiturn.py args]. Writes to $OUT (default
 # results_tmp): http/points.jsonl, http/requests.jsonl.gz, run.log, server.log, metrics.txt.
-# The device image lacks fastapi/uvicorn/pydantic: run ../shared/tools/device-wheels.sh
+# The device image lacks fastapi/uvicorn/pydantic: run scripts/device-wheels.sh
 # annotated-doc anyio==4.16.0 here first and carry .whl; they are installed into $SITE.
 # Env overrides (e.g. the demo model on the CPU): MODEL, LOAD_FORMAT, DTYPE, DEVICE, GPU_KV_GB,
 # CPU_KV_GB, THINK, DURATION, WARMUP, DRAIN, TAG, PORT, SERVE_ARGS (more server flags),
@@ -83,7 +83,7 @@ echo "server ready after $(( $(date +%s) - t_start )) s ($model, $system, pid $s
 # --max-connections: at most one turn per conversation is in flight, and a point starts about
 # RATE x DURATION conversations, so 512 never holds turns back on the client below ~8/s at 60 s
 # (http_throttled in the point says if it did).
-timeout "${PT_TIMEOUT:-300}" "$py" benchmarks/multiturn.py --engine http --url "$url" \
+timeout "${PT_TIMEOUT:-300}" "$py" -m pensieve.bench.multiturn --engine http --url "$url" \
   --systems "$system" --rates "$rate" --model "$model" "${model_args[@]}" \
   --think-time "${THINK:-6}" --duration "${DURATION:-60}" --warmup "${WARMUP:-10}" \
   --drain "${DRAIN:-20}" --max-connections "${MAX_CONN:-512}" --tag "${TAG:-h200-http}" \

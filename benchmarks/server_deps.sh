@@ -1,7 +1,7 @@
 # Sourced by the scripts that start `pensieve serve` on the device machine (churn_points.sh,
 # http_point.sh) with $py set: makes fastapi/uvicorn/pydantic importable from the carried
 # wheels in .whl (installed once into $SITE, default /tmp/site; fetch them here with
-# ../shared/tools/device-wheels.sh annotated-doc anyio==4.16.0), exits 2 if they are not,
+# bash scripts/device-wheels.sh annotated-doc anyio==4.16.0), exits 2 if they are not,
 # and raises the open-files limit for hundreds of streams.
 site=${SITE:-/tmp/site}
 if ! "$py" -c 'import fastapi, uvicorn, pydantic' 2>/dev/null; then
@@ -12,7 +12,7 @@ if ! "$py" -c 'import fastapi, uvicorn, pydantic' 2>/dev/null; then
   export PYTHONPATH=$site:$PYTHONPATH
 fi
 if ! "$py" -c 'import fastapi, uvicorn, pydantic'; then
-  echo "fastapi/uvicorn/pydantic not importable: run ../shared/tools/device-wheels.sh and" \
+  echo "fastapi/uvicorn/pydantic not importable: run scripts/device-wheels.sh and" \
        "carry .whl" >&2
   exit 2
 fi

@@ -26,7 +26,7 @@ if [ "$part" = check ]; then
     --dtype bfloat16 -tp 2 --num-prompts 32 --prompt-len 1024 --output-len 64 \
     --out "$out/offline_70b_tp2.json" 2>>"$out/err.log" | tail -40 | tee -a "$log"
 else
-  timeout ${MT_TIMEOUT:-540} python benchmarks/multiturn.py --systems stateless,pensieve \
+  timeout ${MT_TIMEOUT:-540} pensieve bench multiturn --systems stateless,pensieve \
     --rates "${RATE:-0.2}" --model "${MODEL:-llama2-70b}" --load-format dummy --dtype bfloat16 -tp 2 \
     --workload agentic --think-time "${THINK:-5}" --gpu-kv-gb "${GPU_KV_GB:-8}" \
     --cpu-kv-gb "${CPU_KV_GB:-20}" --warmup "${WARMUP:-90}" --duration $(( ${WARMUP:-90} + ${WINDOW:-90} )) \

@@ -1,7 +1,9 @@
-"""Size limits on src/: no file over 500 lines, no function over 80 lines (``@triton.jit``
-functions are exempt). Prints each offender and exits 1 if there is one.
+"""Size limits: no file of the source roots over 500 lines, no function over 80 lines
+(``@triton.jit`` functions are exempt), and the recorded results (``--results DIR``) at most
+2 MiB in all, so that the tree holds the small outputs the docs cite and git history the rest.
+Prints each offender and exits 1 if there is one.
 
-    python scripts/size_check.py [ROOT ...]   # default: src
+    python scripts/size_check.py [ROOT ...] [--results DIR]   # default: src
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
+MAX_RESULTS_BYTES = 2 * 1024 * 1024
 PENDING: dict[str, str] = {}
 """Known offenders, printed but not failing the check: ``"path"`` or ``"path:function"`` -> why it
 waits. Remove an entry once it is fixed (an entry that no longer offends fails the check, so the
@@ -45,9 +48,26 @@ def offenders(path: Path) -> list[str]:
     return out
 
 
+def results_offenders(root: Path) -> list[str]:
+    """One line if the files under ``root`` hold more than ``MAX_RESULTS_BYTES`` together,
+    naming the largest ones."""
+    sizes = sorted(((p.stat().st_size, p) for p in root.rglob("*") if p.is_file()), reverse=True)
+    total = sum(s for s, _ in sizes)
+    if total <= MAX_RESULTS_BYTES:
+        return []
+    largest = ", ".join(f"{p} ({s} B)" for s, p in sizes[:5])
+    return [f"{root}: {total} bytes (limit {MAX_RESULTS_BYTES}); largest: {largest}"]
+
+
 def main(argv: list[str]) -> int:
+    results = []
+    while "--results" in argv:
+        i = argv.index("--results")
+        results.append(Path(argv[i + 1]))
+        argv = argv[:i] + argv[i + 2:]
     roots = [Path(a) for a in argv] or [Path("src")]
     found = [o for root in roots for p in sorted(root.rglob("*.py")) for o in offenders(p)]
+    found += [o for root in results for o in results_offenders(root)]
     pending, failing = [], []
     for o in found:
         key = next((k for k in PENDING if o.startswith(k.split(":")[0] + ":")

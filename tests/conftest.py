@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -83,7 +84,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def multiturn_module() -> Any:
-    """``benchmarks/multiturn.py`` (a script) loaded as the module ``multiturn``."""
-    from bench_scripts import load
+    """``src/pensieve/bench/multiturn.py`` (a script) loaded as the module ``multiturn``."""
 
-    return load("multiturn")
+    return importlib.import_module("pensieve.bench.multiturn")

@@ -130,12 +130,16 @@ ENGINE_CONFIG_READERS = {
     "pensieve.parallel.worker": "an executor: the tensor-parallel ranks behind TPExecutor",
     "pensieve.bench.simulator": "an executor: SimEngine.from_config sizes the simulated tiers "
                                 "as the engine would (through engine.tiers) for SimExecutor",
+    "pensieve.bench.decode_step": "the decode-step benchmark drives a ModelRunner directly: it "
+                                  "reads the engine's decode-graph shape for its batch sizes",
 }
 """The modules that may read the engine config, and why."""
 
 ENGINE_CONFIG_BUILDERS = {
     "pensieve.server.main": "the server's composition root: builds it from the command line "
                             "(build_engine_config) and passes it to LLMEngine, reading nothing",
+    "pensieve.bench.multiturn": "the in-process benchmark's composition root: builds the "
+                                "engine of its real points from its command line",
 }
 """Modules that may build an engine config and pass it on, but read none of it."""
 

@@ -10,7 +10,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_core import KVCacheManager, _req, _run_step
+from test_core import _req, _run_step, stateless_cache
 from test_stateful_invariant import (
     CHUNK,
     DEVICE,
@@ -52,7 +52,7 @@ def test_separate_steps_prefill_first_then_decodes() -> None:
     while others decode runs alone first (prefill priority)."""
     cfg = SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=8, max_model_len=64,
                           batching="separate")
-    s = Scheduler(cfg, KVCacheManager(64, 4, watermark=0.0))
+    s = Scheduler(cfg, stateless_cache(64, 4, watermark=0.0))
     s.add_request(_req("a", 6, max_tokens=4))
     s.add_request(_req("b", 7, max_tokens=2))
     # step 1: a's whole prompt, b's first 4 tokens (a prefill step)
@@ -98,7 +98,7 @@ def test_separate_admits_a_prompt_only_with_blocks_for_all_of_it() -> None:
     never run again. Separate batches admit it only when all its blocks fit."""
     cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64,
                           batching="separate")
-    s = Scheduler(cfg, KVCacheManager(10, 4, watermark=0.0))
+    s = Scheduler(cfg, stateless_cache(10, 4, watermark=0.0))
     s.add_request(_req("a", 8, max_tokens=20))
     assert _run_step(s)[0] == [("a", 0, 8, True)]
     s.add_request(_req("b", 36, max_tokens=1))  # 9 blocks; 8 are free

@@ -293,3 +293,32 @@ def test_capacity_follows_offered_load_past_saturation() -> None:
            {"conv_rate": 1.0, "throughput_rps": 11.0, "normalized_latency_s_p90": 0.13},
            {"conv_rate": 1.2, "throughput_rps": 10.4, "normalized_latency_s_p90": 0.40}]
     assert capacity_at(pts, 0.08) == pytest.approx(10.5)
+
+
+def test_bench_multiturn_runs_from_the_package(tmp_path) -> None:  # noqa: ANN001
+    """``pensieve bench multiturn`` runs the package's module (no source tree needed): one
+    simulated point on the agentic load, written to ``--out``."""
+    import json as _json
+    from pathlib import Path as _Path
+
+    import pensieve
+    from pensieve.bench import multiturn
+    from pensieve.bench.cli import script_command
+    from pensieve.bench.workload_types import DEFAULT_SHAREGPT_MERGED_CACHE
+
+    package = _Path(pensieve.__file__).resolve().parent
+    assert _Path(multiturn.__file__).resolve().is_relative_to(package)
+    assert DEFAULT_SHAREGPT_MERGED_CACHE.is_relative_to(package)
+    assert DEFAULT_SHAREGPT_MERGED_CACHE.is_file()
+    cost = tmp_path / "cost.json"
+    cost.write_text(_json.dumps({"base_s": 0.01, "per_prefill_token_s": 1e-5,
+                                 "per_decode_token_s": 1e-4}))
+    code = script_command(["bench", "multiturn", "--engine", "sim", "--step-cost", str(cost),
+                           "--systems", "pensieve", "--rates", "1", "--workload", "agentic",
+                           "--num-conversations", "30", "--think-time", "1",
+                           "--duration", "20", "--warmup", "5", "--out", str(tmp_path / "o")])
+    assert code == 0
+    (point,) = [_json.loads(x) for x in (tmp_path / "o" / "points.jsonl").read_text()
+                .splitlines()]
+    assert point["system"] == "pensieve" and point["engine"] == "sim"
+    assert point["throughput_rps"] > 0

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from bench_scripts import BENCH, load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> Any:
+    """The benchmark tool ``pensieve.bench.<name>``."""
+    return importlib.import_module(f"pensieve.bench.{name}")
 
 
 def test_chat_model_dir(tmp_path: Path) -> None:
     from pensieve.models.loader import resolve_config
     from pensieve.models.tokenizer import load_tokenizer
 
-    d = load("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "m"),
+    d = _tool("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "m"),
                                         {"num_hidden_layers": 1})
     cfg, path = resolve_config(str(d))
     assert path == str(d) and cfg.num_hidden_layers == 1
@@ -21,8 +29,8 @@ def test_chat_model_dir(tmp_path: Path) -> None:
     tok = load_tokenizer(str(d))
     assert len(tok) == 32000 and tok.chat_template
     with pytest.raises(SystemExit):  # 1000 tokens
-        load("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"), tokenizer="demo")
-    demo = load("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "d"),
+        _tool("chat_model_dir").build("llama-tiny", str(tmp_path / "tiny"), tokenizer="demo")
+    demo = _tool("chat_model_dir").build("llama2-13b-gqa10", str(tmp_path / "d"),
                                            tokenizer="demo")
     assert len(load_tokenizer(str(demo))) == 32000
 
@@ -49,12 +57,12 @@ def test_chat_model_dir_words_round_trip(tmp_path: Path) -> None:
                                       return_dict=False)
         return int(nxt[:len(ctx) + len(gen)] == ctx + gen)
 
-    words = load_tokenizer(str(load("chat_model_dir").build(
+    words = load_tokenizer(str(_tool("chat_model_dir").build(
         "llama2-13b-gqa10", str(tmp_path / "w"), {"num_hidden_layers": 1})))
     assert sum(kept(words, 32000) for _ in range(50)) == 50
     text = " ".join(CHAT_WORDS[:200])
     assert len(words.encode(text, add_special_tokens=False)) == 200
-    demo = load_tokenizer(str(load("chat_model_dir").build(
+    demo = load_tokenizer(str(_tool("chat_model_dir").build(
         "llama2-13b-gqa10", str(tmp_path / "d"), tokenizer="demo")))
     assert sum(kept(demo, 32000) for _ in range(50)) < 25
 
@@ -74,28 +82,9 @@ def test_plot_timeseries(tmp_path: Path) -> None:
     ts.write_text("\n".join(json.dumps(_series(s, g)) for s, g in
                             (("stateless", 0.5), ("pensieve", 0.0))) + "\n")
     out = tmp_path / "churn"
-    assert load("plot_timeseries").main([str(ts), "--out", str(out)]) == 0
+    assert _tool("plot_timeseries").main([str(ts), "--out", str(out)]) == 0
     png = Path(f"{out}_timeseries.png")
     assert png.is_file() and png.stat().st_size > 10_000
-
-
-def test_plot_sim_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Runs of one (system, rate) from different starts share a panel, each labelled by its
-    start; a panel with no run is an error, not an empty plot."""
-    def point(warm: float | None, n: int) -> dict:
-        return {"system": "pensieve", "conv_rate": 0.9, "warm_start_s_per_token": warm,
-                "ramp": [{"t": 50.0 * i, "sessions_in_flight": 10 + i, "requests_waiting": i}
-                         for i in range(n)]}
-    runs = tmp_path / "runs.json"
-    runs.write_text(json.dumps({"points": [point(None, 80), point(0.05, 30)]}))
-    mod = load("plot_sim_starts")
-    assert [mod.label(p) for p in mod.load_points([str(runs)])] == [
-        "cold, 4000 s", "warm 0.05 s/token, 1500 s"]
-    out = tmp_path / "starts.png"
-    assert mod.main([str(runs), "--only", "pensieve:0.9", "--out", str(out)]) == 0
-    assert out.is_file() and out.stat().st_size > 10_000
-    assert mod.main([str(runs), "--only", "stateless:0.9", "--out", str(out)]) == 2
-    assert "no run of stateless at 0.9/s" in capsys.readouterr().err
 
 
 def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,7 +104,7 @@ def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     pts = tmp_path / "points.jsonl"
     pts.write_text(json.dumps({**base, "system": "stateless"}) + "\n"
                    + json.dumps({**base, "system": "pensieve", "tag": "x"}) + "\n")
-    mod = load("churn_summary")
+    mod = _tool("churn_summary")
     assert mod.main([str(pts)]) == 0
     out = capsys.readouterr().out
     assert "stateless @ 0.7/s" in out and "pensieve @ 0.7/s" in out
@@ -127,15 +116,15 @@ def test_churn_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_long_run_outlives_its_caller(tmp_path: Path) -> None:
-    """benchmarks/long_run.sh: ``start`` returns at once with the command running detached in
+    """scripts/long_run.sh: ``start`` returns at once with the command running detached in
     a copy of the tree (OUT pointing into the run directory); ``wait`` and ``collect`` say
     "running" (exit 3) until it ends, then report its exit status and copy its outputs."""
     import shutil
     import subprocess
 
     tree = tmp_path / "tree"
-    (tree / "benchmarks").mkdir(parents=True)
-    shutil.copy(BENCH / "long_run.sh", tree / "benchmarks")
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "long_run.sh", tree / "scripts")
     (tree / "marker.txt").write_text("copied")
     (tree / ".git").mkdir()  # left out of the copy
     env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(tmp_path / "run")}
@@ -143,7 +132,7 @@ def test_long_run_outlives_its_caller(tmp_path: Path) -> None:
 
     def sh(*args: str, out: Path | None = None) -> subprocess.CompletedProcess[str]:
         e = env | ({"OUT": str(out)} if out else {})
-        return subprocess.run(["bash", str(tree / "benchmarks" / "long_run.sh"), *args],
+        return subprocess.run(["bash", str(tree / "scripts" / "long_run.sh"), *args],
                               env=e, capture_output=True, text=True, timeout=60)
 
     cmd = (f'while [ ! -f {go} ]; do sleep 0.1; done; cat marker.txt > "$OUT/result.txt"; '
@@ -191,29 +180,3 @@ def _churn_run(root: Path, system: str, duration: float, finished: list[float | 
     return root / system
 
 
-def test_churn_common_window(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Points of runs of different lengths are rescored over the shortest one's window: a
-    request of the longer run that finished after the short run's drain counts as never
-    finished, and requests sent after its end are left out."""
-    # short: arrivals until 60 s (window 20-60: requests sent at 20, 30, 40, 50)
-    short = _churn_run(tmp_path, "pensieve", 60.0, [1.0, 11.0, 21.0, 31.0, 41.0, 51.0])
-    # long: arrivals until 80 s; its request sent at 50 finished at 70 (after 60 + 5)
-    long = _churn_run(tmp_path, "stateless", 80.0,
-                      [1.0, 11.0, 21.0, 31.0, 41.0, 70.0, 61.0, 72.0])
-    mod = load("churn_common_window")
-    out = tmp_path / "out"
-    assert mod.main([str(short), str(long), "--out", str(out)]) == 0
-    doc = json.loads((out / "common_window.json").read_text())
-    assert doc["window_s"] == [20.0, 60.0] and doc["finished_by_s"] == 65.0
-    rows = {r["system"]: r for r in doc["points"]}
-    assert rows["pensieve"]["requests"] == 4 and rows["pensieve"]["finished"] == 4
-    assert rows["stateless"]["requests"] == 4 and rows["stateless"]["finished"] == 3
-    assert rows["stateless"]["throughput_rps"] == pytest.approx(3 / 40)
-    assert rows["stateless"]["normalized_latency_s_p90"] == float("inf")
-    assert rows["pensieve"]["completion_rate_rps"] == pytest.approx(0.1, rel=0.05)
-    assert (out / "common_window.png").stat().st_size > 10_000
-    printed = capsys.readouterr().out
-    assert "common window 20-60 s, finished by 65 s" in printed
-    assert "stateless @ 1.3 | 20-80" in printed
-    with pytest.raises(SystemExit, match="no points found"):
-        mod.main([str(tmp_path / "out")])

@@ -17,7 +17,7 @@ from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 
 
-def KVCacheManager(num_blocks: int, chunk_size: int, watermark: float = 0.0) -> TieredKVCache:  # noqa: N802
+def stateless_cache(num_blocks: int, chunk_size: int, watermark: float = 0.0) -> TieredKVCache:
     """A stateless GPU-only cache: what the engine is for one-off requests."""
     return TieredKVCache(num_blocks, 0, chunk_size, get_policy("stateless"), lambda _: 1.0,
                          decode_reserve=watermark)
@@ -64,7 +64,7 @@ def _run_step(s: Scheduler, token: int = 7) -> tuple[list[tuple[str, int, int, b
 
 def test_unified_batch_chunked_prefill_and_decode() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=8, max_model_len=64)
-    s = Scheduler(cfg, KVCacheManager(64, 4, watermark=0.0))
+    s = Scheduler(cfg, stateless_cache(64, 4, watermark=0.0))
     s.add_request(_req("a", 6, max_tokens=4))
     s.add_request(_req("b", 7, max_tokens=2))
     # step 1: a's whole prompt (6), b's first 4 tokens (chunked): no sample for b
@@ -80,7 +80,7 @@ def test_unified_batch_chunked_prefill_and_decode() -> None:
 
 def test_stops_on_eos_and_stop_tokens_unless_ignore_eos() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64)
-    s = Scheduler(cfg, KVCacheManager(32, 4, watermark=0.0))
+    s = Scheduler(cfg, stateless_cache(32, 4, watermark=0.0))
     eos = Request("e", [1, 2], SamplingParams(max_tokens=9, temperature=0), eos_token_ids=(7,))
     ign = Request("i", [1, 2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                   eos_token_ids=(7,))
@@ -97,7 +97,7 @@ def test_stops_on_eos_and_stop_tokens_unless_ignore_eos() -> None:
 
 def test_running_cap_and_fcfs() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=2, max_model_len=64)
-    s = Scheduler(cfg, KVCacheManager(64, 4, watermark=0.0))
+    s = Scheduler(cfg, stateless_cache(64, 4, watermark=0.0))
     for rid in "abc":
         s.add_request(_req(rid, 3, max_tokens=1))
     assert [r[0] for r in _run_step(s)[0]] == ["a", "b"]
@@ -107,7 +107,7 @@ def test_running_cap_and_fcfs() -> None:
 def test_preemption_of_newest_and_recompute() -> None:
     # 4 blocks of 4 tokens; two requests of 7 prompt tokens each take 2 blocks each.
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
-    s = Scheduler(cfg, KVCacheManager(4, 4, watermark=0.0))
+    s = Scheduler(cfg, stateless_cache(4, 4, watermark=0.0))
     a, b = _req("a", 7, max_tokens=4), _req("b", 7, max_tokens=4)
     s.add_request(a)
     s.add_request(b)
@@ -127,10 +127,10 @@ def test_preemption_of_newest_and_recompute() -> None:
 
 def test_rejects_prompts_that_cannot_run() -> None:
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=16)
-    s = Scheduler(cfg, KVCacheManager(8, 4))
+    s = Scheduler(cfg, stateless_cache(8, 4))
     with pytest.raises(ValueError, match="max_model_len"):
         s.add_request(_req("long", 16))
-    s2 = Scheduler(SchedulerConfig(max_model_len=1000), KVCacheManager(2, 4))
+    s2 = Scheduler(SchedulerConfig(max_model_len=1000), stateless_cache(2, 4))
     with pytest.raises(ValueError, match="KV blocks"):
         s2.add_request(_req("big", 20))
     with pytest.raises(ValueError, match="empty prompt"):

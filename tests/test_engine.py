@@ -77,13 +77,15 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: s
                                              monkeypatch) -> None:  # noqa: ANN001
     """The decode-graph path (static buffers, batch padded to a bucket; run eagerly here, as
     CUDA graphs need a GPU) gives the same greedy tokens as HF, suspensions included. With
-    ``PENSIEVE_DECODE_SPAN=auto`` the ragged decode steps (prompts of 1-301 tokens) take the
-    graphs split by span, the others the plain ones; ``0`` and ``1``: only one set."""
-    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
+    the runner's span mode ``auto`` (its default) the ragged decode steps (prompts of 1-301
+    tokens) take the graphs split by span, the others the plain ones; ``0`` and ``1``: only
+    one set."""
     path, prompts, expected = checkpoint
     extra = dict(chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=36) if pressure else {}
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, **extra)
     runner = llm.engine.runner
+    assert runner.decode_span_mode == "auto"
+    runner.decode_span_mode = span
     runner.enable_decode_graphs(max_batch=8, max_blocks=512 // runner.chunk_size, capture=False)
     assert runner.decode_graphs is not None and runner.decode_graphs.buckets == [1, 2, 4, 8]
     # auto: both attention variants over the same buffers; 0 / 1: one
@@ -107,11 +109,11 @@ def test_padded_decode_graph_path_matches_hf(checkpoint, pressure: bool, span: s
 
 
 def test_eager_decode_steps_split_by_span_are_counted(checkpoint, monkeypatch) -> None:  # noqa: ANN001
-    """Without graphs, ``PENSIEVE_DECODE_SPAN=1`` splits every decode-only step (and no step
-    with prefill); the step records say which, for ``/metrics``."""
-    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "1")
+    """Without graphs, span mode ``1`` splits every decode-only step (and no step with
+    prefill); the step records say which, for ``/metrics``."""
     path, prompts, expected = checkpoint
     llm = LLM(model=path, dtype="float32", device="cpu")
+    llm.engine.runner.decode_span_mode = "1"
     seen: list[StepRecord] = []
     llm.engine.step_observers.append(seen.append)
     outs = llm.generate(prompts, GREEDY)
@@ -123,16 +125,16 @@ def test_eager_decode_steps_split_by_span_are_counted(checkpoint, monkeypatch) -
 @pytest.mark.parametrize("span", ["0", "1"])
 def test_eager_mixed_steps_with_decodes_split_match_hf(checkpoint, monkeypatch,
                                                        span: str) -> None:  # noqa: ANN001
-    """``PENSIEVE_MIXED_DECODES=split`` without graphs: a mixed step's decodes go first, in a
-    decode launch of their own split by span, where they are to be split
-    (``PENSIEVE_DECODE_SPAN=1``: always; ``0``: never, so they stay with the other ranges);
-    same greedy tokens as HF, with chunked prefill and recomputation under pressure."""
-    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", "split")
-    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
+    """Mixed decodes ``split`` (the default) without graphs: a mixed step's decodes go first,
+    in a decode launch of their own split by span, where they are to be split (span mode
+    ``1``: always; ``0``: never, so they stay with the other ranges); same greedy tokens as
+    HF, with chunked prefill and recomputation under pressure."""
     path, prompts, expected = checkpoint
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, chunk_size=16,
               max_num_batched_tokens=96, num_gpu_blocks=36)
     runner = llm.engine.runner
+    assert runner.mixed_decodes == "split"
+    runner.decode_span_mode = span
     seen = []
     prepare = runner.prepare_inputs
 
@@ -154,19 +156,6 @@ def test_eager_mixed_steps_with_decodes_split_match_hf(checkpoint, monkeypatch,
     assert all(d is None for with_decodes, d in seen if not with_decodes)
 
 
-def test_a_bad_mixed_decodes_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", "apart")
-    with pytest.raises(ValueError, match="PENSIEVE_MIXED_DECODES"):
-        LLM(model=checkpoint[0], dtype="float32", device="cpu")
-
-
-def test_a_bad_decode_span_setting_fails_at_start(checkpoint, monkeypatch) -> None:  # noqa: ANN001
-    """Read once when the runner starts, not at the first decode step of a serving engine."""
-    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "yes")
-    with pytest.raises(ValueError, match="PENSIEVE_DECODE_SPAN"):
-        LLM(model=checkpoint[0], dtype="float32", device="cpu")
-
-
 @pytest.mark.parametrize("decodes", ["together", "split"])
 @pytest.mark.parametrize("pressure", [False, True])
 def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool, decodes: str,
@@ -175,11 +164,11 @@ def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool, decodes: str,
     steps padded to token buckets with empty range slots, decode steps to batch buckets; same
     greedy tokens as HF, with chunked prefill, suspensions and recomputation under pressure.
     ``split``: a mixed step's decodes first, in a decode launch of their own."""
-    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", decodes)
     path, prompts, expected = checkpoint
     extra = dict(chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=36) if pressure else {}
     llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=512, **extra)
     runner = llm.engine.runner
+    runner.mixed_decodes = decodes
     max_blocks = 512 // runner.chunk_size
     runner.enable_mixed_graphs(max_tokens=llm.engine.config.scheduler.max_num_batched_tokens,
                                max_ranges=8, max_blocks=max_blocks, capture=False)

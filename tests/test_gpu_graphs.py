@@ -21,17 +21,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("kind,decodes,splits", [
-    ("llama-gqa", "together", "1"), ("llama-gqa", "split", "1"), ("opt", "together", "1"),
-    ("opt", "split", "1"), ("llama-gqa", "split", "0")])
-def test_graph_decode_matches_eager(tmp_path, kind: str, decodes: str, splits: str,
-                                    monkeypatch) -> None:  # noqa: ANN001
-    """``decodes``: ``PENSIEVE_MIXED_DECODES`` of both engines (``split``: a mixed step's
-    decodes in a decode launch of their own, split by span in the graphs). ``splits``:
-    ``PENSIEVE_MIXED_SPLITS`` (the mixed-step graphs' other ranges split KV by span; the
-    default)."""
-    monkeypatch.setenv("PENSIEVE_MIXED_DECODES", decodes)
-    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", splits)
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
+def test_graph_decode_matches_eager(tmp_path, kind: str) -> None:  # noqa: ANN001
+    """The runner's defaults: a mixed step's decodes in a decode launch of their own, split
+    by span in the graphs; the mixed-step graphs' other ranges split KV by span."""
     torch.manual_seed(0)
     if kind == "opt":
         cfg = transformers.OPTConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2,
@@ -53,9 +46,9 @@ def test_graph_decode_matches_eager(tmp_path, kind: str, decodes: str, splits: s
     assert eager.engine.runner.decode_graphs is None
     assert graph.engine.runner.mixed_graphs is not None
     assert graph.engine.runner.mixed_graphs.buckets == [16, 32, 64, 96, 128]
-    assert graph.engine.runner.mixed_graphs.split_decodes == (decodes == "split")
-    assert graph.engine.runner.mixed_graphs.kv_splits == (splits == "1")
-    assert graph.engine.runner.mixed_graphs._items_splits(16) == (32 if splits == "1" else 1)
+    assert graph.engine.runner.mixed_graphs.split_decodes
+    assert graph.engine.runner.mixed_graphs.kv_splits
+    assert graph.engine.runner.mixed_graphs._items_splits(16) == 32
     assert eager.engine.runner.mixed_graphs is None
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 7, 40, 100, 3, 260)]

@@ -159,30 +159,11 @@ def test_graphs_with_waits_give_the_tokens_of_graphs_that_wait_for_all(
     assert armed, "no step with swap-ins replayed a graph with waits"
 
 
-def test_step_swap_ins_builds_disjoint_swaps() -> None:
-    """benchmarks/step_swap_ins.py: the turn's first history chunks come in from distinct CPU
-    blocks; the swap-outs read GPU blocks no request of the step uses, into other CPU blocks."""
-    from bench_scripts import load
-
-    load("decode_step")  # the script's sibling imports
-    load("mixed_step")
-    build_step = load("step_swap_ins").build_step
-    sched = build_step(batch=4, ctx=100, prefill=20, history=256, swap_in=5, swap_out=3,
-                       chunk=32, num_blocks=64, cpu_blocks=10, rng=random.Random(0))
-    turn = sched.requests[-1]
-    assert [g for _, g in sched.swaps.swap_in] == list(turn.block_table[:5])  # (cpu, gpu)
-    used = {b for s in sched.requests for b in s.block_table}
-    assert not {g for g, _ in sched.swaps.swap_out} & used
-    cpu = [c for c, _ in sched.swaps.swap_in] + [c for _, c in sched.swaps.swap_out]
-    assert len(set(cpu)) == 8 and all(0 <= c < 10 for c in cpu)
-    assert len(sched.requests) == 5 and turn.ranges[0].start_pos == 256
-
-
-def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """``PENSIEVE_MIXED_DECODES=split`` on the CPU: a step with decodes at ragged positions, a
-    request that recomputes its leading tokens beside a one-token turn, and a prefill turn,
-    eagerly and through the static-buffer mixed-step graph path, split (ragged: max > 2x
-    mean) and not (span ``0``): the logits of the sampled rows equal those of the decodes
+def test_decodes_split_give_the_logits_of_one_launch(tmp_path) -> None:  # noqa: ANN001
+    """Mixed decodes ``split`` (the runner's default) on the CPU: a step with decodes at ragged
+    positions, a request that recomputes its leading tokens beside a one-token turn, and a
+    prefill turn, eagerly and through the static-buffer mixed-step graph path, split (ragged:
+    max > 2x mean) and not (span ``0``): the logits of the sampled rows equal those of the decodes
     attended in one launch with the rest."""
     rng = random.Random(1)
     req = []
@@ -205,9 +186,8 @@ def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> N
     # span "0": decodes not to be split, so "split" leaves them with the rest (and the
     # graphs' decode launch empty)
     for mode, span in (("together", "auto"), ("split", "auto"), ("split", "0")):
-        monkeypatch.setenv("PENSIEVE_MIXED_DECODES", mode)
-        monkeypatch.setenv("PENSIEVE_DECODE_SPAN", span)
         runner = _tiny_runner(tmp_path / f"{mode}{span}")
+        runner.mixed_decodes, runner.decode_span_mode = mode, span
         torch.manual_seed(3)
         for t in runner.kv_caches:
             t.normal_()
@@ -222,40 +202,3 @@ def test_decodes_split_give_the_logits_of_one_launch(tmp_path, monkeypatch) -> N
     for key, got in logits.items():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(key))
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize(("ahead_waits", "after_launch"),
-                         [("layers", "0"), ("all", "1"), ("layers", "1")])
-def test_ahead_waits_and_background_after_launch_give_the_same_tokens(
-        tmp_path, monkeypatch, ahead_waits: str, after_launch: str) -> None:  # noqa: ANN001
-    """``PENSIEVE_AHEAD_WAITS=layers`` (each layer of the next step waits for its group of
-    the ahead copies) and ``PENSIEVE_BACKGROUND_AFTER_LAUNCH=1`` (a graph step issues its
-    ahead copies and background swap-outs once its forward is launched) give the greedy
-    tokens of the defaults, under a tiny GPU tier where turns are swapped in ahead."""
-    from tiny_hf import assert_same_turns, tiny_swap_llama
-
-    from pensieve import LLM
-    from pensieve.runner.swapper import KVSwapper
-
-    common = tiny_swap_llama(tmp_path, num_layers=3)
-    deferred = []
-    start = KVSwapper.start_step
-
-    def counting(self, plan, defer_background=False):  # noqa: ANN001, ANN202
-        deferred.append(defer_background and bool(plan.swap_in_ahead or plan.swap_out))
-        return start(self, plan, defer_background)
-
-    monkeypatch.setattr(KVSwapper, "start_step", counting)
-    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", ahead_waits)
-    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", after_launch)
-    variant = LLM(**common)
-    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "all")
-    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "0")
-    default = LLM(**common)
-    assert variant.engine.runner.swapper.ahead_waits == ahead_waits
-    assert variant.engine.runner.background_after_launch == (after_launch == "1")
-    assert_same_turns([variant, default], random.Random(1), rounds=3)
-    assert variant.cache_stats()["swapped_in_tokens"] > 0
-    if after_launch == "1":
-        assert any(deferred), "no graph step deferred its background copies"

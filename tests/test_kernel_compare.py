@@ -1,4 +1,4 @@
-"""benchmarks/kernel_compare.py (Figure 12): every variant computes the same attention.
+"""pensieve.bench.kernel_compare (Figure 12): every variant computes the same attention.
 
 Without CUDA the Triton kernels run in Triton's interpreter (the script sets
 ``TRITON_INTERPRET=1`` on import), so the shapes are tiny: 4 query heads, 2 KV heads,
@@ -12,19 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from bench_scripts import load
 
-kc = load("kernel_compare")  # registered under its name: dataclasses look it up
+import pensieve.bench.kernel_compare as kc
+import pensieve.bench.kernel_configs as cfgs
+import pensieve.bench.kernel_variants as variants
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("q_len,ctx,batch", [
     (1, 40, 3), pytest.param(20, 0, 2, marks=pytest.mark.slow), (7, 70, 3)])
 def test_variants_agree(q_len: int, ctx: int, batch: int) -> None:
-    config = kc.homogeneous(q_len, ctx, batch=batch)
+    config = cfgs.homogeneous(q_len, ctx, batch=batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = kc.run_config(config, kc.CHECK_SHAPE, torch.float32, DEVICE, timing=False,
+        row = kc.run_config(config, cfgs.CHECK_SHAPE, torch.float32, DEVICE, timing=False,
                             check_ref=True)
     assert "not_run_ours" not in row
     assert row["agree_ref"], row
@@ -37,13 +39,13 @@ def test_variants_agree(q_len: int, ctx: int, batch: int) -> None:
     else:
         assert row["agree_d"], row["err_d"]
     assert row["backend_a"] and row["backend_b"]
-    kind = kc.mask_kind(q_len, ctx)
+    kind = variants.mask_kind(q_len, ctx)
     assert {"none": "no mask", "causal": "is_causal",
             "lower_right": "causal_lower_right"}[kind] in row["backend_a"]
 
 
 def test_problem_is_paged_non_contiguously() -> None:
-    p = kc.make_problem(kc.homogeneous(7, 70, batch=3), kc.CHECK_SHAPE, torch.float32, "cpu")
+    p = cfgs.make_problem(cfgs.homogeneous(7, 70, batch=3), cfgs.CHECK_SHAPE, torch.float32, "cpu")
     assert p.k_cache.shape[0] % 4 == 0
     used = p.tables_cpu[:, :3].reshape(-1)
     assert len(set(used.tolist())) == used.numel()  # no block shared
@@ -69,9 +71,9 @@ def _dense_blocks(bm, full: bool) -> torch.Tensor:
 def test_flex_block_mask_matches_create_block_mask(groups, kv_block: int) -> None:
     """The block sparsity built from the block tables equals create_block_mask's (dense)."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    config = kc.mixed(*(kc.Group(*g) for g in groups))
-    p = kc.make_problem(config, kc.CHECK_SHAPE, torch.float32, "cpu")
-    bm = kc.flex_block_mask(p, kv_block=kv_block)
+    config = cfgs.mixed(*(cfgs.Group(*g) for g in groups))
+    p = cfgs.make_problem(config, cfgs.CHECK_SHAPE, torch.float32, "cpu")
+    bm = variants.flex_block_mask(p, kv_block=kv_block)
     slots = p.k_cache.shape[0] * p.shape.chunk
     ref = flex.create_block_mask(bm.mask_mod, None, None, p.num_tokens, slots, device="cpu",
                                  BLOCK_SIZE=(128, kv_block))
@@ -96,21 +98,21 @@ def test_flex_block_mask_matches_create_block_mask(groups, kv_block: int) -> Non
 
 
 def test_batch_size_and_grid() -> None:
-    assert kc.batch_size(1, 16384) == 64
-    assert kc.batch_size(512, 0) == 16
-    assert kc.batch_size(16, 1024) == 64
-    assert kc.batch_size(512, 16384, max_kv_tokens=100_000) == 5
-    assert kc.batch_size(4096, 10**7) == 1
-    configs = kc.grid_configs()
+    assert cfgs.batch_size(1, 16384) == 64
+    assert cfgs.batch_size(512, 0) == 16
+    assert cfgs.batch_size(16, 1024) == 64
+    assert cfgs.batch_size(512, 16384, max_kv_tokens=100_000) == 5
+    assert cfgs.batch_size(4096, 10**7) == 1
+    configs = cfgs.grid_configs()
     names = [c.name for c in configs]
     assert len(names) == len(set(names)) == 6 * 4 + 2
     for c in configs:
-        assert c.kv_tokens <= kc.MAX_KV_TOKENS
-    assert [c.name for c in kc.select_configs(configs, "q1_*,mixed*")] == [
+        assert c.kv_tokens <= cfgs.MAX_KV_TOKENS
+    assert [c.name for c in cfgs.select_configs(configs, "q1_*,mixed*")] == [
         "q1_ctx0", "q1_ctx1024", "q1_ctx4096", "q1_ctx16384",
         "mixed_1x512@0+63x1@2048", "mixed_4x128@4096+60x1@1024"]
-    assert kc.mask_kind(1, 0) == "none" and kc.mask_kind(16, 0) == "causal"
-    assert kc.mask_kind(16, 1024) == "lower_right"
+    assert variants.mask_kind(1, 0) == "none" and variants.mask_kind(16, 0) == "causal"
+    assert variants.mask_kind(16, 1024) == "lower_right"
 
 
 def test_timing_table_plot_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,10 +125,10 @@ def test_timing_table_plot_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         return 0.0
 
     monkeypatch.setattr(kc, "time_part", fake_time)
-    config = kc.mixed(kc.Group(1, 5, 0), kc.Group(2, 1, 40))
+    config = cfgs.mixed(cfgs.Group(1, 5, 0), cfgs.Group(2, 1, 40))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = kc.run_config(config, kc.CHECK_SHAPE, torch.float32, DEVICE, timing=True,
+        row = kc.run_config(config, cfgs.CHECK_SHAPE, torch.float32, DEVICE, timing=True,
                             variants=("ours", "a", "b", "c"))
     # one timed part for ours and c, one per homogeneous sub-batch for a and b
     assert len(calls) == 1 + 2 + 2 + 1
@@ -134,7 +136,7 @@ def test_timing_table_plot_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     row.update({f"{v}_us": t for v, t in times.items()})
     row["ours_over_a"], row["b_over_ours"] = 2.0, 2.0
     table = kc.format_table([row], timing=True)
-    assert config.name in table and "ours/a" in table and kc.MIXED_NOTE in table
+    assert config.name in table and "ours/a" in table and cfgs.MIXED_NOTE in table
     png = tmp_path / "fig12.png"
     kc.plot([row], str(png))
     assert png.stat().st_size > 1000

@@ -362,25 +362,15 @@ def test_decode_split_span_rule() -> None:
     assert decode_kv_splits(1, 1, dev) >= min(32, target)
 
 
-def test_decode_split_span_is_for_ragged_steps(monkeypatch) -> None:  # noqa: ANN001
-    from pensieve.kernels.launch_policy import (
-        decode_is_ragged,
-        decode_split_span_mode,
-        use_split_span,
-    )
+def test_decode_split_span_is_for_ragged_steps() -> None:
+    from pensieve.kernels.launch_policy import DECODE_SPAN_MODE, decode_is_ragged, use_split_span
 
     ragged, uniform = [500] * 50 + [13000] * 2, [3000] * 56
     assert decode_is_ragged(ragged) and not decode_is_ragged(uniform)
     assert not decode_is_ragged([]) and not decode_is_ragged([9000])
     for mode, want in (("auto", (True, False)), ("1", (True, True)), ("0", (False, False))):
-        monkeypatch.setenv("PENSIEVE_DECODE_SPAN", mode)
-        assert decode_split_span_mode() == mode
         assert (use_split_span(ragged, mode), use_split_span(uniform, mode)) == want
-    monkeypatch.delenv("PENSIEVE_DECODE_SPAN")
-    assert decode_split_span_mode() == "auto"
-    monkeypatch.setenv("PENSIEVE_DECODE_SPAN", "yes")
-    with pytest.raises(ValueError, match="PENSIEVE_DECODE_SPAN"):
-        decode_split_span_mode()
+    assert DECODE_SPAN_MODE == "auto"
 
 
 def _overflow_case(real: bool) -> None:
@@ -499,7 +489,7 @@ def test_launcher_rejects_bad_arguments() -> None:
 
 
 def test_dispatch_through_pensieve_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PENSIEVE_ATTENTION=triton`` routes the public entry points to these kernels."""
+    """``KernelChoice("triton")`` routes the public entry points to these kernels."""
     monkeypatch.setattr(kernels, "CHOICE", kernels.KernelChoice("triton"))
     from pensieve.layers.attention import AttentionMetadata, PagedAttention
 
@@ -616,7 +606,7 @@ def test_split_work_items_follow_the_kernels_cut() -> None:
 
 @pytest.mark.parametrize("group,dtype,span", [(4, F32, 32), (1, BF16, None), (8, F16, 64)])
 def test_decodes_in_a_launch_of_their_own(group, dtype, span) -> None:
-    """``PENSIEVE_MIXED_DECODES=split``: a mixed step's one-token ranges (its first tokens)
+    """Mixed decodes ``split``: a mixed step's one-token ranges (its first tokens)
     attend in a decode launch with KV splits (by span, or equal parts), its other ranges in a
     second launch whose ``query_start_loc`` starts past them; together every token equals
     the reference."""

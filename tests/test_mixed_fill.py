@@ -153,31 +153,3 @@ def test_mixed_kv_splits_follow_the_bucket_only() -> None:
                             10, cpu) == 256
 
 
-def test_mixed_kv_splits_env(monkeypatch) -> None:  # noqa: ANN001
-    from pensieve.kernels.launch_policy import mixed_kv_splits_mode
-
-    monkeypatch.delenv("PENSIEVE_MIXED_SPLITS", raising=False)
-    assert mixed_kv_splits_mode()
-    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", "0")
-    assert not mixed_kv_splits_mode()
-    monkeypatch.setenv("PENSIEVE_MIXED_SPLITS", "yes")
-    with pytest.raises(ValueError, match="PENSIEVE_MIXED_SPLITS"):
-        mixed_kv_splits_mode()
-
-
-def test_graph_fill_host_benchmark_runs(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """``benchmarks/graph_fill_host.py`` on a tiny set-up: one row a batch, both fills timed."""
-    import json
-    import sys
-
-    from bench_scripts import load
-
-    monkeypatch.delenv("PENSIEVE_MIXED_DECODES", raising=False)  # the default
-    out = tmp_path / "fill.json"
-    monkeypatch.setattr(sys, "argv", ["graph_fill_host.py", "--batches", "3,9", "--iters", "2",
-                                      "--reps", "1", "--prefill", "20", "--out", str(out)])
-    load("graph_fill_host").main()
-    rows = json.loads(out.read_text())
-    assert [r["decodes"] for r in rows] == [3, 9]
-    assert all(r["decode_fill_ms"] > 0 and r["mixed_fill_ms"] > 0 for r in rows)
-    assert all(r["mixed_decodes"] == "split" for r in rows)

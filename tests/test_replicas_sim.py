@@ -119,24 +119,3 @@ def test_bad_arguments() -> None:
         ReplicatedSim(2, make, VirtualClock(), AffinityRouter(replica_names(3)))
 
 
-def test_sim_replicas_script_tiny(tmp_path) -> None:  # noqa: ANN001
-    """benchmarks/sim_replicas.py at tiny size: every (N, routing, rate) point runs, capacity
-    is reported per target, N = 1 counted once."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("matplotlib")
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_replicas.py"
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--workers", "1", "--replicas",
-                        "1,2", "--rates", "0.5,1.0", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    d = json.loads((tmp_path / "sim_replicas.json").read_text())
-    assert sorted((p["replicas"], p["routing"], p["conv_rate"]) for p in d["points"]) == [
-        (1, "affinity", 0.5), (1, "affinity", 1.0), (2, "affinity", 1.0), (2, "affinity", 2.0),
-        (2, "random", 1.0), (2, "random", 2.0)]
-    assert all(p["moved_turns"] > 0 for p in d["points"] if p["routing"] == "random")
-    assert set(d["capacity"]) == {"50ms", "100ms"}
-    assert (tmp_path / "sim_replicas.png").stat().st_size > 0

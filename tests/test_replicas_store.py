@@ -199,3 +199,33 @@ def test_table_of_an_older_version_gains_the_columns(old_store):
     finally:
         store.close()
         again.close()
+
+
+def test_an_edited_row_is_refused_and_named_at_open(stores):
+    """A conversation edited in the database (its text, outside the server) fails its
+    checksum on both backends: every read refuses it, and the check at open lists it."""
+    from pensieve.server.store import CorruptConversationError
+    from pensieve.server.store_check import open_checked
+
+    a, b = stores
+    a.save_turn(_conv("c1", n=2))
+    a.save_turn(_conv("c2", n=1))
+    sql = "UPDATE conversations SET messages = replace(messages, 'a1', 'b1') WHERE id = 'c1'"
+    if isinstance(a, ConversationStore):
+        raw = sqlite3.connect(a.path)
+        raw.execute(sql)
+        raw.commit()
+        raw.close()
+    else:
+        import psycopg
+
+        with psycopg.connect(a.path, autocommit=True) as raw:
+            raw.execute(sql)
+    with pytest.raises(CorruptConversationError, match="'c1' is corrupt.*checksum mismatch"):
+        b.get("c1")
+    assert b.get("c2").messages == _conv("c2").messages
+    store, report = open_checked(a.path)
+    try:
+        assert "c1" in report.corrupt and "c2" not in report.corrupt
+    finally:
+        store.close()

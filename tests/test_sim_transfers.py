@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import importlib
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -369,7 +368,7 @@ def test_execute_reports_in_flight_and_exposed_time() -> None:
     compute = STEP.compute_time(features_of(sched))
     assert out.step_time_s == pytest.approx(compute) and clock.now() == pytest.approx(compute)
     assert out.swap_outs_in_flight == 1
-    rec = sim.step_records[-1]
+    rec = sim.executor.step_records[-1]
     assert rec.exposed_copy_s == pytest.approx(0.0)
     assert rec.background_done_at == pytest.approx(3 * BB / 1e9)
     assert rec.swap_out_chunks == 3 and rec.urgent_swap_out_chunks == 0
@@ -386,7 +385,7 @@ def test_execute_reports_in_flight_and_exposed_time() -> None:
                                           SwapPlan(swap_out_first=pairs(2, 10, 10))))
     f = features_of(SchedulerOutput([_one_request("a", 1, 1)]))
     assert urgent.step_time_s == pytest.approx(STEP.compute_time(f) + 2 * BB / 1e9)
-    assert sim.step_records[-1].exposed_copy_s == pytest.approx(2 * BB / 1e9)
+    assert sim.executor.step_records[-1].exposed_copy_s == pytest.approx(2 * BB / 1e9)
 
 
 def test_legacy_copies_without_a_transfer_model() -> None:
@@ -397,8 +396,8 @@ def test_legacy_copies_without_a_transfer_model() -> None:
     out = sim.executor.execute(sched)
     f = features_of(sched)
     assert out.step_time_s == pytest.approx(STEP.predict(f))
-    assert out.swap_outs_in_flight == 0 and sim.step_log[-1][0].exposed_copy_s is None
-    assert sim.step_records[-1].exposed_copy_s == pytest.approx(STEP.predict(f)
+    assert out.swap_outs_in_flight == 0 and sim.executor.step_log[-1][0].exposed_copy_s is None
+    assert sim.executor.step_records[-1].exposed_copy_s == pytest.approx(STEP.predict(f)
                                                                 - STEP.compute_time(f))
 
 
@@ -434,11 +433,11 @@ def drive(sim: SimEngine, clock: VirtualClock, seed: int, check: bool,
 
 
 def _check_in_flight_blocks(sim: SimEngine) -> None:
-    assert sim.transfers is not None
+    assert sim.executor.transfers is not None
     cache = sim.cache
     held = {ch.block for conv in cache.conversations.values() for ch in conv.chunks
             if ch.tier is Tier.GPU}
-    for b in sim.transfers.in_flight:
+    for b in sim.executor.transfers.in_flight:
         for g in b.gpu_reads:
             assert not cache.gpu.is_free(g), f"GPU block {g} free while its copy runs"
             assert g not in held, f"GPU block {g} reused while its copy runs"
@@ -449,14 +448,14 @@ def test_sim_runs_with_slow_background_copies_and_records_steps() -> None:
     sim = make_sim(TransferModel(swap_in_gbps=20.0, swap_out_gbps=0.5, latency_s=1e-4,
                                  num_layers=40), clock)
     drive(sim, clock, seed=1, check=False)
-    recs = sim.step_records
-    assert len(recs) == sim.num_steps == len(sim.step_log)
+    recs = sim.executor.step_records
+    assert len(recs) == sim.num_steps == len(sim.executor.step_log)
     assert any(r.swap_outs_in_flight > 0 for r in recs)
     assert any(r.swap_outs_in_flight > 1 for r in recs)  # batches outlive several steps
-    assert [r.step_time_s for r in recs] == [dt for _, dt in sim.step_log]
-    assert sum(r.exposed_copy_s for r in recs) == pytest.approx(sim.exposed_copy_s)
-    assert sim.exposed_copy_s > 0
-    for (f, dt), r in zip(sim.step_log, recs, strict=True):
+    assert [r.step_time_s for r in recs] == [dt for _, dt in sim.executor.step_log]
+    assert sum(r.exposed_copy_s for r in recs) == pytest.approx(sim.executor.exposed_copy_s)
+    assert sim.executor.exposed_copy_s > 0
+    for (f, dt), r in zip(sim.executor.step_log, recs, strict=True):
         assert f.exposed_copy_s == pytest.approx(r.exposed_copy_s)
         assert dt == pytest.approx(r.compute_s + r.exposed_copy_s)
     stats = sim.cache.stats
@@ -465,15 +464,15 @@ def test_sim_runs_with_slow_background_copies_and_records_steps() -> None:
     assert sum(r.cpu_recomputed_tokens for r in recs) == getattr(stats, "cpu_recomputed_tokens",
                                                                  0)
     assert sum(r.new_prompt_tokens for r in recs) == stats.new_prompt_tokens
-    assert sum(r.swap_in_chunks for r in recs) == sim.swap_in_chunks
+    assert sum(r.swap_in_chunks for r in recs) == sim.executor.swap_in_chunks
     assert sum(r.swap_out_chunks + r.urgent_swap_out_chunks for r in recs) == \
-        sim.swap_out_chunks
+        sim.executor.swap_out_chunks
     assert sum(r.prefill_tokens + r.decode_tokens for r in recs) == \
-        sum(f.num_tokens for f, _ in sim.step_log)
+        sum(f.num_tokens for f, _ in sim.executor.step_log)
     assert json.dumps([r.as_dict() for r in recs[:3]])
     # the exposed copy time makes the step log refit exactly (compute coefficients recovered)
-    m = StepCostModel.fit(sim.step_log, swap_copy_chunk_s=STEP.swap_copy_chunk_s)
-    assert relative_errors(m, sim.step_log)["max"] < 1e-6
+    m = StepCostModel.fit(sim.executor.step_log, swap_copy_chunk_s=STEP.swap_copy_chunk_s)
+    assert relative_errors(m, sim.executor.step_log)["max"] < 1e-6
     assert m.per_swap_chunk_s == 0.0  # copies are the transfer model's, not a coefficient
 
 
@@ -484,8 +483,8 @@ def test_cache_reclaims_gpu_blocks_only_when_the_simulated_copy_is_done() -> Non
             sim = make_sim(TransferModel(swap_in_gbps=20.0, swap_out_gbps=0.5), clock,
                            swap_bandwidth_gbps=bw)
             drive(sim, clock, seed=seed, check=True)
-            assert any(r.swap_outs_in_flight > 1 for r in sim.step_records)
-            assert any(r.swap_in_chunks for r in sim.step_records)
+            assert any(r.swap_outs_in_flight > 1 for r in sim.executor.step_records)
+            assert any(r.swap_in_chunks for r in sim.executor.step_records)
 
 
 def test_step_record_counts_match_the_engine_record() -> None:
@@ -505,7 +504,7 @@ def test_step_record_counts_match_the_engine_record() -> None:
     clock = VirtualClock()
     sim = make_sim(TransferModel(), clock)
     sim.executor.execute(sched)
-    mine = sim.step_records[-1]
+    mine = sim.executor.step_records[-1]
     for name in ("num_requests", "prefill_tokens", "decode_tokens", "swap_in_chunks",
                  "swap_out_chunks", "urgent_swap_out_chunks"):
         assert getattr(mine, name) == getattr(rec, name), name
@@ -577,13 +576,6 @@ def test_old_step_records_still_fit(tmp_path: Path) -> None:
     # new records (exposed_copy_s written, maybe null) read back too
     f = recs[0][0]
     assert StepFeatures.from_dict(json.loads(json.dumps(f.to_dict()))) == f
-    # and the refit script runs on such a file
-    small = tmp_path / "steps.jsonl"
-    small.write_text("".join(lines))
-    out = tmp_path / "fit.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_step_cost.py"), str(small),
-                    "--out", str(out)], check=True, capture_output=True)
-    assert StepCostModel.load(out).fit_num_records == 400
 
 
 def test_copy_waits_match_the_runner() -> None:
@@ -658,11 +650,10 @@ def test_graph_steps_with_many_swap_ins_of_their_own_run_pipelined() -> None:
 
 
 def test_simulated_graph_swap_in_limit_is_the_runners() -> None:
-    from bench_scripts import load
 
     from pensieve.runner.model_runner import graph_max_swap_in
 
-    jobs = load("sim_churn_jobs")
+    jobs = importlib.import_module("pensieve.bench.sim_churn_jobs")
     assert jobs.GRAPH_MAX_SWAP_IN == graph_max_swap_in(jobs.KV_BYTES_PER_TOKEN * jobs.CHUNK)
     assert jobs.transfer_model(graph_rule=True).graph_max_swap_in == jobs.GRAPH_MAX_SWAP_IN
     assert jobs.transfer_model().graph_max_swap_in is None
@@ -684,7 +675,7 @@ def test_steps_the_rule_makes_eager_pay_the_eager_launch_time() -> None:
         sim = make_sim(dataclasses.replace(m, eager_launch_s=eager), clock)
         sched = SchedulerOutput([_one_request("a", 5)], SwapPlan(swap_in=pairs(3, 10, 0)))
         steps[eager] = (sim.executor.execute(sched).step_time_s, sim.executor.exposed_copy_s,
-                        sim.step_records[-1])
+                        sim.executor.step_records[-1])
     (t0, e0, r0), (t1, e1, r1) = steps[0.0], steps[0.005]
     assert t1 == pytest.approx(t0 + 0.005, abs=1e-9)  # compute ran longer, the copies hid
     assert e1 <= e0 and r1.compute_s == pytest.approx(r0.compute_s + 0.005)

@@ -1,4 +1,4 @@
-"""benchmarks/sim_validate_churn.py at tiny size: reads the real churn points, runs the
+"""pensieve.bench.sim_validate_churn at tiny size: reads the real churn points, runs the
 simulator on a short, scaled-down version of their load, recalibrates, writes its outputs."""
 
 from __future__ import annotations
@@ -10,18 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_scripts import load
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "sim_validate_churn.py"
+VALIDATE = [sys.executable, "-m", "pensieve.bench.sim_validate_churn"]
 
 
 @pytest.mark.slow  # fits and simulates every real churn point, even at tiny size
 def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1",
+    r = subprocess.run([*VALIDATE, "--tiny", "--workers", "1",
                         "--whatif-systems", "stateless,pensieve", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_validate_churn.json").read_text())
     assert len(d["real"]) == 6  # three pairs of the current engine
@@ -38,13 +37,13 @@ def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
 
 
 def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
-    """benchmarks/sim_churn_capacity.py at tiny size: every (system, rate) point is run and a
+    """pensieve.bench.sim_churn_capacity at tiny size: every (system, rate) point is run and a
     capacity is reported per target for each system."""
     pytest.importorskip("matplotlib")
-    script = ROOT / "benchmarks" / "sim_churn_capacity.py"
-    r = subprocess.run([sys.executable, str(script), "--tiny", "--workers", "1", "--rates",
-                        "0.5,1.0", "--systems", "stateless,pensieve", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pensieve.bench.sim_churn_capacity", "--tiny",
+                        "--workers", "1", "--rates", "0.5,1.0", "--systems",
+                        "stateless,pensieve", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_churn_capacity.json").read_text())
     assert {(p["system"], p["conv_rate"]) for p in d["points"]} == {
@@ -72,13 +71,17 @@ def test_ramp_bins_the_samples() -> None:
     assert got[0]["requests_waiting"] == 0.0  # a count the samples lack reads 0
 
 
-def _bench(name: str = "sim_validate_churn") -> Any:
-    """A module of ``benchmarks/`` (default: the script under test)."""
-    return load(name)
+def _bench() -> Any:
+    """``pensieve.bench.sim_validate``: the real points and the fit behind the tool."""
+    import pensieve.bench.sim_validate as svc
+
+    return svc
 
 
 def _jobs() -> Any:
-    return _bench("sim_churn_jobs")
+    import pensieve.bench.sim_churn_jobs as jobs
+
+    return jobs
 
 
 def test_sides_and_scheduler_settings() -> None:
@@ -127,10 +130,10 @@ def test_sim_validate_fitted_tiny(tmp_path: Path) -> None:
     """``--fitted``: the ahead off/on pair simulated with the all-pairs fit as is (tiny size),
     each side with its own scheduler settings, errors per side."""
     pytest.importorskip("matplotlib")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--workers", "1", "--fitted",
+    r = subprocess.run([*VALIDATE, "--tiny", "--workers", "1", "--fitted",
                         str(ROOT / "docs/results/sim_churn/step_cost_churn_fit_all.json"),
                         "--pairs", "pensieve_ahead_off_on_0.9", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads((tmp_path / "sim_validate_churn.json").read_text())
     assert [p["side"] for p in d["real"]] == ["A", "B"]
@@ -156,7 +159,7 @@ def test_real_jobs_simulate_each_points_workload() -> None:
     pairs = ("sharegpt_stateless_pensieve_0.7", "agentic_words_prefixlru_pensieve_0.85")
     real = svc.load_real(pairs)
     args = argparse.Namespace(tiny=False, seed=0, template_tokens=8)
-    jobs = svc.real_jobs(real, StepCostModel.load(svc.FIT_ALL), "m", args, pairs)
+    jobs = svc.real_jobs(real, StepCostModel.load(_jobs().FIT_ALL), "m", args, pairs)
     got = {(j["pair"], j["side"]): (j["workload"], j["gpu_kv_gb"], j["think"]) for j in jobs}
     assert got == {
         ("sharegpt_stateless_pensieve_0.7", "A"): ("sharegpt", 8.0, 6.0),
@@ -179,7 +182,8 @@ def test_one_server_runs_load_as_side_a() -> None:
 def test_what_if_copy_rates() -> None:
     """``--swap-gbps``: one rate for both ways or IN,OUT; a simulated engine then charges its
     copies at those rates (the default: the measured ones)."""
-    sim_churn_capacity = _bench("sim_churn_capacity")
+    import pensieve.bench.sim_churn_capacity as sim_churn_capacity
+
     assert sim_churn_capacity.swap_gbps(None) is None
     assert sim_churn_capacity.swap_gbps("30") == [30.0, 30.0]
     assert sim_churn_capacity.swap_gbps("40,50") == [40.0, 50.0]
@@ -197,40 +201,6 @@ def test_what_if_copy_rates() -> None:
 
     job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve", "swap_gbps": [30.0, 20.0]}
     eng = jobs.make_sim(job, StepCostModel.load(jobs.FIT_ALL), VirtualClock())
-    assert (eng.transfer.swap_in_gbps, eng.transfer.swap_out_gbps) == (30.0, 20.0)
+    assert (eng.executor.transfer.swap_in_gbps, eng.executor.transfer.swap_out_gbps) == (30.0, 20.0)
 
 
-def test_sim_urgent_swapouts_tiny(tmp_path: Path) -> None:
-    """benchmarks/sim_urgent_swapouts.py on tiers small enough to need urgent swap-outs: every
-    urgent chunk the steps report was planned by one of the counted cache calls (they count
-    what they planned; a chunk swapped out and back in within one step's plan is cancelled
-    there, so the steps report at most as many), and a setting that is not a share is
-    refused."""
-    mod = _bench("sim_urgent_swapouts")
-    assert mod.parse_variant("default") == {}
-    assert mod.parse_variant("decode_reserve=0.05,swap_out_batch=0.1") == {
-        "decode_reserve": 0.05, "swap_out_batch": 0.1}
-    with pytest.raises(ValueError, match="unknown setting"):
-        mod.parse_variant("reserve=0.1")
-    with pytest.raises(ValueError, match="share"):
-        mod.parse_variant("decode_reserve=1.5")
-    assert mod.parse_variant("urgent_pipelined,decode_reserve=0.05") == {
-        "urgent_pipelined": 1.0, "decode_reserve": 0.05}
-    out = tmp_path / "rows.json"
-    assert mod.main(["--rate", "1.0", "--gpu-kv-gb", "0.3", "--cpu-kv-gb", "1.0",
-                     "--duration", "40", "--warmup", "20", "--length-scale", "0.2",
-                     "--variants", "default;decode_reserve=0.02;urgent_pipelined",
-                     "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == [{}, {"decode_reserve": 0.02},
-                                            {"urgent_pipelined": 1.0}]
-    # in this run the steps waited on copies half as long (0.2 against 0.4 s)
-    assert rows[2]["exposed_copy_s"] <= rows[0]["exposed_copy_s"]
-    for r in rows:
-        assert r["swap_out_chunks"] > 0 and r["urgent_chunks"] > 0
-        planned = sum(r["urgent_by_cause"].values())
-        assert r["urgent_chunks"] <= planned <= 1.01 * r["urgent_chunks"]
-        assert 0 < r["urgent_share"] <= 1 and r["throughput_rps"] > 0
-    # the wrappers are gone afterwards: the cache's own methods again
-    from pensieve.core.tiered_cache import TieredKVCache
-    assert TieredKVCache.admit.__qualname__ == "TieredKVCache.admit"

@@ -259,13 +259,14 @@ def test_sim_multi_turn_all_policies(policy: str) -> None:
         assert all(s["recomputed_tokens"] > 0 and s["gpu_hit_tokens"] == 0 for s in later)
     else:
         assert sum(s["gpu_hit_tokens"] for s in later) > 0
-    starts = sim.step_start_times
-    assert starts == sorted(starts) and len(starts) == len(sim.step_log) == sim.num_steps
-    assert sum(dt for _, dt in sim.step_log) == pytest.approx(sim.busy_time_s)
-    assert all(dt > 0 for _, dt in sim.step_log)
+    starts = sim.executor.step_start_times
+    assert starts == sorted(starts) and len(starts) == len(sim.executor.step_log) == sim.num_steps
+    assert sum(dt for _, dt in sim.executor.step_log) == pytest.approx(sim.executor.busy_time_s)
+    assert all(dt > 0 for _, dt in sim.executor.step_log)
     stats = sim.cache_stats()
     assert stats["gpu_blocks_total"] == TIERS["num_gpu_blocks"]
-    assert stats["swap_out_bytes"] == 1000 * sum(f.swap_out_chunks for f, _ in sim.step_log)
+    log = sim.executor.step_log
+    assert stats["swap_out_bytes"] == 1000 * sum(f.swap_out_chunks for f, _ in log)
     if POLICIES[policy].uses_cpu_tier:
         assert stats["cpu_blocks_total"] == TIERS["num_cpu_blocks"]
         assert stats["swapped_out_tokens"] > 0  # the tiny tiers force the CPU tier into use
@@ -284,7 +285,7 @@ def test_sim_pensieve_beats_stateless_in_virtual_time() -> None:
         clock = VirtualClock()
         sim = make_sim(policy, clock)
         drive(sim, clock, seed=7)
-        work[policy] = sim.busy_time_s - STEP.base_s * len(sim.step_log)
+        work[policy] = sim.executor.busy_time_s - STEP.base_s * len(sim.executor.step_log)
         recomputed[policy] = sim.cache_stats()["recomputed_tokens"]
     assert recomputed["pensieve"] < recomputed["stateless"]
     assert work["pensieve"] < work["stateless"]
@@ -294,8 +295,8 @@ def test_sim_step_log_refits_the_model() -> None:
     clock = VirtualClock()
     sim = make_sim("pensieve", clock)
     drive(sim, clock, seed=3)
-    m = StepCostModel.fit(sim.step_log, swap_copy_chunk_s=STEP.swap_copy_chunk_s)
-    assert relative_errors(m, sim.step_log)["max"] < 1e-6
+    m = StepCostModel.fit(sim.executor.step_log, swap_copy_chunk_s=STEP.swap_copy_chunk_s)
+    assert relative_errors(m, sim.executor.step_log)["max"] < 1e-6
 
 
 def test_sim_abort_and_errors() -> None:
@@ -439,6 +440,7 @@ def test_sim_keeps_the_step_compute_the_copies_run_beside() -> None:
     sim = make_sim("pensieve", clock)
     assert sim.cache.step_overlap_s == 0
     drive(sim, clock)
-    decode = [dt for f, dt in sim.step_log if f.num_prefill_tokens == 0 and f.num_decode_tokens]
+    decode = [dt for f, dt in sim.executor.step_log
+              if f.num_prefill_tokens == 0 and f.num_decode_tokens]
     assert decode, "no decode-only step"
     assert min(decode) <= sim.cache.step_overlap_s <= max(decode)

@@ -199,3 +199,23 @@ def test_deferred_admissions_match(tiny_llama, monkeypatch: pytest.MonkeyPatch) 
         llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8, defer_admission=2)
         assert run(llm, workload) == want, policy
     assert deferred > 0  # the workload did defer some admissions
+
+
+def test_fp8_kv_every_policy_agrees(tiny_llama) -> None:  # noqa: ANN001
+    """With an FP8 KV cache every path of the every-path workload (GPU tier, CPU tier copied
+    byte for byte, dropped and recomputed) gives the tokens of a GPU tier large enough to
+    keep everything; and against HF's full-precision tokens the FP8 cache agrees on most
+    (a tolerance: e4m3 keeps 3 mantissa bits)."""
+    path, model = tiny_llama
+    workload = every_path_workload()
+    want = expected(Reference(model), workload)
+    roomy = run(make_llm(path, "gpu-only", num_gpu_blocks=400, kv_cache_dtype="fp8_e4m3"),
+                workload)
+    for policy in POLICIES:
+        llm = make_llm(path, policy, num_gpu_blocks=30, num_cpu_blocks=8,
+                       kv_cache_dtype="fp8_e4m3")
+        assert llm.engine.kv_caches[0].dtype == torch.float8_e4m3fn
+        assert run(llm, workload) == roomy, f"policy {policy} diverged under FP8"
+    pairs = [(a, b) for c in want for ta, tb in zip(want[c], roomy[c]) for a, b in zip(ta, tb)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    assert agree >= 0.5, agree

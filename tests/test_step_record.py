@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
-from bench_scripts import load
 
 from pensieve.core.outputs import (
     QueryRange,
@@ -70,7 +70,7 @@ def test_engine_calls_observers_once_per_step() -> None:
 
 
 def test_step_totals_script_reads_metrics_text() -> None:
-    mod = load("step_totals")
+    mod = importlib.import_module("pensieve.bench.step_totals")
     text = "\n".join([
         "# HELP pensieve_steps_total Engine steps",
         'pensieve_steps_total{kind="prefill"} 10.0',
@@ -107,7 +107,7 @@ def test_step_totals_script_sums_in_process_step_rows(tmp_path) -> None:  # noqa
     import json
     import tarfile
 
-    mod = load("step_totals")
+    mod = importlib.import_module("pensieve.bench.step_totals")
     rows = [
         {"system": "pensieve", "num_prefill_tokens": 400, "num_decode_tokens": 2,
          "swap_in_chunks": 5, "swap_out_chunks": 4, "urgent_swap_out_chunks": 1, "time_s": 0.03,
@@ -185,7 +185,7 @@ def _server_log(tmp_path):  # noqa: ANN001, ANN202
 def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None:
     """step_breakdown.py: a small step with prefill counts in the bin of the chunks its
     previous step copied ahead, with its time over the mean decode step."""
-    brk = load("step_breakdown")
+    brk = importlib.import_module("pensieve.bench.step_breakdown")
 
     def row(prefill: int, ahead: int, ms: float) -> dict:
         return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
@@ -206,7 +206,7 @@ def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None
 def test_small_steps_by_the_kv_their_prefill_attends_over() -> None:
     """step_breakdown.py: small steps binned by ``prefill_kv``, with and without copies ahead
     in the step before; the ahead bins carry the mean of those positions."""
-    brk = load("step_breakdown")
+    brk = importlib.import_module("pensieve.bench.step_breakdown")
 
     def row(prefill: int, ahead: int, kv: int, ms: float) -> dict:
         return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
@@ -231,7 +231,7 @@ def test_small_steps_by_the_kv_their_prefill_attends_over() -> None:
 def test_the_rate_of_copies_ahead_implied_by_the_small_step_after_them() -> None:
     """step_breakdown.py: the copies ahead of a step took its time (less host prepare) plus
     what the small step after it waited beyond a small step after none."""
-    brk = load("step_breakdown")
+    brk = importlib.import_module("pensieve.bench.step_breakdown")
 
     def row(prefill: int, ahead: int, ms: float) -> dict:
         return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
@@ -252,13 +252,13 @@ def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) 
     """A server's PENSIEVE_STEP_LOG rows: step_totals.py sums them into the /metrics counters;
     step_breakdown.py splits the steps with prefill by class with the same net cost."""
     path = _server_log(tmp_path)
-    totals = load("step_totals")
+    totals = importlib.import_module("pensieve.bench.step_totals")
     [(_, m)] = totals.sources(str(path))
     c = totals.costs(m)
     assert c["prefill_steps"] == 1 and c["decode_steps"] == 2
     assert c["us_per_prefill_token"] == 100.0 and c["us_per_prefill_token_net"] == 75.0
     assert c["prefill_host_prepare_ms"] == 2.0 and c["prefill_graph_share"] == 1.0
-    brk = load("step_breakdown")
+    brk = importlib.import_module("pensieve.bench.step_breakdown")
     s = brk.summarize(brk.load_rows(str(path)))
     assert s["decode_steps"] == 2 and s["decode_step_ms"] == 10.0
     by = {c["class"]: c for c in s["classes"]}

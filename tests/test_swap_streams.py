@@ -36,7 +36,6 @@ from swap_util import (
 )
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.envs import env_flag
 from pensieve.runner import swap_staged
 from pensieve.runner import swapper as swapper_mod
 from pensieve.runner.swapper import (
@@ -136,8 +135,8 @@ class SimStreams:
 
 def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
              ahead_path: str = "kernel", urgent_layered: bool = False,
-             ahead_waits: str = "all", defer: bool = False, out_first: bool = False,
-             layers: int = 2, out_groups: int = 1) -> None:
+             ahead_waits: str = "all", defer: bool = False, layers: int = 2,
+             out_groups: int = 1) -> None:
     """Random plans over small pools (blocks collide often) on the kernel method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
@@ -147,9 +146,8 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     also carry ``swap_in_ahead`` copies, read by the next step's compute (their CPU blocks left
     alone for two steps, as the cache does). ``defer``: the background copies (ahead and
     background swap-outs) issued after the step's compute, as the runner does with
-    ``defer_background``. ``out_first``: background swap-outs issued before the swap-ins
-    (``PENSIEVE_SWAP_OUT_FIRST``). ``out_groups``: background swap-outs gathered and copied
-    by that many groups of ``layers`` layers (``PENSIEVE_SWAP_OUT_GROUPS``)."""
+    ``defer_background``. ``out_groups``: background swap-outs gathered and copied by that
+    many groups of ``layers`` layers (the swapper's default is 8)."""
     rng = random.Random(seed)
     g_blocks, c_blocks = 14, 12
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
@@ -158,7 +156,6 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
                       ahead=ahead_path if method in ("hybrid", "staged") else None,
                       urgent_layered=urgent_layered, ahead_waits=ahead_waits)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
-    sw.out_first = out_first
     sw.out_groups = out_groups
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
@@ -275,24 +272,15 @@ def test_simulated_background_copies_issued_after_the_compute(seed: int, method:
     simulate(seed, method=method, ahead_waits=ahead_waits, defer=True)
 
 
-@pytest.mark.parametrize("method", STREAM_METHODS)
-@pytest.mark.parametrize("seed", range(40))
-def test_simulated_swap_outs_issued_first(seed: int, method: str) -> None:
-    """``out_first``: background swap-outs that need not follow the step's swap-ins are
-    issued before them; reads, counts and tiers still match the sequential reference."""
-    simulate(seed, method=method, out_first=True)
-
-
 @pytest.mark.parametrize(("method", "layers", "groups"),
                          [("hybrid", 3, 2), ("staged", 3, 3), ("staged", 5, 2)])
 @pytest.mark.parametrize("seed", range(30))
-@pytest.mark.parametrize("out_first", [False, True])
 def test_simulated_swap_outs_by_groups_of_layers(seed: int, method: str, layers: int,
-                                                 groups: int, out_first: bool) -> None:
+                                                 groups: int) -> None:
     """Background swap-outs by groups of layers (each group's copies to the host after its
     own gather, a staging half packed by group): reads, counts and tiers still match the
-    sequential reference, issued after or before the swap-ins."""
-    simulate(seed, method=method, out_first=out_first, layers=layers, out_groups=groups)
+    sequential reference."""
+    simulate(seed, method=method, layers=layers, out_groups=groups)
 
 
 def test_simulator_catches_a_group_copied_before_its_gather(
@@ -319,45 +307,9 @@ def test_simulator_catches_a_group_copied_before_its_gather(
     assert failed > 0
 
 
-def test_out_groups_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PENSIEVE_SWAP_OUT_GROUPS", "4")
-    sw = make_swapper(make_caches(3, 8, 2, 1, 4, torch.float32), 8, "staged")
-    assert sw.out_groups == 3  # at most one per layer
-    for bad in ("0", "x", "-1"):
-        monkeypatch.setenv("PENSIEVE_SWAP_OUT_GROUPS", bad)
-        with pytest.raises(ValueError, match="PENSIEVE_SWAP_OUT_GROUPS"):
-            make_swapper(make_caches(3, 8, 2, 1, 4, torch.float32), 8, "staged")
-
-
-def test_swap_outs_first_go_before_the_swap_ins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The order itself: with ``PENSIEVE_SWAP_OUT_FIRST=1`` the out stream's first work is
-    enqueued before the in stream's; a swap-out into a CPU block the step's swap-ins read
-    still follows them."""
-    monkeypatch.setenv("PENSIEVE_SWAP_OUT_FIRST", "1")
-    sim = SimStreams(random.Random(0), eagerness=0.0)
-    sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, "staged", streams=sim)
-    sw._triton = False
-    assert sw.out_first
-    order: list[str] = []
-    issue_out, issue_in = sw._issue_out_staged, sw._issue_in_staged
-    monkeypatch.setattr(sw, "_issue_out_staged", lambda *a: (order.append("out"),
-                                                             issue_out(*a))[1])
-    monkeypatch.setattr(sw, "_issue_in_staged", lambda *a: (order.append("in"),
-                                                            issue_in(*a))[1])
-    gpu, cpu = snapshot(sw)
-    first = SwapPlan(swap_in=[(0, 1)], swap_out=[(2, 3)])
-    sw.start_step(first)
-    assert order == ["out", "in"]
-    sw.end_step()
-    order.clear()
-    second = SwapPlan(swap_in=[(3, 4)], swap_out=[(5, 3)])  # CPU block 3: read, then written
-    sw.start_step(second)
-    assert order == ["in", "out"]
-    sw.finish_step()
-    sim.drain()
-    for plan in (first, second):
-        apply_reference(gpu, cpu, plan)
-    assert_tiers(sw, gpu, cpu)
+def test_out_groups_default_at_most_one_per_layer() -> None:
+    assert make_swapper(make_caches(3, 8, 2, 1, 4, torch.float32), 8, "staged").out_groups == 3
+    assert make_swapper(make_caches(9, 8, 2, 1, 4, torch.float32), 8, "staged").out_groups == 8
 
 
 def test_deferred_background_copies_are_issued_by_end_step(
@@ -404,7 +356,7 @@ def test_simulator_catches_ahead_copies_not_waited_for(monkeypatch: pytest.Monke
     assert _fails(range(40), "staged", ahead_waits="layers") > 0
 
 
-def test_ahead_waits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ahead_waits_choice() -> None:
     caches = make_caches(2, 4, 2, 1, 4, torch.float32)
     assert make_swapper(caches, 4, "staged").ahead_waits == "layers"  # the default
     for method in ("kernel", "hybrid", "dma"):  # where it does not apply
@@ -418,12 +370,6 @@ def test_ahead_waits_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             make_swapper(caches, 4, method, ahead_waits="layers")
     with pytest.raises(ValueError, match="not in"):
         make_swapper(caches, 4, "staged", ahead_waits="some")
-    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "all")
-    assert make_swapper(caches, 4, "staged").ahead_waits == "all"
-    monkeypatch.setenv("PENSIEVE_AHEAD_WAITS", "layers")
-    assert make_swapper(caches, 4, "staged").ahead_waits == "layers"
-    assert make_swapper(caches, 4, "kernel").ahead_waits == "all"  # where it applies only
-    assert make_swapper(caches, 4, "dma").ahead_waits == "all"
 
 
 @pytest.mark.parametrize("method", ["kernel", "hybrid"])
@@ -457,39 +403,13 @@ def test_simulator_catches_layered_urgent_copies_after_their_event(
     assert _fails(range(40), urgent_layered=True) > 0
 
 
-def test_urgent_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_urgent_path_choice() -> None:
     caches = make_caches(2, 4, 2, 1, 4, torch.float32)
     assert make_swapper(caches, 4, "hybrid").urgent_layered is False
     assert make_swapper(caches, 4, "hybrid", urgent_layered=True).urgent_layered is True
     with pytest.raises(ValueError, match="layered urgent"):
         make_swapper(caches, 4, "staged", urgent_layered=True)
-    monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", "1")
-    assert make_swapper(caches, 4, "kernel").urgent_layered is True
-    assert make_swapper(caches, 4, "staged").urgent_layered is False  # where it applies only
     assert make_swapper(caches, 4, "dma").urgent_layered is False
-
-
-@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
-def test_on_off_variables_refuse_other_values(monkeypatch: pytest.MonkeyPatch,
-                                              value: str) -> None:
-    """A typo in an on/off variable is an error that names it, not a silent "off"."""
-    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
-    monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", value)
-    with pytest.raises(ValueError, match="PENSIEVE_URGENT_LAYERED"):
-        make_swapper(caches, 4, "kernel")
-    for off in ("", "0", " 0 "):
-        monkeypatch.setenv("PENSIEVE_URGENT_LAYERED", off)
-        assert make_swapper(caches, 4, "kernel").urgent_layered is False
-    for unset, default in (("", True), ("", False)):
-        monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", unset)
-        assert env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH", default) is default
-    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "0")
-    assert env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH", True) is False
-    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", value)
-    with pytest.raises(ValueError, match="PENSIEVE_BACKGROUND_AFTER_LAUNCH"):
-        env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH")
-    monkeypatch.setenv("PENSIEVE_BACKGROUND_AFTER_LAUNCH", "1")
-    assert env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH") is True
 
 
 @pytest.mark.parametrize("method", STREAM_METHODS)
@@ -506,7 +426,7 @@ def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
         sw.start_step(SwapPlan(swap_in_ahead=[(0, 99)]))
 
 
-def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ahead_path_choice() -> None:
     caches = make_caches(2, 4, 2, 1, 4, torch.float32)
     assert make_swapper(caches, 4, "hybrid").ahead == "kernel"
     assert make_swapper(caches, 4, "hybrid", ahead="dma").ahead == "dma"
@@ -514,9 +434,7 @@ def test_ahead_path_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         make_swapper(caches, 4, "kernel", ahead="dma")  # layer-major host tier
     with pytest.raises(ValueError):
         make_swapper(caches, 4, "hybrid", ahead="nvlink")
-    monkeypatch.setenv("PENSIEVE_SWAP_AHEAD", "dma")
-    assert make_swapper(caches, 4, "staged").ahead == "dma"
-    assert make_swapper(caches, 4, "dma").ahead == "kernel"  # where it applies only
+    assert make_swapper(caches, 4, "dma").ahead == "kernel"
 
 
 def _fails(seeds: range, method: str = "kernel", urgent_layered: bool = False,
@@ -871,16 +789,10 @@ def test_staged_swap_ins_pipelined_by_groups_of_layers(in_groups: int) -> None:
     assert_tiers(sw, gpu, cpu)
 
 
-def test_in_groups_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_groups_choice() -> None:
     caches = make_caches(3, 4, 2, 1, 4, torch.float32)
     assert make_swapper(caches, 4, "staged").in_groups == 3  # at most one group per layer
     assert make_swapper(caches, 4, "staged", in_groups=2).in_groups == 2
-    monkeypatch.setenv("PENSIEVE_SWAP_IN_GROUPS", "1")
-    assert make_swapper(caches, 4, "staged").in_groups == 1
-    for bad in ("0", "two", "-1"):
-        monkeypatch.setenv("PENSIEVE_SWAP_IN_GROUPS", bad)
-        with pytest.raises(ValueError, match="in_groups"):
-            make_swapper(caches, 4, "staged")
     with pytest.raises(ValueError, match="in_groups"):
         make_swapper(caches, 4, "staged", in_groups=0)
 

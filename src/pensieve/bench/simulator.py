@@ -26,7 +26,7 @@ GPU blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`
 ``per_swap_chunk_s`` of the step-cost model (the copies before the swap kernel) are not used
 then; ``transfer=None`` restores them (every copy done within its step, as before).
 
-Every step is also kept as a :class:`SimStepRecord` (:attr:`SimEngine.step_records`): what
+Every step is also kept as a :class:`SimStepRecord` (:attr:`SimExecutor.step_records`): what
 the host of the real engine sees of a step (``pensieve.engine.step_record.StepRecord``'s
 token and swap counts, same definitions) plus the cache's token sources of the turns admitted
 in it and the simulated exposed copy time.
@@ -301,59 +301,6 @@ class SimEngine(EngineCore):
                    clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.cache_policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
                    block_bytes=tiers.block_bytes, **kw)
-
-    # What the executor keeps, under the engine's names of before.
-    @property
-    def clock(self) -> SimClock:
-        return self.executor.clock
-
-    @property
-    def step_cost(self) -> StepCostModel:
-        return self.executor.step_cost
-
-    @property
-    def block_bytes(self) -> int:
-        return self.executor.tiers.block_bytes
-
-    @property
-    def sample_token_id(self) -> int:
-        return self.executor.sample_token_id
-
-    @property
-    def transfer(self) -> TransferModel | None:
-        return self.executor.transfer
-
-    @property
-    def transfers(self) -> TransferTimeline | None:
-        return self.executor.transfers
-
-    @property
-    def step_log(self) -> list[tuple[StepFeatures, float]]:
-        return self.executor.step_log
-
-    @property
-    def step_start_times(self) -> list[float]:
-        return self.executor.step_start_times
-
-    @property
-    def step_records(self) -> list[SimStepRecord]:
-        return self.executor.step_records
-
-    @property
-    def busy_time_s(self) -> float:
-        return self.executor.busy_time_s
-
-    @property
-    def exposed_copy_s(self) -> float:
-        return self.executor.exposed_copy_s
-
-    @property
-    def swap_in_chunks(self) -> int:
-        return self.executor.swap_in_chunks
-
-    @property
-    def swap_out_chunks(self) -> int:
-        return self.executor.swap_out_chunks
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,

@@ -28,7 +28,7 @@ time that the compute does not cover is exposed. Two swap coefficients, with dis
 
 * ``swap_copy_chunk_s`` is *physical*: the PCIe time of one chunk (all layers, K and V), i.e.
   ``chunk_bytes / bandwidth``. It is not fitted; it is given (from the hardware rate or from
-  ``benchmarks/swap_bandwidth.py``) and enters through the max above. 0 turns the term off.
+  ``pensieve.bench.swap_bandwidth``) and enters through the max above. 0 turns the term off.
 * ``per_swap_chunk_s`` is a *fitted* linear coefficient: exposed time per chunk copied on top of
   that (issue cost, gather/scatter kernels, synchronisation). With ``swap_copy_chunk_s = 0`` it
   is the whole swap model: a plain linear fit of the average exposed time per chunk.
@@ -40,7 +40,7 @@ time predicted by the current coefficients, refit) until the coefficients settle
 Those two swap terms describe the runner the step records were measured on (one copy stream,
 every copy done when the step returns). The copies of the swap kernel are modelled apart, as
 measured rather than fitted: :class:`TransferModel` (rates in GB/s each way, e.g. from
-``benchmarks/swap_bandwidth.py``'s JSON) and :class:`TransferTimeline` (background swap-outs
+``pensieve.bench.swap_bandwidth``'s JSON) and :class:`TransferTimeline` (background swap-outs
 that outlive their step) give each simulated step its exposed copy time, carried in
 ``StepFeatures.exposed_copy_s``; :meth:`StepCostModel.predict` then adds that to the fitted
 compute instead of its own swap terms. Step-cost JSON files of version 1 load unchanged.

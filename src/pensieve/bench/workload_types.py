@@ -18,12 +18,12 @@ from typing import Any
 DEFAULT_MAX_CONTEXT = 16384
 """Conversations whose total context exceeds this many tokens are left out (the paper's rule)."""
 
-_REPO_ROOT = Path(__file__).resolve().parents[3]
-#: Where the repository keeps the ShareGPT lengths cache (present in a source checkout).
-DEFAULT_SHAREGPT_CACHE = _REPO_ROOT / "benchmarks" / "data" / "sharegpt_lengths.json.gz"
+DATA = Path(__file__).resolve().parent / "data"
+"""The package's workload files (installed with it)."""
+#: The ShareGPT turn lengths cache.
+DEFAULT_SHAREGPT_CACHE = DATA / "sharegpt_lengths.json.gz"
 #: The same with split pieces joined back into whole conversations (``merge_split=True``).
-DEFAULT_SHAREGPT_MERGED_CACHE = (_REPO_ROOT / "benchmarks" / "data"
-                                 / "sharegpt_merged_lengths.json.gz")
+DEFAULT_SHAREGPT_MERGED_CACHE = DATA / "sharegpt_merged_lengths.json.gz"
 
 
 # --------------------------------------------------------------------------------------------

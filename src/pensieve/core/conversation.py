@@ -60,7 +60,3 @@ class Conversation:
     def chunk_tokens(self, index: int, chunk_size: int) -> int:
         """Positions of chunk ``index`` that hold (or held) KV."""
         return max(0, min(chunk_size, self.kv_end - index * chunk_size))
-
-    def idle_time(self, now: float) -> float:
-        """How long the conversation has been idle, as the retention value sees it."""
-        return max(now - self.last_active - self.keep_alive_s, 1e-3)

@@ -29,7 +29,8 @@ from pensieve.core.jsonio import read_json_object, write_json_atomic
 FORMAT = "pensieve-cost-model"
 """Value of the ``format`` key of a saved profile."""
 FORMAT_VERSION = 1
-DEFAULT_CONTEXT_LENS: tuple[int, ...] = (0, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_CONTEXT_LENS: tuple[int, ...] = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
+                                         131072)
 """Context lengths profiled (and tabulated by :meth:`CostModel.analytic`) by default."""
 H200_BF16_FLOPS = 800e12
 """Dense bf16 matmul rate used by the analytic default (measured on the H200 here)."""

@@ -54,8 +54,9 @@ class EvictionPolicy:
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
     ) -> EvictionKey:
         """Lower keys are evicted first."""
-        # min((index + 1) * chunk_size, max(kv_end, 1)) and Conversation.idle_time(now),
-        # spelled out: the cache computes this for every chunk it evicts
+        # min((index + 1) * chunk_size, max(kv_end, 1)) and the idle time
+        # max(now - last_active - keep_alive_s, 1 ms), inline: the cache computes this for
+        # every chunk it evicts
         end, kv_end = (index + 1) * chunk_size, conv.kv_end
         if conv.queued_at is not None:
             # A turn of it waits to be admitted: kept after every conversation that is only

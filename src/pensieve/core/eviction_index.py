@@ -12,7 +12,7 @@ indexed again from scratch, one pass over its chunks), gets retention hints, or 
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
 Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
-idle_time(now)`` depends on ``now``, so conversations' order changes over time and no static
+idle time`` depends on ``now``, so conversations' order changes over time and no static
 heap holds it. It only falls while a conversation stays idle, though, so a key evaluated at a
 later time is a lower bound of the key now. The index keeps every entry keyed at one time
 ``t_e >= now`` (lower bounds); when an eviction at ``now`` finds a lower bound at the top of the

@@ -28,6 +28,7 @@ follow. Decode steps suspend the newest request when blocks run out, as unified 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -180,8 +181,8 @@ class Scheduler:
         """One step's requests under the token budget. ``prefill``: None takes every kind of
         work (unified batches); True only prefill work, False only decodes (separate batches).
         """
-        cache = self.cache
-        budget = self.config.max_num_batched_tokens
+        cache, budget = self.cache, self.config.max_num_batched_tokens
+        self._pairs_left = self.config.attention_pairs()
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; suspend the newest when blocks run out.
@@ -199,6 +200,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(num_pending, budget)
+            if n > 1 and not (n := self._attention_cap(pending[0][0], n)):
+                i += 1
+                continue
             end = lo + n if len(pending) == 1 else req.pending_end(n)
             cid = req.conversation_id  # a running turn's conversation exists
             conv = conversations[cid if cid is not None else req.request_id]
@@ -216,10 +220,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (and, with
-        # separate batches, while the head's work is of this step's kind). A turn with chunks
-        # to swap in, admitted into a step that has other work, computes from the next step
-        # on: its swap-ins copy during this step, which does not wait for them (unified only).
+        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (separate
+        # batches: while the head's work is of this step's kind). A turn with chunks to swap
+        # in, admitted into a step with other work, computes from the next step on (unified).
         ahead_left = self.config.swap_in_ahead_chunks if prefill is None else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -231,6 +234,9 @@ class Scheduler:
             if total > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(total, budget)
+            if n > 1 and self.config.enable_chunked_prefill:
+                if not (n := self._attention_cap(pending[0][0], n)):
+                    break
             req.pending = pending
             # Separate batches admit a turn only with blocks for all of its prefill (as vLLM
             # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
@@ -251,6 +257,19 @@ class Scheduler:
             scheduled.append(self._take(req, conv, n))
             budget -= n
         return scheduled
+
+    def _attention_cap(self, start: int, n: int) -> int:
+        """The most of ``n`` prompt tokens from position ``start`` that the step's attention
+        pairs left allow (``SchedulerConfig.prefill_attention_pairs``), taken from them; 0
+        when none are left."""
+        left = self._pairs_left
+        if n * (start + n / 2) > left:
+            n = int(math.sqrt(start * start + 2 * left) - start)
+            if n < 1 and left == self.config.attention_pairs():
+                n = 1  # the step's first piece always makes progress
+        if n > 0:
+            self._pairs_left = left - int(n * (start + n / 2))
+        return max(0, n)
 
     def _take(self, req: Request, conv: Conversation, n: int) -> ScheduledRequest:
         pending = req.pending

@@ -1,9 +1,9 @@
 """Pick the cost model behind the retention value: a measured profile, else the analytic one.
 
-Profiles are JSON files named by :func:`pensieve.runner.profiler.config_profile_key` (model shape
-and device), the name ``benchmarks/profile_cost.py`` saves them under. They are looked up, in
-order, at the path given, then in ``$PENSIEVE_PROFILE_DIR``, then in the ``profiles`` folder
-shipped inside the package.
+Profiles are JSON files named by :func:`pensieve.runner.profiler.config_profile_key` (model
+shape and device), the name :func:`pensieve.runner.profiler.profile_cost`'s profiles are saved
+under. They are looked up, in order, at the path given, then in ``$PENSIEVE_PROFILE_DIR``, then
+in the ``profiles`` folder shipped inside the package.
 """
 
 from __future__ import annotations

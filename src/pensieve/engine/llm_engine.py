@@ -25,7 +25,7 @@ from pensieve.engine.core import EngineCore, StepObserver
 from pensieve.engine.costs import load_cost_model
 from pensieve.engine.executor import Executor
 from pensieve.engine.local import LocalExecutor, resolve_device, resolve_dtype
-from pensieve.engine.tiers import build_cache
+from pensieve.engine.tiers import build_cache, check_fits
 from pensieve.models import check_max_model_len
 from pensieve.models.loader import load_model, resolve_config
 
@@ -65,6 +65,9 @@ class LLMEngine(EngineCore):
             )
             self.dtype = next(self.model.parameters()).dtype
             executor = LocalExecutor(config, self.model, self.hf_config, self.device)
+        too_long = check_fits(config.scheduler.max_model_len, cc.chunk_size, executor.tiers)
+        if too_long:
+            log.warning("%s; a turn that grows past the tier is ended with an error", too_long)
         self.block_bytes = executor.tiers.block_bytes
         """One rank's bytes per chunk (under tensor parallelism the ranks copy their slices
         at once, each on its link)."""

@@ -26,6 +26,7 @@ from pensieve.engine.tiers import (
     cpu_tier_blocks,
     gpu_tier_blocks,
 )
+from pensieve.layers.attention import init_kv_scales
 from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
 
 log = logging.getLogger("pensieve")
@@ -55,6 +56,20 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, auto")
     return _DTYPES[dtype]
+
+
+_KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+              "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for ``CacheConfig.kv_cache_dtype`` (``auto``: the
+    model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
+    return _KV_DTYPES[kv_cache_dtype]
 
 
 def block_bytes_of(model: Any, chunk_size: int, dtype: torch.dtype) -> int:
@@ -89,8 +104,11 @@ def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
                  num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
     """Allocate ``model``'s KV tiers, build its runner and capture its CUDA graphs."""
     cc = config.cache
+    kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, dtype)
     kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
-                                   model.num_kv_heads, model.head_dim, dtype, device)
+                                   model.num_kv_heads, model.head_dim, kv_dtype, device)
+    if kv_dtype == torch.float8_e4m3fn:
+        init_kv_scales(model, device)
     runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks)
     runner.capture_graphs(config.decode_graph_shape(device.type),
                           config.mixed_graph_shape(device.type))
@@ -104,7 +122,8 @@ class LocalExecutor:
                  device: torch.device) -> None:
         cc = config.cache
         dtype = next(model.parameters()).dtype
-        block_bytes = block_bytes_of(model, cc.chunk_size, dtype)
+        block_bytes = block_bytes_of(model, cc.chunk_size,
+                                     resolve_kv_dtype(cc.kv_cache_dtype, dtype))
         num_gpu = fit_gpu_blocks(config, device, hf_config, dtype, block_bytes)
         num_cpu = cpu_tier_blocks(cc, block_bytes, device.type)
         log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks "

@@ -102,6 +102,22 @@ def sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
     return TierSizes(max(1, counts[0]), counts[1], block_bytes or 0)
 
 
+def check_fits(max_model_len: int, chunk_size: int, tiers: TierSizes) -> str | None:
+    """Why one running request of ``max_model_len`` tokens could not hold its KV in the GPU
+    tier (attention reads a running request's whole context from it), or None if it can."""
+    need = cdiv(max_model_len, chunk_size)
+    if need > tiers.num_gpu_blocks:
+        gib = need * tiers.block_bytes / GIB
+        return (
+            f"max_model_len={max_model_len} needs {need} KV chunks ({gib:.2f} GiB) for one "
+            f"request, but the GPU tier holds {tiers.num_gpu_blocks} "
+            f"({tiers.num_gpu_blocks * tiers.block_bytes / GIB:.2f} GiB): lower "
+            "--max-model-len, give the tier more memory (--gpu-kv-gb, "
+            "--gpu-memory-utilization) or halve the bytes per token (--kv-cache-dtype "
+            "fp8_e4m3)")
+    return None
+
+
 def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
                 policy: str, chunk_size: int, swap_out_threshold: float,
                 decode_reserve: float, swap_chunk_s: float | None,

@@ -3,17 +3,13 @@
 ``store_kv`` and ``paged_attention`` (attention), ``rms_norm``, ``rotary`` and
 ``silu_and_mul`` (the decoder's fused element-wise ops) take the same arguments as the
 references in :mod:`pensieve.kernels.reference`. On CUDA tensors they run the Triton kernels;
-on the CPU the pure-torch references, unless ``PENSIEVE_ATTENTION=triton`` (with
-``TRITON_INTERPRET=1``, the Triton kernels then run through Triton's interpreter).
-``PENSIEVE_FUSED_OPS=0`` keeps the element-wise ops on their torch references on every device
-(to measure what the fusion buys). Both variables are read once, when this module is imported,
-into :data:`CHOICE`; a program (or a test) that switches later sets :data:`CHOICE`.
+on the CPU the pure-torch references. A test that wants the Triton kernels on the CPU (through
+Triton's interpreter, ``TRITON_INTERPRET=1``) or the references everywhere sets
+:data:`CHOICE`.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,23 +29,16 @@ class KernelChoice:
 
     attention: str = "auto"
     """``auto`` (Triton on CUDA tensors, the references elsewhere), ``triton`` or
-    ``reference``."""
-    fused_ops: bool = True
-    """Run the element-wise ops on their Triton kernels wherever attention runs on Triton."""
+    ``reference``. The element-wise ops run on their Triton kernels wherever attention does."""
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", "triton", "reference"):
-            raise ValueError(f"PENSIEVE_ATTENTION must be auto, triton or reference, got "
+            raise ValueError(f"kernel choice must be auto, triton or reference, got "
                              f"{self.attention!r}")
 
-    @staticmethod
-    def from_env(env: Mapping[str, str] = os.environ) -> KernelChoice:
-        return KernelChoice(env.get("PENSIEVE_ATTENTION", "auto"),
-                            env.get("PENSIEVE_FUSED_OPS", "1") != "0")
 
-
-CHOICE = KernelChoice.from_env()
-"""The dispatch of every call, from the environment at import."""
+CHOICE = KernelChoice()
+"""The dispatch of every call."""
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -62,28 +51,31 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def _use_fused(t: torch.Tensor) -> bool:
-    return CHOICE.fused_ops and _use_triton(t)
+    return _use_triton(t)
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
-    """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots."""
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None,  # noqa: ANN001
+             v_scale=None) -> None:  # noqa: ANN001
+    """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots (an FP8
+    cache: divided by the per-head ``k_scale`` / ``v_scale``)."""
     if _use_triton(key):
         from pensieve.kernels.launch import store_kv_triton
 
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(  # noqa: ANN201
     q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table, scale,
     max_query_len: int, out=None, work_items=None, num_work_items=None, tiles=None,  # noqa: ANN001
-    num_kv_splits=None, kv_split_span=None,  # noqa: ANN001
+    num_kv_splits=None, kv_split_span=None, k_scale=None, v_scale=None,  # noqa: ANN001
 ):
     """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`.
     ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode;
     ``num_kv_splits``, ``kv_split_span``: its KV splits (see
-    :func:`launch.paged_attention_triton`); the reference computes the same without them."""
+    :func:`launch.paged_attention_triton`); the reference computes the same without them.
+    ``k_scale``, ``v_scale``: an FP8 cache's per-head scales."""
     if _use_triton(q):
         from pensieve.kernels.launch import paged_attention_triton
 
@@ -91,11 +83,11 @@ def paged_attention(  # noqa: ANN201
             q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
             scale, max_query_len=max_query_len, out=out, tiles=tiles, work_items=work_items,
             num_work_items=num_work_items, num_kv_splits=num_kv_splits,
-            kv_split_span=kv_split_span,
+            kv_split_span=kv_split_span, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
-        scale, out=out,
+        scale, out=out, k_scale=k_scale, v_scale=v_scale,
     )
 
 

@@ -23,6 +23,8 @@ from pensieve.kernels.launch_policy import MAX_SPLITS as _MAX_SPLITS
 from pensieve.kernels.launch_policy import num_sms
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_KV = torch.float8_e4m3fn
+"""The FP8 KV cache dtype (``--kv-cache-dtype fp8_e4m3``): values of K / scale, V / scale."""
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 
@@ -61,8 +63,13 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _check_float("k_cache", k_cache, 4)
-    _check_float("v_cache", v_cache, 4)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype == FP8_KV:
+            if t.dim() != 4 or (t.numel() and t.stride(-1) != 1):
+                raise ValueError(f"{name} must be 4-D with a contiguous last dim, got shape "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
+        else:
+            _check_float(name, t, 4)
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
@@ -72,14 +79,38 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check_head_dim(k_cache.shape[3])
 
 
+def _kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """``(fp8, k_scale, v_scale)``: an FP8 cache needs both ``[num_kv_heads]`` float32 scales
+    on its device; a 16/32-bit cache takes none (its pointers are then placeholders)."""
+    fp8 = k_cache.dtype == FP8_KV
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"KV scales are for an FP8 cache, not {k_cache.dtype}")
+        return False, k_cache, k_cache
+    heads = k_cache.shape[2]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            raise ValueError(f"an FP8 KV cache needs {name}")
+        if t.shape != (heads,) or t.dtype != torch.float32 or t.device != k_cache.device \
+                or not t.is_contiguous():
+            raise ValueError(f"{name} must be [num_kv_heads={heads}] float32 on "
+                             f"{k_cache.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return True, k_scale, v_scale  # type: ignore[return-value]
+
+
 def store_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each token's K/V into its cache slot (reshape-and-cache); slots < 0 are skipped.
+    An FP8 cache (``FP8_KV``) stores ``K / k_scale`` and ``V / v_scale`` (``[num_kv_heads]``
+    float32), saturated to +-448.
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``, float16/bfloat16/float32 (cast to
     the cache dtype); k_cache, v_cache: ``[num_blocks, chunk_size, num_kv_heads, head_dim]``,
@@ -107,10 +138,11 @@ def store_kv_triton(
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("slot_mapping", slot_mapping)):
         _check_device(name, t, device)
+    fp8, ks, vs = _kv_scales(k_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
     _k._store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, ks, vs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -118,6 +150,7 @@ def store_kv_triton(
         CHUNK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        KV_FP8=fp8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
@@ -193,13 +226,18 @@ def work_items_for(query_lens: Sequence[int] | np.ndarray, group: int, block_m: 
 
 def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
                               chunk_size: int, dtype: torch.dtype,
-                              device: torch.device) -> int:
+                              device: torch.device, kv_dtype: torch.dtype | None = None) -> int:
     """Compile, before serving, every attention kernel variant the launcher can choose (each
     tile shape, split and unsplit, split by span, and the split combiners) by running each
     once on a one-token problem. Otherwise Triton compiles a variant the first time a step
     needs it, stalling that step for about a second. Returns the number of variants run."""
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
-    cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype,
+                        device=device)
+    scales: dict[str, torch.Tensor] = {}
+    if cache.dtype == FP8_KV:
+        one = torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+        scales = {"k_scale": one, "v_scale": one}
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     args = (q, cache, cache, zero.view(1, 1), qsl, zero, zero, head_dim**-0.5)
@@ -208,7 +246,7 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
     for tiles in sorted(attention_tile_choices(head_dim, device.type == "cuda")):
         for splits, kv_split_span in ((1, None), (2, None), (2, span)):
             paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
-                                   kv_split_span=kv_split_span)
+                                   kv_split_span=kv_split_span, **scales)
             n += 1
     return n
 _WORKSPACE_BYTES = 256 << 20
@@ -250,7 +288,7 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _num_blocks, chunk_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != FP8_KV:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -388,6 +426,8 @@ def paged_attention_triton(
     work_items: torch.Tensor | None = None,
     num_work_items: torch.Tensor | None = None,
     kv_split_span: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -411,11 +451,13 @@ def paged_attention_triton(
     KV split`` and ``[1]`` int32 count; needs ``tiles`` (and with ``num_kv_splits`` > 1 the
     span) the items were cut for; the grid is ``max_items`` whatever the ranges.
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
-    split covers (``launch_policy``). Returns out.
+    split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
+    float32 scales. Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
                                 num_kv_splits)
+    fp8, ks, vs = _kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     chunk_size, num_kv_heads, num_ranges = k_cache.shape[1], k_cache.shape[2], len(range_start_pos)
     if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
@@ -429,21 +471,17 @@ def paged_attention_triton(
     grid = ((work_items.shape[0], 1, num_kv_heads) if worklist else
             (num_ranges, triton.cdiv(max_query_len * group, block_m) * splits, num_kv_heads))
     unused = query_start_loc  # stands in for the pointers a mode does not read
-    work = work_items if worklist else unused
-    num_work = num_work_items if worklist else unused
+    work, num_work = (work_items, num_work_items) if worklist else (unused, unused)
     span_t = kv_split_span if span else unused
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        ks, vs, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        # The interpreter's tl.dot reads bf16 as raw uint16: upcast there instead.
-        FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),
-        SPLIT=splits > 1, WORKLIST=worklist, SPAN=span,
+        FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),  # noqa: E501 (the interpreter's tl.dot reads bf16 as uint16: upcast there)
+        SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:

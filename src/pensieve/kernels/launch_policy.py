@@ -13,13 +13,10 @@ uses only the splits its length needs: the longest one ends about with the other
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-from pensieve.envs import env_flag
 
 MAX_SPLITS = 32
 """Most KV splits of one range (the combiner's block)."""
@@ -34,43 +31,21 @@ RAGGED_RATIO = 2.0
 """A decode step is ragged when its longest context exceeds this many times the mean."""
 
 
-def decode_split_span_mode() -> str:
-    """``PENSIEVE_DECODE_SPAN``: ``auto`` (the default: split by span the decode steps that
-    are ragged, :func:`decode_is_ragged`), ``1`` (every decode step) or ``0`` (none: the
-    launcher's equal splits), for A/B runs.
+DECODE_SPAN_MODE = "auto"
+"""When the runner splits a decode step's KV by span: ``auto``, the decode steps that are
+ragged (:func:`decode_is_ragged`). The runner's components also take ``1`` (every decode
+step) and ``0`` (none: the launcher's equal splits), which tests compare against it. Chosen
+by measurement on the H200 (docs/performance.md, "Decode over ragged contexts"): with ragged
+contexts the span cut steps of 32-96 requests from 2.2-2.8x the HBM floor to 1.4-1.5x; with
+uniform ones it gained nothing and cost up to 5.7 ms at 56 requests."""
 
-    Measured on the H200 (``benchmarks/decode_ragged.py``, 13B GQA-10 decode steps from CUDA
-    graphs, docs/performance.md): with ragged contexts the span cut steps of 32-96 requests
-    from 2.2-2.8x the HBM floor to 1.4-1.5x; with uniform contexts it gained nothing and cost
-    up to 5.7 ms at 56 requests (1.62x against 1.21x). Hence ``auto``."""
-    mode = os.environ.get("PENSIEVE_DECODE_SPAN", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"PENSIEVE_DECODE_SPAN must be auto, 0 or 1, got {mode!r}")
-    return mode
-
-
-def mixed_decodes_mode() -> str:
-    """``PENSIEVE_MIXED_DECODES``: how a step with prefill tokens attends for its one-token
-    ranges (its decodes). ``split`` (the default): where the decodes are ragged
-    (:func:`use_split_span`), in a decode launch of their own, KV split by span, before the
-    launch of the other ranges; where they are not, as ``together``: in the same launch as
-    the other ranges, unsplit.
-
-    Why: a decode-only step of 56 ragged contexts took 34.5-37.3 ms unsplit against 18.8-20.8
-    split by span (docs/performance.md, "Decode over ragged contexts"). Through the mixed-step
-    CUDA graphs (``benchmarks/mixed_step_ragged.py``, 56 decodes, H200, 13B GQA-10), 16 / 160
-    prefill tokens added 11.1-13.5 / 14.1-16.4 ms to a decode step of ragged contexts with the
-    decodes together and 3.1-3.5 / 5.3-5.7 ms split (with 57 or 256 range slots); at uniform
-    contexts, where one split a range is all a span gives, splitting cost up to 3.7 ms more
-    than together: hence together there. Serving ShareGPT over HTTP (40 / 60 GB tiers),
-    ``split`` took pensieve's steps with prefill from 76.0 to 55.3 us per computed token net of
-    decodes at 1.25 sessions/s and from 58.0 to 51.7 at 1.45; the agentic overload point was
-    unchanged (39.2 us) with 2% more throughput (docs/performance.md).
-    """
-    mode = os.environ.get("PENSIEVE_MIXED_DECODES", "split")
-    if mode not in ("together", "split"):
-        raise ValueError(f"PENSIEVE_MIXED_DECODES must be together or split, got {mode!r}")
-    return mode
+MIXED_DECODES = "split"
+"""How a step with prefill tokens attends for its one-token ranges (its decodes): where the
+decodes are ragged (:func:`use_split_span`), in a decode launch of their own, KV split by
+span, before the launch of the other ranges; where they are not, in the same launch as the
+other ranges, unsplit (``together``, which the runner's components also take). Chosen by
+measurement through the mixed-step CUDA graphs and serving ShareGPT on the H200
+(docs/performance.md, "Steps with prefill over ragged decodes")."""
 
 
 def decode_is_ragged(kv_lens: Sequence[int]) -> bool:
@@ -80,7 +55,7 @@ def decode_is_ragged(kv_lens: Sequence[int]) -> bool:
 
 def use_split_span(kv_lens: Sequence[int], mode: str) -> bool:
     """Whether this decode step's attention splits KV by span under ``mode``
-    (:func:`decode_split_span_mode`)."""
+    (:data:`DECODE_SPAN_MODE`)."""
     return mode == "1" or (mode == "auto" and decode_is_ragged(kv_lens))
 
 
@@ -106,17 +81,6 @@ def decode_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int
     programs = max(1, batch * num_kv_heads)
     fill = 1 if programs >= target else _next_pow2(-(-target // programs))
     return min(MAX_SPLITS, max(DECODE_MIN_SPLITS, fill))
-
-
-def mixed_kv_splits_mode() -> bool:
-    """``PENSIEVE_MIXED_SPLITS`` (0 / 1, default 1): whether the attention of a mixed-step
-    CUDA graph (prefill ranges, work items) splits KV by span (:func:`mixed_kv_splits`,
-    :func:`mixed_split_span`). Unsplit, a turn of a few tokens after thousands of cached ones
-    runs on a few programs per KV head (2 tiles x 10 KV heads for 24 tokens of a GQA-4 model)
-    over the whole history: on the H200 (13B GQA-10, ``benchmarks/mixed_step_ragged.py``) a
-    24-token turn added 1.6 / 3.2 / 6.1 / 11.1 ms to a decode step after 512 / 1,792 / 4,096
-    / 8,192 cached tokens."""
-    return env_flag("PENSIEVE_MIXED_SPLITS", True)
 
 
 def mixed_kv_splits(tokens: int, group: int, block_m: int, num_kv_heads: int,

@@ -32,7 +32,7 @@ from pensieve.kernels import triton_swap as _k
 
 DEFAULT_PROGRAMS = 32
 """Persistent grid size (programs, at most one per SM in practice) of one copy launch.
-``benchmarks/swap_bandwidth.py --sweep`` measures the bandwidth per program count."""
+``pensieve.bench.swap_bandwidth --sweep`` measures the bandwidth per program count."""
 DEFAULT_TILE_BYTES = 16384
 """Bytes each program moves per loop iteration (its loads in flight)."""
 DEFAULT_NUM_WARPS = 4
@@ -276,30 +276,3 @@ def swap_blocks_triton(
     arguments)."""
     BlockCopy(src, dst, num_programs=num_programs, tile_bytes=tile_bytes,
               num_warps=num_warps)(pairs)
-
-
-COPY_WORDS_BLOCK = 1024
-
-
-def copy_words(src: torch.Tensor | MappedHost, dst: torch.Tensor | MappedHost, n: int) -> None:
-    """``dst[:n] = src[:n]`` by a kernel on the current stream, for flat contiguous arrays of
-    one integer dtype; either side may be a :class:`MappedHost` (so host memory moves with no
-    copy engine). Same semantics as ``dst[:n].copy_(src[:n])``."""
-    s, d = _shape_of(src), _shape_of(dst)
-    if s.dtype != d.dtype or s.dim() != 1 or d.dim() != 1:
-        raise ValueError(f"copy_words needs two 1-D arrays of one dtype, got {s.dtype} "
-                         f"{tuple(s.shape)} and {d.dtype} {tuple(d.shape)}")
-    if not (s.is_contiguous() and d.is_contiguous()):
-        raise ValueError("copy_words needs contiguous arrays")
-    if n < 0 or n > min(s.numel(), d.numel()):
-        raise ValueError(f"copy_words: {n} words do not fit {s.numel()} -> {d.numel()}")
-    if n == 0:
-        return
-    ptrs = [_Pointer(x.device_ptr, x.tensor.dtype) if isinstance(x, MappedHost) else x
-            for x in (src, dst)]
-    mapped = next((x for x in (src, dst) if isinstance(x, MappedHost)), None)
-    guard = (contextlib.nullcontext() if mapped is None
-             else torch.cuda.device(mapped.device))  # type: ignore[union-attr]
-    with guard:
-        _k._copy_words_kernel[(triton.cdiv(n, COPY_WORDS_BLOCK),)](
-            ptrs[0], ptrs[1], n, BLOCK=COPY_WORDS_BLOCK)

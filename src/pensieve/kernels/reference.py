@@ -16,18 +16,42 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new K/V into their slots; slots < 0 are skipped.
 
     key, value: ``[num_tokens, num_kv_heads, head_dim]``; slot_mapping: ``[num_tokens]`` int.
+    k_scale, v_scale: ``[num_kv_heads]`` float32, for an FP8 cache: it stores ``K / k_scale``
+    and ``V / v_scale`` saturated to e4m3's +-448.
     """
     num_blocks, chunk_size = k_cache.shape[:2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k_flat = k_cache.view(num_blocks * chunk_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * chunk_size, *v_cache.shape[2:])
-    k_flat[slots] = key[keep].to(k_cache.dtype)
-    v_flat[slots] = value[keep].to(v_cache.dtype)
+    k_flat[slots] = _to_cache(key[keep], k_cache.dtype, k_scale)
+    v_flat[slots] = _to_cache(value[keep], v_cache.dtype, v_scale)
+
+
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3fn value."""
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x [n, heads, dim]`` as the cache stores it: divided by its per-head ``scale`` and
+    saturated for an FP8 cache, else just cast."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def read_kv(cache: torch.Tensor, blocks: torch.Tensor, ctx: int,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """The first ``ctx`` positions of the blocks ``blocks`` of ``cache`` as float32
+    ``[ctx, num_kv_heads, head_dim]``, times the per-head ``scale`` of an FP8 cache."""
+    kv = cache[blocks].reshape(-1, *cache.shape[2:])[:ctx].float()
+    return kv if scale is None else kv * scale[:, None]
 
 
 def paged_attention_ref(
@@ -40,6 +64,8 @@ def paged_attention_ref(
     range_table: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over paged KV, computed in float32.
 
@@ -48,7 +74,8 @@ def paged_attention_ref(
     range_start_pos: ``[num_ranges]`` position of each range's first query token;
     range_table: ``[num_ranges]`` row of ``block_tables`` each range reads.
     Query token ``i`` of range ``r`` sits at position ``p = range_start_pos[r] + i`` and attends
-    to cached positions ``0..p`` of its table. Returns ``[num_tokens, num_heads, head_dim]``.
+    to cached positions ``0..p`` of its table. k_scale, v_scale: an FP8 cache's per-head
+    scales (:func:`read_kv`). Returns ``[num_tokens, num_heads, head_dim]``.
     """
     num_tokens, num_heads, head_dim = q.shape
     chunk_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -66,8 +93,8 @@ def paged_attention_ref(
         ctx = starts[r] + query_len
         n_blocks = (ctx + chunk_size - 1) // chunk_size
         blocks = block_tables[tables[r], :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k = read_kv(k_cache, blocks, ctx, k_scale)
+        v = read_kv(v_cache, blocks, ctx, v_scale)
         k = k.repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = v.repeat_interleave(group, dim=1)
         qr = q[q_lo:q_hi].float()  # [query_len, H, D]

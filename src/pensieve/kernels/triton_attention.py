@@ -39,6 +39,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)
+"""Largest finite float8 e4m3fn value: FP8 KV is saturated to it."""
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -47,6 +50,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_key_t,
     stride_key_h,
     stride_value_t,
@@ -61,8 +66,11 @@ def _store_kv_kernel(
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """One program per token: copy its ``[num_kv_heads, head_dim]`` K and V into its slot."""
+    """One program per token: copy its ``[num_kv_heads, head_dim]`` K and V into its slot.
+    With ``KV_FP8`` each head is divided by its scale (``k_scale_ptr`` / ``v_scale_ptr``:
+    ``[num_kv_heads]`` float32) and saturated to e4m3's range before the cast."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -77,6 +85,11 @@ def _store_kv_kernel(
     v = tl.load(
         value_ptr + tok * stride_value_t + h[:, None] * stride_value_h + d[None, :], mask=mask
     )
+    if KV_FP8:
+        ks = tl.load(k_scale_ptr + h, mask=h < num_kv_heads, other=1.0)
+        vs = tl.load(v_scale_ptr + h, mask=h < num_kv_heads, other=1.0)
+        k = tl.clamp(k.to(tl.float32) / ks[:, None], -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / vs[:, None], -FP8_MAX, FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kc_b + offset * stride_kc_c
     v_dst = v_cache_ptr + block * stride_vc_b + offset * stride_vc_c
     tl.store(
@@ -140,6 +153,8 @@ def _attn_kv_tile(
         v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
+        k = k.to(q.dtype)  # FP8 KV: upcast to fp16 in registers (no-op for a 16-bit cache)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k))
     s = s * scale_log2
     if MASKED:
@@ -168,6 +183,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     range_start_pos_ptr,
     range_table_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     stride_q_t,
     stride_q_h,
@@ -197,8 +214,13 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     WORKLIST: tl.constexpr,
     SPAN: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
+
+    With ``KV_FP8`` the cache holds float8 e4m3 values of ``K / k_scale``, ``V / v_scale``
+    per KV head: the K scale folds into the softmax scale and the V scale multiplies the
+    (partial) output, so the tiles are only upcast.
 
     With ``SPLIT`` program ``(r, tile * num_splits + split, kv_head)`` covers only the
     ``split``-th of ``num_splits`` equal, ``BLOCK_N``-aligned parts of the tile's KV range
@@ -246,6 +268,8 @@ def _paged_attention_kernel(
     row0 = tile * BLOCK_M
     if row0 >= query_len * GROUP:
         return
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     start_pos = tl.load(range_start_pos_ptr + rng)
     last_qi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, query_len - 1)
     kv_len = start_pos + last_qi + 1  # no row of this tile sees beyond kv_len - 1
@@ -276,6 +300,11 @@ def _paged_attention_kernel(
     )
     if FP32:
         q = q.to(tl.float32)
+    elif KV_FP8:
+        # e4m3 -> fp16 is one conversion per two elements on Hopper (bf16 takes several), so
+        # an FP8 cache attends in fp16: q and the probabilities are rounded to fp16 instead
+        # of bf16 (3 more mantissa bits; q beyond fp16's 65504 would overflow).
+        q = q.to(tl.float16)
     q_pos = start_pos + qi
 
     first_pos = start_pos + row0 // GROUP  # every valid row sees positions 0..first_pos
@@ -300,6 +329,8 @@ def _paged_attention_kernel(
 
     o_ptrs = (out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h
               + d[None, :])
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     direct = not SPLIT
     if SPLIT:
         if SPAN:  # the tile's only split writes the output: no partials, no combine

@@ -65,12 +65,3 @@ def _swap_blocks_kernel(
                 mask = idx < BLOCK_WORDS
                 x = tl.load(src + idx, mask=mask, eviction_policy="evict_first")
                 tl.store(dst + idx, x, mask=mask, eviction_policy="evict_first")
-
-
-@triton.jit(do_not_specialize=["n"])
-def _copy_words_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """``dst[i] = src[i]`` for ``i < n``: a flat array of words, either side possibly mapped
-    host memory (the runner's step inputs and sampled tokens, without a copy engine)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)

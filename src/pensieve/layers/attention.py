@@ -53,7 +53,7 @@ class AttentionMetadata:
     (:func:`pensieve.kernels.launch_policy.decode_split_span`). None: equal parts."""
     decode: AttentionMetadata | None = None
     """The step's one-token ranges when they attend in a decode launch of their own
-    (``PENSIEVE_MIXED_DECODES=split``): their ``query_start_loc``, ``range_start_pos``,
+    (``launch_policy.MIXED_DECODES`` ``split``): their ``query_start_loc``, ``range_start_pos``,
     ``range_table`` (offsets into the same tokens), ``max_query_len`` 1 and KV splits; the
     fields above then cover the other ranges only. ``slot_mapping`` and ``block_tables`` are
     the step's."""
@@ -72,6 +72,10 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.layer_idx = -1
         """Index of the decoder layer; set by :func:`number_attention_layers`."""
+        self.kv_scale: torch.Tensor | None = None
+        """``[2, num_kv_heads]`` float32 on the model's device: the K and V scales of an FP8
+        KV cache (it stores K / k_scale, V / v_scale); set by :func:`init_kv_scales`, None
+        for a 16/32-bit cache."""
 
     def forward(
         self,
@@ -88,7 +92,9 @@ class PagedAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if meta.layer_ready is not None:
             meta.layer_ready(self.layer_idx)
-        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        sc = self.kv_scale
+        ks, vs = (sc[0], sc[1]) if sc is not None else (None, None)
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, ks, vs)
         out = None
         dec = meta.decode
         if dec is not None:  # the decodes first, into the rows they own
@@ -96,12 +102,14 @@ class PagedAttention(nn.Module):
                 q, kv_cache[0], kv_cache[1], meta.block_tables, dec.query_start_loc,
                 dec.range_start_pos, dec.range_table, self.scale, max_query_len=1,
                 num_kv_splits=dec.num_kv_splits, kv_split_span=dec.kv_split_span,
+                k_scale=ks, v_scale=vs,
             )
         out = paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
             meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
             out=out, work_items=meta.work_items, num_work_items=meta.num_work_items,
             tiles=meta.tiles, num_kv_splits=meta.num_kv_splits, kv_split_span=meta.kv_split_span,
+            k_scale=ks, v_scale=vs,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 
@@ -109,6 +117,24 @@ class PagedAttention(nn.Module):
 def first_attention(model: nn.Module) -> PagedAttention | None:
     """The model's first :class:`PagedAttention` (they all share heads and head dim)."""
     return next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+
+
+def init_kv_scales(model: nn.Module, device: torch.device,
+                   scales: dict[int, torch.Tensor] | None = None) -> None:
+    """Give every layer the K and V scales of an FP8 KV cache: ``scales[layer]`` ``[2,
+    num_kv_heads]`` where given (e.g. a checkpoint's calibrated ``k_scale`` / ``v_scale``),
+    else 1 for every head (vLLM's default without calibrated scales). e4m3 keeps 3 mantissa
+    bits at any magnitude from 2**-6 to 448, so a scale of 1 loses precision only on K/V
+    values beyond 448 (saturated) or below 2**-6 (subnormal)."""
+    for m in model.modules():
+        if isinstance(m, PagedAttention):
+            s = (scales or {}).get(m.layer_idx)
+            if s is None:
+                s = torch.ones(2, m.num_kv_heads)
+            if tuple(s.shape) != (2, m.num_kv_heads):
+                raise ValueError(f"layer {m.layer_idx}: KV scales must be [2, "
+                                 f"{m.num_kv_heads}], got {tuple(s.shape)}")
+            m.kv_scale = s.to(device=device, dtype=torch.float32).contiguous()
 
 
 def number_attention_layers(model: nn.Module) -> int:

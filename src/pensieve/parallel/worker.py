@@ -86,7 +86,12 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -
 def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> None:
     import torch.distributed as dist
 
-    from pensieve.engine.local import block_bytes_of, fit_gpu_blocks, start_runner
+    from pensieve.engine.local import (
+        block_bytes_of,
+        fit_gpu_blocks,
+        resolve_kv_dtype,
+        start_runner,
+    )
     from pensieve.models.loader import load_model
     from pensieve.parallel.tp import shard_model
 
@@ -120,7 +125,8 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
 
             gc.collect()
             torch.cuda.empty_cache()
-    block_bytes = block_bytes_of(model, cfg.cache.chunk_size, spec.dtype)
+    block_bytes = block_bytes_of(model, cfg.cache.chunk_size,
+                                 resolve_kv_dtype(cfg.cache.kv_cache_dtype, spec.dtype))
     conn.send(("ready", fit_gpu_blocks(cfg, device, hf_config, spec.dtype, block_bytes)))
     _, num_gpu_blocks, num_cpu_blocks = conn.recv()
     # every rank captures the same CUDA graphs: the all-reduces are in them

@@ -38,7 +38,6 @@ from pensieve.kernels.launch_policy import (
     use_split_span,
 )
 from pensieve.layers.attention import AttentionMetadata
-from pensieve.runner.host_io import MappedArray, host_io_mode
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -90,17 +89,10 @@ class StepGraphs:
     def _init_buffers(self, n64: int, n32: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self._mapped: list[MappedArray] | None = None
-        if pin and host_io_mode() == "mapped":  # read by a kernel: no copy engine
-            self._mapped = [MappedArray(n64, torch.int64, device),
-                            MappedArray(n32, torch.int32, device)]
-            self._host64, self._host32 = (m.host for m in self._mapped)
-            self._dev64, self._dev32 = (m.dev for m in self._mapped)
-        else:
-            self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-            self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
-            self._dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
-            self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self._dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self._np64 = self._host64.numpy()
         self._np32 = self._host32.numpy()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -123,12 +115,6 @@ class StepGraphs:
 
     def _copy_in(self, non_blocking: bool = True) -> None:
         """Everything is copied whole: one copy each, no per-bucket views to keep in sync."""
-        if self._mapped is not None:
-            for m in self._mapped:
-                m.upload(m.host.numel())
-            if not non_blocking:
-                torch.cuda.current_stream(self.device).synchronize()
-            return
         self._dev64.copy_(self._host64, non_blocking=non_blocking)
         self._dev32.copy_(self._host32, non_blocking=non_blocking)
 

@@ -19,7 +19,6 @@ from pensieve.kernels.launch_policy import (
     decode_kv_splits,
     decode_split_span,
     mixed_kv_splits,
-    mixed_kv_splits_mode,
     mixed_split_items,
     mixed_split_span,
     use_split_span,
@@ -30,11 +29,10 @@ from pensieve.runner.graph_waits import GraphLayerWaits
 from pensieve.runner.step_layout import range_layout
 
 MIXED_GRAPH_MAX_TOKENS = 512
-"""Mixed steps of more tokens run eagerly. Measured on the H200 (13B GQA-10, bf16, 32 decodes
-at 2k plus a 320-token turn, ``benchmarks/mixed_step.py``): the eager step was 0.55 ms over its
-prefill's GEMM floor, so its host time already hides behind the GPU's work, while a graph
-padded to a coarse bucket pays for its padding tokens (a 352-token step in a 512 bucket: +3.4
-ms). Graphs pay off where the host's launch time dominates: few prefill tokens."""
+"""Mixed steps of more tokens run eagerly: past a few hundred prefill tokens an eager step's
+host time already hides behind the GPU's work, while a graph padded to a coarse bucket pays
+for its padding tokens (docs/performance.md, "Steps with prefill tokens: mixed-step CUDA
+graphs"). Graphs pay off where the host's launch time dominates: few prefill tokens."""
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -74,18 +72,20 @@ class MixedGraphs(StepGraphs):
         layer_waits: GraphLayerWaits | None = None,
         decodes: str = "split",
         span_mode: str = "auto",
-        kv_splits: bool | None = None,
+        kv_splits: bool = True,
     ) -> None:
         """``layer_waits``: captured per-group swap-in waits (:mod:`pensieve.runner.graph_waits`;
         None: a step with swap-ins waits for all of them before its replay). ``decodes``
-        (``PENSIEVE_MIXED_DECODES``): ``split`` gives the one-token ranges a decode launch of
-        their own over ``min(bucket, max_ranges)`` range slots, KV split by a span set per
-        step, where the step's decodes are ragged (``span_mode`` as ``PENSIEVE_DECODE_SPAN``);
+        (:data:`~pensieve.kernels.launch_policy.MIXED_DECODES`): ``split`` gives the one-token
+        ranges a decode launch of their own over ``min(bucket, max_ranges)`` range slots, KV
+        split by a span set per step, where the step's decodes are ragged (``span_mode``: as
+        :data:`~pensieve.kernels.launch_policy.DECODE_SPAN_MODE`);
         a step whose decodes are not puts them with its other ranges and leaves the decode
         launch empty (one split a range cost 3.6-3.7 ms a step more than the mixed-step kernel
-        at 56 uniform decodes, ``benchmarks/mixed_step_ragged.py``). ``kv_splits``: the other
-        ranges' attention splits KV by a span set per step (None: ``PENSIEVE_MIXED_SPLITS``,
-        :func:`~pensieve.kernels.launch_policy.mixed_kv_splits_mode`)."""
+        at 56 uniform decodes on the H200). ``kv_splits``: the other ranges' attention splits
+        KV by a span set per step (the default: unsplit, a turn of a few tokens after thousands
+        of cached ones ran on a few programs per KV head, 1.6-11.1 ms more a step after 512 to
+        8,192 cached tokens on the H200, docs/performance.md); tests compare it with False."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")
@@ -99,7 +99,7 @@ class MixedGraphs(StepGraphs):
         """Armed before a replay with swap-ins; None: wait for all of them instead."""
         self.split_decodes = decodes == "split"
         self.span_mode = span_mode
-        self.kv_splits = mixed_kv_splits_mode() if kv_splits is None else kv_splits
+        self.kv_splits = kv_splits
         self.num_kv_heads = kv_caches[0].shape[-2]
         self._split_items = (mixed_split_items(self.num_kv_heads, kv_caches[0].device)
                              if self.kv_splits else 0)

@@ -2,8 +2,8 @@
 
 Device-agnostic: on CUDA the attention runs the Triton kernels, on the CPU the pure-torch
 references; everything else is the same code. Inputs are built on the host with plain Python
-lists, then copied to the device in one go (pinned, non-blocking on CUDA; or through mapped
-host arrays and kernels, :mod:`pensieve.runner.host_io`).
+lists, then copied to the device in one go (pinned, non-blocking on CUDA), before the step's
+swaps are issued, so that these copies on the compute stream do not queue behind them.
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ import numpy as np
 import torch
 
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
-from pensieve.envs import env_flag
 from pensieve.kernels.launch_policy import (
+    DECODE_SPAN_MODE,
+    MIXED_DECODES,
     decode_kv_splits,
     decode_split_span,
-    decode_split_span_mode,
-    mixed_decodes_mode,
     use_split_span,
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
-from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
 from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.step_layout import range_layout
@@ -52,9 +50,9 @@ class StepInputs:
 
 GRAPH_SWAP_IN_WAIT_S = 3e-3
 """The longest wait for swap-ins worth a graph replay (an eager step with prefill costs ~5-7 ms
-more host time than its graph on the H200: benchmarks/mixed_step.py)."""
+more host time than its graph on the H200)."""
 SWAP_GBPS = 47.0
-"""The swap kernel's swap-in rate on the H200, random block ids (benchmarks/swap_bandwidth.py)."""
+"""The swap kernel's swap-in rate on the H200, random block ids (pensieve.bench.swap_bandwidth)."""
 
 
 def graph_max_swap_in(chunk_bytes: int) -> int:
@@ -114,17 +112,12 @@ class ModelRunner:
             background_swap_out = not _multi_rank()
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
-        self.background_after_launch = env_flag("PENSIEVE_BACKGROUND_AFTER_LAUNCH", True)
-        """A step replayed from a graph issues its copies ahead and background swap-outs
-        once its forward is launched, not before (``KVSwapper.start_step``'s
-        ``defer_background``): their host time then overlaps the forward. On by default
-        (``PENSIEVE_BACKGROUND_AFTER_LAUNCH=0`` turns it off): with ``ahead_waits="layers"``
-        it took ShareGPT's steps with prefill from 52.5 to 51.2 us per computed token on the
-        H200 (``docs/performance.md``)."""
-        self.decode_span_mode = decode_split_span_mode()
-        """``PENSIEVE_DECODE_SPAN``, read (and checked) once."""
-        self.mixed_decodes = mixed_decodes_mode()
-        """``PENSIEVE_MIXED_DECODES``, read (and checked) once."""
+        self.decode_span_mode = DECODE_SPAN_MODE
+        """When decode steps split KV by span (:data:`~pensieve.kernels.launch_policy.
+        DECODE_SPAN_MODE`)."""
+        self.mixed_decodes = MIXED_DECODES
+        """How steps with prefill attend for their decodes
+        (:data:`~pensieve.kernels.launch_policy.MIXED_DECODES`)."""
         self.decode_graphs: DecodeGraphs | None = None
         """Replays decode-only steps from CUDA graphs once :meth:`enable_decode_graphs` ran."""
         self.mixed_graphs: MixedGraphs | None = None
@@ -142,11 +135,6 @@ class ModelRunner:
         """Of those, the steps whose attention split KV by span (ragged ones, by default)."""
         self.num_mixed_graph_steps = 0
         """Steps run through :attr:`mixed_graphs` so far."""
-        mapped = self.device.type == "cuda" and host_io_mode() == "mapped"
-        self._uploads = StepUploads(self.device) if mapped else None
-        self._readback = MappedReadback(self.device) if mapped else None
-        """``PENSIEVE_HOST_IO=mapped`` (:mod:`pensieve.runner.host_io`): the step's inputs and
-        sampled tokens through mapped host arrays and kernels instead of copies."""
         if self.device.type == "cuda":
             self._compile_attention()
 
@@ -158,8 +146,9 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         c = self.kv_caches[0]
+        dtype = next(self.model.parameters()).dtype
         n = compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                      self.chunk_size, c.dtype, self.device)
+                                      self.chunk_size, dtype, self.device, kv_dtype=c.dtype)
         log.info("compiled %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     def capture_graphs(self, decode_shape: tuple[int, int] | None,
@@ -176,8 +165,7 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
         """Capture decode steps of up to ``max_batch`` requests and ``max_blocks`` blocks each:
-        with the launcher's splits and, unless ``PENSIEVE_DECODE_SPAN=0``, split by span
-        (only the latter with ``PENSIEVE_DECODE_SPAN=1``)."""
+        with the launcher's splits and split by span (:attr:`decode_span_mode`)."""
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.chunk_size,
                                           max_batch, max_blocks, capture=capture,
                                           span_mode=self.decode_span_mode)
@@ -198,22 +186,17 @@ class ModelRunner:
                                         span_mode=self.decode_span_mode)
 
     def _upload(self, arrays: list[tuple[list[int], torch.dtype]]) -> list[torch.Tensor]:
-        """Host lists onto the device: pinned non-blocking copies, or (``PENSIEVE_HOST_IO=
-        mapped``) packed into mapped host arrays read by one kernel per dtype."""
-        if self._uploads is None:
-            return [_pinned(data, dt, self._pin).to(self.device, non_blocking=True)
-                    for data, dt in arrays]
-        return self._uploads.upload(arrays)
+        """Host lists onto the device: pinned non-blocking copies."""
+        return [_pinned(data, dt, self._pin).to(self.device, non_blocking=True)
+                for data, dt in arrays]
 
     def _read_tokens(self, tokens: torch.Tensor) -> list[int]:
         """The sampled tokens on the host (waits for the compute stream's work so far)."""
-        if self._readback is None:
-            return tokens.tolist()
-        return self._readback.read(tokens)
+        return tokens.tolist()
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled ranges into token, position, slot and range arrays. With
-        ``PENSIEVE_MIXED_DECODES=split``, a step with one-token ranges (decodes) and longer
+        :attr:`mixed_decodes` ``split``, a step with one-token ranges (decodes) and longer
         ones puts the decodes' tokens first and gives them a decode launch of their own
         (``AttentionMetadata.decode``)."""
         num_ranges = sum(len(s.ranges) for s in sched.requests)
@@ -283,13 +266,15 @@ class ModelRunner:
         graphs = self._graphs_for(sched)
         # The step's inputs go up before its swaps are issued: copies on the compute stream
         # queue on the copy engines behind the swap copies issued before them, and layer 0
-        # would wait for the last swap-in (benchmarks/step_copies_behind_swaps.py).
+        # would wait for the last swap-in.
         if graphs is not None:
             bucket = graphs.fill(sched)
         else:
             inp = self.prepare_inputs(sched)
+        # a graph step issues its copies ahead and background swap-outs once its forward is
+        # launched (defer_background): their host time then overlaps the forward
         layer_ready = self.swapper.start_step(
-            sched.swaps, defer_background=graphs is not None and self.background_after_launch)
+            sched.swaps, defer_background=graphs is not None)
         logits: torch.Tensor | None = None
         split_span = False
         if graphs is not None:

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.envs import env_flag
 from pensieve.runner.copy_engine import CopyEngine
-from pensieve.runner.swap_staged import StagedPaths, out_groups_of
+from pensieve.runner.swap_staged import DEFAULT_OUT_GROUPS, StagedPaths, groups_of
 from pensieve.runner.swap_streams import CudaStreams, InFlight, OutBatch, Streams
 
 LayerReady = Callable[[int], None]
@@ -173,12 +172,7 @@ class CopyPaths(StagedPaths):
             self._stream = torch.cuda.Stream(self.device, priority=-1)
         self._staging = torch.empty(0, dtype=self.gpu_caches[0].dtype, device=self.device)
         """DMA: the staging buffer of runs whose GPU blocks are not consecutive."""
-        self.out_first = env_flag("PENSIEVE_SWAP_OUT_FIRST")
-        """Streams: a step's background swap-outs are issued before its swap-ins (when they
-        need not follow them), so both directions run from the step's start; else after
-        them (the default: the swap-ins the step waits for have the link to themselves
-        until then)."""
-        self.out_groups = out_groups_of(self.num_layers)
+        self.out_groups = groups_of(None, "out_groups", DEFAULT_OUT_GROUPS, self.num_layers)
         """Hybrid, staged: groups of layers the background swap-outs are gathered and copied
         to the host by (:meth:`_issue_out_staged`)."""
         self._engine = CopyEngine(self.device)
@@ -438,6 +432,8 @@ class CopyPaths(StagedPaths):
             buf = self._stage(b.n)  # [2, n, C, Hkv, D]
             dst = b.stage.views(buf[0]) + b.stage.views(buf[1])
             torch._foreach_copy_(dst, src, non_blocking=True)
+            if gpu.dtype == torch.float8_e4m3fn:  # no index_copy_ for float8 on the CPU
+                gpu, buf = gpu.view(torch.uint8), buf.view(torch.uint8)
             gpu.index_copy_(1, b.index, buf)
         self.num_copies += len(dst)
 

@@ -2,8 +2,8 @@
 swap-outs gathered on the GPU into two staging halves then copied to the chunk-major host
 tier by the copy engines; staged swap-ins copied by groups of layers into a staging buffer,
 then scattered into the GPU caches (by groups of layers: in two halves, each piece's copies
-overlapping the previous piece's scatter). Swap-outs may go by groups of layers too
-(``PENSIEVE_SWAP_OUT_GROUPS``): each group's gather, then its copies to the host, so the copy
+overlapping the previous piece's scatter). Swap-outs go by groups of layers too
+(:data:`DEFAULT_OUT_GROUPS`): each group's gather, then its copies to the host, so the copy
 engines start after a group's gather rather than the whole piece's. The copies between the
 staging buffers and the host go in one call a piece (and group)
 (:class:`~pensieve.runner.copy_engine.CopyEngine`)."""
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import numpy as np
@@ -29,22 +28,14 @@ DEFAULT_OUT_GROUPS = 8
 """Hybrid, staged: groups of layers the background swap-outs are gathered and copied by."""
 
 
-def groups_of(value: int | None, name: str, env: str, default: int, num_layers: int) -> int:
-    """Groups of layers of a staged copy path: ``value``, else the environment's ``env``,
-    else ``default``; at most one per layer; raises on a count below 1."""
+def groups_of(value: int | None, name: str, default: int, num_layers: int) -> int:
+    """Groups of layers of a staged copy path: ``value``, else ``default``; at most one per
+    layer; raises on a count below 1."""
     if value is None:
-        text = os.environ.get(env) or str(default)
-        value = int(text) if text.isdigit() else 0
+        value = default
     if value < 1:
-        raise ValueError(f"{name} {value} < 1 ({env}: a count)")
+        raise ValueError(f"{name} {value} < 1")
     return min(value, num_layers)
-
-
-def out_groups_of(num_layers: int) -> int:
-    """Groups of layers of the staged swap-outs: ``PENSIEVE_SWAP_OUT_GROUPS``, else
-    :data:`DEFAULT_OUT_GROUPS`."""
-    return groups_of(None, "out_groups", "PENSIEVE_SWAP_OUT_GROUPS", DEFAULT_OUT_GROUPS,
-                     num_layers)
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:

@@ -3,106 +3,59 @@
 Owns one pinned host tensor holding, per layer, K then V of every CPU block, in the GPU caches'
 dtype; :attr:`KVSwapper.cpu_caches` are its per-layer ``[2, num_cpu_blocks, chunk_size,
 num_kv_heads, head_dim]`` views, whatever the layout (:attr:`KVSwapper.host_layout`):
+``"layer-major"`` (``[L, 2, num_cpu_blocks, C, Hkv, D]``: methods ``kernel`` and ``dma``) or
+``"chunk-major"`` (``[num_cpu_blocks, L, 2, C, Hkv, D]``: one chunk of every layer is one
+contiguous piece, 6.5 MB for Llama 2-13B; methods ``hybrid`` and ``staged``).
 
-- ``"layer-major"`` (methods ``kernel`` and ``dma``): ``[num_layers, 2, num_cpu_blocks, C,
-  Hkv, D]``; each per-layer view is contiguous (one chunk of one layer's K = one piece);
-- ``"chunk-major"`` (methods ``hybrid`` and ``staged``): ``[num_cpu_blocks, num_layers, 2, C,
-  Hkv, D]``, so one chunk of every layer is one contiguous piece (6.5 MB for Llama 2-13B) and
-  a run of consecutive CPU blocks one larger piece; the per-layer views are strided (not
-  contiguous: ``reshape(-1)`` on them copies). :attr:`KVSwapper.host_tier` is the whole
-  tensor in either layout.
-
-Semantics. For every layer the three lists of a plan apply one after the other::
+Semantics. For every layer the lists of a plan apply one after the other::
 
     swap_out_first (all layers) -> swap_in (layer 0, 1, ...) -> swap_in_ahead (all layers)
         -> swap_out (all layers)
 
 ``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
-wait for them and the next :meth:`~KVSwapper.start_step` makes the compute stream wait before
-anything else, or, with ``ahead_waits="layers"`` (the default where the copies go through
-the copy engines; ``PENSIEVE_AHEAD_WAITS=all`` turns it off), copies them by the staged
-swap-ins' groups of layers and has each layer of the next step wait for its group (its
-``layer_ready``), so that step starts while the tail of the copies runs; the synchronous
-paths copy them with the step's swap-ins.
-They go through the swap kernel (``ahead="kernel"``, the default) or, with a chunk-major
-host tier (``hybrid``, ``staged``), through the copy engines as ``staged`` swap-ins do
-(``ahead="dma"``: runs of consecutive CPU blocks into a device staging buffer, then a
-scatter; no SMs held while the step they overlap computes). ``PENSIEVE_SWAP_AHEAD`` picks
-one when the constructor is given None. Which is faster beside a running step has not been
-measured.
-
-``swap_out_first`` copies go, on streams, in one launch for every layer before the swap-ins
-(the step's compute waits for all of them), or with ``urgent_layered`` (``kernel`` and
-``hybrid``; ``PENSIEVE_URGENT_LAYERED=1`` when the constructor is given None) layer by layer,
-each layer's before that layer's swap-ins, so layer i's attention waits for layer i's urgent
-copies only. The simulator's copy model puts the second at 4% more throughput at agentic
-overload (``TransferModel.urgent_pipelined``); it has not been measured on the GPU.
+wait for them; they go by the staged swap-ins' groups of layers and each layer of the next
+step waits for its group only (``ahead_waits="layers"``, where the copies go through the copy
+engines), so that step starts while the tail of the copies runs. The synchronous paths copy
+them with the step's swap-ins. ``swap_out_first`` (urgent) copies go before the swap-ins, in
+one launch for every layer.
 
 A GPU block may be both a ``swap_out_first`` source and a ``swap_in`` destination (its old
 content reaches the CPU first); a CPU block may be both a ``swap_in`` source and a ``swap_out``
 destination (it is read first). Within one list, GPU ids and CPU ids must be distinct. Steps
 apply in order: a later step's copies see every earlier step's copies done.
 
-Methods (:data:`METHODS`; ``PENSIEVE_SWAP_METHOD`` picks one when the constructor is given
-None):
+Methods (:data:`METHODS`):
 
-- ``"kernel"``: one Triton gather/scatter launch copies a whole list (or one
-  layer of it) with the GPU's SMs reading and writing the pinned, device-mapped CPU tier
-  directly (:mod:`pensieve.kernels.triton_swap`), so scattered block ids cost no more than
-  consecutive ones. Both directions through the SMs.
-- ``"hybrid"``: chunk-major host tier. Swap-ins and ``swap_out_first`` as
-  ``kernel`` (SMs, zero-copy; swap-ins layer-pipelined). Background ``swap_out`` through the
-  copy engines: the kernel gathers the chunks device-to-device into a contiguous device staging
-  buffer ``[n, L, 2, C, Hkv, D]`` (rows in CPU-id order), then one copy per maximal run of
-  consecutive CPU ids (one chunk of all layers or more per copy; one batch call); by default
-  by 8 groups of layers instead (``PENSIEVE_SWAP_OUT_GROUPS``): each group's gather, then one
-  copy per chunk of its layers, so the copies start after one group's gather. Staged in
-  pieces of at most ``staging_chunks`` chunks through two staging halves (so the staging memory
-  is bounded, 2 x ``staging_chunks`` chunks, and the gather of piece k+1 overlaps the copy of
-  piece k).
-  Chosen by measurement (H200, 13B GQA-10 shape, random block ids, 64-1024 chunks,
-  ``benchmarks/swap_bandwidth.py``): in 45.6-48.6 GB/s and out 46.5-53.7 GB/s alone (kernel:
-  46.6-48.7 / 49.7-50.2), in + out together 30.5-33.4 GB/s each way (kernel: 27-29), and a
-  GEMM beside in + out copies slowed 1.12-1.18x (kernel: 1.36-1.43x: SM copies both ways take
-  compute from the model). The default before ``staged`` by groups of layers.
-- ``"staged"`` (default on CUDA): as ``hybrid``, and swap-ins through the copy engines as
-  well, by groups of layers (``in_groups``, default 8): per group, one call (``CopyEngine``,
-  ``cuMemcpyBatchAsync``) copies those layers of every chunk into a device staging buffer (as
-  many chunks as it holds at a time), then a scatter launch writes them into the GPU cache;
-  layer i waits for its group only. The buffer is used by halves in turn, the copies on a
-  stream of their own, so that a group's copies overlap the previous group's scatter.
-  Chosen by measurement (H200, ``benchmarks/swap_bandwidth.py``): in + out together
-  36-46.5 GB/s each way for 64-1024 chunks against hybrid's 30-33 (the SMs' reads of the
-  mapped tier slow the copy engines' writes the other way); by halves, in alone 47.6-54.1
-  GB/s against 42.2-49.2 with one buffer, out 46.2-54.3.
-- ``"dma"`` (default on the CPU, where it is plain tensor copies): one ``cudaMemcpy`` per run
-  of consecutive CPU ids per layer for K and for V, through a staging buffer when the GPU ids
-  of a run are not consecutive (the method before the kernel, kept for comparison).
+- ``"staged"`` (the default on CUDA): swap-ins through the copy engines by groups of layers
+  (``in_groups``, default 8): per group one ``cuMemcpyBatchAsync`` call
+  (:class:`~pensieve.runner.copy_engine.CopyEngine`) into a device staging buffer, then a
+  scatter launch into the GPU cache; layer i waits for its group only. Background swap-outs:
+  a device-side gather into staging, then one copy per run of consecutive CPU ids, by groups
+  of layers, through two staging halves of at most ``staging_chunks`` chunks.
+  ``swap_out_first`` through the swap kernel. Chosen by measurement on the H200 (13B GQA-10,
+  random block ids, ``pensieve bench swaps``; docs/performance.md, "Swaps between the
+  tiers"): in + out together 36-46.5 GB/s each way for 64-1024 chunks, where SM copies of the
+  mapped tier slowed the copy engines' writes the other way.
+- ``"dma"`` (the CPU's, where it is plain tensor copies): one copy per run of consecutive CPU
+  ids per layer, through a staging buffer when the GPU ids of a run are not consecutive.
+- ``"kernel"`` and ``"hybrid"``: the swap kernel (:mod:`pensieve.kernels.triton_swap`) for
+  both directions, or for swap-ins with ``staged``'s swap-outs; the measured alternatives,
+  kept for ``pensieve bench swaps`` and the tests that compare the methods' copies.
 
-Copy streams, events and the cross-stream hazards of the kernel, hybrid and staged methods on
-CUDA are described in :mod:`pensieve.runner.swap_streams`; the copy strategies themselves
-live in :mod:`pensieve.runner.swap_copies`.
+Copy streams, events and the cross-stream hazards on CUDA are described in
+:mod:`pensieve.runner.swap_streams`; the copy strategies live in
+:mod:`pensieve.runner.swap_copies` and :mod:`pensieve.runner.swap_staged`. Index tensors are
+uploaded on the stream that uses them and kept referenced until that work is known done.
 
-Index tensors are uploaded on the stream that uses them and kept referenced until that work
-is known done. The staging buffers grow on demand (never beyond ``staging_chunks`` chunks per
-half) and are allocated on the first swap that needs them; a replaced buffer stays referenced
-by the batches still using it. The DMA method on CUDA keeps the earlier scheme: every copy on
-one stream, and :meth:`~KVSwapper.end_step` blocks until all of them are done (they share a
-staging buffer).
-
-The host tier is page-locked and device-mapped (``cudaHostRegister``, portable and mapped,
-exact size) when the GPU caches are on CUDA. On the CPU the copies are synchronous:
-``swap_out_first`` at ``start_step``, layer i's swap-ins at ``layer_ready(i)`` (so a caller
-that forgets to call it reads stale KV on the CPU as well), the rest at ``end_step`` /
-``finish_step``; nothing is ever in flight. The kernel method on the CPU runs the Triton
-kernel through the interpreter when ``TRITON_INTERPRET=1``, else its torch reference; the
-hybrid and staged methods run the same issue logic as on CUDA (pieces, halves, runs) with
-every operation executed at once (``staged`` swap-ins at the first ``layer_ready``).
+The host tier is page-locked and device-mapped (``cudaHostRegister``) when the GPU caches are
+on CUDA. On the CPU the copies are synchronous: ``swap_out_first`` at ``start_step``, layer
+i's swap-ins at ``layer_ready(i)`` (so a caller that forgets to call it reads stale KV on the
+CPU as well), the rest at ``end_step`` / ``finish_step``; nothing is ever in flight. Tests run
+the streamed methods' issue logic on CPU tensors through a :class:`Streams` simulator.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections import deque
@@ -157,18 +110,18 @@ class KVSwapper(CopyPaths):
     work too, one launch per layer). ``num_cpu_blocks`` may be 0 (no CPU tier; only empty
     plans then).
 
-    ``method``: one of :data:`METHODS` (see the module docstring); None:
-    ``PENSIEVE_SWAP_METHOD`` if set, else kernel on CUDA and DMA on the CPU. ``num_programs``:
+    ``method``: one of :data:`METHODS` (see the module docstring); None: staged on CUDA and
+    DMA on the CPU. ``num_programs``:
     the kernel's persistent grid (None: :data:`~pensieve.kernels.launch_swap.DEFAULT_PROGRAMS`).
     ``staging_chunks``: chunks per staging piece and half of the hybrid and staged methods
     (None: :data:`DEFAULT_STAGING_CHUNKS`). ``background``: False makes
     :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
     parallelism, where only rank 0's count reaches the scheduler). ``in_groups``: the groups
-    of layers staged swap-ins are copied by (None: ``PENSIEVE_SWAP_IN_GROUPS``, else
+    of layers staged swap-ins are copied by (None:
     :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``ahead_waits``: how the next
     step waits for ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
-    (:func:`~pensieve.runner.swap_paths.ahead_waits_of`; None: ``PENSIEVE_AHEAD_WAITS``,
-    else ``"layers"`` where it applies). ``streams``: for tests, a
+    (:func:`~pensieve.runner.swap_paths.ahead_waits_of`; None: ``"layers"`` where it
+    applies). ``streams``: for tests, a
     :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
     """
 
@@ -198,8 +151,7 @@ class KVSwapper(CopyPaths):
         self.block_bytes = 2 * first[0, 0].numel() * first.element_size()
         """Bytes of K and V of one block in one layer."""
         self._cuda = self.device.type == "cuda"
-        method = method or os.environ.get("PENSIEVE_SWAP_METHOD") or (
-            "staged" if self._cuda else "dma")
+        method = method or ("staged" if self._cuda else "dma")
         if method not in METHODS:
             raise ValueError(f"swap method {method!r} not in {METHODS}")
         if streams is not None and (self._cuda or method not in STREAM_METHODS):
@@ -369,9 +321,6 @@ class KVSwapper(CopyPaths):
         step = Step()
         compute_done = st.record(None)
         events: list[Any] = []
-        out_first = self.out_first and not (defer or waits.out_after_in)
-        if out_first and plan.swap_out:  # both ways busy from the step's start
-            self._issue_out(st, plan, compute_done, None)
         if plan.swap_out_first or plan.swap_in or plan.swap_in_ahead:
             st.wait(st.in_stream, compute_done)
             if waits.in_after >= 0:
@@ -394,8 +343,6 @@ class KVSwapper(CopyPaths):
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
-        if out_first:  # what is left to issue: the same plan without its swap-outs
-            plan = dataclasses.replace(plan, swap_out=[])
         background = functools.partial(self._issue_background, st, plan, compute_done,
                                        step.in_done, waits.out_after_in)
         if defer and (plan.swap_in_ahead or plan.swap_out):

@@ -37,6 +37,7 @@ from pensieve.server.openapi import document_errors
 from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
+from pensieve.server.store import CorruptConversationError, StoreWriteError
 from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
@@ -140,9 +141,12 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         if not state.engine.alive:
             return error_response(503, "the engine is not running", "server_error",
                                   code="engine_down")
-        return {"status": "draining" if state.draining else "ok", "queued": state.queued,
+        store = await _store_health(state)
+        status = ("draining" if state.draining else
+                  "degraded" if state.store_error is not None else "ok")
+        return {"status": status, "queued": state.queued,
                 "engine_running": snap.running, "engine_waiting": snap.waiting,
-                "max_queued_requests": state.max_queued_requests}
+                "max_queued_requests": state.max_queued_requests, "store": store}
 
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
@@ -166,6 +170,19 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": cards}
 
 
+async def _store_health(state: ServerState) -> dict[str, Any]:
+    """``/health``'s ``store`` object. While a turn's write has failed, each call probes the
+    store with a write, so that ``degraded`` ends as soon as the store writes again."""
+    if state.store_error is not None:
+        try:
+            await off_loop(state, state.store.probe)
+            state.store_error = None
+        except StoreWriteError as e:
+            state.store_error = e.message
+    return {"writable": state.store_error is None, "error": state.store_error,
+            "corrupt_conversations": state.corrupt_conversations}
+
+
 def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
     """``GET`` and ``DELETE /v1/conversations/{cid}`` (the tenant's own conversations only)."""
 
@@ -179,7 +196,10 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.delete("/v1/conversations/{cid}")
     async def delete_conversation(cid: str, request: Request) -> dict[str, Any]:
-        owned(state, cid, _tenant(state, request))
+        try:
+            owned(state, cid, _tenant(state, request))
+        except CorruptConversationError:
+            pass  # its owner (or anyone, when the row is unreadable) may delete it
 
         await engine_call(state, engine_ops.drop_conversation, cid)
         state.store.delete(cid)

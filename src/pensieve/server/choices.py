@@ -117,6 +117,8 @@ async def run_choices(state: ServerState, body: _Sampling, turn: Turn, params: S
                 return error_response(499, "client closed the request")
     finally:
         await ch.close()
+    if turn.cid is not None:
+        headers["x-pensieve-stored"] = "false" if ch.outs[0].store_failure else "true"
     return JSONResponse(_final_body(ch), headers=headers)
 
 
@@ -127,7 +129,7 @@ def _final_body(ch: Choices) -> dict[str, Any]:
     body["choices"] = [ch.outs[i].final_body(_result(ch.outs[i]))["choices"][0]
                        for i in range(ch.body.n)]
     body["usage"] = ch.usage()
-    body["pensieve"] = {"cache": ch.cache()}
+    body["pensieve"]["cache"] = ch.cache()
     return body
 
 

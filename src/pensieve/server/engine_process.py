@@ -17,7 +17,8 @@ snapshot after it (so ``/metrics`` read after a call returns sees what the call 
 reader thread in the server hands those to the event loop (one wake-up per step). If the
 child dies, every stream and pending call fails with :class:`EngineRequestError` and so
 does every new request (a 500); the conversations in the store are as their last completed
-turn left them.
+turn left them. ``pensieve serve`` then shuts down with status 1 for its supervisor to
+restart it (:mod:`pensieve.server.shutdown`).
 """
 
 from __future__ import annotations

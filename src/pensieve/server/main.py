@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pensieve.config import KV_CACHE_DTYPES
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.models.builtin import DEFAULT_MODEL
@@ -48,10 +49,9 @@ def fraction_arg(text: str) -> float:
 
 
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
-"""The server's thread switch interval. The engine thread needs the GIL between the GPU's
-steps while the event loop streams tokens: at 1.0 agentic sessions/s on an H200 (13B) 0.5 ms
-instead of Python's 5 ms cut the runner's host time before each forward by 14-27% and gave
-+1.9% throughput, -8% P90 latency (docs/benchmarks.md)."""
+"""The server's thread switch interval: the engine thread needs the GIL between the GPU's
+steps while the event loop streams tokens, and a shorter interval than Python's 5 ms gives it
+sooner (the A/B: docs/benchmarks.md)."""
 
 
 def positive_ms_arg(text: str) -> float:
@@ -102,9 +102,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-bandwidth-gbps", type=swap_bandwidth_arg, default="auto",
                    metavar="GBPS|auto|off",
                    help="measured one-way rate of KV copies between the tiers (GB/s; "
-                        "benchmarks/swap_bandwidth.py); the cache swaps a CPU-tier chunk in only "
+                        "pensieve.bench.swap_bandwidth); the cache swaps a CPU-tier chunk in only "
                         "where that beats recomputing it. auto (default): 45 on CUDA, off on the "
                         "CPU; off: always swap in")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type in both tiers: auto (the model's dtype), "
+                        "bf16, fp16, fp32, or fp8_e4m3 (fp8): half bf16's bytes per token, "
+                        "a float32 scale per layer and KV head")
     p.add_argument("--cache-policy", default="pensieve",
                    choices=["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"])
     p.add_argument("--decode-reserve", type=fraction_arg, default=None, metavar="FRACTION",
@@ -113,13 +117,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "0.10). Running out suspends a request (tiered policies: to the CPU "
                         "tier) or recomputes it later (stateless, gpu-only)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest context (default: the model's max_position_embeddings, at "
-                        "most 16384; more than that is refused)")
+                   help="longest context (default: the model's max_position_embeddings; more "
+                        "than that is refused, and so is a length whose KV the GPU tier "
+                        "cannot hold for one request)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory for weights, activations and the KV "
                         "cache (vLLM's meaning; default 0.9)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prefill-attention-pairs", type=int, default=None, metavar="PAIRS",
+                   help="most (query token, KV position) pairs a step's prefill attends over: "
+                        "long turns are prefilled in smaller pieces as their context grows, so "
+                        "running decodes never wait long (default: max-num-batched-tokens x "
+                        "16384, which leaves contexts up to ~16k as they were)")
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
                    help="unified: prefill and decode tokens share each step (default); "
                         "separate: a step runs prefills or decodes, not both")
@@ -196,13 +206,11 @@ def serve(args: argparse.Namespace) -> int:
     reason = ("the server is shutting down: the turn was not completed (its conversation is "
               "as it was before the turn)")
     try:
-        run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
-                   lambda: state.engine.end_streams(reason))
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it has handled: the shutdown is done
+        code = run_server(app, args.host, args.port, args.log_level, args.shutdown_timeout,
+                          lambda: state.engine.end_streams(reason), lambda: state.engine.alive)
     finally:
         close()
-    return 0
+    return code
 
 
 def model_aliases(model: str, path: Any) -> tuple[str, ...]:
@@ -229,15 +237,9 @@ def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None,
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
-    from pensieve.models.demo import is_demo
     from pensieve.models.loader import resolve_config
-    from pensieve.models.tokenizer import load_tokenizer
-    from pensieve.server.app import create_app
-    from pensieve.server.chat import ChatRenderer
-    from pensieve.server.metrics import Metrics
-    from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
-    from pensieve.server.state import ServerState
-    from pensieve.server.stores import open_store
+    from pensieve.server.model_defaults import checked_max_model_len
+    from pensieve.server.store_check import open_checked
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
@@ -252,14 +254,45 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
+        kv_cache_dtype=args.kv_cache_dtype,
         decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
+        prefill_attention_pairs=args.prefill_attention_pairs,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )
-    engine, aengine = _start_engine(cfg, args)
+    # the store first: one that cannot be used stops the server before the engine is built
+    store, report = open_checked(args.store)
+    try:
+        engine, aengine = _start_engine(cfg, args)
+    except BaseException:
+        store.close()
+        raise
+    try:
+        app, close = _assemble(args, path, engine, aengine, store, report, keys, max_len)
+    except BaseException:
+        aengine.shutdown()
+        if engine is not None:
+            engine.shutdown()
+        store.close()
+        raise
+    return app, close
+
+
+def _assemble(args: argparse.Namespace, path: Any, engine: LLMEngine | None, aengine: Any,
+              store: Any, report: Any, keys: list[str], max_len: int
+              ) -> tuple[Any, Callable[[], None]]:
+    """The app over a started engine and an open store, and the function that stops them."""
+    from pensieve.models.demo import is_demo
+    from pensieve.models.tokenizer import load_tokenizer
+    from pensieve.server.app import create_app
+    from pensieve.server.chat import ChatRenderer
+    from pensieve.server.metrics import Metrics
+    from pensieve.server.model_defaults import generation_defaults
+    from pensieve.server.state import ServerState
+
     demo = is_demo(path)
     template = args.chat_template
     if template is not None and Path(template).is_file():
@@ -274,7 +307,6 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
                   ["pensieve-demo" if demo else Path(args.model).name])
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
-    store = open_store(args.store)
     turn_tokens = (aengine.info["max_turn_tokens"] if engine is None
                    else engine.scheduler.max_turn_tokens)
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
@@ -286,7 +318,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
                         max_queued_requests=args.max_queued_requests,
                         max_request_bytes=args.max_request_bytes,
                         extra_stop_token_ids=tuple(eos_ids),
-                        sampling_defaults=sampling_defaults)
+                        sampling_defaults=sampling_defaults,
+                        corrupt_conversations=len(report.corrupt))
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")

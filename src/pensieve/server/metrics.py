@@ -77,8 +77,8 @@ def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
     c.add_metric(["decode"], st.get("graph_steps", 0) - st.get("prefill_graph_steps", 0))
     yield c
     yield CounterMetricFamily("pensieve_decode_split_span_steps", "Engine steps whose decode "
-                              "attention split KV by span (ragged contexts; "
-                              "PENSIEVE_DECODE_SPAN)", value=st.get("split_span_steps", 0))
+                              "attention split KV by span (ragged contexts)",
+                              value=st.get("split_span_steps", 0))
     c = CounterMetricFamily("pensieve_step_execute_seconds", "Executor time of engine steps "
                             "(swaps, forward, sampling), by step kind", labels=["kind"])
     c.add_metric(["prefill"], st.get("prefill_step_execute_s", 0.0))

@@ -8,11 +8,19 @@ the context plus the tokens up to the one that completed it; the next turn's exa
 recomputes from the first token that differs). A completed turn is stored before the client
 sees its end. A turn the client leaves, or that the engine fails (an OpenAI-shaped 500, or an
 error event in a stream), leaves its conversation as it was.
+
+A turn the store fails to write (disk full, read-only store) is still answered, marked as not
+stored: ``"pensieve": {"stored": false}`` in the body (and the last chunk of a stream), the
+``x-pensieve-stored: false`` header on a JSON answer, and in a stream an error event
+(``store_unavailable``) before ``[DONE]``. Its conversation stays as the store has it (a new
+one is forgotten: its id leads nowhere), and ``/health`` reports ``degraded`` until a write
+succeeds again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +40,7 @@ from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
 from pensieve.server.reasoning import ReasoningStream, split_reasoning
 from pensieve.server.state import ServerState
-from pensieve.server.store import StoredConversation
+from pensieve.server.store import StoredConversation, StoreWriteError
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.turns import Turn, engine_call, off_loop
 
@@ -40,6 +48,8 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop
                     "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                     "min_tokens", "min_p", "logit_bias"}
 MAX_STOP_STRINGS = 64
+
+log = logging.getLogger("pensieve.server")
 
 
 @dataclass
@@ -142,6 +152,8 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
         raise engine_error(e) from e
     if result is None:
         return error_response(499, "client closed the request")
+    if turn.cid is not None:
+        headers["x-pensieve-stored"] = "false" if out.store_failure else "true"
     return JSONResponse(out.final_body(result), headers=headers)
 
 
@@ -182,19 +194,18 @@ async def forget_new(state: ServerState, turn: Turn) -> None:
             pass  # the engine is gone, and the conversation with it
 
 
-def error_event(e: EngineRequestError | APIError) -> str:
-    """A failed turn as the error event OpenAI's clients read."""
-    err = engine_error(e) if isinstance(e, EngineRequestError) else e
-    return sse_data({"error": {"message": err.message, "type": err.type,
-                               "param": err.param, "code": err.code}})
-
-
 def sse_data(obj: dict[str, Any]) -> str:
     """One SSE event. Line separators other than ``\\n`` (U+0085, U+2028, U+2029) are escaped:
     clients that split lines as ``str.splitlines`` does would break the JSON on them."""
     text = json.dumps(obj, ensure_ascii=False)
     text = text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     return "data: " + text.replace("\x85", "\\u0085") + "\n\n"
+
+
+def error_event(err: APIError) -> str:
+    """An error as a stream's event, as OpenAI's clients read it."""
+    return sse_data({"error": {"message": err.message, "type": err.type, "param": err.param,
+                               "code": err.code}})
 
 
 class TurnOutput:
@@ -228,6 +239,8 @@ class TurnOutput:
         self.reasoning = ReasoningStream() if thinks else None
         """Splits a thinking model's streamed reasoning from its content."""
         self.first_token_t = self.last_token_t = t0
+        self.store_failure: StoreWriteError | None = None
+        """Why the completed turn is not stored (None: stored, or nothing to store)."""
 
     def _feed(self, token: int, logprobs: TokenLogprobs | None = None) -> str:
         self.tokens.append(token)
@@ -302,7 +315,31 @@ class TurnOutput:
         conv.turns = conv.turns + [{"context_len": len(result.prompt_ids),
                                     "output_len": len(result.output_ids)}]
         store = self.state.store
-        await off_loop(self.state, lambda: store.save_turn(conv))
+        try:
+            await off_loop(self.state, lambda: store.save_turn(conv))
+        except StoreWriteError as e:
+            await self._not_stored(e)
+            return
+        self.state.store_error = None
+
+    async def _not_stored(self, e: StoreWriteError) -> None:
+        """The turn was answered but the store refused it: say so, and leave nothing of a
+        new conversation in the engine (the next turn of an old one restores its stored
+        history)."""
+        self.store_failure = e
+        self.state.store_error = e.message
+        log.error("conversation %s: the turn is answered but not stored: %s", self.turn.cid,
+                  e.message)
+        if self.turn.new_conversation and self.turn.cid is not None:
+            try:
+                await self.state.engine.call(engine_ops.drop_conversation, self.turn.cid)
+            except (EngineRequestError, ConversationBusyError):
+                pass  # the engine is gone, or the next turn already started
+
+    def _pensieve(self, result: Result) -> dict[str, Any]:
+        """The body's ``pensieve`` object: the turn's cache statistics and whether it is
+        stored."""
+        return {"cache": result.cache, "stored": self.store_failure is None}
 
     def usage(self, result: Result) -> dict[str, Any]:
         n_in, n_out = len(result.prompt_ids), len(result.output_ids)
@@ -320,7 +357,7 @@ class TurnOutput:
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self._model(), "choices": [choice],
                 "usage": self.usage(result), "conversation_id": self.turn.cid,
-                "pensieve": {"cache": result.cache}}
+                "pensieve": self._pensieve(result)}
 
     def _message(self, text: str) -> dict[str, Any]:
         """The assistant message; a thinking model's reasoning apart (:mod:`.reasoning`)."""
@@ -393,10 +430,14 @@ class TurnOutput:
                         continue
                     completed = True
                     yield self._chunk(delta, result.finish_reason,
-                                      extra={"pensieve": {"cache": result.cache}})
+                                      extra={"pensieve": self._pensieve(result)})
                     if last and (self.body.stream_options or {}).get("include_usage"):
                         yield self.usage_chunk(self.usage(result))
+                if self.store_failure is not None:
+                    yield error_event(self.store_failure)
             except EngineRequestError as e:  # an error event, as OpenAI's clients read it
+                yield error_event(engine_error(e))
+            except APIError as e:  # the turn's write refused (a stale turn)
                 yield error_event(e)
             if last or not completed:
                 yield "data: [DONE]\n\n"

@@ -57,6 +57,11 @@ class ServerState:
     for the engine, or in prefill)."""
     draining: bool = False
     """Shutting down: new requests get a 503."""
+    corrupt_conversations: int = 0
+    """Conversations the store's check at start found corrupt (each refused when asked for)."""
+    store_error: str | None = None
+    """Why the last write to the store failed, until a write (or ``/health``'s probe)
+    succeeds again: ``/health`` reports ``degraded`` meanwhile."""
 
     @property
     def names(self) -> tuple[str, ...]:

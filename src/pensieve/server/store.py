@@ -20,6 +20,15 @@ turn with a shorter history. The row also names the request that wrote its last 
 (``request_key``: the replicas' ingress gives each request one, the same on its retries), so a
 retry whose first replica stored the turn and died before answering redoes that turn
 (:mod:`pensieve.server.turns`) instead of starting a second conversation without it.
+
+Integrity. Each turn's write stamps the row with a ``checksum`` (SHA-256 over its id, tenant,
+messages (roles and text), token ids and turn boundaries: :func:`row_checksum`). Every read
+verifies it: a row edited outside the server, or on a damaged page, is never fed to the model
+but refused with :class:`CorruptConversationError` (a 500 naming the conversation) while the
+other conversations are served. Rows of a store made before checksums existed are stamped
+when the store is opened (their content is trusted as it is then). A write that fails (disk
+full, read-only file) raises :class:`StoreWriteError`; :mod:`.store_check` checks a store
+before the server starts (quick_check, the write-ahead log, a write probe, every row).
 """
 
 from __future__ import annotations
@@ -51,19 +60,52 @@ CREATE TABLE IF NOT EXISTS conversations (
     created {real} NOT NULL,
     updated {real} NOT NULL,
     request_key TEXT NOT NULL DEFAULT '',
-    version INTEGER NOT NULL DEFAULT 1
+    version INTEGER NOT NULL DEFAULT 1,
+    checksum TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS by_hash ON conversations (tenant, messages_hash);
+CREATE TABLE IF NOT EXISTS pensieve_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
 ADDED_COLUMNS = (("request_key", "TEXT NOT NULL DEFAULT ''"),
-                 ("version", "INTEGER NOT NULL DEFAULT 1"))
+                 ("version", "INTEGER NOT NULL DEFAULT 1"),
+                 ("checksum", "TEXT NOT NULL DEFAULT ''"))
 """Columns a table made by an older version lacks, added when a store opens it (its rows get
-version 1: written once)."""
+version 1: written once; their checksums are stamped by :func:`unstamped` and
+:func:`stamp_statement`)."""
+
+PROBE = ("INSERT INTO pensieve_meta (key, value) VALUES ('probe', {ph}) "
+         "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+"""A write that proves the store takes writes (at open, and from ``/health`` while a turn's
+write has failed)."""
 
 REQUEST_INDEX = ("CREATE INDEX IF NOT EXISTS by_request "
                  "ON conversations (tenant, request_key)")
+
+
+class CorruptConversationError(APIError):
+    """A stored conversation that does not match its checksum, or cannot be read: refused
+    (a 500, ``conversation_corrupt``), never fed to the model. ``tenant``: the row's owner
+    as stored ("" when unreadable), so that another tenant still sees a 404."""
+
+    def __init__(self, conversation_id: str, why: str, tenant: str = "") -> None:
+        super().__init__(500, f"conversation {conversation_id!r} is corrupt in the store "
+                         f"({why}): it is not served; delete it or restore the store from a "
+                         "backup", "server_error", code="conversation_corrupt")
+        self.conversation_id, self.tenant = conversation_id, tenant
+
+
+class StoreWriteError(APIError):
+    """The store refused a write (disk full, read-only file or mount, a lost database): the
+    turn was answered but not stored (a 503, ``store_unavailable``). With ``action="read"``:
+    a read that failed for a reason other than damage (locked past the busy timeout, an I/O
+    error)."""
+
+    def __init__(self, error: BaseException, action: str = "write") -> None:
+        super().__init__(503, f"the conversation store cannot {action}: "
+                         f"{type(error).__name__}: {error}", "server_error",
+                         code="store_unavailable")
 
 
 class StaleTurnError(APIError):
@@ -105,8 +147,16 @@ class StoredConversation:
 
 
 COLUMNS = ("id", "tenant", "messages", "token_ids", "turns", "messages_hash", "priority",
-           "keep_alive_s", "created", "updated", "request_key", "version")
+           "keep_alive_s", "created", "updated", "request_key", "version", "checksum")
 """A row's columns, in the order of :func:`row_values` (shared by both stores)."""
+
+
+def row_checksum(cid: str, tenant: str, messages: Any, token_ids: Any, turns: Any) -> str:
+    """SHA-256 of what a turn feeds the model: the conversation's id and owner, its messages
+    (roles and text), token ids and turn boundaries, as canonical JSON."""
+    canon = json.dumps([cid, tenant, messages, token_ids, turns], ensure_ascii=False,
+                       separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def row_values(conv: StoredConversation) -> tuple[Any, ...]:
@@ -115,17 +165,44 @@ def row_values(conv: StoredConversation) -> tuple[Any, ...]:
     return (conv.id, conv.tenant, json.dumps(conv.messages, ensure_ascii=False),
             json.dumps(conv.token_ids), json.dumps(conv.turns),
             messages_hash(conv.tenant, conv.messages), conv.priority, conv.keep_alive_s,
-            conv.created, conv.updated, conv.request_key, conv.version + 1)
+            conv.created, conv.updated, conv.request_key, conv.version + 1,
+            row_checksum(conv.id, conv.tenant, conv.messages, conv.token_ids, conv.turns))
 
 
-def from_row(row: tuple[Any, ...]) -> StoredConversation:
-    """A conversation from a row of :data:`COLUMNS` without ``messages_hash``."""
-    return StoredConversation(row[0], row[1], json.loads(row[2]), json.loads(row[3]),
-                              json.loads(row[4]), float(row[5]), float(row[6]),
-                              float(row[7]), float(row[8]), str(row[9]), int(row[10]))
+def from_row(row: tuple[Any, ...], cid: str = "?") -> StoredConversation:
+    """A conversation from a row of :data:`COLUMNS` without ``messages_hash``, its checksum
+    verified (else :class:`CorruptConversationError`; ``cid``: the id asked for)."""
+    tenant = row[1] if isinstance(row[1], str) else ""
+    try:
+        messages, token_ids, turns = json.loads(row[2]), json.loads(row[3]), json.loads(row[4])
+        conv = StoredConversation(row[0], row[1], messages, token_ids, turns, float(row[5]),
+                                  float(row[6]), float(row[7]), float(row[8]), str(row[9]),
+                                  int(row[10]))
+    except (TypeError, ValueError) as e:
+        raise CorruptConversationError(cid, f"unreadable row: {e}", tenant) from e
+    if row[0] != cid and cid != "?":
+        raise CorruptConversationError(cid, f"the row holds id {row[0]!r}", tenant)
+    if row[11] != row_checksum(row[0], row[1], messages, token_ids, turns):
+        raise CorruptConversationError(cid, "checksum mismatch", tenant)
+    return conv
 
 
 SELECT_COLUMNS = ", ".join(c for c in COLUMNS if c != "messages_hash")
+"""A row's columns as :func:`from_row` reads them."""
+
+
+def unstamped(ph: str) -> str:
+    """The rows without a checksum (written before checksums existed)."""
+    return f"SELECT id, tenant, messages, token_ids, turns FROM conversations WHERE checksum = {ph}"
+
+
+def stamp_statement(row: tuple[Any, ...], ph: str) -> tuple[str, tuple[Any, ...]]:
+    """The update that gives a row of :func:`unstamped` its checksum."""
+    cid, tenant, messages, token_ids, turns = row
+    total = row_checksum(cid, tenant, json.loads(messages), json.loads(token_ids),
+                         json.loads(turns))
+    return (f"UPDATE conversations SET checksum = {ph} WHERE id = {ph} AND checksum = {ph}",
+            (total, cid, ""))
 
 
 def write_statement(conv: StoredConversation, ph: str) -> tuple[str, tuple[Any, ...]]:
@@ -173,12 +250,18 @@ class Store(Protocol):
 
     def count(self) -> int: ...
 
+    def ids(self) -> list[str]: ...
+
+    def probe(self) -> None: ...
+
     def close(self) -> None: ...
 
 
 class ConversationStore:
     """The SQLite store: thread-safe access to one file (one connection, one lock per
-    process; several processes may share the file)."""
+    process; several processes may share the file). A write that fails raises
+    :class:`StoreWriteError`; a row that fails its checksum or cannot be read,
+    :class:`CorruptConversationError`."""
 
     def __init__(self, path: str, busy_timeout_ms: int = 30_000) -> None:
         self.path = path
@@ -188,27 +271,65 @@ class ConversationStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
-        self._db.execute("BEGIN IMMEDIATE")  # one process at a time adds missing columns
+        self._db.execute("BEGIN IMMEDIATE")  # one process at a time migrates
         try:
             have = {r[1] for r in self._db.execute("PRAGMA table_info(conversations)")}
             for name, decl in ADDED_COLUMNS:
                 if name not in have:
                     self._db.execute(f"ALTER TABLE conversations ADD COLUMN {name} {decl}")
             self._db.execute(REQUEST_INDEX)
+            for row in self._db.execute(unstamped("?"), ("",)).fetchall():
+                self._db.execute(*stamp_statement(row, "?"))
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
 
     def close(self) -> None:
+        """Merge the write-ahead log into the database file (when no other process reads
+        it) and close."""
         with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error:
+                pass  # another process holds it: the last one to close merges it
             self._db.close()
+
+    def _write(self, sql: str, params: tuple[Any, ...]) -> int:
+        """Run one write; its changed row count. A failure is :class:`StoreWriteError`."""
+        with self._lock:
+            try:
+                return int(self._db.execute(sql, params).rowcount)
+            except sqlite3.Error as e:
+                raise StoreWriteError(e) from e
+
+    def probe(self) -> None:
+        """A write to the store's own table (:data:`PROBE`): raises
+        :class:`StoreWriteError` when the store takes no writes."""
+        self._write(PROBE.format(ph="?"), (str(time.time()),))
+
+    def ids(self) -> list[str]:
+        """Every conversation's id (for the check at start)."""
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT id FROM conversations")]
+
+    def quick_check(self) -> list[str]:
+        """``PRAGMA quick_check``'s findings: empty when the file is sound."""
+        with self._lock:
+            found = [str(r[0]) for r in self._db.execute("PRAGMA quick_check").fetchall()]
+        return [] if found == ["ok"] else found
 
     def get(self, conversation_id: str) -> StoredConversation | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {SELECT_COLUMNS} FROM conversations WHERE id = ?",
-                                   (conversation_id,)).fetchone()
-        return None if row is None else from_row(row)
+            try:
+                row = self._db.execute(
+                    f"SELECT {SELECT_COLUMNS} FROM conversations WHERE id = ?",
+                    (conversation_id,)).fetchone()
+            except sqlite3.OperationalError as e:  # locked, I/O: the store, not the row
+                raise StoreWriteError(e, "read") from e
+            except sqlite3.DatabaseError as e:  # a damaged page
+                raise CorruptConversationError(conversation_id, f"unreadable: {e}") from e
+        return None if row is None else from_row(row, conversation_id)
 
     def find_by_messages(self, tenant: str, messages: list[dict[str, Any]]) -> str | None:
         """The tenant's conversation whose messages are exactly ``messages``, if any."""
@@ -231,20 +352,14 @@ class ConversationStore:
         """Write the conversation after a completed turn (one statement; committed when it
         returns), if its row is still at ``conv.version``; else :class:`StaleTurnError`."""
         stamp(conv)
-        sql, params = write_statement(conv, "?")
-        with self._lock:
-            rows = self._db.execute(sql, params).rowcount
-        written(conv, rows)
+        written(conv, self._write(*write_statement(conv, "?")))
 
     def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None:
-        with self._lock:
-            self._db.execute("UPDATE conversations SET priority = ?, keep_alive_s = ? WHERE id = ?",
-                             (priority, keep_alive_s, conversation_id))
+        self._write("UPDATE conversations SET priority = ?, keep_alive_s = ? WHERE id = ?",
+                    (priority, keep_alive_s, conversation_id))
 
     def delete(self, conversation_id: str) -> bool:
-        with self._lock:
-            cur = self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
-        return cur.rowcount > 0
+        return self._write("DELETE FROM conversations WHERE id = ?", (conversation_id,)) > 0
 
     def count(self) -> int:
         with self._lock:

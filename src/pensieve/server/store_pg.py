@@ -4,25 +4,32 @@ Same rows and the same :class:`~pensieve.server.store.Store` interface as the SQ
 one row per conversation, written in one statement when a turn completes (conditional on
 the version the turn read, as there: a conversation that moved to another replica gets its
 next turn written there, a stale turn is refused). One connection per process in autocommit
-mode, behind a lock; a connection the server dropped is reopened once per call.
+mode, behind a lock; a connection the server dropped is reopened once per call. Rows carry
+the same checksum, verified on every read (:func:`~pensieve.server.store.from_row`); a write
+that fails raises :class:`~pensieve.server.store.StoreWriteError`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
 
 from pensieve.server.store import (
     ADDED_COLUMNS,
+    PROBE,
     REQUEST_INDEX,
     SELECT_COLUMNS,
     StoredConversation,
+    StoreWriteError,
     from_row,
     messages_hash,
     schema,
     stamp,
+    stamp_statement,
+    unstamped,
     write_statement,
     written,
 )
@@ -46,6 +53,8 @@ class PostgresStore:
                     self._db.execute(
                         f"ALTER TABLE conversations ADD COLUMN IF NOT EXISTS {name} {decl}")
                 self._db.execute(REQUEST_INDEX)
+                for row in self._db.execute(unstamped("%s"), ("",)).fetchall():
+                    self._db.execute(*stamp_statement(row, "%s"))
             finally:
                 self._db.execute("SELECT pg_advisory_unlock(4242)")
 
@@ -55,14 +64,29 @@ class PostgresStore:
                 self._db = psycopg.connect(self.path, autocommit=True)
             return self._db.execute(sql, params)
 
+    def _write(self, sql: str, params: tuple[Any, ...]) -> int:
+        """Run one write; its changed row count. A failure is :class:`StoreWriteError`."""
+        try:
+            return int(self._run(sql, params).rowcount)
+        except psycopg.Error as e:
+            raise StoreWriteError(e) from e
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    def probe(self) -> None:
+        """A write to the store's own table: :class:`StoreWriteError` when it takes none."""
+        self._write(PROBE.format(ph="%s"), (str(time.time()),))
+
+    def ids(self) -> list[str]:
+        """Every conversation's id (for the check at start)."""
+        return [r[0] for r in self._run("SELECT id FROM conversations").fetchall()]
+
     def get(self, conversation_id: str) -> StoredConversation | None:
         row = self._run(f"SELECT {SELECT_COLUMNS} FROM conversations WHERE id = %s",
                         (conversation_id,)).fetchone()
-        return None if row is None else from_row(row)
+        return None if row is None else from_row(row, conversation_id)
 
     def find_by_messages(self, tenant: str, messages: list[dict[str, Any]]) -> str | None:
         """The tenant's conversation whose messages are exactly ``messages``, if any."""
@@ -81,16 +105,14 @@ class PostgresStore:
         """Write the conversation after a completed turn (one statement), if its row is still
         at ``conv.version``; else :class:`~pensieve.server.store.StaleTurnError`."""
         stamp(conv)
-        sql, params = write_statement(conv, "%s")
-        written(conv, self._run(sql, params).rowcount)
+        written(conv, self._write(*write_statement(conv, "%s")))
 
     def set_hints(self, conversation_id: str, priority: float, keep_alive_s: float) -> None:
-        self._run("UPDATE conversations SET priority = %s, keep_alive_s = %s WHERE id = %s",
-                  (priority, keep_alive_s, conversation_id))
+        self._write("UPDATE conversations SET priority = %s, keep_alive_s = %s WHERE id = %s",
+                    (priority, keep_alive_s, conversation_id))
 
     def delete(self, conversation_id: str) -> bool:
-        return self._run("DELETE FROM conversations WHERE id = %s",
-                         (conversation_id,)).rowcount > 0
+        return self._write("DELETE FROM conversations WHERE id = %s", (conversation_id,)) > 0
 
     def count(self) -> int:
         row = self._run("SELECT COUNT(*) FROM conversations").fetchone()

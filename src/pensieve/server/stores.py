@@ -1,20 +1,15 @@
 """Open the conversation store a ``--store`` value names: SQLite (:mod:`.store`) for a path,
-PostgreSQL (:mod:`.store_pg`) for a URL. Apart from both so that neither imports the other's
-backend (``store_pg`` builds on ``store``'s rows)."""
+PostgreSQL (:mod:`.store_pg`) for a URL, checked first (:mod:`.store_check`). Apart from both
+so that neither imports the other's backend (``store_pg`` builds on ``store``'s rows)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pensieve.server.store import ConversationStore, Store
+from pensieve.server.store import Store
+from pensieve.server.store_check import open_checked
 
 
 def open_store(target: str) -> Store:
     """The store at ``target``: a ``postgresql://`` (or ``postgres://``) URL, else the path of
-    a SQLite file (its directory is created)."""
-    if target.startswith(("postgresql://", "postgres://")):
-        from pensieve.server.store_pg import PostgresStore
-
-        return PostgresStore(target)
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    return ConversationStore(target)
+    a SQLite file (its directory is created). Raises
+    :class:`~pensieve.server.store_check.StoreOpenError` when it cannot be used."""
+    return open_checked(target)[0]

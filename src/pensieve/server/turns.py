@@ -32,7 +32,7 @@ from pensieve.server import engine_ops
 from pensieve.server.engine_loop import EngineRequestError
 from pensieve.server.errors import APIError
 from pensieve.server.state import ServerState
-from pensieve.server.store import StoredConversation
+from pensieve.server.store import CorruptConversationError, StoredConversation
 
 T = TypeVar("T")
 
@@ -76,7 +76,15 @@ def new_conversation_id() -> str:
 
 
 def owned(state: ServerState, cid: str, tenant: str) -> StoredConversation:
-    conv = state.store.get(cid)
+    """The tenant's conversation ``cid`` (a 404 when it is another tenant's or none; its
+    owner gets the 500 of a corrupt one)."""
+    try:
+        conv = state.store.get(cid)
+    except CorruptConversationError as e:
+        if e.tenant and e.tenant != tenant:
+            raise APIError(404, f"conversation {cid!r} not found",
+                           code="conversation_not_found", param="conversation_id") from None
+        raise
     if conv is None or conv.tenant != tenant:  # another tenant's id looks like an unknown one
         raise APIError(404, f"conversation {cid!r} not found", code="conversation_not_found",
                        param="conversation_id")

@@ -1,0 +1,236 @@
+"""Attention at long contexts: our paged kernel against the fastest torch SDPA backend.
+
+    pensieve bench long-attention [--contexts 32768,65536,131072] [--kv-dtypes bf16,fp8]
+        [--out long_attention.json] [--plot long_attention.png]
+
+Llama-3.1-8B's attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 queries). Two
+cases per context length ``L``:
+
+- ``prefill``: one request's chunk of ``--chunk`` (2,048) new tokens at positions ``L - chunk
+  .. L - 1`` over its cached history (a chunked prefill step of a long turn), causal;
+- ``decode-B``: ``B`` requests (``--decode-batches``) of one token each after ``L - 1``
+  cached tokens (split-KV decode).
+
+``ours``: :func:`~pensieve.kernels.launch.paged_attention_triton` over a cache paged in
+32-token chunks whose ids are a random permutation, its KV in bf16 or FP8 (e4m3, per-head
+scales). ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over contiguous bf16
+KV (the ideal layout, no gather counted), with a bottom-right causal mask for the chunk; each
+of the flash, cuDNN and memory-efficient backends is tried (GQA native where it runs, else KV
+heads expanded outside the timing) and the fastest is the reference. Times: CUDA events,
+median of ``--iters`` after ``--warmup``. The ratio ``ours / sdpa`` is the figure of merit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+H, HKV, D, CHUNK = 32, 8, 128, 32
+
+
+def _time(fn: Any, warmup: int, iters: int) -> float:
+    """Median seconds of ``fn()`` on the current CUDA stream."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _sdpa_best(q: Any, k: Any, v: Any, lower_right: bool, warmup: int,
+               iters: int) -> tuple[float, str, Any]:
+    """(seconds, backend, output) of the fastest SDPA backend that runs. q ``[B, H, Q, D]``,
+    k, v ``[B, HKV, L, D]``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[2], k.shape[2]) if lower_right else None
+    best: tuple[float, str, Any] | None = None
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for gqa in (True, False):
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(H // HKV, 1),
+                                         v.repeat_interleave(H // HKV, 1))
+
+            def run(kk: Any = kk, vv: Any = vv, gqa: bool = gqa, backend: Any = backend) -> Any:
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask,
+                                                          enable_gqa=gqa)
+            try:
+                out = run()
+            except RuntimeError:
+                continue
+            t = _time(run, warmup, iters)
+            if best is None or t < best[0]:
+                best = (t, f"{name}{'' if gqa else ' (KV expanded)'}", out)
+            break  # GQA native ran: no need to expand
+        torch.cuda.empty_cache()
+    if best is None:
+        raise RuntimeError("no SDPA backend ran")
+    return best
+
+
+SWEEP_TILES = [(bm, bn, w, st) for bm in (16,) for bn in (32, 64, 128) for w in (4, 8)
+               for st in (2, 3, 4)]
+"""Decode tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) that ``--sweep`` times."""
+
+
+def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
+         iters: int, seed: int = 0, sweep: bool = False) -> dict[str, Any]:
+    """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``;
+    ``sweep``: also time every decode tile of :data:`SWEEP_TILES` and KV splits 4-32."""
+    import torch
+
+    from pensieve.kernels.launch import FP8_KV, paged_attention_triton
+    from pensieve.kernels.reference import store_kv_ref
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    bf = torch.bfloat16
+    q4 = torch.randn(batch, H, q_len, D, device=dev, dtype=bf, generator=g)
+    k4 = torch.randn(batch, HKV, ctx, D, device=dev, dtype=bf, generator=g)
+    v4 = torch.randn(batch, HKV, ctx, D, device=dev, dtype=bf, generator=g)
+    t_sdpa, backend, ref = _sdpa_best(q4, k4, v4, q_len > 1, warmup, iters)
+    blocks = ctx // CHUNK
+    perm = torch.randperm(batch * blocks, device=dev, generator=g).to(torch.int32)
+    tables = perm.view(batch, blocks)
+    slots = (tables.long()[:, :, None] * CHUNK + torch.arange(CHUNK, device=dev)).flatten()
+    q = q4.permute(0, 2, 1, 3).reshape(batch * q_len, H, D)
+    i32 = torch.int32
+    qsl = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=i32)
+    start = torch.full((batch,), ctx - q_len, device=dev, dtype=i32)
+    rows = torch.arange(batch, device=dev, dtype=i32)
+    res: dict[str, Any] = {"context": ctx, "query_len": q_len, "batch": batch,
+                           "sdpa_s": t_sdpa, "sdpa_backend": backend}
+    for kv in kv_dtypes:
+        dtype = FP8_KV if kv == "fp8" else bf
+        kc = torch.empty(batch * blocks, CHUNK, HKV, D, device=dev, dtype=dtype)
+        vc = torch.empty_like(kc)
+        scales = {}
+        if kv == "fp8":
+            one = torch.ones(HKV, device=dev)
+            scales = {"k_scale": one, "v_scale": one}
+        store_kv_ref(k4.permute(0, 2, 1, 3).reshape(-1, HKV, D),
+                     v4.permute(0, 2, 1, 3).reshape(-1, HKV, D), kc, vc, slots,
+                     scales.get("k_scale"), scales.get("v_scale"))
+
+        def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales) -> Any:
+            return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
+                                          max_query_len=q_len, **scales)
+        out = ours()
+        err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
+        res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
+        res[f"ratio_{kv}"] = res[f"ours_{kv}_s"] / t_sdpa
+        res[f"max_err_{kv}"] = float(err.max())
+        if sweep and q_len == 1:
+            best = None
+            for tiles in SWEEP_TILES:
+                for splits in (4, 8, 16, 32):
+                    def tiled(kc: Any = kc, vc: Any = vc, scales: dict = scales,
+                              tiles: Any = tiles, splits: int = splits) -> Any:
+                        return paged_attention_triton(
+                            q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
+                            tiles=tiles, num_kv_splits=splits, **scales)
+                    try:
+                        t = _time(tiled, 1, max(3, iters // 2))
+                    except Exception:  # a tile the device cannot fit
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, tiles, splits)
+            if best is not None:
+                res[f"best_{kv}_s"], res[f"best_{kv}_tiles"], res[f"best_{kv}_splits"] = best
+                res[f"best_ratio_{kv}"] = best[0] / t_sdpa
+        del kc, vc
+        torch.cuda.empty_cache()
+    return res
+
+
+def _plot(rows: list[dict[str, Any]], kv_dtypes: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({("prefill" if r["query_len"] > 1 else f"decode-{r['batch']}")
+                    for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        sel = [r for r in rows if ("prefill" if r["query_len"] > 1
+                                   else f"decode-{r['batch']}") == name]
+        x = [r["context"] // 1024 for r in sel]
+        for kv in kv_dtypes:
+            ax.plot(x, [r[f"ratio_{kv}"] for r in sel], "o-", label=f"ours ({kv} KV)")
+            if all(f"best_ratio_{kv}" in r for r in sel):
+                ax.plot(x, [r[f"best_ratio_{kv}"] for r in sel], "x:",
+                        label=f"best swept tile ({kv})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(1.1, color="red", lw=0.8, ls="--", label="1.1x")
+        ax.set_title(name)
+        ax.set_xlabel("context (k tokens)")
+        ax.set_ylabel("time / fastest SDPA")
+        ax.set_xscale("log", base=2)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pensieve bench long-attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="32768,65536,131072")
+    p.add_argument("--chunk", type=int, default=2048, help="query tokens of the prefill case")
+    p.add_argument("--decode-batches", default="1,8,32")
+    p.add_argument("--kv-dtypes", default="bf16,fp8")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true",
+                   help="decode cases: also time each tile of SWEEP_TILES and 4-32 KV splits")
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args(argv)
+    import warnings
+
+    import torch
+
+    warnings.simplefilter("ignore", UserWarning)  # SDPA's "kernel not used" for each backend
+    if not torch.cuda.is_available():
+        print("long-attention needs a CUDA device", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    kvs = a.kv_dtypes.split(",")
+    todo = [(int(c), a.chunk, 1) for c in a.contexts.split(",")]
+    todo += [(int(c), 1, int(b)) for c in a.contexts.split(",")
+             for b in a.decode_batches.split(",")]
+    rows = []
+    for ctx, q_len, batch in tqdm(todo, desc="long-attention"):
+        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep)
+        rows.append(r)
+        tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in r.items()))
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "shape": {"heads": H, "kv_heads": HKV, "head_dim": D, "chunk": CHUNK}, "rows": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.plot:
+        _plot(rows, kvs, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

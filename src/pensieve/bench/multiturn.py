@@ -1,0 +1,441 @@
+"""Multi-turn serving benchmark: systems side by side over a multi-turn trace.
+
+For each system and conversation arrival rate, drive a fresh engine with the load generator
+(`pensieve.bench.loadgen`) and record one summary line per point (throughput, P50/P90/P99
+latency, normalized latency and TTFT, prompt tokens by source, and the fields of vLLM's
+``bench serve --save-result``: ``request_throughput``, ``mean_ttft_ms``, ``p99_tpot_ms``, ...,
+from ``pensieve.bench.serve_metrics``) to ``<out>/points.jsonl``,
+every request to ``<out>/requests.jsonl``, and for Pensieve engines on a device every step's
+features and time to ``<out>/steps.jsonl`` (the simulator is calibrated from those).
+
+Systems: ``pensieve``, ``gpu-only``, ``lru``, ``prefix-lru``, ``stateless`` (Pensieve's engine
+under that cache policy) and ``hf`` (HF transformers' continuous batching, stateless).
+``--engine sim`` runs the same scheduler and cache on virtual time instead (``--step-cost``).
+``--engine http --url URL`` drives a running server over its HTTP API; the server's
+``--cache-policy`` is the system, so give one ``--systems`` name to record it. ``--api chat``
+is an ordinary OpenAI chat client: streaming ``/v1/chat/completions`` re-sending the whole
+message history each turn, tokens counted from ``usage`` (``pensieve.bench.http_engine``;
+``--no-ignore-eos`` for servers that reject ``ignore_eos``); ``--api completions`` (default)
+is Pensieve's token-id path (streaming ``/v1/completions``, one server conversation per
+benchmark conversation). Its point also records the client's ``http_errors``,
+``http_throttled`` (turns that waited for one of the ``--max-connections``),
+``http_peak_in_flight`` and, for chat, ``http_history_misses`` (turns whose history the server
+did not recognise) and ``tokens_per_word`` (``benchmarks/http_point.sh`` runs one completions
+point, ``benchmarks/churn_points.sh`` chat points of two servers side by side).
+
+``--workload agentic`` (``pensieve.bench.agentic``): long sessions (8-24 turns) of ~300-token
+inputs and ~100-token answers. Steady state: once a second the load generator samples sessions
+in flight, KV blocks used per tier and requests running / waiting (in process from the engine,
+over HTTP from the server's ``/metrics``); each point's series goes to
+``<out>/timeseries.jsonl`` and the point gets ``steady_state`` (True when every one of those
+means moved by at most 10% between the window's halves, plus a floor of one request or 1% of a
+tier: ``pensieve.bench.metrics.steady_state``) and ``steady`` (the halves' means, and
+``steady_within_noise``: the same check, also passing a difference within two standard errors
+of the window's own scatter -- at a few sessions a second the arrivals alone move the halves by
+10-20%). ``--warmup auto`` is 1.5 mean session lifetimes (turns x (think time + ~20 ms a token
+of answer)); a shorter warm-up gets a warning. Tiers that are never emptied by an ordinary
+client fill at about rate x 5k tokens/s on the agentic load, so at low rates they take longer
+than a session lifetime to reach their steady occupancy: the time series shows when.
+``--batching separate`` runs Pensieve's engine (real or sim) with separate prefill and decode
+steps (vLLM 0.2 style, ``SchedulerConfig.batching``) instead of unified ones; each point
+records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ours to set).
+
+    pensieve bench multiturn --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
+        --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
+        --gpu-kv-gb 4 --cpu-kv-gb 22 --duration 60 --warmup 10 --out results/multiturn
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pensieve.bench.engine_api import VirtualClock, WallClock
+from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
+from pensieve.bench.metrics import summarize
+from pensieve.bench.serve_metrics import vllm_metrics
+from pensieve.bench.sharegpt import sharegpt_workload
+from pensieve.bench.workload import load_workload, ultrachat_synthetic
+
+DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_lengths.json.gz"
+"""The packaged ShareGPT file with its split pieces joined back into whole conversations."""
+
+
+def workload(args: argparse.Namespace) -> Any:
+    if args.workload == "agentic":
+        from pensieve.bench.agentic import agentic_workload
+
+        return agentic_workload(args.num_conversations or 5000, seed=args.seed)
+    if args.workload == "ultrachat":
+        return ultrachat_synthetic(args.num_conversations or 5000, seed=args.seed)
+    if args.sharegpt:
+        return sharegpt_workload(args.sharegpt, max_conversations=args.num_conversations)
+    return load_workload(str(DEFAULT_CACHE))
+
+
+class StepLog:
+    """Step observer of the shared engine: each step's features and executor time, labelled
+    with the system the point runs (the simulator is calibrated from these rows), and under
+    ``host`` the step's host times (scheduler, executor wall, the runner's prepare and issue:
+    ``pensieve.bench.step_totals`` sums them as it does a server's ``/metrics``)."""
+
+    def __init__(self) -> None:
+        self.system = ""
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, rec: Any) -> None:
+        from pensieve.bench.step_cost import features_of
+
+        self.rows.append({"system": self.system, **features_of(rec.sched).to_dict(),
+                          "time_s": rec.step_time_s,
+                          "host": {"schedule_s": rec.schedule_s, "update_s": rec.update_s,
+                                   "execute_s": rec.execute_s,
+                                   "prepare_s": rec.host_prepare_s,
+                                   "issue_s": rec.host_issue_s}})
+
+
+class RealEngines:
+    """The systems on the device. All Pensieve systems share one engine (built once with the
+    CPU tier, so the model, the KV tensors and the pinned host memory are set up once), reset
+    to empty tiers under the system's cache policy and ``--batching`` before each point; its
+    steps reach :attr:`steps` through the engine's step observers."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.engine: Any = None
+        self.steps = StepLog()
+
+    def build(self, system: str, clock: WallClock) -> tuple[Any, list[dict[str, Any]] | None]:
+        """(engine, its step rows for this point; None for the HF peer)."""
+        args = self.args
+        if system == "hf":
+            from pensieve.bench.hf_peer import HFContinuousBatchingEngine
+
+            return HFContinuousBatchingEngine(
+                args.model, dtype=args.dtype, device=args.device, clock=clock,
+                kv_cache_gb=args.gpu_kv_gb, max_batch_tokens=args.max_num_batched_tokens), None
+        from pensieve.engine.llm import build_engine_config
+        from pensieve.engine.llm_engine import LLMEngine
+
+        if self.engine is None:
+            cfg = build_engine_config(
+                model=args.model, load_format=args.load_format, dtype=args.dtype,
+                device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
+                cache_policy="pensieve", max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+                enforce_eager=args.enforce_eager, cuda_graph_mixed=args.mixed_graphs,
+                batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
+            # the points run on wall time, as the engine's default clock does
+            self.engine = LLMEngine(cfg, clock=clock.now, observers=[self.steps])
+        eng = self.engine
+        eng.reset(system, dataclasses.replace(eng.scheduler_config, batching=args.batching,
+                                              swap_in_ahead_chunks=args.swap_in_ahead_chunks))
+        self.steps.system = system
+        self.steps.rows.clear()
+        return eng, self.steps.rows
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
+    from pensieve.bench.simulator import SimEngine
+    from pensieve.bench.step_cost import StepCostModel
+    from pensieve.core.config import SchedulerConfig
+    from pensieve.core.cost_model import CostModel
+    from pensieve.engine.tiers import gib_blocks
+
+    cost = StepCostModel.load(args.step_cost)
+    if args.step_cost_set:  # what-if: e.g. per_prefill_step_s=0 (mixed steps as cheap as decode)
+        import dataclasses
+
+        sets = dict(kv.split("=", 1) for kv in args.step_cost_set.split(","))
+        cost = dataclasses.replace(cost, **{k: float(v) for k, v in sets.items()},
+                                   label=f"{cost.label} [what-if {args.step_cost_set}]")
+    block_bytes = args.kv_bytes_per_token * args.chunk_size
+    gpu = gib_blocks(args.gpu_kv_gb, block_bytes)
+    cpu = gib_blocks(args.cpu_kv_gb, block_bytes)
+    chunk_cost = (CostModel.load(args.cost_profile) if args.cost_profile
+                  else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
+    sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                         batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
+    return SimEngine(sc, gpu, cpu, cost, clock, chunk_cost, chunk_size=args.chunk_size,
+                     cache_policy=system, block_bytes=block_bytes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``pensieve bench multiturn``."""
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default="stateless,gpu-only,pensieve")
+    ap.add_argument("--rates", default="0.1,0.2,0.3", help="conversation arrivals per second")
+    ap.add_argument("--engine", choices=["real", "sim", "http"], default="real")
+    ap.add_argument("--url", default=None, help="http: the server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=None, help="http: bearer key (if the server wants one)")
+    ap.add_argument("--max-connections", type=int, default=512,
+                    help="http: most requests in flight at once (keep above the peak load)")
+    ap.add_argument("--api", choices=["completions", "chat"], default="completions",
+                    help="http: Pensieve's /v1/completions with token ids and conversation "
+                         "ids, or an ordinary OpenAI chat client re-sending the history")
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                    help="http: do not send ignore_eos (servers that reject it; answers may "
+                         "then end early)")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="http chat: one word per prompt token, no tokens-per-word "
+                         "calibration against the server")
+    ap.add_argument("--http-model", default=None,
+                    help="http: the requests' model field (default: the server's first model)")
+    ap.add_argument("--keep-conversations", action="store_true",
+                    help="http: do not delete the server conversations a point created")
+    ap.add_argument("--sample-interval", type=float, default=1.0,
+                    help="seconds between samples of the run's state (0: none)")
+    ap.add_argument("--model", default="llama2-13b-gqa10")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--workload", choices=["sharegpt", "ultrachat", "agentic"],
+                    default="sharegpt")
+    ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the "
+                    "committed length cache of the packaged file)")
+    ap.add_argument("--num-conversations", type=int, default=None)
+    ap.add_argument("--length-scale", type=float, default=1.0,
+                    help="multiply every turn's input and answer length (>= 1 token): small "
+                         "loads for smoke tests on the CPU")
+    ap.add_argument("--think-time", type=float, default=60.0, help="mean seconds")
+    ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
+    ap.add_argument("--cpu-kv-gb", type=float, default=220.0)
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--warmup", default="60",
+                    help="seconds before the window, or 'auto' (1.5 mean session lifetimes)")
+    ap.add_argument("--drain", type=float, default=None)
+    add_warm_start_arg(ap)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="real: split the model over N GPUs")
+    ap.add_argument("--enforce-eager", action="store_true", help="real: no CUDA graphs")
+    ap.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="real: CUDA graphs for steps with prefill tokens too (the engine's "
+                         "default; --no-mixed-graphs for eager ones)")
+    ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
+    ap.add_argument("--step-cost-set", default=None, metavar="NAME=VALUE,...",
+                    help="sim: override coefficients of --step-cost (a what-if), e.g. "
+                         "per_prefill_step_s=0")
+    ap.add_argument("--cost-profile", default=None, help="sim: retention cost profile JSON")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
+                    help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")
+    ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--swap-in-ahead-chunks", type=int, default=256,
+                    help="real and sim: chunks a step may swap in for turns that compute from "
+                         "the next step on (0: none; SchedulerConfig.swap_in_ahead_chunks)")
+    ap.add_argument("--batching", choices=["unified", "separate"], default=None,
+                    help="Pensieve's steps: unified prefill+decode batches (default) or "
+                    "separate prefill and decode steps (vLLM 0.2 style; real and sim engines)")
+    ap.add_argument("--tag", default="", help="label stored with every point")
+    ap.add_argument("--out", default="results/multiturn")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked against each other (``--batching`` settled to its default)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.engine == "sim" and not args.step_cost:
+        ap.error("--engine sim needs --step-cost")
+    if args.engine == "http" and not args.url:
+        ap.error("--engine http needs --url")
+    if args.engine == "http" and len(args.systems.split(",")) != 1:
+        ap.error("--engine http runs one system (the server's --cache-policy): give one "
+                 "--systems name")
+    if args.api == "chat" and args.engine != "http":
+        ap.error("--api chat applies to --engine http")
+    if args.batching is not None and args.engine == "http":
+        ap.error("--batching applies to the real and sim engines, not to a server (--engine "
+                 "http)")
+    if args.batching == "separate" and "hf" in args.systems.split(","):
+        ap.error("--batching separate applies to Pensieve's engine, not to the hf system")
+    args.batching = args.batching or "unified"
+
+    return args
+
+
+def run_point(system: str, rate: float, engine: Any, clock: Any, convs: list[Any],
+              args: argparse.Namespace, wl: Any, lifetime: float, t_start: float
+              ) -> tuple[dict[str, Any], Any]:
+    """Drive ``engine`` with the load at ``rate``: the point's summary line and the run."""
+    bar = tqdm(desc=f"{system} @ {rate}/s", unit="req", leave=False)
+
+    def progress(n: int, total: int, bar: Any = bar) -> None:
+        bar.total = total
+        bar.update(n - bar.n)
+
+    # token ids < 32000 as always, fewer for a model with a smaller vocabulary (tiny
+    # presets on the CPU)
+    vocab = min(32000, getattr(engine, "vocab_size", None) or 32000)
+    res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
+                   vocab, seed=args.seed, drain_s=args.drain, progress=progress,
+                   sample_interval_s=args.sample_interval or None,
+                   warm_start=warm_start_from(args.warm_start))
+    bar.close()
+    batching = None if args.engine == "http" or system == "hf" else args.batching
+    point = {"system": system, "conv_rate": rate, "engine": args.engine,
+             "batching": batching, "workload": wl.name,
+             "api": args.api if args.engine == "http" else None,
+             "session_lifetime_est_s": round(lifetime, 1),
+             "length_scale": args.length_scale,
+             "model": args.model, "think_time_s": args.think_time,
+             "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
+             "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
+             "warm_start_s_per_token": args.warm_start,
+             "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
+             **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
+    if args.engine == "http":  # was the client a bottleneck, did requests fail?
+        point.update(http_errors=engine.errors, http_throttled=engine.throttled,
+                     http_peak_in_flight=engine.peak_in_flight,
+                     max_connections=args.max_connections)
+        if args.api == "chat":
+            point.update(http_history_misses=engine.history_misses,
+                         tokens_per_word=round(engine.tokens_per_word, 4),
+                         ignore_eos=args.ignore_eos)
+    return point, res
+
+
+def write_point(out: Path, point: dict[str, Any], res: Any, steps: Any,
+                args: argparse.Namespace) -> None:
+    """Append the point, its time series, its requests and its steps to ``out``'s files."""
+    system, rate, batching = point["system"], point["conv_rate"], point["batching"]
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in point.items()}
+    with open(out / "points.jsonl", "a") as f:
+        f.write(json.dumps(clean) + "\n")
+    if res.samples:
+        with open(out / "timeseries.jsonl", "a") as f:
+            f.write(json.dumps({k: point[k] for k in (
+                "system", "conv_rate", "engine", "api", "workload", "tag",
+                "warmup_s", "duration_s")} | {"drain_s": args.drain,
+                                              "samples": res.samples}) + "\n")
+    with open(out / "requests.jsonl", "a") as f:
+        for r in res.records:
+            f.write(json.dumps({"system": system, "conv_rate": rate, "tag": args.tag,
+                                "batching": batching, **r.as_dict()}) + "\n")
+    if steps:
+        with open(out / "steps.jsonl", "a") as f:
+            for s in steps:
+                f.write(json.dumps(s) + "\n")
+
+
+def prepared_load(args: argparse.Namespace) -> tuple[Any, list[Any], float]:
+    """The workload, its conversations (scaled, shuffled) and their mean session lifetime;
+    ``args.warmup`` settled to seconds."""
+    wl = workload(args)
+    convs = list(wl.conversations)
+    if args.length_scale != 1.0:
+        from pensieve.bench.workload import Conversation, Turn
+
+        def scaled(n: int) -> int:
+            return max(1, round(n * args.length_scale))
+
+        convs = [Conversation(c.conv_id, [Turn(scaled(t.input_len), scaled(t.output_len))
+                                          for t in c.turns]) for c in convs]
+    import random
+
+    random.Random(args.seed).shuffle(convs)
+    print(f"workload {wl.name}: {len(convs)} conversations", file=sys.stderr)
+    from pensieve.bench.agentic import session_lifetime_s
+
+    lifetime = session_lifetime_s(convs, args.think_time)
+    if args.warmup == "auto":
+        args.warmup = round(1.5 * lifetime, 1)
+        print(f"warm-up {args.warmup} s (1.5 x the mean session lifetime, ~{lifetime:.0f} s)",
+              file=sys.stderr)
+    else:
+        args.warmup = float(args.warmup)
+        if args.warmup < lifetime:
+            print(f"warning: warm-up {args.warmup:g} s is shorter than one mean session "
+                  f"lifetime (~{lifetime:.0f} s: turns x (think time + ~20 ms a token of "
+                  "answer)); the window may not be at steady state", file=sys.stderr)
+    if args.warmup >= args.duration:
+        raise SystemExit(f"--warmup {args.warmup} leaves no window in --duration "
+                         f"{args.duration}")
+    return wl, convs, lifetime
+
+
+def build_engine(system: str, args: argparse.Namespace, real: RealEngines) -> tuple[Any, Any,
+                                                                                     Any]:
+    """(engine, clock, step records or None) of one point of ``system``."""
+    if args.engine == "sim":
+        clock: Any = VirtualClock()
+        return build_sim(system, args, clock), clock, None
+    if args.engine == "http":
+        from pensieve.bench.http_engine import HTTPEngine
+
+        clock = WallClock()
+        return HTTPEngine(
+            args.url, api_key=args.api_key, model=args.http_model,
+            max_workers=args.max_connections, clock=clock,
+            delete_conversations=not args.keep_conversations, api=args.api,
+            ignore_eos=args.ignore_eos, calibrate=args.calibrate,
+            metrics_interval_s=args.sample_interval or None), clock, None
+    clock = WallClock()
+    engine, steps = real.build(system, clock)
+    return engine, clock, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wl, convs, lifetime = prepared_load(args)
+    real = RealEngines(args)
+    for system in args.systems.split(","):
+        for rate in (float(r) for r in args.rates.split(",")):
+            t_start = time.time()
+            try:
+                engine, clock, steps = build_engine(system, args, real)
+            except Exception as e:  # noqa: BLE001 - one system failing must not stop the rest
+                print(f"{system}: could not build: {type(e).__name__}: {e}", flush=True)
+                break
+            point, res = run_point(system, rate, engine, clock, convs, args, wl, lifetime,
+                                   t_start)
+            write_point(out, point, res, steps, args)
+            batching = point["batching"]
+            label = system if batching in (None, "unified") else f"{system}/{batching}"
+            print(f"{label:>10} rate {rate:5.2f}/s: {point['throughput_rps']:.3f} req/s, "
+                  f"P90 norm {point['normalized_latency_s_p90'] * 1e3:.1f} ms/tok, "
+                  f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
+                  f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "
+                  f"steady {point.get('steady_state')}, wall {point['wall_s']} s", flush=True)
+            if engine is not real.engine:  # the shared engine stops at the end
+                shutdown = getattr(engine, "shutdown", None)
+                if shutdown:
+                    shutdown()
+                del engine
+                gc.collect()
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except ImportError:
+                pass
+    real.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
