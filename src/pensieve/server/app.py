@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.server import engine_ops
+from pensieve.server.choices import run_choices
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
@@ -225,7 +226,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             cid = body.conversation_id or request.headers.get("x-conversation-id")
             turn = await chat_turn(state, tenant, cid, msgs, body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            return await run_turn(state, body, turn, max_tokens, request, chat=True)
+            return await run_turn(state, body, turn, max_tokens, request, chat=True,
+                                  choices=run_choices)
 
         return await _admitted(state, go)
 
@@ -238,7 +240,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             cid = body.conversation_id or request.headers.get("x-conversation-id")
             turn = await completion_turn(state, tenant, cid, body.prompt,
                                          body.create_conversation)
-            return await run_turn(state, body, turn, body.max_tokens, request, chat=False)
+            return await run_turn(state, body, turn, body.max_tokens, request, chat=False,
+                                  choices=run_choices)
 
         return await _admitted(state, go)
 

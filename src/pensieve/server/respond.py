@@ -112,7 +112,9 @@ def _params(state: ServerState, body: _Sampling, max_tokens: int,
 
 
 async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
-                   request: Request, chat: bool) -> Response:
+                   request: Request, chat: bool, choices: Any = None) -> Response:
+    """Run one turn and answer it, JSON or a stream; ``n > 1`` goes to ``choices``
+    (:func:`pensieve.server.choices.run_choices`, passed in: it builds on this module)."""
     stop_texts, stop_ids = await off_loop(state, lambda: _stops(state, body))
     context_len = len(turn.context_ids)
     room = state.max_model_len - context_len
@@ -134,9 +136,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
     if body.n > 1:
-        from pensieve.server.choices import run_choices
-
-        return await run_choices(state, body, turn, params, request, chat, stop_texts, rid)
+        return await choices(state, body, turn, params, request, chat, stop_texts, rid)
     first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.cid,
                                 turn.full_context)
     state.metrics.ttft.observe(time.monotonic() - t0)
