@@ -26,10 +26,10 @@ gaps between 1 and 20 s.
 :func:`agent_mix_workload` is the mixed load: each conversation is a coding-agent session with
 probability ``agent_share`` (default :data:`AGENT_SHARE`, 0.2) and otherwise a short chat with
 our ShareGPT trace's statistics (``1 + Poisson(4.13)`` turns, lognormal inputs of mean 79 and
-answers of mean 355 tokens: :func:`pensieve.bench.workload.ultrachat_synthetic` with those
-means). By tokens the agents dominate (a session ~52k tokens against ~2.2k for a chat), by
-sessions the chats do, so the cache holds conversations whose recomputation costs differ by
-20-60x.
+answers of mean 355 tokens, drawn as the UltraChat generator draws its own:
+:func:`sharegpt_like_chat`). By tokens the agents dominate (a session ~52k tokens against
+~2.2k for a chat), by sessions the chats do, so the cache holds conversations whose
+recomputation costs differ by 20-60x.
 """
 
 from __future__ import annotations
@@ -102,14 +102,33 @@ def coding_agent_workload(num_sessions: int, seed: int = 0,
     return Workload("CodingAgent", convs, source="synthetic", notes=notes, counts=counts)
 
 
+def _poisson(rng: random.Random, lam: float) -> int:
+    """A Poisson draw (Knuth's product of uniforms; ``lam`` is small here)."""
+    limit, k, p = math.exp(-lam), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
+
+
+def sharegpt_like_chat(rng: random.Random) -> list[Turn]:
+    """The turns of one short chat with our ShareGPT trace's means: ``1 + Poisson(4.13)``
+    turns; inputs and answers lognormal with means 79.2 and 355.2 tokens (sigma 1.0 and 0.6,
+    as :func:`pensieve.bench.workload.ultrachat_synthetic` draws them), at least 1 token."""
+    def draw(mean: float, sigma: float) -> int:
+        return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+
+    n = 1 + _poisson(rng, SHAREGPT_MEAN_TURNS - 1.0)
+    return [Turn(draw(SHAREGPT_MEAN_INPUT, 1.0), draw(SHAREGPT_MEAN_OUTPUT, 0.6))
+            for _ in range(n)]
+
+
 def agent_mix_workload(num_conversations: int, seed: int = 0,
                        agent_share: float = AGENT_SHARE,
                        max_context: int | None = AGENT_MAX_CONTEXT) -> Workload:
     """``num_conversations`` conversations, each a coding-agent session with probability
     ``agent_share`` and a ShareGPT-like chat otherwise (see the module doc); deterministic for
     ``seed``. Agents are named ``agent-<i>``, chats ``chat-<i>``, ``i`` the position."""
-    from pensieve.bench.workload import ultrachat_synthetic
-
     if num_conversations < 0:
         raise ValueError(f"num_conversations must be >= 0, got {num_conversations}")
     if not 0.0 <= agent_share <= 1.0:
@@ -118,13 +137,10 @@ def agent_mix_workload(num_conversations: int, seed: int = 0,
     is_agent = [rng.random() < agent_share for _ in range(int(num_conversations))]
     num_agents = sum(is_agent)
     agents = iter(coding_agent_workload(num_agents, seed + 1, max_context).conversations)
-    chat_wl = ultrachat_synthetic(2 * (len(is_agent) - num_agents) + 16, seed=seed + 2,
-                                  max_context=max_context, mean_turns=SHAREGPT_MEAN_TURNS,
-                                  mean_input=SHAREGPT_MEAN_INPUT,
-                                  mean_output=SHAREGPT_MEAN_OUTPUT)
-    chats = iter(chat_wl.conversations)
-    convs = [Conversation(f"{'agent' if a else 'chat'}-{i}", next(agents if a else chats).turns)
-             for i, a in enumerate(is_agent)]
+    chat_rng = random.Random(seed + 2)
+    chats = iter(lambda: sharegpt_like_chat(chat_rng), None)
+    convs = [Conversation(f"agent-{i}", next(agents).turns) if a
+             else Conversation(f"chat-{i}", next(chats)) for i, a in enumerate(is_agent)]
     notes = (f"mixed: coding-agent sessions with probability {agent_share} (seed {seed + 1}), "
              f"else ShareGPT-like chats (1+Poisson({SHAREGPT_MEAN_TURNS - 1:.2f}) turns, input "
              f"mean {SHAREGPT_MEAN_INPUT}, output mean {SHAREGPT_MEAN_OUTPUT}; seed {seed + 2}); "
