@@ -14,6 +14,8 @@
 - ``swaps``: CPU<->GPU swap bandwidth of the swapper's copy methods (CUDA;
   ``benchmarks/swap_bandwidth.py``).
 - ``workload-stats``: turn and context statistics of the workloads (the paper's Table 2).
+- ``scheduler``: host time of ``schedule()`` + ``update_from_output()`` per step against the
+  sessions held, torch-free (:mod:`pensieve.bench.scheduler_cost`).
 
 ``multiturn`` and ``swaps`` run the scripts of the source tree's ``benchmarks/`` folder with
 the arguments given.
@@ -258,6 +260,13 @@ def add_bench_parser(sub: Any) -> None:
     w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
     add_workload_stats_args(w)
     w.set_defaults(func=workload_stats_cmd)
+    from pensieve.bench import scheduler_cost
+
+    sc = bsub.add_parser("scheduler", help="scheduler + cache host time per step (no torch)",
+                         description=scheduler_cost.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    scheduler_cost.add_arguments(sc)
+    sc.set_defaults(func=lambda a: (scheduler_cost.run(a), 0)[1])
 
 
 def script_command(argv: list[str]) -> int | None:
