@@ -15,12 +15,14 @@ wall time (``time.perf_counter``; ``wall_*`` in the JSON).
 The workload, per size ``N`` (sessions held):
 
 * Seeding (not timed): every session gets a first turn of ``U(--seed-tokens)`` tokens
-  (default 2,000-8,000) through the cache's own admit / end path, its last activity spread over the last 10 minutes, so every
-  session holds KV (on the GPU, on the CPU, or dropped) before the first timed step.
+  (default 2,000-8,000) through the cache's own admit / end path, its last activity spread
+  over the last 10 minutes, so every session holds KV (on the GPU, on the CPU, or dropped)
+  before the first timed step.
 * Steps: idle sessions are picked uniformly at random for a next turn (new input
-  ``U(50, 400)`` tokens, ``U(20, 200)`` generated, ``ignore_eos``) so that ``--waiting`` turns
-  (at most what the idle sessions allow) wait at the start of every step; a session whose
-  context passes ``--restart-tokens`` is deleted and starts over under a new id. Contexts thus
+  ``U(--turn-tokens)``, default ``U(50, 400)`` tokens; ``U(--output-tokens)`` generated,
+  ``ignore_eos``) so that ``--waiting`` turns (at most what the idle sessions allow) wait
+  at the start of every step; a session whose context passes ``--restart-tokens`` is
+  deleted and starts over under a new id. Contexts thus
   grow past 4k tokens and average ~5k (``--mean-context``, which sizes the tiers).
   ``--preset long``: 128k contexts (seeds of 64k-122k tokens, restart past 122k, turns of
   200-8,000 new tokens, ``max_model_len`` 131,072): block tables 2k-4k entries long.
