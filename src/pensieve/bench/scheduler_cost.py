@@ -26,6 +26,9 @@ The workload, per size ``N`` (sessions held):
   grow past 4k tokens and average ~5k (``--mean-context``, which sizes the tiers).
   ``--preset long``: 128k contexts (seeds of 64k-122k tokens, restart past 122k, turns of
   200-8,000 new tokens, ``max_model_len`` 131,072): block tables 2k-4k entries long.
+  ``--preset pressure``: the GPU tier holds 1.2 running batches' KV and nothing more
+  (``--gpu-frac 0 --gpu-batch 1.2``), turns of 200-2,000 new tokens and 500 waiting: chunks
+  move between the tiers in a fifth of the steps, hundreds at a time.
 * Limits: ``--budget`` tokens per step, at most ``--max-num-seqs`` running (and at most half
   the sessions, so that small sizes also queue and evict).
 * Tiers: chunk 32 tokens; the GPU holds ``--gpu-batch`` running batches' KV (``max_num_seqs``
@@ -90,6 +93,8 @@ def _pair(text: str) -> tuple[int, int]:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
+    "pressure": {"gpu_frac": 0.0, "gpu_batch": 1.2, "turn_tokens": (200, 2000),
+                 "waiting": 500},
     "long": {"seed_tokens": (65536, 122000), "turn_tokens": (200, 8000),
              "restart_tokens": 122000, "mean_context": 98304, "max_model_len": 131072,
              "max_num_seqs": 32, "output_tokens": (30, 300)},
@@ -308,19 +313,24 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, label: str = "",
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The benchmark's options (``pensieve bench scheduler --help``)."""
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                    help="long: 128k contexts (block tables up to 4k entries; see above)")
+                    help="pressure: the GPU tier holds 1.2 running batches and nothing more, "
+                         "turns of 200-2,000 new tokens, 500 waiting (eviction every few "
+                         "steps); long: 128k contexts (block tables up to 4k entries)")
     ap.add_argument("--sessions", default="100,300,1000,3000",
                     help="comma-separated numbers of sessions held (default %(default)s)")
     ap.add_argument("--steps", type=int, default=300, help="timed steps per size")
     ap.add_argument("--warmup-steps", type=int, default=100, help="untimed steps first")
-    ap.add_argument("--waiting", type=int, default=300, help="turns waiting at each step start")
+    ap.add_argument("--waiting", type=int, default=None,
+                    help="turns waiting at each step start (default 300)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="running cap (at most half the sessions; default 128)")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
-    ap.add_argument("--gpu-frac", type=float, default=0.02,
-                    help="GPU tier: this fraction of the sessions' KV, plus --gpu-batch")
-    ap.add_argument("--gpu-batch", type=float, default=1.5,
-                    help="GPU tier: plus this many running batches' KV (max_num_seqs sessions)")
+    ap.add_argument("--gpu-frac", type=float, default=None,
+                    help="GPU tier: this fraction of the sessions' KV, plus --gpu-batch "
+                         "(default 0.02)")
+    ap.add_argument("--gpu-batch", type=float, default=None,
+                    help="GPU tier: plus this many running batches' KV (max_num_seqs "
+                         "sessions; default 1.5)")
     ap.add_argument("--cpu-frac", type=float, default=0.6,
                     help="CPU tier: this fraction of the sessions' KV")
     ap.add_argument("--restart-tokens", type=int, default=None,
@@ -353,7 +363,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 DEFAULTS: dict[str, Any] = {"restart_tokens": 8000, "output_tokens": (50, 500),
                             "seed_tokens": (2000, 8000), "turn_tokens": (50, 400),
-                            "mean_context": 5000, "max_model_len": 16384, "max_num_seqs": 128}
+                            "mean_context": 5000, "max_model_len": 16384, "max_num_seqs": 128,
+                            "waiting": 300, "gpu_frac": 0.02, "gpu_batch": 1.5}
 """Values of the options left unset by both the command line and the preset."""
 
 
