@@ -414,7 +414,8 @@ def test_brute_force_check_sees_evictions() -> None:
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=10.0)
     cache.plan_background(now=20.0)
-    assert cache.choices >= 6 and cache.passes == 1  # GPU and CPU victims, and the pass
+    # GPU and CPU victims (a run of one conversation's chunks is one GPU choice), the pass
+    assert cache.choices >= 4 and cache.passes == 1
     assert tiers(cache, "A") == ["dropped", "dropped", "cpu"]
 
 
