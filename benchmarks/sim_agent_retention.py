@@ -118,6 +118,10 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
          "unfinished": res.unfinished, **summarize(res, job["warmup"])}
     st = p.pop("steady", None) or {}
     p["steady_unsteady"] = st.get("unsteady")
+    inside = [x for x in res.samples if job["warmup"] <= x["t"] < job["duration"]]
+    for k in ("sessions_in_flight", "gpu_blocks_used", "cpu_blocks_used", "requests_waiting"):
+        xs = [x[k] for x in inside if k in x]
+        p[f"window_mean_{k}"] = round(sum(xs) / len(xs), 1) if xs else None
     done = [r for r in window(res, job["warmup"]) if r.finished is not None]
     p["recomputed_tokens"] = sum(r.cache.get("recomputed_tokens", 0) for r in done)
     p["new_prompt_tokens"] = sum(r.cache.get("new_prompt_tokens", 0) for r in done)
