@@ -124,6 +124,8 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
         p[f"window_mean_{k}"] = round(sum(xs) / len(xs), 1) if xs else None
     done = [r for r in window(res, job["warmup"]) if r.finished is not None]
     p["recomputed_tokens"] = sum(r.cache.get("recomputed_tokens", 0) for r in done)
+    # of which CPU chunks chosen for recomputation (sooner than their copy), not dropped ones
+    p["cpu_recomputed_tokens"] = sum(r.cache.get("cpu_recomputed_tokens", 0) for r in done)
     p["new_prompt_tokens"] = sum(r.cache.get("new_prompt_tokens", 0) for r in done)
     p["swap_in_chunks"], p["swap_out_chunks"] = eng.swap_in_chunks, eng.swap_out_chunks
     p["sim_wall_s"] = round(time.time() - t0, 1)
