@@ -23,6 +23,16 @@ def test_help_through_the_cli() -> None:
     assert "--sessions" in out.stdout and "--out" in out.stdout and "--preset" in out.stdout
 
 
+def test_cli_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "cli.json"
+    res = subprocess.run([sys.executable, "-m", "pensieve.cli", "bench", "scheduler",
+                          "--sessions", "8", *TINY, "--out", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert data["args"]["sessions"] == "8" and data["rows"][0]["sessions"] == 8
+
+
 def test_tiny_run_writes_json_and_plot_without_torch(tmp_path: Path) -> None:
     out, png = tmp_path / "cost.json", tmp_path / "cost.png"
     argv = ["--sessions", "8,16", *TINY, "--label", "tiny", "--out", str(out)]

@@ -421,7 +421,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "benchmark": "scheduler_cost",
         "label": args.label,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if not callable(v)},  # the CLI's namespace also holds its handler
         "python": sys.version.split()[0],
         "machine": platform.machine(),
         "processor": platform.processor(),
