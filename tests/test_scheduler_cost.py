@@ -1,4 +1,5 @@
-"""benchmarks/scheduler_cost.py: the scheduler + cache host-cost microbenchmark, at tiny sizes."""
+"""``pensieve bench scheduler`` (pensieve.bench.scheduler_cost): the scheduler + cache host-cost
+microbenchmark, at tiny sizes."""
 
 from __future__ import annotations
 
@@ -7,24 +8,38 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_cost.py"
+import pytest
+
+from pensieve.bench import scheduler_cost
+
+TINY = ["--steps", "30", "--warmup-steps", "10", "--waiting", "6", "--max-num-seqs", "4",
+        "--budget", "512", "--output-tokens", "5,20", "--gpu-batch", "1.0", "--cpu-frac", "0.2",
+        "--no-progress"]
 
 
-def test_help() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
-                         text=True, check=True)
-    assert "--sessions" in out.stdout and "--out" in out.stdout
+def test_help_through_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "pensieve.cli", "bench", "scheduler", "--help"],
+                         capture_output=True, text=True, check=True)
+    assert "--sessions" in out.stdout and "--out" in out.stdout and "--preset" in out.stdout
+
+
+def test_cli_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "cli.json"
+    res = subprocess.run([sys.executable, "-m", "pensieve.cli", "bench", "scheduler",
+                          "--sessions", "8", *TINY, "--out", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert data["args"]["sessions"] == "8" and data["rows"][0]["sessions"] == 8
 
 
 def test_tiny_run_writes_json_and_plot_without_torch(tmp_path: Path) -> None:
     out, png = tmp_path / "cost.json", tmp_path / "cost.png"
+    argv = ["--sessions", "8,16", *TINY, "--label", "tiny", "--out", str(out)]
     code = (
-        "import runpy, sys\n"
-        f"sys.argv = ['scheduler_cost.py', '--sessions', '8,16', '--steps', '30', "
-        f"'--warmup-steps', '10', '--waiting', '6', '--max-num-seqs', '4', '--budget', '512', "
-        f"'--output-tokens', '5,20', '--gpu-batch', '1.0', '--cpu-frac', '0.2', '--label', 'tiny', "
-        f"'--out', {str(out)!r}]\n"
-        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        "import sys\n"
+        "from pensieve.bench.scheduler_cost import main\n"
+        f"main({argv!r})\n"
         "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
@@ -41,8 +56,32 @@ def test_tiny_run_writes_json_and_plot_without_torch(tmp_path: Path) -> None:
                 for r in data["rows"])
     assert moved > 0
     # the plot, with the run drawn against itself as the comparison
-    subprocess.run([sys.executable, str(SCRIPT), "--sessions", "8", "--steps", "5",
-                    "--warmup-steps", "0", "--max-num-seqs", "4", "--budget", "512",
-                    "--plot", str(png), "--compare", str(out)], check=True,
-                   capture_output=True)
+    scheduler_cost.main(["--sessions", "8", "--steps", "5", "--warmup-steps", "0",
+                         "--max-num-seqs", "4", "--budget", "512", "--no-progress",
+                         "--plot", str(png), "--compare", str(out)])
     assert png.stat().st_size > 1000
+
+
+def test_long_preset_holds_long_block_tables(tmp_path: Path) -> None:
+    prof = tmp_path / "p.prof"
+    res = scheduler_cost.main(["--preset", "long", "--sessions", "4", "--steps", "6",
+                               "--warmup-steps", "2", "--waiting", "2", "--no-progress",
+                               "--profile", str(prof)])
+    r = res["rows"][0]
+    assert res["args"]["max_model_len"] == 131072
+    assert list(res["args"]["seed_tokens"]) == [65536, 122000]
+    assert r["longest_block_table"] >= 2048 and r["mean_context_tokens"] > 60000
+    assert prof.stat().st_size > 0
+
+
+def test_options_given_win_over_the_preset() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    scheduler_cost.add_arguments(ap)
+    a = scheduler_cost.resolve(ap.parse_args(["--preset", "long", "--max-num-seqs", "7"]))
+    assert a.max_num_seqs == 7 and a.max_model_len == 131072
+    d = scheduler_cost.resolve(ap.parse_args([]))
+    assert d.seed_tokens == (2000, 8000) and d.max_model_len == 16384
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--seed-tokens", "9,3"])

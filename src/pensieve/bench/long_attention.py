@@ -165,27 +165,30 @@ def _plot(rows: list[dict[str, Any]], kv_dtypes: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({("prefill" if r["query_len"] > 1 else f"decode-{r['batch']}")
-                    for r in rows})
+    def name(r: dict[str, Any]) -> str:
+        return "prefill" if r["query_len"] > 1 else f"decode x{r['batch']}"
+
+    names = list(dict.fromkeys(name(r) for r in sorted(
+        rows, key=lambda r: (r["query_len"] == 1, r["batch"]))))
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        sel = [r for r in rows if ("prefill" if r["query_len"] > 1
-                                   else f"decode-{r['batch']}") == name]
+    for ax, title in zip(axes[0], names):
+        sel = [r for r in rows if name(r) == title]
         x = [r["context"] // 1024 for r in sel]
-        for kv in kv_dtypes:
-            ax.plot(x, [r[f"ratio_{kv}"] for r in sel], "o-", label=f"ours ({kv} KV)")
+        for color, kv in zip(("C0", "C1", "C2"), kv_dtypes):
+            ax.plot(x, [r[f"ratio_{kv}"] for r in sel], "o-", color=color,
+                    label=f"ours ({kv} KV)")
             if all(f"best_ratio_{kv}" in r for r in sel):
-                ax.plot(x, [r[f"best_ratio_{kv}"] for r in sel], "x:",
+                ax.plot(x, [r[f"best_ratio_{kv}"] for r in sel], "x:", color=color,
                         label=f"best swept tile ({kv})")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(1.1, color="red", lw=0.8, ls="--", label="1.1x")
-        ax.set_title(name)
+        ax.set_title(title)
         ax.set_xlabel("context (k tokens)")
         ax.set_ylabel("time / fastest SDPA")
         ax.set_xscale("log", base=2)
-    axes[0][0].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=75)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,10 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_leng
 
 
 def workload(args: argparse.Namespace) -> Any:
+    if args.workload in ("coding-agent", "agent-mix"):
+        from pensieve.bench.cli import load_workload as load_named
+
+        return load_named(args.workload, args.num_conversations, args.seed)
     if args.workload == "agentic":
         from pensieve.bench.agentic import agentic_workload
 
@@ -206,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--workload", choices=["sharegpt", "ultrachat", "agentic"],
+    ap.add_argument("--workload", choices=["sharegpt", "ultrachat", "agentic", "coding-agent",
+                                           "agent-mix"],
                     default="sharegpt")
     ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file (default: the "
                     "committed length cache of the packaged file)")

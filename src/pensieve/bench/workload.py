@@ -38,7 +38,7 @@ Agentic
     Synthetic long sessions of tool rounds with short answers: :mod:`pensieve.bench.agentic`.
 
 CLI: ``pensieve bench workload-stats [--sharegpt PATH] [--max-conversations N] [--ultrachat-n N]
-[--agentic-n N]``
+[--agentic-n N] [--coding-agent-n N] [--agent-mix-n N]``
 (or ``python -m pensieve.bench.workload``) prints our statistics beside the paper's.
 """
 
@@ -247,8 +247,14 @@ def add_workload_stats_args(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--agentic-n", type=int, default=20_000,
                         help="synthetic agentic sessions to draw (pensieve.bench.agentic; "
                              "default 20000; 0 = skip)")
+    parser.add_argument("--coding-agent-n", type=int, default=0,
+                        help="synthetic coding-agent sessions to draw (pensieve.bench."
+                             "coding_agent; cut at 131072 tokens; default 0 = skip)")
+    parser.add_argument("--agent-mix-n", type=int, default=0,
+                        help="conversations of the mixed load to draw (coding agents beside "
+                             "ShareGPT-like chats; default 0 = skip)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed for the synthetic UltraChat and agentic workloads")
+                        help="seed for the synthetic workloads")
     parser.add_argument("--write-cache", metavar="OUT", default=None,
                         help="also save the parsed ShareGPT lengths to OUT (.json.gz)")
     parser.add_argument("--json", action="store_true", help="print the stats as JSON instead")
@@ -257,6 +263,20 @@ def add_workload_stats_args(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 def _is_cache_file(p: Path) -> bool:
     return p.name.endswith(".json.gz") or p.name.endswith(".lengths.json")
+
+
+def _agent_stats(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """The long-context agent workloads' statistics, for those asked for (their own context
+    cap, 131,072 tokens, not ``--max-context``)."""
+    from pensieve.bench.coding_agent import agent_mix_workload, coding_agent_workload
+
+    out: dict[str, dict[str, float]] = {}
+    if getattr(args, "coding_agent_n", 0):
+        out["CodingAgent"] = workload_stats(coding_agent_workload(args.coding_agent_n,
+                                                                  seed=args.seed))
+    if getattr(args, "agent_mix_n", 0):
+        out["AgentMix"] = workload_stats(agent_mix_workload(args.agent_mix_n, seed=args.seed))
+    return out
 
 
 def workload_stats_cmd(args: argparse.Namespace) -> int:
@@ -310,6 +330,7 @@ def workload_stats_cmd(args: argparse.Namespace) -> int:
 
         ours["Agentic"] = workload_stats(agentic_workload(agentic_n, seed=args.seed,
                                                           max_context=max_context))
+    ours.update(_agent_stats(args))
     if not ours:
         print("no workload to report", file=sys.stderr)
         return 1

@@ -21,9 +21,10 @@ class Tier(enum.Enum):
     DROPPED = "dropped"
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
-    """One chunk of a conversation's KV: its tier and its block id in that tier (-1: none)."""
+    """One chunk of a conversation's KV: its tier and its block id in that tier (-1: none).
+    Slotted: a cache holds hundreds of thousands of them (less memory, cheaper GC passes)."""
 
     tier: Tier
     block: int = -1

@@ -11,12 +11,20 @@ pensieve   retention value ``V = Cost(context_len) / idle_time``        yes     
 gpu-only   the same value                                               no        yes
 lru        least recently used conversation, all of its chunks at once  yes       yes
 prefix-lru LRU conversation, *tail* chunk first (a prefix cache)        yes       yes
+return     ``Cost(context_len) * P(the conversation returns | idle)``   yes       yes
 stateless  (nothing is kept after a turn)                               no        no
 ========== ============================================================ ========= ==========
+
+``return`` (:class:`ReturnPolicy`) weighs the recompute a chunk saves by the chance that the
+conversation has another turn coming, given how long it has been idle, for exponential think
+times of mean ``think_s`` and a chance ``continue_p`` that a turn is followed by another:
+``P = q e^(-t/T) / (q e^(-t/T) + 1 - q)``. Where ``1 / idle_time`` keeps a long history that
+ended minutes ago above a short one that is mid-conversation, this lets the ended ones go.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,11 +106,36 @@ class PrefixLRUPolicy(EvictionPolicy):
         return (conv.last_active, 0.0, conv.conversation_id, float(-index))
 
 
+@dataclass(frozen=True)
+class ReturnPolicy(EvictionPolicy):
+    """Recompute saved times the chance the conversation returns (module docstring)."""
+
+    name: str = "return"
+    think_s: float = 6.0
+    """Mean think time between turns (exponential), seconds."""
+    continue_p: float = 0.9
+    """Chance that a finished turn is followed by another."""
+
+    def key(
+        self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
+    ) -> EvictionKey:
+        if conv.queued_at is not None:
+            return super().key(conv, index, now, cost, chunk_size)
+        end, kv_end = (index + 1) * chunk_size, conv.kv_end
+        context_len = end if end < kv_end else (kv_end if kv_end > 1 else 1)
+        idle = now - conv.last_active - conv.keep_alive_s
+        q = self.continue_p
+        alive = q * math.exp(-idle / self.think_s) if idle > 0.0 else q
+        value = conv.priority * cost(context_len) * alive / (alive + 1.0 - q)
+        return (value, conv.last_active, conv.conversation_id, float(index))
+
+
 POLICIES: dict[str, EvictionPolicy] = {
     "pensieve": EvictionPolicy(),
     "gpu-only": EvictionPolicy(name="gpu-only", uses_cpu_tier=False),
     "lru": LRUPolicy(),
     "prefix-lru": PrefixLRUPolicy(),
+    "return": ReturnPolicy(),
     "stateless": EvictionPolicy(name="stateless", uses_cpu_tier=False, keeps_kv=False),
 }
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Conversation, Tier
-from pensieve.core.eviction import ChunkCost, EvictionPolicy
+from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.stats import CacheStats
@@ -133,14 +133,15 @@ class TierPools(EvictionIndex):
     def _evict_gpu(self, n: int, now: float, urgent: bool) -> int:
         """Move (or drop) up to ``n`` idle GPU chunks, lowest key first; returns how many.
 
-        The hot loop of the cache: one pass per chunk, the victim's next GPU chunk replacing it
-        at the top of the GPU index (one sift)."""
+        The hot loop of the cache. The victim's chunks are taken in a run while the next one's
+        key stays below every other entry of the GPU heap (the top's children bound all
+        others from below, lower bounds included), so the heap is touched once per run, not
+        once per chunk; the order is the one a pass chunk by chunk would take."""
         self._refresh(now)
         whole = self.policy.whole_conversation
-        gpu_index, cpu_index = self._gpu_index, self._cpu_index
-        step, c = self._step, self.chunk_size
-        gpu, cpu, stats, plan = self.gpu, self.cpu, self.stats, self._plan
-        gpu_tier, cpu_tier = Tier.GPU, Tier.CPU
+        gpu_index = self._gpu_index
+        step = self._step
+        gpu_tier = Tier.GPU
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = self._exact if self._time_dependent else []
         done = 0
@@ -152,45 +153,63 @@ class TierPools(EvictionIndex):
             key, conv, i = top
             if done >= n and not (whole and conv is last):
                 break
-            chunks = conv.chunks
-            ch = chunks[i]
-            tokens = min(c, conv.kv_end - i * c)
-            cpu_block = -1
-            if cpu is not None:
-                if cpu.num_free_blocks:
-                    cpu_block = cpu.allocate_one()
-                else:
-                    victim = self._peek_victim(cpu_tier)
-                    if victim is not None and not key < victim[0]:
-                        self._drop_cpu_victim(victim[1], victim[2])
-                        cpu_block = cpu.allocate_one()
-            if cpu_block < 0:
-                gpu.free_one(ch.block)
-                ch.tier, ch.block = Tier.DROPPED, -1
-                stats.dropped_tokens += tokens
-            else:
-                if urgent:
-                    plan.swap_out_first[cpu_block] = ch.block
-                    gpu.free_one(ch.block)
-                else:
-                    plan.swap_out[cpu_block] = ch.block
-                ch.tier, ch.block = cpu_tier, cpu_block
-                stats.swapped_out_tokens += tokens
-            # the conversation's next GPU chunk takes its place in the GPU index
-            j = self._first(conv, gpu_tier, i + step)
-            if j is None:
-                gpu_index.pop_top(conv)
-            else:  # keyed now (exact, for this eviction); at t_e again when time moves
-                gpu_index.replace_top(conv, j, self._key_now(conv, j), now)
-                exact.append((gpu_index, conv))
-            if cpu_block >= 0:  # chunk i reached the CPU: the CPU index's cursor moves back?
-                entry = cpu_index.live.get(conv)
-                if entry is None or (i - entry[0]) * step < 0:
-                    cpu_index.set(conv, i, key, now)
-                    exact.append((cpu_index, conv))
-            done += 1
+            heap = gpu_index.heap
+            bound = (min(heap[1][0], heap[2][0]) if len(heap) > 2
+                     else heap[1][0] if len(heap) == 2 else None)
+            while True:
+                self._move_gpu_chunk(conv, i, key, now, urgent)
+                done += 1
+                # the conversation's next GPU chunk takes its place in the GPU index
+                j = self._first(conv, gpu_tier, i + step)
+                if j is None:
+                    gpu_index.pop_top(conv)
+                    break
+                i, key = j, self._key_now(conv, j)
+                if (done >= n and not whole) or (bound is not None and not key < bound):
+                    # keyed now (exact, for this eviction); at t_e again when time moves
+                    gpu_index.replace_top(conv, j, key, now)
+                    exact.append((gpu_index, conv))
+                    break
             last = conv
         return done
+
+    def _move_gpu_chunk(self, conv: Conversation, i: int, key: EvictionKey, now: float,
+                        urgent: bool) -> None:
+        """GPU chunk ``i`` of ``conv`` (key ``key`` now) leaves for a free CPU block, or one
+        freed by dropping the CPU tier's lowest chunk if that one's key is lower, else it is
+        dropped. The caller moves the GPU index; the CPU index follows here."""
+        ch = conv.chunks[i]
+        c = self.chunk_size
+        tokens = min(c, conv.kv_end - i * c)
+        cpu, stats = self.cpu, self.stats
+        cpu_block = -1
+        if cpu is not None:
+            if cpu.num_free_blocks:
+                cpu_block = cpu.allocate_one()
+            else:
+                victim = self._peek_victim(Tier.CPU)
+                if victim is not None and not key < victim[0]:
+                    self._drop_cpu_victim(victim[1], victim[2])
+                    cpu_block = cpu.allocate_one()
+        if cpu_block < 0:
+            self.gpu.free_one(ch.block)
+            ch.tier, ch.block = Tier.DROPPED, -1
+            stats.dropped_tokens += tokens
+            return
+        if urgent:
+            self._plan.swap_out_first[cpu_block] = ch.block
+            self.gpu.free_one(ch.block)
+        else:
+            self._plan.swap_out[cpu_block] = ch.block
+        ch.tier, ch.block = Tier.CPU, cpu_block
+        stats.swapped_out_tokens += tokens
+        # chunk i reached the CPU: the CPU index's cursor moves back?
+        cpu_index = self._cpu_index
+        entry = cpu_index.live.get(conv)
+        if entry is None or (i - entry[0]) * self._step < 0:
+            cpu_index.set(conv, i, key, now)
+            if self._time_dependent:
+                self._exact.append((cpu_index, conv))
 
     def _evict_chunk(self, conv: Conversation, i: int, urgent: bool) -> None:
         """One GPU chunk leaves the GPU outside an eviction pass (a suspension): to a CPU block

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pensieve.config import KV_CACHE_DTYPES
+from pensieve.core.eviction import POLICIES
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.models.builtin import DEFAULT_MODEL
@@ -110,7 +111,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bf16, fp16, fp32, or fp8_e4m3 (fp8): half bf16's bytes per token, "
                         "a float32 scale per layer and KV head")
     p.add_argument("--cache-policy", default="pensieve",
-                   choices=["pensieve", "gpu-only", "lru", "prefix-lru", "stateless"])
+                   choices=list(POLICIES))
     p.add_argument("--decode-reserve", type=fraction_arg, default=None, metavar="FRACTION",
                    help="share of the GPU KV tier a new turn may not take, kept for the "
                         "running requests' decode growth (default: CacheConfig.decode_reserve, "

@@ -1,7 +1,9 @@
-"""Host cost of the scheduler and the tiered cache per step, against the number of sessions held.
+"""``pensieve bench scheduler``: host cost of the scheduler and the tiered cache per step,
+against the number of sessions held.
 
-    python benchmarks/scheduler_cost.py [--sessions 100,300,1000,3000] [--steps 300]
+    pensieve bench scheduler [--sessions 100,300,1000,3000] [--steps 300]
         [--out docs/results/scheduler_cost/after.json] [--plot .../after.png]
+    pensieve bench scheduler --preset long --sessions 100,300      # 128k contexts
 
 Drives :class:`~pensieve.core.scheduler.Scheduler` over a
 :class:`~pensieve.core.tiered_cache.TieredKVCache` directly (no torch, no engine) with a fake
@@ -12,14 +14,21 @@ wall time (``time.perf_counter``; ``wall_*`` in the JSON).
 
 The workload, per size ``N`` (sessions held):
 
-* Seeding (not timed): every session gets a first turn of ``U(2000, 8000)`` tokens through
-  the cache's own admit / end path, its last activity spread over the last 10 minutes, so every
-  session holds KV (on the GPU, on the CPU, or dropped) before the first timed step.
+* Seeding (not timed): every session gets a first turn of ``U(--seed-tokens)`` tokens
+  (default 2,000-8,000) through the cache's own admit / end path, its last activity spread
+  over the last 10 minutes, so every session holds KV (on the GPU, on the CPU, or dropped)
+  before the first timed step.
 * Steps: idle sessions are picked uniformly at random for a next turn (new input
-  ``U(50, 400)`` tokens, ``U(20, 200)`` generated, ``ignore_eos``) so that ``--waiting`` turns
-  (at most what the idle sessions allow) wait at the start of every step; a session whose
-  context passes ``--restart-tokens`` is deleted and starts over under a new id. Contexts thus
-  grow past 4k tokens and average ~5k.
+  ``U(--turn-tokens)``, default ``U(50, 400)`` tokens; ``U(--output-tokens)`` generated,
+  ``ignore_eos``) so that ``--waiting`` turns (at most what the idle sessions allow) wait
+  at the start of every step; a session whose context passes ``--restart-tokens`` is
+  deleted and starts over under a new id. Contexts thus
+  grow past 4k tokens and average ~5k (``--mean-context``, which sizes the tiers).
+  ``--preset long``: 128k contexts (seeds of 64k-122k tokens, restart past 122k, turns of
+  200-8,000 new tokens, ``max_model_len`` 131,072): block tables 2k-4k entries long.
+  ``--preset pressure``: the GPU tier holds 1.2 running batches' KV and nothing more
+  (``--gpu-frac 0 --gpu-batch 1.2``), turns of 200-2,000 new tokens and 500 waiting: chunks
+  move between the tiers in a fifth of the steps, hundreds at a time.
 * Limits: ``--budget`` tokens per step, at most ``--max-num-seqs`` running (and at most half
   the sessions, so that small sizes also queue and evict).
 * Tiers: chunk 32 tokens; the GPU holds ``--gpu-batch`` running batches' KV (``max_num_seqs``
@@ -30,6 +39,9 @@ The workload, per size ``N`` (sessions held):
   (``15 ms + 3 us/token + 50 us/request``) so idle times, and the pensieve retention value,
   move as they would in serving. The retention value's Cost(l) is the analytic H200 roofline
   of Llama-3-8B.
+
+``--profile PATH`` runs the timed steps under cProfile (their times then include its
+overhead), writes the stats to PATH and prints the top functions by own time.
 
 ``--warmup-steps`` steps run untimed first; then ``--steps`` timed steps. Reported per size:
 median / p90 / mean host ms per step; the median of *quiet* steps (no chunk swapped or
@@ -63,8 +75,6 @@ from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
 
 CHUNK = 32
-MEAN_CONTEXT = 5000
-"""Rough mean context of a session (tokens): sizes the tiers."""
 TOKEN = 7
 """The fake runner's sampled token (no EOS: turns run to max_tokens)."""
 
@@ -72,6 +82,24 @@ TOKEN = 7
 def _cost_model() -> CostModel:
     return CostModel.analytic(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
                               head_dim=128, intermediate_size=14336, chunk_size=CHUNK)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"want LO,HI with 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "pressure": {"gpu_frac": 0.0, "gpu_batch": 1.2, "turn_tokens": (200, 2000),
+                 "waiting": 500},
+    "long": {"seed_tokens": (65536, 122000), "turn_tokens": (200, 8000),
+             "restart_tokens": 122000, "mean_context": 98304, "max_model_len": 131072,
+             "max_num_seqs": 32, "output_tokens": (30, 300)},
+}
+"""Option values each ``--preset`` sets (options given on the command line win)."""
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -85,14 +113,14 @@ class Bench:
     def __init__(self, n: int, args: argparse.Namespace, seed: int) -> None:
         self.args = args
         self.rng = random.Random(seed)
-        mean_chunks = MEAN_CONTEXT // CHUNK
+        mean_chunks = args.mean_context // CHUNK
         self.max_num_seqs = max(1, min(args.max_num_seqs, n // 2))
         gpu = int((args.gpu_frac * n + args.gpu_batch * self.max_num_seqs) * mean_chunks)
         cpu = int(args.cpu_frac * n * mean_chunks)
         self.cache = TieredKVCache(gpu, cpu, CHUNK, get_policy(args.policy),
-                                   _cost_model().chunk_cost)
+                                   _cost_model().chunk_cost, key_refresh_s=args.key_refresh_s)
         cfg = SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=self.max_num_seqs,
-                              max_model_len=16384)
+                              max_model_len=args.max_model_len)
         self.sched = Scheduler(cfg, self.cache)
         self.now = 0.0
         self.idle: list[str] = []  # sessions with no turn in flight
@@ -111,7 +139,7 @@ class Bench:
             self.generation[s] = 0
             t = -600.0 + 600.0 * k / n
             conv = cache.conversation(self.cid(s))
-            ids = [1] * self.rng.randint(2000, 8000)
+            ids = [1] * self.rng.randint(*self.args.seed_tokens)
             req = Request(f"seed{k}", ids, SamplingParams(max_tokens=1),
                           conversation_id=conv.conversation_id)
             cache.begin_step()
@@ -141,7 +169,7 @@ class Bench:
                 cache.delete(self.cid(s))
                 self.generation[s] += 1
                 history = []
-            new = [1] * self.rng.randint(50, 400)
+            new = [1] * self.rng.randint(*self.args.turn_tokens)
             self.num_requests += 1
             params = SamplingParams(max_tokens=self.rng.randint(*self.args.output_tokens),
                                     ignore_eos=True)
@@ -176,12 +204,17 @@ class Bench:
         return held
 
 
-def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_size(n: int, args: argparse.Namespace, bar: Any = None,
+             profiler: Any = None) -> dict[str, Any]:
+    """One size's run: ``--warmup-steps`` untimed steps, then ``--steps`` timed ones (under
+    ``profiler``, a ``cProfile.Profile``, if given); ``bar`` (tqdm) counts the steps."""
     t_start = time.perf_counter()
     b = Bench(n, args, seed=args.seed + n)
     seed_s = time.perf_counter() - t_start
     for _ in range(args.warmup_steps):
         b.step()
+        if bar is not None:
+            bar.update()
     before = b.cache.stats.as_dict()
     times: list[float] = []
     walls: list[float] = []
@@ -193,7 +226,13 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.steps):
         st = b.cache.stats
         moves = st.swapped_out_tokens + st.swapped_in_tokens + st.dropped_tokens
+        if profiler is not None:
+            profiler.enable()
         dt, wall, w, tok = b.step()
+        if profiler is not None:
+            profiler.disable()
+        if bar is not None:
+            bar.update()
         if st.swapped_out_tokens + st.swapped_in_tokens + st.dropped_tokens == moves:
             quiet.append(dt)
         times.append(dt)
@@ -221,6 +260,9 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "waiting_mean": statistics.fmean(waiting),
         "running_mean": statistics.fmean(running),
         "tokens_per_step": tokens / args.steps,
+        "mean_context_tokens": statistics.fmean(
+            len(c.token_ids) for c in b.cache.conversations.values()),
+        "longest_block_table": max(len(c.chunks) for c in b.cache.conversations.values()),
         "gpu_blocks": b.cache.gpu.num_blocks,
         "cpu_blocks": b.cache.cpu.num_blocks if b.cache.cpu is not None else 0,
         "swapped_out_chunks_per_step": per_step["swapped_out_tokens"],
@@ -268,28 +310,43 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, label: str = "",
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's options (``pensieve bench scheduler --help``)."""
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                    help="pressure: the GPU tier holds 1.2 running batches and nothing more, "
+                         "turns of 200-2,000 new tokens, 500 waiting (eviction every few "
+                         "steps); long: 128k contexts (block tables up to 4k entries)")
     ap.add_argument("--sessions", default="100,300,1000,3000",
                     help="comma-separated numbers of sessions held (default %(default)s)")
     ap.add_argument("--steps", type=int, default=300, help="timed steps per size")
     ap.add_argument("--warmup-steps", type=int, default=100, help="untimed steps first")
-    ap.add_argument("--waiting", type=int, default=300, help="turns waiting at each step start")
-    ap.add_argument("--max-num-seqs", type=int, default=128,
-                    help="running cap (at most half the sessions)")
+    ap.add_argument("--waiting", type=int, default=None,
+                    help="turns waiting at each step start (default 300)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="running cap (at most half the sessions; default 128)")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
-    ap.add_argument("--gpu-frac", type=float, default=0.02,
-                    help="GPU tier: this fraction of the sessions' KV, plus --gpu-batch")
-    ap.add_argument("--gpu-batch", type=float, default=1.5,
-                    help="GPU tier: plus this many running batches' KV (max_num_seqs sessions)")
+    ap.add_argument("--gpu-frac", type=float, default=None,
+                    help="GPU tier: this fraction of the sessions' KV, plus --gpu-batch "
+                         "(default 0.02)")
+    ap.add_argument("--gpu-batch", type=float, default=None,
+                    help="GPU tier: plus this many running batches' KV (max_num_seqs "
+                         "sessions; default 1.5)")
     ap.add_argument("--cpu-frac", type=float, default=0.6,
                     help="CPU tier: this fraction of the sessions' KV")
-    ap.add_argument("--restart-tokens", type=int, default=8000,
-                    help="a session whose history passes this starts over")
-    ap.add_argument("--output-tokens", type=lambda v: tuple(int(x) for x in v.split(",")),
-                    default=(50, 500), help="generated tokens per turn: uniform in LO,HI")
+    ap.add_argument("--restart-tokens", type=int, default=None,
+                    help="a session whose history passes this starts over (default 8000)")
+    ap.add_argument("--output-tokens", type=_pair, default=None,
+                    help="generated tokens per turn: uniform in LO,HI (default 50,500)")
+    ap.add_argument("--seed-tokens", type=_pair, default=None,
+                    help="each session's first turn: uniform in LO,HI (default 2000,8000)")
+    ap.add_argument("--turn-tokens", type=_pair, default=None,
+                    help="new tokens of a later turn: uniform in LO,HI (default 50,400)")
+    ap.add_argument("--mean-context", type=int, default=None,
+                    help="a session's rough mean context, sizes the tiers (default 5000)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="(default 16384)")
     ap.add_argument("--policy", default="pensieve")
+    ap.add_argument("--key-refresh-s", type=float, default=0.5,
+                    help="TieredKVCache key_refresh_s (the engine's default: 0.5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each size this many times (same work) and report the run of "
@@ -299,14 +356,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     ap.add_argument("--compare", type=Path, default=None,
                     help="another run's JSON to draw in the plot too (e.g. before a change)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="cProfile the timed steps: stats to this file, top functions printed")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+DEFAULTS: dict[str, Any] = {"restart_tokens": 8000, "output_tokens": (50, 500),
+                            "seed_tokens": (2000, 8000), "turn_tokens": (50, 400),
+                            "mean_context": 5000, "max_model_len": 16384, "max_num_seqs": 128,
+                            "waiting": 300, "gpu_frac": 0.02, "gpu_batch": 1.5}
+"""Values of the options left unset by both the command line and the preset."""
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset from ``--preset``, then from :data:`DEFAULTS`."""
+    for k, v in {**DEFAULTS, **PRESETS[args.preset]}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="pensieve bench scheduler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every size of ``--sessions``; print the table, write the JSON and PNG asked for."""
+    import cProfile
+
+    from tqdm import tqdm
+
+    resolve(args)
     sizes = [int(x) for x in args.sessions.split(",") if x]
     rows = []
     print(f"{'sessions':>8} {'median ms':>9} {'p90 ms':>8} {'mean ms':>8} {'quiet ms':>8} "
           f"{'chunks held':>11} {'waiting':>7} {'running':>7} {'out/step':>8} {'in/step':>7} "
           f"{'drop/step':>9} {'wall s':>6}", flush=True)
+    profiler = cProfile.Profile() if args.profile is not None else None
+    bar = tqdm(total=len(sizes) * args.repeat * (args.warmup_steps + args.steps), unit="step",
+               disable=args.no_progress, file=sys.stderr)
     for n in sizes:
-        runs = sorted((run_size(n, args) for _ in range(args.repeat)),
+        runs = sorted((run_size(n, args, bar, profiler) for _ in range(args.repeat)),
                       key=lambda r: r["median_ms"])
         r = runs[len(runs) // 2]  # the run of median cost (all runs are the same work)
         r["repeat_median_ms"] = [x["median_ms"] for x in runs]
@@ -318,10 +411,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{r['chunks_held']:>11.0f} {r['waiting_mean']:>7.1f} {r['running_mean']:>7.1f} "
               f"{r['swapped_out_chunks_per_step']:>8.1f} {r['swapped_in_chunks_per_step']:>7.1f} "
               f"{r['dropped_chunks_per_step']:>9.1f} {r['wall_s']:>6.1f}", flush=True)
+    bar.close()
+    if profiler is not None:
+        import pstats
+
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(args.profile))
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     result = {
         "benchmark": "scheduler_cost",
         "label": args.label,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if not callable(v)},  # the CLI's namespace also holds its handler
         "python": sys.version.split()[0],
         "machine": platform.machine(),
         "processor": platform.processor(),

@@ -1,0 +1,39 @@
+"""pensieve.bench.sim_agent: the long-context agent sweep in the simulator, tiny."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pensieve.bench import sim_agent
+
+
+def test_step_cost_is_the_13b_fit_carried_to_the_8b_shape() -> None:
+    from pensieve.bench.step_cost import StepCostModel
+
+    fit = StepCostModel.load(sim_agent.FIT_13B)
+    c = sim_agent.step_cost(0.5)
+    assert 0.5 * fit.base_s < c.base_s < fit.base_s  # fewer weights to read
+    assert c.per_request_s == fit.per_request_s  # host cost kept
+    half = sim_agent.step_cost(1.0)
+    assert c.per_attn_pair_s == 2 * half.per_attn_pair_s
+    assert sim_agent.KV_BYTES_PER_TOKEN == 128 * 1024
+
+
+def test_tiny_sweep_writes_points_capacity_and_plot(tmp_path: Path) -> None:
+    sim_agent.main(["--tiny", "--workers", "1", "--out", str(tmp_path),
+                    "--systems", "stateless,pensieve", "--workloads", "coding-agent",
+                    "--rates", "coding-agent=0.1,0.2", "--ttft-targets", "1,5"])
+    doc = json.loads((tmp_path / "sim_agent.json").read_text())
+    pts = {(p["system"], p["conv_rate"]): p for p in doc["points"]}
+    assert set(pts) == {("stateless", 0.1), ("stateless", 0.2), ("pensieve", 0.1),
+                        ("pensieve", 0.2)}
+    for p in pts.values():
+        assert p["finished"] > 0 and p["window_mean_sessions_in_flight"] is not None
+        assert p["recomputed_tokens"] >= p["cpu_recomputed_tokens"] >= 0
+    # stateless recomputes every history; pensieve keeps it
+    assert pts[("stateless", 0.2)]["recomputed_tokens"] > 0
+    assert pts[("pensieve", 0.2)]["recomputed_tokens"] < \
+        pts[("stateless", 0.2)]["recomputed_tokens"]
+    assert set(doc["capacity_at_p90_ttft"]) == {"coding-agent@1s", "coding-agent@5s"}
+    assert (tmp_path / "sim_agent.png").stat().st_size > 1000
