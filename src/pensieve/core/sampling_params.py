@@ -10,6 +10,21 @@ _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
 """Most alternatives per token that ``logprobs`` may ask for (OpenAI's limit)."""
+GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output, as text (so it pickles to an engine process and
+    keys the compiled-grammar cache): ``kind`` is one of :data:`GRAMMAR_KINDS`; ``source`` is
+    the JSON schema, ``""`` for any JSON object, or an xgrammar structural tag (JSON)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,9 @@ class SamplingParams:
     """Return each sampled token's log-probability and this many most likely alternatives
     (0..20; None: no log-probabilities). They are the model's: a log-softmax of the logits
     before temperature, top-k and top-p, as vLLM returns them by default."""
+    grammar: GrammarSpec | None = None
+    """Constrain the output to this grammar (JSON schema, JSON object, tool-call format):
+    tokens it does not allow get probability 0 (:mod:`pensieve.runner.grammar`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -91,7 +91,8 @@ def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
     cc = config.cache
     kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
                                    model.num_kv_heads, model.head_dim, dtype, device)
-    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks)
+    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks,
+                         tokenizer=config.model.model)
     runner.capture_graphs(config.decode_graph_shape(device.type),
                           config.mixed_graph_shape(device.type))
     return runner

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pensieve.envs import env_flag
 from pensieve.kernels.launch_policy import (
     decode_kv_splits,
@@ -27,6 +27,7 @@ from pensieve.kernels.launch_policy import (
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs
+from pensieve.runner.grammar import GrammarCompiler, GrammarSampling
 from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
 from pensieve.runner.host_io import MappedReadback, StepUploads, host_io_mode
 from pensieve.runner.mixed_graphs import MixedGraphs
@@ -98,14 +99,20 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         swap_method: str | None = None,
         background_swap_out: bool | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         """``swap_method``: the swapper's (``"hybrid"``, ``"kernel"``, ``"staged"``, ``"dma"``;
         None: its default, staged on CUDA).
         ``background_swap_out``: let background swap-outs outlive their step (reported in
         :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank
         ``torch.distributed`` group (tensor parallelism), where only rank 0's count reaches
-        the scheduler while every rank's copies must be done before it reuses the blocks."""
+        the scheduler while every rank's copies must be done before it reuses the blocks.
+        ``tokenizer``: where constrained requests' tokenizer loads from (a model path or
+        name); None: grammar-constrained requests fail."""
         self.model = model
+        self._tokenizer = tokenizer
+        self.grammar: GrammarSampling | None = None
+        """Matchers of constrained requests, built with the first one (:mod:`.grammar`)."""
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.device = kv_caches[0].device
@@ -265,6 +272,42 @@ class ModelRunner:
             return mixed
         return None
 
+    def _fill_grammar(self, sched: SchedulerOutput, sampled: list[ScheduledRequest]) -> bool:
+        """Start compiling new requests' grammars and fill the bitmask rows of the step's
+        constrained rows (host work that overlaps the forward on a GPU); True if any."""
+        if self.grammar is None:
+            if not any(s.sampling_params.grammar is not None for s in sched.requests):
+                return False
+            self.grammar = self._new_grammar()
+        self.grammar.prepare(sched.requests, sched.finished_request_ids)
+        return self.grammar.fill(sampled)
+
+    def _new_grammar(self) -> GrammarSampling:
+        if self._tokenizer is None:
+            raise ValueError("this engine has no tokenizer: grammar-constrained decoding needs one")
+        from pensieve.models.tokenizer import load_tokenizer
+
+        vocab = getattr(self.model, "vocab_size", None)
+        return GrammarSampling(GrammarCompiler(load_tokenizer(self._tokenizer), vocab))
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
+                constrained: bool) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        """The step's tokens (grammar masks applied first) and the logprobs asked for."""
+        if constrained:
+            assert self.grammar is not None
+            self.grammar.apply(logits)
+        params = [s.sampling_params for s in sampled]
+        tokens = self._read_tokens(sample_tensor(
+            logits, params, [s.num_output_tokens for s in sampled]
+        ))  # waits for the compute stream
+        if constrained:
+            assert self.grammar is not None
+            self.grammar.accept(sampled, tokens)
+        # from the same logits (a graph replay's output buffer is not reused before this)
+        logprobs = {sampled[i].request_id: lp
+                    for i, lp in token_logprobs(logits, params, tokens).items()}
+        return tokens, logprobs
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step: the step's swaps (pipelined with the layers), the model, sampling.
@@ -280,6 +323,7 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={}, step_time_s=dt, swap_outs_in_flight=0,
                                 host_prepare_s=dt, host_issue_s=dt)
         sampled = [s for s in sched.requests if s.sample]
+        constrained = self._fill_grammar(sched, sampled)  # on the host, before the forward
         graphs = self._graphs_for(sched)
         # The step's inputs go up before its swaps are issued: copies on the compute stream
         # queue on the copy engines behind the swap copies issued before them, and layer 0
@@ -320,13 +364,7 @@ class ModelRunner:
         tokens: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:
-            params = [s.sampling_params for s in sampled]
-            tokens = self._read_tokens(sample_tensor(
-                logits, params, [s.num_output_tokens for s in sampled]
-            ))  # waits for the compute stream
-            # from the same logits (a graph replay's output buffer is not reused before this)
-            logprobs = {sampled[i].request_id: lp
-                        for i, lp in token_logprobs(logits, params, tokens).items()}
+            tokens, logprobs = self._sample(logits, sampled, constrained)
         elif self.device.type == "cuda":
             # the compute stream only: a device-wide sync would wait for background copies
             torch.cuda.current_stream(self.device).synchronize()
