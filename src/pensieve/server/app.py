@@ -35,6 +35,7 @@ from pensieve.server.openapi import document_errors
 from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
+from pensieve.server.structured import constraint
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
 log = logging.getLogger("pensieve.server")
@@ -58,6 +59,7 @@ _UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions":
                 "top_logprobs": (None, 0), "best_of": (None, 1),
                 "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0)}
 """Fields this server does not implement, with the values that ask for nothing (allowed).
+(``tools``, ``tool_choice`` and ``response_format`` are chat fields: /v1/completions refuses.)
 (``top_logprobs`` is a chat field; /v1/completions asks for alternatives with ``logprobs``.)"""
 
 
@@ -197,14 +199,16 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
         async def go() -> Response:
             try:
-                msgs = await off_loop(state, lambda: [{"role": m.role, "content": m.text()}
-                                                      for m in body.messages])
+                msgs = await off_loop(state, lambda: [m.canonical() for m in body.messages])
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
             cid = body.conversation_id or request.headers.get("x-conversation-id")
-            turn = await chat_turn(state, tenant, cid, msgs)
+            tools = [t.as_dict() for t in body.tools or []] or None
+            wanted = await off_loop(state, lambda: constraint(state, body))
+            turn = await chat_turn(state, tenant, cid, msgs, tools)
             max_tokens = body.max_completion_tokens or body.max_tokens
-            return await run_turn(state, body, turn, max_tokens, request, chat=True)
+            return await run_turn(state, body, turn, max_tokens, request, chat=True,
+                                  constraint=wanted)
 
         return await _admitted(state, go)
 

@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pensieve.core.outputs import TokenLogprobs
-from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.sampling_params import GrammarSpec, SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
 from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
@@ -32,7 +32,9 @@ from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
 from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation
+from pensieve.server.structured import Constraint
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
+from pensieve.server.tool_answer import ToolAnswer
 from pensieve.server.turns import Turn, engine_call, off_loop
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
@@ -75,7 +77,7 @@ def _stops(state: ServerState, body: _Sampling) -> tuple[list[str], list[int]]:
 
 
 def _params(state: ServerState, body: _Sampling, max_tokens: int,
-            stop_ids: list[int]) -> SamplingParams:
+            stop_ids: list[int], grammar: GrammarSpec | None = None) -> SamplingParams:
     given = body.model_fields_set
     d = {k: v for k, v in state.sampling_defaults.items() if k not in given}
     stop_ids = stop_ids + [i for i in state.extra_stop_token_ids if not body.ignore_eos]
@@ -89,14 +91,17 @@ def _params(state: ServerState, body: _Sampling, max_tokens: int,
                               top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
                               seed=body.seed,
                               stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
-                              logprobs=num_logprobs)
+                              logprobs=num_logprobs, grammar=grammar)
     except ValueError as e:  # SamplingParams names the field first in its messages
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
 
 
 async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
-                   request: Request, chat: bool) -> Response:
+                   request: Request, chat: bool, constraint: Constraint | None = None
+                   ) -> Response:
+    """One turn; ``constraint``: a chat turn's grammar and tool-call format."""
+    constraint = constraint or Constraint(None, None)
     stop_texts, stop_ids = await off_loop(state, lambda: _stops(state, body))
     context_len = len(turn.context_ids)
     room = state.max_model_len - context_len
@@ -110,7 +115,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
         raise APIError(400, f"max_tokens={max_tokens} exceeds the room left in the context "
                        f"({room} of max_model_len={state.max_model_len})",
                        code="context_length_exceeded", param="max_tokens")
-    params = _params(state, body, max_tokens, stop_ids)
+    params = _params(state, body, max_tokens, stop_ids, constraint.grammar)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
         await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
                           body.keep_alive_s)
@@ -129,7 +134,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
         await forget_new(state, turn)
         raise engine_error(e) from e
     state.metrics.ttft.observe(time.monotonic() - t0)
-    out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts)
+    out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
     if body.stream:
         return StreamingResponse(out.sse(first, stream), media_type="text/event-stream",
@@ -174,9 +179,11 @@ class TurnOutput:
     """Formats one turn's stream or response and records the turn when it completes."""
 
     def __init__(self, state: ServerState, body: _Sampling, turn: Turn, rid: str, chat: bool,
-                 t0: float, stops: list[str]) -> None:
+                 t0: float, stops: list[str], tool_format: str | None = None) -> None:
         self.state, self.body, self.turn, self.rid, self.chat, self.t0 = (
             state, body, turn, rid, chat, t0)
+        self.tools = ToolAnswer(tool_format, state.renderer) if tool_format else None
+        """Reads the answer's tool calls (a stream's text is then held to the end)."""
         self.created = int(time.time())
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs | None] = []
@@ -249,7 +256,7 @@ class TurnOutput:
             return
         conv = turn.stored or StoredConversation(turn.cid, turn.tenant)
         if self.chat:
-            conv.messages = turn.prev + turn.new + [{"role": "assistant", "content": result.text}]
+            conv.messages = turn.prev + turn.new + [self._message(result)]
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
         conv.token_ids = result.prompt_ids + result.output_ids
@@ -269,10 +276,10 @@ class TurnOutput:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def final_body(self, result: Result) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason,
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(result),
                                   "logprobs": self._logprobs(len(result.output_ids))}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"] = self._api_message(result)
         else:
             choice["text"] = result.text
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
@@ -282,6 +289,22 @@ class TurnOutput:
 
     def _model(self) -> str:
         return self.body.model or self.state.model_name
+
+    def _message(self, result: Result) -> dict[str, Any]:
+        """The answer as an assistant message (canonical, :mod:`.tools`)."""
+        if self.tools is None or not self.tools.read(result)[1]:
+            return {"role": "assistant", "content": result.text}
+        content, calls = self.tools.read(result)
+        return {"role": "assistant", "content": content, "tool_calls": calls}
+
+    def _api_message(self, result: Result) -> dict[str, Any]:
+        """:meth:`_message` as OpenAI returns it: no content beside calls is ``null``."""
+        m = self._message(result)
+        return {**m, "content": None} if m.get("tool_calls") and not m["content"] else m
+
+    def _finish_reason(self, result: Result) -> str:
+        calls = self.tools.read(result)[1] if self.tools is not None else []
+        return "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
 
     async def collect(self, first: Any, stream: Any, request: Request) -> Result | None:
         async for _, result in self.updates(first, stream):
@@ -301,10 +324,11 @@ class TurnOutput:
         return self.logprobs_fmt.format(self.tokens[start:end], self.logprobs[start:end])
 
     def _chunk(self, delta: str, finish: str | None, first: bool = False,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None,
+               extra_delta: dict[str, Any] | None = None) -> str:
         lp = None if first else self._logprobs(len(self.tokens))
         if self.chat:
-            d: dict[str, Any] = {"content": delta}
+            d: dict[str, Any] = {"content": delta, **(extra_delta or {})}
             if first:
                 d["role"] = "assistant"
             choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish,
@@ -317,6 +341,15 @@ class TurnOutput:
                          "model": self._model(), "choices": [choice],
                          "conversation_id": self.turn.cid, **(extra or {})})
 
+    def _tool_chunks(self, result: Result) -> list[str]:
+        """A held answer's chunks: its content, then one ``tool_calls`` delta per call."""
+        assert self.tools is not None
+        content, calls = self.tools.read(result)
+        out = [self._chunk(content if calls else result.text, None)]
+        for i, call in enumerate(calls):
+            out.append(self._chunk("", None, extra_delta={"tool_calls": [{**call, "index": i}]}))
+        return out
+
     async def sse(self, first: Any, stream: Any) -> AsyncIterator[str]:
         completed = False
         try:
@@ -324,10 +357,15 @@ class TurnOutput:
             try:
                 async for delta, result in self.updates(first, stream):
                     if result is None:
-                        yield self._chunk(delta, None)
+                        if self.tools is None:
+                            yield self._chunk(delta, None)
                         continue
                     completed = True
-                    yield self._chunk(delta, result.finish_reason,
+                    if self.tools is not None:
+                        for chunk in self._tool_chunks(result):
+                            yield chunk
+                        delta = ""
+                    yield self._chunk(delta, self._finish_reason(result),
                                       extra={"pensieve": {"cache": result.cache}})
                     if (self.body.stream_options or {}).get("include_usage"):
                         yield sse_data({"id": self.rid, "object": "chat.completion.chunk"
