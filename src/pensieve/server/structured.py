@@ -58,7 +58,7 @@ def constraint(state: ServerState, body: ChatCompletionRequest) -> Constraint:
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema, an "
                            "object", param="response_format")
-        spec = GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+        spec = GrammarSpec("json_schema", json.dumps(schema))  # keys in the order given
     if spec is not None:
         if renderer is None:
             raise APIError(400, "constrained output needs a tokenizer", param=param)

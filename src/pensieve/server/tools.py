@@ -126,7 +126,7 @@ def call_grammar(tools: list[dict[str, Any]], names: list[str], parallel: bool,
         sep = "\n" if fmt == "hermes" else "; " if fmt == "llama3" else ""
         one = _sequence([one, {"type": "star", "content": _sequence([sep, one])}])
     return GrammarSpec("structural_tag",
-                       json.dumps({"type": "structural_tag", "format": one}, sort_keys=True))
+                       json.dumps({"type": "structural_tag", "format": one}))
 
 
 def _sequence(parts: list[Any]) -> dict[str, Any]:
