@@ -76,8 +76,10 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
-            if spec.kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # an object, as OpenAI's json_object (the
+                # builtin JSON grammar admits any value)
+                return self._compiler.compile_json_schema('{"type": "object"}',
+                                                          any_whitespace=False)
             if spec.kind == "json_schema":
                 json.loads(spec.source)  # a clear error for text that is not JSON
                 return self._compiler.compile_json_schema(spec.source, any_whitespace=False)
