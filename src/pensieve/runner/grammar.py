@@ -122,7 +122,13 @@ class GrammarSampling:
             spec = s.sampling_params.grammar
             if (spec is not None and s.request_id not in self.matchers
                     and s.request_id not in self._compiling and s.num_output_tokens == 0):
-                self._compiling[s.request_id] = self._pool.submit(self.compiler.compile, spec)
+                self.start(s.request_id, spec)
+
+    def start(self, request_id: str, spec: GrammarSpec) -> None:
+        """Compile ``spec`` in the background; the request's matcher starts at its next
+        :meth:`fill` (replacing any it had)."""
+        self.matchers.pop(request_id, None)
+        self._compiling[request_id] = self._pool.submit(self.compiler.compile, spec)
 
     def _matcher(self, s: ScheduledRequest) -> xgr.GrammarMatcher | None:
         m = self.matchers.get(s.request_id)
