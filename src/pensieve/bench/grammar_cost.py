@@ -30,10 +30,10 @@ from pensieve.core.sampling_params import GrammarSpec, SamplingParams
 
 def big_schema(tokenizer: Any, tokens: int) -> dict[str, Any]:
     """An object schema whose JSON text is at least ``tokens`` tokens long."""
-    kinds = [{"type": "string", "maxLength": 32}, {"type": "integer", "minimum": 0},
-             {"type": "number"}, {"type": "boolean"},
-             {"enum": ["red", "green", "blue", "cyan"]},
-             {"type": "array", "items": {"type": "integer"}, "maxItems": 4}]
+    kinds: list[dict[str, Any]] = [
+        {"type": "string", "maxLength": 32}, {"type": "integer", "minimum": 0},
+        {"type": "number"}, {"type": "boolean"}, {"enum": ["red", "green", "blue", "cyan"]},
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 4}]
     props: dict[str, Any] = {}
     schema: dict[str, Any] = {"type": "object", "properties": props, "required": []}
     while len(tokenizer.encode(json.dumps(schema))) < tokens:

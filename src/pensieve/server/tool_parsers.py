@@ -77,7 +77,7 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     start = text.find("<tool_call>")
     if start < 0:
         return text, []
-    calls = []
+    calls: list[ToolCall] = []
     for m in _HERMES.finditer(text, start):
         found = _json_prefix(m.group(1))
         call = _call(found[0]) if found else None
@@ -94,7 +94,8 @@ def parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
     body = body.strip()
     if not body.startswith("{"):
         return text, []
-    calls, pos = [], 0
+    calls: list[ToolCall] = []
+    pos = 0
     while pos < len(body):
         found = _json_prefix(body[pos:])
         call = _call(found[0], "parameters") if found else None
@@ -115,7 +116,7 @@ def parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, []
-    content, calls = text[:start].strip(), []
+    content, calls = text[:start].strip(), list[ToolCall]()
     for part in text[start:].split("[TOOL_CALLS]")[1:]:
         part = part.strip().removesuffix("</s>")
         if "[ARGS]" in part:  # name[ARGS]{...}

@@ -103,7 +103,7 @@ def forced_names(tools: list[dict[str, Any]], tool_choice: Any) -> list[str] | N
         return names
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         return [name]
     raise ValueError(f"tool_choice must be none, auto, required or a named function, "
