@@ -184,3 +184,24 @@ def test_bad_constraints_are_400s(server, kw, param, words):
                                        max_tokens=4, **kw)
     err = e.value.body
     assert err["param"] == param and words in err["message"], err
+
+
+def test_auto_streams_the_same_answer(server):
+    """``tool_choice="auto"``: the model may answer or call; streamed, the held answer comes
+    out as the same content or the same calls, with the same finish reason."""
+    client = server.client()
+    for prompt in ("Hi! How are you today?", PROMPTS[2]):
+        msgs = [{"role": "user", "content": prompt}]
+        plain = _ask(client, msgs, tool_choice="auto").choices[0]
+        content, calls, finish = "", {}, None
+        for chunk in _ask(client, msgs, tool_choice="auto", stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == plain.finish_reason
+        if plain.message.tool_calls:
+            assert [calls[i] for i in sorted(calls)] == _calls(plain.message)
+        else:
+            assert content == plain.message.content and not calls
