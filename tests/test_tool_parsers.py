@@ -135,3 +135,41 @@ def test_call_grammar_accepts_exactly_valid_calls(fmt, parse):
     assert not accepts(f'{before}{{"name": "add", "{key}": {{"a": 1}}}}{after}')
     assert not accepts(f'{before}{{"name": "get_weather", "{key}": {{"city": 3}}}}{after}')
     assert not accepts(f'{before}{{"name": "get_weather", "{key}": {{}}}}{after}')
+
+
+class _Result:
+    def __init__(self, text: str) -> None:
+        self.text, self.output_ids = text, []
+
+
+def _stream(fmt: str, pieces: list[str]):
+    from pensieve.server.tool_answer import ToolAnswer
+
+    ta = ToolAnswer(fmt, None)
+    sent = [ta.feed(p) for p in pieces]
+    result = _Result("".join(pieces))
+    return sent, ta.last_content(result), ta.read(result)
+
+
+def test_stream_sends_text_until_a_call_begins():
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    sent, last, (content, calls) = _stream("hermes", ["Let me ", "add. <tool", "_call>",
+                                                      call[len("<tool_call>"):]])
+    assert sent == ["Let me ", "add. ", "", ""]  # "<tool" held until it proved a marker
+    assert last == "" and content == "Let me add." and calls[0]["function"]["name"] == "add"
+
+
+def test_stream_releases_a_false_marker_and_a_broken_call():
+    sent, last, (_, calls) = _stream("hermes", ["a <to", "y> b"])
+    assert "".join(sent) + last == "a <toy> b" and sent[0] == "a " and not calls
+    broken = ["<tool_call>", '\n{"name": 1}\n</tool_call>']
+    sent, last, (content, calls) = _stream("hermes", broken)
+    assert sent == ["", ""] and last == "".join(broken) == content and calls == []
+
+
+def test_stream_holds_everything_for_special_token_formats():
+    pieces = ['{"name": "add", ', '"parameters": {"a": 2}}']
+    sent, last, (content, calls) = _stream("llama3", pieces)
+    assert sent == ["", ""] and last == "" and calls[0]["function"]["arguments"] == '{"a": 2}'
+    sent, last, _ = _stream("llama3", ["plain ", "text"])
+    assert sent == ["", ""] and last == "plain text"

@@ -342,10 +342,11 @@ class TurnOutput:
                          "conversation_id": self.turn.cid, **(extra or {})})
 
     def _tool_chunks(self, result: Result) -> list[str]:
-        """A held answer's chunks: its content, then one ``tool_calls`` delta per call."""
+        """The end of a tool-reading stream: the content it still owes, then one ``tool_calls``
+        delta per call."""
         assert self.tools is not None
-        content, calls = self.tools.read(result)
-        out = [self._chunk(content if calls else result.text, None)]
+        calls = self.tools.read(result)[1]
+        out = [self._chunk(self.tools.last_content(result), None)]
         for i, call in enumerate(calls):
             out.append(self._chunk("", None, extra_delta={"tool_calls": [{**call, "index": i}]}))
         return out
@@ -357,8 +358,9 @@ class TurnOutput:
             try:
                 async for delta, result in self.updates(first, stream):
                     if result is None:
-                        if self.tools is None:
-                            yield self._chunk(delta, None)
+                        text = delta if self.tools is None else self.tools.feed(delta)
+                        if text:
+                            yield self._chunk(text, None)
                         continue
                     completed = True
                     if self.tools is not None:
