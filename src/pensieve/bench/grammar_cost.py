@@ -9,7 +9,7 @@ Two numbers, as JSON:
   ``sample_ms`` without grammars, ``constrained_sample_ms`` with them (bitmask fill on the host,
   copy, ``apply_token_bitmask_inplace``, sampling, matchers advanced), and ``added_ms``, their
   difference; the bitmask fill is also timed alone (``fill_ms``: the part the runner issues
-  before the forward, so on a GPU it overlaps it). With ``--forward-ms`` (a decode step's
+  while the forward runs, so on a GPU it overlaps it). With ``--forward-ms`` (a decode step's
   forward at that batch, measured elsewhere) it reports ``step_ratio``:
   ``(forward + constrained sample) / (forward + sample)``.
 

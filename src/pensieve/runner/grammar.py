@@ -8,7 +8,7 @@ are built on each side from the same cache). Per step, for the constrained rows 
 
     prepare(requests)   start compiling unseen grammars (thread pool), drop finished matchers
     fill(requests)      each matcher writes its row of the int32 bitmask [N, ceil(V/32)] on
-                        the CPU -- issued before the forward, so it overlaps it on a GPU
+                        the CPU -- after the forward is launched, so it overlaps it on a GPU
     apply(logits)       disallowed tokens of those rows -> -inf (xgrammar's kernel, in place)
     accept(tokens)      each matcher advances with its request's sampled token
 

@@ -274,7 +274,8 @@ class ModelRunner:
 
     def _fill_grammar(self, sched: SchedulerOutput, sampled: list[ScheduledRequest]) -> bool:
         """Start compiling new requests' grammars and fill the bitmask rows of the step's
-        constrained rows (host work that overlaps the forward on a GPU); True if any."""
+        constrained rows; True if any. Called after the forward is launched: on a GPU this
+        host work overlaps it."""
         if self.grammar is None:
             if not any(s.sampling_params.grammar is not None for s in sched.requests):
                 return False
@@ -323,7 +324,6 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={}, step_time_s=dt, swap_outs_in_flight=0,
                                 host_prepare_s=dt, host_issue_s=dt)
         sampled = [s for s in sched.requests if s.sample]
-        constrained = self._fill_grammar(sched, sampled)  # on the host, before the forward
         graphs = self._graphs_for(sched)
         # The step's inputs go up before its swaps are issued: copies on the compute stream
         # queue on the copy engines behind the swap copies issued before them, and layer 0
@@ -361,6 +361,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[inp.logits_indices])
         t_issued = time.perf_counter()
         self.swapper.issue_background()  # what start_step deferred, if anything
+        # host work while the device runs the forward just launched (on CUDA)
+        constrained = self._fill_grammar(sched, sampled)
         tokens: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:
