@@ -173,3 +173,13 @@ def test_stream_holds_everything_for_special_token_formats():
     assert sent == ["", ""] and last == "" and calls[0]["function"]["arguments"] == '{"a": 2}'
     sent, last, _ = _stream("llama3", ["plain ", "text"])
     assert sent == ["", ""] and last == "plain text"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    from pensieve.server.tool_answer import ToolAnswer
+
+    two = ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>')
+    assert len(ToolAnswer("hermes", None).read(_Result(two))[1]) == 2
+    calls = ToolAnswer("hermes", None, parallel=False).read(_Result(two))[1]
+    assert [c["function"]["name"] for c in calls] == ["add"]

@@ -182,8 +182,10 @@ class TurnOutput:
                  t0: float, stops: list[str], tool_format: str | None = None) -> None:
         self.state, self.body, self.turn, self.rid, self.chat, self.t0 = (
             state, body, turn, rid, chat, t0)
-        self.tools = ToolAnswer(tool_format, state.renderer) if tool_format else None
-        """Reads the answer's tool calls (a stream's text is then held to the end)."""
+        self.tools = (ToolAnswer(tool_format, state.renderer,
+                                 getattr(body, "parallel_tool_calls", True))
+                      if tool_format else None)
+        """Reads the answer's tool calls (and holds back streamed text that may begin one)."""
         self.created = int(time.time())
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs | None] = []

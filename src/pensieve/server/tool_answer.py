@@ -26,8 +26,10 @@ class ToolAnswer:
     """Parses a finished answer into (content, OpenAI ``tool_calls``) with the parser of
     ``fmt``; the same call ids every time it is asked (the stored turn and the response)."""
 
-    def __init__(self, fmt: str, renderer: ChatRenderer | None) -> None:
+    def __init__(self, fmt: str, renderer: ChatRenderer | None, parallel: bool = True) -> None:
         self.parse = PARSERS[fmt]
+        self.parallel = parallel
+        """False (``parallel_tool_calls: false``): only the answer's first call is returned."""
         self.fmt = fmt
         self.renderer = renderer
         self._read: tuple[str, list[dict[str, Any]]] | None = None
@@ -66,5 +68,6 @@ class ToolAnswer:
                 text = str(self.renderer.tokenizer.decode(result.output_ids,
                                                           skip_special_tokens=False))
             content, calls = self.parse(text)
+            calls = calls if self.parallel else calls[:1]
             self._read = (content, [c.to_openai() for c in calls]) if calls else (result.text, [])
         return self._read
