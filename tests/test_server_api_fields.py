@@ -91,7 +91,7 @@ def test_unknown_fields_are_400_and_labels_accepted(tok: Any, served: Any) -> No
     assert r.status_code == 400 and r.json()["error"]["param"] == "bar"
     bad_msg = [{"role": "user", "content": "x", "tool_call_id": "t"}]
     r = http.post("/v1/chat/completions", json={"messages": bad_msg})
-    assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["param"]
+    assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"]
     ex.script = _enc(tok, " fine") + [tok.eos_token_id]
     r2 = client.chat.completions.create(model="scripted", messages=MSGS, max_tokens=4,
                                         user="u-1", metadata={"k": "v"})

@@ -118,8 +118,6 @@ def test_sse_escapes_line_separators(tok: Any, served: Any) -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
     ("best_of", 3), ("echo", True), ("guided_json", {"type": "object"}),
     ("structured_outputs", {"json": {}})])
 def test_unsupported_fields_are_400(served: Any, field: str, value: Any) -> None:

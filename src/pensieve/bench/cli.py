@@ -253,6 +253,8 @@ def run_script(name: str, argv: list[str]) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """``pensieve bench`` and its subcommands, under the ``pensieve`` parser's ``sub``."""
+    from pensieve.bench.grammar_cost import __doc__ as grammar_doc
+    from pensieve.bench.grammar_cost import add_grammar_args, grammar_cmd
     from pensieve.bench.workload import add_workload_stats_args, workload_stats_cmd
 
     b = sub.add_parser("bench", help="the benchmark suite (serve, multiturn, swaps, ...)",
@@ -275,6 +277,11 @@ def add_bench_parser(sub: Any) -> None:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     scheduler_cost.add_arguments(sc)
     sc.set_defaults(func=lambda a: (scheduler_cost.run(a), 0)[1])
+    g = bsub.add_parser("grammar", help="grammar compile time and per-step bitmask cost",
+                        description=grammar_doc,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_grammar_args(g)
+    g.set_defaults(func=grammar_cmd)
 
 
 def script_command(argv: list[str]) -> int | None:

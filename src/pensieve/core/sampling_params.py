@@ -15,6 +15,22 @@ MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 """Bound of a ``logit_bias`` value (OpenAI's: [-100, 100])."""
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output, as text (so it pickles to an engine process and
+    keys the compiled-grammar cache): ``kind`` is one of :data:`GRAMMAR_KINDS`; ``source`` is
+    the JSON schema, ``""`` for any JSON object, or an xgrammar structural tag (JSON)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -60,6 +76,9 @@ class SamplingParams:
     likely one's ([0, 1]; 0: off)."""
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     """(token id, bias) pairs added to the logits (a dict is accepted and sorted)."""
+    grammar: GrammarSpec | None = None
+    """Constrain the output to this grammar (JSON schema, JSON object, tool-call format):
+    tokens it does not allow get probability 0 (:mod:`pensieve.runner.grammar`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

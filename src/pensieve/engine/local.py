@@ -109,7 +109,8 @@ def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
                                    model.num_kv_heads, model.head_dim, kv_dtype, device)
     if kv_dtype == torch.float8_e4m3fn:
         init_kv_scales(model, device)
-    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks)
+    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks,
+                         tokenizer=config.model.model)
     runner.capture_graphs(config.decode_graph_shape(device.type),
                           config.mixed_graph_shape(device.type))
     return runner

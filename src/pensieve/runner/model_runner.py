@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pensieve.core.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pensieve.kernels.launch_policy import (
     DECODE_SPAN_MODE,
     MIXED_DECODES,
@@ -26,6 +26,7 @@ from pensieve.kernels.launch_policy import (
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
 from pensieve.runner.cuda_graph import DecodeGraphs
+from pensieve.runner.grammar import GrammarCompiler, GrammarSampling
 from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
 from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
@@ -96,14 +97,20 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         swap_method: str | None = None,
         background_swap_out: bool | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         """``swap_method``: the swapper's (``"hybrid"``, ``"kernel"``, ``"staged"``, ``"dma"``;
         None: its default, staged on CUDA).
         ``background_swap_out``: let background swap-outs outlive their step (reported in
         :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank
         ``torch.distributed`` group (tensor parallelism), where only rank 0's count reaches
-        the scheduler while every rank's copies must be done before it reuses the blocks."""
+        the scheduler while every rank's copies must be done before it reuses the blocks.
+        ``tokenizer``: where constrained requests' tokenizer loads from (a model path or
+        name); None: grammar-constrained requests fail."""
         self.model = model
+        self._tokenizer = tokenizer
+        self.grammar: GrammarSampling | None = None
+        """Matchers of constrained requests, built with the first one (:mod:`.grammar`)."""
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.device = kv_caches[0].device
@@ -248,6 +255,44 @@ class ModelRunner:
             return mixed
         return None
 
+    def _fill_grammar(self, sched: SchedulerOutput, sampled: list[ScheduledRequest]) -> bool:
+        """Start compiling new requests' grammars and fill the bitmask rows of the step's
+        constrained rows; True if any. Called after the forward is launched: on a GPU this
+        host work overlaps it."""
+        if self.grammar is None:
+            if not any(s.sampling_params.grammar is not None for s in sched.requests):
+                return False
+            self.grammar = self._new_grammar()
+        self.grammar.prepare(sched.requests, sched.finished_request_ids)
+        return self.grammar.fill(sampled)
+
+    def _new_grammar(self) -> GrammarSampling:
+        if self._tokenizer is None:
+            raise ValueError("this engine has no tokenizer: grammar-constrained decoding needs one")
+        from pensieve.models.tokenizer import load_tokenizer
+
+        vocab = getattr(self.model, "vocab_size", None)
+        return GrammarSampling(GrammarCompiler(load_tokenizer(self._tokenizer), vocab))
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledRequest],
+                constrained: bool) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        """The step's tokens (grammar masks applied first) and the logprobs asked for."""
+        if constrained:
+            assert self.grammar is not None
+            self.grammar.apply(logits)
+        params = [s.sampling_params for s in sampled]
+        tokens = self._read_tokens(sample_tensor(
+            logits, params, [s.num_output_tokens for s in sampled],
+            [s.token_history for s in sampled],
+        ))  # waits for the compute stream
+        if constrained:
+            assert self.grammar is not None
+            self.grammar.accept(sampled, tokens)
+        # from the same logits (a graph replay's output buffer is not reused before this)
+        logprobs = {sampled[i].request_id: lp
+                    for i, lp in token_logprobs(logits, params, tokens).items()}
+        return tokens, logprobs
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step: the step's swaps (pipelined with the layers), the model, sampling.
@@ -302,17 +347,12 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[inp.logits_indices])
         t_issued = time.perf_counter()
         self.swapper.issue_background()  # what start_step deferred, if anything
+        # host work while the device runs the forward just launched (on CUDA)
+        constrained = self._fill_grammar(sched, sampled)
         tokens: list[int] = []
         logprobs: dict[str, TokenLogprobs] = {}
         if logits is not None:
-            params = [s.sampling_params for s in sampled]
-            tokens = self._read_tokens(sample_tensor(
-                logits, params, [s.num_output_tokens for s in sampled],
-                [s.token_history for s in sampled],
-            ))  # waits for the compute stream
-            # from the same logits (a graph replay's output buffer is not reused before this)
-            logprobs = {sampled[i].request_id: lp
-                        for i, lp in token_logprobs(logits, params, tokens).items()}
+            tokens, logprobs = self._sample(logits, sampled, constrained)
         elif self.device.type == "cuda":
             # the compute stream only: a device-wide sync would wait for background copies
             torch.cuda.current_stream(self.device).synchronize()

@@ -39,6 +39,7 @@ from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
 from pensieve.server.store import CorruptConversationError, StoreWriteError
+from pensieve.server.structured import constraint
 from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
@@ -220,14 +221,16 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
         async def go() -> Response:
             try:
-                msgs = await off_loop(state, lambda: [m.as_dict() for m in body.messages])
+                msgs = await off_loop(state, lambda: [m.canonical() for m in body.messages])
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
             cid = body.conversation_id or request.headers.get("x-conversation-id")
-            turn = await chat_turn(state, tenant, cid, msgs, body.chat_template_kwargs)
+            tools = [t.as_dict() for t in body.tools or []] or None
+            wanted = await off_loop(state, lambda: constraint(state, body))
+            turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await run_turn(state, body, turn, max_tokens, request, chat=True,
-                                  choices=run_choices)
+                                  choices=run_choices, constraint=wanted)
 
         return await _admitted(state, go)
 

@@ -13,7 +13,14 @@ from the first difference on are recomputed.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
+
+from pensieve.server.tool_parsers import parser_for_template
+from pensieve.server.tools import for_template, native_tools
+
+if TYPE_CHECKING:
+    from pensieve.runner.grammar import GrammarCompiler
 
 from pensieve.server.reasoning import thinks
 
@@ -52,18 +59,41 @@ class ChatRenderer:
                                               tokenizer.all_special_ids, strict=False)}
         self._special.update({t.content: i for i, t in
                               getattr(tokenizer, "added_tokens_decoder", {}).items()})
+        self.native_tools = native_tools(tokenizer.chat_template)
+        """The template renders ``tools`` itself (else: :mod:`.tools`' fallback)."""
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def tool_format(self) -> str:
+        """The format the model writes tool calls in (:mod:`.tool_parsers`)."""
+        return parser_for_template(self.tokenizer.chat_template) if self.native_tools \
+            else "hermes"
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None,
                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The template's tokens; ``template_kwargs`` are extra template variables (e.g.
-        ``enable_thinking``; ValueError for a name the renderer sets itself)."""
+        """Canonical messages (:mod:`.tools`) and the request's tools -> token ids;
+        ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``; ValueError
+        for a name the renderer sets itself)."""
         kwargs = dict(template_kwargs or {})
         reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+        msgs, extra = for_template(messages, tools, self.native_tools)
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **{**kwargs, **extra})
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles (and caches) the grammars of this tokenizer, built on first use."""
+        with self._lock:
+            if self._compiler is None:
+                from pensieve.runner.grammar import GrammarCompiler
+
+                self._compiler = GrammarCompiler(self.tokenizer)
+            return self._compiler
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's tokens (with the tokenizer's own special tokens, e.g. BOS)."""

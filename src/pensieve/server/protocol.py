@@ -17,19 +17,39 @@ MAX_CHOICES = 16
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     """Passed to the chat template with the message (templates that read it use it)."""
+    tool_calls: list[ToolCallParam] | None = None
+    """An assistant message's calls (the history of a tool loop)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
 
-    def as_dict(self) -> dict[str, Any]:
-        """The message as the chat template gets it."""
-        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def canonical(self) -> dict[str, Any]:
+        """The message as the server keeps and renders it (:mod:`.tools`). ValueError: not
+        valid text, a message without content, or tool calls outside an assistant message."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
-            d["name"] = self.name
-        return d
+            m["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ValueError("only assistant messages carry tool_calls")
+            m["tool_calls"] = [c.canonical() for c in self.tool_calls]
+        if self.role == "tool":
+            m["tool_call_id"] = self.tool_call_id or ""
+        elif self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id belongs to tool messages, not to a {self.role} "
+                             "message")
+        return m
+
+    as_dict = canonical
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             text = self.content
         else:
@@ -45,6 +65,43 @@ class ChatMessage(BaseModel):
             raise ValueError(f"message content is not valid Unicode text: {e.reason} at "
                              f"position {e.start}") from None
         return text
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class _CallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: _CallFunction
+
+    def canonical(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+    """``{"name", "schema", "strict"}`` for ``json_schema``."""
 
 
 class _Sampling(BaseModel):
@@ -109,6 +166,13 @@ class ChatCompletionRequest(_Sampling):
     """With ``logprobs``: this many most likely alternatives per token."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
+    tools: list[ToolParam] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """``none``, ``auto`` (the default with tools), ``required`` or
+    ``{"type": "function", "function": {"name": ...}}`` (:mod:`.tools`)."""
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    """``json_object`` or ``json_schema``: the answer is constrained to it (:mod:`.structured`)."""
 
     def num_logprobs(self) -> int | None:
         """Raises ValueError for ``top_logprobs`` without ``logprobs: true`` (as vLLM)."""

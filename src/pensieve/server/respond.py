@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pensieve.core.outputs import TokenLogprobs
-from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.sampling_params import GrammarSpec, SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
 from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
@@ -41,7 +41,9 @@ from pensieve.server.protocol import _Sampling
 from pensieve.server.reasoning import ReasoningStream, split_reasoning
 from pensieve.server.state import ServerState
 from pensieve.server.store import StoredConversation, StoreWriteError
+from pensieve.server.structured import Constraint
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
+from pensieve.server.tool_answer import ToolAnswer
 from pensieve.server.turns import Turn, engine_call, off_loop
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
@@ -87,7 +89,7 @@ def _stops(state: ServerState, body: _Sampling) -> tuple[list[str], list[int]]:
 
 
 def _params(state: ServerState, body: _Sampling, max_tokens: int,
-            stop_ids: list[int]) -> SamplingParams:
+            stop_ids: list[int], grammar: GrammarSpec | None = None) -> SamplingParams:
     given = body.model_fields_set
     d = {k: v for k, v in state.sampling_defaults.items() if k not in given}
     stop_ids = stop_ids + [i for i in state.extra_stop_token_ids if not body.ignore_eos]
@@ -105,16 +107,19 @@ def _params(state: ServerState, body: _Sampling, max_tokens: int,
                               frequency_penalty=body.frequency_penalty,
                               repetition_penalty=body.repetition_penalty,
                               min_tokens=body.min_tokens, min_p=body.min_p,
-                              logit_bias=tuple(body.logit_bias_ids().items()))
+                              logit_bias=tuple(body.logit_bias_ids().items()), grammar=grammar)
     except ValueError as e:  # SamplingParams names the field first in its messages
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
 
 
 async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
-                   request: Request, chat: bool, choices: Any = None) -> Response:
-    """Run one turn and answer it, JSON or a stream; ``n > 1`` goes to ``choices``
-    (:func:`pensieve.server.choices.run_choices`, passed in: it builds on this module)."""
+                   request: Request, chat: bool, choices: Any = None,
+                   constraint: Constraint | None = None) -> Response:
+    """Run one turn and answer it, JSON or a stream. ``n > 1`` goes to ``choices``
+    (:func:`pensieve.server.choices.run_choices`, passed in: it builds on this module);
+    ``constraint``: a chat turn's grammar and tool-call format."""
+    constraint = constraint or Constraint(None, None)
     stop_texts, stop_ids = await off_loop(state, lambda: _stops(state, body))
     context_len = len(turn.context_ids)
     room = state.max_model_len - context_len
@@ -129,7 +134,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
         raise APIError(400, f"max_tokens={max_tokens} exceeds the room left in the context "
                        f"({room} of max_model_len={state.max_model_len})",
                        code="context_length_exceeded", param="max_tokens")
-    params = _params(state, body, max_tokens, stop_ids)
+    params = _params(state, body, max_tokens, stop_ids, constraint.grammar)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
         await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
                           body.keep_alive_s)
@@ -140,7 +145,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.cid,
                                 turn.full_context)
     state.metrics.ttft.observe(time.monotonic() - t0)
-    out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts)
+    out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
     if body.stream:
         return StreamingResponse(out.sse(first, stream), media_type="text/event-stream",
@@ -212,9 +217,14 @@ class TurnOutput:
     """Formats one turn's stream or response and records the turn when it completes."""
 
     def __init__(self, state: ServerState, body: _Sampling, turn: Turn, rid: str, chat: bool,
-                 t0: float, stops: list[str], index: int = 0, record: bool = True) -> None:
+                 t0: float, stops: list[str], tool_format: str | None = None,
+                 index: int = 0, record: bool = True) -> None:
         self.state, self.body, self.turn, self.rid, self.chat, self.t0 = (
             state, body, turn, rid, chat, t0)
+        self.tools = (ToolAnswer(tool_format, state.renderer,
+                                 getattr(body, "parallel_tool_calls", True))
+                      if tool_format else None)
+        """Reads the answer's tool calls (and holds back streamed text that may begin one)."""
         self.engine_rid = rid
         """The engine's request (:attr:`rid`, the response's id, is the same but for a choice
         of ``n`` > 1)."""
@@ -302,9 +312,9 @@ class TurnOutput:
             return
         conv = turn.stored or StoredConversation(turn.cid, turn.tenant)
         if self.chat:
-            # the answer as the client re-sends it: without a thinking model's reasoning
-            content = self._message(result.text)["content"]
-            conv.messages = turn.prev + turn.new + [{"role": "assistant", "content": content}]
+            # the answer as the client re-sends it: its tool calls, without a thinking
+            # model's reasoning
+            conv.messages = turn.prev + turn.new + [self._message(result)]
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
         conv.token_ids = result.prompt_ids + result.output_ids
@@ -348,10 +358,11 @@ class TurnOutput:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def final_body(self, result: Result) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": result.finish_reason,
+        choice: dict[str, Any] = {"index": self.index,
+                                  "finish_reason": self._finish_reason(result),
                                   "logprobs": self._logprobs(len(result.output_ids))}
         if self.chat:
-            choice["message"] = self._message(result.text)
+            choice["message"] = self._api_message(result)
         else:
             choice["text"] = result.text
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
@@ -359,15 +370,29 @@ class TurnOutput:
                 "usage": self.usage(result), "conversation_id": self.turn.cid,
                 "pensieve": self._pensieve(result)}
 
-    def _message(self, text: str) -> dict[str, Any]:
-        """The assistant message; a thinking model's reasoning apart (:mod:`.reasoning`)."""
-        if self.reasoning is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = split_reasoning(text)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
-
     def _model(self) -> str:
         return self.body.model or self.state.model_name
+
+    def _message(self, result: Result) -> dict[str, Any]:
+        """The answer as an assistant message as the client re-sends it (canonical,
+        :mod:`.tools`): its tool calls, and no thinking model's reasoning."""
+        if self.tools is not None and self.tools.read(result)[1]:
+            content, calls = self.tools.read(result)
+            return {"role": "assistant", "content": content, "tool_calls": calls}
+        text = result.text if self.reasoning is None else split_reasoning(result.text)[1]
+        return {"role": "assistant", "content": text}
+
+    def _api_message(self, result: Result) -> dict[str, Any]:
+        """:meth:`_message` as OpenAI returns it: no content beside calls is ``null``, and a
+        thinking model's reasoning as ``reasoning_content``."""
+        m = self._message(result)
+        if self.reasoning is not None and not m.get("tool_calls"):
+            m["reasoning_content"] = split_reasoning(result.text)[0]
+        return {**m, "content": None} if m.get("tool_calls") and not m["content"] else m
+
+    def _finish_reason(self, result: Result) -> str:
+        calls = self.tools.read(result)[1] if self.tools is not None else []
+        return "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
 
     async def collect(self, first: Any, stream: Any, request: Request) -> Result | None:
         async for _, result in self.updates(first, stream):
@@ -387,16 +412,17 @@ class TurnOutput:
         return self.logprobs_fmt.format(self.tokens[start:end], self.logprobs[start:end])
 
     def _chunk(self, delta: str, finish: str | None, first: bool = False,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None,
+               extra_delta: dict[str, Any] | None = None) -> str:
         lp = None if first else self._logprobs(len(self.tokens))
         if self.chat:
-            d: dict[str, Any] = {"content": delta}
+            d: dict[str, Any] = {"content": delta, **(extra_delta or {})}
             if self.reasoning is not None:
                 r, c = self.reasoning.feed(delta)
                 if finish is not None:
                     r2, c2 = self.reasoning.flush()
                     r, c = r + r2, c + c2
-                d = {"content": c, **({"reasoning_content": r} if r else {})}
+                d = {**d, "content": c, **({"reasoning_content": r} if r else {})}
             if first:
                 d["role"] = "assistant"
             choice: dict[str, Any] = {"index": self.index, "delta": d, "finish_reason": finish,
@@ -417,6 +443,16 @@ class TurnOutput:
                          "model": self._model(), "choices": [], "usage": usage,
                          "conversation_id": self.turn.cid})
 
+    def _tool_chunks(self, result: Result) -> list[str]:
+        """The end of a tool-reading stream: the content it still owes, then one ``tool_calls``
+        delta per call."""
+        assert self.tools is not None
+        calls = self.tools.read(result)[1]
+        out = [self._chunk(self.tools.last_content(result), None)]
+        for i, call in enumerate(calls):
+            out.append(self._chunk("", None, extra_delta={"tool_calls": [{**call, "index": i}]}))
+        return out
+
     async def sse(self, first: Any, stream: Any, last: bool = True) -> AsyncIterator[str]:
         """The turn's events; with ``last`` the usage and ``[DONE]`` too (not when more
         choices follow). :attr:`result` is set when the turn completed."""
@@ -426,10 +462,16 @@ class TurnOutput:
             try:
                 async for delta, result in self.updates(first, stream):
                     if result is None:
-                        yield self._chunk(delta, None)
+                        text = delta if self.tools is None else self.tools.feed(delta)
+                        if text:
+                            yield self._chunk(text, None)
                         continue
                     completed = True
-                    yield self._chunk(delta, result.finish_reason,
+                    if self.tools is not None:
+                        for chunk in self._tool_chunks(result):
+                            yield chunk
+                        delta = ""
+                    yield self._chunk(delta, self._finish_reason(result),
                                       extra={"pensieve": self._pensieve(result)})
                     if last and (self.body.stream_options or {}).get("include_usage"):
                         yield self.usage_chunk(self.usage(result))
