@@ -205,3 +205,12 @@ def test_auto_streams_the_same_answer(server):
             assert [calls[i] for i in sorted(calls)] == _calls(plain.message)
         else:
             assert content == plain.message.content and not calls
+
+
+def test_n_above_one_with_tools_is_400(server):
+    """Choices of a tool turn would not be read for calls: refused rather than ignored."""
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            model=MODEL, n=2, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            tools=[TOOLS[0]])
+    assert e.value.body["param"] == "n"

@@ -120,6 +120,9 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     (:func:`pensieve.server.choices.run_choices`, passed in: it builds on this module);
     ``constraint``: a chat turn's grammar and tool-call format."""
     constraint = constraint or Constraint(None, None)
+    if body.n > 1 and constraint.tool_format:
+        await forget_new(state, turn)
+        raise APIError(400, "n > 1 is not supported with tools", param="n")
     stop_texts, stop_ids = await off_loop(state, lambda: _stops(state, body))
     context_len = len(turn.context_ids)
     room = state.max_model_len - context_len
