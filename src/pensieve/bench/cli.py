@@ -48,6 +48,8 @@ MODULES = {
                       "how long a long prompt entering a batch stalls its decodes"),
     "sim-agent": ("pensieve.bench.sim_agent",
                   "coding-agent and mixed loads in the simulator: retention policies, CPU"),
+    "soak": ("pensieve.bench.soak",
+             "memory of a server under a long steady load of short conversations"),
     "kv-accuracy": ("pensieve.bench.kv_accuracy",
                     "FP8 KV cache against 16/32-bit: greedy agreement, logprob error"),
 }
