@@ -32,7 +32,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pensieve.server import engine_ops
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.openapi import document_errors
-from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from pensieve.server.protocol import (
+    INVALID_UNICODE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+)
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
@@ -117,6 +122,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        if first.get("type") == INVALID_UNICODE:
+            loc = str((first.get("ctx") or {}).get("field")) or loc
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}"
                         for er in errs[:5])
         return error_response(400, msg or "invalid request", param=loc)

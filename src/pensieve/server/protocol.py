@@ -4,9 +4,39 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pensieve.core.sampling_params import MAX_LOGPROBS
+
+INVALID_UNICODE = "invalid_unicode"
+"""The pydantic error type of a string that is not valid Unicode; its ``ctx["field"]`` is the
+path of the offending field (``messages.0.content``), which the 400 names as ``param``."""
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) under ``value`` that holds a lone
+    surrogate (``"\\ud800"`` in JSON: it cannot be encoded as UTF-8), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k).encode("utf-8", "backslashreplace").decode()  # printable in the 400
+            sub = f"{path}.{key}" if path else key
+            found = _surrogate_path(k, sub) or _surrogate_path(v, sub)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_path(v, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
 
 
 class ChatMessage(BaseModel):
@@ -52,6 +82,17 @@ class _Sampling(BaseModel):
     """Pensieve: the conversation's KV counts as fresh for this long after each turn."""
     priority: float | None = Field(default=None, gt=0.0)
     """Pensieve: retention weight of the conversation's KV (default 1)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """A 400 naming the field for any string in the body, at any depth, that is not valid
+        Unicode (a lone surrogate), before it can reach the store or the tokenizer."""
+        where = _surrogate_path(data, "")
+        if where is not None:
+            raise PydanticCustomError(INVALID_UNICODE, "{field} is not valid Unicode text "
+                                      "(a lone surrogate)", {"field": where})
+        return data
 
     def num_logprobs(self) -> int | None:
         """Alternatives per token asked for (None: no log-probabilities)."""
