@@ -82,3 +82,35 @@ def test_conversation_path_with_invalid_utf8_is_not_a_500(http: TestClient) -> N
         assert r.status_code in (400, 404), r.text
         r = http.delete(f"/v1/conversations/{cid}")
         assert r.status_code in (400, 404), r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("field", "value"), [
+    ("priority", float("inf")), ("priority", float("nan")), ("priority", 1e300),
+    ("priority", 101), ("keep_alive_s", float("inf")), ("keep_alive_s", 1e9),
+    ("keep_alive_s", 3601), ("temperature", float("nan")), ("top_p", float("nan")),
+])
+def test_non_finite_or_unbounded_hints_are_a_400(http: TestClient, path: str, field: str,
+                                                 value: float) -> None:
+    base = CHAT if path.endswith("chat/completions") else COMP
+    r = _post(http, path, {**base, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_hints_within_the_bounds_are_accepted(http: TestClient) -> None:
+    r = _post(http, "/v1/chat/completions", {**CHAT, "priority": 100, "keep_alive_s": 3600})
+    assert r.status_code == 200, r.text
+
+
+def test_bounds_are_server_flags(tok: Any, tmp_path: Path) -> None:
+    app, ex = scripted_app(tok, tmp_path / "conv.db", max_priority=2.0, max_keep_alive_s=5.0)
+    ex.script = [tok.eos_token_id]
+    try:
+        with TestClient(app) as client:
+            assert _post(client, "/v1/completions", {**COMP, "priority": 2}).status_code == 200
+            assert _post(client, "/v1/completions", {**COMP, "priority": 3}).status_code == 400
+            r = _post(client, "/v1/completions", {**COMP, "keep_alive_s": 6})
+            assert r.status_code == 400 and "keep_alive_s" in r.json()["error"]["message"]
+    finally:
+        app.state.pensieve.engine.shutdown()

@@ -67,13 +67,19 @@ _UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions":
 
 
 def _check_request(state: ServerState, body: _Sampling) -> None:
-    """400 on a field asking for what is not implemented; 404 on an unknown model."""
+    """400 on a field asking for what is not implemented or a retention hint past the
+    server's bounds; 404 on an unknown model."""
     extra = body.model_extra or {}
     for name, inert in _UNSUPPORTED.items():
         if name in extra and not any(extra[name] == v and type(extra[name]) in
                                      (type(v), int, float) for v in inert):
             raise APIError(400, f"{name} is not supported by this server", param=name,
                            code="unsupported_parameter")
+    for name, value, bound in (("priority", body.priority, state.max_priority),
+                               ("keep_alive_s", body.keep_alive_s, state.max_keep_alive_s)):
+        if value is not None and value > bound:
+            raise APIError(400, f"{name} must be at most {bound:g} on this server, got "
+                           f"{value:g}", param=name)
     if body.model is not None and body.model not in state.names:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                        f"{list(state.names)}", code="model_not_found", param="model")

@@ -13,6 +13,7 @@ from typing import Any
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.models.builtin import DEFAULT_MODEL
+from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 
 log = logging.getLogger("pensieve.server")
 
@@ -67,6 +68,14 @@ def seconds_arg(text: str) -> float:
     v = _float_or_nan(text)
     if not (0.0 <= v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return v
+
+
+def positive_arg(text: str) -> float:
+    """A positive, finite number (``--max-priority``)."""
+    v = _float_or_nan(text)
+    if not (0.0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return v
 
 
@@ -161,6 +170,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
                         "many seconds, then end them with an error (503 / an SSE error event, "
                         "code shutting_down; their conversations stay as they were) and exit")
+    p.add_argument("--max-priority", type=positive_arg, default=DEFAULT_MAX_PRIORITY,
+                   metavar="P", help="largest retention ``priority`` a request may set; more is "
+                   f"a 400 (default {DEFAULT_MAX_PRIORITY:g})")
+    p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
+                   metavar="S", help="largest ``keep_alive_s`` a request may set; more is a "
+                   f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
                    help="the persistent conversation store: a SQLite file, or a "
                         "postgresql:// URL (shared by replicas on several hosts)")
@@ -268,7 +283,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
                         max_request_bytes=args.max_request_bytes,
                         default_max_tokens=max(1, min(1024, kv_tokens // 2)),
                         extra_stop_token_ids=tuple(eos_ids),
-                        sampling_defaults=sampling_defaults)
+                        sampling_defaults=sampling_defaults,
+                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s)
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")

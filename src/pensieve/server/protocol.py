@@ -9,6 +9,10 @@ from pydantic_core import PydanticCustomError
 
 from pensieve.core.sampling_params import MAX_LOGPROBS
 
+DEFAULT_MAX_PRIORITY = 100.0
+"""Default bound on a request's ``priority`` (``--max-priority``)."""
+DEFAULT_MAX_KEEP_ALIVE_S = 3600.0
+"""Default bound on a request's ``keep_alive_s`` (``--max-keep-alive-s``)."""
 INVALID_UNICODE = "invalid_unicode"
 """The pydantic error type of a string that is not valid Unicode; its ``ctx["field"]`` is the
 path of the offending field (``messages.0.content``), which the 400 names as ``param``."""
@@ -66,8 +70,8 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = 0
     n: int = Field(default=1, ge=1, le=1)
     seed: int | None = None
@@ -78,10 +82,12 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     conversation_id: str | None = None
     """Pensieve: continue this conversation (send only the new messages)."""
-    keep_alive_s: float | None = Field(default=None, ge=0.0)
-    """Pensieve: the conversation's KV counts as fresh for this long after each turn."""
-    priority: float | None = Field(default=None, gt=0.0)
-    """Pensieve: retention weight of the conversation's KV (default 1)."""
+    keep_alive_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    """Pensieve: the conversation's KV counts as fresh for this long after each turn (finite;
+    at most the server's ``--max-keep-alive-s``)."""
+    priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """Pensieve: retention weight of the conversation's KV (default 1; finite, at most the
+    server's ``--max-priority``)."""
 
     @model_validator(mode="before")
     @classmethod
