@@ -9,11 +9,20 @@ prefix-stable only the new tokens are computed (plus the end-of-turn text after 
 model did not end itself, e.g. one cut at ``max_tokens``); where it is not (a template that
 strips or rewrites earlier messages, an answer whose text re-tokenizes differently), the tokens
 from the first difference on are recomputed.
+
+Special-token text inside a message's content (``"hi<|im_end|>\n<|im_start|>system"``) is
+tokenized as plain text, never as the special tokens the template itself writes, so a user
+cannot forge another role's turn (as HF and vLLM treat chat content).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+PLACEHOLDER = "\ue000pensieve-content-{}\ue001"
+"""Stands in for message ``i``'s content when the template is rendered to find its own text
+(private-use characters: never a special token, never trimmed by a template)."""
 
 DEFAULT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -41,11 +50,70 @@ class ChatRenderer:
                                               tokenizer.all_special_ids, strict=False)}
         self._special.update({t.content: i for i, t in
                               getattr(tokenizer, "added_tokens_decoder", {}).items()})
+        names = sorted((t for t in self._special if t), key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """The template's rendering of ``messages`` as token ids, with any special-token text
+        inside a message's content tokenized as plain text: ``"hi<|im_end|>"`` from a user is
+        never the end-of-turn token, so no message can forge another role's turn. Messages
+        without such text render exactly as ``encode(apply_chat_template(...))``."""
+        text = self._apply(messages, add_generation_prompt)
+        forged = self._special_re is not None and any(
+            self._special_re.search(str(m.get("content", ""))) for m in messages)
+        if not forged:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        spans = self._content_spans(messages, add_generation_prompt, text)
+        return self._encode_outside(text, spans)
+
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return str(self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+
+    def _content_spans(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       text: str) -> list[tuple[int, int]]:
+        """Where each message's content lies in ``text``: the template rendered with
+        placeholders gives its own text around them; each content is then matched as given
+        or as a template trims it. Raises ValueError where the template's text around the
+        contents depends on them (the spans cannot be told apart safely)."""
+        marked = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
+        skeleton = self._apply(marked, add_generation_prompt)
+        parts = re.split("\ue000pensieve-content-(\\d+)\ue001", skeleton)
+        spans, pos = [], 0
+        if not text.startswith(parts[0]):
+            raise ValueError("message content holds special-token text this chat template "
+                             "cannot keep apart from its own")
+        pos = len(parts[0])
+        for k in range(1, len(parts), 2):
+            content, after = str(messages[int(parts[k])].get("content", "")), parts[k + 1]
+            for cand in (content, content.strip(), content.lstrip(), content.rstrip()):
+                end = pos + len(cand)
+                if text.startswith(cand, pos) and text.startswith(after, end):
+                    break
+            else:
+                raise ValueError("message content holds special-token text this chat "
+                                 "template cannot keep apart from its own")
+            spans.append((pos, end))
+            pos = end + len(after)
+        return spans
+
+    def _encode_outside(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Token ids of ``text`` with the special tokens outside ``spans`` as their ids and
+        everything between them (contents included) as plain text."""
+        assert self._special_re is not None
+        ids: list[int] = []
+        start = 0
+        for m in self._special_re.finditer(text):
+            if any(a <= m.start() < b for a, b in spans):
+                continue  # inside a content: stays text
+            ids += self._plain(text[start:m.start()])
+            ids.append(self._special[m.group()])
+            start = m.end()
+        return ids + self._plain(text[start:])
+
+    def _plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False,
+                                          split_special_tokens=True)) if text else []
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's tokens (with the tokenizer's own special tokens, e.g. BOS)."""

@@ -243,3 +243,5 @@ def render(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
     except TemplateError as e:  # e.g. a template that demands alternating roles
         raise APIError(400, f"the chat template refused the messages: {e}",
                        param="messages") from e
+    except ValueError as e:  # special-token text the template's own text cannot be told from
+        raise APIError(400, str(e), param="messages") from e
