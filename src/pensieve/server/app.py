@@ -160,6 +160,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
+        """Server-wide counters (every tenant's together): any valid key may read them."""
         _tenant(state, request)
         state.metrics.queued.set(state.queued)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
