@@ -26,6 +26,7 @@ from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.stats import CacheStats
+from pensieve.core.tenant_share import TenantShare
 
 
 @dataclass
@@ -67,6 +68,8 @@ class TierPools(EvictionIndex):
         (longer copies, one eviction pass per batch instead of one per step)."""
         self.decode_reserve_blocks = int(decode_reserve * num_gpu_blocks)
         self.stats = CacheStats()
+        self.tenant_share: TenantShare | None = None
+        """Per-tenant share of each tier that hints cannot exceed (None: no bound)."""
         self._reclaim_groups: deque[list[int]] = deque()
         """GPU blocks of each earlier step's background swap-outs, oldest first."""
         self._reclaim_group_blocks = 0
@@ -188,9 +191,22 @@ class TierPools(EvictionIndex):
                 if entry is None or (i - entry[0]) * step < 0:
                     cpu_index.set(conv, i, key, now)
                     exact.append((cpu_index, conv))
+            if self.tenant_share is not None and conv in self.tenant_share.counted:
+                self._apply_hints(self.tenant_share.moved(
+                    conv, gpu_tier, cpu_tier if cpu_block >= 0 else Tier.DROPPED))
             done += 1
             last = conv
         return done
+
+    def _apply_hints(self, convs: set[Conversation]) -> None:
+        """The policy reads each conversation's hints as its tenant's share allows."""
+        share = self.tenant_share
+        assert share is not None
+        for conv in convs:
+            effective = share.effective(conv)
+            if effective != (conv.priority, conv.keep_alive_s):
+                conv.priority, conv.keep_alive_s = effective
+                self._rekey(conv)
 
     def _evict_chunk(self, conv: Conversation, i: int, urgent: bool) -> None:
         """One GPU chunk leaves the GPU outside an eviction pass (a suspension): to a CPU block
@@ -235,6 +251,8 @@ class TierPools(EvictionIndex):
             self._cpu_index.replace_top(conv, j, self._key_now(conv, j), self._now)
             if self._time_dependent:
                 self._exact.append((self._cpu_index, conv))
+        if self.tenant_share is not None and conv in self.tenant_share.counted:
+            self._apply_hints(self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED))
 
     def _drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed)."""
