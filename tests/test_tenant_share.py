@@ -55,3 +55,36 @@ def test_hints_cannot_push_another_tenant_below_its_share(share: float) -> None:
     assert computed_unbounded >= 6 * CHUNK
     assert bounded[Tier.GPU] + bounded[Tier.CPU] >= min(6, share * GPU)
     assert computed <= 6 * CHUNK + 8 - min(6, int(share * GPU)) * CHUNK + CHUNK
+
+
+def test_tenant_kv_share_flag() -> None:
+    import argparse
+
+    from pensieve.server.main import share_arg, tenant_kv_share
+
+    assert tenant_kv_share(share_arg("auto"), 0) is None
+    assert tenant_kv_share(share_arg("auto"), 1) is None
+    assert tenant_kv_share(share_arg("auto"), 4) == 0.25
+    assert tenant_kv_share(share_arg("0.3"), 1) == 0.3
+    assert tenant_kv_share(share_arg("off"), 4) is None
+    for bad in ("0", "1.5", "nan", "x", "-0.1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            share_arg(bad)
+
+
+def test_share_follows_deletes_and_dropped_hints() -> None:
+    eng, ex = scripted_engine(100, (99,), num_gpu_blocks=GPU, num_cpu_blocks=CPU,
+                              tenant_kv_share=0.25)
+    ex.filler = 7
+    share = eng.cache.tenant_share
+    for k in range(2):
+        eng.set_conversation_hints(f"A{k}", priority=50.0, tenant="A")
+        _turn(eng, f"a{k}", f"A{k}", 3 * CHUNK - 1)
+    assert share.held["A"][Tier.GPU] == 6 and "A" in share.over  # 6 > 0.25 * 16
+    assert eng.cache.conversations["A0"].priority < 1.0  # demoted while over
+    eng.set_conversation_hints("A1", priority=1.0, keep_alive_s=0.0)  # no hints: not counted
+    assert share.held["A"][Tier.GPU] == 3 and "A" not in share.over
+    assert eng.cache.conversations["A0"].priority == 50.0  # its hints count again
+    eng.cache.delete("A0")
+    assert share.held["A"][Tier.GPU] == 0
+    eng.cache.check_integrity()

@@ -87,6 +87,9 @@ class CacheConfig:
     """Steps a turn short of GPU blocks may wait for background swap-outs to free them while
     other turns run, instead of urgent swap-outs that the whole step waits for (0: never;
     ``TieredKVCache.defer_admission``)."""
+    tenant_kv_share: float | None = None
+    """Share of each tier (0, 1] a tenant's conversations with retention hints may hold before
+    their hints stop counting (``pensieve.core.tenant_share``); None: no bound."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"

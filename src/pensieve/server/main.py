@@ -79,6 +79,26 @@ def positive_arg(text: str) -> float:
     return v
 
 
+def share_arg(text: str) -> float | str:
+    """``--tenant-kv-share``: a fraction in (0, 1], ``auto`` or ``off``."""
+    t = text.strip().lower()
+    if t in ("auto", "off"):
+        return t
+    v = _float_or_nan(t)
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], 'auto' or 'off', "
+                                         f"got {text!r}")
+    return v
+
+
+def tenant_kv_share(arg: float | str, num_keys: int) -> float | None:
+    """The share of each tier a tenant's hinted conversations may hold: ``auto`` is an equal
+    share per API key with two keys or more, none with one tenant."""
+    if arg == "off" or (arg == "auto" and num_keys < 2):
+        return None
+    return 1.0 / num_keys if arg == "auto" else float(arg)
+
+
 def steps_arg(text: str) -> int:
     """A whole number >= 0 (``--defer-admission``)."""
     if not text.strip().isdigit():
@@ -176,6 +196,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
                    metavar="S", help="largest ``keep_alive_s`` a request may set; more is a "
                    f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
+    p.add_argument("--tenant-kv-share", type=share_arg, default="auto", metavar="FRACTION",
+                   help="share of each KV tier a tenant's conversations with retention hints "
+                   "may hold; past it their hints stop counting and they are evicted first, so "
+                   "no tenant's hints push out another's KV (auto, the default: 1/N with N >= 2 "
+                   "API keys, else off; off: no bound)")
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
                    help="the persistent conversation store: a SQLite file, or a "
                         "postgresql:// URL (shared by replicas on several hosts)")
@@ -256,6 +281,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
+        tenant_kv_share=tenant_kv_share(args.tenant_kv_share, len(keys)),
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )

@@ -113,7 +113,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     params = _params(state, body, max_tokens, stop_ids)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
         await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
-                          body.keep_alive_s)
+                          body.keep_alive_s, turn.tenant)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
     stream = state.engine.generate(rid, turn.prompt_ids, params, turn.cid,

@@ -101,7 +101,7 @@ async def restore(state: ServerState, stored: StoredConversation) -> None:
     last served it (the KV of the common prefix kept)."""
 
     await engine_call(state, engine_ops.restore, stored.id, stored.token_ids, stored.priority,
-                      stored.keep_alive_s)
+                      stored.keep_alive_s, stored.tenant)
 
 
 def _retried(state: ServerState, tenant: str, cid: str | None) -> StoredConversation | None:
