@@ -154,12 +154,13 @@ class ScriptedExecutor:
 def scripted_engine(vocab_size: int, eos_token_ids: tuple[int, ...], num_gpu_blocks: int = 64,
                     num_cpu_blocks: int = 64, max_model_len: int = 1024,
                     wrap: Callable[[ScriptedExecutor], Executor] | None = None,
+                    tenant_kv_share: float | None = None,
                     ) -> tuple[EngineCore, ScriptedExecutor]:
     """The real scheduler and two-tier cache over a :class:`ScriptedExecutor` (``wrap``: an
     executor around it, e.g. one that raises on some requests)."""
     ex = ScriptedExecutor(num_gpu_blocks, num_cpu_blocks)
     cache = TieredKVCache(num_gpu_blocks, num_cpu_blocks, CHUNK, get_policy("pensieve"),
-                          lambda n: float(n))
+                          lambda n: float(n), tenant_kv_share=tenant_kv_share)
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len)
     executor: Executor = wrap(ex) if wrap is not None else ex
     return EngineCore(Scheduler(cfg, cache), executor, clock=time.monotonic,

@@ -19,6 +19,17 @@ def test_greedy_is_argmax() -> None:
     assert toks == lg.argmax(-1).tolist()
 
 
+def test_tiny_temperatures_are_greedy() -> None:
+    """Dividing by 1e-300 or a denormal overflows the logits to inf and NaN (sampling then
+    picks garbage); below SAMPLING_EPS the temperature counts as 0."""
+    lg = _logits(n=8, vocab=200, seed=3)
+    for t in (1e-300, 5e-324, 1e-40, 1e-6):
+        p = SamplingParams(temperature=t, seed=1)
+        assert p.greedy and p.temperature == 0.0
+        assert sample(lg, [p] * 8, list(range(8))) == lg.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
     lg = _logits()
     ps = [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)]

@@ -18,8 +18,10 @@ from server_scripted import ScriptedExecutor, build_tokenizer, scripted_app
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.engine.executor import TierSizes
 
-POISON = "<unk>"
-"""A user message holding this special token makes the executor fail its request."""
+POISON = "\u00a7"
+"""A user message holding this character makes the executor fail its request (its byte
+0xA7 is a token of its own that no other message here holds; special-token text in a
+message would be tokenized as plain text)."""
 
 
 class FailPoisoned:
@@ -66,7 +68,7 @@ def _sse(text: str) -> list[dict[str, Any]]:
 
 def test_a_failed_request_is_its_own_error_and_its_turn_is_not_stored(tmp_path: Path) -> None:
     tok = build_tokenizer("chatml")
-    poison = tok.convert_tokens_to_ids(POISON)
+    poison = tok.convert_tokens_to_ids(POISON)  # the byte-level token of 0xA7
     holder: dict[str, FailPoisoned] = {}
 
     def wrap(ex: ScriptedExecutor) -> FailPoisoned:

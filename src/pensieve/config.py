@@ -97,6 +97,9 @@ class CacheConfig:
     model's dtype), ``bf16``, ``fp16``, ``fp32``, or ``fp8_e4m3`` (``fp8``: float8 e4m3 with
     a float32 scale per layer and KV head, 1 unless set; half the bytes of bf16 per token,
     read directly by the attention kernels)."""
+    tenant_kv_share: float | None = None
+    """Share of each tier (0, 1] a tenant's conversations with retention hints may hold before
+    their hints stop counting (``pensieve.core.tenant_share``); None: no bound."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"

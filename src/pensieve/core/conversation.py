@@ -50,6 +50,11 @@ class Conversation:
     """Retention weight from the client (higher: kept longer)."""
     keep_alive_s: float = 0.0
     """Seconds after the last turn during which the conversation counts as not idle."""
+    hints: tuple[float, float] = (1.0, 0.0)
+    """(priority, keep_alive_s) as the client asked; ``priority`` and ``keep_alive_s`` are
+    what the policy reads (lower while the tenant is over its share: ``core.tenant_share``)."""
+    tenant: str = ""
+    """Whose conversation it is (for ``tenant_kv_share``; empty: nobody's in particular)."""
     queued_at: float | None = None
     """Arrival time of a turn of it waiting in the scheduler's queue (None: none waits): its KV
     is what the next admissions need."""

@@ -8,7 +8,8 @@ first for ``tail_first`` policies). Within a conversation keys only grow in that
 candidates. Candidates sit in a heap with lazy invalidation (each entry carries a sequence
 number; the live one is recorded per conversation). A conversation's entry changes only when
 it is evicted from, admitted (it leaves the index), ends, suspends or is aborted (it is
-indexed again from scratch, one pass over its chunks), gets retention hints, or a chunk of it
+indexed again from scratch, one pass over its chunks), gets retention hints (or its tenant
+crosses its ``tenant_kv_share``: :mod:`pensieve.core.tenant_share`), or a chunk of it
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
 Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /

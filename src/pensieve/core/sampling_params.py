@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
+SAMPLING_EPS = 1e-5
+"""Temperatures below this count as 0 (greedy), as vLLM's ``_SAMPLING_EPS``: dividing the
+logits by a tinier one (1e-300, a denormal) overflows them to inf and samples garbage."""
 MAX_LOGPROBS = 20
 """Most alternatives per token that ``logprobs`` may ask for (OpenAI's limit)."""
 MAX_PENALTY = 2.0
@@ -36,7 +39,8 @@ class GrammarSpec:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
+    ``temperature == 0`` means greedy; so does any temperature below :data:`SAMPLING_EPS`
+    (it is stored as 0). ``top_k <= 0`` disables top-k; ``top_p == 1`` disables
     nucleus sampling. The logits processors (``logit_bias``, ``min_tokens``, the three
     penalties) change the logits before greedy or random picking, as vLLM orders them; ``min_p``
     then filters after temperature. With a ``seed`` the sampled tokens depend only on the seed,
@@ -47,7 +51,7 @@ class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate for this request."""
     temperature: float = 1.0
-    """Softmax temperature; 0 selects greedy decoding."""
+    """Softmax temperature; 0 (or anything below ``SAMPLING_EPS``) selects greedy decoding."""
     top_k: int = 0
     """Keep only the k most likely tokens (0 or negative: off)."""
     top_p: float = 1.0
@@ -85,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or not -1 <= self.top_k <= _INT32_MAX:

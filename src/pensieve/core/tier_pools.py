@@ -26,6 +26,7 @@ from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.stats import CacheStats
+from pensieve.core.tenant_share import TenantShare
 
 
 @dataclass
@@ -67,6 +68,11 @@ class TierPools(EvictionIndex):
         (longer copies, one eviction pass per batch instead of one per step)."""
         self.decode_reserve_blocks = int(decode_reserve * num_gpu_blocks)
         self.stats = CacheStats()
+        self.tenant_share: TenantShare | None = None
+        """Per-tenant share of each tier that hints cannot exceed (None: no bound)."""
+        self._hints_due: set[Conversation] = set()
+        """Conversations whose tenant crossed its share in an eviction, re-keyed once the
+        eviction's run is over (a run holds its victim at the top of the GPU heap)."""
         self._reclaim_groups: deque[list[int]] = deque()
         """GPU blocks of each earlier step's background swap-outs, oldest first."""
         self._reclaim_group_blocks = 0
@@ -157,7 +163,9 @@ class TierPools(EvictionIndex):
             bound = (min(heap[1][0], heap[2][0]) if len(heap) > 2
                      else heap[1][0] if len(heap) == 2 else None)
             while True:
-                self._move_gpu_chunk(conv, i, key, now, urgent)
+                to = self._move_gpu_chunk(conv, i, key, now, urgent)
+                if self.tenant_share is not None and conv in self.tenant_share.counted:
+                    self._hints_due |= self.tenant_share.moved(conv, gpu_tier, to)
                 done += 1
                 # the conversation's next GPU chunk takes its place in the GPU index
                 j = self._first(conv, gpu_tier, i + step)
@@ -170,14 +178,30 @@ class TierPools(EvictionIndex):
                     gpu_index.replace_top(conv, j, key, now)
                     exact.append((gpu_index, conv))
                     break
+            if self._hints_due:  # after the run: it holds conv at the top of the GPU heap
+                self._apply_hints()
             last = conv
         return done
 
+    def _apply_hints(self, convs: set[Conversation] | None = None) -> None:
+        """The policy reads each conversation's hints as its tenant's share allows
+        (``convs``, else those whose tenant crossed its share since the last call)."""
+        share = self.tenant_share
+        assert share is not None
+        if convs is None:
+            convs, self._hints_due = self._hints_due, set()
+        for conv in convs:
+            effective = share.effective(conv)
+            if effective != (conv.priority, conv.keep_alive_s):
+                conv.priority, conv.keep_alive_s = effective
+                self._rekey(conv)
+
     def _move_gpu_chunk(self, conv: Conversation, i: int, key: EvictionKey, now: float,
-                        urgent: bool) -> None:
+                        urgent: bool) -> Tier:
         """GPU chunk ``i`` of ``conv`` (key ``key`` now) leaves for a free CPU block, or one
         freed by dropping the CPU tier's lowest chunk if that one's key is lower, else it is
-        dropped. The caller moves the GPU index; the CPU index follows here."""
+        dropped; returns the tier it went to. The caller moves the GPU index; the CPU index
+        follows here."""
         ch = conv.chunks[i]
         c = self.chunk_size
         tokens = min(c, conv.kv_end - i * c)
@@ -195,7 +219,7 @@ class TierPools(EvictionIndex):
             self.gpu.free_one(ch.block)
             ch.tier, ch.block = Tier.DROPPED, -1
             stats.dropped_tokens += tokens
-            return
+            return Tier.DROPPED
         if urgent:
             self._plan.swap_out_first[cpu_block] = ch.block
             self.gpu.free_one(ch.block)
@@ -210,6 +234,7 @@ class TierPools(EvictionIndex):
             cpu_index.set(conv, i, key, now)
             if self._time_dependent:
                 self._exact.append((cpu_index, conv))
+        return Tier.CPU
 
     def _evict_chunk(self, conv: Conversation, i: int, urgent: bool) -> None:
         """One GPU chunk leaves the GPU outside an eviction pass (a suspension): to a CPU block
@@ -241,6 +266,8 @@ class TierPools(EvictionIndex):
             if victim is None or self._key_now(conv, i) < victim[0]:
                 return None
             self._drop_cpu_victim(victim[1], victim[2])
+            if self._hints_due:
+                self._apply_hints()
         return cpu.allocate_one()
 
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
@@ -254,6 +281,8 @@ class TierPools(EvictionIndex):
             self._cpu_index.replace_top(conv, j, self._key_now(conv, j), self._now)
             if self._time_dependent:
                 self._exact.append((self._cpu_index, conv))
+        if self.tenant_share is not None and conv in self.tenant_share.counted:
+            self._hints_due |= self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED)
 
     def _drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed)."""

@@ -45,6 +45,7 @@ from pensieve.core.conversation import Chunk, Conversation, Tier
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.request import Request
 from pensieve.core.stats import CacheStats
+from pensieve.core.tenant_share import TenantShare
 from pensieve.core.tier_pools import TierPools
 
 Interval = tuple[int, int]
@@ -69,18 +70,24 @@ class TieredKVCache(TierPools):
         swap_out_batch: float = 0.05,
         key_refresh_s: float = 0.5,
         swap_chunk_s: float | None = None,
+        tenant_kv_share: float | None = None,
     ) -> None:
         """``key_refresh_s``: how far ahead (seconds) time-dependent eviction keys are
         evaluated, i.e. how often at most the whole index is re-keyed; the eviction order is
         exact whatever its value (see :mod:`pensieve.core.eviction_index`). ``swap_chunk_s``:
         seconds to move one chunk (all layers) one way between the tiers at the measured rate;
         with it, admission recomputes a CPU chunk instead of swapping it in when that is
-        expected to be sooner (see the module docstring); None: always swap in."""
+        expected to be sooner (see the module docstring); None: always swap in.
+        ``tenant_kv_share``: the share of each tier a tenant's hinted conversations may hold
+        before their hints stop counting (:mod:`pensieve.core.tenant_share`); None: no bound."""
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
         super().__init__(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, chunk_cost,
                          swap_out_threshold, decode_reserve, swap_out_batch, key_refresh_s)
         self.swap_chunk_s = swap_chunk_s
+        if tenant_kv_share is not None:
+            self.tenant_share = TenantShare(tenant_kv_share, num_gpu_blocks,
+                                            self.cpu.num_blocks if self.cpu else 0)
         self.defer_admission = 0
         """Steps a turn short of GPU blocks may wait for background swap-outs to free them
         (instead of urgent swap-outs that the whole step waits for); 0: never."""
@@ -107,6 +114,8 @@ class TieredKVCache(TierPools):
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
         self._unindex(conv)
         self._free_chunks(conv, 0)
+        if self.tenant_share is not None:
+            self._apply_hints(self.tenant_share.forget(conv))
         del self.conversations[conversation_id]
 
     def set_queued(self, conv: Conversation, queued_at: float | None) -> None:
@@ -118,13 +127,27 @@ class TieredKVCache(TierPools):
         self._rekey(conv)
 
     def set_hints(self, conv: Conversation, priority: float | None = None,
-                  keep_alive_s: float | None = None) -> None:
-        """Change the retention hints the policy's key reads (and the key with them)."""
-        if priority is not None:
-            conv.priority = float(priority)
-        if keep_alive_s is not None:
-            conv.keep_alive_s = float(keep_alive_s)
+                  keep_alive_s: float | None = None, tenant: str | None = None) -> None:
+        """Change the retention hints the policy's key reads (and the key with them), within
+        the tenant's share of each tier when there is one."""
+        p, k = conv.hints
+        conv.hints = (p if priority is None else float(priority),
+                      k if keep_alive_s is None else float(keep_alive_s))
+        if tenant is not None:
+            conv.tenant = tenant
+        conv.priority, conv.keep_alive_s = conv.hints
         self._rekey(conv)
+        self._count_share(conv)
+
+    def _count_share(self, conv: Conversation) -> None:
+        """Count ``conv`` in its tenant's share (its chunks changed or its hints did)."""
+        share = self.tenant_share
+        if share is None:
+            return
+        if conv.hints == (1.0, 0.0) or not conv.tenant:
+            self._apply_hints(share.forget(conv))
+        else:
+            self._apply_hints(share.track(conv))
 
     def block_table(self, conv: Conversation) -> tuple[int, ...]:
         """GPU blocks of a running conversation, chunk by chunk."""
@@ -323,6 +346,7 @@ class TieredKVCache(TierPools):
         if not self.policy.keeps_kv:
             self._free_chunks(conv, 0)
         self._index(conv)
+        self._count_share(conv)
 
     def abort_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn is abandoned: the conversation stays as it was before it."""
@@ -334,6 +358,7 @@ class TieredKVCache(TierPools):
             self.delete(conv.conversation_id)
         else:
             self._index(conv)
+            self._count_share(conv)
 
     def suspend(self, req: Request, conv: Conversation, now: float) -> None:
         """Take a running turn off the GPU: its chunks go to the CPU (or are dropped)."""
@@ -349,6 +374,7 @@ class TieredKVCache(TierPools):
                 if conv.chunks[i].tier is Tier.CPU:
                     self._entered_cpu(conv, i)
         self._gpu_index.discard(conv)
+        self._count_share(conv)
         self.stats.suspended_requests += 1
         req.cache_stats.suspended_requests += 1
 

@@ -160,13 +160,16 @@ class EngineCore:
             conv.token_ids = list(token_ids)
 
     def set_conversation_hints(self, conversation_id: str, priority: float | None = None,
-                               keep_alive_s: float | None = None) -> None:
-        """Retention hints: a higher priority or a keep-alive window keeps its KV longer."""
+                               keep_alive_s: float | None = None,
+                               tenant: str | None = None) -> None:
+        """Retention hints: a higher priority or a keep-alive window keeps its KV longer (up
+        to the tenant's share of each tier, with ``tenant_kv_share``)."""
         if priority is not None and not priority > 0:
             raise ValueError(f"priority must be > 0, got {priority}")
         if keep_alive_s is not None and keep_alive_s < 0:
             raise ValueError(f"keep_alive_s must be >= 0, got {keep_alive_s}")
-        self.cache.set_hints(self.cache.conversation(conversation_id), priority, keep_alive_s)
+        self.cache.set_hints(self.cache.conversation(conversation_id), priority, keep_alive_s,
+                             tenant)
 
     # ---------------------------------------------------------------- a step
     def step(self) -> list[RequestOutput]:

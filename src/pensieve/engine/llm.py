@@ -25,6 +25,7 @@ _FIELDS = {
     "cpu_kv_gb": CacheConfig, "cache_policy": CacheConfig, "swap_out_threshold": CacheConfig,
     "decode_reserve": CacheConfig, "cost_profile": CacheConfig, "defer_admission": CacheConfig,
     "swap_bandwidth_gbps": CacheConfig, "kv_cache_dtype": CacheConfig,
+    "tenant_kv_share": CacheConfig,
     "max_num_batched_tokens": SchedulerConfig, "max_num_seqs": SchedulerConfig,
     "max_model_len": SchedulerConfig, "enable_chunked_prefill": SchedulerConfig,
     "batching": SchedulerConfig, "swap_in_ahead_chunks": SchedulerConfig,

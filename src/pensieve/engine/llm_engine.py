@@ -105,7 +105,8 @@ class LLMEngine(EngineCore):
         return build_cache(executor.tiers, self.cost_model, policy=cache_policy,
                            chunk_size=cc.chunk_size, swap_out_threshold=cc.swap_out_threshold,
                            decode_reserve=cc.decode_reserve, swap_chunk_s=self.swap_chunk_s,
-                           defer_admission=cc.defer_admission)
+                           defer_admission=cc.defer_admission,
+                           tenant_kv_share=cc.tenant_kv_share)
 
     def reset(self, cache_policy: str | None = None,
               scheduler_config: SchedulerConfig | None = None) -> None:

@@ -121,7 +121,8 @@ def check_fits(max_model_len: int, chunk_size: int, tiers: TierSizes) -> str | N
 def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
                 policy: str, chunk_size: int, swap_out_threshold: float,
                 decode_reserve: float, swap_chunk_s: float | None,
-                defer_admission: int = DEFAULT_DEFER_ADMISSION) -> TieredKVCache:
+                defer_admission: int = DEFAULT_DEFER_ADMISSION,
+                tenant_kv_share: float | None = None) -> TieredKVCache:
     """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none).
     ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
     length."""
@@ -133,6 +134,7 @@ def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float]
     pol = get_policy(policy)
     cpu = tiers.num_cpu_blocks if pol.uses_cpu_tier else 0
     cache = TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, pol, chunk_cost,
-                          swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s)
+                          swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
+                          tenant_kv_share=tenant_kv_share)
     cache.defer_admission = defer_admission
     return cache

@@ -35,7 +35,12 @@ from pensieve.server.choices import run_choices
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
-from pensieve.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from pensieve.server.protocol import (
+    INVALID_UNICODE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+)
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
 from pensieve.server.store import CorruptConversationError, StoreWriteError
@@ -65,9 +70,14 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _check_request(state: ServerState, body: _Sampling) -> None:
-    """400 on a field asking for what is not implemented (:mod:`.fields`); 404 on an unknown
-    model."""
+    """400 on a field asking for what is not implemented (:mod:`.fields`) or a retention
+    hint past the server's bounds; 404 on an unknown model."""
     check_fields(body)
+    for name, value, bound in (("priority", body.priority, state.max_priority),
+                               ("keep_alive_s", body.keep_alive_s, state.max_keep_alive_s)):
+        if value is not None and value > bound:
+            raise APIError(400, f"{name} must be at most {bound:g} on this server, got "
+                           f"{value:g}", param=name)
     _check_model(state, body.model)
 
 
@@ -119,6 +129,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        if first.get("type") == INVALID_UNICODE:
+            loc = str((first.get("ctx") or {}).get("field")) or loc
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}"
                         for er in errs[:5])
         return error_response(400, msg or "invalid request", param=loc)
@@ -153,6 +165,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
+        """Server-wide counters (every tenant's together): any valid key may read them, or
+        anyone with ``--metrics-public``."""
         if not state.metrics_public:
             _tenant(state, request)
         state.metrics.queued.set(state.queued)

@@ -71,19 +71,21 @@ def set_history(eng: Any, cid: str, token_ids: list[int]) -> None:
 _NO_TURN = Request("(history truncation)", [0], SamplingParams())
 
 
-def set_hints(eng: Any, cid: str, priority: float | None, keep_alive_s: float | None) -> None:
-    """A conversation's retention hints (``priority``, ``keep_alive_s`` of a request)."""
-    eng.set_conversation_hints(cid, priority, keep_alive_s)
+def set_hints(eng: Any, cid: str, priority: float | None, keep_alive_s: float | None,
+              tenant: str | None = None) -> None:
+    """A conversation's retention hints (``priority``, ``keep_alive_s`` of a request) and
+    its tenant (whose share of each tier the hints count against)."""
+    eng.set_conversation_hints(cid, priority, keep_alive_s, tenant)
 
 
 def restore(eng: Any, cid: str, token_ids: list[int], priority: float | None,
-            keep_alive_s: float | None) -> None:
+            keep_alive_s: float | None, tenant: str | None = None) -> None:
     """Make the engine's history of the conversation the stored one (after a restart: the
     history, no KV; after another replica continued it: the KV of the common prefix kept)."""
     eng.restore_conversation(cid, token_ids)
     if eng.conversation_history(cid) != token_ids:
         set_history(eng, cid, token_ids)
-    eng.set_conversation_hints(cid, priority, keep_alive_s)
+    eng.set_conversation_hints(cid, priority, keep_alive_s, tenant)
 
 
 def forget_if_empty(eng: Any, cid: str) -> None:

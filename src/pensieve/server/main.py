@@ -15,6 +15,7 @@ from pensieve.core.eviction import POLICIES
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.models.builtin import DEFAULT_MODEL
+from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 
 log = logging.getLogger("pensieve.server")
 
@@ -69,6 +70,34 @@ def seconds_arg(text: str) -> float:
     if not (0.0 <= v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return v
+
+
+def positive_arg(text: str) -> float:
+    """A positive, finite number (``--max-priority``)."""
+    v = _float_or_nan(text)
+    if not (0.0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def share_arg(text: str) -> float | str:
+    """``--tenant-kv-share``: a fraction in (0, 1], ``auto`` or ``off``."""
+    t = text.strip().lower()
+    if t in ("auto", "off"):
+        return t
+    v = _float_or_nan(t)
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], 'auto' or 'off', "
+                                         f"got {text!r}")
+    return v
+
+
+def tenant_kv_share(arg: float | str, num_keys: int) -> float | None:
+    """The share of each tier a tenant's hinted conversations may hold: ``auto`` is an equal
+    share per API key with two keys or more, none with one tenant."""
+    if arg == "off" or (arg == "auto" and num_keys < 2):
+        return None
+    return 1.0 / num_keys if arg == "auto" else float(arg)
 
 
 def steps_arg(text: str) -> int:
@@ -178,6 +207,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
                         "many seconds, then end them with an error (503 / an SSE error event, "
                         "code shutting_down; their conversations stay as they were) and exit")
+    p.add_argument("--max-priority", type=positive_arg, default=DEFAULT_MAX_PRIORITY,
+                   metavar="P", help="largest retention ``priority`` a request may set; more is "
+                   f"a 400 (default {DEFAULT_MAX_PRIORITY:g})")
+    p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
+                   metavar="S", help="largest ``keep_alive_s`` a request may set; more is a "
+                   f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
+    p.add_argument("--tenant-kv-share", type=share_arg, default="auto", metavar="FRACTION",
+                   help="share of each KV tier a tenant's conversations with retention hints "
+                   "may hold; past it their hints stop counting and they are evicted first, so "
+                   "no tenant's hints push out another's KV (auto, the default: 1/N with N >= 2 "
+                   "API keys, else off; off: no bound)")
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
                    help="the persistent conversation store: a SQLite file, or a "
                         "postgresql:// URL (shared by replicas on several hosts)")
@@ -261,6 +301,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         prefill_attention_pairs=args.prefill_attention_pairs,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
+        tenant_kv_share=tenant_kv_share(args.tenant_kv_share, len(keys)),
         # None (always swap in) is skipped by build_engine_config; "off" means the same
         swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
     )
@@ -320,7 +361,8 @@ def _assemble(args: argparse.Namespace, path: Any, engine: LLMEngine | None, aen
                         max_request_bytes=args.max_request_bytes,
                         extra_stop_token_ids=tuple(eos_ids),
                         sampling_defaults=sampling_defaults,
-                        corrupt_conversations=len(report.corrupt))
+                        corrupt_conversations=len(report.corrupt),
+                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s)
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")

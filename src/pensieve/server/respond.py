@@ -140,7 +140,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     params = _params(state, body, max_tokens, stop_ids, constraint.grammar)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
         await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
-                          body.keep_alive_s)
+                          body.keep_alive_s, turn.tenant)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
     if body.n > 1:

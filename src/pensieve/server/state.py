@@ -12,6 +12,7 @@ from typing import Any
 from pensieve.server.async_engine import EngineClient
 from pensieve.server.chat import ChatRenderer
 from pensieve.server.metrics import Metrics
+from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 from pensieve.server.store import ConversationStore
 
 
@@ -50,6 +51,10 @@ class ServerState:
     """End-of-sequence ids of ``generation_config.json``: every turn stops on them."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """``temperature``/``top_p``/``top_k`` of requests that leave them out."""
+    max_priority: float = DEFAULT_MAX_PRIORITY
+    """Largest retention ``priority`` a request may set (400 past it)."""
+    max_keep_alive_s: float = DEFAULT_MAX_KEEP_ALIVE_S
+    """Largest ``keep_alive_s`` a request may set (400 past it)."""
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         4, thread_name_prefix="pensieve-prep"))
     queued: int = 0

@@ -109,7 +109,7 @@ async def restore(state: ServerState, stored: StoredConversation) -> None:
     last served it (the KV of the common prefix kept)."""
 
     await engine_call(state, engine_ops.restore, stored.id, stored.token_ids, stored.priority,
-                      stored.keep_alive_s)
+                      stored.keep_alive_s, stored.tenant)
 
 
 def _retried(state: ServerState, tenant: str, cid: str | None) -> StoredConversation | None:
@@ -256,6 +256,10 @@ def render(state: ServerState, messages: list[dict[str, Any]],
     except TemplateError as e:  # e.g. a template that demands alternating roles
         raise APIError(400, f"the chat template refused the messages: {e}",
                        param="messages") from e
+    except ValueError as e:  # a reserved template variable, or special-token text the
+        # template's own text cannot be told from
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+        raise APIError(400, str(e), param=param) from e
     except Exception as e:  # noqa: BLE001 - the template on the client's kwargs and messages
         raise APIError(400, f"the chat template failed on the request: {type(e).__name__}: "
                        f"{e}", param="chat_template_kwargs" if template_kwargs else "messages"
