@@ -3,8 +3,11 @@
 ``store_kv`` and ``paged_attention`` (attention), ``rms_norm``, ``rotary`` and
 ``silu_and_mul`` (the decoder's fused element-wise ops) take the same arguments as the
 references in :mod:`pensieve.kernels.reference`. On CUDA tensors they run the Triton kernels;
-on the CPU the pure-torch references, unless ``PENSIEVE_ATTENTION=triton`` (with
-``TRITON_INTERPRET=1``, the Triton kernels then run through Triton's interpreter).
+on the CPU the pure-torch references, attention through PyTorch's fused attention
+(:mod:`pensieve.kernels.cpu_attention`), unless ``PENSIEVE_ATTENTION`` says otherwise:
+``triton`` (with ``TRITON_INTERPRET=1``, the Triton kernels then run through Triton's
+interpreter), ``reference`` (the float32 oracle everywhere) or ``sdpa`` (the fused-attention
+path everywhere).
 ``PENSIEVE_FUSED_OPS=0`` keeps the element-wise ops on their torch references on every device
 (to measure what the fusion buys). Both variables are read once, when this module is imported,
 into :data:`CHOICE`; a program (or a test) that switches later sets :data:`CHOICE`.
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pensieve.kernels.cpu_attention import paged_attention_cpu
 from pensieve.kernels.reference import (
     paged_attention_ref,
     rms_norm_ref,
@@ -32,15 +36,15 @@ class KernelChoice:
     """Which implementation the entry points dispatch to."""
 
     attention: str = "auto"
-    """``auto`` (Triton on CUDA tensors, the references elsewhere), ``triton`` or
-    ``reference``."""
+    """``auto`` (Triton on CUDA tensors, the fused-attention path elsewhere), ``triton``,
+    ``reference`` (the float32 oracle) or ``sdpa`` (the fused-attention path)."""
     fused_ops: bool = True
     """Run the element-wise ops on their Triton kernels wherever attention runs on Triton."""
 
     def __post_init__(self) -> None:
-        if self.attention not in ("auto", "triton", "reference"):
-            raise ValueError(f"PENSIEVE_ATTENTION must be auto, triton or reference, got "
-                             f"{self.attention!r}")
+        if self.attention not in ("auto", "triton", "reference", "sdpa"):
+            raise ValueError(f"PENSIEVE_ATTENTION must be auto, triton, reference or sdpa, "
+                             f"got {self.attention!r}")
 
     @staticmethod
     def from_env(env: Mapping[str, str] = os.environ) -> KernelChoice:
@@ -54,7 +58,7 @@ CHOICE = KernelChoice.from_env()
 
 def _use_triton(t: torch.Tensor) -> bool:
     choice = CHOICE.attention
-    if choice == "reference":
+    if choice in ("reference", "sdpa"):
         return False
     if choice == "triton":
         return True
@@ -93,7 +97,8 @@ def paged_attention(  # noqa: ANN201
             num_work_items=num_work_items, num_kv_splits=num_kv_splits,
             kv_split_span=kv_split_span,
         )
-    return paged_attention_ref(
+    attend = paged_attention_ref if CHOICE.attention == "reference" else paged_attention_cpu
+    return attend(
         q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
         scale, out=out,
     )

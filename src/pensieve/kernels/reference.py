@@ -30,6 +30,23 @@ def store_kv_ref(
     v_flat[slots] = value[keep].to(v_cache.dtype)
 
 
+def read_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions ``0 .. ctx - 1`` through one block-table row, each
+    ``[ctx, num_kv_heads, head_dim]`` in ``dtype``: the one place the reference and the CPU
+    path (:mod:`pensieve.kernels.cpu_attention`) read the paged cache.
+
+    table: ``[max_blocks]`` int block ids (entries past the context's blocks are not read).
+    """
+    chunk_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    blocks = table[: (ctx + chunk_size - 1) // chunk_size].long()
+    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+    return k.to(dtype), v.to(dtype)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -50,8 +67,8 @@ def paged_attention_ref(
     Query token ``i`` of range ``r`` sits at position ``p = range_start_pos[r] + i`` and attends
     to cached positions ``0..p`` of its table. Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    chunk_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
@@ -64,10 +81,7 @@ def paged_attention_ref(
             continue
         query_len = q_hi - q_lo
         ctx = starts[r] + query_len
-        n_blocks = (ctx + chunk_size - 1) // chunk_size
-        blocks = block_tables[tables[r], :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k, v = read_kv(k_cache, v_cache, block_tables[tables[r]], ctx, torch.float32)
         k = k.repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = v.repeat_interleave(group, dim=1)
         qr = q[q_lo:q_hi].float()  # [query_len, H, D]
