@@ -14,6 +14,8 @@
 - ``swaps``: CPU<->GPU swap bandwidth of the swapper's copy methods (CUDA;
   ``benchmarks/swap_bandwidth.py``).
 - ``workload-stats``: turn and context statistics of the workloads (the paper's Table 2).
+- ``cpu-prefill``: prefill rate on the CPU against HF transformers on the same model
+  (:mod:`pensieve.bench.cpu_prefill`).
 
 ``multiturn`` and ``swaps`` run the scripts of the source tree's ``benchmarks/`` folder with
 the arguments given.
@@ -232,6 +234,7 @@ def run_script(name: str, argv: list[str]) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """``pensieve bench`` and its subcommands, under the ``pensieve`` parser's ``sub``."""
+    from pensieve.bench.cpu_prefill import add_cpu_prefill_args
     from pensieve.bench.workload import add_workload_stats_args, workload_stats_cmd
 
     b = sub.add_parser("bench", help="the benchmark suite (serve, multiturn, swaps, ...)",
@@ -245,6 +248,8 @@ def add_bench_parser(sub: Any) -> None:
     w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
     add_workload_stats_args(w)
     w.set_defaults(func=workload_stats_cmd)
+    add_cpu_prefill_args(bsub.add_parser(
+        "cpu-prefill", help="prefill rate on the CPU against HF transformers (same model)"))
 
 
 def script_command(argv: list[str]) -> int | None:

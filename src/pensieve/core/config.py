@@ -7,13 +7,33 @@ from dataclasses import dataclass
 BATCHING_MODES = ("unified", "separate")
 """Values of :attr:`SchedulerConfig.batching`."""
 
+STEP_TOKEN_BUDGETS = {"cuda": 8192, "cpu": 256}
+"""Default ``max_num_batched_tokens`` per device type: what keeps one step near 100-200 ms of
+compute there (every running stream waits for the whole step). On the CPU (2 cores, the
+default model) a 256-token prefill chunk is such a step; a long prompt is chunked over steps
+that its neighbours' decodes share. Other device types take the CPU's."""
+
+
+def default_max_num_batched_tokens(device_type: str) -> int:
+    """The step token budget for ``device_type`` (``cuda``, ``cpu``, ...) when none is given:
+    the one place the engine's entry points settle it."""
+    return STEP_TOKEN_BUDGETS.get(device_type, STEP_TOKEN_BUDGETS["cpu"])
+
+
+def budget_help() -> str:
+    """The ``--max-num-batched-tokens`` help text of the command lines."""
+    per_device = ", ".join(f"{n} on {d}" for d, n in STEP_TOKEN_BUDGETS.items())
+    return f"token budget of one step (default: the device's; {per_device})"
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduling step."""
 
-    max_num_batched_tokens: int = 8192
-    """Token budget of one step: prefill and decode tokens together."""
+    max_num_batched_tokens: int = STEP_TOKEN_BUDGETS["cuda"]
+    """Token budget of one step: prefill and decode tokens together. The engine's entry
+    points (``LLM``, ``pensieve serve``) default it per device
+    (:func:`default_max_num_batched_tokens`); this default is CUDA's."""
     max_num_seqs: int = 256
     """Most requests running (holding KV and decoding) at once."""
     max_model_len: int = 16384

@@ -9,9 +9,9 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.config import CacheConfig, EngineConfig, ModelConfig
-from pensieve.core.config import SchedulerConfig
+from pensieve.core.config import SchedulerConfig, default_max_num_batched_tokens
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.llm_engine import LLMEngine
+from pensieve.engine.llm_engine import LLMEngine, resolve_device
 from pensieve.engine.outputs import RequestOutput
 from pensieve.models.builtin import DEFAULT_MODEL
 
@@ -32,7 +32,13 @@ _FIELDS = {
 
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Split flat keyword options into the composed config; unknown names raise TypeError."""
+    """Split flat keyword options into the composed config; unknown names raise TypeError.
+    Without a ``max_num_batched_tokens`` (None), chunked prefill takes the device's default
+    step budget (:func:`pensieve.core.config.default_max_num_batched_tokens`)."""
+    if kwargs.get("max_num_batched_tokens") is None and kwargs.get("enable_chunked_prefill",
+                                                                  True) is not False:
+        device = resolve_device(kwargs.get("device") or ModelConfig.device)
+        kwargs["max_num_batched_tokens"] = default_max_num_batched_tokens(device.type)
     parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in kwargs.items():
         if key not in _FIELDS:

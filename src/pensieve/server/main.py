@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pensieve.core.config import budget_help
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.models.builtin import DEFAULT_MODEL
@@ -118,7 +119,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory for weights, activations and the KV "
                         "cache (vLLM's meaning; default 0.9)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=budget_help())
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
                    help="unified: prefill and decode tokens share each step (default); "
@@ -238,7 +240,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
         cache_policy=args.cache_policy, max_model_len=max_len,
         decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
+        max_num_batched_tokens=(None if args.max_num_batched_tokens is None
+                                else max(args.max_num_batched_tokens, 1)),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
         # None (always swap in) is skipped by build_engine_config; "off" means the same
