@@ -40,7 +40,11 @@ def _stream(url: str, prompt: list[int], times: list[float], stop: threading.Eve
     with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event["choices"]:
                 times.append(time.monotonic())
                 if stop.is_set():
                     return

@@ -9,8 +9,10 @@ For each prompt length, one prompt of random token ids is prefilled (one output 
 - ``pensieve-one-step`` (``--one-step``): the engine with a budget that holds the whole prompt.
 
 Both run in this process on the same thread count, in float32; each time is the best of
-``--repeats`` runs, the systems taking turns within a repeat (the host may be shared). The
-engine's step times are kept too: the longest step is what every other stream waits at most.
+``--repeats`` runs, the systems taking turns within a repeat. Each run's process CPU time is
+kept beside its wall time: on a shared host, with ``--threads 1``, the CPU time is the work
+done whatever else runs (the wall time then includes the waits for a core). The engine's
+step times are kept too: the longest step is what every other stream waits at most.
 Prints a table and writes the JSON result (``--output``).
 """
 
@@ -35,6 +37,8 @@ class Point:
 
     prompt_len: int
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    """Process CPU time of the run with the least of it, per system."""
     max_step_s: dict[str, float] = field(default_factory=dict)
     """Longest engine step of the best run, per engine system."""
     steps: dict[str, int] = field(default_factory=dict)
@@ -49,17 +53,11 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def best_of(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    """``(seconds, result)`` of the fastest of ``repeats`` calls of ``run``."""
-    best: tuple[float, Any] | None = None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        res = run()
-        dt = time.perf_counter() - t
-        if best is None or dt < best[0]:
-            best = (dt, res)
-    assert best is not None
-    return best
+def timed(run: Callable[[], Any]) -> tuple[float, float, Any]:
+    """``(wall seconds, process CPU seconds, result)`` of one call of ``run``."""
+    t, c = time.perf_counter(), time.process_time()
+    res = run()
+    return time.perf_counter() - t, time.process_time() - c, res
 
 
 class EnginePrefill:
@@ -127,10 +125,12 @@ def measure(args: argparse.Namespace) -> tuple[list[Point], dict[str, Any]]:
     for p in points:
         ids = prompt_ids(p.prompt_len, hf_config.vocab_size, args.seed)
         for _ in range(args.repeats):
-            dt, _ = best_of(lambda ids=ids: hf(ids), 1)
+            dt, ct, _ = timed(lambda ids=ids: hf(ids))
             p.seconds["hf"] = min(dt, p.seconds.get("hf", dt))
+            p.cpu_seconds["hf"] = min(ct, p.cpu_seconds.get("hf", ct))
             for name, eng in engines.items():
-                dt, (max_step, steps) = best_of(lambda eng=eng, ids=ids: eng(ids), 1)
+                dt, ct, (max_step, steps) = timed(lambda eng=eng, ids=ids: eng(ids))
+                p.cpu_seconds[name] = min(ct, p.cpu_seconds.get(name, ct))
                 if dt <= p.seconds.get(name, dt):
                     p.seconds[name], p.max_step_s[name], p.steps[name] = dt, max_step, steps
             bar.update()
@@ -141,11 +141,13 @@ def measure(args: argparse.Namespace) -> tuple[list[Point], dict[str, Any]]:
 def table(points: list[Point]) -> str:
     systems = list(points[0].seconds)
     head = ["prompt"] + [f"{s} tok/s" for s in systems]
-    head += [f"{s} / hf" for s in systems[1:]] + [f"{s} max step ms" for s in systems[1:]]
+    head += [f"{s} / hf" for s in systems[1:]] + [f"{s} / hf cpu" for s in systems[1:]]
+    head += [f"{s} max step ms" for s in systems[1:]]
     rows = [head]
     for p in points:
         row = [str(p.prompt_len)] + [f"{p.rate(s):.0f}" for s in systems]
         row += [f"{p.seconds[s] / p.seconds['hf']:.2f}" for s in systems[1:]]
+        row += [f"{p.cpu_seconds[s] / p.cpu_seconds['hf']:.2f}" for s in systems[1:]]
         row += [f"{p.max_step_s[s] * 1e3:.0f} ({p.steps[s]} steps)" for s in systems[1:]]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
