@@ -13,12 +13,14 @@ import torch
 import pensieve.kernels as kernels
 from pensieve.kernels import cpu_attention
 from pensieve.kernels.cpu_attention import paged_attention_cpu
-from pensieve.kernels.reference import paged_attention_ref
+from pensieve.kernels.reference import paged_attention_ref, read_kv
 
 
 def _batch(ranges: list[tuple[int, int, int]], *, heads: int, kv_heads: int, head_dim: int = 16,
-           chunk: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple:
-    """Arguments of the attention call for ranges ``(start_pos, query_len, table_row)``."""
+           chunk: int = 4, dtype: torch.dtype = torch.float32, seed: int = 0,
+           consecutive: bool = False) -> tuple:
+    """Arguments of the attention call for ranges ``(start_pos, query_len, table_row)``;
+    ``consecutive``: each row's blocks have consecutive ids (else shuffled)."""
     gen = torch.Generator().manual_seed(seed)
     rows = 1 + max(t for _, _, t in ranges)
     ctx = [max((s + n for s, n, t in ranges if t == row), default=0) for row in range(rows)]
@@ -27,7 +29,7 @@ def _batch(ranges: list[tuple[int, int, int]], *, heads: int, kv_heads: int, hea
     shape = (num_blocks, chunk, kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    ids = torch.randperm(num_blocks, generator=gen)
+    ids = torch.arange(num_blocks) if consecutive else torch.randperm(num_blocks, generator=gen)
     table = torch.full((rows, max(need) + 2), int(ids[-1]), dtype=torch.int32)  # NaN padding
     used = 0
     for row, (c, n) in enumerate(zip(ctx, need, strict=True)):
@@ -62,8 +64,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_matches_the_float32_oracle(case: str, heads: int, kv_heads: int) -> None:
-    args = _batch(CASES[case], heads=heads, kv_heads=kv_heads)
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_matches_the_float32_oracle(case: str, heads: int, kv_heads: int,
+                                    consecutive: bool) -> None:
+    args = _batch(CASES[case], heads=heads, kv_heads=kv_heads, consecutive=consecutive)
     got = paged_attention_cpu(*args, out=torch.full_like(args[0], float("nan")))
     want = paged_attention_ref(*args)
     assert not torch.isnan(got).any(), "a row unwritten or a read outside the context"
@@ -75,6 +79,18 @@ def test_long_prefix_with_a_chunk_of_queries() -> None:
     args = _batch([(200, 37, 0), (150, 1, 1)], heads=9, kv_heads=3, head_dim=64, chunk=32)
     torch.testing.assert_close(paged_attention_cpu(*args), paged_attention_ref(*args),
                                rtol=1e-5, atol=2e-6)
+
+
+def test_read_kv_views_consecutive_blocks() -> None:
+    """Consecutive block ids are read as a view of the cache; others are gathered."""
+    k_cache, v_cache = torch.randn(8, 4, 2, 3), torch.randn(8, 4, 2, 3)
+    k, v = read_kv(k_cache, v_cache, torch.tensor([3, 4, 5, 0]), 10, torch.float32)
+    assert k.data_ptr() == k_cache[3].data_ptr() and v.data_ptr() == v_cache[3].data_ptr()
+    torch.testing.assert_close(k, k_cache[3:6].reshape(-1, 2, 3)[:10], rtol=0, atol=0)
+    k, v = read_kv(k_cache, v_cache, torch.tensor([5, 3, 4]), 9, torch.float32)
+    want = torch.cat([k_cache[5], k_cache[3], k_cache[4]])[:9]
+    torch.testing.assert_close(k, want, rtol=0, atol=0)
+    assert k.shape == v.shape == (9, 2, 3)
 
 
 def test_masked_fallback_matches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,14 +66,16 @@ def test_streams_keep_flowing_during_a_long_prefill(server: Server) -> None:
     while min(len(t) for t in times) < 3:  # every stream decoding
         assert all(th.is_alive() for th in threads)
         time.sleep(0.05)
-    start = time.monotonic()
-    r = httpx.post(server.url + COMPLETIONS, timeout=600,
-                   json={"prompt": [100] * LONG_PROMPT, "max_tokens": 1})
-    end = time.monotonic()
-    time.sleep(0.5)
-    stop.set()
-    for th in threads:
-        th.join(timeout=60)
+    try:
+        start = time.monotonic()
+        r = httpx.post(server.url + COMPLETIONS, timeout=600,
+                       json={"prompt": [100] * LONG_PROMPT, "max_tokens": 1})
+        end = time.monotonic()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == LONG_PROMPT
     for t in times:

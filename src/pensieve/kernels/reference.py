@@ -39,11 +39,19 @@ def read_kv(
     path (:mod:`pensieve.kernels.cpu_attention`) read the paged cache.
 
     table: ``[max_blocks]`` int block ids (entries past the context's blocks are not read).
+    Consecutive block ids (a long prompt's usual allocation) are read as a view of the cache,
+    not copied: callers only read the result.
     """
     chunk_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    blocks = table[: (ctx + chunk_size - 1) // chunk_size].long()
-    k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-    v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+    n = (ctx + chunk_size - 1) // chunk_size
+    ids = table[:n].tolist()
+    if ids == list(range(ids[0], ids[0] + n)):  # consecutive blocks: a view, no copy
+        k, v = k_cache[ids[0]:ids[0] + n], v_cache[ids[0]:ids[0] + n]
+    else:
+        blocks = table[:n].long()
+        k, v = k_cache[blocks], v_cache[blocks]
+    k = k.reshape(-1, num_kv_heads, head_dim)[:ctx]
+    v = v.reshape(-1, num_kv_heads, head_dim)[:ctx]
     return k.to(dtype), v.to(dtype)
 
 
