@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
@@ -125,11 +126,11 @@ def measure(args: argparse.Namespace) -> tuple[list[Point], dict[str, Any]]:
     for p in points:
         ids = prompt_ids(p.prompt_len, hf_config.vocab_size, args.seed)
         for _ in range(args.repeats):
-            dt, ct, _ = timed(lambda ids=ids: hf(ids))
+            dt, ct, _ = timed(partial(hf, ids))
             p.seconds["hf"] = min(dt, p.seconds.get("hf", dt))
             p.cpu_seconds["hf"] = min(ct, p.cpu_seconds.get("hf", ct))
             for name, eng in engines.items():
-                dt, ct, (max_step, steps) = timed(lambda eng=eng, ids=ids: eng(ids))
+                dt, ct, (max_step, steps) = timed(partial(eng, ids))
                 p.cpu_seconds[name] = min(ct, p.cpu_seconds.get(name, ct))
                 if dt <= p.seconds.get(name, dt):
                     p.seconds[name], p.max_step_s[name], p.steps[name] = dt, max_step, steps
