@@ -25,7 +25,8 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, store: Path, cache_dir: Path, *extra: str, model: str = "demo",
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, budget: int | None = 256) -> None:
+        """``budget``: ``--max-num-batched-tokens`` (None: the server's default)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
@@ -34,7 +35,8 @@ class Server:
             [sys.executable, "-m", "pensieve.cli", "serve", model, "--port", str(self.port),
              "--store", str(store), "--device", "cpu", "--num-gpu-blocks", "96",
              "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
-             "--max-num-batched-tokens", "256", "--log-level", "warning", *extra],
+             "--log-level", "warning",
+             *(() if budget is None else ("--max-num-batched-tokens", str(budget))), *extra],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

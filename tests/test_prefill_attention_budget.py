@@ -71,3 +71,13 @@ def test_tiny_budget_still_progresses() -> None:
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="prefill_attention_pairs"):
         SchedulerConfig(prefill_attention_pairs=0)
+
+
+def test_entry_points_give_each_device_its_attention_budget() -> None:
+    from pensieve.engine.llm import build_engine_config
+
+    cpu = build_engine_config(device="cpu").scheduler
+    assert cpu.max_num_batched_tokens == 256 and cpu.attention_pairs() == 256 * 2048
+    given = build_engine_config(device="cpu", max_num_batched_tokens=64,
+                                prefill_attention_pairs=999).scheduler
+    assert given.attention_pairs() == 999

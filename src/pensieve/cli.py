@@ -9,6 +9,7 @@ import random
 import sys
 import time
 
+from pensieve.core.config import budget_help
 from pensieve.models.builtin import DEFAULT_MODEL
 
 
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto")
     g.add_argument("--chunk-size", type=int, default=32)
     g.add_argument("--gpu-kv-gb", type=float, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=budget_help())
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--show", type=int, default=4, help="outputs to print")
     g.set_defaults(func=_generate)

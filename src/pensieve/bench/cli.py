@@ -20,6 +20,8 @@
   error (:mod:`pensieve.bench.kv_accuracy`).
 - ``scheduler``: host time of ``schedule()`` + ``update_from_output()`` per step against the
   sessions held, torch-free (:mod:`pensieve.bench.scheduler_cost`).
+- ``cpu-prefill``: prefill rate on the CPU against HF transformers on the same model
+  (:mod:`pensieve.bench.cpu_prefill`).
 
 ``multiturn`` and ``swaps`` take their module's own options, passed through as given.
 """
@@ -255,6 +257,7 @@ def run_script(name: str, argv: list[str]) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """``pensieve bench`` and its subcommands, under the ``pensieve`` parser's ``sub``."""
+    from pensieve.bench.cpu_prefill import add_cpu_prefill_args
     from pensieve.bench.grammar_cost import __doc__ as grammar_doc
     from pensieve.bench.grammar_cost import add_grammar_args, grammar_cmd
     from pensieve.bench.workload import add_workload_stats_args, workload_stats_cmd
@@ -284,6 +287,8 @@ def add_bench_parser(sub: Any) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grammar_args(g)
     g.set_defaults(func=grammar_cmd)
+    add_cpu_prefill_args(bsub.add_parser(
+        "cpu-prefill", help="prefill rate on the CPU against HF transformers (same model)"))
 
 
 def script_command(argv: list[str]) -> int | None:

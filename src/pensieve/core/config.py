@@ -7,13 +7,46 @@ from dataclasses import dataclass
 BATCHING_MODES = ("unified", "separate")
 """Values of :attr:`SchedulerConfig.batching`."""
 
+STEP_TOKEN_BUDGETS = {"cuda": 8192, "cpu": 256}
+"""Default ``max_num_batched_tokens`` per device type: what keeps one step near 100-200 ms of
+compute there (every running stream waits for the whole step). On the CPU (2 cores, the
+default model) a 256-token prefill chunk is such a step; a long prompt is chunked over steps
+that its neighbours' decodes share. Other device types take the CPU's."""
+
+
+STEP_ATTENTION_SPANS = {"cuda": 16384, "cpu": 2048}
+"""Default ``prefill_attention_pairs`` per device type, per token of the step budget: the
+context up to which a full-budget prefill piece keeps its size. On the H200 (llama3.1-8b)
+attention is cheap next to the rest up to ~16k; on the CPU a 256-token piece at 8k of context
+took 1.5 s against 0.43 s at the start (docs/performance.md), so pieces shrink past 2k."""
+
+
+def default_prefill_attention_pairs(device_type: str, max_num_batched_tokens: int) -> int:
+    """The step's prefill attention budget for ``device_type`` when none is given."""
+    span = STEP_ATTENTION_SPANS.get(device_type, STEP_ATTENTION_SPANS["cpu"])
+    return max_num_batched_tokens * span
+
+
+def default_max_num_batched_tokens(device_type: str) -> int:
+    """The step token budget for ``device_type`` (``cuda``, ``cpu``, ...) when none is given:
+    the one place the engine's entry points settle it."""
+    return STEP_TOKEN_BUDGETS.get(device_type, STEP_TOKEN_BUDGETS["cpu"])
+
+
+def budget_help() -> str:
+    """The ``--max-num-batched-tokens`` help text of the command lines."""
+    per_device = ", ".join(f"{n} on {d}" for d, n in STEP_TOKEN_BUDGETS.items())
+    return f"token budget of one step (default: the device's; {per_device})"
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduling step."""
 
-    max_num_batched_tokens: int = 8192
-    """Token budget of one step: prefill and decode tokens together."""
+    max_num_batched_tokens: int = STEP_TOKEN_BUDGETS["cuda"]
+    """Token budget of one step: prefill and decode tokens together. The engine's entry
+    points (``LLM``, ``pensieve serve``) default it per device
+    (:func:`default_max_num_batched_tokens`); this default is CUDA's."""
     max_num_seqs: int = 256
     """Most requests running (holding KV and decoding) at once."""
     max_model_len: int = 16384
@@ -37,9 +70,8 @@ class SchedulerConfig:
     ``p`` counts ``n * (p + n / 2)``. Long turns are then prefilled in smaller pieces as their
     context grows, so no step (and no running decode's next token) waits for a whole
     ``max_num_batched_tokens`` chunk at 100k context. None: ``max_num_batched_tokens *
-    16384``, which leaves contexts up to ~16k untouched (on the H200, llama3.1-8b: a
-    60k-token prompt's worst step 0.78 s at 8,192 tokens a piece, 0.21 s at 2,048;
-    docs/long_context.md)."""
+    16384``, which leaves contexts up to ~16k untouched (the engine's entry points give each
+    device its own: :data:`STEP_ATTENTION_SPANS`; docs/long_context.md)."""
 
     def attention_pairs(self) -> int:
         """:attr:`prefill_attention_pairs`, or its default."""

@@ -9,9 +9,13 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.config import CacheConfig, EngineConfig, ModelConfig
-from pensieve.core.config import SchedulerConfig
+from pensieve.core.config import (
+    SchedulerConfig,
+    default_max_num_batched_tokens,
+    default_prefill_attention_pairs,
+)
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.llm_engine import LLMEngine
+from pensieve.engine.llm_engine import LLMEngine, resolve_device
 from pensieve.engine.outputs import RequestOutput
 from pensieve.models.builtin import DEFAULT_MODEL
 
@@ -34,7 +38,18 @@ _FIELDS = {
 
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Split flat keyword options into the composed config; unknown names raise TypeError."""
+    """Split flat keyword options into the composed config; unknown names raise TypeError.
+    Without a ``max_num_batched_tokens`` (None), chunked prefill takes the device's default
+    step budget (:func:`pensieve.core.config.default_max_num_batched_tokens`); without a
+    ``prefill_attention_pairs``, the device's (:func:`~pensieve.core.config.
+    default_prefill_attention_pairs`)."""
+    device = resolve_device(kwargs.get("device") or ModelConfig.device)
+    if kwargs.get("max_num_batched_tokens") is None and kwargs.get("enable_chunked_prefill",
+                                                                  True) is not False:
+        kwargs["max_num_batched_tokens"] = default_max_num_batched_tokens(device.type)
+    if kwargs.get("prefill_attention_pairs") is None:
+        budget = kwargs.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens
+        kwargs["prefill_attention_pairs"] = default_prefill_attention_pairs(device.type, budget)
     parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in kwargs.items():
         if key not in _FIELDS:

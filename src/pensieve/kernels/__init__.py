@@ -3,9 +3,10 @@
 ``store_kv`` and ``paged_attention`` (attention), ``rms_norm``, ``rotary`` and
 ``silu_and_mul`` (the decoder's fused element-wise ops) take the same arguments as the
 references in :mod:`pensieve.kernels.reference`. On CUDA tensors they run the Triton kernels;
-on the CPU the pure-torch references. A test that wants the Triton kernels on the CPU (through
-Triton's interpreter, ``TRITON_INTERPRET=1``) or the references everywhere sets
-:data:`CHOICE`.
+on the CPU the pure-torch references, attention through PyTorch's fused attention
+(:mod:`pensieve.kernels.cpu_attention`). A test that wants the Triton kernels on the CPU
+(through Triton's interpreter, ``TRITON_INTERPRET=1``), the float32 oracle (``reference``)
+or the fused-attention path everywhere (``sdpa``) sets :data:`CHOICE`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pensieve.kernels.cpu_attention import paged_attention_cpu
 from pensieve.kernels.reference import (
     paged_attention_ref,
     rms_norm_ref,
@@ -28,12 +30,13 @@ class KernelChoice:
     """Which implementation the entry points dispatch to."""
 
     attention: str = "auto"
-    """``auto`` (Triton on CUDA tensors, the references elsewhere), ``triton`` or
-    ``reference``. The element-wise ops run on their Triton kernels wherever attention does."""
+    """``auto`` (Triton on CUDA tensors, the fused-attention path elsewhere), ``triton``,
+    ``reference`` (the float32 oracle) or ``sdpa`` (the fused-attention path). The
+    element-wise ops run on their Triton kernels wherever attention does."""
 
     def __post_init__(self) -> None:
-        if self.attention not in ("auto", "triton", "reference"):
-            raise ValueError(f"kernel choice must be auto, triton or reference, got "
+        if self.attention not in ("auto", "triton", "reference", "sdpa"):
+            raise ValueError(f"kernel choice must be auto, triton, reference or sdpa, got "
                              f"{self.attention!r}")
 
 
@@ -43,7 +46,7 @@ CHOICE = KernelChoice()
 
 def _use_triton(t: torch.Tensor) -> bool:
     choice = CHOICE.attention
-    if choice == "reference":
+    if choice in ("reference", "sdpa"):
         return False
     if choice == "triton":
         return True
@@ -85,7 +88,8 @@ def paged_attention(  # noqa: ANN201
             num_work_items=num_work_items, num_kv_splits=num_kv_splits,
             kv_split_span=kv_split_span, k_scale=k_scale, v_scale=v_scale,
         )
-    return paged_attention_ref(
+    attend = paged_attention_ref if CHOICE.attention == "reference" else paged_attention_cpu
+    return attend(
         q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
         scale, out=out, k_scale=k_scale, v_scale=v_scale,
     )

@@ -46,12 +46,35 @@ def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -
     return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
-def read_kv(cache: torch.Tensor, blocks: torch.Tensor, ctx: int,
-            scale: torch.Tensor | None) -> torch.Tensor:
-    """The first ``ctx`` positions of the blocks ``blocks`` of ``cache`` as float32
-    ``[ctx, num_kv_heads, head_dim]``, times the per-head ``scale`` of an FP8 cache."""
-    kv = cache[blocks].reshape(-1, *cache.shape[2:])[:ctx].float()
-    return kv if scale is None else kv * scale[:, None]
+def read_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
+    dtype: torch.dtype, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions ``0 .. ctx - 1`` through one block-table row, each
+    ``[ctx, num_kv_heads, head_dim]`` in ``dtype``: the one place the reference and the CPU
+    path (:mod:`pensieve.kernels.cpu_attention`) read the paged cache.
+
+    table: ``[max_blocks]`` int block ids (entries past the context's blocks are not read).
+    Consecutive block ids (a long prompt's usual allocation) are read as a view of the cache,
+    not copied: callers only read the result. An FP8 cache's values are multiplied by their
+    per-head ``k_scale`` / ``v_scale`` (``[num_kv_heads]``).
+    """
+    chunk_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    n = (ctx + chunk_size - 1) // chunk_size
+    ids = table[:n].tolist()
+    if ids == list(range(ids[0], ids[0] + n)):  # consecutive blocks: a view, no copy
+        k, v = k_cache[ids[0]:ids[0] + n], v_cache[ids[0]:ids[0] + n]
+    else:
+        blocks = table[:n].long()
+        k, v = k_cache[blocks], v_cache[blocks]
+    k = k.reshape(-1, num_kv_heads, head_dim)[:ctx]
+    v = v.reshape(-1, num_kv_heads, head_dim)[:ctx]
+    if k_scale is not None:
+        k = k.float() * k_scale[:, None]
+    if v_scale is not None:
+        v = v.float() * v_scale[:, None]
+    return k.to(dtype), v.to(dtype)
 
 
 def paged_attention_ref(
@@ -77,8 +100,8 @@ def paged_attention_ref(
     to cached positions ``0..p`` of its table. k_scale, v_scale: an FP8 cache's per-head
     scales (:func:`read_kv`). Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    chunk_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
@@ -91,10 +114,8 @@ def paged_attention_ref(
             continue
         query_len = q_hi - q_lo
         ctx = starts[r] + query_len
-        n_blocks = (ctx + chunk_size - 1) // chunk_size
-        blocks = block_tables[tables[r], :n_blocks].long()
-        k = read_kv(k_cache, blocks, ctx, k_scale)
-        v = read_kv(v_cache, blocks, ctx, v_scale)
+        k, v = read_kv(k_cache, v_cache, block_tables[tables[r]], ctx, torch.float32,
+                       k_scale, v_scale)
         k = k.repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = v.repeat_interleave(group, dim=1)
         qr = q[q_lo:q_hi].float()  # [query_len, H, D]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pensieve.config import KV_CACHE_DTYPES
+from pensieve.core.config import budget_help
 from pensieve.core.eviction import POLICIES
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
@@ -153,13 +154,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory for weights, activations and the KV "
                         "cache (vLLM's meaning; default 0.9)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=budget_help())
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--prefill-attention-pairs", type=int, default=None, metavar="PAIRS",
                    help="most (query token, KV position) pairs a step's prefill attends over: "
                         "long turns are prefilled in smaller pieces as their context grows, so "
                         "running decodes never wait long (default: max-num-batched-tokens x "
-                        "16384, which leaves contexts up to ~16k as they were)")
+                        "16384 on CUDA, x 2048 on the CPU)")
     p.add_argument("--batching", default="unified", choices=["unified", "separate"],
                    help="unified: prefill and decode tokens share each step (default); "
                         "separate: a step runs prefills or decodes, not both")
@@ -297,7 +299,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         cache_policy=args.cache_policy, max_model_len=max_len,
         kv_cache_dtype=args.kv_cache_dtype,
         decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, 1),
+        max_num_batched_tokens=(None if args.max_num_batched_tokens is None
+                                else max(args.max_num_batched_tokens, 1)),
         max_num_seqs=args.max_num_seqs, batching=args.batching,
         prefill_attention_pairs=args.prefill_attention_pairs,
         swap_in_ahead_chunks=args.swap_in_ahead_chunks,
