@@ -107,6 +107,22 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": u, "made_up_field": 1}, {"messages": u, "n": 17},
         {"messages": u, "n": 3, "stream": True, "max_tokens": 3, "seed": 1},
         {"messages": u, "n": 2, "max_tokens": 2, "stop": ["e"], "min_tokens": 1},
+        {"messages": u, "max_tokens": 4, "tools": [_TOOL], "tool_choice": "required"},
+        {"messages": u, "max_tokens": 4, "tools": [_TOOL], "tool_choice": "auto",
+         "stream": True},
+        {"messages": u, "max_tokens": 4, "tools": [_TOOL],
+         "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"messages": u, "tools": [_TOOL], "tool_choice": 7}, {"messages": u, "tool_choice": "x"},
+        {"messages": u, "max_tokens": 4, "response_format": {"type": "json_object"}},
+        {"messages": u, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": {
+                "type": "object", "properties": {"a": {"type": "integer"}},
+                "required": ["a"]}}}},
+        {"messages": u, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "nonsense"}}}},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "\ud800"}]},
         {"messages": u, "max_tokens": 4, "min_tokens": 4, "repetition_penalty": 1.5,
          "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0.5,
          "logit_bias": {"1": 100, "2": -100}, "stop": ["a"]},
@@ -188,6 +204,9 @@ def _hostile() -> list[tuple[str, dict[str, Any]]]:
     return reqs
 
 
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
 _VALUE = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-2**80, max_value=2**80)
     | st.floats() | st.text(max_size=30) | st.sampled_from(SURROGATES + [FORGED])
@@ -198,7 +217,8 @@ _VALUE = st.recursive(
 _FIELDS = ["model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
            "stream", "stream_options", "ignore_eos", "conversation_id", "keep_alive_s",
            "priority", "tools", "logprobs", "max_completion_tokens", "user", "best_of",
-           "chat_template_kwargs", "metadata"]
+           "chat_template_kwargs", "metadata", "tool_choice", "response_format",
+           "parallel_tool_calls"]
 _NUMBER = st.floats(min_value=-3, max_value=3) | _VALUE
 _SAMPLING = {  # mostly in range, so the processors run on the engine
     "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER,
