@@ -516,4 +516,4 @@ def test_lone_surrogate_is_a_400(server: Server) -> None:
                            b'"max_tokens": 2}',
                    headers={"content-type": "application/json"})
     err = _assert_error(r, 400)
-    assert "Unicode" in err["message"] and err["param"] == "messages"
+    assert "Unicode" in err["message"] and err["param"] == "messages.0.content"
