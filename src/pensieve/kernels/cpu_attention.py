@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pensieve.kernels.reference import read_kv
+from pensieve.kernels.reference import range_kv
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -50,16 +50,9 @@ def paged_attention_cpu(
     """
     if out is None:
         out = torch.empty_like(q)
-    qsl = query_start_loc.tolist()
-    starts = range_start_pos.tolist()
-    tables = range_table.tolist()
-    for r in range(len(starts)):
-        q_lo, q_hi = qsl[r], qsl[r + 1]
-        if q_hi == q_lo:
-            continue
-        ctx = starts[r] + q_hi - q_lo
-        k, v = read_kv(k_cache, v_cache, block_tables[tables[r]], ctx, q.dtype, k_scale,
-                       v_scale)
+    for q_lo, q_hi, _, k, v in range_kv(k_cache, v_cache, block_tables, query_start_loc,
+                                        range_start_pos, range_table, q.dtype, k_scale,
+                                        v_scale):
         out[q_lo:q_hi] = attend_range(q[q_lo:q_hi], k, v, scale)
     return out
 

@@ -6,6 +6,8 @@ head_dim]``. A *slot* is ``block * chunk_size + offset``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +79,27 @@ def read_kv(
     return k.to(dtype), v.to(dtype)
 
 
+def range_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, range_start_pos: torch.Tensor, range_table: torch.Tensor,
+    dtype: torch.dtype, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """Each non-empty query range of a step as ``(q_lo, q_hi, start_pos, k, v)``: its rows of
+    ``q``, its first position, and the K/V it attends to (:func:`read_kv`, positions
+    ``0 .. start_pos + q_hi - q_lo - 1``): the walk both CPU attention paths share."""
+    qsl = query_start_loc.tolist()
+    starts = range_start_pos.tolist()
+    tables = range_table.tolist()
+    for r, start in enumerate(starts):
+        q_lo, q_hi = qsl[r], qsl[r + 1]
+        if q_hi == q_lo:
+            continue
+        k, v = read_kv(k_cache, v_cache, block_tables[tables[r]], start + q_hi - q_lo, dtype,
+                       k_scale, v_scale)
+        yield q_lo, q_hi, start, k, v
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -100,27 +123,18 @@ def paged_attention_ref(
     to cached positions ``0..p`` of its table. k_scale, v_scale: an FP8 cache's per-head
     scales (:func:`read_kv`). Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group = q.shape[1] // k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
-    qsl = query_start_loc.tolist()
-    starts = range_start_pos.tolist()
-    tables = range_table.tolist()
-    for r in range(len(starts)):
-        q_lo, q_hi = qsl[r], qsl[r + 1]
-        if q_hi == q_lo:
-            continue
-        query_len = q_hi - q_lo
-        ctx = starts[r] + query_len
-        k, v = read_kv(k_cache, v_cache, block_tables[tables[r]], ctx, torch.float32,
-                       k_scale, v_scale)
+    for q_lo, q_hi, start, k, v in range_kv(
+            k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table,
+            torch.float32, k_scale, v_scale):
+        ctx = start + q_hi - q_lo
         k = k.repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = v.repeat_interleave(group, dim=1)
         qr = q[q_lo:q_hi].float()  # [query_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", qr, k) * scale  # [H, query_len, ctx]
-        q_pos = torch.arange(starts[r], ctx, device=q.device)[:, None]
+        q_pos = torch.arange(start, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
