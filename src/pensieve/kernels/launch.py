@@ -409,6 +409,13 @@ def _combine(out: torch.Tensor, ws: tuple[torch.Tensor, ...], query_start_loc: t
     )
 
 
+def _exact_dots(q: torch.Tensor) -> bool:
+    """Whether the attention kernel computes its dots in float32 (``FP32``): for float32
+    queries, and for bf16 under Triton's interpreter, whose ``tl.dot`` reads bf16 as raw
+    uint16 (upcast there instead)."""
+    return q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -480,7 +487,7 @@ def paged_attention_triton(
         *v_cache.stride()[:3], block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda),  # noqa: E501 (the interpreter's tl.dot reads bf16 as uint16: upcast there)
+        FP32=_exact_dots(q),
         SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
