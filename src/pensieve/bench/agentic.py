@@ -33,7 +33,13 @@ from __future__ import annotations
 import math
 import random
 
-from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT, Conversation, Turn, Workload
+from pensieve.bench.workload_types import (
+    DEFAULT_MAX_CONTEXT,
+    Conversation,
+    Turn,
+    Workload,
+    draw_sessions,
+)
 
 AGENTIC_MEDIAN_TURNS = 12
 AGENTIC_TURNS_SIGMA = 0.3
@@ -89,22 +95,13 @@ def agentic_session(rng: random.Random, conv_id: str, max_context: int | None
 def agentic_workload(num_sessions: int, seed: int = 0,
                      max_context: int | None = DEFAULT_MAX_CONTEXT) -> Workload:
     """``num_sessions`` agentic sessions (see the module doc), deterministic for ``seed``."""
-    if num_sessions < 0:
-        raise ValueError(f"num_sessions must be >= 0, got {num_sessions}")
-    rng = random.Random(seed)
-    convs: list[Conversation] = []
-    truncated = 0
-    for i in range(int(num_sessions)):
-        conv, cut = agentic_session(rng, f"agentic-{i}", max_context)
-        truncated += cut
-        convs.append(conv)
+    convs, counts = draw_sessions(agentic_session, num_sessions, seed, "agentic", max_context)
     notes = (f"synthetic agentic sessions: turns lognormal(median {AGENTIC_MEDIAN_TURNS}, sigma "
              f"{AGENTIC_TURNS_SIGMA}) in [{AGENTIC_MIN_TURNS}, {AGENTIC_MAX_TURNS}]; input: first "
              f"turn median {AGENTIC_FIRST_INPUT_MEDIAN}, then tool output (p={AGENTIC_TOOL_PROB}, "
              f"median {AGENTIC_TOOL_MEDIAN}) or message (median {AGENTIC_INPUT_MEDIAN}); answer "
              f"median {AGENTIC_OUTPUT_MEDIAN} in [{AGENTIC_MIN_OUTPUT}, {AGENTIC_MAX_OUTPUT}]; "
              f"seed {seed}; max_context={max_context}")
-    counts = {"drawn": int(num_sessions), "kept": len(convs), "truncated": truncated}
     return Workload("Agentic", convs, source="synthetic", notes=notes, counts=counts)
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import random
 
-from pensieve.bench.workload_types import Conversation, Turn, Workload
+from pensieve.bench.workload_types import Conversation, Turn, Workload, draw_sessions
 
 AGENT_MAX_CONTEXT = 131072
 """Sessions are cut to fit this many tokens (the llama3.1-8b context)."""
@@ -84,21 +84,12 @@ def coding_agent_workload(num_sessions: int, seed: int = 0,
                           max_context: int | None = AGENT_MAX_CONTEXT) -> Workload:
     """``num_sessions`` coding-agent sessions (see the module doc), deterministic for
     ``seed``."""
-    if num_sessions < 0:
-        raise ValueError(f"num_sessions must be >= 0, got {num_sessions}")
-    rng = random.Random(seed)
-    convs: list[Conversation] = []
-    truncated = 0
-    for i in range(int(num_sessions)):
-        conv, cut = coding_agent_session(rng, f"agent-{i}", max_context)
-        truncated += cut
-        convs.append(conv)
+    convs, counts = draw_sessions(coding_agent_session, num_sessions, seed, "agent", max_context)
     notes = (f"synthetic coding-agent sessions: turns U[{AGENT_MIN_TURNS}, {AGENT_MAX_TURNS}]; "
              f"system + tools U{list(AGENT_SYSTEM_TOKENS)} + task lognormal{AGENT_TASK}; tool "
              f"output lognormal(median, sigma, lo, hi) {AGENT_TOOL}; reply {AGENT_REPLY}; "
              f"think time: exponential, mean {AGENT_THINK_TIME_S} s (load generator); "
              f"seed {seed}; max_context={max_context}")
-    counts = {"drawn": int(num_sessions), "kept": len(convs), "truncated": truncated}
     return Workload("CodingAgent", convs, source="synthetic", notes=notes, counts=counts)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,24 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.conversations)
+
+
+def draw_sessions(draw: Callable[[random.Random, str, int | None], tuple[Conversation, bool]],
+                  num_sessions: int, seed: int, prefix: str,
+                  max_context: int | None) -> tuple[list[Conversation], dict[str, int]]:
+    """``num_sessions`` conversations ``draw(rng, f"{prefix}-{i}", max_context)`` from one
+    generator seeded with ``seed`` (deterministic), and the counts a generated workload
+    reports (``drawn``, ``kept``, ``truncated``: cut at ``max_context``)."""
+    if num_sessions < 0:
+        raise ValueError(f"num_sessions must be >= 0, got {num_sessions}")
+    rng = random.Random(seed)
+    convs: list[Conversation] = []
+    truncated = 0
+    for i in range(int(num_sessions)):
+        conv, cut = draw(rng, f"{prefix}-{i}", max_context)
+        truncated += cut
+        convs.append(conv)
+    return convs, {"drawn": int(num_sessions), "kept": len(convs), "truncated": truncated}
 
 
 # --------------------------------------------------------------------------------------------
