@@ -62,6 +62,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: TieredKVCache) -> None:
         self.config = config
         self.cache = cache
+        self._attention_pairs = config.attention_pairs()
+        """A step's prefill attention budget (``SchedulerConfig.prefill_attention_pairs``)."""
+        self._pairs_left = self._attention_pairs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -182,7 +185,7 @@ class Scheduler:
         work (unified batches); True only prefill work, False only decodes (separate batches).
         """
         cache, budget = self.cache, self.config.max_num_batched_tokens
-        self._pairs_left = self.config.attention_pairs()
+        self._pairs_left = self._attention_pairs
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; suspend the newest when blocks run out.
@@ -265,7 +268,7 @@ class Scheduler:
         left = self._pairs_left
         if n * (start + n / 2) > left:
             n = int(math.sqrt(start * start + 2 * left) - start)
-            if n < 1 and left == self.config.attention_pairs():
+            if n < 1 and left == self._attention_pairs:
                 n = 1  # the step's first piece always makes progress
         if n > 0:
             self._pairs_left = left - int(n * (start + n / 2))
