@@ -7,14 +7,15 @@
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 # and name .whl in `carry`. The image already has torch, triton, transformers, tokenizers,
 # sentencepiece, safetensors, numpy, httpx, anyio, h11, click, aiohttp, prometheus-client,
-# matplotlib, tqdm, rich, pyyaml. (The openai client is not listed: its chain is long; a load
-# generator there can speak HTTP with httpx or aiohttp.) Keep .whl out of git: echo /.whl/ >> .git/info/exclude
+# matplotlib, tqdm, rich, pyyaml; not xgrammar (structured output) and its FFI, fetched here.
+# (The openai client is not listed: its chain is long; a load generator there can speak HTTP
+# with httpx or aiohttp.) Keep .whl out of git: echo /.whl/ >> .git/info/exclude
 set -euo pipefail
 dest=.whl
 mkdir -p "$dest"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 pkgs=(fastapi starlette pydantic pydantic-core typing-inspection annotated-types typing-extensions
-      opentelemetry-api uvicorn sse-starlette "$@")
+      opentelemetry-api uvicorn sse-starlette xgrammar==0.2.8 apache-tvm-ffi "$@")
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 for p in "${pkgs[@]}"; do
