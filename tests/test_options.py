@@ -187,3 +187,23 @@ def test_defer_admission_is_a_constructor_argument() -> None:
                         defer_admission=5, **kw)
     assert cache.defer_admission == 5
     assert TieredKVCache(8, 4, 16, POLICIES["pensieve"], float).defer_admission == 0
+
+
+def test_command_lines_settle_max_model_len_from_the_model() -> None:
+    """``serve`` and ``generate`` take the model's own limit unless given, and refuse more;
+    ``LLM()`` and the bare config keep DEFAULT_MAX_MODEL_LEN."""
+    from pensieve.core.config import DEFAULT_MAX_MODEL_LEN
+    from pensieve.options import settle_model_options
+
+    opts: dict[str, object] = {"model": "opt-125m"}
+    settle_model_options(opts)
+    assert opts["max_model_len"] == 2048  # OPT-125m's max_position_embeddings
+    given: dict[str, object] = {"model": "opt-125m", "max_model_len": 1000}
+    settle_model_options(given)
+    assert given["max_model_len"] == 1000
+    with pytest.raises(SystemExit, match="exceeds the model's max_position_embeddings"):
+        settle_model_options({"model": "opt-125m", "max_model_len": 4096})
+    assert SchedulerConfig().max_model_len == DEFAULT_MAX_MODEL_LEN == 16384
+    assert "max_position_embeddings" in (_flags(_sub("generate"))["max_model_len"].help or "")
+    assert _flags(_sub("serve"))["max_model_len"].help == _flags(
+        _sub("generate"))["max_model_len"].help

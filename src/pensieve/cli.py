@@ -10,13 +10,20 @@ import random
 import sys
 import time
 
-from pensieve.options import add_engine_args, engine_options
+from pensieve.options import (
+    COMMAND_HELP,
+    add_engine_args,
+    engine_options,
+    settle_model_options,
+)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from pensieve import LLM, SamplingParams
 
-    llm = LLM(**engine_options(args))
+    opts = engine_options(args)
+    settle_model_options(opts)
+    llm = LLM(**opts)
     model, seed = llm.engine.config.model.model, llm.engine.config.model.seed
     vocab = int(llm.engine.hf_config.vocab_size)
     rng = random.Random(seed)
@@ -69,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pensieve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="offline batch generation on random or given prompts")
-    add_engine_args(g)
+    add_engine_args(g, help=COMMAND_HELP)
     g.add_argument("--prompt", action="append",
                    help="a text prompt (needs a tokenizer), sent as a user message through the "
                         "model's chat template when it has one")

@@ -29,8 +29,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pensieve.config import KV_CACHE_DTYPES, CacheConfig, ModelConfig, owners
-from pensieve.core.config import BATCHING_MODES, SchedulerConfig, budget_help
+from pensieve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, CacheConfig, ModelConfig, owners
+from pensieve.core.config import (
+    BATCHING_MODES,
+    DEFAULT_MAX_MODEL_LEN,
+    SchedulerConfig,
+    budget_help,
+)
 from pensieve.core.eviction import POLICIES
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
@@ -241,3 +246,42 @@ def engine_options(args: argparse.Namespace, exclude: Collection[str] = ()) -> d
         if name not in exclude and value is not None:
             opts[name] = value
     return {k: v for k, v in opts.items() if v is not None}
+
+
+COMMAND_HELP = {
+    "max_model_len": "longest context (default: the model's max_position_embeddings, "
+                     f"{DEFAULT_MAX_MODEL_LEN} for a model that states none; more than that "
+                     "is refused, and so is a length whose KV the GPU tier cannot hold for one "
+                     "request)",
+}
+"""Help of the options whose default ``serve`` and ``generate`` settle from the model
+(:func:`settle_model_options`), not from the config."""
+
+
+def checked_max_model_len(requested: int | None, hf_config: Any,
+                          default: int = DEFAULT_MAX_MODEL_LEN) -> int:
+    """``--max-model-len``: refused beyond the model's ``max_position_embeddings``; without
+    it, the model's own limit (``default`` for a config that states none). Whether one request
+    of that length fits the GPU tier is checked once the tiers are sized
+    (:func:`pensieve.engine.tiers.check_fits`)."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is not None:
+        if requested < 1:
+            raise SystemExit(f"--max-model-len must be >= 1, got {requested}")
+        if limit is not None and requested > int(limit):
+            raise SystemExit(f"--max-model-len {requested} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        return requested
+    return int(limit) if limit is not None else default
+
+
+def settle_model_options(opts: dict[str, Any]) -> tuple[Any, str | None]:
+    """The defaults of ``serve`` and ``generate`` that depend on the model, set in ``opts``:
+    the model (:data:`~pensieve.config.DEFAULT_MODEL`) and ``max_model_len`` (the model's
+    own limit, :func:`checked_max_model_len`). Returns the model's HF config and its
+    checkpoint directory (None for a preset shape)."""
+    from pensieve.models.loader import resolve_config
+
+    hf_config, path = resolve_config(opts.setdefault("model", DEFAULT_MODEL))
+    opts["max_model_len"] = checked_max_model_len(opts.get("max_model_len"), hf_config)
+    return hf_config, None if path is None else str(path)

@@ -10,10 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pensieve.config import DEFAULT_MODEL, EngineConfig
+from pensieve.config import EngineConfig
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
-from pensieve.options import add_engine_args, engine_options, float_or_nan
+from pensieve.options import (
+    COMMAND_HELP,
+    add_engine_args,
+    engine_options,
+    float_or_nan,
+    settle_model_options,
+)
 from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 
 log = logging.getLogger("pensieve.server")
@@ -73,18 +79,10 @@ SERVER_ENGINE_OPTIONS = ("tenant_kv_share",)
 """Engine options that ``pensieve serve`` decides with flags of its own (``--tenant-kv-share``
 has an ``auto`` that counts the API keys)."""
 
-SERVE_HELP = {
-    "max_model_len": "longest context (default: the model's max_position_embeddings; more "
-                     "than that is refused, and so is a length whose KV the GPU tier cannot "
-                     "hold for one request)",
-}
-"""Help of engine options whose default ``pensieve serve`` settles differently."""
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The options of ``pensieve serve``: the engine's (generated from the config,
     :func:`pensieve.options.add_engine_args`) and the server's own."""
-    add_engine_args(p, exclude=SERVER_ENGINE_OPTIONS, help=SERVE_HELP)
+    add_engine_args(p, exclude=SERVER_ENGINE_OPTIONS, help=COMMAND_HELP)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run N engine replicas (one per GPU, or on the CPU) as a Ray Serve "
                         "application behind one endpoint, conversations routed by affinity "
@@ -186,17 +184,13 @@ def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None,
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
-    from pensieve.models.loader import resolve_config
-    from pensieve.server.model_defaults import checked_max_model_len
     from pensieve.server.store_check import open_checked
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
     opts = engine_options(args, exclude=SERVER_ENGINE_OPTIONS)
-    model = opts.setdefault("model", DEFAULT_MODEL)
-    hf_config, path = resolve_config(model)
-    opts["max_model_len"] = checked_max_model_len(opts.get("max_model_len"), hf_config)
+    _, path = settle_model_options(opts)
     if opts.get("max_num_batched_tokens") is not None:
         opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], 1)
     opts["tenant_kv_share"] = tenant_kv_share(args.tenant_kv_share, len(keys))
