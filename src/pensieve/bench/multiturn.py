@@ -157,9 +157,9 @@ class RealEngines:
 def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
     from pensieve.bench.simulator import SimEngine
     from pensieve.bench.step_cost import StepCostModel
-    from pensieve.config import CacheConfig, EngineConfig
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
+    from pensieve.engine.tiers import gib_blocks
 
     cost = StepCostModel.load(args.step_cost)
     if args.step_cost_set:  # what-if: e.g. per_prefill_step_s=0 (mixed steps as cheap as decode)
@@ -169,16 +169,15 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
         cost = dataclasses.replace(cost, **{k: float(v) for k, v in sets.items()},
                                    label=f"{cost.label} [what-if {args.step_cost_set}]")
     block_bytes = args.kv_bytes_per_token * args.chunk_size
+    gpu = gib_blocks(args.gpu_kv_gb, block_bytes)
+    cpu = gib_blocks(args.cpu_kv_gb, block_bytes)
     chunk_cost = (CostModel.load(args.cost_profile) if args.cost_profile
                   else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
     sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
-    cc = CacheConfig(chunk_size=args.chunk_size, gpu_kv_gb=args.gpu_kv_gb,
-                     cpu_kv_gb=args.cpu_kv_gb, cache_policy=system)
-    # the tiers sized as the engine sizes them (engine.tiers.sim_tiers)
-    return SimEngine.from_config(EngineConfig(cache=cc, scheduler=sc), cost, clock, chunk_cost,
-                                 block_bytes=block_bytes)
+    return SimEngine(sc, gpu, cpu, cost, clock, chunk_cost, chunk_size=args.chunk_size,
+                     cache_policy=system, block_bytes=block_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
