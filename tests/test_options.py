@@ -148,7 +148,8 @@ def test_serve_reads_the_config_file(tmp_path: Path) -> None:
 
     f = tmp_path / "engine.toml"
     f.write_text('device = "cpu"\ndtype = "float32"\nmax_model_len = 128\n'
-                 '[cache]\nnum_gpu_blocks = 48\nnum_cpu_blocks = 16\ncache_policy = "lru"\n')
+                 '[cache]\nnum_gpu_blocks = 48\nnum_cpu_blocks = 16\ncache_policy = "lru"\n'
+                 'tenant_kv_share = 0.5\n')
     p = argparse.ArgumentParser()
     add_serve_args(p)
     args = p.parse_args(["demo-random", "--config", str(f), "--num-cpu-blocks", "12",
@@ -161,6 +162,7 @@ def test_serve_reads_the_config_file(tmp_path: Path) -> None:
         assert engine.config.scheduler.max_model_len == 128
         assert engine.cache.policy is cc.policy is POLICIES["lru"]
         assert engine.cache.cpu.num_blocks == 12
+        assert cc.tenant_kv_share is None  # serve's --tenant-kv-share (auto, one tenant) decides
     finally:
         close()
 

@@ -13,6 +13,7 @@ import time
 from pensieve.options import (
     COMMAND_HELP,
     add_engine_args,
+    default_of,
     engine_options,
     settle_model_options,
 )
@@ -23,8 +24,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     opts = engine_options(args)
     settle_model_options(opts)
+    model, seed = opts["model"], opts.get("seed", default_of("seed"))
     llm = LLM(**opts)
-    model, seed = llm.engine.config.model.model, llm.engine.config.model.seed
     vocab = int(llm.engine.hf_config.vocab_size)
     rng = random.Random(seed)
     if args.prompt:

@@ -42,6 +42,12 @@ SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerCo
 """Names of the parts in a ``--config`` file that groups its options (``cache: {...}``)."""
 
 
+def default_of(name: str) -> Any:
+    """The config's default of option ``name`` (what a command that needs the value itself,
+    such as the seed of its random prompts, takes when it was not set)."""
+    return next(f.default for f in fields(owners()[name]) if f.name == name)
+
+
 def float_or_nan(text: str) -> float:
     """``float(text)``, NaN for what is not a number (so a range check refuses it)."""
     try:
@@ -124,7 +130,7 @@ def _flag_kwargs(cls: type, name: str, note: str | None = None
     of the command's own, default included."""
     spec = dict(FLAG_SPECS.get(name, {}))
     flags = [f"--{name.replace('_', '-')}", *spec.pop("aliases", [])]
-    default = next(f.default for f in fields(cls) if f.name == name)
+    default = default_of(name)
     doc = spec.pop("help", None) or field_docs(cls).get(name, "")
     shown = "none" if default is None or default is MISSING else default
     text = note or (doc if "default" in doc else f"{doc} (default: {shown})")

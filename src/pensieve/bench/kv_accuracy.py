@@ -22,8 +22,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pensieve.config import ModelConfig
-from pensieve.options import add_engine_args, engine_options
+from pensieve.options import add_engine_args, default_of, engine_options
 
 
 @dataclass
@@ -95,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     from pensieve.models.loader import resolve_config
 
     kw = engine_options(a, exclude=("kv_cache_dtype",))
-    model = kw.pop("model", ModelConfig.model)
+    model = kw.pop("model", default_of("model"))
     kw.setdefault("max_model_len", a.prompt_len + a.new_tokens)
-    rng = random.Random(kw.get("seed", ModelConfig.seed))
+    rng = random.Random(kw.get("seed", default_of("seed")))
     vocab = int(resolve_config(model)[0].vocab_size)
     prompts = [[rng.randrange(100, vocab) for _ in range(a.prompt_len)]
                for _ in range(a.prompts)]
     acc, chunk_bytes = run(model, prompts, a.new_tokens, a.base_dtype, **kw)
-    res = {"model": model, "load_format": kw.get("load_format", ModelConfig.load_format),
+    res = {"model": model, "load_format": kw.get("load_format", default_of("load_format")),
            "prompt_len": a.prompt_len,
            "chunk_bytes": chunk_bytes,
            "tokens_per_gb_ratio": chunk_bytes[a.base_dtype] / chunk_bytes["fp8_e4m3"],

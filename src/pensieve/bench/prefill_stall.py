@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     kw.setdefault("max_model_len", max(a.prompt + 8, a.decode_context + 4096))
     llm = LLM(**kw)
     res = measure(llm, a.decodes, a.decode_context, a.prompt,
-                  vocab=int(resolve_config(llm.engine.config.model.model)[0].vocab_size))
-    sc = llm.engine.config.scheduler
+                  vocab=int(resolve_config(kw["model"])[0].vocab_size))
+    sc = llm.engine.scheduler_config
     res["config"] = {**{k: v for k, v in vars(a).items() if v is not None},
                      "max_num_batched_tokens": sc.max_num_batched_tokens,
                      "max_model_len": sc.max_model_len}

@@ -41,9 +41,8 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
-from pensieve.config import ModelConfig
 from pensieve.core.routing import conversation_key
-from pensieve.options import engine_options
+from pensieve.options import default_of, engine_options
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
 from pensieve.replicas.metrics import merge_pages
 from pensieve.server.errors import error_response
@@ -228,9 +227,9 @@ def build_application(args: argparse.Namespace, load_factor: float = 1.25,
 
     n = max(1, int(args.data_parallel_size))
     opts = engine_options(args)
-    device = opts.get("device", ModelConfig.device)
+    device = opts.get("device", default_of("device"))
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    tp = opts.get("tensor_parallel_size", ModelConfig.tensor_parallel_size)
+    tp = opts.get("tensor_parallel_size", default_of("tensor_parallel_size"))
     resources: dict[str, Any] = ({"num_gpus": max(1, tp)} if cuda
                                  else {"num_cpus": replica_cpus})
     args = argparse.Namespace(**{**vars(args), "replica_cpus": replica_cpus})

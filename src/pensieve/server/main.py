@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pensieve.config import EngineConfig
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.options import (
@@ -189,11 +188,12 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
-    opts = engine_options(args, exclude=SERVER_ENGINE_OPTIONS)
+    share = tenant_kv_share(args.tenant_kv_share, len(keys))
+    # the server's --tenant-kv-share decides, over a config file's value too
+    opts = {**engine_options(args, exclude=SERVER_ENGINE_OPTIONS), "tenant_kv_share": share}
     _, path = settle_model_options(opts)
     if opts.get("max_num_batched_tokens") is not None:
         opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], 1)
-    opts["tenant_kv_share"] = tenant_kv_share(args.tenant_kv_share, len(keys))
     cfg = build_engine_config(**opts)
     # the store first: one that cannot be used stops the server before the engine is built
     store, report = open_checked(args.store)
@@ -203,7 +203,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         store.close()
         raise
     try:
-        app, close = _assemble(args, cfg, path, engine, aengine, store, report, keys)
+        app, close = _assemble(args, opts["model"], opts["max_model_len"], path, engine,
+                               aengine, store, report, keys)
     except BaseException:
         aengine.shutdown()
         if engine is not None:
@@ -213,7 +214,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     return app, close
 
 
-def _assemble(args: argparse.Namespace, cfg: EngineConfig, path: Any,
+def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
               engine: LLMEngine | None, aengine: Any, store: Any, report: Any, keys: list[str]
               ) -> tuple[Any, Callable[[], None]]:
     """The app over a started engine and an open store, and the function that stops them."""
@@ -225,7 +226,6 @@ def _assemble(args: argparse.Namespace, cfg: EngineConfig, path: Any,
     from pensieve.server.model_defaults import generation_defaults
     from pensieve.server.state import ServerState
 
-    model, max_len = cfg.model.model, cfg.scheduler.max_model_len
     demo = is_demo(path)
     template = args.chat_template
     if template is not None and Path(template).is_file():
