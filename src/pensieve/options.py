@@ -103,7 +103,11 @@ FLAG_SPECS: dict[str, dict[str, Any]] = {
 @cache
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> the first paragraph of its attribute docstring, on one line."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # no source shipped: flags without their docstrings
+        return {}
+    body = ast.parse(textwrap.dedent(source)).body[0]
     assert isinstance(body, ast.ClassDef)
     docs: dict[str, str] = {}
     for stmt, nxt in zip(body.body, body.body[1:]):
@@ -154,7 +158,8 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: Collection[str] = (),
     notes = help or {}
     names = [n for n in owners() if n not in exclude]
     if "model" in names:
-        text = field_docs(ModelConfig)["model"] + f" (default: {ModelConfig.model})"
+        text = notes.get("model") or (field_docs(ModelConfig).get("model", "")
+                                      + f" (default: {ModelConfig.model})")
         if model_flag:
             p.add_argument("--model", default=None, help=text)
         else:

@@ -81,7 +81,9 @@ def _computed(eng: Any, rid: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pensieve bench prefill-stall", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p, model_flag=True)
+    add_engine_args(p, model_flag=True, help={
+        "model": "the model (default: llama3.1-8b)",
+        "load_format": "auto or dummy (default: dummy, random weights)"})
     p.set_defaults(model="llama3.1-8b", load_format="dummy")
     p.add_argument("--decodes", type=int, default=32)
     p.add_argument("--decode-context", type=int, default=2048)
