@@ -21,8 +21,10 @@ import transformers
 
 from pensieve import LLM, SamplingParams
 from pensieve.cli import build_parser
+from pensieve.engine.llm import build_engine_config
 from pensieve.models.builtin import DEFAULT_MODEL, ensure_smollm2_checkpoint, smollm2_gguf
 from pensieve.models.loader import resolve_config
+from pensieve.options import engine_options
 
 NEW_TOKENS = 64
 QUESTIONS = [
@@ -84,7 +86,9 @@ def test_default_model_is_smollm2_everywhere(smollm2):
     assert inspect.signature(LLM).parameters["model"].default == DEFAULT_MODEL
     parser = build_parser()
     for cmd in ("serve", "generate"):
-        assert parser.parse_args([cmd]).model == DEFAULT_MODEL
+        args = parser.parse_args([cmd])
+        assert args.model is None  # not given: the config's default
+        assert build_engine_config(**engine_options(args)).model.model == DEFAULT_MODEL
     cfg, resolved = resolve_config(DEFAULT_MODEL)
     assert resolved == path and Path(path).parent == Path(os.environ["PENSIEVE_CACHE_DIR"])
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,

@@ -210,15 +210,14 @@ def test_serve_mixed_graph_flags() -> None:
 
     from pensieve.config import ModelConfig
     from pensieve.engine.llm import build_engine_config
+    from pensieve.options import engine_options
     from pensieve.server.main import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
 
     def cfg(*argv: str):  # noqa: ANN202
-        a = p.parse_args(list(argv))
-        return build_engine_config(enforce_eager=a.enforce_eager,
-                                   cuda_graph_mixed=a.mixed_graphs)
+        return build_engine_config(**engine_options(p.parse_args(list(argv))))
 
     default = ModelConfig().cuda_graph_mixed
     assert default is True  # on by default on CUDA (the CPU never captures)
@@ -227,6 +226,7 @@ def test_serve_mixed_graph_flags() -> None:
     assert cfg("--no-mixed-graphs").model.cuda_graph_mixed is False
     assert cfg("--no-mixed-graphs").mixed_graph_shape("cuda") is None
     assert cfg("--mixed-graphs").mixed_graph_shape("cuda") is not None
+    assert cfg("--no-cuda-graph-mixed").model.cuda_graph_mixed is False  # the field's own name
     eager = cfg("--enforce-eager", "--mixed-graphs")
     assert eager.mixed_graph_shape("cuda") is None and eager.decode_graph_shape("cuda") is None
 

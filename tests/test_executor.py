@@ -10,6 +10,7 @@ import pytest
 
 from pensieve.config import CacheConfig, EngineConfig, ModelConfig
 from pensieve.core.config import SchedulerConfig
+from pensieve.core.eviction import POLICIES
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
@@ -78,8 +79,8 @@ def test_sim_tiers_and_cache() -> None:
         gib_blocks(1.0, 0)
     kw = dict(chunk_size=16, swap_out_threshold=0.25, decode_reserve=0.1, swap_chunk_s=None)
     tiers = TierSizes(10, 20, BB)
-    assert build_cache(tiers, float, policy="pensieve", **kw).cpu.num_blocks == 20
-    assert build_cache(tiers, float, policy="gpu-only", **kw).cpu is None
+    assert build_cache(tiers, float, policy=POLICIES["pensieve"], **kw).cpu.num_blocks == 20
+    assert build_cache(tiers, float, policy=POLICIES["gpu-only"], **kw).cpu is None
 
 
 class _Echo:
@@ -103,7 +104,7 @@ class _Echo:
 
 def test_engine_core_over_any_executor() -> None:
     kw = dict(chunk_size=4, swap_out_threshold=0.25, decode_reserve=0.0, swap_chunk_s=None)
-    cache = build_cache(TierSizes(16, 8, 0), float, policy="pensieve", **kw)
+    cache = build_cache(TierSizes(16, 8, 0), float, policy=POLICIES["pensieve"], **kw)
     ex = _Echo(TierSizes(16, 8, 0))
     seen: list[int] = []
     eng = EngineCore(Scheduler(SchedulerConfig(max_model_len=64), cache), ex,
@@ -119,7 +120,7 @@ def test_engine_core_over_any_executor() -> None:
     eng.shutdown()
     assert ex.stopped
     # A cache larger than the executor's tiers is refused.
-    big = build_cache(TierSizes(32, 8, 0), float, policy="pensieve", **kw)
+    big = build_cache(TierSizes(32, 8, 0), float, policy=POLICIES["pensieve"], **kw)
     with pytest.raises(ValueError, match="does not fit"):
         EngineCore(Scheduler(SchedulerConfig(), big), ex)
     with pytest.raises(ValueError, match="does not fit"):

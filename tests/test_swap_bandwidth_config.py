@@ -73,11 +73,13 @@ def test_engine_hands_seconds_per_chunk_to_the_cache() -> None:
 
 
 def test_serve_flag() -> None:
-    from pensieve.server.main import add_serve_args, swap_bandwidth_arg
+    from pensieve.options import swap_bandwidth_arg
+    from pensieve.server.main import add_serve_args
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
-    assert p.parse_args([]).swap_bandwidth_gbps == "auto"
+    assert p.parse_args([]).swap_bandwidth_gbps is None  # the config's default
+    assert CacheConfig().swap_bandwidth_gbps == "auto"
     assert p.parse_args(["--swap-bandwidth-gbps", "22.5"]).swap_bandwidth_gbps == 22.5
     assert p.parse_args(["--swap-bandwidth-gbps", "off"]).swap_bandwidth_gbps == "off"
     assert swap_bandwidth_arg("none") == "off" and swap_bandwidth_arg("AUTO") == "auto"

@@ -1,5 +1,6 @@
 """Command line: ``pensieve serve`` (the server), ``pensieve chat`` (a terminal client),
-``pensieve generate`` (offline batch generation with a throughput report)."""
+``pensieve generate`` (offline batch generation with a throughput report). The engine's
+options of ``serve`` and ``generate`` are generated from the config (:mod:`pensieve.options`)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,24 @@ import random
 import sys
 import time
 
-from pensieve.core.config import budget_help
-from pensieve.models.builtin import DEFAULT_MODEL
+from pensieve.options import (
+    COMMAND_HELP,
+    add_engine_args,
+    default_of,
+    engine_options,
+    settle_model_options,
+)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from pensieve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              load_format=args.load_format, chunk_size=args.chunk_size,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              gpu_kv_gb=args.gpu_kv_gb)
+    opts = engine_options(args)
+    settle_model_options(opts)
+    model, seed = opts["model"], opts.get("seed", default_of("seed"))
+    llm = LLM(**opts)
     vocab = int(llm.engine.hf_config.vocab_size)
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     if args.prompt:
         prompts: list = list(args.prompt)
         tok = llm.tokenizer
@@ -33,10 +39,10 @@ def _generate(args: argparse.Namespace) -> int:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
                    for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            top_p=args.top_p, top_k=args.top_k, seed=seed,
                             ignore_eos=args.ignore_eos)
     eng = llm.engine
-    print(f"model={args.model} device={eng.device} dtype={eng.dtype} "
+    print(f"model={model} device={eng.device} dtype={eng.dtype} "
           f"kv_blocks={eng.cache.gpu.num_blocks} chunk={eng.cache.chunk_size}",
           file=sys.stderr)
     t0 = time.perf_counter()
@@ -71,9 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pensieve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="offline batch generation on random or given prompts")
-    g.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help="HF checkpoint dir, a .gguf file, a preset shape (dummy weights), "
-                        f"demo-random (random weights), or {DEFAULT_MODEL} (default)")
+    add_engine_args(g, help=COMMAND_HELP)
     g.add_argument("--prompt", action="append",
                    help="a text prompt (needs a tokenizer), sent as a user message through the "
                         "model's chat template when it has one")
@@ -85,15 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--load-format", default="auto")
-    g.add_argument("--chunk-size", type=int, default=32)
-    g.add_argument("--gpu-kv-gb", type=float, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=budget_help())
-    g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--show", type=int, default=4, help="outputs to print")
     g.set_defaults(func=_generate)
 

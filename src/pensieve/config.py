@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pensieve.core.config import SchedulerConfig
+from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.tiered_cache import cdiv
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -19,6 +20,14 @@ the tiers"). Measure another interconnect with ``pensieve bench swaps`` and pass
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8")
 """Values of :attr:`CacheConfig.kv_cache_dtype` (``fp8`` is ``fp8_e4m3``, as in vLLM)."""
+
+DEFAULT_CPU_KV_GB = {"cuda": 32.0, "cpu": 1.0}
+"""GiB of the CPU tier when neither ``num_cpu_blocks`` nor ``cpu_kv_gb`` is given, by the
+device type the engine runs on (other types take the CPU's)."""
+
+CPU_RUN_GPU_KV_GB = 2.0
+"""Most GiB of the "GPU" tier of a run on the CPU when no size is given (it takes what every
+running request needs to reach ``max_model_len``, up to this)."""
 
 DEFAULT_DEFER_ADMISSION = 3
 """Steps a turn short of GPU blocks may wait for background swap-outs (``defer_admission``)
@@ -75,15 +84,18 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     """Exact number of device blocks (overrides the sizes below)."""
     gpu_kv_gb: float | None = None
-    """GiB of device memory for KV (default: most of what is free after the weights)."""
+    """GiB of device memory for KV (default: on a GPU most of what is free after the weights;
+    on the CPU what max_num_seqs requests of max_model_len need, at most CPU_RUN_GPU_KV_GB)."""
     gpu_memory_utilization: float = 0.90
     """Fraction of total device memory the engine may use when gpu_kv_gb is not given."""
     num_cpu_blocks: int | None = None
     """Exact number of CPU-tier blocks (overrides cpu_kv_gb)."""
     cpu_kv_gb: float | None = None
-    """GiB of (pinned) host memory for the CPU tier (default: 1 on a CPU run, 32 with CUDA)."""
+    """GiB of (pinned) host memory for the CPU tier (default: DEFAULT_CPU_KV_GB, 1 on a CPU
+    run, 32 with CUDA)."""
     cache_policy: str = "pensieve"
-    """pensieve, gpu-only, lru, prefix-lru or stateless (see pensieve.core.eviction)."""
+    """The eviction policy's name in pensieve.core.eviction.POLICIES (pensieve, gpu-only,
+    lru, prefix-lru, return, stateless); resolved once, into :attr:`policy`."""
     swap_out_threshold: float = 0.25
     """Start ahead-of-time swap-out when free GPU blocks fall under this fraction."""
     decode_reserve: float = 0.10
@@ -102,6 +114,8 @@ class CacheConfig:
     their hints stop counting (``pensieve.core.tenant_share``); None: no bound."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
+    policy: EvictionPolicy = field(init=False, repr=False, compare=False)
+    """The :class:`EvictionPolicy` named by ``cache_policy``: what the engine passes down."""
     swap_bandwidth_gbps: float | str | None = "auto"
     """Measured one-way rate (GB/s, 1e9 bytes per second) of chunk copies between the tiers on
     this interconnect. The engine passes ``chunk bytes (all layers) / rate`` to the cache as
@@ -116,9 +130,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
-        from pensieve.core.eviction import get_policy
-
-        get_policy(self.cache_policy)  # raises on an unknown name
+        object.__setattr__(self, "policy", get_policy(self.cache_policy))  # raises if unknown
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -180,3 +192,13 @@ class EngineConfig:
         if decode is None or not self.model.cuda_graph_mixed:
             return None
         return self.scheduler.max_num_batched_tokens, decode[0], decode[1]
+
+
+ENGINE_CONFIGS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig)
+"""The engine config's parts: each init field of each is one engine option (a keyword of
+``LLM()``, a flag of ``pensieve serve`` and ``pensieve generate``, a key of ``--config``)."""
+
+
+def owners() -> dict[str, type]:
+    """Each engine option's name -> the config part it belongs to."""
+    return {f.name: cls for cls in ENGINE_CONFIGS for f in fields(cls) if f.init}

@@ -157,7 +157,7 @@ def table(points: list[Point]) -> str:
 
 
 def add_cpu_prefill_args(p: argparse.ArgumentParser) -> None:
-    from pensieve.models.builtin import DEFAULT_MODEL
+    from pensieve.config import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or built-in name")
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),

@@ -22,6 +22,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pensieve.options import add_engine_args, default_of, engine_options
+
 
 @dataclass
 class KVAccuracy:
@@ -80,33 +82,27 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, base_dtype: str =
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pensieve bench kv-accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    add_engine_args(p, exclude=("kv_cache_dtype",), model_flag=True)
     p.add_argument("--base-dtype", default="auto", help="the KV dtype compared against")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--gpu-kv-gb", type=float, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
     import random
 
-    rng = random.Random(a.seed)
     from pensieve.models.loader import resolve_config
 
-    vocab = int(resolve_config(a.model)[0].vocab_size)
+    kw = engine_options(a, exclude=("kv_cache_dtype",))
+    model = kw.pop("model", default_of("model"))
+    kw.setdefault("max_model_len", a.prompt_len + a.new_tokens)
+    rng = random.Random(kw.get("seed", default_of("seed")))
+    vocab = int(resolve_config(model)[0].vocab_size)
     prompts = [[rng.randrange(100, vocab) for _ in range(a.prompt_len)]
                for _ in range(a.prompts)]
-    kw: dict[str, Any] = {"dtype": a.dtype, "device": a.device, "load_format": a.load_format,
-                          "gpu_kv_gb": a.gpu_kv_gb, "seed": a.seed,
-                          "max_model_len": a.max_model_len or a.prompt_len + a.new_tokens}
-    acc, chunk_bytes = run(a.model, prompts, a.new_tokens, a.base_dtype,
-                           **{k: v for k, v in kw.items() if v is not None})
-    res = {"model": a.model, "load_format": a.load_format, "prompt_len": a.prompt_len,
+    acc, chunk_bytes = run(model, prompts, a.new_tokens, a.base_dtype, **kw)
+    res = {"model": model, "load_format": kw.get("load_format", default_of("load_format")),
+           "prompt_len": a.prompt_len,
            "chunk_bytes": chunk_bytes,
            "tokens_per_gb_ratio": chunk_bytes[a.base_dtype] / chunk_bytes["fp8_e4m3"],
            **{k: v for k, v in asdict(acc).items() if k != "per_prompt"},

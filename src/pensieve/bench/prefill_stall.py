@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+from pensieve.options import add_engine_args, engine_options
+
 
 def measure(llm: Any, decodes: int, decode_context: int, prompt: int, seed: int = 0,
             vocab: int = 32000) -> dict[str, Any]:
@@ -79,29 +81,27 @@ def _computed(eng: Any, rid: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pensieve bench prefill-stall", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama3.1-8b")
-    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--gpu-kv-gb", type=float, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    add_engine_args(p, model_flag=True, help={
+        "model": "the model (default: llama3.1-8b)",
+        "load_format": "auto or dummy (default: dummy, random weights)"})
+    p.set_defaults(model="llama3.1-8b", load_format="dummy")
     p.add_argument("--decodes", type=int, default=32)
     p.add_argument("--decode-context", type=int, default=2048)
     p.add_argument("--prompt", type=int, default=60000)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     from pensieve import LLM
-    from pensieve.core.config import SchedulerConfig
     from pensieve.models.loader import resolve_config
 
-    kw = {"load_format": a.load_format, "device": a.device, "gpu_kv_gb": a.gpu_kv_gb,
-          "kv_cache_dtype": a.kv_cache_dtype, "max_num_batched_tokens": a.max_num_batched_tokens,
-          "max_model_len": max(a.prompt + 8, a.decode_context + 4096)}
-    llm = LLM(a.model, **{k: v for k, v in kw.items() if v is not None})
+    kw = engine_options(a)
+    kw.setdefault("max_model_len", max(a.prompt + 8, a.decode_context + 4096))
+    llm = LLM(**kw)
     res = measure(llm, a.decodes, a.decode_context, a.prompt,
-                  vocab=int(resolve_config(a.model)[0].vocab_size))
-    res["config"] = {**vars(a), "max_num_batched_tokens": a.max_num_batched_tokens
-                     or SchedulerConfig().max_num_batched_tokens}
+                  vocab=int(resolve_config(kw["model"])[0].vocab_size))
+    sc = llm.engine.scheduler_config
+    res["config"] = {**{k: v for k, v in vars(a).items() if v is not None},
+                     "max_num_batched_tokens": sc.max_num_batched_tokens,
+                     "max_model_len": sc.max_model_len}
     print(json.dumps({k: v for k, v in res.items() if k != "steps"}, indent=1))
     if a.out:
         with open(a.out, "w") as f:

@@ -58,6 +58,7 @@ from pensieve.bench.step_cost import (
 from pensieve.config import DEFAULT_DEFER_ADMISSION
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
+from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
@@ -238,7 +239,7 @@ class SimEngine(EngineCore):
         clock: SimClock,
         chunk_cost: CostModel | Callable[[int], float],
         chunk_size: int = 32,
-        cache_policy: str = "pensieve",
+        cache_policy: str | EvictionPolicy = "pensieve",
         swap_out_threshold: float = 0.25,
         decode_reserve: float = 0.10,
         block_bytes: int = 0,
@@ -270,7 +271,9 @@ class SimEngine(EngineCore):
         self.swap_chunk_s = _swap_chunk_s(swap_bandwidth_gbps, transfer, block_bytes)
         """Seconds per chunk the cache weighs swap-in against recomputation with (None:
         always swap in), as ``LLMEngine.swap_chunk_s``."""
-        cache = build_cache(tiers, chunk_cost, policy=cache_policy, chunk_size=chunk_size,
+        policy = (cache_policy if isinstance(cache_policy, EvictionPolicy)
+                  else get_policy(cache_policy))
+        cache = build_cache(tiers, chunk_cost, policy=policy, chunk_size=chunk_size,
                             swap_out_threshold=swap_out_threshold,
                             decode_reserve=decode_reserve, swap_chunk_s=self.swap_chunk_s,
                             defer_admission=defer_admission)
@@ -298,7 +301,7 @@ class SimEngine(EngineCore):
         kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
         kw.setdefault("defer_admission", cc.defer_admission)
         return cls(config.scheduler, tiers.num_gpu_blocks, tiers.num_cpu_blocks, step_cost,
-                   clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.cache_policy,
+                   clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
                    block_bytes=tiers.block_bytes, **kw)
 

@@ -39,6 +39,12 @@ def budget_help() -> str:
     return f"token budget of one step (default: the device's; {per_device})"
 
 
+DEFAULT_MAX_MODEL_LEN = 16384
+"""``max_model_len`` of ``LLM()`` and of a model whose config states no
+``max_position_embeddings``; the command lines take the model's own limit
+(:func:`pensieve.options.settle_model_options`)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one scheduling step."""
@@ -49,7 +55,7 @@ class SchedulerConfig:
     (:func:`default_max_num_batched_tokens`); this default is CUDA's."""
     max_num_seqs: int = 256
     """Most requests running (holding KV and decoding) at once."""
-    max_model_len: int = 16384
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     """Longest context (prompt + output) a request may reach."""
     enable_chunked_prefill: bool = True
     """Split a long prompt over several steps instead of waiting for a budget that fits it."""

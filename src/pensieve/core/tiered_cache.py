@@ -71,6 +71,7 @@ class TieredKVCache(TierPools):
         key_refresh_s: float = 0.5,
         swap_chunk_s: float | None = None,
         tenant_kv_share: float | None = None,
+        defer_admission: int = 0,
     ) -> None:
         """``key_refresh_s``: how far ahead (seconds) time-dependent eviction keys are
         evaluated, i.e. how often at most the whole index is re-keyed; the eviction order is
@@ -79,7 +80,8 @@ class TieredKVCache(TierPools):
         with it, admission recomputes a CPU chunk instead of swapping it in when that is
         expected to be sooner (see the module docstring); None: always swap in.
         ``tenant_kv_share``: the share of each tier a tenant's hinted conversations may hold
-        before their hints stop counting (:mod:`pensieve.core.tenant_share`); None: no bound."""
+        before their hints stop counting (:mod:`pensieve.core.tenant_share`); None: no bound.
+        ``defer_admission``: see :attr:`defer_admission`."""
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
         super().__init__(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, chunk_cost,
@@ -88,7 +90,7 @@ class TieredKVCache(TierPools):
         if tenant_kv_share is not None:
             self.tenant_share = TenantShare(tenant_kv_share, num_gpu_blocks,
                                             self.cpu.num_blocks if self.cpu else 0)
-        self.defer_admission = 0
+        self.defer_admission = defer_admission
         """Steps a turn short of GPU blocks may wait for background swap-outs to free them
         (instead of urgent swap-outs that the whole step waits for); 0: never."""
         self.step_overlap_s = 0.0

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pensieve.config import CacheConfig, EngineConfig, ModelConfig
+from pensieve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, owners
 from pensieve.core.config import (
     SchedulerConfig,
     default_max_num_batched_tokens,
@@ -17,28 +17,12 @@ from pensieve.core.config import (
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.llm_engine import LLMEngine, resolve_device
 from pensieve.engine.outputs import RequestOutput
-from pensieve.models.builtin import DEFAULT_MODEL
-
-_FIELDS = {
-    "model": ModelConfig, "dtype": ModelConfig, "device": ModelConfig,
-    "load_format": ModelConfig, "seed": ModelConfig, "tensor_parallel_size": ModelConfig,
-    "enforce_eager": ModelConfig, "cuda_graph_max_batch": ModelConfig,
-    "cuda_graph_mixed": ModelConfig,
-    "chunk_size": CacheConfig, "num_gpu_blocks": CacheConfig, "gpu_kv_gb": CacheConfig,
-    "gpu_memory_utilization": CacheConfig, "num_cpu_blocks": CacheConfig,
-    "cpu_kv_gb": CacheConfig, "cache_policy": CacheConfig, "swap_out_threshold": CacheConfig,
-    "decode_reserve": CacheConfig, "cost_profile": CacheConfig, "defer_admission": CacheConfig,
-    "swap_bandwidth_gbps": CacheConfig, "kv_cache_dtype": CacheConfig,
-    "tenant_kv_share": CacheConfig,
-    "max_num_batched_tokens": SchedulerConfig, "max_num_seqs": SchedulerConfig,
-    "max_model_len": SchedulerConfig, "enable_chunked_prefill": SchedulerConfig,
-    "batching": SchedulerConfig, "swap_in_ahead_chunks": SchedulerConfig,
-    "prefill_attention_pairs": SchedulerConfig,
-}
 
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Split flat keyword options into the composed config; unknown names raise TypeError.
+    """Split flat keyword options (the init fields of the config parts,
+    :func:`pensieve.config.owners`) into the composed config; unknown names raise TypeError;
+    None leaves the field's default.
     Without a ``max_num_batched_tokens`` (None), chunked prefill takes the device's default
     step budget (:func:`pensieve.core.config.default_max_num_batched_tokens`); without a
     ``prefill_attention_pairs``, the device's (:func:`~pensieve.core.config.
@@ -50,12 +34,13 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
     if kwargs.get("prefill_attention_pairs") is None:
         budget = kwargs.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens
         kwargs["prefill_attention_pairs"] = default_prefill_attention_pairs(device.type, budget)
+    known = owners()
     parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
     for key, value in kwargs.items():
-        if key not in _FIELDS:
-            raise TypeError(f"unknown option {key!r}; known: {sorted(_FIELDS)}")
+        if key not in known:
+            raise TypeError(f"unknown option {key!r}; known: {sorted(known)}")
         if value is not None:
-            parts[_FIELDS[key]][key] = value
+            parts[known[key]][key] = value
     return EngineConfig(
         model=ModelConfig(**parts[ModelConfig]),
         cache=CacheConfig(**parts[CacheConfig]),

@@ -18,6 +18,7 @@ import torch
 
 from pensieve.config import EngineConfig, swap_chunk_seconds
 from pensieve.core.config import SchedulerConfig
+from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
@@ -84,7 +85,7 @@ class LLMEngine(EngineCore):
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         )
-        scheduler = Scheduler(config.scheduler, self._make_cache(executor, cc.cache_policy))
+        scheduler = Scheduler(config.scheduler, self._make_cache(executor, cc.policy))
         super().__init__(scheduler, executor, clock=clock, eos_token_ids=eos_ids,
                          vocab_size=int(self.hf_config.vocab_size), observers=observers)
 
@@ -100,15 +101,15 @@ class LLMEngine(EngineCore):
         runner = getattr(self.executor, "runner", None)
         return runner.kv_caches if runner is not None else []
 
-    def _make_cache(self, executor: Executor, cache_policy: str) -> TieredKVCache:
+    def _make_cache(self, executor: Executor, policy: EvictionPolicy) -> TieredKVCache:
         cc = self.config.cache
-        return build_cache(executor.tiers, self.cost_model, policy=cache_policy,
+        return build_cache(executor.tiers, self.cost_model, policy=policy,
                            chunk_size=cc.chunk_size, swap_out_threshold=cc.swap_out_threshold,
                            decode_reserve=cc.decode_reserve, swap_chunk_s=self.swap_chunk_s,
                            defer_admission=cc.defer_admission,
                            tenant_kv_share=cc.tenant_kv_share)
 
-    def reset(self, cache_policy: str | None = None,
+    def reset(self, cache_policy: str | EvictionPolicy | None = None,
               scheduler_config: SchedulerConfig | None = None) -> None:
         """Forget every request and conversation and start with empty tiers, optionally under
         another cache policy or scheduler config; the model, the KV tensors and the pinned CPU
@@ -116,7 +117,9 @@ class LLMEngine(EngineCore):
         size it was built with (none if the engine was built with a policy that has no CPU
         tier). Copies still in flight finish first (an empty step waits for them): the new
         cache may hand their blocks out at once."""
-        policy = cache_policy or self.cache.policy.name
+        policy = (self.cache.policy if cache_policy is None
+                  else cache_policy if isinstance(cache_policy, EvictionPolicy)
+                  else get_policy(cache_policy))
         sc = scheduler_config or self.scheduler_config
         for rid in list(self.scheduler.requests):
             self.scheduler.abort_request(rid, self.now())

@@ -4,9 +4,10 @@ the callers measure the device (``torch.cuda.mem_get_info``) and the block bytes
 
 - GPU tier: ``num_gpu_blocks``, else ``gpu_kv_gb``, else on a GPU what is free after the
   weights, minus ``1 - gpu_memory_utilization`` of the device and an activation estimate; on
-  the CPU enough for every running request to reach ``max_model_len``, at most 2 GiB.
-- CPU tier: ``num_cpu_blocks``, else ``cpu_kv_gb`` (default 32 GiB beside a GPU, 1 GiB on a
-  CPU run); none when the cache policy keeps no CPU tier.
+  the CPU enough for every running request to reach ``max_model_len``, at most
+  ``CPU_RUN_GPU_KV_GB`` (2 GiB).
+- CPU tier: ``num_cpu_blocks``, else ``cpu_kv_gb``, else ``DEFAULT_CPU_KV_GB`` (32 GiB beside a
+  GPU, 1 GiB on a CPU run); none when the cache policy keeps no CPU tier.
 - Under tensor parallelism the block bytes are one rank's slice; ``gpu_kv_gb`` applies to each
   rank's device and ``cpu_kv_gb`` is the host's total (:func:`cpu_tier_blocks`'s ``ranks``).
 """
@@ -16,9 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pensieve.config import DEFAULT_DEFER_ADMISSION, CacheConfig, EngineConfig
+from pensieve.config import (
+    CPU_RUN_GPU_KV_GB,
+    DEFAULT_CPU_KV_GB,
+    DEFAULT_DEFER_ADMISSION,
+    CacheConfig,
+    EngineConfig,
+)
 from pensieve.core.cost_model import CostModel
-from pensieve.core.eviction import get_policy
+from pensieve.core.eviction import EvictionPolicy
 from pensieve.core.tiered_cache import TieredKVCache, cdiv
 from pensieve.engine.executor import TierSizes
 
@@ -67,23 +74,18 @@ def gpu_tier_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory
                   - memory.activation_bytes)
         return max(1, int(budget // block_bytes))
     want = sc.max_num_seqs * cdiv(sc.max_model_len, cc.chunk_size)
-    return max(1, min(want, gib_blocks(2, block_bytes)))
-
-
-def uses_cpu_tier(cache: CacheConfig) -> bool:
-    """Whether the configured cache policy keeps a CPU tier."""
-    return get_policy(cache.cache_policy).uses_cpu_tier
+    return max(1, min(want, gib_blocks(CPU_RUN_GPU_KV_GB, block_bytes)))
 
 
 def cpu_tier_blocks(cache: CacheConfig, block_bytes: int, device_type: str,
                     ranks: int = 1) -> int:
     """CPU-tier blocks per rank (module docstring): ``cpu_kv_gb`` is shared by ``ranks``."""
-    if not uses_cpu_tier(cache):
+    if not cache.policy.uses_cpu_tier:
         return 0
     if cache.num_cpu_blocks is not None:
         return cache.num_cpu_blocks
-    gib = cache.cpu_kv_gb if cache.cpu_kv_gb is not None else (
-        32.0 if device_type == "cuda" else 1.0)
+    gib = cache.cpu_kv_gb if cache.cpu_kv_gb is not None else DEFAULT_CPU_KV_GB.get(
+        device_type, DEFAULT_CPU_KV_GB["cpu"])
     return gib_blocks(gib, block_bytes * ranks)
 
 
@@ -119,11 +121,12 @@ def check_fits(max_model_len: int, chunk_size: int, tiers: TierSizes) -> str | N
 
 
 def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
-                policy: str, chunk_size: int, swap_out_threshold: float,
+                policy: EvictionPolicy, chunk_size: int, swap_out_threshold: float,
                 decode_reserve: float, swap_chunk_s: float | None,
                 defer_admission: int = DEFAULT_DEFER_ADMISSION,
                 tenant_kv_share: float | None = None) -> TieredKVCache:
-    """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none).
+    """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none):
+    :attr:`CacheConfig.policy`, resolved from its name once when the config was built.
     ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
     length."""
     if isinstance(chunk_cost, CostModel):
@@ -131,10 +134,7 @@ def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float]
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"cache uses {chunk_size}")
         chunk_cost = chunk_cost.chunk_cost
-    pol = get_policy(policy)
-    cpu = tiers.num_cpu_blocks if pol.uses_cpu_tier else 0
-    cache = TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, pol, chunk_cost,
-                          swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
-                          tenant_kv_share=tenant_kv_share)
-    cache.defer_admission = defer_admission
-    return cache
+    cpu = tiers.num_cpu_blocks if policy.uses_cpu_tier else 0
+    return TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, policy, chunk_cost,
+                         swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
+                         tenant_kv_share=tenant_kv_share, defer_admission=defer_admission)

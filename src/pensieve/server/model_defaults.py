@@ -1,5 +1,6 @@
 """Settings a checkpoint carries for serving: ``generation_config.json`` (its end-of-sequence
-ids and default sampling) and the longest context its positions allow."""
+ids and default sampling). The longest context its positions allow is settled for both command
+lines by :func:`pensieve.options.settle_model_options`."""
 
 from __future__ import annotations
 
@@ -31,20 +32,3 @@ def generation_defaults(model_dir: str | None) -> tuple[list[int], dict[str, Any
     if cfg.get("do_sample") is False:
         defaults["temperature"] = 0.0
     return eos_ids, defaults
-
-
-def checked_max_model_len(requested: int | None, hf_config: Any,
-                          default: int = 16384) -> int:
-    """``--max-model-len``: refused beyond the model's ``max_position_embeddings``; without
-    it, the model's own limit (``default`` for a config that states none). Whether one request
-    of that length fits the GPU tier is checked once the tiers are sized
-    (:func:`pensieve.engine.tiers.check_fits`)."""
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    if requested is not None:
-        if requested < 1:
-            raise SystemExit(f"--max-model-len must be >= 1, got {requested}")
-        if limit is not None and requested > int(limit):
-            raise SystemExit(f"--max-model-len {requested} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
-        return requested
-    return int(limit) if limit is not None else default
