@@ -4,7 +4,7 @@
 
 For each system, the highest throughput whose P90 normalized latency meets the target,
 interpolated between the last point under it and the first point over it
-(`pensieve.bench.metrics.capacity_at`); then each system's capacity over stateless and over
+(`pensieve.bench.run_metrics.capacity_at`); then each system's capacity over stateless and over
 prefix-lru. A point with an infinite P90 (unfinished requests) counts as over the target.
 """
 
@@ -15,7 +15,7 @@ import json
 import math
 from collections import defaultdict
 
-from pensieve.bench.metrics import capacity_at
+from pensieve.bench.run_metrics import capacity_at
 
 
 def main() -> None:

@@ -16,12 +16,12 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine.core import EngineCore
+from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import Executor, TierSizes
 
 CHUNK = 8
@@ -175,9 +175,9 @@ def scripted_app(tokenizer: Any, store: Path,
     from pensieve.server.app import create_app
     from pensieve.server.async_engine import AsyncEngine
     from pensieve.server.chat import ChatRenderer
-    from pensieve.server.metrics import Metrics
+    from pensieve.server.engine_metrics import Metrics
     from pensieve.server.state import ServerState
-    from pensieve.server.store import ConversationStore
+    from pensieve.server.store_sqlite import ConversationStore
 
     eng, ex = scripted_engine(len(tokenizer), (tokenizer.eos_token_id,), wrap=wrap)
     aeng = AsyncEngine(eng)  # type: ignore[arg-type]

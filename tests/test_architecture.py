@@ -114,7 +114,7 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycle_under_src() -> None:
     graph = _import_graph()
-    assert graph["pensieve.engine.llm_engine"] >= {"pensieve.config", "pensieve.engine.core"}
+    assert graph["pensieve.engine.llm_engine"] >= {"pensieve.config", "pensieve.engine.engine_core"}
     assert _cycles(graph) == []
 
 
@@ -126,7 +126,7 @@ ENGINE_CONFIG_READERS = {
     "pensieve.engine.local": "the local executor and the load / size / allocate / capture "
                              "steps the tensor-parallel ranks share",
     "pensieve.engine.tiers": "the sizing module: config, block bytes and free memory -> tiers",
-    "pensieve.parallel.executor": "an executor: TPExecutor",
+    "pensieve.parallel.tp_executor": "an executor: TPExecutor",
     "pensieve.parallel.worker": "an executor: the tensor-parallel ranks behind TPExecutor",
     "pensieve.bench.simulator": "an executor: SimEngine.from_config sizes the simulated tiers "
                                 "as the engine would (through engine.tiers) for SimExecutor",

@@ -22,12 +22,12 @@ from test_stateful_invariant import (
     workloads,
 )
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import POLICIES, get_policy
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler, is_decode
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from pensieve.bench.engine_api import VirtualClock
 from pensieve.bench.loadgen import LoadResult, RequestRecord, arrival_times, run_load
-from pensieve.bench.metrics import capacity_at, percentile, summarize
+from pensieve.bench.run_metrics import capacity_at, percentile, summarize
 from pensieve.bench.workload import Conversation, Turn
 from pensieve.core.sampling_params import SamplingParams
 
@@ -303,7 +303,7 @@ def test_bench_multiturn_runs_from_the_package(tmp_path) -> None:  # noqa: ANN00
 
     import pensieve
     from pensieve.bench import multiturn
-    from pensieve.bench.cli import script_command
+    from pensieve.bench.commands import script_command
     from pensieve.bench.workload_types import DEFAULT_SHAREGPT_MERGED_CACHE
 
     package = _Path(pensieve.__file__).resolve().parent

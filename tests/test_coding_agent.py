@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from pensieve.bench.cli import WORKLOADS, load_workload
 from pensieve.bench.coding_agent import agent_mix_workload, coding_agent_workload
+from pensieve.bench.commands import WORKLOADS, load_workload
 from pensieve.bench.workload import workload_stats
 
 

@@ -16,14 +16,14 @@ from pensieve import SamplingParams
 from pensieve.bench.engine_api import VirtualClock
 from pensieve.bench.simulator import SimEngine
 from pensieve.bench.step_cost import StepCostModel
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.outputs import QueryRange, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.engine.containment import execute_contained, restore_pending
-from pensieve.engine.core import EngineCore
+from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import Executor, TierSizes
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 VOCAB = 256
 

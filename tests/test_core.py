@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from pensieve.core.block_pool import BlockPool, OutOfBlocksError
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 
 
@@ -26,7 +26,8 @@ def stateless_cache(num_blocks: int, chunk_size: int, watermark: float = 0.0) ->
 def test_core_imports_no_torch() -> None:
     code = (
         "import sys, pensieve, pensieve.core.scheduler, pensieve.core.tiered_cache, "
-        "pensieve.core.outputs, pensieve.config, pensieve.engine.core, pensieve.bench.simulator\n"
+        "pensieve.core.outputs, pensieve.config, pensieve.engine.engine_core, "
+        "pensieve.bench.simulator\n"
         "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\nprint('clean')"
     )

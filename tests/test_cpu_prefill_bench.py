@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pensieve.cli import build_parser
-from pensieve.core.config import STEP_TOKEN_BUDGETS
+from pensieve.core.scheduling_config import STEP_TOKEN_BUDGETS
 
 
 def test_cpu_prefill_writes_every_point(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -185,7 +185,7 @@ def test_mixed_graph_path_matches_hf(checkpoint, pressure: bool, decodes: str,
 
 def test_token_buckets_and_mixed_graph_shape() -> None:
     from pensieve.config import EngineConfig, ModelConfig
-    from pensieve.core.config import SchedulerConfig
+    from pensieve.core.scheduling_config import SchedulerConfig
     from pensieve.runner.mixed_graphs import token_buckets
 
     assert token_buckets(100) == [16, 32, 64, 96, 100]
@@ -264,7 +264,7 @@ def test_decode_graph_shape_follows_config() -> None:
     """Graphs only on CUDA and not under enforce_eager; batch capped by max_num_seqs, tables
     wide enough for max_model_len."""
     from pensieve.config import CacheConfig, EngineConfig, ModelConfig
-    from pensieve.core.config import SchedulerConfig
+    from pensieve.core.scheduling_config import SchedulerConfig
 
     cfg = EngineConfig(model=ModelConfig(cuda_graph_max_batch=64),
                        cache=CacheConfig(chunk_size=32),

@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from pensieve.config import CacheConfig, EngineConfig, ModelConfig
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import POLICIES
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
-from pensieve.engine.core import EngineCore
+from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 from pensieve.engine.tiers import (
     GIB,
@@ -129,7 +129,8 @@ def test_engine_core_over_any_executor() -> None:
 
 def test_pure_modules_import_no_torch() -> None:
     code = ("import sys\n"
-            "import pensieve.engine.core, pensieve.engine.tiers, pensieve.engine.containment\n"
+            "import pensieve.engine.engine_core, pensieve.engine.tiers\n"
+            "import pensieve.engine.containment\n"
             "import pensieve.engine.executor, pensieve.bench.simulator\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,10 +21,10 @@ from transformers import AutoTokenizer
 from pensieve.bench.engine_api import WallClock
 from pensieve.bench.http_engine import CHAT_WORDS, HTTPEngine, parse_metrics, words_text
 from pensieve.bench.loadgen import arrival_times, run_load
-from pensieve.bench.metrics import summarize
+from pensieve.bench.run_metrics import summarize
 from pensieve.bench.workload import Conversation, Turn, Workload
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 from pensieve.models.demo import TOKENIZER_DIR
 from pensieve.server.chat import ChatRenderer
 

@@ -11,7 +11,7 @@ from pensieve.engine.tiers import check_fits
 from pensieve.layers.rotary import rope_config
 from pensieve.models import get_model_class
 from pensieve.models.presets import make_dummy_config
-from pensieve.server.model_defaults import checked_max_model_len
+from pensieve.options import checked_max_model_len
 
 
 @pytest.mark.parametrize("name,arch,positions,kv_heads,layers", [

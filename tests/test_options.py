@@ -13,8 +13,8 @@ import pytest
 
 from pensieve.cli import build_parser, main
 from pensieve.config import DEFAULT_MODEL, CacheConfig, ModelConfig, owners
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import POLICIES, EvictionPolicy
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.executor import TierSizes
 from pensieve.engine.llm import build_engine_config
@@ -194,7 +194,7 @@ def test_defer_admission_is_a_constructor_argument() -> None:
 def test_command_lines_settle_max_model_len_from_the_model() -> None:
     """``serve`` and ``generate`` take the model's own limit unless given, and refuse more;
     ``LLM()`` and the bare config keep DEFAULT_MAX_MODEL_LEN."""
-    from pensieve.core.config import DEFAULT_MAX_MODEL_LEN
+    from pensieve.core.scheduling_config import DEFAULT_MAX_MODEL_LEN
     from pensieve.options import settle_model_options
 
     opts: dict[str, object] = {"model": "opt-125m"}

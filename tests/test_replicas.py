@@ -31,7 +31,7 @@ from pensieve.replicas.serve import (  # noqa: E402
     routing_key,
 )
 from pensieve.server.main import add_serve_args  # noqa: E402
-from pensieve.server.stores import open_store  # noqa: E402
+from pensieve.server.store_open import open_store  # noqa: E402
 
 TURNS = 4
 

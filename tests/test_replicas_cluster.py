@@ -16,7 +16,7 @@ from pg_server import postgres_url  # noqa: E402
 from test_replicas import _run, serve_args, wait_for_replicas  # noqa: E402
 
 from pensieve.replicas.serve import NODE_HEADER, build_application  # noqa: E402
-from pensieve.server.stores import open_store  # noqa: E402
+from pensieve.server.store_open import open_store  # noqa: E402
 
 
 @pytest.mark.slow  # a two-node Ray cluster and a PostgreSQL server

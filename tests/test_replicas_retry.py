@@ -26,7 +26,7 @@ from test_replicas import serve_args  # noqa: E402
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key  # noqa: E402
 from pensieve.replicas.serve import read_answer  # noqa: E402
 from pensieve.server.main import build_server  # noqa: E402
-from pensieve.server.stores import open_store  # noqa: E402
+from pensieve.server.store_open import open_store  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from pensieve.server.store import ConversationStore, StaleTurnError, StoredConversation
-from pensieve.server.stores import open_store
+from pensieve.server.store_open import open_store
+from pensieve.server.store_sqlite import ConversationStore, StaleTurnError, StoredConversation
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +204,8 @@ def test_table_of_an_older_version_gains_the_columns(old_store):
 def test_an_edited_row_is_refused_and_named_at_open(stores):
     """A conversation edited in the database (its text, outside the server) fails its
     checksum on both backends: every read refuses it, and the check at open lists it."""
-    from pensieve.server.store import CorruptConversationError
     from pensieve.server.store_check import open_checked
+    from pensieve.server.store_sqlite import CorruptConversationError
 
     a, b = stores
     a.save_turn(_conv("c1", n=2))

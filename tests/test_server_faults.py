@@ -20,7 +20,7 @@ import psutil
 import pytest
 from server_util import Server
 
-from pensieve.server.store import ConversationStore
+from pensieve.server.store_sqlite import ConversationStore
 
 CHAT = "/v1/chat/completions"
 TINY = ["serve", "llama-tiny", "--load-format", "dummy", "--device", "cpu",

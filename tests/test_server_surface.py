@@ -15,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 from server_scripted import build_tokenizer, scripted_app
 
-from pensieve.server.model_defaults import checked_max_model_len, generation_defaults
+from pensieve.options import checked_max_model_len
+from pensieve.server.model_defaults import generation_defaults
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 
 

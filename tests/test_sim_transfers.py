@@ -25,11 +25,11 @@ from pensieve.bench.step_cost import (
     features_of,
     relative_errors,
 )
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.conversation import Tier
 from pensieve.core.cost_model import CostModel
 from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduling_config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BB = 32 * 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA chunk, all layers, K+V, bf16: 6.55 MB

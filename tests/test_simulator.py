@@ -23,11 +23,11 @@ from pensieve.bench.step_cost import (
     nnls,
     relative_errors,
 )
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import POLICIES
 from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduling_config import SchedulerConfig
 
 # ------------------------------------------------------------------------------- features
 

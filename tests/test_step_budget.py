@@ -2,7 +2,7 @@
 
 import pytest
 
-from pensieve.core.config import (
+from pensieve.core.scheduling_config import (
     STEP_TOKEN_BUDGETS,
     SchedulerConfig,
     budget_help,

@@ -55,7 +55,7 @@ def test_engine_calls_observers_once_per_step() -> None:
     from pensieve.bench.engine_api import VirtualClock
     from pensieve.bench.simulator import SimEngine
     from pensieve.bench.step_cost import StepCostModel
-    from pensieve.core.config import SchedulerConfig
+    from pensieve.core.scheduling_config import SchedulerConfig
 
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=512, max_model_len=512), 64, 64,
                     StepCostModel(base_s=0.01), VirtualClock(), lambda ctx: 1e-3,

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from pensieve.server.store import (
+from pensieve.server.store_check import StoreOpenError, open_checked, wal_damage
+from pensieve.server.store_sqlite import (
     ConversationStore,
     CorruptConversationError,
     StoredConversation,
     StoreWriteError,
 )
-from pensieve.server.store_check import StoreOpenError, open_checked, wal_damage
 
 N = 23
 

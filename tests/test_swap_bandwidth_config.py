@@ -175,7 +175,7 @@ def test_defer_admission_is_on_the_record() -> None:
 
     from pensieve.engine.llm import LLM
     from pensieve.server.engine_loop import Snapshot
-    from pensieve.server.metrics import _EngineCollector
+    from pensieve.server.engine_metrics import _EngineCollector
 
     llm = LLM(model="demo-random", device="cpu", num_gpu_blocks=16, num_cpu_blocks=4,
               defer_admission=2)

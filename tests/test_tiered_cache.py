@@ -8,15 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine.core import EngineCore
+from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 
 C = 4

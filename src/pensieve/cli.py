@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.set_defaults(func=_serve)
 
-    from pensieve.bench.cli import add_bench_parser
+    from pensieve.bench.commands import add_bench_parser
 
     add_bench_parser(sub)
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pensieve.bench.cli import script_command
+    from pensieve.bench.commands import script_command
 
     code = script_command(sys.argv[1:] if argv is None else list(argv))
     if code is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import EvictionPolicy, get_policy
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import cdiv
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -1,7 +1,8 @@
 """The engine's command-line options, generated from the config dataclasses.
 
 Every init field of :class:`~pensieve.config.ModelConfig`, :class:`~pensieve.config.CacheConfig`
-and :class:`~pensieve.core.config.SchedulerConfig` is one flag (vLLM's ``EngineArgs`` idea):
+and :class:`~pensieve.core.scheduling_config.SchedulerConfig` is one flag (vLLM's
+``EngineArgs`` idea):
 ``chunk_size`` -> ``--chunk-size``, its type from the annotation, its help from the field's
 docstring (read once from the source with :mod:`ast`), the dataclass's default shown in the
 help. :data:`FLAG_SPECS` adds what an annotation cannot say: a parser for mixed types, the
@@ -30,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from pensieve.config import DEFAULT_MODEL, KV_CACHE_DTYPES, CacheConfig, ModelConfig, owners
-from pensieve.core.config import (
+from pensieve.core.eviction import POLICIES
+from pensieve.core.scheduling_config import (
     BATCHING_MODES,
     DEFAULT_MAX_MODEL_LEN,
     SchedulerConfig,
     budget_help,
 )
-from pensieve.core.eviction import POLICIES
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 """Names of the parts in a ``--config`` file that groups its options (``cache: {...}``)."""

@@ -5,7 +5,7 @@
 One column per point (system @ rate), one row per number: throughput, latency percentiles,
 prefill computed vs cached, where the context came from, the client's HTTP counters and the
 steady-state check (the means of the window's halves, the 10% flag and the noise-aware one;
-``pensieve.bench.metrics.steady_state``).
+``pensieve.bench.run_metrics.steady_state``).
 """
 
 from __future__ import annotations

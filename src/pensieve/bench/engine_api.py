@@ -15,7 +15,7 @@ import time
 from typing import Any, Protocol
 
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 
 class Clock(Protocol):

@@ -56,7 +56,7 @@ from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.core.stats import CacheStats
 from pensieve.engine.llm_engine import resolve_device, resolve_dtype
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 log = logging.getLogger("pensieve.bench.hf_peer")
 

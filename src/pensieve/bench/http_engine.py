@@ -76,7 +76,7 @@ from pensieve.bench.engine_api import Clock, WallClock
 from pensieve.bench.http_probe import MetricsScraper, parse_metrics
 from pensieve.bench.http_wire import CHAT_WORDS, StreamedTurn, StreamFailed, sse_lines, words_text
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 log = logging.getLogger("pensieve.bench")
 

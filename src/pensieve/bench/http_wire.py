@@ -5,7 +5,7 @@
   the load generator drew (``word = CHAT_WORDS[id % len]``), so every system sees the same texts
   for the same seed (:func:`words_text`).
 - The lines of an SSE stream (:func:`sse_lines`).
-- A streamed turn assembled into a :class:`~pensieve.engine.outputs.RequestOutput`
+- A streamed turn assembled into a :class:`~pensieve.engine.request_output.RequestOutput`
   (:class:`StreamedTurn`): first-token and finish times, the finish reason, the ``usage``
   token counts (``prompt_tokens_details.cached_tokens`` where the server reports it) and
   Pensieve's per-turn cache stats (``pensieve.cache`` in the chunk with the finish reason).
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 _WORDS = """
     the of and to in is that for it as with was on be by this are from at or an have not which

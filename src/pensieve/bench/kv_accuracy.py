@@ -40,8 +40,9 @@ class KVAccuracy:
 
 
 def compare_outputs(base: list[Any], fp8: list[Any]) -> KVAccuracy:
-    """Agreement of two lists of :class:`~pensieve.engine.outputs.RequestOutput` (greedy, with
-    ``logprobs``) of the same prompts."""
+    """Agreement of two lists of
+    :class:`~pensieve.engine.request_output.RequestOutput` (greedy, with ``logprobs``) of the
+    same prompts."""
     per, diffs = [], []
     for a, b in zip(base, fp8, strict=True):
         ta, tb = a.output_token_ids, b.output_token_ids

@@ -29,7 +29,7 @@ the run (:attr:`LoadResult.samples`): sessions in flight (arrived, last turn not
 requests in flight (sent, not yet answered), running totals of sessions, requests sent and
 finished, and the engine's state from :func:`~pensieve.bench.engine_api.engine_probe` (KV
 blocks used per tier, requests running and waiting, swap and drop totals).
-:func:`pensieve.bench.metrics.steady_state` compares the window's two halves.
+:func:`pensieve.bench.run_metrics.steady_state` compares the window's two halves.
 """
 
 from __future__ import annotations

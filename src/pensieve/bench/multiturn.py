@@ -29,7 +29,7 @@ in flight, KV blocks used per tier and requests running / waiting (in process fr
 over HTTP from the server's ``/metrics``); each point's series goes to
 ``<out>/timeseries.jsonl`` and the point gets ``steady_state`` (True when every one of those
 means moved by at most 10% between the window's halves, plus a floor of one request or 1% of a
-tier: ``pensieve.bench.metrics.steady_state``) and ``steady`` (the halves' means, and
+tier: ``pensieve.bench.run_metrics.steady_state``) and ``steady`` (the halves' means, and
 ``steady_within_noise``: the same check, also passing a difference within two standard errors
 of the window's own scatter -- at a few sessions a second the arrivals alone move the halves by
 10-20%). ``--warmup auto`` is 1.5 mean session lifetimes (turns x (think time + ~20 ms a token
@@ -61,7 +61,7 @@ from tqdm import tqdm
 
 from pensieve.bench.engine_api import VirtualClock, WallClock
 from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
-from pensieve.bench.metrics import summarize
+from pensieve.bench.run_metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
 from pensieve.bench.workload import load_workload, ultrachat_synthetic
@@ -72,7 +72,7 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_leng
 
 def workload(args: argparse.Namespace) -> Any:
     if args.workload in ("coding-agent", "agent-mix"):
-        from pensieve.bench.cli import load_workload as load_named
+        from pensieve.bench.commands import load_workload as load_named
 
         return load_named(args.workload, args.num_conversations, args.seed)
     if args.workload == "agentic":
@@ -157,8 +157,8 @@ class RealEngines:
 def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
     from pensieve.bench.simulator import SimEngine
     from pensieve.bench.step_cost import StepCostModel
-    from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
+    from pensieve.core.scheduling_config import SchedulerConfig
     from pensieve.engine.tiers import gib_blocks
 
     cost = StepCostModel.load(args.step_cost)

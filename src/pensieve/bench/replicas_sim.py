@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from pensieve.bench.engine_api import VirtualClock
 from pensieve.core.routing import AffinityRouter, RandomRouter
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 
 class _Replica(Protocol):

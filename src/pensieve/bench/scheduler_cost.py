@@ -65,13 +65,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 
 CHUNK = 32

@@ -1,7 +1,7 @@
 """A load run's numbers under the field names of vLLM's ``bench serve --save-result``.
 
 :func:`vllm_metrics` reads the turns of a :class:`~pensieve.bench.loadgen.LoadResult` that were
-sent in its measurement window (as :func:`pensieve.bench.metrics.summarize` does) and reports,
+sent in its measurement window (as :func:`pensieve.bench.run_metrics.summarize` does) and reports,
 as vLLM does, over the requests that finished without an error:
 
 - ``completed``, ``failed`` (errors and turns still unanswered at the end), ``duration`` (the
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pensieve.bench.loadgen import LoadResult
-from pensieve.bench.metrics import window
+from pensieve.bench.run_metrics import window
 
 PERCENTILES = (90, 99)
 

@@ -21,7 +21,7 @@ Per workload and system, a sweep of session rates; per point the window's throug
 and normalized latency percentiles, and the prefill tokens computed and the part of them
 that was history recomputed (dropped chunks, or CPU chunks sooner recomputed than copied).
 Capacity: the highest throughput (requests/s and sessions/s) whose P90 TTFT meets each
-``--ttft-targets`` (interpolated between rates, ``pensieve.bench.metrics.capacity_at``)::
+``--ttft-targets`` (interpolated between rates, ``pensieve.bench.run_metrics.capacity_at``)::
 
     pensieve bench sim-agent --out docs/results/sim_agent
     pensieve bench sim-agent --tiny --out /tmp/sim_agent     # a smoke test
@@ -41,7 +41,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pensieve.bench.metrics import capacity_at
+from pensieve.bench.run_metrics import capacity_at
 from pensieve.bench.step_cost import StepCostModel
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -78,7 +78,7 @@ def step_cost(attn_efficiency: float) -> StepCostModel:
 
 
 def conversations(workload: str, seed: int, scale: float) -> list[Any]:
-    from pensieve.bench.cli import load_workload
+    from pensieve.bench.commands import load_workload
     from pensieve.bench.workload import Conversation, Turn
 
     convs = list(load_workload(workload, 3000, seed).conversations)
@@ -94,10 +94,10 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     """One simulated point: the window's summary plus the run's recomputation totals."""
     from pensieve.bench.engine_api import VirtualClock
     from pensieve.bench.loadgen import run_load
-    from pensieve.bench.metrics import summarize, window
+    from pensieve.bench.run_metrics import summarize, window
     from pensieve.bench.simulator import SimEngine
-    from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
+    from pensieve.core.scheduling_config import SchedulerConfig
 
     t0 = time.time()
     block_bytes = KV_BYTES_PER_TOKEN * CHUNK

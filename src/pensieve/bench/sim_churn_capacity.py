@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from pensieve.bench.metrics import capacity_at
+from pensieve.bench.run_metrics import capacity_at
 from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times
 from pensieve.bench.step_cost import StepCostModel
 

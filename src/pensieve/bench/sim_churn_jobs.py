@@ -15,7 +15,7 @@ from typing import Any
 
 from pensieve.bench.engine_api import VirtualClock
 from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
-from pensieve.bench.metrics import summarize
+from pensieve.bench.run_metrics import summarize
 from pensieve.bench.step_cost import StepCostModel, TransferModel
 from pensieve.bench.workload_types import DEFAULT_SHAREGPT_MERGED_CACHE
 
@@ -115,8 +115,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     admission keeps free for decode growth) and ``defer_admission`` (steps a turn short of GPU
     blocks may wait for background swap-outs); each the engine's default if absent or None."""
     from pensieve.bench.simulator import SimEngine
-    from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
+    from pensieve.core.scheduling_config import SchedulerConfig
 
     block_bytes = KV_BYTES_PER_TOKEN * CHUNK
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)

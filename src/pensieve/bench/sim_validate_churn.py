@@ -85,7 +85,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pensieve.bench.metrics import capacity_at
+from pensieve.bench.run_metrics import capacity_at
 from pensieve.bench.sim_churn_jobs import FIT_ALL, GRAPH_MAX_TOKENS, run_jobs, transfer_model
 from pensieve.bench.sim_validate import (
     DEFAULT_PAIRS,

@@ -37,7 +37,7 @@ simulator has no EOS unless ``eos_token_ids`` is given), so a turn runs to ``max
 as kept by the cache, is its context followed by those tokens.
 
 Pure Python: importing this module loads neither torch nor numpy (``RequestOutput`` comes from
-the torch-free ``pensieve.engine.outputs``); it takes any clock with ``now()`` and
+the torch-free ``pensieve.engine.request_output``); it takes any clock with ``now()`` and
 ``sleep_until()``.
 """
 
@@ -56,13 +56,13 @@ from pensieve.bench.step_cost import (
     features_of,
 )
 from pensieve.config import DEFAULT_DEFER_ADMISSION
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine.core import EngineCore
+from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 from pensieve.engine.step_record import prefill_decode_tokens
 from pensieve.engine.tiers import build_cache, sim_tiers

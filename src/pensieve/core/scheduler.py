@@ -32,7 +32,6 @@ import math
 import time
 from collections import deque
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.conversation import Conversation
 from pensieve.core.outputs import (
     QueryRange,
@@ -42,6 +41,7 @@ from pensieve.core.outputs import (
     TokenHistory,
 )
 from pensieve.core.request import Request, RequestStatus
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 
 

@@ -1,11 +1,11 @@
-"""The Executor protocol: what :class:`~pensieve.engine.core.EngineCore` needs of whatever
+"""The Executor protocol: what :class:`~pensieve.engine.engine_core.EngineCore` needs of whatever
 runs its steps. No torch here.
 
 Three executors implement it:
 
 - :class:`~pensieve.engine.local.LocalExecutor`: one :class:`~pensieve.runner.model_runner.
   ModelRunner` in this process (a model on one device with its KV tiers);
-- :class:`~pensieve.parallel.executor.TPExecutor`: ``tensor_parallel_size`` rank processes,
+- :class:`~pensieve.parallel.tp_executor.TPExecutor`: ``tensor_parallel_size`` rank processes,
   each a ``ModelRunner`` over its shard (built by the same functions as the local one);
 - :class:`~pensieve.bench.simulator.SimExecutor`: no model, a clock moved by a step-cost model.
 

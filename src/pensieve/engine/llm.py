@@ -9,14 +9,14 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, owners
-from pensieve.core.config import (
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduling_config import (
     SchedulerConfig,
     default_max_num_batched_tokens,
     default_prefill_attention_pairs,
 )
-from pensieve.core.sampling_params import SamplingParams
 from pensieve.engine.llm_engine import LLMEngine, resolve_device
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
@@ -24,8 +24,8 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
     :func:`pensieve.config.owners`) into the composed config; unknown names raise TypeError;
     None leaves the field's default.
     Without a ``max_num_batched_tokens`` (None), chunked prefill takes the device's default
-    step budget (:func:`pensieve.core.config.default_max_num_batched_tokens`); without a
-    ``prefill_attention_pairs``, the device's (:func:`~pensieve.core.config.
+    step budget (:func:`pensieve.core.scheduling_config.default_max_num_batched_tokens`); without a
+    ``prefill_attention_pairs``, the device's (:func:`~pensieve.core.scheduling_config.
     default_prefill_attention_pairs`)."""
     device = resolve_device(kwargs.get("device") or ModelConfig.device)
     if kwargs.get("max_num_batched_tokens") is None and kwargs.get("enable_chunked_prefill",

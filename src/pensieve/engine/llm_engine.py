@@ -3,7 +3,7 @@
 It loads the model (or, under tensor parallelism, starts the ranks that do), sizes both tiers
 (``engine.tiers``), picks the retention cost model, and composes the scheduler, the cache and
 the executor: :class:`~pensieve.engine.local.LocalExecutor` for one device,
-:class:`~pensieve.parallel.executor.TPExecutor` for ``tensor_parallel_size > 1``. Stepping is
+:class:`~pensieve.parallel.tp_executor.TPExecutor` for ``tensor_parallel_size > 1``. Stepping is
 :class:`EngineCore`'s; the engine owns no policy.
 """
 
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from pensieve.config import EngineConfig, swap_chunk_seconds
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.scheduler import Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine.core import EngineCore, StepObserver
 from pensieve.engine.costs import load_cost_model
+from pensieve.engine.engine_core import EngineCore, StepObserver
 from pensieve.engine.executor import Executor
 from pensieve.engine.local import LocalExecutor, resolve_device, resolve_dtype
 from pensieve.engine.tiers import build_cache, check_fits
@@ -51,7 +51,7 @@ class LLMEngine(EngineCore):
             load_format = "dummy"  # a preset shape has no checkpoint
         executor: Executor
         if mc.tensor_parallel_size > 1:
-            from pensieve.parallel.executor import TPExecutor
+            from pensieve.parallel.tp_executor import TPExecutor
 
             self.hf_config: Any = hf_config
             self.dtype = resolve_dtype(mc.dtype, self.device, hf_config)

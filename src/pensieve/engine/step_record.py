@@ -1,10 +1,11 @@
 """What one engine step did and what it cost, for observers (metrics, benchmarks, profilers).
 
-:class:`EngineCore.step <pensieve.engine.core.EngineCore.step>` builds one :class:`StepRecord`
-per executed step and hands it to every function in ``EngineCore.step_observers``; nothing
-else reaches into the engine to time it. :class:`StepTotals` is the usual observer: running
-sums a server exports on ``/metrics`` and a benchmark differences over its window, so "per
-computed prefill token" costs and host time per step come from the serving process itself.
+:class:`EngineCore.step <pensieve.engine.engine_core.EngineCore.step>` builds one
+:class:`StepRecord` per executed step and hands it to every function in
+``EngineCore.step_observers``; nothing else reaches into the engine to time it.
+:class:`StepTotals` is the usual observer: running sums a server exports on ``/metrics`` and a
+benchmark differences over its window, so "per computed prefill token" costs and host time per
+step come from the serving process itself.
 No torch here.
 """
 

@@ -44,7 +44,7 @@ from ray.serve.config import RequestRouterConfig
 from pensieve.core.routing import conversation_key
 from pensieve.options import default_of, engine_options
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
-from pensieve.replicas.metrics import merge_pages
+from pensieve.replicas.replica_metrics import merge_pages
 from pensieve.server.errors import error_response
 
 log = logging.getLogger("pensieve.replicas")

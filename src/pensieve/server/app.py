@@ -43,7 +43,7 @@ from pensieve.server.protocol import (
 )
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
-from pensieve.server.store import CorruptConversationError, StoreWriteError
+from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
 from pensieve.server.structured import constraint
 from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned

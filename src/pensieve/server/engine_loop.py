@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.core.outputs import TokenLogprobs
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 from pensieve.engine.step_record import StepLog, StepTotals
 from pensieve.server.engine_ops import rebase
 from pensieve.server.step_profile import StepProfile

@@ -222,7 +222,7 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
     from pensieve.models.tokenizer import load_tokenizer
     from pensieve.server.app import create_app
     from pensieve.server.chat import ChatRenderer
-    from pensieve.server.metrics import Metrics
+    from pensieve.server.engine_metrics import Metrics
     from pensieve.server.model_defaults import generation_defaults
     from pensieve.server.state import ServerState
 

@@ -40,7 +40,7 @@ from pensieve.server.logprobs import LogprobsFormatter
 from pensieve.server.protocol import _Sampling
 from pensieve.server.reasoning import ReasoningStream, split_reasoning
 from pensieve.server.state import ServerState
-from pensieve.server.store import StoredConversation, StoreWriteError
+from pensieve.server.store_sqlite import StoredConversation, StoreWriteError
 from pensieve.server.structured import Constraint
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.tool_answer import ToolAnswer

@@ -11,7 +11,7 @@ At open, in order:
 2. The connection (a file that is not a database, a directory that cannot be created or
    written: refused).
 3. ``PRAGMA quick_check``: its findings logged as an error; the store still opens.
-4. A write probe (:data:`~pensieve.server.store.PROBE`): a read-only file, directory or
+4. A write probe (:data:`~pensieve.server.store_sqlite.PROBE`): a read-only file, directory or
    mount, or a full disk, refuses to open.
 5. Every row read and its checksum verified: the corrupt ones are logged by id and listed
    in :class:`StoreReport` (``/health`` counts them); each is refused when asked for.
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pensieve.server.store import (
+from pensieve.server.store_sqlite import (
     ConversationStore,
     CorruptConversationError,
     Store,

@@ -1,12 +1,12 @@
 """The conversation store on PostgreSQL (through ``psycopg``), for replicas on several hosts.
 
-Same rows and the same :class:`~pensieve.server.store.Store` interface as the SQLite store:
+Same rows and the same :class:`~pensieve.server.store_sqlite.Store` interface as the SQLite store:
 one row per conversation, written in one statement when a turn completes (conditional on
 the version the turn read, as there: a conversation that moved to another replica gets its
 next turn written there, a stale turn is refused). One connection per process in autocommit
 mode, behind a lock; a connection the server dropped is reopened once per call. Rows carry
-the same checksum, verified on every read (:func:`~pensieve.server.store.from_row`); a write
-that fails raises :class:`~pensieve.server.store.StoreWriteError`.
+the same checksum, verified on every read (:func:`~pensieve.server.store_sqlite.from_row`); a write
+that fails raises :class:`~pensieve.server.store_sqlite.StoreWriteError`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from pensieve.server.store import (
+from pensieve.server.store_sqlite import (
     ADDED_COLUMNS,
     PROBE,
     REQUEST_INDEX,
@@ -103,7 +103,7 @@ class PostgresStore:
 
     def save_turn(self, conv: StoredConversation) -> None:
         """Write the conversation after a completed turn (one statement), if its row is still
-        at ``conv.version``; else :class:`~pensieve.server.store.StaleTurnError`."""
+        at ``conv.version``; else :class:`~pensieve.server.store_sqlite.StaleTurnError`."""
         stamp(conv)
         written(conv, self._write(*write_statement(conv, "%s")))
 

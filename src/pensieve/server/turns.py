@@ -32,7 +32,7 @@ from pensieve.server import engine_ops
 from pensieve.server.engine_loop import EngineRequestError
 from pensieve.server.errors import APIError
 from pensieve.server.state import ServerState
-from pensieve.server.store import CorruptConversationError, StoredConversation
+from pensieve.server.store_sqlite import CorruptConversationError, StoredConversation
 
 T = TypeVar("T")
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from pensieve.core.config import SchedulerConfig
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
+from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.containment import execute_contained, restore_pending
 from pensieve.engine.executor import Executor
-from pensieve.engine.outputs import RequestOutput
+from pensieve.engine.request_output import RequestOutput
 from pensieve.engine.step_record import StepRecord, prefill_decode_tokens
 
 StepObserver = Callable[[StepRecord], None]

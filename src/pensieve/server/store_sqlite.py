@@ -1,5 +1,5 @@
 """Persistent conversation store: one interface (:class:`Store`), SQLite in WAL mode here,
-PostgreSQL in :mod:`.store_pg`; :func:`pensieve.server.stores.open_store` picks one from a
+PostgreSQL in :mod:`.store_pg`; :func:`pensieve.server.store_open.open_store` picks one from a
 path or a URL.
 
 Replicas on one host share one SQLite file (WAL lets readers run beside the one writer; a

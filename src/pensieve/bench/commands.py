@@ -7,7 +7,7 @@
   same client. Conversations arrive as a Poisson process (``--rate`` a second) with
   exponential think times between turns (:mod:`pensieve.bench.loadgen`). The result holds the
   fields of vLLM's ``bench serve --save-result`` (:mod:`pensieve.bench.serve_metrics`) and
-  Pensieve's own summary (:func:`pensieve.bench.metrics.summarize`: normalized latency, cache
+  Pensieve's own summary (:func:`pensieve.bench.run_metrics.summarize`: normalized latency, cache
   hit rates).
 - ``multiturn``: systems side by side in process, on the device or simulated
   (:mod:`pensieve.bench.multiturn`; its ``--help`` lists the options).
@@ -155,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from pensieve.bench.engine_api import WallClock
     from pensieve.bench.loadgen import run_load
-    from pensieve.bench.metrics import summarize, window
+    from pensieve.bench.run_metrics import summarize, window
     from pensieve.bench.serve_metrics import vllm_metrics
 
     wl = load_workload(args.workload, args.num_conversations, args.seed, args.sharegpt)

@@ -1,11 +1,11 @@
-"""Open the conversation store a ``--store`` value names: SQLite (:mod:`.store`) for a path,
+"""Open the conversation store a ``--store`` value names: SQLite (:mod:`.store_sqlite`) for a path,
 PostgreSQL (:mod:`.store_pg`) for a URL, checked first (:mod:`.store_check`). Apart from both
-so that neither imports the other's backend (``store_pg`` builds on ``store``'s rows)."""
+so that neither imports the other's backend (``store_pg`` builds on ``store_sqlite``'s rows)."""
 
 from __future__ import annotations
 
-from pensieve.server.store import Store
 from pensieve.server.store_check import open_checked
+from pensieve.server.store_sqlite import Store
 
 
 def open_store(target: str) -> Store:
