@@ -317,7 +317,7 @@ class TurnOutput:
         if self.chat:
             # the answer as the client re-sends it: its tool calls, without a thinking
             # model's reasoning
-            conv.messages = turn.prev + turn.new + [self._message(result)]
+            conv.messages = turn.prev + turn.new + [self._parts(result)[1]]
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
         conv.token_ids = result.prompt_ids + result.output_ids
@@ -376,22 +376,28 @@ class TurnOutput:
     def _model(self) -> str:
         return self.body.model or self.state.model_name
 
-    def _message(self, result: Result) -> dict[str, Any]:
-        """The answer as an assistant message as the client re-sends it (canonical,
-        :mod:`.tools`): its tool calls, and no thinking model's reasoning."""
-        if self.tools is not None and self.tools.read(result)[1]:
+    def _parts(self, result: Result) -> tuple[str | None, dict[str, Any]]:
+        """A thinking model's reasoning (None if none) and the answer as an assistant message
+        as the client re-sends it (canonical, :mod:`.tools`): its tool calls, or its content
+        without the reasoning. The answer's text is read once."""
+        if self.tools is not None:
             content, calls = self.tools.read(result)
-            return {"role": "assistant", "content": content, "tool_calls": calls}
-        text = result.text if self.reasoning is None else split_reasoning(result.text)[1]
-        return {"role": "assistant", "content": text}
+            if calls:
+                return None, {"role": "assistant", "content": content, "tool_calls": calls}
+        if self.reasoning is None:
+            return None, {"role": "assistant", "content": result.text}
+        reasoning, text = split_reasoning(result.text)
+        return reasoning, {"role": "assistant", "content": text}
 
     def _api_message(self, result: Result) -> dict[str, Any]:
-        """:meth:`_message` as OpenAI returns it: no content beside calls is ``null``, and a
-        thinking model's reasoning as ``reasoning_content``."""
-        m = self._message(result)
-        if self.reasoning is not None and not m.get("tool_calls"):
-            m["reasoning_content"] = split_reasoning(result.text)[0]
-        return {**m, "content": None} if m.get("tool_calls") and not m["content"] else m
+        """The message of :meth:`_parts` as OpenAI returns it: no content beside calls is
+        ``null``, and a thinking model's reasoning as ``reasoning_content``."""
+        reasoning, m = self._parts(result)
+        if m.get("tool_calls"):
+            return {**m, "content": None} if not m["content"] else m
+        if self.reasoning is not None:
+            m["reasoning_content"] = reasoning
+        return m
 
     def _finish_reason(self, result: Result) -> str:
         calls = self.tools.read(result)[1] if self.tools is not None else []
