@@ -133,8 +133,6 @@ def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float]
         chunk_cost = chunk_cost.chunk_cost
     pol = get_policy(policy)
     cpu = tiers.num_cpu_blocks if pol.uses_cpu_tier else 0
-    cache = TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, pol, chunk_cost,
-                          swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
-                          tenant_kv_share=tenant_kv_share)
-    cache.defer_admission = defer_admission
-    return cache
+    return TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, pol, chunk_cost,
+                         swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
+                         tenant_kv_share=tenant_kv_share, defer_admission=defer_admission)
