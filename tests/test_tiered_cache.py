@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -10,11 +11,13 @@ from hypothesis import strategies as st
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import get_policy
+from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.core.tier_pools import TierPools
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
@@ -26,9 +29,10 @@ def cost(context_len: int) -> float:
     return 1.0 + 0.01 * context_len  # grows with context: leading chunks are cheaper
 
 
-def make(policy: str, gpu: int = 8, cpu: int = 4, threshold: float = 0.5) -> TieredKVCache:
+def make(policy: str, gpu: int = 8, cpu: int = 4, threshold: float = 0.5,
+         **kw: Any) -> TieredKVCache:
     return TieredKVCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
-                         decode_reserve=0.0)
+                         decode_reserve=0.0, **kw)
 
 
 def new_turn(cache: TieredKVCache, cid: str, new: int, now: float
@@ -198,40 +202,40 @@ def test_unknown_policy_is_a_clear_error() -> None:
 IDS = [f"c{k}" for k in range(6)]
 
 
-def brute_victim(cache: TieredKVCache, tier: Tier) -> tuple[object, str, int] | None:
+def brute_victim(index: EvictionIndex, tier: Tier) -> tuple[object, str, int] | None:
     """The reference: the idle chunk of lowest key in ``tier``, over every chunk, at ``now``."""
     best = None
-    for conv in cache.conversations.values():
+    for conv in index.conversations.values():
         if conv.running:
             continue
         for i, ch in enumerate(conv.chunks):
             if ch.tier is tier:
-                k = cache.policy.key(conv, i, cache._now, cache.chunk_cost, cache.chunk_size)
+                k = index.policy.key(conv, i, index.now, index.chunk_cost, index.chunk_size)
                 if best is None or k < best[0]:
                     best = (k, conv.conversation_id, i)
     return best
 
 
-def reference_pass(cache: TieredKVCache, n: int, now: float) -> tuple[dict[str, list[Tier]], int]:
+def reference_pass(pools: TierPools, n: int, now: float) -> tuple[dict[str, list[Tier]], int]:
     """What an eviction pass of ``n`` GPU chunks must do, by brute force over every chunk: the
     lowest GPU chunk leaves (with ``whole_conversation``, the rest of its conversation too); it
     goes to a free CPU block, or displaces the lowest CPU chunk if that one's key is not
     higher, or else is dropped. Returns every conversation's tiers after it, and the count."""
-    convs = cache.conversations
+    convs, policy = pools.index.conversations, pools.index.policy
     tiers = {cid: [ch.tier for ch in conv.chunks] for cid, conv in convs.items()}
-    free = cache.cpu.num_free_blocks if cache.cpu is not None else 0
+    free = pools.cpu.num_free_blocks if pools.cpu is not None else 0
 
     def lowest(tier: Tier) -> tuple[object, str, int] | None:
-        return min(((cache.policy.key(convs[cid], i, now, cache.chunk_cost, C), cid, i)
+        return min(((policy.key(convs[cid], i, now, pools.index.chunk_cost, C), cid, i)
                     for cid, ts in tiers.items() if not convs[cid].running
                     for i, t in enumerate(ts) if t is tier), default=None)
 
     done, last = 0, None
     while (top := lowest(Tier.GPU)) is not None:
         k, cid, i = top
-        if done >= n and not (cache.policy.whole_conversation and cid == last):
+        if done >= n and not (policy.whole_conversation and cid == last):
             break
-        if cache.cpu is None:
+        if pools.cpu is None:
             tiers[cid][i] = Tier.DROPPED
         elif free:
             tiers[cid][i], free = Tier.CPU, free - 1
@@ -245,32 +249,50 @@ def reference_pass(cache: TieredKVCache, n: int, now: float) -> tuple[dict[str, 
     return tiers, done
 
 
-class CheckedCache(TieredKVCache):
-    """Checks every eviction choice of the index against :func:`brute_victim`, and every
-    eviction pass against :func:`reference_pass`."""
+class CheckedIndex(EvictionIndex):
+    """Checks every eviction choice against :func:`brute_victim`."""
 
-    exact = True
     choices = 0
-    passes = 0
 
-    def _peek_victim(self, tier: Tier):  # noqa: ANN202
-        got = super()._peek_victim(tier)
-        if self.exact:
-            want = brute_victim(self, tier)
-            mine = None if got is None else (got[0], got[1].conversation_id, got[2])
-            assert mine == want, (tier, mine, want)
-            self.choices += 1
+    def peek_victim(self, tier: Tier):  # noqa: ANN201
+        got = super().peek_victim(tier)
+        want = brute_victim(self, tier)
+        mine = None if got is None else (got[0], got[1].conversation_id, got[2])
+        assert mine == want, (tier, mine, want)
+        self.choices += 1
         return got
 
-    def _evict_gpu(self, n: int, now: float, urgent: bool) -> int:
-        if not self.exact:
-            return super()._evict_gpu(n, now, urgent)
+
+class CheckedPools(TierPools):
+    """Checks every eviction pass against :func:`reference_pass`."""
+
+    passes = 0
+
+    def evict_gpu(self, n: int, now: float, urgent: bool) -> int:
         want = reference_pass(self, n, now)
-        done = super()._evict_gpu(n, now, urgent)
-        got = {cid: [ch.tier for ch in conv.chunks] for cid, conv in self.conversations.items()}
+        done = super().evict_gpu(n, now, urgent)
+        got = {cid: [ch.tier for ch in conv.chunks]
+               for cid, conv in self.index.conversations.items()}
         assert (got, done) == want
         self.passes += 1
         return done
+
+
+class CheckedCache(TieredKVCache):
+    """A cache whose index and pools check every eviction choice and pass (above)."""
+
+    index_class = CheckedIndex
+    pools_class = CheckedPools
+
+    @property
+    def choices(self) -> int:
+        assert isinstance(self.index, CheckedIndex)
+        return self.index.choices
+
+    @property
+    def passes(self) -> int:
+        assert isinstance(self.pools, CheckedPools)
+        return self.pools.passes
 
 
 class Driver:
@@ -351,7 +373,7 @@ class Driver:
         elif kind == "step":
             cache.plan_background(self.now)
             cache.take_swap_plan()
-            cache.reclaim_swap_outs(a % (len(cache._reclaim_groups) + 1))
+            cache.reclaim_swap_outs(a % (len(cache.pools._reclaim_groups) + 1))
             cache.begin_step()
         cache.check_integrity()
 
@@ -386,8 +408,7 @@ def test_index_evicts_as_brute_force_and_stays_consistent(
     after every operation. Admissions may wait for background swap-outs (``defer``)."""
     cache = CheckedCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
                          decode_reserve=reserve, key_refresh_s=refresh,
-                         swap_chunk_s=swap_chunk_s)
-    cache.defer_admission = defer
+                         swap_chunk_s=swap_chunk_s, defer_admission=defer)
     d = Driver(cache)
     for op in ops:
         d.do(*op)
@@ -398,13 +419,13 @@ def test_many_evictions_at_one_now_keep_the_exact_list_bounded() -> None:
     entries they keyed at now back into bounds once the list grows: still exact, bounded."""
     cache = CheckedCache(40, 0, C, get_policy("gpu-only"), cost, swap_out_threshold=0.0,
                          decode_reserve=0.0, key_refresh_s=5.0)
-    cache._exact_max = 0
+    cache.index.exact_max = 0
     d = Driver(cache)
     rng = random.Random(5)
     for _ in range(400):
         d.do(rng.choice(["admit", "end", "end", "grow"]), rng.randrange(50), rng.randrange(50),
              0.0)
-        assert len(cache._exact) <= 2 * len(cache._gpu_index.live) + 2 * 40
+        assert len(cache.index.keyed_now) <= 2 * len(cache.index.gpu.live) + 2 * 40
     assert cache.choices > 50
 
 
@@ -423,23 +444,23 @@ def test_brute_force_check_sees_evictions() -> None:
 def test_refresh_interval_rekeys_as_time_passes() -> None:
     """Keys are evaluated at t_e in [now, now + key_refresh_s] (lower bounds of the keys at
     now); once now leaves that interval, the index is re-keyed at the new time."""
-    cache = make("pensieve", gpu=12, cpu=8)
-    cache.key_refresh_s = 5.0
+    cache = make("pensieve", gpu=12, cpu=8, key_refresh_s=5.0)
+    index = cache.index
     # A: long idle, long context (costly); B: recent, short context (cheap)
     turn(cache, "A", 28, now=0.0)   # 7 chunks, Cost ~1.3 per chunk at the tail
     turn(cache, "B", 4, now=9.0)    # 1 chunk
-    cache._refresh(9.5)  # evaluated at 14.5: A idle 14.5, B idle 5.5
-    assert cache._t_eval == 14.5
-    key_a = cache._gpu_index.live[cache.conversations["A"]][2]
+    index.refresh(9.5)  # evaluated at 14.5: A idle 14.5, B idle 5.5
+    assert index.t_eval == 14.5
+    key_a = index.gpu.live[cache.conversations["A"]][2]
     assert key_a == cache.policy.key(cache.conversations["A"], 0, 14.5, cost, C)
-    cache._refresh(12.0)  # still inside [9.5, 14.5]: no re-key
-    assert cache._t_eval == 14.5
+    index.refresh(12.0)  # still inside [9.5, 14.5]: no re-key
+    assert index.t_eval == 14.5
     # the victim is exact at now = 12 although the heap holds keys at 14.5
-    _, conv, i = cache._peek_victim(Tier.GPU)
-    assert (conv.conversation_id, i) == brute_victim(cache, Tier.GPU)[1:]
+    _, conv, i = index.peek_victim(Tier.GPU)
+    assert (conv.conversation_id, i) == brute_victim(index, Tier.GPU)[1:]
     cache.check_integrity()
-    cache._refresh(20.0)
-    assert cache._t_eval == 25.0
+    index.refresh(20.0)
+    assert index.t_eval == 25.0
     cache.check_integrity()
 
 
@@ -447,8 +468,7 @@ def test_exact_order_where_a_snapshot_would_be_wrong() -> None:
     """Two conversations whose order flips between now and t_e: at now = 10, B (idle since 9,
     priority 0.2) is worth more than A (idle since 0); at 14.5 it is worth less. The index,
     keyed at 14.5, still evicts A first at 10."""
-    cache = make("pensieve", gpu=20, cpu=20)
-    cache.key_refresh_s = 4.5
+    cache = make("pensieve", gpu=20, cpu=20, key_refresh_s=4.5)
     turn(cache, "A", 4, now=0.0)  # 1 chunk, Cost 1.04
     turn(cache, "B", 4, now=9.0)
     a, b = cache.conversations["A"], cache.conversations["B"]
@@ -456,17 +476,16 @@ def test_exact_order_where_a_snapshot_would_be_wrong() -> None:
     key = cache.policy.key
     assert key(a, 0, 10.0, cost, C) < key(b, 0, 10.0, cost, C)
     assert key(b, 0, 14.5, cost, C) < key(a, 0, 14.5, cost, C)
-    cache._refresh(10.0)
-    assert cache._t_eval == 14.5
-    assert cache._gpu_index.peek()[1] is b  # the lower bounds alone would pick B
-    _, conv, _ = cache._peek_victim(Tier.GPU)
+    cache.index.refresh(10.0)
+    assert cache.index.t_eval == 14.5
+    assert cache.index.gpu.peek()[1] is b  # the lower bounds alone would pick B
+    _, conv, _ = cache.index.peek_victim(Tier.GPU)
     assert conv is a
     cache.check_integrity()
 
 
 def test_hints_rekey_idle_conversations() -> None:
-    cache = make("pensieve", gpu=8, cpu=4)
-    cache.key_refresh_s = 0.0
+    cache = make("pensieve", gpu=8, cpu=4, key_refresh_s=0.0)
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=10.0)
     cache.set_hints(cache.conversations["A"], priority=100.0)  # A is now worth keeping
@@ -608,7 +627,7 @@ def test_engine_reclaims_exactly_as_reported() -> None:
     pending: list[int] = []
     while eng.has_unfinished():
         eng.step()
-        pending.append(len(cache._reclaim_groups))
+        pending.append(len(cache.pools._reclaim_groups))
         assert pending[-1] == ex.reports[-1]
     assert max(ex.reports) >= 1
 
@@ -616,11 +635,10 @@ def test_engine_reclaims_exactly_as_reported() -> None:
 # --------------------------------------------------------------------------- swap or recompute
 def _with_cpu_chunks(swap_chunk_s: float | None) -> tuple[TieredKVCache, Request]:
     """A (3 chunks, kv_end 12) entirely on the CPU, ready for its next turn of 2 tokens."""
-    cache = make("pensieve", gpu=12, cpu=12, threshold=0.0)
-    cache.swap_chunk_s = swap_chunk_s
+    cache = make("pensieve", gpu=12, cpu=12, threshold=0.0, swap_chunk_s=swap_chunk_s)
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=1.0)
-    cache._evict_gpu(3, now=2.0, urgent=False)  # A's three chunks
+    cache.pools.evict_gpu(3, now=2.0, urgent=False)  # A's three chunks
     cache.take_swap_plan()
     cache.reclaim_swap_outs(0)
     cache.begin_step()
@@ -660,8 +678,8 @@ def test_congested_link_pushes_toward_recompute() -> None:
     """The same chunks and rate as the 0.5 s case above, with 2 background swap-outs still in
     flight ahead of them on the copy stream: only the first is swapped in."""
     cache, req = _with_cpu_chunks(0.5)
-    cache._reclaim_groups.append([])  # stand-ins for two blocks still copying out
-    cache._reclaim_group_blocks = 2
+    cache.pools._reclaim_groups.append([])  # stand-ins for two blocks still copying out
+    cache.pools._reclaim_group_blocks = 2
     conv = cache.conversations["A"]
     assert cache.admit(req, conv, 15, now=3.0)
     # 1.04 < 0.5 * 3 = 1.5: recompute; then 1.04 + 1.08 > 1.5: swap; 2.12 > 2.0: swap
@@ -672,8 +690,7 @@ def test_congested_link_pushes_toward_recompute() -> None:
 def test_recomputing_a_chunk_cancels_its_swap_out_of_this_step() -> None:
     """A chunk evicted urgently this step and admitted again in the same step, recomputed:
     its copy is cancelled and the counters say it never left."""
-    cache = make("pensieve", gpu=6, cpu=6, threshold=0.0)
-    cache.swap_chunk_s = 100.0
+    cache = make("pensieve", gpu=6, cpu=6, threshold=0.0, swap_chunk_s=100.0)
     turn(cache, "A", 8, now=0.0)  # 2 chunks (blocks 0, 1), idle
     conv_b = cache.conversation("B")
     b = Request("B1", [5] * 24, SamplingParams(), conversation_id="B")
@@ -850,8 +867,7 @@ def test_deferred_admission_waits_for_background_swap_outs(may_defer: bool) -> N
     """A turn short of GPU blocks, with other turns running (``may_defer``), starts background
     swap-outs for what it lacks and waits; once they are reclaimed it is admitted with no
     urgent swap-out. Without ``may_defer`` (or past its deferrals) the swap-outs are urgent."""
-    cache = make("pensieve", gpu=8, cpu=8, threshold=0.0)
-    cache.defer_admission = 1
+    cache = make("pensieve", gpu=8, cpu=8, threshold=0.0, defer_admission=1)
     cache.begin_step()
     turn(cache, "A", 12, now=0.0)  # 3 chunks
     turn(cache, "B", 12, now=1.0)  # 3 chunks: 2 GPU blocks free
@@ -874,8 +890,7 @@ def test_deferred_admission_waits_for_background_swap_outs(may_defer: bool) -> N
 
 
 def test_deferred_admission_is_admitted_once_the_copies_are_done() -> None:
-    cache = make("pensieve", gpu=8, cpu=8, threshold=0.0)
-    cache.defer_admission = 2
+    cache = make("pensieve", gpu=8, cpu=8, threshold=0.0, defer_admission=2)
     cache.begin_step()
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=1.0)
@@ -893,3 +908,26 @@ def test_deferred_admission_is_admitted_once_the_copies_are_done() -> None:
     plan = cache.take_swap_plan()
     assert not plan.swap_out_first and not plan.swap_out
     cache.check_integrity()
+
+
+# --------------------------------------------------------------------------- construction
+def test_settings_are_constructor_arguments_and_parts_are_composed() -> None:
+    """``defer_admission`` is given when the cache is built (and checked there); the cache
+    holds its index and pools, which share one index and one conversations map."""
+    cache = make("pensieve", defer_admission=3)
+    assert cache.defer_admission == 3
+    assert cache.pools.index is cache.index
+    assert cache.index.conversations is cache.conversations
+    assert cache.gpu is cache.pools.gpu and cache.stats is cache.pools.stats
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="defer_admission"):
+            make("pensieve", defer_admission=bad)
+
+
+def test_decode_step_times_are_averaged_into_step_overlap() -> None:
+    cache = make("pensieve")
+    assert cache.step_overlap_s == 0.0
+    cache.observe_decode_step(0.010)  # the first sets it
+    assert cache.step_overlap_s == 0.010
+    cache.observe_decode_step(0.020)  # then a moving average (weight 0.2)
+    assert cache.step_overlap_s == pytest.approx(0.012)

@@ -28,9 +28,10 @@ few ``R``) surface and are evaluated once per eviction time. ``R = 0`` re-keys a
 A policy whose time-dependent key could grow while a conversation stays idle would break the
 lower bounds (``EvictionPolicy.time_dependent``).
 
-:class:`EvictionIndex` holds the index of both tiers and the key times;
-:class:`~pensieve.core.tier_pools.TierPools` builds on it to move chunks, and
-:class:`~pensieve.core.tiered_cache.TieredKVCache` on that to run turns.
+:class:`EvictionIndex` holds the index of both tiers and the key times. It changes no chunk:
+:class:`~pensieve.core.tier_pools.TierPools` holds it to pick victims as it moves chunks, and
+:class:`~pensieve.core.tiered_cache.TieredKVCache` holds both and tells the index when a turn
+starts or ends.
 """
 
 from __future__ import annotations
@@ -108,91 +109,100 @@ class TierIndex:
 
 class EvictionIndex:
     """The eviction candidates of both tiers over the conversations, and the times their keys
-    are evaluated at."""
+    are evaluated at.
 
-    _exact_max = 1024
+    The owner of the chunks (:class:`~pensieve.core.tier_pools.TierPools`, and the cache for
+    turns) calls it whenever a candidate may have changed (the module docstring lists when);
+    during an eviction at ``now``, :meth:`peek_victim` gives each tier's lowest chunk."""
+
+    exact_max = 1024
     """Entries keyed at one ``now`` kept listed before they are made bounds again anyway."""
 
-    def __init__(self, chunk_size: int, policy: EvictionPolicy, chunk_cost: ChunkCost,
-                 key_refresh_s: float) -> None:
+    def __init__(self, conversations: dict[str, Conversation], chunk_size: int,
+                 policy: EvictionPolicy, chunk_cost: ChunkCost, key_refresh_s: float) -> None:
+        """``conversations``: the cache's (shared, not copied; read by :meth:`check`)."""
         if not key_refresh_s >= 0.0:
             raise ValueError(f"key_refresh_s must be >= 0, got {key_refresh_s}")
+        self.conversations = conversations
         self.chunk_size = chunk_size
         self.policy = policy
         self.chunk_cost = chunk_cost
         self.key_refresh_s = key_refresh_s
-        self.conversations: dict[str, Conversation] = {}
-        self._gpu_index = TierIndex()
-        self._cpu_index = TierIndex()
-        self._t_eval = -math.inf
+        self.gpu = TierIndex()
+        """Candidates of the GPU tier."""
+        self.cpu = TierIndex()
+        """Candidates of the CPU tier."""
+        self.t_eval = -math.inf
         """``t_e``: the index's keys are evaluated at ``t_e`` (lower bounds while ``now <=
-        t_e``), or exactly at :attr:`_now` for the entries in :attr:`_exact` (module
+        t_e``), or exactly at :attr:`now` for the entries in :attr:`keyed_now` (module
         docstring)."""
-        self._now = -math.inf
+        self.now = -math.inf
         """``now`` of the last eviction (and of the one under way)."""
-        self._exact: list[tuple[TierIndex, Conversation]] = []
-        """Entries keyed at ``_now`` (not ``t_e``): keyed again at ``t_e`` when time moves."""
-        self._time_dependent = policy.time_dependent
-        self._step = -1 if policy.tail_first else 1
+        self.keyed_now: list[tuple[TierIndex, Conversation]] = []
+        """Entries keyed at ``now`` (not ``t_e``): keyed again at ``t_e`` when time moves.
+        Whoever keys an entry at ``now`` lists it here (time-dependent keys only)."""
+        self.time_dependent = policy.time_dependent
+        self.step = -1 if policy.tail_first else 1
+        """+1: a conversation's chunks go leading first; -1: tail first."""
         self._costs: dict[int, float] = {}
 
-    def _rekey(self, conv: Conversation) -> None:
+    def rekey(self, conv: Conversation) -> None:
         """The inputs of ``conv``'s keys changed: its index entries follow."""
         if not conv.running:
-            for index in (self._gpu_index, self._cpu_index):
+            for index in (self.gpu, self.cpu):
                 entry = index.live.get(conv)
                 if entry is not None:
-                    index.set(conv, entry[0], self._key(conv, entry[0]), self._t_eval)
+                    index.set(conv, entry[0], self.key(conv, entry[0]), self.t_eval)
 
-    def _cost(self, context_len: int) -> float:
+    def cost(self, context_len: int) -> float:
         """``chunk_cost``, memoised (it is a pure function of the context length)."""
         v = self._costs.get(context_len)
         if v is None:
             v = self._costs[context_len] = self.chunk_cost(context_len)
         return v
 
-    def _key(self, conv: Conversation, i: int) -> EvictionKey:
+    def key(self, conv: Conversation, i: int) -> EvictionKey:
         """Chunk ``i``'s key at ``t_e`` (a lower bound of its key at any ``now <= t_e``)."""
-        return self.policy.key(conv, i, self._t_eval, self._cost, self.chunk_size)
+        return self.policy.key(conv, i, self.t_eval, self.cost, self.chunk_size)
 
-    def _key_now(self, conv: Conversation, i: int) -> EvictionKey:
+    def key_now(self, conv: Conversation, i: int) -> EvictionKey:
         """Chunk ``i``'s key now (during an eviction)."""
-        return self.policy.key(conv, i, self._now, self._cost, self.chunk_size)
+        return self.policy.key(conv, i, self.now, self.cost, self.chunk_size)
 
-    def _refresh(self, now: float) -> None:
+    def refresh(self, now: float) -> None:
         """An eviction starts at ``now``. Keys evaluated at an earlier ``now`` are keyed at
         ``t_e`` again (they would not be lower bounds any more); all keys are re-evaluated at
         ``now + key_refresh_s`` once ``now`` passes ``t_e``."""
-        if now == self._now:
-            if len(self._exact) > self._exact_max + 2 * len(self._gpu_index.live):
+        if now == self.now:
+            if len(self.keyed_now) > self.exact_max + 2 * len(self.gpu.live):
                 self._rebound()  # many evictions at one now: bounds again (still valid)
             return
-        self._now = now
-        if not self._time_dependent:
+        self.now = now
+        if not self.time_dependent:
             return
-        t_e = self._t_eval
+        t_e = self.t_eval
         if not t_e - self.key_refresh_s <= now <= t_e:
-            t_e = self._t_eval = now + self.key_refresh_s
-            for index in (self._gpu_index, self._cpu_index):
-                index.rekey({conv: self._key(conv, i) for conv, (i, _, _, _) in
+            t_e = self.t_eval = now + self.key_refresh_s
+            for index in (self.gpu, self.cpu):
+                index.rekey({conv: self.key(conv, i) for conv, (i, _, _, _) in
                              index.live.items()}, t_e)
-            self._exact.clear()
+            self.keyed_now.clear()
         else:
             self._rebound()
 
     def _rebound(self) -> None:
         """Entries keyed at ``now`` are keyed at ``t_e`` again (lower bounds)."""
-        t_e = self._t_eval
-        for index, conv in self._exact:
+        t_e = self.t_eval
+        for index, conv in self.keyed_now:
             entry = index.live.get(conv)
             if entry is not None and entry[3] != t_e:
-                index.set(conv, entry[0], self._key(conv, entry[0]), t_e)
-        self._exact.clear()
+                index.set(conv, entry[0], self.key(conv, entry[0]), t_e)
+        self.keyed_now.clear()
 
-    def _first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
+    def first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
         """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order."""
         chunks = conv.chunks
-        if self._step > 0:
+        if self.step > 0:
             for i in range(max(start, 0), len(chunks)):
                 if chunks[i].tier is tier:
                     return i
@@ -202,67 +212,95 @@ class EvictionIndex:
                     return i
         return None
 
-    def _start(self, conv: Conversation) -> int:
-        return 0 if self._step > 0 else len(conv.chunks) - 1
+    def start(self, conv: Conversation) -> int:
+        """Where the policy's chunk order starts in ``conv``."""
+        return 0 if self.step > 0 else len(conv.chunks) - 1
 
     def _advance(self, index: TierIndex, tier: Tier, conv: Conversation, start: int) -> None:
         """The conversation's candidate in ``tier`` is its first chunk there from ``start``."""
-        i = self._first(conv, tier, start)
+        i = self.first(conv, tier, start)
         if i is None:
             index.discard(conv)
         else:
-            index.set(conv, i, self._key(conv, i), self._t_eval)
+            index.set(conv, i, self.key(conv, i), self.t_eval)
 
-    def _index(self, conv: Conversation) -> None:
+    def reindex(self, conv: Conversation) -> None:
         """(Re)index an idle conversation from scratch (its chunks or its key changed)."""
-        self._advance(self._gpu_index, Tier.GPU, conv, self._start(conv))
-        self._advance(self._cpu_index, Tier.CPU, conv, self._start(conv))
+        self._advance(self.gpu, Tier.GPU, conv, self.start(conv))
+        self._advance(self.cpu, Tier.CPU, conv, self.start(conv))
 
-    def _unindex(self, conv: Conversation) -> None:
-        self._gpu_index.discard(conv)
-        self._cpu_index.discard(conv)
+    def remove(self, conv: Conversation) -> None:
+        """``conv`` leaves the index (its turn starts, or it is deleted)."""
+        self.gpu.discard(conv)
+        self.cpu.discard(conv)
 
-    def _entered_cpu(self, conv: Conversation, i: int) -> None:
-        """Chunk ``i`` of an idle conversation just reached the CPU tier."""
-        entry = self._cpu_index.live.get(conv)
-        if entry is None or (i - entry[0]) * self._step < 0:
-            self._cpu_index.set(conv, i, self._key(conv, i), self._t_eval)
+    def entered_cpu(self, conv: Conversation, i: int, key_now: EvictionKey | None = None
+                    ) -> None:
+        """Chunk ``i`` of an idle conversation just reached the CPU tier: it becomes the
+        conversation's CPU candidate if it comes first in the policy's order. ``key_now``: its
+        key at :attr:`now` (during an eviction), which the entry then holds; else it is keyed
+        at ``t_e``."""
+        cpu = self.cpu
+        entry = cpu.live.get(conv)
+        if entry is None or (i - entry[0]) * self.step < 0:
+            if key_now is None:
+                cpu.set(conv, i, self.key(conv, i), self.t_eval)
+            else:
+                cpu.set(conv, i, key_now, self.now)
+                if self.time_dependent:
+                    self.keyed_now.append((cpu, conv))
 
-    def _peek_victim(self, tier: Tier) -> Victim | None:
-        """The idle chunk of lowest key in ``tier`` now (during an eviction at ``_now``).
+    def pass_top(self, index: TierIndex, tier: Tier, conv: Conversation, i: int) -> None:
+        """Chunk ``i`` of ``conv``, the top of ``index`` (``tier``'s), just left the tier: the
+        conversation's next chunk there takes its place, keyed at :attr:`now`."""
+        j = self.first(conv, tier, i + self.step)
+        if j is None:
+            index.pop_top(conv)
+        else:
+            index.replace_top(conv, j, self.key_now(conv, j), self.now)
+            if self.time_dependent:
+                self.keyed_now.append((index, conv))
+
+    def peek_victim(self, tier: Tier) -> Victim | None:
+        """The idle chunk of lowest key in ``tier`` now (during an eviction at :attr:`now`).
 
         Entries keyed at ``t_e`` hold lower bounds: while the lowest entry is one, it is keyed
         again at ``now`` (exact) and goes back in the heap; once the lowest is exact, no other
         chunk's key can be lower."""
-        index = self._gpu_index if tier is Tier.GPU else self._cpu_index
-        if not self._time_dependent:
+        index = self.gpu if tier is Tier.GPU else self.cpu
+        if not self.time_dependent:
             return index.peek()
-        now = self._now
+        now = self.now
         while (top := index.peek()) is not None:
             _, conv, i = top
             if index.live[conv][3] == now:
                 return top
-            index.replace_top(conv, i, self._key_now(conv, i), now)
-            self._exact.append((index, conv))
+            index.replace_top(conv, i, self.key_now(conv, i), now)
+            self.keyed_now.append((index, conv))
         return None
 
+    def check(self) -> None:
+        """Raise AssertionError unless both tiers' candidates, keys and heaps equal a full
+        recomputation over the conversations."""
+        self._check_index(self.gpu, Tier.GPU)
+        self._check_index(self.cpu, Tier.CPU)
 
     def _check_index(self, index: TierIndex, tier: Tier) -> None:
         want: dict[Conversation, int] = {}
         for conv in self.conversations.values():
-            i = None if conv.running else self._first(conv, tier, self._start(conv))
+            i = None if conv.running else self.first(conv, tier, self.start(conv))
             if i is not None:
                 want[conv] = i
         got = {conv: i for conv, (i, _, _, _) in index.live.items()}
         assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
         heap = {seq: (key, conv, i) for key, seq, conv, i in index.heap}
-        exact = {id(c) for x, c in self._exact if x is index}
+        exact = {id(c) for x, c in self.keyed_now if x is index}
         for conv, (i, seq, key, t) in index.live.items():
             cid = conv.conversation_id
             assert self.conversations.get(cid) is conv, cid
-            assert key == self.policy.key(conv, i, t, self._cost, self.chunk_size), (
+            assert key == self.policy.key(conv, i, t, self.cost, self.chunk_size), (
                 tier, cid, i, "stale key")
             assert heap.get(seq) == (key, conv, i), (tier, cid, "not in heap")
-            if self._time_dependent:  # a lower bound (at t_e), or exact now and listed
-                assert t == self._t_eval or (t == self._now and id(conv) in exact), (
+            if self.time_dependent:  # a lower bound (at t_e), or exact now and listed
+                assert t == self.t_eval or (t == self.now and id(conv) in exact), (
                     tier, cid, t, "keyed at neither t_e nor now")

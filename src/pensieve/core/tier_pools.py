@@ -10,9 +10,10 @@ the same step must not overwrite it before it is read). Urgent evictions (``swap
 free their GPU block at once: the runner copies them before the step touches any KV.
 
 Eviction passes take idle chunks in the order of the
-:class:`~pensieve.core.eviction_index.EvictionIndex` this class builds on: a GPU chunk goes to
-a free CPU block, or to one freed by dropping the CPU tier's lowest chunk if that one's key is
-lower, else it is dropped.
+:class:`~pensieve.core.eviction_index.EvictionIndex` this class holds (the cache's, shared):
+a GPU chunk goes to a free CPU block, or to one freed by dropping the CPU tier's lowest chunk
+if that one's key is lower, else it is dropped. An eviction pass and a suspension's moves take
+that one path (:meth:`TierPools._leave_gpu`); the pools keep the index right as chunks move.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
-from pensieve.core.conversation import Conversation, Tier
-from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
+from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.stats import CacheStats
@@ -39,28 +40,31 @@ class _StepPlan:
     """cpu_block -> gpu_block of background swap-outs, in plan order."""
 
 
-class TierPools(EvictionIndex):
-    """GPU and CPU block pools, the step's copy plan and the background swap-outs awaiting
-    reclaim."""
+class TierPools:
+    """GPU and CPU block pools, the step's copy plan, the background swap-outs awaiting
+    reclaim, and the eviction passes (victims from the :class:`EvictionIndex` it holds)."""
 
     def __init__(
         self,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
-        chunk_size: int,
-        policy: EvictionPolicy,
-        chunk_cost: ChunkCost,
+        index: EvictionIndex,
         swap_out_threshold: float,
         decode_reserve: float,
         swap_out_batch: float,
-        key_refresh_s: float,
+        tenant_kv_share: float | None = None,
     ) -> None:
+        """``index``: the eviction index over the same conversations (shared with the
+        cache). No CPU pool when the index's policy keeps no CPU tier or ``num_cpu_blocks`` is
+        0. ``tenant_kv_share``: see :class:`~pensieve.core.tenant_share.TenantShare`."""
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
-        super().__init__(chunk_size, policy, chunk_cost, key_refresh_s)
+        self.index = index
+        self.chunk_size = index.chunk_size
         self.gpu = BlockPool(num_gpu_blocks)
         self.cpu: BlockPool | None = (
-            BlockPool(num_cpu_blocks) if policy.uses_cpu_tier and num_cpu_blocks > 0 else None
+            BlockPool(num_cpu_blocks) if index.policy.uses_cpu_tier and num_cpu_blocks > 0
+            else None
         )
         self.swap_out_threshold_blocks = int(swap_out_threshold * num_gpu_blocks)
         self.swap_out_batch_blocks = int(swap_out_batch * num_gpu_blocks)
@@ -68,7 +72,8 @@ class TierPools(EvictionIndex):
         (longer copies, one eviction pass per batch instead of one per step)."""
         self.decode_reserve_blocks = int(decode_reserve * num_gpu_blocks)
         self.stats = CacheStats()
-        self.tenant_share: TenantShare | None = None
+        self.tenant_share: TenantShare | None = None if tenant_kv_share is None else (
+            TenantShare(tenant_kv_share, num_gpu_blocks, self.cpu.num_blocks if self.cpu else 0))
         """Per-tenant share of each tier that hints cannot exceed (None: no bound)."""
         self._hints_due: set[Conversation] = set()
         """Conversations whose tenant crossed its share in an eviction, re-keyed once the
@@ -84,7 +89,7 @@ class TierPools(EvictionIndex):
         next step begins, so they are freed one step later (the copies finish during the next
         step)."""
         self._plan = _StepPlan()
-        self._pinned_gpu = 0
+        self.pinned_gpu = 0
         """GPU blocks held by running conversations (all of their chunks)."""
 
     @property
@@ -92,7 +97,39 @@ class TierPools(EvictionIndex):
         """Background swap-outs whose GPU blocks are not reclaimed yet (copies may run)."""
         return bool(self._reclaim_groups)
 
+    # ------------------------------------------------------------------ the step's plan
+    def begin_step(self) -> None:
+        """Free the CPU blocks whose chunks the previous step swapped in (those it swapped in
+        ahead: at the next step)."""
+        if self.cpu is not None:
+            self.cpu.free(self._reclaim_cpu)
+        self._reclaim_cpu, self._reclaim_cpu_ahead = self._reclaim_cpu_ahead, []
 
+    @property
+    def num_planned_swap_ins(self) -> int:
+        """Chunks this step's plan swaps in so far (``SwapPlan.swap_in``)."""
+        return len(self._plan.swap_in)
+
+    def swap_in_ahead(self, since: int) -> int:
+        """Move the swap-ins planned after the first ``since`` to ``SwapPlan.swap_in_ahead``;
+        returns how many."""
+        plan = self._plan
+        moved = plan.swap_in[since:]
+        if not moved:
+            return 0
+        del plan.swap_in[since:]
+        plan.swap_in_ahead.extend(moved)
+        cpu_blocks = {c for c, _ in moved}
+        self._reclaim_cpu = [b for b in self._reclaim_cpu if b not in cpu_blocks]
+        self._reclaim_cpu_ahead.extend(c for c, _ in moved)
+        return len(moved)
+
+    def queued_copies(self) -> int:
+        """Chunk copies on the copy stream this step so far: urgent swap-outs and swap-ins
+        planned, and background swap-outs still in flight as last reported."""
+        p = self._plan
+        return (len(p.swap_out_first) + len(p.swap_in) + len(p.swap_in_ahead)
+                + self._reclaim_group_blocks)
 
     def take_swap_plan(self) -> SwapPlan:
         """This step's copies; its background swap-outs become a reclaim group."""
@@ -115,45 +152,108 @@ class TierPools(EvictionIndex):
             self.gpu.free(group)
             self._reclaim_group_blocks -= len(group)
 
-    def _pending_reclaim_gpu(self) -> int:
+    def pending_reclaim_gpu(self) -> int:
         """GPU blocks that become free once background copies finish."""
         return self._reclaim_group_blocks + len(self._plan.swap_out)
 
+    # ------------------------------------------------------------------ running conversations
+    def pin(self, conv: Conversation) -> tuple[int, int, int]:
+        """Bring every chunk of a conversation whose turn starts to the GPU (CPU chunks by a
+        planned swap-in, dropped ones into fresh blocks to be recomputed) and count its blocks
+        as pinned; sets its block table. Returns its tokens (already on the GPU, swapped in,
+        to recompute). The GPU must have a free block for each chunk not on it."""
+        c = self.chunk_size
+        chunks = conv.chunks
+        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self._reclaim_cpu
+        kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
+        table: list[int] = []
+        hit = swapped = recomputed = 0
+        for i, ch in enumerate(chunks):
+            tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
+            tier = ch.tier
+            if tier is gpu_tier:
+                hit += tokens
+            else:
+                block = gpu.allocate_one()
+                if tier is cpu_tier:
+                    swap_in.append((ch.block, block))
+                    reclaim_cpu.append(ch.block)
+                    swapped += tokens
+                else:
+                    recomputed += tokens
+                ch.tier, ch.block = gpu_tier, block
+            table.append(ch.block)
+        conv.block_table = tuple(table)
+        self.pinned_gpu += len(chunks)
+        return hit, swapped, recomputed
 
+    def extend(self, conv: Conversation, num_chunks: int) -> None:
+        """``num_chunks`` more GPU chunks (free blocks, pinned) at the end of a running
+        conversation."""
+        if num_chunks <= 0:
+            return
+        blocks = self.gpu.allocate(num_chunks)
+        conv.chunks.extend(Chunk(Tier.GPU, b) for b in blocks)
+        conv.block_table += tuple(blocks)
+        self.pinned_gpu += num_chunks
+
+    def release(self, conv: Conversation) -> None:
+        """A running conversation stops running (its chunks are all on the GPU)."""
+        self.pinned_gpu -= len(conv.chunks)
+        conv.running = False
+        conv.block_table = ()
+
+    def free_chunks(self, conv: Conversation, keep: int) -> None:
+        """Free the blocks of chunks ``keep..`` and forget those chunks (of an idle
+        conversation, or one being released)."""
+        for i in range(keep, len(conv.chunks)):
+            ch = conv.chunks[i]
+            if ch.tier is Tier.GPU:
+                self.gpu.free([ch.block])
+            elif ch.tier is Tier.CPU and self.cpu is not None:
+                self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
+                self.cpu.free([ch.block])
+        del conv.chunks[keep:]
+        conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
+
+    # ------------------------------------------------------------------ eviction
     def plan_background(self, now: float) -> None:
         """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
         under the threshold."""
         if self.cpu is None:
             return
         short = (self.swap_out_threshold_blocks - self.gpu.num_free_blocks
-                 - self._pending_reclaim_gpu())
+                 - self.pending_reclaim_gpu())
         if short > 0:
-            self._evict_gpu(short + self.swap_out_batch_blocks, now, urgent=False)
+            self.evict_gpu(short + self.swap_out_batch_blocks, now, urgent=False)
 
-    def _evictable_gpu_blocks(self) -> int:
+    def evictable_gpu_blocks(self) -> int:
         """GPU blocks held by idle conversations (every other taken block is pinned or
         waiting to be reclaimed)."""
-        taken = self.gpu.num_blocks - self.gpu.num_free_blocks - self._pending_reclaim_gpu()
-        return taken - self._pinned_gpu
+        taken = self.gpu.num_blocks - self.gpu.num_free_blocks - self.pending_reclaim_gpu()
+        return taken - self.pinned_gpu
 
-    def _evict_gpu(self, n: int, now: float, urgent: bool) -> int:
+    def evict_gpu(self, n: int, now: float, urgent: bool) -> int:
         """Move (or drop) up to ``n`` idle GPU chunks, lowest key first; returns how many.
 
         The hot loop of the cache. The victim's chunks are taken in a run while the next one's
         key stays below every other entry of the GPU heap (the top's children bound all
         others from below, lower bounds included), so the heap is touched once per run, not
         once per chunk; the order is the one a pass chunk by chunk would take."""
-        self._refresh(now)
-        whole = self.policy.whole_conversation
-        gpu_index = self._gpu_index
-        step = self._step
+        idx = self.index
+        idx.refresh(now)
+        whole = idx.policy.whole_conversation
+        gpu_index = idx.gpu
+        step = idx.step
         gpu_tier = Tier.GPU
+        peek_victim, first, key_now = idx.peek_victim, idx.first, idx.key_now
+        leave_gpu, entered_cpu = self._leave_gpu, idx.entered_cpu
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
-        exact = self._exact if self._time_dependent else []
+        exact = idx.keyed_now if idx.time_dependent else []
         done = 0
         last: Conversation | None = None
         while True:
-            top = self._peek_victim(gpu_tier)
+            top = peek_victim(gpu_tier)
             if top is None:
                 break
             key, conv, i = top
@@ -163,27 +263,44 @@ class TierPools(EvictionIndex):
             bound = (min(heap[1][0], heap[2][0]) if len(heap) > 2
                      else heap[1][0] if len(heap) == 2 else None)
             while True:
-                to = self._move_gpu_chunk(conv, i, key, now, urgent)
+                to = leave_gpu(conv, i, key, urgent)
+                if to is Tier.CPU:
+                    entered_cpu(conv, i, key)
                 if self.tenant_share is not None and conv in self.tenant_share.counted:
                     self._hints_due |= self.tenant_share.moved(conv, gpu_tier, to)
                 done += 1
                 # the conversation's next GPU chunk takes its place in the GPU index
-                j = self._first(conv, gpu_tier, i + step)
+                j = first(conv, gpu_tier, i + step)
                 if j is None:
                     gpu_index.pop_top(conv)
                     break
-                i, key = j, self._key_now(conv, j)
+                i, key = j, key_now(conv, j)
                 if (done >= n and not whole) or (bound is not None and not key < bound):
                     # keyed now (exact, for this eviction); at t_e again when time moves
                     gpu_index.replace_top(conv, j, key, now)
                     exact.append((gpu_index, conv))
                     break
             if self._hints_due:  # after the run: it holds conv at the top of the GPU heap
-                self._apply_hints()
+                self.apply_hints()
             last = conv
         return done
 
-    def _apply_hints(self, convs: set[Conversation] | None = None) -> None:
+    def move_out(self, conv: Conversation) -> None:
+        """Every GPU chunk of an idle conversation (just suspended, indexed) leaves the GPU
+        urgently, outside an eviction pass, at the index's ``now`` (the caller refreshes it):
+        to the CPU where the tier has or can make room (:meth:`_leave_gpu`), else dropped; the
+        conversation leaves the GPU index."""
+        idx = self.index
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is Tier.GPU:
+                to = self._leave_gpu(conv, i, None, urgent=True)
+                if self._hints_due:
+                    self.apply_hints()
+                if to is Tier.CPU:
+                    idx.entered_cpu(conv, i)
+        idx.gpu.discard(conv)
+
+    def apply_hints(self, convs: set[Conversation] | None = None) -> None:
         """The policy reads each conversation's hints as its tenant's share allows
         (``convs``, else those whose tenant crossed its share since the last call)."""
         share = self.tenant_share
@@ -194,25 +311,27 @@ class TierPools(EvictionIndex):
             effective = share.effective(conv)
             if effective != (conv.priority, conv.keep_alive_s):
                 conv.priority, conv.keep_alive_s = effective
-                self._rekey(conv)
+                self.index.rekey(conv)
 
-    def _move_gpu_chunk(self, conv: Conversation, i: int, key: EvictionKey, now: float,
-                        urgent: bool) -> Tier:
-        """GPU chunk ``i`` of ``conv`` (key ``key`` now) leaves for a free CPU block, or one
-        freed by dropping the CPU tier's lowest chunk if that one's key is lower, else it is
-        dropped; returns the tier it went to. The caller moves the GPU index; the CPU index
-        follows here."""
+    def _leave_gpu(self, conv: Conversation, i: int, key: EvictionKey | None,
+                   urgent: bool) -> Tier:
+        """GPU chunk ``i`` of ``conv`` (of key ``key`` now; None: not computed yet) leaves for
+        a free CPU block, or one freed by dropping the CPU tier's lowest chunk if that one's
+        key is not higher, else it is dropped; returns the tier it went to. An urgent copy
+        frees its GPU block at once, a background one when it is reclaimed. The caller keeps
+        the conversation's index entries (of both tiers) right."""
         ch = conv.chunks[i]
         c = self.chunk_size
-        tokens = min(c, conv.kv_end - i * c)
+        tokens = min(c, conv.kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
         cpu, stats = self.cpu, self.stats
         cpu_block = -1
         if cpu is not None:
             if cpu.num_free_blocks:
                 cpu_block = cpu.allocate_one()
             else:
-                victim = self._peek_victim(Tier.CPU)
-                if victim is not None and not key < victim[0]:
+                victim = self.index.peek_victim(Tier.CPU)
+                if victim is not None and not (
+                        self.index.key_now(conv, i) if key is None else key) < victim[0]:
                     self._drop_cpu_victim(victim[1], victim[2])
                     cpu_block = cpu.allocate_one()
         if cpu_block < 0:
@@ -227,65 +346,19 @@ class TierPools(EvictionIndex):
             self._plan.swap_out[cpu_block] = ch.block
         ch.tier, ch.block = Tier.CPU, cpu_block
         stats.swapped_out_tokens += tokens
-        # chunk i reached the CPU: the CPU index's cursor moves back?
-        cpu_index = self._cpu_index
-        entry = cpu_index.live.get(conv)
-        if entry is None or (i - entry[0]) * self._step < 0:
-            cpu_index.set(conv, i, key, now)
-            if self._time_dependent:
-                self._exact.append((cpu_index, conv))
         return Tier.CPU
-
-    def _evict_chunk(self, conv: Conversation, i: int, urgent: bool) -> None:
-        """One GPU chunk leaves the GPU outside an eviction pass (a suspension): to a CPU block
-        if the tier has or can make room. The caller updates the conversation's index."""
-        ch = conv.chunks[i]
-        tokens = conv.chunk_tokens(i, self.chunk_size)
-        cpu_block = self._cpu_block_for(conv, i)
-        if cpu_block is None:
-            self.gpu.free_one(ch.block)
-            ch.tier, ch.block = Tier.DROPPED, -1
-            self.stats.dropped_tokens += tokens
-            return
-        if urgent:
-            self._plan.swap_out_first[cpu_block] = ch.block
-            self.gpu.free_one(ch.block)
-        else:
-            self._plan.swap_out[cpu_block] = ch.block
-        ch.tier, ch.block = Tier.CPU, cpu_block
-        self.stats.swapped_out_tokens += tokens
-
-    def _cpu_block_for(self, conv: Conversation, i: int) -> int | None:
-        """A free CPU block, dropping the CPU chunk of lowest key if that key is lower than
-        the incoming chunk's (else None: the incoming chunk is the one to drop)."""
-        cpu = self.cpu
-        if cpu is None:
-            return None
-        if cpu.num_free_blocks == 0:
-            victim = self._peek_victim(Tier.CPU)
-            if victim is None or self._key_now(conv, i) < victim[0]:
-                return None
-            self._drop_cpu_victim(victim[1], victim[2])
-            if self._hints_due:
-                self._apply_hints()
-        return cpu.allocate_one()
 
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
-        self._drop_cpu_chunk(conv, i)
-        j = self._first(conv, Tier.CPU, i + self._step)
-        if j is None:
-            self._cpu_index.pop_top(conv)
-        else:
-            self._cpu_index.replace_top(conv, j, self._key_now(conv, j), self._now)
-            if self._time_dependent:
-                self._exact.append((self._cpu_index, conv))
+        self.drop_cpu_chunk(conv, i)
+        self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
         if self.tenant_share is not None and conv in self.tenant_share.counted:
             self._hints_due |= self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED)
 
-    def _drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
-        """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed)."""
+    def drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
+        """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed). The
+        caller keeps the index right."""
         assert self.cpu is not None
         ch = conv.chunks[i]
         self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
@@ -303,10 +376,19 @@ class TierPools(EvictionIndex):
             self.gpu.free([gpu_block])
         self.stats.swapped_out_tokens -= tokens
 
+    # ------------------------------------------------------------------ audit
+    def check(self) -> None:
+        """Raise AssertionError if a block of either pool is free and held, held twice, or
+        neither (waiting to be reclaimed counts as held), or the reclaim count is off."""
+        groups = [b for g in self._reclaim_groups for b in g]
+        assert self._reclaim_group_blocks == len(groups), "reclaim group count"
+        self._check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()))
+        if self.cpu is not None:
+            self._check_pool(self.cpu, Tier.CPU, self._reclaim_cpu + self._reclaim_cpu_ahead)
 
     def _check_pool(self, pool: BlockPool, tier: Tier, reclaim: list[int]) -> None:
         owners: dict[int, str] = {}
-        for conv in self.conversations.values():
+        for conv in self.index.conversations.values():
             for ch in conv.chunks:
                 if ch.tier is tier:
                     assert ch.block not in owners, f"{tier} block {ch.block} held twice"
@@ -317,4 +399,3 @@ class TierPools(EvictionIndex):
             owners[b] = "<reclaim>"
         total = len(owners) + pool.num_free_blocks
         assert total == pool.num_blocks, f"{tier}: {total} accounted of {pool.num_blocks}"
-

@@ -6,11 +6,19 @@ chunks in or recompute them, plan recomputation of dropped ones, add blocks for 
 *grow* a running turn, to *suspend* or *end* one. Room is made by evicting chunks of idle
 conversations in the order of an :class:`~pensieve.core.eviction.EvictionPolicy`.
 
-The work is layered: :class:`~pensieve.core.eviction_index.EvictionIndex` keeps, per tier, the
-idle chunks in the policy's order (and explains how time-dependent keys stay exact);
-:class:`~pensieve.core.tier_pools.TierPools` adds the block pools, each step's copy plan, lazy
-reclaiming of background swap-outs and the eviction passes; this module adds conversations and
-their turns (admission, growth, suspension, the end of a turn) and the audit.
+The cache is composed of two parts it holds and calls: :attr:`TieredKVCache.index`, an
+:class:`~pensieve.core.eviction_index.EvictionIndex` that keeps, per tier, the idle chunks in
+the policy's order (and explains how time-dependent keys stay exact), and
+:attr:`TieredKVCache.pools`, the :class:`~pensieve.core.tier_pools.TierPools` that hold the
+block pools, each step's copy plan, lazy reclaiming of background swap-outs and the eviction
+passes (they pick victims from the same index). The cache itself owns the conversations and
+their turns (admission, growth, suspension, the end of a turn) and the audit::
+
+    TieredKVCache --- conversations: dict[str, Conversation]
+       |    |
+       |    +-- pools: TierPools --- gpu, cpu: BlockPool; the step's plan; reclaim groups
+       |                   |
+       +-- index: EvictionIndex <-+  (one object; both parts hold it)
 
 Swap or recompute (``swap_chunk_s``). A CPU chunk of an admitted turn is brought back by a
 swap-in, or, when that is expected to take longer, recomputed (its CPU block freed, its
@@ -41,11 +49,12 @@ from __future__ import annotations
 
 import math
 
-from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
+from pensieve.core.eviction_index import EvictionIndex
+from pensieve.core.outputs import SwapPlan
 from pensieve.core.request import Request
 from pensieve.core.stats import CacheStats
-from pensieve.core.tenant_share import TenantShare
 from pensieve.core.tier_pools import TierPools
 
 Interval = tuple[int, int]
@@ -55,8 +64,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class TieredKVCache(TierPools):
-    """GPU and CPU block pools plus every conversation's chunk map."""
+class TieredKVCache:
+    """Every conversation's chunk map over the GPU and CPU tiers, and its turns; the blocks are
+    its :attr:`pools`', the eviction order its :attr:`index`'s (module docstring)."""
+
+    index_class: type[EvictionIndex] = EvictionIndex
+    """The index the cache builds (a test substitutes one that checks every choice)."""
+    pools_class: type[TierPools] = TierPools
+    """The pools the cache builds (likewise)."""
 
     def __init__(
         self,
@@ -84,17 +99,31 @@ class TieredKVCache(TierPools):
         ``defer_admission``: see :attr:`defer_admission`."""
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
-        super().__init__(num_gpu_blocks, num_cpu_blocks, chunk_size, policy, chunk_cost,
-                         swap_out_threshold, decode_reserve, swap_out_batch, key_refresh_s)
+        if isinstance(defer_admission, bool) or defer_admission < 0:
+            raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "
+                             f"{defer_admission!r}")
+        self.conversations: dict[str, Conversation] = {}
+        self.index = self.index_class(self.conversations, chunk_size, policy, chunk_cost,
+                                      key_refresh_s)
+        self.pools = self.pools_class(num_gpu_blocks, num_cpu_blocks, self.index,
+                                      swap_out_threshold, decode_reserve, swap_out_batch,
+                                      tenant_kv_share)
+        self.chunk_size = chunk_size
+        self.policy = policy
+        self.chunk_cost = chunk_cost
+        # the parts' objects, named here for the scheduler, the engine and the tests
+        self.gpu = self.pools.gpu
+        self.cpu = self.pools.cpu
+        self.stats = self.pools.stats
+        self.tenant_share = self.pools.tenant_share
+        self.decode_reserve_blocks = self.pools.decode_reserve_blocks
         self.swap_chunk_s = swap_chunk_s
-        if tenant_kv_share is not None:
-            self.tenant_share = TenantShare(tenant_kv_share, num_gpu_blocks,
-                                            self.cpu.num_blocks if self.cpu else 0)
         self.defer_admission = defer_admission
         """Steps a turn short of GPU blocks may wait for background swap-outs to free them
         (instead of urgent swap-outs that the whole step waits for); 0: never."""
         self.step_overlap_s = 0.0
-        """Seconds of a step's own compute that its copies run beside (module docstring)."""
+        """Seconds of a step's own compute that its copies run beside (module docstring): the
+        recent decode-only step time the engine reports (:meth:`observe_decode_step`)."""
         self._step_recompute_s = 0.0
         """Recomputation planned this step (seconds of compute, by ``chunk_cost``)."""
 
@@ -114,10 +143,10 @@ class TieredKVCache(TierPools):
             return
         if conv.running:
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
-        self._unindex(conv)
-        self._free_chunks(conv, 0)
+        self.index.remove(conv)
+        self.pools.free_chunks(conv, 0)
         if self.tenant_share is not None:
-            self._apply_hints(self.tenant_share.forget(conv))
+            self.pools.apply_hints(self.tenant_share.forget(conv))
         del self.conversations[conversation_id]
 
     def set_queued(self, conv: Conversation, queued_at: float | None) -> None:
@@ -126,7 +155,7 @@ class TieredKVCache(TierPools):
         if conv.queued_at == queued_at:
             return
         conv.queued_at = queued_at
-        self._rekey(conv)
+        self.index.rekey(conv)
 
     def set_hints(self, conv: Conversation, priority: float | None = None,
                   keep_alive_s: float | None = None, tenant: str | None = None) -> None:
@@ -138,7 +167,7 @@ class TieredKVCache(TierPools):
         if tenant is not None:
             conv.tenant = tenant
         conv.priority, conv.keep_alive_s = conv.hints
-        self._rekey(conv)
+        self.index.rekey(conv)
         self._count_share(conv)
 
     def _count_share(self, conv: Conversation) -> None:
@@ -147,9 +176,9 @@ class TieredKVCache(TierPools):
         if share is None:
             return
         if conv.hints == (1.0, 0.0) or not conv.tenant:
-            self._apply_hints(share.forget(conv))
+            self.pools.apply_hints(share.forget(conv))
         else:
-            self._apply_hints(share.track(conv))
+            self.pools.apply_hints(share.track(conv))
 
     def block_table(self, conv: Conversation) -> tuple[int, ...]:
         """GPU blocks of a running conversation, chunk by chunk."""
@@ -158,32 +187,46 @@ class TieredKVCache(TierPools):
         return tuple(c.block for c in conv.chunks)
 
     # ------------------------------------------------------------------ a step
+    def observe_decode_step(self, seconds: float) -> None:
+        """A decode-only step took ``seconds``: :attr:`step_overlap_s` follows a moving
+        average over ~5 such steps (the first sets it)."""
+        old = self.step_overlap_s
+        self.step_overlap_s = seconds if old == 0 else old + 0.2 * (seconds - old)
+
     def begin_step(self) -> None:
         """Reclaim CPU blocks whose chunks were swapped in by the previous step (those swapped
         in ahead by the previous step: at the next one)."""
-        if self.cpu is not None:
-            self.cpu.free(self._reclaim_cpu)
-        self._reclaim_cpu, self._reclaim_cpu_ahead = self._reclaim_cpu_ahead, []
+        self.pools.begin_step()
         self._step_recompute_s = 0.0
 
     @property
     def num_planned_swap_ins(self) -> int:
         """Chunks this step's plan swaps in so far (``SwapPlan.swap_in``)."""
-        return len(self._plan.swap_in)
+        return self.pools.num_planned_swap_ins
 
     def swap_in_ahead(self, since: int) -> int:
         """Move the swap-ins planned after the first ``since`` to ``SwapPlan.swap_in_ahead``
         (the turn that needs them computes from the next step on); returns how many."""
-        plan = self._plan
-        moved = plan.swap_in[since:]
-        if not moved:
-            return 0
-        del plan.swap_in[since:]
-        plan.swap_in_ahead.extend(moved)
-        cpu_blocks = {c for c, _ in moved}
-        self._reclaim_cpu = [b for b in self._reclaim_cpu if b not in cpu_blocks]
-        self._reclaim_cpu_ahead.extend(c for c, _ in moved)
-        return len(moved)
+        return self.pools.swap_in_ahead(since)
+
+    @property
+    def has_pending_swap_outs(self) -> bool:
+        """Background swap-outs whose GPU blocks are not reclaimed yet (copies may run)."""
+        return self.pools.has_pending_swap_outs
+
+    def take_swap_plan(self) -> SwapPlan:
+        """This step's copies; its background swap-outs become a reclaim group."""
+        return self.pools.take_swap_plan()
+
+    def reclaim_swap_outs(self, in_flight: int) -> None:
+        """The runner reports ``in_flight`` background swap-out batches still copying: free
+        the GPU blocks of every older one (:meth:`TierPools.reclaim_swap_outs`)."""
+        self.pools.reclaim_swap_outs(in_flight)
+
+    def plan_background(self, now: float) -> None:
+        """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
+        under the threshold."""
+        self.pools.plan_background(now)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
@@ -222,44 +265,25 @@ class TieredKVCache(TierPools):
         on_gpu = sum(1 for ch in chunks if ch.tier is Tier.GPU)
         need = len(chunks) - on_gpu + max(0, cdiv(first_end, c) - len(chunks))
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
-        if shortfall > 0 and self._evictable_gpu_blocks() - on_gpu < shortfall:
+        pools = self.pools
+        if shortfall > 0 and pools.evictable_gpu_blocks() - on_gpu < shortfall:
             return False
         if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
             return False
-        self._unindex(conv)
+        self.index.remove(conv)
         conv.running = True  # pinned: never its own victim
         conv.queued_at = None  # out of the index while running; ended turns re-index
         if shortfall > 0:
-            self._evict_gpu(shortfall, now, urgent=True)
+            pools.evict_gpu(shortfall, now, urgent=True)
         st = CacheStats()
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
         req.pending = self.pending_for(req, conv)
-        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self._reclaim_cpu
-        kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
-        table: list[int] = []
-        hit = swapped = recomputed = 0
-        for i, ch in enumerate(chunks):
-            tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
-            tier = ch.tier
-            if tier is gpu_tier:
-                hit += tokens
-            else:
-                block = gpu.allocate_one()
-                if tier is cpu_tier:
-                    swap_in.append((ch.block, block))
-                    reclaim_cpu.append(ch.block)
-                    swapped += tokens
-                else:
-                    recomputed += tokens
-                ch.tier, ch.block = gpu_tier, block
-            table.append(ch.block)
-        conv.block_table = tuple(table)
+        hit, swapped, recomputed = pools.pin(conv)
         st.gpu_hit_tokens += hit
         st.cpu_hit_tokens += swapped
         st.swapped_in_tokens += swapped
         st.recomputed_tokens += recomputed
-        self._pinned_gpu += len(chunks)
         history_kv = max(len(conv.token_ids) - 1, 0)  # KV that existed after the last turn
         st.recomputed_tokens += max(0, history_kv - conv.kv_end)
         st.new_prompt_tokens += req.num_tokens - max(conv.kv_end, history_kv)
@@ -276,13 +300,13 @@ class TieredKVCache(TierPools):
         if self.cpu is None or req.deferrals >= self.defer_admission:
             return False
         req.deferrals += 1
-        short = shortfall - self._pending_reclaim_gpu()
+        short = shortfall - self.pools.pending_reclaim_gpu()
         if short > 0:
-            self._unindex(conv)
+            self.index.remove(conv)
             conv.running = True  # out of the victims while the pass runs, as in admission
-            self._evict_gpu(short, now, urgent=False)
+            self.pools.evict_gpu(short, now, urgent=False)
             conv.running = False
-            self._index(conv)
+            self.index.reindex(conv)
         return True
 
     def _choose_recompute(self, conv: Conversation, spare_tokens: int | None) -> int:
@@ -294,20 +318,20 @@ class TieredKVCache(TierPools):
         chunks = conv.chunks
         recompute_s = self._step_recompute_s
         other = self.step_overlap_s
+        cost_of = self.index.cost
         for i, ch in enumerate(chunks):
             if ch.tier is Tier.DROPPED:
-                recompute_s += self._cost(min((i + 1) * c, conv.kv_end))
-        queued = (len(self._plan.swap_out_first) + len(self._plan.swap_in)
-                  + len(self._plan.swap_in_ahead) + self._reclaim_group_blocks)
+                recompute_s += cost_of(min((i + 1) * c, conv.kv_end))
+        queued = self.pools.queued_copies()
         spare = math.inf if spare_tokens is None else spare_tokens
         converted = 0
         for i, ch in enumerate(chunks):
             if ch.tier is not Tier.CPU:
                 continue
             tokens = conv.chunk_tokens(i, c)
-            cost = self._cost(min((i + 1) * c, conv.kv_end))
+            cost = cost_of(min((i + 1) * c, conv.kv_end))
             if other + recompute_s + cost < swap_s * (1 + queued) and tokens <= spare:
-                self._drop_cpu_chunk(conv, i)
+                self.pools.drop_cpu_chunk(conv, i)
                 recompute_s += cost
                 spare -= tokens
                 converted += tokens
@@ -320,25 +344,19 @@ class TieredKVCache(TierPools):
         """Give a running conversation blocks up to position ``end``; False if impossible."""
         need = cdiv(end, self.chunk_size) - len(conv.chunks)
         shortfall = need - self.gpu.num_free_blocks
-        if shortfall > 0 and self._evict_gpu(shortfall, now, True) < shortfall:
+        if shortfall > 0 and self.pools.evict_gpu(shortfall, now, True) < shortfall:
             return False
         self._extend(conv, end)
         return True
 
     def _extend(self, conv: Conversation, end: int) -> None:
         """More GPU chunks for a running conversation, up to position ``end``."""
-        need = cdiv(end, self.chunk_size) - len(conv.chunks)
-        if need <= 0:
-            return
-        blocks = self.gpu.allocate(need)
-        conv.chunks.extend(Chunk(Tier.GPU, b) for b in blocks)
-        conv.block_table += tuple(blocks)
-        self._pinned_gpu += need
+        self.pools.extend(conv, cdiv(end, self.chunk_size) - len(conv.chunks))
 
     # ------------------------------------------------------------------ ending a turn
     def end_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn finished: record it in the history; keep, or free, its KV."""
-        self._release(conv)
+        self.pools.release(conv)
         self._settle(conv, req.pending, req.num_tokens)
         conv.token_ids = req.all_token_ids
         conv.last_active = now
@@ -346,45 +364,34 @@ class TieredKVCache(TierPools):
             self.delete(conv.conversation_id)
             return
         if not self.policy.keeps_kv:
-            self._free_chunks(conv, 0)
-        self._index(conv)
+            self.pools.free_chunks(conv, 0)
+        self.index.reindex(conv)
         self._count_share(conv)
 
     def abort_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn is abandoned: the conversation stays as it was before it."""
         if conv.running:
-            self._release(conv)
+            self.pools.release(conv)
             self._settle(conv, req.pending, req.num_tokens)
         self._truncate(conv, min(conv.kv_end, len(conv.token_ids)))
         if conv.ephemeral:
             self.delete(conv.conversation_id)
         else:
-            self._index(conv)
+            self.index.reindex(conv)
             self._count_share(conv)
 
     def suspend(self, req: Request, conv: Conversation, now: float) -> None:
         """Take a running turn off the GPU: its chunks go to the CPU (or are dropped)."""
-        self._refresh(now)
-        self._release(conv)
+        self.index.refresh(now)
+        self.pools.release(conv)
         self._settle(conv, req.pending, req.num_tokens)
         conv.last_active = now
         req.pending = []
-        self._index(conv)  # idle: its chunks that reach the CPU compete there like any other
-        for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.GPU:
-                self._evict_chunk(conv, i, True)
-                if conv.chunks[i].tier is Tier.CPU:
-                    self._entered_cpu(conv, i)
-        self._gpu_index.discard(conv)
+        self.index.reindex(conv)  # idle: its chunks that reach the CPU compete there too
+        self.pools.move_out(conv)
         self._count_share(conv)
         self.stats.suspended_requests += 1
         req.cache_stats.suspended_requests += 1
-
-    def _release(self, conv: Conversation) -> None:
-        """A running conversation stops running (its chunks are all on the GPU)."""
-        self._pinned_gpu -= len(conv.chunks)
-        conv.running = False
-        conv.block_table = ()
 
     def _settle(self, conv: Conversation, pending: list[Interval], num_tokens: int) -> None:
         """Make the chunk map true after a turn stops: positions still pending have no KV."""
@@ -401,20 +408,7 @@ class TieredKVCache(TierPools):
     def _truncate(self, conv: Conversation, kv_end: int) -> None:
         """Set ``kv_end`` and free the chunks wholly past it."""
         conv.kv_end = kv_end
-        self._free_chunks(conv, cdiv(kv_end, self.chunk_size))
-
-    def _free_chunks(self, conv: Conversation, keep: int) -> None:
-        """Free the blocks of chunks ``keep..`` and forget those chunks (of an idle
-        conversation, or one being released)."""
-        for i in range(keep, len(conv.chunks)):
-            ch = conv.chunks[i]
-            if ch.tier is Tier.GPU:
-                self.gpu.free([ch.block])
-            elif ch.tier is Tier.CPU and self.cpu is not None:
-                self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
-                self.cpu.free([ch.block])
-        del conv.chunks[keep:]
-        conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
+        self.pools.free_chunks(conv, cdiv(kv_end, self.chunk_size))
 
     def _count(self, req: Request, st: CacheStats) -> None:
         self.stats.add(st)
@@ -424,11 +418,7 @@ class TieredKVCache(TierPools):
     def check_integrity(self) -> None:
         """Raise AssertionError if any block or chunk is accounted for twice or not at all, or
         if the eviction index or a running count differs from a full recomputation."""
-        groups = [b for g in self._reclaim_groups for b in g]
-        assert self._reclaim_group_blocks == len(groups), "reclaim group count"
-        self._check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()))
-        if self.cpu is not None:
-            self._check_pool(self.cpu, Tier.CPU, self._reclaim_cpu + self._reclaim_cpu_ahead)
+        self.pools.check()
         pinned = 0
         for conv in self.conversations.values():
             n = len(conv.chunks)
@@ -442,6 +432,6 @@ class TieredKVCache(TierPools):
                 assert not conv.block_table, conv.conversation_id
             for ch in conv.chunks:
                 assert (ch.block >= 0) == (ch.tier is not Tier.DROPPED), ch
-        assert pinned == self._pinned_gpu, f"pinned GPU blocks {self._pinned_gpu} != {pinned}"
-        self._check_index(self._gpu_index, Tier.GPU)
-        self._check_index(self._cpu_index, Tier.CPU)
+        assert pinned == self.pools.pinned_gpu, (
+            f"pinned GPU blocks {self.pools.pinned_gpu} != {pinned}")
+        self.index.check()

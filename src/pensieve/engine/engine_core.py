@@ -210,15 +210,14 @@ class EngineCore:
         return failed + [_output(r) for r in finished]
 
     def _observe_step_time(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Keep the cache's ``step_overlap_s`` (the compute a step's copies run beside, which
-        its swap-or-recompute choice weighs) at the recent decode-only step time, on the
-        engine's clock: a moving average over ~5 such steps."""
+        """Report a decode-only step's time, on the engine's clock, to the cache: its
+        ``step_overlap_s`` (the compute a step's copies run beside, which its swap-or-recompute
+        choice weighs) follows them (:meth:`TieredKVCache.observe_decode_step`)."""
         if not self.track_step_overlap or not sched.requests or seconds <= 0:
             return
         if prefill_decode_tokens(sched)[0]:
             return  # a step with prefill: longer than the compute a step always has
-        old = self.cache.step_overlap_s
-        self.cache.step_overlap_s = seconds if old == 0 else old + 0.2 * (seconds - old)
+        self.cache.observe_decode_step(seconds)
 
     def _append_logprobs(self, scheduled: Iterable[ScheduledRequest],
                          result: RunnerOutput) -> None:
