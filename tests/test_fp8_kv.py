@@ -3,9 +3,13 @@ references against full precision, and the bytes per chunk."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
+from pensieve import LLM, SamplingParams
 from pensieve.kernels.launch import paged_attention_triton, store_kv_triton
 from pensieve.kernels.reference import paged_attention_ref, store_kv_ref
 from pensieve.runner.model_runner import kv_bytes_per_block
@@ -137,3 +141,48 @@ def test_triton_attention_fp8_bf16_queries_on_gpu(lens: list[tuple[int, int]],
                                  k_scale=ks, v_scale=vs)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def _with_tensors(src: str, dst: Path, extra: dict[str, torch.Tensor]) -> str:
+    """A copy of the checkpoint directory ``src`` whose safetensors file also holds ``extra``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    save_file({**load_file(f), **extra}, f, metadata={"format": "pt"})
+    return str(dst)
+
+
+def _scales(llm: LLM) -> dict[int, torch.Tensor]:
+    from pensieve.layers.attention import PagedAttention
+
+    return {m.layer_idx: m.kv_scale for m in llm.engine.model.modules()
+            if isinstance(m, PagedAttention)}
+
+
+def test_checkpoint_kv_scales_reach_the_fp8_cache(tiny_llama, tmp_path: Path) -> None:  # noqa: ANN001
+    """A checkpoint's calibrated scales (vLLM's names: a scalar, or one per KV head) become
+    the FP8 cache's per layer and head, a missing one is 1; a 16/32-bit cache ignores them
+    and its tokens are those of the checkpoint without them; a scale <= 0 is refused."""
+    path, _ = tiny_llama
+    extra = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+             "model.layers.0.self_attn.v_scale": torch.tensor([2.0, 4.0]),
+             "model.layers.1.self_attn.k_scale": torch.tensor([0.25])}
+    scaled = _with_tensors(path, tmp_path / "scaled", extra)
+    kw = dict(dtype="float32", device="cpu", num_gpu_blocks=64, num_cpu_blocks=0,
+              max_num_batched_tokens=64, max_model_len=256)
+    fp8 = LLM(model=scaled, kv_cache_dtype="fp8_e4m3", **kw)
+    got = _scales(fp8)
+    assert torch.equal(got[0].cpu(), torch.tensor([[0.5, 0.5], [2.0, 4.0]]))
+    assert torch.equal(got[1].cpu(), torch.tensor([[0.25, 0.25], [1.0, 1.0]]))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [[5, 9, 14, 200, 3, 77, 31]]
+    assert len(fp8.generate(prompt, params, use_tqdm=False)[0].output_token_ids) == 8
+    plain = LLM(model=path, **kw).generate(prompt, params, use_tqdm=False)
+    ignored = LLM(model=scaled, **kw)
+    assert all(s is None for s in _scales(ignored).values())
+    assert ignored.generate(prompt, params, use_tqdm=False)[0].output_token_ids == plain[0].output_token_ids
+    bad = _with_tensors(path, tmp_path / "bad", {"model.layers.0.self_attn.v_scale":
+                                                 torch.tensor(-1.0)})
+    with pytest.raises(ValueError, match="v_scale must be finite and > 0"):
+        LLM(model=bad, kv_cache_dtype="fp8_e4m3", **kw)

@@ -107,8 +107,8 @@ def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
     kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, dtype)
     kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
                                    model.num_kv_heads, model.head_dim, kv_dtype, device)
-    if kv_dtype == torch.float8_e4m3fn:
-        init_kv_scales(model, device)
+    if kv_dtype == torch.float8_e4m3fn:  # a checkpoint's calibrated scales, else 1
+        init_kv_scales(model, device, getattr(model, "checkpoint_kv_scales", None))
     runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks,
                          tokenizer=config.model.model)
     runner.capture_graphs(config.decode_graph_shape(device.type),

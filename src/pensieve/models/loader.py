@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -97,7 +98,10 @@ def load_model(
         return model, hf_config
     if path is None:
         raise ValueError(f"load_format={load_format!r} needs a model directory, got {model_dir!r}")
-    filled = model.load_weights(iter_checkpoint(path, device, load_format))
+    scales: dict[int, dict[str, torch.Tensor]] = {}
+    filled = model.load_weights(split_kv_scales(iter_checkpoint(path, device, load_format),
+                                                scales))
+    model.checkpoint_kv_scales = kv_scales_of(scales, getattr(model, "num_kv_heads", 0))
     missing = sorted(set(dict(model.named_parameters())) - set(filled))
     if missing:
         shown = ", ".join(missing[:20])
@@ -105,6 +109,48 @@ def load_model(
             shown += f", ... ({len(missing)} in all)"
         raise ValueError(f"checkpoint {path} did not fill these parameters: {shown}")
     return model, hf_config
+
+
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
+"""A calibrated FP8 KV-cache scale as vLLM / llm-compressor checkpoints name it
+(``model.layers.3.self_attn.k_scale``; a scalar, or one per KV head)."""
+
+
+def split_kv_scales(weights: Iterable[tuple[str, torch.Tensor]],
+                    scales: dict[int, dict[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` without the KV-cache scales, which are put in ``scales[layer]["k" | "v"]``
+    as they stream past (they are not parameters of the model)."""
+    for name, tensor in weights:
+        m = _KV_SCALE.search(name)
+        if m is None:
+            yield name, tensor
+        else:
+            scales.setdefault(int(m.group(1)), {})[m.group(2)] = tensor.detach().float().cpu()
+
+
+def kv_scales_of(scales: dict[int, dict[str, torch.Tensor]], num_kv_heads: int
+                 ) -> dict[int, torch.Tensor] | None:
+    """Per layer ``[2, num_kv_heads]`` (K, V) from a checkpoint's scales (a scalar is every
+    head's; a missing K or V scale is 1), for :func:`~pensieve.layers.attention.
+    init_kv_scales`; None if the checkpoint has none. An FP8 KV cache uses them; others
+    ignore them."""
+    if not scales:
+        return None
+    out = {}
+    for layer, kv in scales.items():
+        rows = []
+        for key in ("k", "v"):
+            t = kv.get(key, torch.ones(()))
+            if t.numel() not in (1, num_kv_heads):
+                raise ValueError(f"layer {layer}: {key}_scale has {t.numel()} values, expected "
+                                 f"1 or {num_kv_heads} (one per KV head)")
+            if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+                raise ValueError(f"layer {layer}: {key}_scale must be finite and > 0, got "
+                                 f"{t.flatten().tolist()}")
+            rows.append(t.reshape(-1).expand(num_kv_heads))
+        out[layer] = torch.stack(rows)
+    return out
 
 
 @torch.no_grad()
