@@ -35,9 +35,8 @@ DECODE_SPAN_MODE = "auto"
 """When the runner splits a decode step's KV by span: ``auto``, the decode steps that are
 ragged (:func:`decode_is_ragged`). The runner's components also take ``1`` (every decode
 step) and ``0`` (none: the launcher's equal splits), which tests compare against it. Chosen
-by measurement on the H200 (docs/performance.md, "Decode over ragged contexts"): with ragged
-contexts the span cut steps of 32-96 requests from 2.2-2.8x the HBM floor to 1.4-1.5x; with
-uniform ones it gained nothing and cost up to 5.7 ms at 56 requests."""
+by measurement: the span speeds up ragged decode steps and costs uniform ones
+(docs/performance.md, "Decode over ragged contexts: KV splits by span")."""
 
 MIXED_DECODES = "split"
 """How a step with prefill tokens attends for its one-token ranges (its decodes): where the
