@@ -2,9 +2,10 @@
 runner imports this on any device, and Triton's interpreter must be set up before the kernels
 are imported).
 
-Decode KV splits by span. A decode step of ragged contexts (ShareGPT near saturation: a batch of
-~56 with mean ~3.2k positions and max ~13.7k) has enough programs to fill the GPU unsplit, so
-it used to run unsplit; the longest request's programs then ran alone long after the rest. With
+Decode KV splits by span. A decode step of ragged contexts (ShareGPT near saturation: a few
+requests far longer than the batch's mean; docs/performance.md, "Decode over ragged contexts:
+KV splits by span") has enough programs to fill the GPU unsplit, and unsplit the longest
+request's programs run alone long after the rest. With
 a span, every range is cut into pieces of at least ``span`` positions (the kernel covers a range
 with ``max(equal part, span)``-position splits), ``span`` near the batch's mean, and each range
 uses only the splits its length needs: the longest one ends about with the others.
