@@ -2,10 +2,10 @@
 
 The simulator (:class:`~pensieve.bench.simulator.SimEngine`: the engine's scheduler and tiered
 cache over virtual time) runs the coding-agent and mixed loads
-(:mod:`pensieve.bench.coding_agent`) through the load generator of ``benchmarks/multiturn.py``
+(:mod:`pensieve.bench.coding_agent`) through the load generator of :mod:`pensieve.bench.multiturn`
 (Poisson session arrivals, exponential think time ``--think``, 6 s) on the ``llama3.1-8b``
 shape: 32 layers, 32 query / 8 KV heads of 128, hidden 4096, MLP 14336; K+V 128 KiB a token
-in bf16; 40 GB GPU and 60 GB CPU tiers (GiB; 10,240 and 15,360 chunks of 32 tokens);
+in bf16; 40 GB GPU and 60 GB CPU tiers (GiB; 10,240 and 15,360 blocks of 32 tokens);
 ``max_model_len`` 131,072; 8,192 tokens a step, chunked prefill.
 
 Step cost (no 8B measurement at these lengths exists yet; the assumption is stated in the JSON):
@@ -86,7 +86,7 @@ def conversations(workload: str, seed: int, scale: float) -> list[Any]:
         convs = [Conversation(c.conv_id, [Turn(max(1, round(t.input_len * scale)),
                                                max(1, round(t.output_len * scale)))
                                           for t in c.turns]) for c in convs]
-    random.Random(seed).shuffle(convs)  # as benchmarks/multiturn.py
+    random.Random(seed).shuffle(convs)  # as pensieve.bench.multiturn
     return convs
 
 

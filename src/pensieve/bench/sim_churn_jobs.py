@@ -32,11 +32,11 @@ KV_BYTES_PER_TOKEN = 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA-10, bf16
 CHUNK = 32
 GRAPH_MAX_TOKENS = 512
 GRAPH_MAX_SWAP_IN = 21
-STAGED_GROUPS = 8
-"""The ``staged`` swapper's groups of layers (``KVSwapper.in_groups``, its default)."""
 """The runner's ``graph_max_swap_in`` for this shape (``model_runner.graph_max_swap_in`` of
 one chunk's bytes; a test keeps the two equal): steps with more of their own swap-in chunks
 run eagerly."""
+STAGED_GROUPS = 8
+"""The ``staged`` swapper's groups of layers (``KVSwapper.in_groups``, its default)."""
 PROFILE = (Path(__file__).resolve().parents[1] / "profiles"
            / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
@@ -44,9 +44,8 @@ PROFILE = (Path(__file__).resolve().parents[1] / "profiles"
 
 ISSUE_GROUP_S, ISSUE_CHUNK_S = 0.149e-3, 0.0062e-3
 """Host time to issue staged copies, per group of layers and per chunk: a least-squares fit
-(no intercept) of the swap-in and swap-out issue times measured on the H200 by
-``benchmarks/step_host_phases.py`` at ``49c5ac1`` (``docs/results/step_host_phases/``; 1-8
-groups, 64-128 chunks)."""
+(no intercept) of measured issue times (docs/performance.md, "Host time of steps with
+prefill, and what the server's step log shows", the simulator with the issue modelled)."""
 
 
 def transfer_model(gbps: list[float] | None = None, graph_rule: bool = False,
@@ -139,7 +138,8 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                         bool(job.get("graph_group_waits")),
                         bool(job.get("ahead_layered")), bool(job.get("issue_costs")),
                         bool(job.get("background_after_launch"))), **cache)
-    if rule == "bare":  # the rule without the step's own compute (the engine before ee02085)
+    if rule == "bare":  # the earlier rule, without the step's own compute (docs/performance.md,
+        # "Swap or recompute: the step's own compute")
         eng.track_step_overlap = False
     return eng
 
@@ -219,7 +219,7 @@ def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
     ap.add_argument("--recompute-rule", choices=["step", "bare", "off"], default="step",
                     help="how a CPU chunk comes back: swap or recompute by cost with the step's "
                          "own compute counted (step, the engine's), without it (bare, the "
-                         "engine before ee02085), or always swapped in (off)")
+                         "engine's earlier rule), or always swapped in (off)")
     ap.add_argument("--targets", default=targets, help="P90 ms/token")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

@@ -41,7 +41,8 @@ DEFERRED: dict[str, int] = {
     # deferred admission existed or was the default (0: urgent evictions)
     "agentic_words_overload_defer3_1.3": 3,
     "sharegpt_40_60_defer3_pensieve_1.25": 3,
-    # the default since 3afe2d0
+    # deferred admission the default from here on (docs/benchmarks.md, "Admissions that wait
+    # for background swap-outs, on the GPU")
     "agentic_words_overload_defer3_1.3_again": 3,
     "sharegpt_40_60_defer3_pensieve_1.45": 3,
     "sharegpt_40_60_groups_pensieve_1.25": 3,  # the runner with per-group graph waits

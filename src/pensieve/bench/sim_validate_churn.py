@@ -49,10 +49,11 @@ is held at the fused fit's value). A model fitted on all pairs is the one the wh
 :mod:`pensieve.bench.sim_churn_capacity` use (``step_cost_churn_fit_all.json``; its
 errors are in-sample and are labelled so).
 
-What-if (``--whatif``): the ShareGPT set-up of ``benchmarks/sim_fused_whatif.sh`` ("both costs
-removed", 1.24x in docs/benchmarks.md): 8 GB GPU / 22 GB CPU tiers, think time 6 s, 360 s of
-arrivals, window 120-360 s, 60 s drain, stateless / prefix-lru / pensieve at a few rates, with
-the recalibrated model and the measured copies; capacity at P90 100 and 150 ms/token.
+What-if (``--whatif``): the ShareGPT set-up of ``benchmarks/sim_fused_whatif.sh`` at
+``0811955`` ("both costs removed", docs/benchmarks.md): 8 GB GPU / 22 GB CPU tiers, think
+time 6 s, 360 s of arrivals, window 120-360 s, 60 s drain, stateless / prefix-lru / pensieve
+at a few rates, with the recalibrated model and the measured copies; capacity at P90 100 and
+150 ms/token.
 
     python -m pensieve.bench.sim_validate_churn --out docs/results/sim_churn          # ~10 min
     python -m pensieve.bench.sim_validate_churn --out /tmp/x --tiny                   # a smoke test

@@ -73,9 +73,8 @@ from pensieve.core.outputs import SchedulerOutput
 FORMAT = "pensieve-step-cost"
 FORMAT_VERSION = 1
 H200_PCIE_BYTES_PER_S = 55e9
-"""Host<->device copy rate, one direction, large pinned copies (measured on the H200 here;
-46.6 GB/s each way when both directions run at once, which the runner avoids: one copy
-stream)."""
+"""Host<->device copy rate, one direction, large pinned copies on the H200 (docs/performance.md,
+"Swaps between the GPU and CPU tiers": the raw single copies)."""
 
 
 # --------------------------------------------------------------------------------- features

@@ -65,10 +65,9 @@ class TransferModel:
     """Device-to-host rate, GB/s."""
     latency_s: float = 0.0
     """Fixed time of one copy launch before data moves (the swap-ins' first layer waits for
-    it); 0 by default. The copies before the kernel
-    (``0444678:docs/results/swap_overlap.json``, in git history: 64 to 1024 chunks swapped in
-    under a 51 ms step) left 8-11 ms exposed beyond this model's
-    transfer time, mostly host-side issue work the kernel removes; measure the kernel's."""
+    it); 0 by default. The copies before the kernel left time exposed beyond this model's
+    transfer time, mostly host-side issue work the kernel removes (docs/performance.md,
+    "Pipelined swap-in: exposed step time"); measure the kernel's."""
     num_layers: int | None = None
     """Swap-ins are pipelined per layer: with L layers layer 0's share ``T / L`` is always
     exposed and the last layer's compute ``C / L`` follows the last copy. None: the limit of
@@ -96,8 +95,9 @@ class TransferModel:
     compute, like the swap-ins. A step that waits for all of its swap-ins (:attr:`pipelined`
     off, a CUDA-graph step) still waits for all of its urgent copies first."""
     ahead_layered: bool = False
-    """The runner's ``ahead_waits="layers"`` (its default since ``16b8fc3``'s A/B; off here
-    unless asked, as in the fits and validations before it): a step waits
+    """The runner's ``ahead_waits="layers"`` (its default, chosen by an A/B:
+    docs/performance.md, "Host time of steps with prefill, and what the server's step log
+    shows"; off here unless asked, as in the fits and validations before it): a step waits
     for the previous step's ``swap_in_ahead`` copies layer by layer, as for its own pipelined
     swap-ins, instead of before its compute; a step that waits for all of its swap-ins (a
     CUDA-graph step here) still waits for all of them first."""
@@ -111,7 +111,8 @@ class TransferModel:
     """Groups of layers a step's own swap-ins are issued by (the ``staged`` swapper's); its
     ahead copies go in one, or with :attr:`ahead_layered` in as many."""
     background_after_launch: bool = False
-    """The runner's way since ``16b8fc3``'s A/B (off here unless asked): a step of at most
+    """The runner's way (chosen by the same A/B as :attr:`ahead_layered`; off here unless
+    asked): a step of at most
     :attr:`defer_max_tokens` tokens (a graph step) issues its ahead copies and background
     swap-outs once its forward is launched: their issue time is off the step's critical path,
     and they start that much later."""

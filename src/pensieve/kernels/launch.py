@@ -160,7 +160,7 @@ def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows of
     the longest range and ``mean_rows`` per range on average.
 
-    From the H200 runs (docs/performance.md, "Attention kernel"): where ranges are long on
+    Chosen by measurement (docs/performance.md, "Tile sweep"): where ranges are long on
     average (prefill batches), 128-row query tiles with 32-position KV tiles and two stages
     match FlashAttention; short ranges (decode) also prefer 32-position KV tiles. A batch
     whose longest range is long but whose ranges are mostly short (prefill mixed into decodes)
@@ -257,11 +257,10 @@ def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
                  device: torch.device) -> int:
     """Split KV when the grid has fewer than four programs per SM.
 
-    From the H200 decode sweep (docs/performance.md, ``attention_tiles.py --decode-batches``):
-    decode of 32 requests x 10 KV heads (320 programs on 132 SMs) ran at 1.44x the KV bytes'
-    HBM floor unsplit at 8k context and 1.06x with two splits; 64 requests and more ran best
-    unsplit. Splits do not depend on the context length, so a CUDA graph captured for a batch
-    size stays right for any context."""
+    Chosen by measurement (docs/performance.md, "KV splits for decode"): a decode grid of
+    fewer programs split its KV faster, larger ones ran best unsplit. Splits do not depend on
+    the context length, so a CUDA graph captured for a batch size stays right for any
+    context."""
     target = 4 * num_sms(device)
     if programs >= target:
         return 1

@@ -2,9 +2,10 @@
 runner imports this on any device, and Triton's interpreter must be set up before the kernels
 are imported).
 
-Decode KV splits by span. A decode step of ragged contexts (ShareGPT near saturation: a batch of
-~56 with mean ~3.2k positions and max ~13.7k) has enough programs to fill the GPU unsplit, so
-it used to run unsplit; the longest request's programs then ran alone long after the rest. With
+Decode KV splits by span. A decode step of ragged contexts (ShareGPT near saturation: a few
+requests far longer than the batch's mean; docs/performance.md, "Decode over ragged contexts:
+KV splits by span") has enough programs to fill the GPU unsplit, and unsplit the longest
+request's programs run alone long after the rest. With
 a span, every range is cut into pieces of at least ``span`` positions (the kernel covers a range
 with ``max(equal part, span)``-position splits), ``span`` near the batch's mean, and each range
 uses only the splits its length needs: the longest one ends about with the others.
@@ -35,9 +36,8 @@ DECODE_SPAN_MODE = "auto"
 """When the runner splits a decode step's KV by span: ``auto``, the decode steps that are
 ragged (:func:`decode_is_ragged`). The runner's components also take ``1`` (every decode
 step) and ``0`` (none: the launcher's equal splits), which tests compare against it. Chosen
-by measurement on the H200 (docs/performance.md, "Decode over ragged contexts"): with ragged
-contexts the span cut steps of 32-96 requests from 2.2-2.8x the HBM floor to 1.4-1.5x; with
-uniform ones it gained nothing and cost up to 5.7 ms at 56 requests."""
+by measurement: the span speeds up ragged decode steps and costs uniform ones
+(docs/performance.md, "Decode over ragged contexts: KV splits by span")."""
 
 MIXED_DECODES = "split"
 """How a step with prefill tokens attends for its one-token ranges (its decodes): where the

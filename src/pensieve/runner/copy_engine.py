@@ -1,11 +1,10 @@
 """Many host <-> device copies in one call: the copy engines' batch entry point.
 
 A swap of n scattered chunks is n copies (or n per group of layers). Issued one
-``cudaMemcpyAsync`` at a time from Python they cost ~11 us of host time each;
-``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers) takes them all in one call, ~1 us a copy in the
-driver. Measured on the H200 (docs/performance.md, "Swaps between the GPU and CPU
-tiers"): 6.5 MB chunks out of random CPU blocks at 52-54 GB/s one way, and by groups of
-layers (one call per group) in and out together at 45-49 GB/s each way.
+``cudaMemcpyAsync`` at a time from Python their host time sank the grouped copies;
+``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers) takes them all in one call (chosen by
+measurement: docs/performance.md, "Swaps between the GPU and CPU tiers", the item "Staged
+swap-ins by groups of layers, in one driver call per group").
 
 :class:`CopyEngine` takes the copies as numpy arrays of addresses and sizes (built by
 arithmetic, no tensor view per copy) and issues them on the current stream: the batch call on

@@ -165,7 +165,7 @@ class DecodeGraphs(StepGraphs):
         capture: bool = True,
         span_mode: str = "0",
     ) -> None:
-        """``span_mode`` (:func:`pensieve.kernels.launch_policy.decode_split_span_mode`):
+        """``span_mode`` (as :data:`pensieve.kernels.launch_policy.DECODE_SPAN_MODE`):
         ``"1"``, decode attention splits each range's KV by a span set per step from its
         contexts (:func:`~pensieve.kernels.launch_policy.decode_split_span`); ``"0"``, the
         launcher's split rule; ``"auto"``, both variants are captured over the same buffers,

@@ -1,9 +1,10 @@
 """Per-group swap-in waits inside captured CUDA graphs.
 
-A step with prefill replayed from a mixed-step graph used to wait for *every* layer's
-swap-ins before its first layer: a captured graph cannot wait on the swapper's events, which
-are new each step. Steps with many swap-ins then ran eagerly instead (layer-pipelined, but
-with ~30 ms of host time to issue the 13B forward, ``docs/performance.md``).
+A captured graph cannot wait on the swapper's events, which are new each step: without these
+waits a step with prefill replayed from a mixed-step graph waits for *every* layer's swap-ins
+before its first layer, and a step with many swap-ins is better run eagerly (layer-pipelined,
+but paying the host time of issuing an eager forward: docs/performance.md, "Steps with
+swap-ins: inputs first, graphs that wait per group").
 
 :class:`GraphLayerWaits` gives the mixed-step graphs one fixed *external* CUDA event per
 group of layers (``torch.cuda.Event(external=True)``): a wait on it during capture becomes an

@@ -81,11 +81,11 @@ class MixedGraphs(StepGraphs):
         split by a span set per step, where the step's decodes are ragged (``span_mode``: as
         :data:`~pensieve.kernels.launch_policy.DECODE_SPAN_MODE`);
         a step whose decodes are not puts them with its other ranges and leaves the decode
-        launch empty (one split a range cost 3.6-3.7 ms a step more than the mixed-step kernel
-        at 56 uniform decodes on the H200). ``kv_splits``: the other ranges' attention splits
+        launch empty (a launch of their own cost more there: docs/performance.md, "Steps with
+        prefill over ragged decodes"). ``kv_splits``: the other ranges' attention splits
         KV by a span set per step (the default: unsplit, a turn of a few tokens after thousands
-        of cached ones ran on a few programs per KV head, 1.6-11.1 ms more a step after 512 to
-        8,192 cached tokens on the H200, docs/performance.md); tests compare it with False."""
+        of cached ones runs on a few programs per KV head; docs/performance.md, "KV splits for
+        the turns of mixed-step graphs"); tests compare it with False."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")

@@ -50,10 +50,13 @@ class StepInputs:
 
 
 GRAPH_SWAP_IN_WAIT_S = 3e-3
-"""The longest wait for swap-ins worth a graph replay (an eager step with prefill costs ~5-7 ms
-more host time than its graph on the H200)."""
+"""The longest wait for swap-ins worth a graph replay: an eager step with prefill costs more
+host time than its graph (docs/performance.md, "Steps with prefill tokens: mixed-step CUDA
+graphs")."""
 SWAP_GBPS = 47.0
-"""The swap kernel's swap-in rate on the H200, random block ids (pensieve.bench.swap_bandwidth)."""
+"""The swap-in rate the runner plans with, GB/s: the swap kernel's, random block ids, as
+``pensieve bench swaps`` measured it (docs/performance.md, "Swaps between the GPU and CPU
+tiers")."""
 
 
 def graph_max_swap_in(chunk_bytes: int) -> int:

@@ -138,11 +138,12 @@ class Streams(Protocol):
 class CudaStreams:
     """:class:`Streams` on a CUDA device: a high-priority in stream, a normal out stream.
 
-    A step with swap-ins switches streams ~20 times on the host: :meth:`run` sets and restores
+    A step with swap-ins switches streams many times on the host: :meth:`run` sets and restores
     the current stream itself, on a device with an explicit index, where
     ``torch.cuda.stream(...)`` and ``torch.cuda.current_stream()`` look the current device up
-    through several Python calls each time (about a third of the host time of issuing a
-    step's staged swap-ins, ``benchmarks/step_host_phases.py`` at ``49c5ac1``)."""
+    through several Python calls each time (a large share of the host time of issuing a
+    step's staged swap-ins: docs/performance.md, "Host time of steps with prefill, and what
+    the server's step log shows", "Phase by phase")."""
 
     def __init__(self, device: torch.device) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()

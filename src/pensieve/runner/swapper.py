@@ -32,10 +32,10 @@ Methods (:data:`METHODS`):
   scatter launch into the GPU cache; layer i waits for its group only. Background swap-outs:
   a device-side gather into staging, then one copy per run of consecutive CPU ids, by groups
   of layers, through two staging halves of at most ``staging_chunks`` chunks.
-  ``swap_out_first`` through the swap kernel. Chosen by measurement on the H200 (13B GQA-10,
-  random block ids, ``pensieve bench swaps``; docs/performance.md, "Swaps between the
-  tiers"): in + out together 36-46.5 GB/s each way for 64-1024 chunks, where SM copies of the
-  mapped tier slowed the copy engines' writes the other way.
+  ``swap_out_first`` through the swap kernel. Chosen by measurement: both directions through
+  the copy engines keep the concurrent rate that SM reads of the mapped tier take from the
+  copy engines' writes the other way (docs/performance.md, "Swaps between the GPU and CPU
+  tiers").
 - ``"dma"`` (the CPU's, where it is plain tensor copies): one copy per run of consecutive CPU
   ids per layer, through a staging buffer when the GPU ids of a run are not consecutive.
 - ``"kernel"`` and ``"hybrid"``: the swap kernel (:mod:`pensieve.kernels.triton_swap`) for

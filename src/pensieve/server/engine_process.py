@@ -2,12 +2,11 @@
 it in a thread of the server process).
 
 In a thread of the server process the engine shares one GIL with the event loop, which
-streams every token as an SSE event, parses requests and renders histories. Measured on an
-H200 serving 13B agentic sessions over HTTP, the runner's host time before a decode step's
-forward grew from 0.2 ms in process to 1.5-2.4 ms in the server, with the GPU idle meanwhile
-(docs/benchmarks.md). Here the engine runs in a child process (``spawn``: CUDA is
-initialised only there) with its own interpreter; the server process keeps the HTTP side, the
-tokenizer and the conversation store.
+streams every token as an SSE event, parses requests and renders histories, so the runner's
+host time before each forward grew while the GPU idled (measured: docs/benchmarks.md,
+"Current engine: steady-state points ...", the item "The server's host time"). Here the
+engine runs in a child process (``spawn``: CUDA is initialised only there) with its own
+interpreter; the server process keeps the HTTP side, the tokenizer and the conversation store.
 
 Two pipes link them. Commands go down (``add``, ``abort``, ``call`` with a module-level
 function and its arguments, ``stop``); the child's :class:`~pensieve.server.engine_loop.

@@ -27,7 +27,8 @@ log = logging.getLogger("pensieve.server")
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
 """The server's thread switch interval: the engine thread needs the GIL between the GPU's
 steps while the event loop streams tokens, and a shorter interval than Python's 5 ms gives it
-sooner (the A/B: docs/benchmarks.md)."""
+sooner (chosen by an A/B: docs/benchmarks.md, "Current engine: steady-state points ...", the
+item "The server's host time")."""
 
 
 def positive_ms_arg(text: str) -> float:
