@@ -181,7 +181,8 @@ def test_checkpoint_kv_scales_reach_the_fp8_cache(tiny_llama, tmp_path: Path) ->
     plain = LLM(model=path, **kw).generate(prompt, params, use_tqdm=False)
     ignored = LLM(model=scaled, **kw)
     assert all(s is None for s in _scales(ignored).values())
-    assert ignored.generate(prompt, params, use_tqdm=False)[0].output_token_ids == plain[0].output_token_ids
+    again = ignored.generate(prompt, params, use_tqdm=False)
+    assert again[0].output_token_ids == plain[0].output_token_ids
     bad = _with_tensors(path, tmp_path / "bad", {"model.layers.0.self_attn.v_scale":
                                                  torch.tensor(-1.0)})
     with pytest.raises(ValueError, match="v_scale must be finite and > 0"):
