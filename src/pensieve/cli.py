@@ -19,7 +19,8 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
               load_format=args.load_format, chunk_size=args.chunk_size,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              gpu_kv_gb=args.gpu_kv_gb)
+              gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
+              disk_kv_gb=args.disk_kv_gb, disk_kv_path=args.disk_kv_path)
     vocab = int(llm.engine.hf_config.vocab_size)
     rng = random.Random(args.seed)
     if args.prompt:
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto")
     g.add_argument("--chunk-size", type=int, default=32)
     g.add_argument("--gpu-kv-gb", type=float, default=None)
+    g.add_argument("--cpu-kv-gb", type=float, default=None)
+    g.add_argument("--disk-kv-gb", type=float, default=None,
+                   help="a disk tier of this many GiB below the CPU tier (needs --disk-kv-path)")
+    g.add_argument("--disk-kv-path", default=None,
+                   help="directory of the disk tier's chunk files, kept across restarts")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=budget_help())
     g.add_argument("--max-num-seqs", type=int, default=256)

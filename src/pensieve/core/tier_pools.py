@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Conversation, Tier
+from pensieve.core.disk_index import DiskIndex
+from pensieve.core.disk_restore import spill_to_disk
 from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
@@ -68,6 +70,8 @@ class TierPools(EvictionIndex):
         (longer copies, one eviction pass per batch instead of one per step)."""
         self.decode_reserve_blocks = int(decode_reserve * num_gpu_blocks)
         self.stats = CacheStats()
+        self.disk: DiskIndex | None = None
+        """The disk tier below the CPU tier (:mod:`pensieve.core.disk_index`); None: none."""
         self.tenant_share: TenantShare | None = None
         """Per-tenant share of each tier that hints cannot exceed (None: no bound)."""
         self._hints_due: set[Conversation] = set()
@@ -216,6 +220,8 @@ class TierPools(EvictionIndex):
                     self._drop_cpu_victim(victim[1], victim[2])
                     cpu_block = cpu.allocate_one()
         if cpu_block < 0:
+            if self.disk is not None:  # dropped from the GPU: to the disk tier instead
+                spill_to_disk(self, conv, i)
             self.gpu.free_one(ch.block)
             ch.tier, ch.block = Tier.DROPPED, -1
             stats.dropped_tokens += tokens
@@ -243,6 +249,8 @@ class TierPools(EvictionIndex):
         tokens = conv.chunk_tokens(i, self.chunk_size)
         cpu_block = self._cpu_block_for(conv, i)
         if cpu_block is None:
+            if self.disk is not None:
+                spill_to_disk(self, conv, i)
             self.gpu.free_one(ch.block)
             ch.tier, ch.block = Tier.DROPPED, -1
             self.stats.dropped_tokens += tokens
@@ -273,6 +281,8 @@ class TierPools(EvictionIndex):
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
+        if self.disk is not None:  # to the disk tier instead, when it takes it
+            spill_to_disk(self, conv, i)
         self._drop_cpu_chunk(conv, i)
         j = self._first(conv, Tier.CPU, i + self._step)
         if j is None:

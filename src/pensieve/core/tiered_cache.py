@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.request import Request
 from pensieve.core.stats import CacheStats
@@ -187,6 +188,8 @@ class TieredKVCache(TierPools):
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
         """Positions the turn must compute: dropped chunks, then everything from kv_end."""
         c = self.chunk_size
+        if self.disk is not None:
+            extend_from_disk(self, req, conv)  # no KV here, copies on disk (a restart)
         holes: list[Interval] = []
         for i, chunk in enumerate(conv.chunks):
             if chunk.tier is Tier.DROPPED:
@@ -232,6 +235,8 @@ class TieredKVCache(TierPools):
         st = CacheStats()
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
+        if self.disk is not None:
+            st.disk_hit_tokens = restore_from_disk(self, req, conv)  # dropped -> CPU chunks
         req.pending = self.pending_for(req, conv)
         gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self._reclaim_cpu
         kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
@@ -254,7 +259,7 @@ class TieredKVCache(TierPools):
             table.append(ch.block)
         conv.block_table = tuple(table)
         st.gpu_hit_tokens += hit
-        st.cpu_hit_tokens += swapped
+        st.cpu_hit_tokens += swapped - st.disk_hit_tokens
         st.swapped_in_tokens += swapped
         st.recomputed_tokens += recomputed
         self._pinned_gpu += len(chunks)
@@ -411,6 +416,8 @@ class TieredKVCache(TierPools):
             elif ch.tier is Tier.CPU and self.cpu is not None:
                 self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
                 self.cpu.free([ch.block])
+        if self.disk is not None:
+            self.disk.forget_from(conv.conversation_id, keep)
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
 

@@ -130,6 +130,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--cpu-kv-gb", type=float, default=None)
     p.add_argument("--num-cpu-blocks", type=int, default=None)
+    p.add_argument("--disk-kv-gb", type=float, default=None,
+                   help="a disk tier of this many GiB below the CPU tier (needs --disk-kv-path)")
+    p.add_argument("--disk-kv-path", default=None,
+                   help="directory of the disk tier's chunk files, kept across restarts")
     p.add_argument("--swap-bandwidth-gbps", type=swap_bandwidth_arg, default="auto",
                    metavar="GBPS|auto|off",
                    help="measured one-way rate of KV copies between the tiers (GB/s; "
@@ -296,6 +300,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         cuda_graph_mixed=args.mixed_graphs, chunk_size=args.chunk_size,
         gpu_kv_gb=args.gpu_kv_gb, num_gpu_blocks=args.num_gpu_blocks,
         cpu_kv_gb=args.cpu_kv_gb, num_cpu_blocks=args.num_cpu_blocks,
+        disk_kv_gb=args.disk_kv_gb, disk_kv_path=args.disk_kv_path,
         cache_policy=args.cache_policy, max_model_len=max_len,
         kv_cache_dtype=args.kv_cache_dtype,
         decode_reserve=args.decode_reserve, defer_admission=args.defer_admission,
