@@ -98,9 +98,12 @@ class DiskTier:
                 continue
             entry = DiskEntry(h.conversation_id, h.index, h.tokens, h.prefix_hash,
                               found_key(h.written_at))
-            if entry.name == name and 0 < h.tokens <= self.index.chunk_size and \
-                    self.index.add(entry):
+            if entry.name != name or not 0 < h.tokens <= self.index.chunk_size:
+                foreign += 1
+            elif self.index.add(entry):
                 found += 1
+            else:  # beyond the capacity (a smaller --disk-kv-gb than before)
+                os.remove(os.path.join(self.path, name))
         if found or foreign:
             log.info("disk tier %s: %d chunk files kept from before, %d of another model, "
                      "layout or version ignored", self.path, found, foreign)
