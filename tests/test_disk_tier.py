@@ -44,7 +44,7 @@ def test_history_from_disk_matches(tiny_llama, tmp_path) -> None:  # noqa: ANN00
     assert run(llm, workload) == want
     st = llm.cache_stats()
     assert st["disk_written_tokens"] > 0 and st["disk_hit_tokens"] > 0, st
-    assert st["disk_blocks_used"] == llm.engine.cache.disk.size
+    assert st["disk_blocks_total"] - st["disk_blocks_free"] == llm.engine.cache.disk.size > 0
     llm.engine.cache.disk.check()
     llm.engine.shutdown()
 
@@ -162,3 +162,25 @@ def test_disk_tier_is_off_by_default(tiny_llama) -> None:  # noqa: ANN001
     assert llm.engine.cache.disk is None and "disk_hit_tokens" in llm.cache_stats()
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out[0].output_token_ids) == 2
+
+
+def test_metrics_show_disk_hits_and_bytes_per_tier(tiny_llama, tmp_path) -> None:  # noqa: ANN001
+    """/metrics' collector over a real engine's stats: tokens by source include disk_hit, and
+    bytes held per tier include the disk."""
+    from types import SimpleNamespace
+
+    from pensieve.server.engine_loop import Snapshot
+    from pensieve.server.metrics import _EngineCollector
+
+    path, _ = tiny_llama
+    llm = make_llm(path, str(tmp_path))
+    run(llm, every_path_workload())
+    st = llm.cache_stats()
+    snap = Snapshot(0, 0, st, {})
+    metrics = {m.name: m for m in _EngineCollector(SimpleNamespace(snapshot=snap)).collect()}
+    source = {s.labels["source"]: s.value for s in metrics["pensieve_prompt_tokens"].samples}
+    assert source["disk_hit"] == st["disk_hit_tokens"] > 0
+    held = {s.labels["tier"]: s.value for s in metrics["pensieve_kv_bytes_held"].samples}
+    assert held["disk"] == llm.engine.cache.disk.size * st["kv_block_bytes"] > 0
+    assert held["cpu"] == (st["cpu_blocks_total"] - st["cpu_blocks_free"]) * st["kv_block_bytes"]
+    llm.engine.shutdown()

@@ -293,6 +293,7 @@ class EngineCore:
         cpu = self.cache.cpu
         out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
         out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
+        out["kv_block_bytes"] = self.executor.tiers.block_bytes
         out["defer_admission"] = self.cache.defer_admission  # a setting, for the record
         return out
 

@@ -251,8 +251,8 @@ class DiskTier:
             self._writer.submit(self._delete, name)
 
     def stats(self) -> dict[str, int]:
-        return {"disk_blocks_total": self.index.capacity, "disk_blocks_used": self.index.size,
-                "disk_bytes_held": self.index.size * self.block_bytes,
+        return {"disk_blocks_total": self.index.capacity,
+                "disk_blocks_free": self.index.capacity - self.index.size,
                 "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
                 "disk_write_errors": self.write_errors}
 
