@@ -100,6 +100,7 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
         if entry.tokens < c:
             break
     conv.kv_end = end
+    disk.forget_from(conv.conversation_id, len(conv.chunks))  # computed by this turn
 
 
 def _cpu_block(cache: TierPools) -> int | None:

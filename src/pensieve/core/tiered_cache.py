@@ -115,6 +115,8 @@ class TieredKVCache(TierPools):
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
         self._unindex(conv)
         self._free_chunks(conv, 0)
+        if self.disk is not None:
+            self.disk.forget_from(conversation_id, 0)
         if self.tenant_share is not None:
             self._apply_hints(self.tenant_share.forget(conv))
         del self.conversations[conversation_id]
@@ -416,7 +418,7 @@ class TieredKVCache(TierPools):
             elif ch.tier is Tier.CPU and self.cpu is not None:
                 self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
                 self.cpu.free([ch.block])
-        if self.disk is not None:
+        if self.disk is not None and len(conv.chunks) > keep:  # copies of chunks cut off
             self.disk.forget_from(conv.conversation_id, keep)
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
