@@ -110,7 +110,7 @@ class CacheConfig:
     same path, model and layout resumes conversations from it)."""
     disk_read_gbps: float | None = None
     """The disk's read rate (GB/s) for reading a chunk back or recomputing it, whichever is
-    sooner; None: measured on the reads."""
+    sooner; None: measured on the reads on CUDA, always read on the CPU."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     swap_bandwidth_gbps: float | str | None = "auto"

@@ -50,11 +50,12 @@ class DiskTier:
 
     def __init__(self, path: str, capacity_chunks: int, chunk_size: int, fingerprint: str,
                  cpu_caches: list[torch.Tensor], gpu_caches: list[torch.Tensor],
-                 read_gbps: float | None = None, read_threads: int = 4) -> None:
+                 read_gbps: float | None = None, measure: bool = True,
+                 read_threads: int = 4) -> None:
         """``cpu_caches`` / ``gpu_caches``: per layer ``[2, num_blocks, C, Hkv, D]`` (the CPU
         tier and the device cache). ``read_gbps``: the disk's read rate for the
-        read-or-recompute choice; None: measured on the reads (until the first one, always
-        read)."""
+        read-or-recompute choice; None: measured on the reads if ``measure`` (until the first
+        one, always read), else always read."""
         disk_files.check_writable(path)
         self.path = path
         self.fingerprint = fingerprint
@@ -65,7 +66,7 @@ class DiskTier:
         self.dtype = layer.dtype
         self.block_bytes = layer.numel() * layer.element_size() * self.shape[0]
         self.index = DiskIndex(capacity_chunks, chunk_size)
-        self._fixed_rate = read_gbps
+        self._measure = measure and read_gbps is None
         if read_gbps is not None:
             self.index.read_chunk_s = self.block_bytes / (read_gbps * 1e9)
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
@@ -148,7 +149,7 @@ class DiskTier:
             entry = self._failed.get()
             if index.get(entry.conversation_id, entry.index) is entry:
                 index.forget(entry.conversation_id, entry.index)
-        if self._fixed_rate is None and self._read_s > 0 and self.bytes_read:
+        if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
 
     # ------------------------------------------------------------------ a step
@@ -260,7 +261,10 @@ class DiskTier:
 def build_disk_tier(config: EngineConfig, executor: Any, model: Any,
                     model_dtype: torch.dtype) -> DiskTier | None:
     """The disk tier of ``config.cache`` over a local executor's tiers (None: none asked
-    for). Raises ValueError when the path is not writable or the engine is tensor parallel."""
+    for). Raises ValueError when the path is not writable or the engine is tensor parallel.
+    The read rate is measured on CUDA only: on the CPU the cost model's recompute times are
+    a GPU's (as for ``swap_bandwidth_gbps``, whose ``auto`` is off there), so without
+    ``disk_read_gbps`` chunks on disk are always read back."""
     cc = config.cache
     if not cc.disk_kv_gb or not cc.disk_kv_path:
         return None
@@ -274,7 +278,8 @@ def build_disk_tier(config: EngineConfig, executor: Any, model: Any,
     block_bytes = executor.tiers.block_bytes
     capacity = int(cc.disk_kv_gb * 2**30 // block_bytes)
     tier = DiskTier(cc.disk_kv_path, capacity, cc.chunk_size, fp, runner.swapper.cpu_caches,
-                    runner.kv_caches, read_gbps=cc.disk_read_gbps)
+                    runner.kv_caches, read_gbps=cc.disk_read_gbps,
+                    measure=runner.kv_caches[0].device.type == "cuda")
     log.info("disk tier: %d chunks (%.2f GiB) in %s", capacity,
              capacity * block_bytes / 2**30, cc.disk_kv_path)
     return tier
