@@ -46,15 +46,15 @@ class Header:
     written_at: float
 
 
-def encode(header: Header, payload: bytes) -> bytes:
-    """The file's bytes (``header.nbytes`` and ``crc32`` must describe ``payload``)."""
+def encode_head(header: Header) -> bytes:
+    """The file's bytes before the payload (``header.nbytes`` and ``crc32`` describe it)."""
     head = json.dumps(header.__dict__, sort_keys=True).encode()
-    return MAGIC + _LEN.pack(len(head)) + head + payload
+    return MAGIC + _LEN.pack(len(head)) + head
 
 
 def make_header(fp: str, conversation_id: str, index: int, tokens: int, prefix_hash: str,
-                payload: bytes, written_at: float) -> Header:
-    return Header(fp, conversation_id, index, tokens, prefix_hash, len(payload),
+                payload: memoryview, written_at: float) -> Header:
+    return Header(fp, conversation_id, index, tokens, prefix_hash, payload.nbytes,
                   zlib.crc32(payload), written_at)
 
 
@@ -83,29 +83,40 @@ def _parse(raw: bytes) -> Header | None:
         return None
 
 
-def decode(data: bytes, fp: str, conversation_id: str, index: int, tokens: int,
-           prefix_hash: str, nbytes: int) -> bytes | None:
-    """The payload of a file's bytes if it is the expected chunk, intact; else None."""
+def decode(data: bytearray, fp: str, conversation_id: str, index: int, tokens: int,
+           prefix_hash: str, nbytes: int) -> memoryview | None:
+    """The payload of a file's bytes (a view, no copy) if it is the expected chunk, intact;
+    else None."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
         return None
     (n,) = _LEN.unpack_from(data, len(MAGIC))
     start = len(MAGIC) + _LEN.size + n
-    h = _parse(data[len(MAGIC) + _LEN.size:start]) if n <= MAX_HEADER else None
+    h = _parse(bytes(data[len(MAGIC) + _LEN.size:start])) if n <= MAX_HEADER else None
     if h is None or (h.fingerprint, h.conversation_id, h.index, h.tokens, h.prefix_hash,
                      h.nbytes) != (fp, conversation_id, index, tokens, prefix_hash, nbytes):
         return None
-    payload = data[start:]
-    if len(payload) != nbytes or zlib.crc32(payload) != h.crc32:
+    payload = memoryview(data)[start:]
+    if payload.nbytes != nbytes or zlib.crc32(payload) != h.crc32:
         return None
     return payload
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename (a crash leaves the
-    old file or none, never half of one under the name)."""
+def read_file(path: str) -> bytearray:
+    """A whole file into one writable buffer (OSError if it cannot be read)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        got = f.readinto(data)
+    return data[:got] if got != size else data
+
+
+def write_atomic(path: str, head: bytes, payload: memoryview) -> None:
+    """Write ``head`` and ``payload`` to ``path`` through a temporary file and a rename (a
+    crash leaves the old file or none, never half of one under the name)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
+    with open(tmp, "wb", buffering=0) as f:
+        f.write(head)
+        f.write(payload)
     os.replace(tmp, path)
 
 

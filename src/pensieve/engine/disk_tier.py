@@ -71,10 +71,10 @@ class DiskTier:
             self.index.read_chunk_s = self.block_bytes / (read_gbps * 1e9)
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
-        self._writing: dict[str, tuple[DiskEntry, bytes]] = {}
+        self._writing: dict[str, tuple[DiskEntry, memoryview]] = {}
         """Files whose write is queued or running: their bytes (a prefetch takes them)."""
-        self._reads: dict[str, tuple[DiskEntry, Future[bytes | None]]] = {}
-        self._loaded: dict[str, bytes] = {}
+        self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
+        self._loaded: dict[str, memoryview] = {}
         """Verified payloads of ready entries, by file name, until restored or dropped."""
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
@@ -118,14 +118,13 @@ class DiskTier:
                 continue
             self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
 
-    def _read(self, entry: DiskEntry) -> bytes | None:
+    def _read(self, entry: DiskEntry) -> memoryview | None:
         queued = self._writing.get(entry.name)
         if queued is not None and queued[0] is entry:
             return queued[1]
         t0 = time.perf_counter()
         try:
-            with open(os.path.join(self.path, entry.name), "rb") as f:
-                data = f.read()
+            data = disk_files.read_file(os.path.join(self.path, entry.name))
         except OSError:
             return None
         self._read_s += time.perf_counter() - t0
@@ -171,7 +170,7 @@ class DiskTier:
                 payload = queued[1] if queued is not None and queued[0] is entry else None
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
-            view = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            view = torch.frombuffer(payload, dtype=torch.uint8)
             kv = view.view(self.dtype).view(self.shape)
             for layer, cache in enumerate(self.cpu_caches):
                 cache[:, block].copy_(kv[layer])
@@ -181,22 +180,23 @@ class DiskTier:
         for entry, payload in writes:
             self._submit_write(entry, payload)
 
-    def _block_bytes(self, caches: list[torch.Tensor], block: int) -> bytes:
+    def _block_bytes(self, caches: list[torch.Tensor], block: int) -> memoryview:
+        """A copy of one block's K and V over all layers, ``[L, 2, C, Hkv, D]``, as bytes."""
         kv = torch.stack([c[:, block] for c in caches]).cpu().contiguous()
-        return kv.view(torch.uint8).numpy().tobytes()
+        return memoryview(kv.view(torch.uint8).numpy()).cast("B")
 
-    def _submit_write(self, entry: DiskEntry, payload: bytes) -> None:
+    def _submit_write(self, entry: DiskEntry, payload: memoryview) -> None:
         with self._lock:
             self._writing[entry.name] = (entry, payload)
         self._writer.submit(self._write, entry, payload)
 
-    def _write(self, entry: DiskEntry, payload: bytes) -> None:
+    def _write(self, entry: DiskEntry, payload: memoryview) -> None:
         header = disk_files.make_header(self.fingerprint, entry.conversation_id, entry.index,
                                         entry.tokens, entry.prefix_hash, payload, time.time())
         try:
             disk_files.write_atomic(os.path.join(self.path, entry.name),
-                                    disk_files.encode(header, payload))
-            self.bytes_written += len(payload)
+                                    disk_files.encode_head(header), payload)
+            self.bytes_written += payload.nbytes
         except OSError as e:
             self.write_errors += 1
             if self.write_errors == 1 or self.write_errors % 1000 == 0:
