@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     os.makedirs(args.path, exist_ok=True)
-    result = {"args": vars(args), **tier_rates(args)}
-    result.update(dd_rates(args.path, int(result["bytes"])))
+    rates = tier_rates(args)
+    result: dict[str, object] = {"args": vars(args), **rates, **dd_rates(args.path,
+                                                                        int(rates["bytes"]))}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

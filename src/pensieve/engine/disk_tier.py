@@ -183,7 +183,7 @@ class DiskTier:
     def _block_bytes(self, caches: list[torch.Tensor], block: int) -> memoryview:
         """A copy of one block's K and V over all layers, ``[L, 2, C, Hkv, D]``, as bytes."""
         kv = torch.stack([c[:, block] for c in caches]).cpu().contiguous()
-        return memoryview(kv.view(torch.uint8).numpy()).cast("B")
+        return memoryview(kv.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
     def _submit_write(self, entry: DiskEntry, payload: memoryview) -> None:
         with self._lock:
