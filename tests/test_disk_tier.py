@@ -184,3 +184,34 @@ def test_metrics_show_disk_hits_and_bytes_per_tier(tiny_llama, tmp_path) -> None
     assert held["disk"] == llm.engine.cache.disk.size * st["kv_block_bytes"] > 0
     assert held["cpu"] == (st["cpu_blocks_total"] - st["cpu_blocks_free"]) * st["kv_block_bytes"]
     llm.engine.shutdown()
+
+
+def test_steps_do_not_wait_for_writes(tiny_llama, tmp_path) -> None:  # noqa: ANN001
+    """The writer thread is held up for the whole workload: steps go on, and chunks whose
+    write is still queued come back from the queued bytes, with HF's tokens."""
+    import threading
+
+    from pensieve.engine.disk_tier import DiskTier
+
+    path, model = tiny_llama
+    gate = threading.Event()
+    real = DiskTier._write
+
+    def held(self: DiskTier, entry, payload) -> None:  # noqa: ANN001
+        gate.wait(timeout=120)
+        real(self, entry, payload)
+
+    DiskTier._write = held  # type: ignore[method-assign]
+    try:
+        llm = make_llm(path, str(tmp_path))
+        workload = every_path_workload()
+        assert run(llm, workload) == expected(Reference(model), workload)
+        st = llm.cache_stats()
+        assert st["disk_hit_tokens"] > 0 and st["disk_write_bytes"] == 0, st
+        assert not any(f.endswith(".kv") for f in os.listdir(tmp_path))
+    finally:
+        gate.set()
+        DiskTier._write = real  # type: ignore[method-assign]
+    llm.engine.shutdown()  # waits for the writer
+    assert llm.engine.disk_tier.stats()["disk_write_bytes"] > 0
+    assert any(f.endswith(".kv") for f in os.listdir(tmp_path))
