@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -282,4 +283,9 @@ def build_disk_tier(config: EngineConfig, executor: Any, model: Any,
                     measure=runner.kv_caches[0].device.type == "cuda")
     log.info("disk tier: %d chunks (%.2f GiB) in %s", capacity,
              capacity * block_bytes / 2**30, cc.disk_kv_path)
+    room = shutil.disk_usage(cc.disk_kv_path).free + tier.index.size * block_bytes
+    if room < capacity * block_bytes:
+        log.warning("disk tier: %s has room for %.2f GiB of the %.2f GiB asked; writes that "
+                    "fail once it is full drop their chunks", cc.disk_kv_path, room / 2**30,
+                    capacity * block_bytes / 2**30)
     return tier
