@@ -112,6 +112,17 @@ class CacheConfig:
     tenant_kv_share: float | None = None
     """Share of each tier (0, 1] a tenant's conversations with retention hints may hold before
     their hints stop counting (``pensieve.core.tenant_share``); None: no bound."""
+    disk_kv_gb: float | None = None
+    """Size of the disk tier below the CPU tier (GiB of chunk files under
+    :attr:`disk_kv_path`); None or 0: no disk tier. CPU chunks leaving the CPU tier by the
+    retention order are written there instead of dropped, and read back for a later turn
+    (``pensieve.core.disk_index``, ``pensieve.engine.disk_tier``)."""
+    disk_kv_path: str | None = None
+    """Directory of the disk tier's files; kept across restarts (a restarted engine with the
+    same path, model and layout resumes conversations from it)."""
+    disk_read_gbps: float | None = None
+    """The disk's read rate (GB/s) for reading a chunk back or recomputing it, whichever is
+    sooner; None: measured on the reads on CUDA, always read on the CPU."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     policy: EvictionPolicy = field(init=False, repr=False, compare=False)
@@ -138,6 +149,11 @@ class CacheConfig:
                 or self.defer_admission < 0:
             raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "
                              f"{self.defer_admission!r}")
+        if self.disk_kv_gb is not None and self.disk_kv_gb > 0 and not self.disk_kv_path:
+            raise ValueError("disk_kv_gb needs disk_kv_path (the directory of the disk tier)")
+        if (self.disk_kv_gb is not None and self.disk_kv_gb < 0) or (
+                self.disk_read_gbps is not None and not self.disk_read_gbps > 0):
+            raise ValueError("disk_kv_gb must be >= 0 and disk_read_gbps > 0")
         bw = self.swap_bandwidth_gbps
         if isinstance(bw, str):
             if bw not in ("auto", "off"):

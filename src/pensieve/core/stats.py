@@ -18,11 +18,16 @@ class CacheStats:
     cpu_recomputed_tokens: int = 0
     """Of ``recomputed_tokens``: tokens whose KV was on the CPU tier but recomputed, because
     that was expected to be sooner than swapping it in (not in ``cpu_hit_tokens``)."""
+    disk_hit_tokens: int = 0
+    """Context tokens whose KV was read back from the disk tier (then swapped in through the
+    CPU tier; not in ``cpu_hit_tokens``)."""
     new_prompt_tokens: int = 0
     """Tokens with no KV computed before: the new input (and the last answer's final token)."""
     swapped_out_tokens: int = 0
     swapped_in_tokens: int = 0
     dropped_tokens: int = 0
+    disk_written_tokens: int = 0
+    """Of ``dropped_tokens``: tokens of CPU chunks written to the disk tier as they left."""
     suspended_requests: int = 0
 
     def as_dict(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.disk_index import DiskIndex, chunk_hashes, spilled_key
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
@@ -74,6 +75,8 @@ class TierPools:
         self.stats = CacheStats()
         self.tenant_share: TenantShare | None = None if tenant_kv_share is None else (
             TenantShare(tenant_kv_share, num_gpu_blocks, self.cpu.num_blocks if self.cpu else 0))
+        self.disk: DiskIndex | None = None
+        """The disk tier below the CPU tier (:mod:`pensieve.core.disk_index`); None: none."""
         """Per-tenant share of each tier that hints cannot exceed (None: no bound)."""
         self._hints_due: set[Conversation] = set()
         """Conversations whose tenant crossed its share in an eviction, re-keyed once the
@@ -335,6 +338,8 @@ class TierPools:
                     self._drop_cpu_victim(victim[1], victim[2])
                     cpu_block = cpu.allocate_one()
         if cpu_block < 0:
+            if self.disk is not None:  # dropped from the GPU: to the disk tier instead
+                self._spill_to_disk(conv, i)
             self.gpu.free_one(ch.block)
             ch.tier, ch.block = Tier.DROPPED, -1
             stats.dropped_tokens += tokens
@@ -351,10 +356,37 @@ class TierPools:
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
+        if self.disk is not None:  # to the disk tier instead, when it takes it
+            self._spill_to_disk(conv, i)
         self.drop_cpu_chunk(conv, i)
         self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
         if self.tenant_share is not None and conv in self.tenant_share.counted:
             self._hints_due |= self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED)
+
+    def _spill_to_disk(self, conv: Conversation, i: int) -> None:
+        """Chunk ``i`` of an idle ``conv`` (on the CPU, or on the GPU) leaves the cache by the
+        retention order: plan its write to disk, if its bytes are in its block (a CPU block's
+        not still to be copied there in this step), its tokens are in the history and the disk
+        takes it. Call it before the block is freed."""
+        disk = self.disk
+        assert disk is not None
+        ch = conv.chunks[i]
+        from_gpu = ch.tier is Tier.GPU
+        if not from_gpu and (ch.block in self._plan.swap_out
+                             or ch.block in self._plan.swap_out_first):
+            return
+        c = self.chunk_size
+        n_tok = conv.chunk_tokens(i, c)
+        history = conv.token_ids
+        if n_tok == 0 or i * c + n_tok > len(history):
+            return  # KV of a suspended turn beyond the history: no tokens to check it against
+        if n_tok == c:
+            h = disk.hashes_of(conv.conversation_id, history, i + 1)[i]
+        else:
+            h = chunk_hashes(history[:i * c + n_tok], c, i + 1)[i]
+        if disk.spill(conv.conversation_id, i, n_tok, h,
+                      spilled_key(self.index.key_now(conv, i)), ch.block, from_gpu):
+            self.stats.disk_written_tokens += n_tok
 
     def drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed). The

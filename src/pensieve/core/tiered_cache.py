@@ -50,6 +50,8 @@ from __future__ import annotations
 import math
 
 from pensieve.core.conversation import Conversation, Tier
+from pensieve.core.disk_index import DiskIndex
+from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
@@ -145,6 +147,8 @@ class TieredKVCache:
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
         self.index.remove(conv)
         self.pools.free_chunks(conv, 0)
+        if self.disk is not None:
+            self.disk.forget_from(conversation_id, 0)
         if self.tenant_share is not None:
             self.pools.apply_hints(self.tenant_share.forget(conv))
         del self.conversations[conversation_id]
@@ -200,6 +204,16 @@ class TieredKVCache:
         self._step_recompute_s = 0.0
 
     @property
+    def disk(self) -> DiskIndex | None:
+        """The disk tier below the CPU tier (:class:`~pensieve.core.disk_index.DiskIndex`),
+        held by the pools; None: none. The engine gives it after building the cache."""
+        return self.pools.disk
+
+    @disk.setter
+    def disk(self, index: DiskIndex | None) -> None:
+        self.pools.disk = index
+
+    @property
     def num_planned_swap_ins(self) -> int:
         """Chunks this step's plan swaps in so far (``SwapPlan.swap_in``)."""
         return self.pools.num_planned_swap_ins
@@ -232,6 +246,8 @@ class TieredKVCache:
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
         """Positions the turn must compute: dropped chunks, then everything from kv_end."""
         c = self.chunk_size
+        if self.disk is not None:
+            extend_from_disk(self.pools, req, conv)  # no KV here, copies on disk (a restart)
         holes: list[Interval] = []
         for i, chunk in enumerate(conv.chunks):
             if chunk.tier is Tier.DROPPED:
@@ -278,10 +294,12 @@ class TieredKVCache:
         st = CacheStats()
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
+        if self.disk is not None:
+            st.disk_hit_tokens = restore_from_disk(self.pools, req, conv)  # dropped -> CPU chunks
         req.pending = self.pending_for(req, conv)
         hit, swapped, recomputed = pools.pin(conv)
         st.gpu_hit_tokens += hit
-        st.cpu_hit_tokens += swapped
+        st.cpu_hit_tokens += swapped - st.disk_hit_tokens
         st.swapped_in_tokens += swapped
         st.recomputed_tokens += recomputed
         history_kv = max(len(conv.token_ids) - 1, 0)  # KV that existed after the last turn
@@ -408,7 +426,10 @@ class TieredKVCache:
     def _truncate(self, conv: Conversation, kv_end: int) -> None:
         """Set ``kv_end`` and free the chunks wholly past it."""
         conv.kv_end = kv_end
-        self.pools.free_chunks(conv, cdiv(kv_end, self.chunk_size))
+        keep = cdiv(kv_end, self.chunk_size)
+        if self.disk is not None and len(conv.chunks) > keep:  # copies of chunks cut off
+            self.disk.forget_from(conv.conversation_id, keep)
+        self.pools.free_chunks(conv, keep)
 
     def _count(self, req: Request, st: CacheStats) -> None:
         self.stats.add(st)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from pensieve.core.request import Request, RequestStatus
@@ -30,6 +31,18 @@ from pensieve.engine.request_output import RequestOutput
 from pensieve.engine.step_record import StepRecord, prefill_decode_tokens
 
 StepObserver = Callable[[StepRecord], None]
+
+
+class DiskHooks(Protocol):
+    """The disk tier's I/O as the engine drives it (:class:`pensieve.engine.disk_tier.
+    DiskTier`): reads started when a turn is added, collected before scheduling, the step's
+    plan carried out before execution, everything written at shutdown."""
+
+    def prefetch(self, conversation_id: str) -> None: ...
+    def collect(self) -> None: ...
+    def apply(self, sync: Callable[[], None] | None = None) -> None: ...
+    def close(self, cache: TieredKVCache | None) -> None: ...
+    def stats(self) -> dict[str, int]: ...
 
 
 class EngineCore:
@@ -65,6 +78,10 @@ class EngineCore:
         self.track_step_overlap = True
         """Keep the cache's ``step_overlap_s`` at the recent decode-only step time (off: it
         stays where it is, 0 unless set; the swap-or-recompute rule before it was counted)."""
+        self.disk: DiskHooks | None = None
+        """The disk tier's I/O (None: no disk tier); its index is the cache's ``disk``."""
+        self.disk_sync: Callable[[], None] | None = None
+        """Waits for copies in flight into the CPU tier before disk I/O touches it (CUDA)."""
         self.step_observers: list[StepObserver] = list(observers)
         """Called with a :class:`StepRecord` after every executed step (metrics, benchmarks)."""
 
@@ -87,7 +104,13 @@ class EngineCore:
         self.num_steps = 0
 
     def shutdown(self) -> None:
-        """Release the executor's processes and devices (idempotent)."""
+        """Write what the disk tier should keep, then release the executor's processes and
+        devices (idempotent)."""
+        if self.disk is not None:
+            disk, self.disk = self.disk, None
+            if self.disk_sync is not None:
+                self.disk_sync()
+            disk.close(self.cache)
         self.executor.shutdown()
 
     # ---------------------------------------------------------------- requests
@@ -116,6 +139,8 @@ class EngineCore:
                       arrival_time=self.now() if arrival_time is None else arrival_time,
                       eos_token_ids=self.eos_token_ids, conversation_id=conversation_id)
         self.scheduler.add_request(req)
+        if self.disk is not None and conversation_id is not None:
+            self.disk.prefetch(conversation_id)  # read back while the turn waits
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id, self.now())
@@ -178,7 +203,11 @@ class EngineCore:
         self.last_sampled = {}
         self.last_logprobs = {}
         t0 = time.perf_counter()
+        if self.disk is not None:
+            self.disk.collect()
         sched = self.scheduler.schedule(self.now())
+        if self.disk is not None:
+            self.disk.apply(self.disk_sync)
         t1 = time.perf_counter()
         if sched.is_empty and not self.cache.has_pending_swap_outs:
             if self.scheduler.has_unfinished():
@@ -256,11 +285,14 @@ class EngineCore:
         out["split_range_requests"] = self.split_range_requests
         out["failed_requests"] = self.failed_requests
         out.update(self.executor.stats())
+        if self.disk is not None:
+            out.update(self.disk.stats())
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu
         out["cpu_blocks_total"] = cpu.num_blocks if cpu is not None else 0
         out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
+        out["kv_block_bytes"] = self.executor.tiers.block_bytes
         out["defer_admission"] = self.cache.defer_admission  # a setting, for the record
         return out
 

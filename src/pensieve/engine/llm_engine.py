@@ -23,6 +23,7 @@ from pensieve.core.scheduler import Scheduler
 from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.costs import load_cost_model
+from pensieve.engine.disk_tier import build_disk_tier
 from pensieve.engine.engine_core import EngineCore, StepObserver
 from pensieve.engine.executor import Executor
 from pensieve.engine.local import LocalExecutor, resolve_device, resolve_dtype
@@ -85,9 +86,16 @@ class LLMEngine(EngineCore):
         eos_ids: tuple[int, ...] = (
             () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         )
+        self.disk_tier = build_disk_tier(cc, config.model.model, executor, self.model, self.dtype)
+        """The disk tier below the CPU tier (``CacheConfig.disk_kv_gb``); None: none."""
         scheduler = Scheduler(config.scheduler, self._make_cache(executor, cc.policy))
         super().__init__(scheduler, executor, clock=clock, eos_token_ids=eos_ids,
                          vocab_size=int(self.hf_config.vocab_size), observers=observers)
+        if self.disk_tier is not None:
+            self.disk = self.disk_tier
+            if self.device.type == "cuda":
+                device = self.device
+                self.disk_sync = lambda: torch.cuda.synchronize(device)
 
     @property
     def runner(self) -> Any:
@@ -103,11 +111,14 @@ class LLMEngine(EngineCore):
 
     def _make_cache(self, executor: Executor, policy: EvictionPolicy) -> TieredKVCache:
         cc = self.config.cache
-        return build_cache(executor.tiers, self.cost_model, policy=policy,
+        cache = build_cache(executor.tiers, self.cost_model, policy=policy,
                            chunk_size=cc.chunk_size, swap_out_threshold=cc.swap_out_threshold,
                            decode_reserve=cc.decode_reserve, swap_chunk_s=self.swap_chunk_s,
                            defer_admission=cc.defer_admission,
                            tenant_kv_share=cc.tenant_kv_share)
+        if self.disk_tier is not None:
+            cache.disk = self.disk_tier.index
+        return cache
 
     def reset(self, cache_policy: str | EvictionPolicy | None = None,
               scheduler_config: SchedulerConfig | None = None) -> None:

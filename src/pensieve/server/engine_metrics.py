@@ -11,7 +11,8 @@ from prometheus_client.registry import Collector
 from pensieve.server.async_engine import EngineClient
 
 _SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
-            "recomputed": "recomputed_tokens", "new": "new_prompt_tokens"}
+            "disk_hit": "disk_hit_tokens", "recomputed": "recomputed_tokens",
+            "new": "new_prompt_tokens"}
 
 
 class _EngineCollector(Collector):
@@ -47,15 +48,24 @@ class _EngineCollector(Collector):
         total = GaugeMetricFamily("pensieve_blocks_total", "KV blocks", labels=["tier"])
         usage = GaugeMetricFamily("pensieve_kv_cache_usage_ratio", "Fraction of the tier's KV "
                                   "blocks in use (0 to 1)", labels=["tier"])
-        for tier in ("gpu", "cpu"):
+        held = GaugeMetricFamily("pensieve_kv_bytes_held", "Bytes of KV held, by tier (the "
+                                 "disk tier: its chunk files' payloads)", labels=["tier"])
+        for tier in ("gpu", "cpu", "disk"):
             t = st.get(f"{tier}_blocks_total", 0)
             u = t - st.get(f"{tier}_blocks_free", 0)
             used.add_metric([tier], u)
             total.add_metric([tier], t)
             usage.add_metric([tier], u / t if t else 0.0)
+            held.add_metric([tier], u * st.get("kv_block_bytes", 0))
         yield used
         yield total
         yield usage
+        yield held
+        c = CounterMetricFamily("pensieve_disk_bytes", "Bytes written to and read from the "
+                                "disk tier's files", labels=["direction"])
+        c.add_metric(["write"], st.get("disk_write_bytes", 0))
+        c.add_metric(["read"], st.get("disk_read_bytes", 0))
+        yield c
         g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
                               "GPU blocks may wait for background swap-outs (--defer-admission)")
         g.add_metric([], st.get("defer_admission", 0))

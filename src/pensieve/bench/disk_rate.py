@@ -1,0 +1,119 @@
+"""The disk tier's write and read rates against the raw rate of the same disk (``dd``).
+
+Writes ``--chunks`` chunks of one model shape's KV (all layers, ``[L, 2, C, Hkv, D]``) through
+:class:`~pensieve.engine.disk_tier.DiskTier` (the engine's writer thread, one file per chunk,
+header and crc32 included), then reads them back as a restarted engine does (a new tier scans
+the directory; each conversation's files are read and checked in its thread pool). The raw
+rate is ``dd`` of the same number of bytes in 1 MiB blocks, written with ``conv=fdatasync``
+and without, then read. The tier's writes do not fsync (a crash loses at most the files not yet
+flushed by the OS, never a half file under its name: writes go through a rename). Reads of
+files just written come from the page cache unless the caches are dropped; both the tier's
+and dd's reads here are of files just written, so they compare alike.
+
+    python -m pensieve.bench.disk_rate --path /tmp/pensieve-disk-bench --chunks 128 \\
+        --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32 --out disk_rate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import torch
+from tqdm import tqdm
+
+from pensieve.core.disk_index import DiskEntry, spilled_key
+from pensieve.engine.disk_tier import DiskTier
+
+_FP = "bench"
+
+
+def _tier(path: str, args: argparse.Namespace, cpu: list[torch.Tensor]) -> DiskTier:
+    return DiskTier(path, args.chunks, args.chunk_size, _FP, cpu, cpu, read_gbps=None,
+                    measure=True, read_threads=args.read_threads)
+
+
+def tier_rates(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds and GB/s of the tier's writes (until its writer is idle) and reads."""
+    shape = (2, args.blocks, args.chunk_size, args.kv_heads, args.head_dim)
+    cpu = [torch.randn(shape).to(torch.bfloat16) for _ in range(args.layers)]
+    path = os.path.join(args.path, "tier")
+    shutil.rmtree(path, ignore_errors=True)
+    tier = _tier(path, args, cpu)
+    t0 = time.perf_counter()
+    for i in tqdm(range(args.chunks), desc="write", unit="chunk"):
+        entry = DiskEntry(f"c{i // 16}", i % 16, args.chunk_size, f"h{i}",
+                          spilled_key((float(i), 0.0, "", 0.0)))
+        assert tier.index.add(entry)
+        tier.index.plan.writes.append((False, i % args.blocks, entry))
+        tier.apply()
+    tier.close(None)
+    write_s = time.perf_counter() - t0
+    nbytes = tier.bytes_written
+    reader = _tier(path, args, cpu)
+    assert reader.found == args.chunks, reader.found
+    t0 = time.perf_counter()
+    for c in tqdm(sorted(reader.index.entries), desc="read", unit="conversation"):
+        reader.prefetch(c)
+    reader.collect()
+    read_s = time.perf_counter() - t0
+    ready = sum(e.ready for es in reader.index.entries.values() for e in es.values())
+    assert ready == args.chunks, ready
+    reader.close(None)
+    shutil.rmtree(path, ignore_errors=True)
+    return {"chunk_bytes": tier.block_bytes, "bytes": nbytes, "write_s": write_s,
+            "write_gbps": nbytes / write_s / 1e9, "read_s": read_s,
+            "read_gbps": reader.bytes_read / read_s / 1e9}
+
+
+def dd_rates(path: str, nbytes: int) -> dict[str, float]:
+    """``dd`` of ``nbytes`` (in MiB blocks): written with and without fdatasync, then read."""
+    f = os.path.join(path, "dd.bin")
+    count = max(1, nbytes // 2**20)
+    out: dict[str, float] = {}
+    for name, extra in (("dd_write_fdatasync", ["conv=fdatasync"]), ("dd_write", [])):
+        t0 = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={count}", *extra],
+                       check=True, capture_output=True)
+        out[f"{name}_gbps"] = count * 2**20 / (time.perf_counter() - t0) / 1e9
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
+    out["dd_read_gbps"] = count * 2**20 / (time.perf_counter() - t0) / 1e9
+    os.remove(f)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", required=True, help="a directory on the disk to measure")
+    ap.add_argument("--chunks", type=int, default=128)
+    ap.add_argument("--blocks", type=int, default=16, help="CPU-tier blocks written from")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--read-threads", type=int, default=4)
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    os.makedirs(args.path, exist_ok=True)
+    rates = tier_rates(args)
+    result: dict[str, object] = {"args": vars(args), **rates, **dd_rates(args.path,
+                                                                        int(rates["bytes"]))}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""One file per chunk of the disk tier: its format, and checking it (no torch).
+
+A file is ``MAGIC``, a 4-byte little-endian header length, a JSON header, then the payload:
+the chunk's K and V over all layers as the CPU tier holds them (``[L, 2, C, Hkv, D]``,
+contiguous). The header carries:
+
+- ``fingerprint``: model, dtype, KV dtype, chunk size and KV layout (:func:`fingerprint`); a
+  file of another one is never read;
+- ``conversation_id``, ``index``, ``tokens``, ``prefix_hash``: which chunk, of which tokens
+  (:func:`pensieve.core.disk_index.chunk_hashes`);
+- ``nbytes`` and ``crc32`` of the payload; ``written_at`` (seconds since the epoch).
+
+:func:`decode` returns the payload only if every check passes; anything else (a missing,
+truncated, corrupt or foreign file) is None, and the chunk is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"PNSVKV1\n"
+_LEN = struct.Struct("<I")
+MAX_HEADER = 1 << 16
+
+
+def fingerprint(model: str, dtype: str, kv_dtype: str, chunk_size: int, num_layers: int,
+                num_kv_heads: int, head_dim: int) -> str:
+    """What must be equal for a file's KV to be usable by this engine."""
+    return (f"model={model};dtype={dtype};kv_dtype={kv_dtype};chunk={chunk_size};"
+            f"layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim};layout=L2CHD")
+
+
+@dataclass(frozen=True)
+class Header:
+    fingerprint: str
+    conversation_id: str
+    index: int
+    tokens: int
+    prefix_hash: str
+    nbytes: int
+    crc32: int
+    written_at: float
+
+
+def encode_head(header: Header) -> bytes:
+    """The file's bytes before the payload (``header.nbytes`` and ``crc32`` describe it)."""
+    head = json.dumps(header.__dict__, sort_keys=True).encode()
+    return MAGIC + _LEN.pack(len(head)) + head
+
+
+def make_header(fp: str, conversation_id: str, index: int, tokens: int, prefix_hash: str,
+                payload: memoryview, written_at: float) -> Header:
+    return Header(fp, conversation_id, index, tokens, prefix_hash, payload.nbytes,
+                  zlib.crc32(payload), written_at)
+
+
+def read_header(path: str) -> Header | None:
+    """The header of the file at ``path`` (None: unreadable or malformed)."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(len(MAGIC) + _LEN.size)
+            if len(start) != len(MAGIC) + _LEN.size or not start.startswith(MAGIC):
+                return None
+            (n,) = _LEN.unpack(start[len(MAGIC):])
+            if n > MAX_HEADER:
+                return None
+            return _parse(f.read(n))
+    except OSError:
+        return None
+
+
+def _parse(raw: bytes) -> Header | None:
+    try:
+        d = json.loads(raw)
+        return Header(str(d["fingerprint"]), str(d["conversation_id"]), int(d["index"]),
+                      int(d["tokens"]), str(d["prefix_hash"]), int(d["nbytes"]),
+                      int(d["crc32"]), float(d["written_at"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def decode(data: bytearray, fp: str, conversation_id: str, index: int, tokens: int,
+           prefix_hash: str, nbytes: int) -> memoryview | None:
+    """The payload of a file's bytes (a view, no copy) if it is the expected chunk, intact;
+    else None."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
+        return None
+    (n,) = _LEN.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _LEN.size + n
+    h = _parse(bytes(data[len(MAGIC) + _LEN.size:start])) if n <= MAX_HEADER else None
+    if h is None or (h.fingerprint, h.conversation_id, h.index, h.tokens, h.prefix_hash,
+                     h.nbytes) != (fp, conversation_id, index, tokens, prefix_hash, nbytes):
+        return None
+    payload = memoryview(data)[start:]
+    if payload.nbytes != nbytes or zlib.crc32(payload) != h.crc32:
+        return None
+    return payload
+
+
+def read_file(path: str) -> bytearray:
+    """A whole file into one writable buffer (OSError if it cannot be read)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        got = f.readinto(data)
+    return data[:got] if got != size else data
+
+
+def write_atomic(path: str, head: bytes, payload: memoryview) -> None:
+    """Write ``head`` and ``payload`` to ``path`` through a temporary file and a rename (a
+    crash leaves the old file or none, never half of one under the name)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb", buffering=0) as f:
+        f.write(head)
+        f.write(payload)
+    os.replace(tmp, path)
+
+
+def check_writable(directory: str) -> None:
+    """Raise ValueError with the reason when ``directory`` cannot hold the disk tier."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, ".pensieve-write-probe")
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--disk-kv-path {directory!r} is not writable: {e}") from e

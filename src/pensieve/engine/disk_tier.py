@@ -1,0 +1,290 @@
+"""The disk tier's I/O: chunks between CPU-tier blocks and files, off the step's path.
+
+The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module does, for the
+:class:`~pensieve.engine.engine_core.EngineCore` at three points of its life:
+
+- ``prefetch(conversation_id)`` when a turn is added: the conversation's files are read and
+  checked (:mod:`pensieve.engine.disk_files`) in a thread pool, their payloads kept in memory;
+- ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
+  forget them: a bad file is recomputed); failed writes forget theirs;
+- ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
+  block's bytes are copied out of the CPU tier (a host memcpy, before any copy of the step
+  touches the block) and written by one writer thread (writes and deletes in plan order), each
+  restored chunk's verified payload is copied into its CPU block (the step's swap-ins then
+  move it to the GPU), and dropped files are deleted.
+
+No step waits for a disk write. A step waits for reads still running when it schedules (they
+started when their turns were added). On CUDA, a step with disk copies first waits for the
+background swap-outs still in flight (a spilled block may be one's destination).
+
+``close()`` (the engine's shutdown) writes every idle conversation's GPU and CPU chunks that
+are not on disk yet and waits for the writer, so a restarted server with the same path and
+conversation store resumes them from disk. A write that fails (disk full, path gone) is
+logged and its chunk is simply dropped, as without a disk tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pensieve.config import CacheConfig
+from pensieve.core.conversation import Tier
+from pensieve.core.disk_index import DiskEntry, DiskIndex, chunk_hashes, found_key, spilled_key
+from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.engine import disk_files
+
+log = logging.getLogger("pensieve")
+
+
+class DiskTier:
+    """Files of one directory, read into and written from the CPU tier's blocks."""
+
+    def __init__(self, path: str, capacity_chunks: int, chunk_size: int, fingerprint: str,
+                 cpu_caches: list[torch.Tensor], gpu_caches: list[torch.Tensor],
+                 read_gbps: float | None = None, measure: bool = True,
+                 read_threads: int = 4) -> None:
+        """``cpu_caches`` / ``gpu_caches``: per layer ``[2, num_blocks, C, Hkv, D]`` (the CPU
+        tier and the device cache). ``read_gbps``: the disk's read rate for the
+        read-or-recompute choice; None: measured on the reads if ``measure`` (until the first
+        one, always read), else always read."""
+        disk_files.check_writable(path)
+        self.path = path
+        self.fingerprint = fingerprint
+        self.cpu_caches = cpu_caches
+        self.gpu_caches = gpu_caches
+        layer = cpu_caches[0][:, 0] if cpu_caches else gpu_caches[0][:, 0]
+        self.shape = (len(cpu_caches or gpu_caches), *layer.shape)
+        self.dtype = layer.dtype
+        self.block_bytes = layer.numel() * layer.element_size() * self.shape[0]
+        self.index = DiskIndex(capacity_chunks, chunk_size)
+        self._measure = measure and read_gbps is None
+        if read_gbps is not None:
+            self.index.read_chunk_s = self.block_bytes / (read_gbps * 1e9)
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
+        self._writing: dict[str, tuple[DiskEntry, memoryview]] = {}
+        """Files whose write is queued or running: their bytes (a prefetch takes them)."""
+        self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
+        self._loaded: dict[str, memoryview] = {}
+        """Verified payloads of ready entries, by file name, until restored or dropped."""
+        self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
+        """Entries whose write failed (put by the writer thread)."""
+        self._lock = threading.Lock()
+        self.write_errors = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._read_s = 0.0
+        self.found = self._scan()
+
+    # ------------------------------------------------------------------ start
+    def _scan(self) -> int:
+        """Register the directory's files of this fingerprint (not ready: each is read and
+        checked when its conversation's next turn comes); returns how many."""
+        found = foreign = 0
+        for name in sorted(os.listdir(self.path)):
+            if not name.endswith(".kv"):
+                continue
+            h = disk_files.read_header(os.path.join(self.path, name))
+            if h is None or h.fingerprint != self.fingerprint or h.nbytes != self.block_bytes:
+                foreign += 1
+                continue
+            entry = DiskEntry(h.conversation_id, h.index, h.tokens, h.prefix_hash,
+                              found_key(h.written_at))
+            if entry.name != name or not 0 < h.tokens <= self.index.chunk_size:
+                foreign += 1
+            elif self.index.add(entry):
+                found += 1
+            else:  # beyond the capacity (a smaller --disk-kv-gb than before)
+                os.remove(os.path.join(self.path, name))
+        if found or foreign:
+            log.info("disk tier %s: %d chunk files kept from before, %d of another model, "
+                     "layout or version ignored", self.path, found, foreign)
+        return found
+
+    # ------------------------------------------------------------------ reads
+    def prefetch(self, conversation_id: str) -> None:
+        """Start reading the conversation's files that are not ready yet."""
+        for entry in self.index.of(conversation_id):
+            if entry.ready or entry.name in self._reads:
+                continue
+            self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
+
+    def _read(self, entry: DiskEntry) -> memoryview | None:
+        queued = self._writing.get(entry.name)
+        if queued is not None and queued[0] is entry:
+            return queued[1]
+        t0 = time.perf_counter()
+        try:
+            data = disk_files.read_file(os.path.join(self.path, entry.name))
+        except OSError:
+            return None
+        self._read_s += time.perf_counter() - t0
+        self.bytes_read += len(data)
+        return disk_files.decode(data, self.fingerprint, entry.conversation_id, entry.index,
+                                 entry.tokens, entry.prefix_hash, self.block_bytes)
+
+    def collect(self) -> None:
+        """Wait for the reads started so far; mark their entries ready or forget them; forget
+        the entries whose write failed."""
+        index = self.index
+        for name, (entry, fut) in list(self._reads.items()):
+            payload = fut.result()
+            del self._reads[name]
+            if index.get(entry.conversation_id, entry.index) is not entry:
+                continue  # dropped meanwhile
+            if payload is not None:
+                self._loaded[name] = payload
+            index.set_ready(entry.conversation_id, entry.index, payload is not None)
+        while not self._failed.empty():
+            entry = self._failed.get()
+            if index.get(entry.conversation_id, entry.index) is entry:
+                index.forget(entry.conversation_id, entry.index)
+        if self._measure and self._read_s > 0 and self.bytes_read:
+            index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
+
+    # ------------------------------------------------------------------ a step
+    def apply(self, sync: Callable[[], None] | None = None) -> None:
+        """Carry out the step's disk plan (module docstring); ``sync`` waits for copies in
+        flight into the CPU tier first (CUDA)."""
+        plan = self.index.take_plan()
+        if not plan:
+            return
+        if sync is not None and (plan.writes or plan.reads):
+            sync()
+        # bytes out of the spilled blocks first: a restored chunk may reuse one of them
+        writes = [(e, self._block_bytes(self.gpu_caches if gpu else self.cpu_caches, b))
+                  for gpu, b, e in plan.writes]
+        for entry, block in plan.reads:
+            payload = self._loaded.pop(entry.name, None)
+            if payload is None:
+                queued = self._writing.get(entry.name)
+                payload = queued[1] if queued is not None and queued[0] is entry else None
+            if payload is None:
+                raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
+            view = torch.frombuffer(payload, dtype=torch.uint8)
+            kv = view.view(self.dtype).view(self.shape)
+            for layer, cache in enumerate(self.cpu_caches):
+                cache[:, block].copy_(kv[layer])
+        for name in plan.deletes:  # before the writes: a name may be written anew
+            self._loaded.pop(name, None)
+            self._writer.submit(self._delete, name)
+        for entry, payload in writes:
+            self._submit_write(entry, payload)
+
+    def _block_bytes(self, caches: list[torch.Tensor], block: int) -> memoryview:
+        """A copy of one block's K and V over all layers, ``[L, 2, C, Hkv, D]``, as bytes."""
+        kv = torch.stack([c[:, block] for c in caches]).cpu().contiguous()
+        return memoryview(kv.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+    def _submit_write(self, entry: DiskEntry, payload: memoryview) -> None:
+        with self._lock:
+            self._writing[entry.name] = (entry, payload)
+        self._writer.submit(self._write, entry, payload)
+
+    def _write(self, entry: DiskEntry, payload: memoryview) -> None:
+        header = disk_files.make_header(self.fingerprint, entry.conversation_id, entry.index,
+                                        entry.tokens, entry.prefix_hash, payload, time.time())
+        try:
+            disk_files.write_atomic(os.path.join(self.path, entry.name),
+                                    disk_files.encode_head(header), payload)
+            self.bytes_written += payload.nbytes
+        except OSError as e:
+            self.write_errors += 1
+            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+                log.warning("disk tier: write of %s failed (%s); its chunk is dropped "
+                            "(%d failed writes so far)", entry.name, e, self.write_errors)
+            self._failed.put(entry)
+        finally:
+            with self._lock:
+                queued = self._writing.get(entry.name)
+                if queued is not None and queued[0] is entry:
+                    del self._writing[entry.name]
+
+    def _delete(self, name: str) -> None:
+        if name in self._writing:
+            return  # written again since: that write is the file now
+        try:
+            os.remove(os.path.join(self.path, name))
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ the end
+    def close(self, cache: TieredKVCache | None) -> None:
+        """Write the idle conversations' chunks that are not on disk yet (GPU and CPU tiers,
+        within capacity), then wait for every write (module docstring)."""
+        if cache is not None:
+            self.apply()
+            self._flush(cache)
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+
+    def _flush(self, cache: TieredKVCache) -> None:
+        c = self.index.chunk_size
+        for conv in list(cache.conversations.values()):
+            if conv.running or conv.ephemeral:
+                continue
+            history = conv.token_ids
+            n = min(len(conv.chunks), len(history) // c + 1)
+            hashes = chunk_hashes(history, c, n)
+            for i in range(n):
+                ch, n_tok = conv.chunks[i], conv.chunk_tokens(i, c)
+                if ch.tier is Tier.DROPPED or n_tok == 0 or i * c + n_tok > len(history):
+                    continue
+                h = hashes[i] if n_tok == c else chunk_hashes(history[:i * c + n_tok], c,
+                                                             i + 1)[i]
+                entry = DiskEntry(conv.conversation_id, i, n_tok, h,
+                                  spilled_key(cache.index.key_now(conv, i)))
+                if not self.index.add(entry):
+                    continue
+                caches = self.gpu_caches if ch.tier is Tier.GPU else self.cpu_caches
+                self._submit_write(entry, self._block_bytes(caches, ch.block))
+        plan = self.index.take_plan()  # entries pushed out by the flush
+        for name in plan.deletes:
+            self._writer.submit(self._delete, name)
+
+    def stats(self) -> dict[str, int]:
+        return {"disk_blocks_total": self.index.capacity,
+                "disk_blocks_free": self.index.capacity - self.index.size,
+                "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
+                "disk_write_errors": self.write_errors}
+
+
+def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
+                    model_dtype: torch.dtype) -> DiskTier | None:
+    """The disk tier of ``cc`` for the model ``model_name`` over a local executor's tiers (None:
+    none asked for). Raises ValueError when the path is not writable or the engine is
+    tensor parallel. The read rate is measured on CUDA only: on the CPU the cost model's
+    recompute times are a GPU's (as for ``swap_bandwidth_gbps``, whose ``auto`` is off
+    there), so without ``disk_read_gbps`` chunks on disk are always read back."""
+    if not cc.disk_kv_gb or not cc.disk_kv_path:
+        return None
+    runner = getattr(executor, "runner", None)
+    if runner is None:
+        raise ValueError("the disk tier needs a local executor (not tensor parallel)")
+    kv_dtype = runner.kv_caches[0].dtype
+    fp = disk_files.fingerprint(model_name, str(model_dtype), str(kv_dtype),
+                                cc.chunk_size, model.num_layers, model.num_kv_heads,
+                                model.head_dim)
+    block_bytes = executor.tiers.block_bytes
+    capacity = int(cc.disk_kv_gb * 2**30 // block_bytes)
+    tier = DiskTier(cc.disk_kv_path, capacity, cc.chunk_size, fp, runner.swapper.cpu_caches,
+                    runner.kv_caches, read_gbps=cc.disk_read_gbps,
+                    measure=runner.kv_caches[0].device.type == "cuda")
+    log.info("disk tier: %d chunks (%.2f GiB) in %s", capacity,
+             capacity * block_bytes / 2**30, cc.disk_kv_path)
+    room = shutil.disk_usage(cc.disk_kv_path).free + tier.index.size * block_bytes
+    if room < capacity * block_bytes:
+        log.warning("disk tier: %s has room for %.2f GiB of the %.2f GiB asked; writes that "
+                    "fail once it is full drop their chunks", cc.disk_kv_path, room / 2**30,
+                    capacity * block_bytes / 2**30)
+    return tier
