@@ -37,3 +37,15 @@ def test_tiny_sweep_writes_points_capacity_and_plot(tmp_path: Path) -> None:
         pts[("stateless", 0.2)]["recomputed_tokens"]
     assert set(doc["capacity_at_p90_ttft"]) == {"coding-agent@1s", "coding-agent@5s"}
     assert (tmp_path / "sim_agent.png").stat().st_size > 1000
+
+
+def test_fp8_kv_halves_the_kv_bytes_terms_and_the_oracle_runs(tmp_path: Path) -> None:
+    bf16, fp8 = sim_agent.step_cost(0.5), sim_agent.step_cost(0.5, "fp8_e4m3")
+    assert fp8.per_kv_read_token_s == bf16.per_kv_read_token_s / 2
+    assert fp8.swap_copy_chunk_s == bf16.swap_copy_chunk_s / 2
+    assert fp8.per_attn_pair_s == bf16.per_attn_pair_s and fp8.base_s == bf16.base_s
+    sim_agent.main(["--tiny", "--workers", "1", "--out", str(tmp_path), "--systems", "oracle",
+                    "--workloads", "agent-mix", "--rates", "agent-mix=0.3",
+                    "--kv-cache-dtype", "fp8_e4m3"])
+    (p,) = json.loads((tmp_path / "sim_agent.json").read_text())["points"]
+    assert p["system"] == "oracle" and p["kv_dtype"] == "fp8_e4m3" and p["finished"] > 0

@@ -58,6 +58,7 @@ from pensieve.bench.step_cost import (
 from pensieve.config import DEFAULT_DEFER_ADMISSION
 from pensieve.core.config import SchedulerConfig
 from pensieve.core.cost_model import CostModel
+from pensieve.core.eviction import EvictionPolicy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.tiered_cache import TieredKVCache
@@ -238,7 +239,7 @@ class SimEngine(EngineCore):
         clock: SimClock,
         chunk_cost: CostModel | Callable[[int], float],
         chunk_size: int = 32,
-        cache_policy: str = "pensieve",
+        cache_policy: str | EvictionPolicy = "pensieve",
         swap_out_threshold: float = 0.25,
         decode_reserve: float = 0.10,
         block_bytes: int = 0,
@@ -250,7 +251,8 @@ class SimEngine(EngineCore):
         defer_admission: int = DEFAULT_DEFER_ADMISSION,
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
-        size must match, or any function of the context length). ``block_bytes``: K+V bytes of
+        size must match, or any function of the context length). ``cache_policy``: a policy
+        name, or a policy object (the clairvoyant ``OraclePolicy``). ``block_bytes``: K+V bytes of
         one chunk over all layers: the bytes each swapped chunk moves (copy times) and the
         ``swap_in_bytes`` / ``swap_out_bytes`` reported (0: copies take no time).
         ``vocab_size``: if given, prompt token ids are checked against it as the engine does.

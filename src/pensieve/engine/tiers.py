@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pensieve.config import DEFAULT_DEFER_ADMISSION, CacheConfig, EngineConfig
 from pensieve.core.cost_model import CostModel
-from pensieve.core.eviction import get_policy
+from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.tiered_cache import TieredKVCache, cdiv
 from pensieve.engine.executor import TierSizes
 
@@ -119,11 +119,12 @@ def check_fits(max_model_len: int, chunk_size: int, tiers: TierSizes) -> str | N
 
 
 def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
-                policy: str, chunk_size: int, swap_out_threshold: float,
+                policy: str | EvictionPolicy, chunk_size: int, swap_out_threshold: float,
                 decode_reserve: float, swap_chunk_s: float | None,
                 defer_admission: int = DEFAULT_DEFER_ADMISSION,
                 tenant_kv_share: float | None = None) -> TieredKVCache:
-    """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none).
+    """The tiered cache over ``tiers`` under ``policy`` (a name of ``POLICIES``, or a policy
+    built by the caller, as the simulator's ``oracle``; no CPU tier if it keeps none).
     ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
     length."""
     if isinstance(chunk_cost, CostModel):
@@ -131,7 +132,7 @@ def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float]
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"cache uses {chunk_size}")
         chunk_cost = chunk_cost.chunk_cost
-    pol = get_policy(policy)
+    pol = policy if isinstance(policy, EvictionPolicy) else get_policy(policy)
     cpu = tiers.num_cpu_blocks if pol.uses_cpu_tier else 0
     cache = TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, pol, chunk_cost,
                           swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
