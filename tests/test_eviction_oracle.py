@@ -107,3 +107,17 @@ def test_loadgen_tells_each_think_time_and_the_oracle_runs_in_the_simulator() ->
             assert finished is not None and abs(nxt_sent - (finished + think)) < 1e-6
     assert len(nxt.writes) == len(recs) and all(v is None for v in nxt.values())
     assert sim.cache_stats()["swapped_out_tokens"] > 0  # the tiny tiers did evict
+
+
+def test_belady_variant_is_blind_to_cost() -> None:
+    """Plain Belady keeps the conversation needed first whatever its length; the cost-weighted
+    oracle keeps the long one, needed a little later, whose recompute saved per second is
+    higher."""
+    think = {"short": 5.0, "long": 8.0}
+    short = Conversation("short", kv_end=1_000, last_active=0.0)
+    long = Conversation("long", kv_end=100_000, last_active=0.0)
+    tail_s, tail_l = 1_000 // 32 - 1, 100_000 // 32 - 1
+    belady = OraclePolicy(weigh_cost=False, next_think_s=think)
+    weighted = OraclePolicy(next_think_s=think)
+    assert belady.key(long, tail_l, 1.0, cost, 32) < belady.key(short, tail_s, 1.0, cost, 32)
+    assert weighted.key(short, tail_s, 1.0, cost, 32) < weighted.key(long, tail_l, 1.0, cost, 32)

@@ -20,7 +20,8 @@ pipelined by layer. The retention value's Cost(l): the analytic roofline of the 
 Systems: the cache policies by name (``stateless``, ``prefix-lru``, ``pensieve``, ``return``,
 ...) and ``oracle``, the clairvoyant order the load generator tells each conversation's next
 arrival (:class:`~pensieve.core.eviction.OraclePolicy`; the server does not offer it): the
-bound on what any eviction order can gain. ``--kv-cache-dtype fp8_e4m3`` asks what FP8 KV would
+bound on what any eviction order can gain; ``oracle-belady``, the same blind to recompute cost
+(the conversation needed last goes first). ``--kv-cache-dtype fp8_e4m3`` asks what FP8 KV would
 do: one byte per value, so each tier holds twice the chunks, each copy moves half the bytes and
 each step reads half the KV bytes (the step cost's KV-read and copy terms halved; attention
 compute unchanged).
@@ -117,9 +118,10 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     block_bytes = KV_BYTES_PER_TOKEN * KV_DTYPE_BYTES[job["kv_dtype"]] // 2 * CHUNK
     next_think_s: dict[str, float | None] | None = None
     policy: str | EvictionPolicy = job["system"]
-    if policy == "oracle":  # told each conversation's next arrival by the load generator
+    if policy in ("oracle", "oracle-belady"):  # told each next arrival by the load generator
         next_think_s = {}
-        policy = OraclePolicy(next_think_s=next_think_s)
+        policy = OraclePolicy(name=policy, weigh_cost=policy == "oracle",
+                              next_think_s=next_think_s)
     clock = VirtualClock()
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                     max_model_len=MAX_MODEL_LEN),
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/results/sim_agent")
     ap.add_argument("--workloads", default="coding-agent,agent-mix")
     ap.add_argument("--systems", default="stateless,prefix-lru,pensieve",
-                    help="cache policies by name, and oracle (module docstring)")
+                    help="cache policies by name, and oracle, oracle-belady (module docstring)")
     ap.add_argument("--rates", default=None,
                     help="WORKLOAD=R1,R2;... (default: " + "; ".join(
                         f"{k}={v}" for k, v in RATES.items()) + ")")

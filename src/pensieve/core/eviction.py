@@ -160,6 +160,9 @@ class OraclePolicy(EvictionPolicy):
 
     name: str = "oracle"
     key_may_grow: bool = True
+    weigh_cost: bool = True
+    """False: plain Belady (``1 / (next arrival - now)``: the conversation needed last goes
+    first, its leading chunks first), blind to what a chunk costs to recompute."""
     next_think_s: Mapping[str, float | None] = field(default_factory=dict, compare=False,
                                                      repr=False)
     """conversation id -> seconds from the end of its current turn to the arrival of the
@@ -176,7 +179,8 @@ class OraclePolicy(EvictionPolicy):
         end, kv_end = (index + 1) * chunk_size, conv.kv_end
         context_len = end if end < kv_end else (kv_end if kv_end > 1 else 1)
         wait = conv.last_active + think - now
-        value = conv.priority * cost(context_len) / (wait if wait > 1e-3 else 1e-3)
+        saved = cost(context_len) if self.weigh_cost else 1.0
+        value = conv.priority * saved / (wait if wait > 1e-3 else 1e-3)
         return (value, conv.last_active, conv.conversation_id, float(index))
 
 
