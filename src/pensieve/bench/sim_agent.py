@@ -24,7 +24,8 @@ bound on what any eviction order can gain; ``oracle-belady``, the same blind to 
 (the conversation needed last goes first). ``--kv-cache-dtype fp8_e4m3`` asks what FP8 KV would
 do: one byte per value, so each tier holds twice the chunks, each copy moves half the bytes and
 each step reads half the KV bytes (the step cost's KV-read and copy terms halved; attention
-compute unchanged).
+compute unchanged). ``--copy-gbps`` sets the copy rate each way (default: the transfer
+model's 45 GB/s).
 
 Per workload and system, a sweep of session rates; per point the window's throughput, TTFT
 and normalized latency percentiles, and the prefill tokens computed and the part of them
@@ -104,17 +105,15 @@ def conversations(workload: str, seed: int, scale: float) -> list[Any]:
     return convs
 
 
-def sim_point(job: dict[str, Any]) -> dict[str, Any]:
-    """One simulated point: the window's summary plus the run's recomputation totals."""
+def engine(job: dict[str, Any]) -> tuple[Any, Any, dict[str, float | None] | None]:
+    """The simulated engine of one point, its clock, and the map of think times the load
+    generator fills for the ``oracle`` systems (None for the others)."""
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.loadgen import run_load
-    from pensieve.bench.metrics import summarize, window
-    from pensieve.bench.simulator import SimEngine
+    from pensieve.bench.simulator import DEFAULT_TRANSFER, SimEngine
     from pensieve.core.config import SchedulerConfig
     from pensieve.core.cost_model import CostModel
     from pensieve.core.eviction import EvictionPolicy, OraclePolicy
 
-    t0 = time.time()
     block_bytes = KV_BYTES_PER_TOKEN * KV_DTYPE_BYTES[job["kv_dtype"]] // 2 * CHUNK
     next_think_s: dict[str, float | None] | None = None
     policy: str | EvictionPolicy = job["system"]
@@ -122,6 +121,10 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
         next_think_s = {}
         policy = OraclePolicy(name=policy, weigh_cost=policy == "oracle",
                               next_think_s=next_think_s)
+    transfer = DEFAULT_TRANSFER
+    if job["copy_gbps"]:
+        transfer = dataclasses.replace(transfer, swap_in_gbps=job["copy_gbps"],
+                                       swap_out_gbps=job["copy_gbps"])
     clock = VirtualClock()
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                     max_model_len=MAX_MODEL_LEN),
@@ -129,7 +132,17 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
                     int(job["cpu_gb"] * 2**30 // block_bytes),
                     StepCostModel.from_dict(job["cost"]), clock,
                     CostModel.analytic(**SHAPE, chunk_size=CHUNK), chunk_size=CHUNK,
-                    cache_policy=policy, block_bytes=block_bytes)
+                    cache_policy=policy, block_bytes=block_bytes, transfer=transfer)
+    return eng, clock, next_think_s
+
+
+def sim_point(job: dict[str, Any]) -> dict[str, Any]:
+    """One simulated point: the window's summary plus the run's recomputation totals."""
+    from pensieve.bench.loadgen import run_load
+    from pensieve.bench.metrics import summarize, window
+
+    t0 = time.time()
+    eng, clock, next_think_s = engine(job)
     convs = conversations(job["workload"], job["seed"], job["scale"])
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
                    seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0,
@@ -216,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=400.0)
     ap.add_argument("--drain", type=float, default=120.0)
     ap.add_argument("--attn-efficiency", type=float, default=0.5)
+    ap.add_argument("--copy-gbps", type=float, default=None,
+                    help="copy rate between the tiers, each way (GB/s; default: the transfer "
+                         "model's)")
     ap.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPE_BYTES), default="bf16",
                     help="KV bytes per value: fp8_e4m3 doubles the chunks each tier holds")
     ap.add_argument("--ttft-targets", default="2,5", help="P90 TTFT targets (s)")
@@ -234,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [{"workload": wl, "system": s, "rate": float(r), "think": args.think,
              "gpu_gb": args.gpu_gb, "cpu_gb": args.cpu_gb, "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "scale": scale,
-             "cost": cost.to_dict(), "kv_dtype": args.kv_cache_dtype}
+             "cost": cost.to_dict(), "kv_dtype": args.kv_cache_dtype,
+             "copy_gbps": args.copy_gbps}
             for wl in args.workloads.split(",") for s in args.systems.split(",")
             for r in rates[wl].split(",")]
     t0 = time.time()
