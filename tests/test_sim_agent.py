@@ -37,3 +37,25 @@ def test_tiny_sweep_writes_points_capacity_and_plot(tmp_path: Path) -> None:
         pts[("stateless", 0.2)]["recomputed_tokens"]
     assert set(doc["capacity_at_p90_ttft"]) == {"coding-agent@1s", "coding-agent@5s"}
     assert (tmp_path / "sim_agent.png").stat().st_size > 1000
+
+
+def test_fp8_kv_and_copy_rate_reach_the_engine_and_the_oracle_runs(tmp_path: Path) -> None:
+    bf16, fp8 = sim_agent.step_cost(0.5), sim_agent.step_cost(0.5, "fp8_e4m3")
+    assert fp8.per_kv_read_token_s == bf16.per_kv_read_token_s / 2
+    assert fp8.swap_copy_chunk_s == bf16.swap_copy_chunk_s / 2
+    assert fp8.per_attn_pair_s == bf16.per_attn_pair_s and fp8.base_s == bf16.base_s
+    job = {"system": "oracle", "kv_dtype": "fp8_e4m3", "copy_gbps": 90.0, "gpu_gb": 40.0,
+           "cpu_gb": 60.0, "cost": fp8.to_dict()}
+    eng, _, think = sim_agent.engine(job)
+    bf16_eng, _, none = sim_agent.engine({**job, "kv_dtype": "bf16", "copy_gbps": None,
+                                          "system": "prefix-lru"})
+    assert eng.cache.gpu.num_blocks == 2 * bf16_eng.cache.gpu.num_blocks == 2 * 10240
+    # half the bytes per chunk at twice the rate: a quarter of the copy time the cache weighs
+    assert eng.swap_chunk_s is not None and bf16_eng.swap_chunk_s is not None
+    assert abs(eng.swap_chunk_s - bf16_eng.swap_chunk_s / 4) < 1e-12
+    assert think == {} and none is None and eng.cache.policy.name == "oracle"
+    sim_agent.main(["--tiny", "--workers", "1", "--out", str(tmp_path), "--systems", "oracle",
+                    "--workloads", "agent-mix", "--rates", "agent-mix=0.3",
+                    "--kv-cache-dtype", "fp8_e4m3"])
+    (p,) = json.loads((tmp_path / "sim_agent.json").read_text())["points"]
+    assert p["system"] == "oracle" and p["kv_dtype"] == "fp8_e4m3" and p["finished"] > 0

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.core.conversation import Conversation, Tier
-from pensieve.core.eviction import get_policy
+from pensieve.core.eviction import EvictionPolicy, OraclePolicy, get_policy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
@@ -390,8 +390,17 @@ def operations(draw: st.DrawFn) -> list[tuple[str, int, int, float]]:
              rng.choice([0.0, 0.0, 0.05, 0.4, 3.0])) for _ in range(draw(st.integers(1, 120)))]
 
 
+ORACLE_THINK = {cid: None if k % 3 == 0 else 4.0 * k for k, cid in enumerate(IDS)}
+"""The ``oracle``'s think times in the property test: some conversations end, the others come
+back a few operations after their turn ends (their keys grow meanwhile)."""
+
+
+def policy_named(name: str) -> EvictionPolicy:
+    return OraclePolicy(next_think_s=ORACLE_THINK) if name == "oracle" else get_policy(name)
+
+
 @settings(max_examples=1000, deadline=None, derandomize=True)
-@given(policy=st.sampled_from(["pensieve", "lru", "prefix-lru", "gpu-only", "return"]),
+@given(policy=st.sampled_from(["pensieve", "lru", "prefix-lru", "gpu-only", "return", "oracle"]),
        ops=operations(),
        gpu=st.integers(6, 20), cpu=st.integers(0, 8),
        swap_chunk_s=st.sampled_from([None, 0.0, 0.4, 1.5, 100.0]),
@@ -405,8 +414,10 @@ def test_index_evicts_as_brute_force_and_stays_consistent(
     swap-outs left in flight): every victim the index picks is the brute-force lowest key (at
     ``now``) over every idle chunk, and every eviction pass does what :func:`reference_pass`
     does, whatever the re-key interval; the index and the counts match a full recomputation
-    after every operation. Admissions may wait for background swap-outs (``defer``)."""
-    cache = CheckedCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
+    after every operation. Admissions may wait for background swap-outs (``defer``). The
+    ``oracle``'s keys grow while idle: its index is exact only because it re-keys at every
+    eviction time whatever ``refresh`` says."""
+    cache = CheckedCache(gpu, cpu, C, policy_named(policy), cost, swap_out_threshold=threshold,
                          decode_reserve=reserve, key_refresh_s=refresh,
                          swap_chunk_s=swap_chunk_s, defer_admission=defer)
     d = Driver(cache)

@@ -24,6 +24,12 @@ its first request carries its whole history so far (the earlier turns' prompts a
 token ids drawn like any prompt) as new input, so the engine holds no state of it yet: what
 warms up is the sessions in flight, not the engine's caches, which fill within a few turns.
 
+Clairvoyance (for the simulator's ``oracle`` eviction order): given a ``next_think_s`` dict,
+the generator writes into it, as the engine accepts each turn, the think time that will follow
+that turn's answer (None: the conversation has no next turn; also written when a turn fails),
+keyed by the conversation id the engine sees. The next turn is sent at the answer's finish
+time plus that think time, so a cache told the map knows when each idle conversation returns.
+
 Steady state: every ``sample_interval_s`` (1 s by default) the generator records a sample of
 the run (:attr:`LoadResult.samples`): sessions in flight (arrived, last turn not yet answered),
 requests in flight (sent, not yet answered), running totals of sessions, requests sent and
@@ -161,8 +167,10 @@ class _Run:
     finished ones and the counts the samples report."""
 
     def __init__(self, engine: BenchEngine, convs: list[Conversation], seed: int,
-                 vocab_size: int, think_time_s: float, t0: float) -> None:
+                 vocab_size: int, think_time_s: float, t0: float,
+                 next_think_s: dict[str, float | None] | None = None) -> None:
         self.engine, self.convs, self.seed = engine, convs, seed
+        self.next_think_s = next_think_s
         self.vocab_size, self.think_time_s, self.t0 = vocab_size, think_time_s, t0
         self.heap: list[tuple[float, int, int]] = []  # (send time, conversation slot, turn)
         self.records: dict[str, RequestRecord] = {}
@@ -218,7 +226,7 @@ class _Run:
         heap, convs = self.heap, self.convs
         while heap and heap[0][0] <= now:
             sent, slot, k = heapq.heappop(heap)
-            conv, turn = convs[slot], convs[slot].turns[k]
+            turn = convs[slot].turns[k]
             rid = f"c{slot}-t{k}"
             warm = slot in self.warm
             self.warm.discard(slot)
@@ -235,9 +243,24 @@ class _Run:
                 self.started += 1
             try:
                 self.engine.add_request(rid, ids, params, arrival_time=self.t0 + sent,
-                                        conversation_id=f"{conv.conv_id}#{slot}")
+                                        conversation_id=self.conversation_id(slot))
             except ValueError:  # refused (a context past max_model_len: a server's 400)
                 self._fail(self._end(rid))
+                continue
+            if k + 1 < len(convs[slot].turns):
+                self._tell(slot, self.think(slot, k))
+            else:
+                self._tell(slot, None)
+
+    def conversation_id(self, slot: int) -> str:
+        """The id the engine knows the conversation in ``slot`` by."""
+        return f"{self.convs[slot].conv_id}#{slot}"
+
+    def _tell(self, slot: int, think: float | None) -> None:
+        """Record the think time after the current turn of the conversation in ``slot``
+        (None: no next turn)."""
+        if self.next_think_s is not None:
+            self.next_think_s[self.conversation_id(slot)] = think
 
     def _end(self, rid: str) -> RequestRecord:
         """The record of a request that is no longer in flight."""
@@ -250,6 +273,7 @@ class _Run:
         rec.error = True
         self.done.append(rec)
         self.sessions -= 1
+        self._tell(int(rec.conversation[1:]), None)
 
     def finish(self, out: Any, clock: Clock) -> None:
         """A turn's answer ``out`` (a request output) arrived; schedule the next turn."""
@@ -292,6 +316,7 @@ def run_load(
     progress: Callable[[int, int], None] | None = None,
     sample_interval_s: float | None = 1.0,
     warm_start: WarmStart | None = None,
+    next_think_s: dict[str, float | None] | None = None,
 ) -> LoadResult:
     """Drive ``engine`` with conversations drawn in order (cycling) from ``conversations``.
 
@@ -299,6 +324,7 @@ def run_load(
     that (default: ``duration_s``), then whatever is left is counted as unfinished. Samples
     of the run's state are taken every ``sample_interval_s`` (None: none). ``warm_start``:
     begin with the sessions a steady state would have in flight (module doc).
+    ``next_think_s``: filled with the think time after each accepted turn (module doc).
     """
     rng = random.Random(seed)
     t0 = clock.now()
@@ -307,7 +333,7 @@ def run_load(
     drain = duration_s if drain_s is None else drain_s
     stop_at = duration_s + drain
     convs = [conversations[i % len(conversations)] for i in range(len(arrivals))]
-    run = _Run(engine, convs, seed, vocab_size, think_time_s, t0)
+    run = _Run(engine, convs, seed, vocab_size, think_time_s, t0, next_think_s)
     past = [(slot, t) for slot, t in enumerate(arrivals) if t < 0]
     if warm_start:
         run.warm_start(past, warm_start, random.Random(f"{seed}:warm"))

@@ -17,6 +17,16 @@ the per-request host cost kept, and attention at 2x the roofline per query-key p
 5.2x came from the 4k-context kernel of that engine). Copies: 45 GB/s each way, swap-ins
 pipelined by layer. The retention value's Cost(l): the analytic roofline of the same shape.
 
+Systems: the cache policies by name (``stateless``, ``prefix-lru``, ``pensieve``, ``return``,
+...) and ``oracle``, the clairvoyant order the load generator tells each conversation's next
+arrival (:class:`~pensieve.core.eviction.OraclePolicy`; the server does not offer it): the
+bound on what any eviction order can gain; ``oracle-belady``, the same blind to recompute cost
+(the conversation needed last goes first). ``--kv-cache-dtype fp8_e4m3`` asks what FP8 KV would
+do: one byte per value, so each tier holds twice the chunks, each copy moves half the bytes and
+each step reads half the KV bytes (the step cost's KV-read and copy terms halved; attention
+compute unchanged). ``--copy-gbps`` sets the copy rate each way (default: the transfer
+model's 45 GB/s).
+
 Per workload and system, a sweep of session rates; per point the window's throughput, TTFT
 and normalized latency percentiles, and the prefill tokens computed and the part of them
 that was history recomputed (dropped chunks, or CPU chunks sooner recomputed than copied).
@@ -53,13 +63,16 @@ SHAPE = {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads":
 PARAMS_8B, PARAMS_13B = 8.03e9, 13.0e9
 CHUNK = 32
 KV_BYTES_PER_TOKEN = 2 * SHAPE["num_layers"] * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
+"""bf16 K+V of one token over all layers."""
+KV_DTYPE_BYTES = {"bf16": 2, "fp8_e4m3": 1}
 MAX_MODEL_LEN = 131072
 RATES = {"coding-agent": "0.02,0.04,0.06,0.08,0.1",
          "agent-mix": "0.1,0.2,0.3,0.4,0.5"}
 
 
-def step_cost(attn_efficiency: float) -> StepCostModel:
-    """The 13B fit carried to the 8B shape (module docstring)."""
+def step_cost(attn_efficiency: float, kv_dtype: str = "bf16") -> StepCostModel:
+    """The 13B fit carried to the 8B shape (module docstring); with ``kv_dtype`` of one byte,
+    the KV-read and copy terms halved."""
     fit = StepCostModel.load(FIT_13B)
     a13 = StepCostModel.analytic(PARAMS_13B, 40, 40, 10, 128)
     a8 = StepCostModel.analytic(PARAMS_8B, SHAPE["num_layers"], SHAPE["num_heads"],
@@ -68,13 +81,15 @@ def step_cost(attn_efficiency: float) -> StepCostModel:
     def scaled(name: str) -> float:
         return getattr(fit, name) * getattr(a8, name) / getattr(a13, name)
 
+    kv = KV_DTYPE_BYTES[kv_dtype] / 2
     return dataclasses.replace(
         fit, base_s=scaled("base_s"), per_prefill_token_s=scaled("per_prefill_token_s"),
-        per_kv_read_token_s=scaled("per_kv_read_token_s"),
+        per_kv_read_token_s=scaled("per_kv_read_token_s") * kv,
         per_attn_pair_s=a8.per_attn_pair_s / attn_efficiency,
-        swap_copy_chunk_s=a8.swap_copy_chunk_s, source="manual",
+        swap_copy_chunk_s=a8.swap_copy_chunk_s * kv, source="manual",
         label=f"13B process fit scaled to llama3.1-8b by the roofline ratios; attention at "
-              f"{attn_efficiency:g} of the H200 bf16 peak; host per request as fitted")
+              f"{attn_efficiency:g} of the H200 bf16 peak; host per request as fitted; "
+              f"KV in {kv_dtype}")
 
 
 def conversations(workload: str, seed: int, scale: float) -> list[Any]:
@@ -90,17 +105,26 @@ def conversations(workload: str, seed: int, scale: float) -> list[Any]:
     return convs
 
 
-def sim_point(job: dict[str, Any]) -> dict[str, Any]:
-    """One simulated point: the window's summary plus the run's recomputation totals."""
+def engine(job: dict[str, Any]) -> tuple[Any, Any, dict[str, float | None] | None]:
+    """The simulated engine of one point, its clock, and the map of think times the load
+    generator fills for the ``oracle`` systems (None for the others)."""
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.loadgen import run_load
-    from pensieve.bench.run_metrics import summarize, window
-    from pensieve.bench.simulator import SimEngine
+    from pensieve.bench.simulator import DEFAULT_TRANSFER, SimEngine
     from pensieve.core.cost_model import CostModel
+    from pensieve.core.eviction import EvictionPolicy, OraclePolicy
     from pensieve.core.scheduling_config import SchedulerConfig
 
-    t0 = time.time()
-    block_bytes = KV_BYTES_PER_TOKEN * CHUNK
+    block_bytes = KV_BYTES_PER_TOKEN * KV_DTYPE_BYTES[job["kv_dtype"]] // 2 * CHUNK
+    next_think_s: dict[str, float | None] | None = None
+    policy: str | EvictionPolicy = job["system"]
+    if policy in ("oracle", "oracle-belady"):  # told each next arrival by the load generator
+        next_think_s = {}
+        policy = OraclePolicy(name=policy, weigh_cost=policy == "oracle",
+                              next_think_s=next_think_s)
+    transfer = DEFAULT_TRANSFER
+    if job["copy_gbps"]:
+        transfer = dataclasses.replace(transfer, swap_in_gbps=job["copy_gbps"],
+                                       swap_out_gbps=job["copy_gbps"])
     clock = VirtualClock()
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                     max_model_len=MAX_MODEL_LEN),
@@ -108,11 +132,23 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
                     int(job["cpu_gb"] * 2**30 // block_bytes),
                     StepCostModel.from_dict(job["cost"]), clock,
                     CostModel.analytic(**SHAPE, chunk_size=CHUNK), chunk_size=CHUNK,
-                    cache_policy=job["system"], block_bytes=block_bytes)
+                    cache_policy=policy, block_bytes=block_bytes, transfer=transfer)
+    return eng, clock, next_think_s
+
+
+def sim_point(job: dict[str, Any]) -> dict[str, Any]:
+    """One simulated point: the window's summary plus the run's recomputation totals."""
+    from pensieve.bench.loadgen import run_load
+    from pensieve.bench.run_metrics import summarize, window
+
+    t0 = time.time()
+    eng, clock, next_think_s = engine(job)
     convs = conversations(job["workload"], job["seed"], job["scale"])
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
-                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0)
+                   seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0,
+                   next_think_s=next_think_s)
     p = {"workload": job["workload"], "system": job["system"], "conv_rate": job["rate"],
+         "kv_dtype": job["kv_dtype"],
          "unfinished": res.unfinished, **summarize(res, job["warmup"])}
     st = p.pop("steady", None) or {}
     p["steady_unsteady"] = st.get("unsteady")
@@ -167,7 +203,9 @@ def plot(points: list[dict[str, Any]], targets: list[float], path: Path) -> None
         ax.set_yscale("log")
         ax.set_xlabel("sessions/s offered")
         ax.set_ylabel("P90 TTFT (s)")
-        ax.set_title(f"{wl}: llama3.1-8b shape, 40/60 GB tiers (simulated)", fontsize=9)
+        kv = ps[0].get("kv_dtype", "bf16") if ps else "bf16"
+        ax.set_title(f"{wl}: llama3.1-8b shape, 40/60 GB tiers, {kv} KV (simulated)",
+                     fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -179,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/sim_agent")
     ap.add_argument("--workloads", default="coding-agent,agent-mix")
-    ap.add_argument("--systems", default="stateless,prefix-lru,pensieve")
+    ap.add_argument("--systems", default="stateless,prefix-lru,pensieve",
+                    help="cache policies by name, and oracle, oracle-belady (module docstring)")
     ap.add_argument("--rates", default=None,
                     help="WORKLOAD=R1,R2;... (default: " + "; ".join(
                         f"{k}={v}" for k, v in RATES.items()) + ")")
@@ -190,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=400.0)
     ap.add_argument("--drain", type=float, default=120.0)
     ap.add_argument("--attn-efficiency", type=float, default=0.5)
+    ap.add_argument("--copy-gbps", type=float, default=None,
+                    help="copy rate between the tiers, each way (GB/s; default: the transfer "
+                         "model's)")
+    ap.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPE_BYTES), default="bf16",
+                    help="KV bytes per value: fp8_e4m3 doubles the chunks each tier holds")
     ap.add_argument("--ttft-targets", default="2,5", help="P90 TTFT targets (s)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -202,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             rates[k] = v
     duration, warmup, drain, scale = ((60.0, 20.0, 20.0, 0.05) if args.tiny else
                                       (args.duration, args.warmup, args.drain, 1.0))
-    cost = step_cost(args.attn_efficiency)
+    cost = step_cost(args.attn_efficiency, args.kv_cache_dtype)
     jobs = [{"workload": wl, "system": s, "rate": float(r), "think": args.think,
              "gpu_gb": args.gpu_gb, "cpu_gb": args.cpu_gb, "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "scale": scale,
-             "cost": cost.to_dict()}
+             "cost": cost.to_dict(), "kv_dtype": args.kv_cache_dtype,
+             "copy_gbps": args.copy_gbps}
             for wl in args.workloads.split(",") for s in args.systems.split(",")
             for r in rates[wl].split(",")]
     t0 = time.time()

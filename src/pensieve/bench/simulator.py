@@ -251,7 +251,8 @@ class SimEngine(EngineCore):
         defer_admission: int = DEFAULT_DEFER_ADMISSION,
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
-        size must match, or any function of the context length). ``block_bytes``: K+V bytes of
+        size must match, or any function of the context length). ``cache_policy``: a policy
+        name, or a policy object (the clairvoyant ``OraclePolicy``). ``block_bytes``: K+V bytes of
         one chunk over all layers: the bytes each swapped chunk moves (copy times) and the
         ``swap_in_bytes`` / ``swap_out_bytes`` reported (0: copies take no time).
         ``vocab_size``: if given, prompt token ids are checked against it as the engine does.

@@ -15,18 +15,28 @@ return     ``Cost(context_len) * P(the conversation returns | idle)``   yes     
 stateless  (nothing is kept after a turn)                               no        no
 ========== ============================================================ ========= ==========
 
+Not offered by name (the simulator builds it): ``oracle`` (:class:`OraclePolicy`), a
+clairvoyant order that is told when each idle conversation's next turn arrives.
+
 ``return`` (:class:`ReturnPolicy`) weighs the recompute a chunk saves by the chance that the
 conversation has another turn coming, given how long it has been idle, for exponential think
 times of mean ``think_s`` and a chance ``continue_p`` that a turn is followed by another:
 ``P = q e^(-t/T) / (q e^(-t/T) + 1 - q)``. Where ``1 / idle_time`` keeps a long history that
 ended minutes ago above a short one that is mid-conversation, this lets the ended ones go.
+
+``oracle`` (:class:`OraclePolicy`) is the bound the others are measured against: given each
+conversation's next arrival (the load generator knows its think times), it keeps the chunks
+whose ``Cost(context_len) / (next arrival - now)`` is highest, recompute saved per second of
+holding (a cost-weighted Belady order), and lets conversations with no next turn go first.
+Its key grows as the next turn nears, so the eviction index re-keys it at every eviction time
+(``key_may_grow``) instead of keeping lower bounds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from pensieve.core.conversation import Conversation
 
@@ -57,6 +67,10 @@ class EvictionPolicy:
     """The key depends on ``now``; it must not grow as ``now`` advances while the
     conversation stays idle (the cache's index keeps keys at a later time as lower bounds).
     False: it depends only on the conversation and the chunk."""
+    key_may_grow: bool = False
+    """The key may grow while the conversation stays idle (``oracle``): the eviction index
+    then evaluates every candidate at each new eviction time (exact; ``O(candidates)`` per
+    eviction time) instead of keeping lower bounds."""
 
     def key(
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
@@ -127,6 +141,46 @@ class ReturnPolicy(EvictionPolicy):
         q = self.continue_p
         alive = q * math.exp(-idle / self.think_s) if idle > 0.0 else q
         value = conv.priority * cost(context_len) * alive / (alive + 1.0 - q)
+        return (value, conv.last_active, conv.conversation_id, float(index))
+
+
+ENDED_VALUE = -1.0
+"""``oracle``'s value of a conversation with no next turn: below every live one's."""
+
+
+@dataclass(frozen=True)
+class OraclePolicy(EvictionPolicy):
+    """Clairvoyant, cost-weighted Belady order (module docstring): ``Cost(context_len) /
+    (next arrival - now)``, lowest first, the next arrival being ``last_active`` plus the
+    conversation's entry in ``next_think_s``; conversations whose entry is None or missing
+    (no next turn) first of all, least recently active first. For the simulator only: the map
+    is written by whoever knows the future (``pensieve.bench.loadgen.run_load``) while the
+    conversation's turn is queued or running, so an idle conversation's key never changes
+    under the eviction index."""
+
+    name: str = "oracle"
+    key_may_grow: bool = True
+    weigh_cost: bool = True
+    """False: plain Belady (``1 / (next arrival - now)``: the conversation needed last goes
+    first, its leading chunks first), blind to what a chunk costs to recompute."""
+    next_think_s: Mapping[str, float | None] = field(default_factory=dict, compare=False,
+                                                     repr=False)
+    """conversation id -> seconds from the end of its current turn to the arrival of the
+    next (None: no next turn)."""
+
+    def key(
+        self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
+    ) -> EvictionKey:
+        if conv.queued_at is not None:
+            return super().key(conv, index, now, cost, chunk_size)
+        think = self.next_think_s.get(conv.conversation_id)
+        if think is None:
+            return (ENDED_VALUE, conv.last_active, conv.conversation_id, float(index))
+        end, kv_end = (index + 1) * chunk_size, conv.kv_end
+        context_len = end if end < kv_end else (kv_end if kv_end > 1 else 1)
+        wait = conv.last_active + think - now
+        saved = cost(context_len) if self.weigh_cost else 1.0
+        value = conv.priority * saved / (wait if wait > 1e-3 else 1e-3)
         return (value, conv.last_active, conv.conversation_id, float(index))
 
 

@@ -26,7 +26,8 @@ entries whose bound at ``t_e`` is far below their key now (conversations idle fo
 few ``R``) surface and are evaluated once per eviction time. ``R = 0`` re-keys at every new
 ``now``. Keys of ``lru`` and ``prefix-lru`` do not depend on ``now`` and are used as they are.
 A policy whose time-dependent key could grow while a conversation stays idle would break the
-lower bounds (``EvictionPolicy.time_dependent``).
+lower bounds (``EvictionPolicy.time_dependent``); one that says so (``key_may_grow``: the
+simulator's ``oracle``) gets ``R = 0``, every candidate keyed exactly at each new ``now``.
 
 :class:`EvictionIndex` holds the index of both tiers and the key times. It changes no chunk:
 :class:`~pensieve.core.tier_pools.TierPools` holds it to pick victims as it moves chunks, and
@@ -127,7 +128,7 @@ class EvictionIndex:
         self.chunk_size = chunk_size
         self.policy = policy
         self.chunk_cost = chunk_cost
-        self.key_refresh_s = key_refresh_s
+        self.key_refresh_s = 0.0 if policy.key_may_grow else key_refresh_s
         self.gpu = TierIndex()
         """Candidates of the GPU tier."""
         self.cpu = TierIndex()
