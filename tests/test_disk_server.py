@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 from server_util import Server
 
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
@@ -29,6 +30,7 @@ def _continue(srv: Server, cids: list[str]) -> tuple[list[str], list[dict]]:
     return answers, caches
 
 
+@pytest.mark.slow  # ~40 s: two server starts on the default model
 def test_restarted_server_resumes_from_disk(tmp_path: Path) -> None:
     # chunks of 16: a turn's rendering may differ from the stored history in its last tokens
     # (the end-of-turn text), which cuts the last chunk; the rest must come from disk

@@ -79,6 +79,7 @@ def _prompt(llm, text: str) -> list[int]:
 FREE = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
 
 
+@pytest.mark.slow  # ~30 s: 50 schemas compiled and decoded on the default model
 @settings(max_examples=1, deadline=None, derandomize=True, phases=[Phase.generate],
           suppress_health_check=list(HealthCheck))
 @given(schemas=st.lists(object_schemas(), min_size=NUM_SCHEMAS, max_size=NUM_SCHEMAS))

@@ -56,6 +56,7 @@ def test_serve_with_a_broken_store_exits_at_once(tmp_path: Path) -> None:
     print(f"\nserve with a broken store exited in {time.monotonic() - t0:.1f} s")
 
 
+@pytest.mark.slow  # ~12 s each: a server started and stopped under load
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_and_sigint_shut_down_the_same_way(sig: int, tmp_path: Path) -> None:
     """Either signal: the turn in flight finishes, the store is closed with its write-ahead
