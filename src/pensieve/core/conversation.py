@@ -58,6 +58,10 @@ class Conversation:
     queued_at: float | None = None
     """Arrival time of a turn of it waiting in the scheduler's queue (None: none waits): its KV
     is what the next admissions need."""
+    share_salt: bytes = b""
+    """The salt :attr:`share_hashes` were computed with (``core.prefix_share``)."""
+    share_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the history's full chunks as far as computed (shared prefixes)."""
     block_table: tuple[int, ...] = ()
     """While running: the GPU block of each chunk, replaced by a longer tuple as chunks are
     added (never changed in place, so each step's output holds it without a copy). Empty while
