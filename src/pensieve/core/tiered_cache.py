@@ -56,8 +56,8 @@ from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
-from pensieve.core.prefix_share import find_shared, register_chunks, take_shared
 from pensieve.core.request import Request
+from pensieve.core.share_admission import find_shared, register_chunks, take_shared
 from pensieve.core.stats import CacheStats
 from pensieve.core.tier_pools import TierPools
 

@@ -1,0 +1,98 @@
+"""Shared prefixes at a turn's edges: the chunks an admitted turn takes from registered GPU
+blocks, and the chunks an ended turn registers (pure Python; the registry and the design are
+:mod:`pensieve.core.prefix_share`'s). Called by
+:class:`~pensieve.core.tiered_cache.TieredKVCache` at admission and at the end of a turn."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.prefix_share import extend_hashes
+from pensieve.core.request import Request
+
+if TYPE_CHECKING:
+    from pensieve.core.tier_pools import TierPools
+
+
+def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) -> list[bytes]:
+    """The chained hashes of the turn's first ``n`` full chunks (cached on the request, and
+    begun from the conversation's own for its history when the salts agree)."""
+    h = req.share_hashes
+    if h is None:
+        same = conv.share_salt == req.share_salt
+        h = conv.share_hashes[:len(conv.token_ids) // chunk_size] if same else []
+        req.share_hashes = h
+    if len(h) < n:
+        extend_hashes(h, req.share_salt, req.all_token_ids, chunk_size, n)
+    return h
+
+
+def find_shared(pools: TierPools, req: Request,
+                conv: Conversation) -> tuple[list[tuple[int, int]], list[int]]:
+    """Registered blocks the admitted turn can take instead of computing: ``(index, block)``
+    for its dropped full chunks, and the blocks of a conversation without KV's leading full
+    chunks (up to the first miss). Only chunks wholly before the turn's last token (which is
+    always computed) qualify. Changes nothing."""
+    share = pools.share
+    if share is None or not share.by_hash:
+        return [], []
+    c = pools.chunk_size
+    limit = (req.num_tokens - 1) // c  # full chunks before the last token
+    chunks = conv.chunks
+    found: list[tuple[int, int]] = []
+    ext: list[int] = []
+    if not chunks and conv.kv_end == 0:
+        hashes = request_hashes(req, conv, c, limit)
+        lookup = share.by_hash.get
+        for i in range(limit):
+            b = lookup(hashes[i])
+            if b is None:
+                break
+            ext.append(b)
+        return found, ext
+    limit = min(limit, conv.kv_end // c)
+    dropped = [i for i in range(limit) if chunks[i].tier is Tier.DROPPED]
+    if dropped:
+        hashes = request_hashes(req, conv, c, dropped[-1] + 1)
+        for i in dropped:
+            b = share.by_hash.get(hashes[i])
+            if b is not None:
+                found.append((i, b))
+    return found, ext
+
+
+def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int]],
+                ext: list[int]) -> int:
+    """Make the chunks :func:`find_shared` found references to their blocks; returns their
+    tokens."""
+    share = pools.share
+    assert share is not None
+    chunks = conv.chunks
+    for i, b in found:
+        chunks[i].tier, chunks[i].block = Tier.GPU, b
+        share.ref(b)
+    for b in ext:
+        chunks.append(Chunk(Tier.GPU, b))
+        share.ref(b)
+    if ext:
+        conv.kv_end = len(chunks) * pools.chunk_size
+    return (len(found) + len(ext)) * pools.chunk_size
+
+
+def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
+    """The turn ended (its conversation is idle, its history set): register its full GPU
+    chunks within the history that are not registered yet, and keep their hashes on the
+    conversation."""
+    share = pools.share
+    if share is None:
+        return
+    c = pools.chunk_size
+    n = min(conv.kv_end, len(conv.token_ids)) // c
+    hashes = request_hashes(req, conv, c, n)
+    refs = share.refs
+    for i in range(n):
+        ch = conv.chunks[i]
+        if ch.tier is Tier.GPU and ch.block not in refs:
+            share.register(hashes[i], ch.block)
+    conv.share_hashes, conv.share_salt = hashes, req.share_salt
