@@ -256,3 +256,19 @@ def test_random_workloads_do_share() -> None:
         assert hits > 0
     finally:
         _ACROSS = None
+
+
+def test_rewritten_history_is_hashed_again() -> None:
+    """A conversation whose history was rewritten without KV (the server's ``set_history``)
+    must not reuse its old hashes: its new tokens share only with their own equals."""
+    cache = make()
+    run_turn(cache, "a", SYSTEM + [20, 21, 22, 23, 24, 25], 0.0)
+    run_turn(cache, "b", [50] * 12, 1.0)
+    conv = cache.conversations["a"]
+    cache.pools.free_chunks(conv, 0)  # the KV goes, as truncate_history's abort does
+    cache.index.reindex(conv)
+    conv.token_ids = [50] * 9  # the history is rewritten
+    req = run_turn(cache, "a", [7], 2.0)
+    assert req.cache_stats.shared_hit_tokens == 8  # b's two chunks of 50s, not a's old ones
+    assert [ch.block for ch in conv.chunks[:2]] == \
+        [ch.block for ch in cache.conversations["b"].chunks[:2]]

@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 
 def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) -> list[bytes]:
     """The chained hashes of the turn's first ``n`` full chunks (cached on the request, and
-    begun from the conversation's own for its history when the salts agree)."""
+    begun from the conversation's own when the salts agree, as far as its KV goes: a history
+    rewritten since (``set_history``) kept its KV only where it kept its tokens)."""
     h = req.share_hashes
     if h is None:
         same = conv.share_salt == req.share_salt
-        h = conv.share_hashes[:len(conv.token_ids) // chunk_size] if same else []
+        valid = min(len(conv.token_ids), conv.kv_end) // chunk_size
+        h = conv.share_hashes[:valid] if same else []
         req.share_hashes = h
     if len(h) < n:
         extend_hashes(h, req.share_salt, req.all_token_ids, chunk_size, n)

@@ -39,8 +39,13 @@ simulator that was ~2.5x the prefill tokens on ShareGPT near saturation. Recompu
 only chosen for chunks that fit the step's token budget (the scheduler passes what is left), so
 it never delays a turn by a step; with ``swap_chunk_s = None`` every CPU chunk is swapped in.
 
+Shared prefixes (``share_prefixes``, :mod:`pensieve.core.prefix_share`): a turn's full chunks
+equal to a registered GPU block's take a reference to it at admission instead of being
+computed (:meth:`pending_for` leaves them out), and an ended turn registers its own.
+
 Invariants (:meth:`check_integrity`): each GPU and CPU block is free, held by exactly one chunk
-of its tier, or waiting to be reclaimed, never two of these; each chunk is in exactly one tier;
+of its tier (a registered GPU block: by as many as its references), or waiting to be
+reclaimed, never two of these; each chunk is in exactly one tier;
 a running conversation has all its chunks on the GPU; an idle one has ``cdiv(kv_end, C)``; the
 eviction index and the running counts equal a full recomputation.
 """
