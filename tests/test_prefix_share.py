@@ -272,3 +272,26 @@ def test_rewritten_history_is_hashed_again() -> None:
     assert req.cache_stats.shared_hit_tokens == 8  # b's two chunks of 50s, not a's old ones
     assert [ch.block for ch in conv.chunks[:2]] == \
         [ch.block for ch in cache.conversations["b"].chunks[:2]]
+
+
+def test_turns_that_computed_one_prefix_together_end_up_sharing_it() -> None:
+    """Two first turns with the same system prompt admitted together both compute it; when
+    each ends, the second's equal chunks take the first's blocks and free their own."""
+    cache = make()
+    reqs = []
+    for cid, q in (("a", [20]), ("b", [30])):
+        conv = cache.conversation(cid)
+        req = Request(cid, SYSTEM + q, SamplingParams(max_tokens=1), conversation_id=cid)
+        req.pending = cache.pending_for(req, conv)
+        assert cache.admit(req, conv, req.num_tokens, 0.0)
+        assert req.cache_stats.shared_hit_tokens == 0
+        reqs.append((req, conv))
+    assert cache.gpu.num_blocks - cache.gpu.num_free_blocks == 6
+    for req, conv in reqs:
+        req.take(req.num_pending)
+        req.append_output(99)
+        cache.end_turn(req, conv, 1.0)
+        cache.check_integrity()
+    a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
+    assert [ch.block for ch in a[:2]] == [ch.block for ch in b[:2]]
+    assert cache.gpu.num_blocks - cache.gpu.num_free_blocks == 4

@@ -85,16 +85,25 @@ def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int
 def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     """The turn ended (its conversation is idle, its history set): register its full GPU
     chunks within the history that are not registered yet, and keep their hashes on the
-    conversation."""
+    conversation. A chunk whose hash another block has already (computed by a turn that ran
+    beside this one) takes a reference to that block and frees its own: turns that computed
+    one prefix at the same time hold it once from then on."""
     share = pools.share
     if share is None:
         return
     c = pools.chunk_size
     n = min(conv.kv_end, len(conv.token_ids)) // c
     hashes = request_hashes(req, conv, c, n)
-    refs = share.refs
+    refs, by_hash = share.refs, share.by_hash
     for i in range(n):
         ch = conv.chunks[i]
-        if ch.tier is Tier.GPU and ch.block not in refs:
+        if ch.tier is not Tier.GPU or ch.block in refs:
+            continue
+        other = by_hash.get(hashes[i])
+        if other is None:
             share.register(hashes[i], ch.block)
+        else:  # its own block is private and the turn's writes to it are done
+            pools.gpu.free_one(ch.block)
+            ch.block = other
+            share.ref(other)
     conv.share_hashes, conv.share_salt = hashes, req.share_salt
