@@ -295,3 +295,19 @@ def test_turns_that_computed_one_prefix_together_end_up_sharing_it() -> None:
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     assert [ch.block for ch in a[:2]] == [ch.block for ch in b[:2]]
     assert cache.gpu.num_blocks - cache.gpu.num_free_blocks == 4
+
+
+def test_chunks_brought_back_are_registered_again() -> None:
+    """A prefix whose blocks all left the GPU is shareable again once a turn of its holder
+    swaps it back in (or recomputes it) and ends."""
+    cache = make(cpu=8)
+    run_turn(cache, "a", SYSTEM + [20], 0.0)
+    cache.pools.evict_gpu(100, 1.0, urgent=True)
+    cache.take_swap_plan()
+    cache.begin_step()
+    share = cache.pools.share
+    assert share is not None and len(share) == 0
+    back = run_turn(cache, "a", [21], 2.0)
+    assert back.cache_stats.cpu_hit_tokens > 0
+    c = run_turn(cache, "c", SYSTEM + [30], 3.0)
+    assert c.cache_stats.shared_hit_tokens == 8

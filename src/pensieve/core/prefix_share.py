@@ -44,15 +44,18 @@ def share_salt(tenant: str, cache_salt: str | None, across_tenants: bool) -> byt
     return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).digest()
 
 
-def extend_hashes(hashes: list[bytes], salt: bytes, tokens: list[int], chunk_size: int,
-                  n_chunks: int) -> None:
-    """Append the chained hashes of full chunks ``len(hashes)..n_chunks-1`` of ``tokens``
-    (``hashes`` already holds those of the chunks before, under ``salt``)."""
+def extend_hashes(hashes: list[bytes], salt: bytes, tokens: list[int],
+                  chunk_size: int) -> None:
+    """Append the chained hashes of the full chunks whose tokens ``tokens`` are (the chunks
+    after the ``len(hashes)`` ones ``hashes`` holds, under ``salt``; a partial rest is left
+    out)."""
     c = chunk_size
     prev = hashes[-1] if hashes else salt
-    for i in range(len(hashes), n_chunks):
-        prev = hashlib.blake2b(prev + array("q", tokens[i * c:(i + 1) * c]).tobytes(),
-                               digest_size=16).digest()
+    data = array("q", tokens).tobytes()
+    step = 8 * c
+    blake2b = hashlib.blake2b
+    for lo in range(0, (len(tokens) // c) * step, step):
+        prev = blake2b(prev + data[lo:lo + step], digest_size=16).digest()
         hashes.append(prev)
 
 

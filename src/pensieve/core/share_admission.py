@@ -26,7 +26,8 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
         h = conv.share_hashes[:valid] if same else []
         req.share_hashes = h
     if len(h) < n:
-        extend_hashes(h, req.share_salt, req.all_token_ids, chunk_size, n)
+        tokens = req.token_ids_range(len(h) * chunk_size, n * chunk_size)
+        extend_hashes(h, req.share_salt, tokens, chunk_size)
     return h
 
 
@@ -84,8 +85,10 @@ def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int
 
 def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     """The turn ended (its conversation is idle, its history set): register its full GPU
-    chunks within the history that are not registered yet, and keep their hashes on the
-    conversation. A chunk whose hash another block has already (computed by a turn that ran
+    chunks within the history that are not registered yet (those past
+    ``Conversation.share_upto`` and those brought back to the GPU by its admissions,
+    ``share_back``: work in proportion to what the turn changed), and keep their hashes on
+    the conversation. A chunk whose hash another block has already (computed by a turn that ran
     beside this one) takes a reference to that block and frees its own: turns that computed
     one prefix at the same time hold it once from then on."""
     share = pools.share
@@ -95,7 +98,10 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     n = min(conv.kv_end, len(conv.token_ids)) // c
     hashes = request_hashes(req, conv, c, n)
     refs, by_hash = share.refs, share.by_hash
-    for i in range(n):
+    back, conv.share_back = conv.share_back, []
+    for i in back + list(range(min(conv.share_upto, n), n)):
+        if i >= n:
+            continue
         ch = conv.chunks[i]
         if ch.tier is not Tier.GPU or ch.block in refs:
             continue
@@ -107,3 +113,4 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
             ch.block = other
             share.ref(other)
     conv.share_hashes, conv.share_salt = hashes, req.share_salt
+    conv.share_upto = max(conv.share_upto, n)

@@ -189,6 +189,8 @@ class TierPools:
                     pinned -= 1  # another running conversation pins it already
             else:
                 block = gpu.allocate_one()
+                if share is not None and i < conv.share_upto:
+                    conv.share_back.append(i)
                 if tier is cpu_tier:
                     swap_in.append((ch.block, block))
                     reclaim_cpu.append(ch.block)
@@ -233,6 +235,7 @@ class TierPools:
                 self.cpu.free([ch.block])
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
+        conv.share_upto = min(conv.share_upto, keep)
 
     def free_gpu_block(self, block: int) -> None:
         """A chunk of an idle conversation lets its GPU ``block`` go: the block is freed
