@@ -70,3 +70,31 @@ def test_shared_tokens_are_counted_and_match(tiny_llama) -> None:  # noqa: ANN00
     off = make_llm(path, "pensieve", num_gpu_blocks=60, share_prefixes=False)
     assert run(off, workload) == want
     assert off.cache_stats()["shared_hit_tokens"] == 0
+
+
+def _first_turn(llm, rid: str, ids: list[int], tenant: str) -> dict[str, int]:  # noqa: ANN001
+    """One conversation's first turn through the engine as ``tenant``; its cache counters."""
+    from pensieve import SamplingParams
+
+    eng = llm.engine
+    eng.add_request(rid, ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                    conversation_id=rid, tenant=tenant)
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                assert out.cache_stats is not None
+                return out.cache_stats
+    raise AssertionError("no output")
+
+
+def test_tenants_share_only_with_the_flag(tiny_llama) -> None:  # noqa: ANN001
+    path, _ = tiny_llama
+    prompt = list(range(3, 43))  # five full chunks of 8
+    for across in (False, True):
+        llm = make_llm(path, "pensieve", num_gpu_blocks=60,
+                       share_prefixes_across_tenants=across)
+        assert _first_turn(llm, "a", prompt + [1], "t1")["shared_hit_tokens"] == 0
+        other = _first_turn(llm, "b", prompt + [2], "t2")["shared_hit_tokens"]
+        same = _first_turn(llm, "c", prompt + [3], "t1")["shared_hit_tokens"]
+        assert same == 40
+        assert other == (40 if across else 0)
