@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pensieve.core.conversation import Tier
 from pensieve.core.eviction import get_policy
-from pensieve.core.prefix_share import share_salt
+from pensieve.core.prefix_share import extend_hashes, share_salt
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.tiered_cache import TieredKVCache
@@ -180,6 +180,16 @@ class ShareDriver(Driver):
                     salts.setdefault(ch.block, set()).add(self.salt(conv.conversation_id))
         if not self.across:
             assert all(len(s) == 1 for s in salts.values()), "tenants share a block"
+        for conv in cache.conversations.values():  # a registered block holds its tokens
+            if conv.running:
+                continue
+            n = min(conv.kv_end, len(conv.token_ids)) // C
+            hashes: list[bytes] = []
+            extend_hashes(hashes, self.salt(conv.conversation_id), conv.token_ids[:n * C], C)
+            for i in range(n):
+                ch = conv.chunks[i]
+                if ch.tier is Tier.GPU and ch.block in share.refs:
+                    assert share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
         # background copies out read their GPU block until reclaimed (an urgent one's block
         # is free at once: the runner copies it before the step touches any KV)
         leaving = set(cache.pools._plan.swap_out.values())
@@ -311,3 +321,46 @@ def test_chunks_brought_back_are_registered_again() -> None:
     assert back.cache_stats.cpu_hit_tokens > 0
     c = run_turn(cache, "c", SYSTEM + [30], 3.0)
     assert c.cache_stats.shared_hit_tokens == 8
+
+
+def test_rewritten_history_registers_its_own_hashes() -> None:
+    """A history rewritten past its KV (``set_history``: truncate, then new tokens) and a
+    turn that finds nothing to share: the chunks it registers carry the new tokens' hashes,
+    so a conversation with the old tokens does not take them."""
+    cache = make("pensieve", gpu=32, cpu=0)
+    old = [40 + k for k in range(16)]
+    run_turn(cache, "a", old, 0.0)
+    conv = cache.conversations["a"]
+    conv.token_ids = conv.token_ids[:4]  # truncate_history: keep one chunk
+    cache.abort_turn(Request("x", [0], SamplingParams()), conv, 1.0)
+    cache.pools.evict_gpu(100, 1.0, urgent=True)  # nothing registered: find_shared returns
+    share = cache.pools.share
+    assert share is not None and len(share) == 0
+    conv.token_ids = old[:4] + [7] * 12  # set_history
+    run_turn(cache, "a", [8], 2.0)
+    other = run_turn(cache, "b", old + [9], 3.0)
+    assert other.cache_stats.shared_hit_tokens == 4  # chunk 0 only: 40..43
+
+
+def test_truncation_into_a_shared_chunk_lets_it_go() -> None:
+    """An aborted turn leaves its conversation's KV up to the history's end: a shared chunk
+    cut to a partial one would be written by the next turn, so it drops its reference (and
+    is recomputed); a block only it held becomes private instead."""
+    cache = make()
+    run_turn(cache, "a", [1] * 8, 0.0)
+    share = cache.pools.share
+    assert share is not None
+    a0 = cache.conversations["a"].chunks[0].block
+    conv = cache.conversation("b")
+    conv.token_ids = [1]  # a restored history without KV
+    req = Request("b1", [1] * 9, SamplingParams(max_tokens=1), conversation_id="b")
+    req.pending = cache.pending_for(req, conv)
+    assert cache.admit(req, conv, req.num_tokens, 1.0)
+    assert conv.block_table[0] == a0 and share.refs[a0] == 2
+    cache.abort_turn(req, conv, 2.0)
+    cache.check_integrity()
+    assert conv.kv_end == 1 and conv.chunks[0].tier is Tier.DROPPED and share.refs[a0] == 1
+    run_turn(cache, "b", [6] * 7, 3.0)
+    assert conv.chunks[0].block != a0
+    # a's turn continues on its own block, still registered under its tokens
+    assert run_turn(cache, "c", [1] * 9, 4.0).cache_stats.shared_hit_tokens == 8

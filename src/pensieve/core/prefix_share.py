@@ -111,6 +111,17 @@ class PrefixShare:
         self.pins.pop(block, None)
         return True
 
+    def make_private(self, block: int) -> bool:
+        """The chunk holding ``block`` is to be written (it became partial): unregister the
+        block if that chunk is its only holder; False if others hold it (the chunk must let
+        it go instead)."""
+        n = self.refs.get(block)
+        if n is None:
+            return True
+        if n > 1:
+            return False
+        return self.unref(block)
+
     def shared(self, block: int) -> bool:
         """Whether another chunk holds ``block`` too (leaving drops only a reference)."""
         return self.refs.get(block, 1) > 1

@@ -236,6 +236,16 @@ class TierPools:
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
         conv.share_upto = min(conv.share_upto, keep)
+        del conv.share_hashes[conv.kv_end // self.chunk_size:]  # the history may change there
+        part = conv.kv_end // self.chunk_size
+        share = self.share
+        if share is not None and conv.kv_end % self.chunk_size and part < len(conv.chunks):
+            # the last chunk is partial now: the next turn writes into it (copy-on-write:
+            # a block others share is let go and the chunk's positions recomputed)
+            ch = conv.chunks[part]
+            if ch.tier is Tier.GPU and not share.make_private(ch.block):
+                share.unref(ch.block)
+                ch.tier, ch.block = Tier.DROPPED, -1
 
     def free_gpu_block(self, block: int) -> None:
         """A chunk of an idle conversation lets its GPU ``block`` go: the block is freed
@@ -459,6 +469,10 @@ class TierPools:
         running: dict[int, int] = {}  # GPU block -> running conversations holding it
         share = self.share if tier is Tier.GPU else None
         for conv in self.index.conversations.values():
+            if share is not None and not conv.running and conv.kv_end % self.chunk_size:
+                last = conv.chunks[-1]  # partial: the next turn writes into it
+                assert last.tier is not Tier.GPU or last.block not in share.refs, (
+                    f"{conv.conversation_id}: a partial chunk holds a shareable block")
             for ch in conv.chunks:
                 if ch.tier is tier:
                     b = ch.block
