@@ -179,14 +179,18 @@ class TierPools:
         table: list[int] = []
         hit = swapped = recomputed = 0
         share = self.share
+        refs, pins = (share.refs, share.pins) if share is not None else ({}, {})
         pinned = len(chunks)
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
             tier = ch.tier
             if tier is gpu_tier:
                 hit += tokens
-                if share is not None and not share.pin(ch.block):
-                    pinned -= 1  # another running conversation pins it already
+                if ch.block in refs:  # PrefixShare.pin, inline (the hot path)
+                    n = pins.get(ch.block, 0)
+                    pins[ch.block] = n + 1
+                    if n:
+                        pinned -= 1  # another running conversation pins it already
             else:
                 block = gpu.allocate_one()
                 if share is not None and i < conv.share_upto:
@@ -218,8 +222,18 @@ class TierPools:
         share = self.share
         if share is None or not share.pins:
             self.pinned_gpu -= len(conv.chunks)
-        else:
-            self.pinned_gpu -= sum(1 for ch in conv.chunks if share.unpin(ch.block))
+        else:  # PrefixShare.unpin, inline (the hot path)
+            pins, unpinned = share.pins, 0
+            for ch in conv.chunks:
+                n = pins.get(ch.block)
+                if n is None:
+                    unpinned += 1
+                elif n > 1:
+                    pins[ch.block] = n - 1
+                else:
+                    del pins[ch.block]
+                    unpinned += 1
+            self.pinned_gpu -= unpinned
         conv.running = False
         conv.block_table = ()
 

@@ -310,7 +310,7 @@ class TieredKVCache:
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         held = on_gpu  # of the evictable blocks, those this turn would pin
-        if share is not None and share.pins:  # a block pinned already is not evictable
+        if shortfall > 0 and share is not None and share.pins:  # pinned: not evictable
             pinned = share.is_pinned
             held -= sum(1 for ch in chunks if ch.tier is Tier.GPU and pinned(ch.block))
             held -= sum(1 for b in ext if pinned(b)) + sum(1 for _, b in found if pinned(b))
