@@ -36,6 +36,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from pensieve.core.conversation import Chunk, Conversation, Tier
+
 
 def share_salt(tenant: str, cache_salt: str | None, across_tenants: bool) -> bytes:
     """The seed of a request's chunk hashes: its tenant's (unless ``across_tenants``) and its
@@ -145,6 +147,34 @@ class PrefixShare:
             return False
         del self.pins[block]
         return True
+
+    def unpin_chunks(self, chunks: list[Chunk]) -> int:
+        """A running conversation with these (GPU) chunks stops running: :meth:`unpin` each
+        block; returns how many are no longer pinned by anyone (inline: a hot path)."""
+        pins, unpinned = self.pins, 0
+        for ch in chunks:
+            n = pins.get(ch.block)
+            if n is None:
+                unpinned += 1
+            elif n > 1:
+                pins[ch.block] = n - 1
+            else:
+                del pins[ch.block]
+                unpinned += 1
+        return unpinned
+
+    def truncated(self, conv: Conversation, chunk_size: int) -> None:
+        """``conv`` lost its chunks past ``kv_end``: its cached hashes go as far, and a last
+        chunk left partial (the next turn writes into it) holds no shareable block:
+        copy-on-write, the block is let go (the chunk is dropped, its positions recomputed),
+        or unregistered where the chunk was its only holder. The caller re-indexes ``conv``."""
+        del conv.share_hashes[conv.kv_end // chunk_size:]  # the history may change there
+        part = conv.kv_end // chunk_size
+        if conv.kv_end % chunk_size and part < len(conv.chunks):
+            ch = conv.chunks[part]
+            if ch.tier is Tier.GPU and not self.make_private(ch.block):
+                self.unref(ch.block)
+                ch.tier, ch.block = Tier.DROPPED, -1
 
     def is_pinned(self, block: int) -> bool:
         """Whether a running conversation holds the registered ``block``."""

@@ -222,18 +222,8 @@ class TierPools:
         share = self.share
         if share is None or not share.pins:
             self.pinned_gpu -= len(conv.chunks)
-        else:  # PrefixShare.unpin, inline (the hot path)
-            pins, unpinned = share.pins, 0
-            for ch in conv.chunks:
-                n = pins.get(ch.block)
-                if n is None:
-                    unpinned += 1
-                elif n > 1:
-                    pins[ch.block] = n - 1
-                else:
-                    del pins[ch.block]
-                    unpinned += 1
-            self.pinned_gpu -= unpinned
+        else:
+            self.pinned_gpu -= share.unpin_chunks(conv.chunks)
         conv.running = False
         conv.block_table = ()
 
@@ -250,16 +240,8 @@ class TierPools:
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
         conv.share_upto = min(conv.share_upto, keep)
-        del conv.share_hashes[conv.kv_end // self.chunk_size:]  # the history may change there
-        part = conv.kv_end // self.chunk_size
-        share = self.share
-        if share is not None and conv.kv_end % self.chunk_size and part < len(conv.chunks):
-            # the last chunk is partial now: the next turn writes into it (copy-on-write:
-            # a block others share is let go and the chunk's positions recomputed)
-            ch = conv.chunks[part]
-            if ch.tier is Tier.GPU and not share.make_private(ch.block):
-                share.unref(ch.block)
-                ch.tier, ch.block = Tier.DROPPED, -1
+        if self.share is not None:
+            self.share.truncated(conv, self.chunk_size)
 
     def free_gpu_block(self, block: int) -> None:
         """A chunk of an idle conversation lets its GPU ``block`` go: the block is freed
