@@ -345,6 +345,7 @@ def test_auth_and_tenant_isolation(tmp_path: Path, cache_dir: Path) -> None:
         rb = b.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
         assert _extra(rb, "conversation_id") != cid
         assert _extra(rb, "pensieve")["cache"]["gpu_hit_tokens"] == 0
+        assert _extra(rb, "pensieve")["cache"]["shared_hit_tokens"] == 0  # salted per tenant
         # while A doing the same continues its own conversation from cache
         ra2 = a.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
         assert _extra(ra2, "conversation_id") == cid
@@ -517,3 +518,38 @@ def test_lone_surrogate_is_a_400(server: Server) -> None:
                    headers={"content-type": "application/json"})
     err = _assert_error(r, 400)
     assert "Unicode" in err["message"] and err["param"] == "messages.0.content"
+
+
+def test_shared_system_prompt_is_cached_from_the_second_conversation(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """Issue 45's repro: six conversations of one tenant open with the same ~700-token system
+    prompt and a question each; from the second on, the prompt's full chunks are another
+    conversation's KV (``cached_tokens`` > 0, counted as ``shared_hit``). Another tenant, or a
+    request with its own ``cache_salt``, shares nothing."""
+    srv = Server(tmp_path / "share.db", cache_dir, "--api-key", "key-a", "--api-key", "key-b",
+                 "--max-model-len", "1024")
+    try:
+        a, b = srv.client("key-a"), srv.client("key-b")
+        system = {"role": "system", "content": "You are a careful librarian. " * 100}
+        cached = []
+        for k in range(6):
+            r = a.chat.completions.create(
+                model=M, messages=[system, {"role": "user", "content": f"Question {k}: which?"}],
+                **GREEDY)
+            assert r.usage.prompt_tokens > 600
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            assert _extra(r, "pensieve")["cache"]["shared_hit_tokens"] == cached[-1]
+        assert cached[0] == 0 and all(c >= 600 for c in cached[1:]), cached
+        shared = srv.metric('pensieve_prompt_tokens_total{source="shared_hit"}', "key-a")
+        assert shared == sum(cached[1:])
+        assert srv.metric("pensieve_prefix_sharing_ratio", "key-a") > 1.0
+        rb = b.chat.completions.create(
+            model=M, messages=[system, {"role": "user", "content": "Question 0: which?"}],
+            **GREEDY)
+        assert rb.usage.prompt_tokens_details.cached_tokens == 0  # another tenant
+        salted = a.chat.completions.create(
+            model=M, messages=[system, {"role": "user", "content": "Question 9: which?"}],
+            extra_body={"cache_salt": "mine"}, **GREEDY)
+        assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        srv.stop()

@@ -112,6 +112,13 @@ class CacheConfig:
     tenant_kv_share: float | None = None
     """Share of each tier (0, 1] a tenant's conversations with retention hints may hold before
     their hints stop counting (``pensieve.core.tenant_share``); None: no bound."""
+    share_prefixes: bool = True
+    """Full chunks with equal tokens at equal positions (a shared system prompt, few-shot
+    examples, a branched conversation) are held once on the GPU, reference-counted
+    (``pensieve.core.prefix_share``); within a tenant unless share_prefixes_across_tenants."""
+    share_prefixes_across_tenants: bool = False
+    """Let conversations of different tenants (API keys) share prefixes (their hashes are
+    otherwise salted per tenant; a request's ``cache_salt`` still separates)."""
     disk_kv_gb: float | None = None
     """Size of the disk tier below the CPU tier (GiB of chunk files under
     :attr:`disk_kv_path`); None or 0: no disk tier. CPU chunks leaving the CPU tier by the

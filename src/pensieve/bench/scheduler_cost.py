@@ -118,7 +118,8 @@ class Bench:
         gpu = int((args.gpu_frac * n + args.gpu_batch * self.max_num_seqs) * mean_chunks)
         cpu = int(args.cpu_frac * n * mean_chunks)
         self.cache = TieredKVCache(gpu, cpu, CHUNK, get_policy(args.policy),
-                                   _cost_model().chunk_cost, key_refresh_s=args.key_refresh_s)
+                                   _cost_model().chunk_cost, key_refresh_s=args.key_refresh_s,
+                                   share_prefixes=args.share_prefixes)
         cfg = SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=self.max_num_seqs,
                               max_model_len=args.max_model_len)
         self.sched = Scheduler(cfg, self.cache)
@@ -139,7 +140,7 @@ class Bench:
             self.generation[s] = 0
             t = -600.0 + 600.0 * k / n
             conv = cache.conversation(self.cid(s))
-            ids = [1] * self.rng.randint(*self.args.seed_tokens)
+            ids = [self._token(s)] * self.rng.randint(*self.args.seed_tokens)
             req = Request(f"seed{k}", ids, SamplingParams(max_tokens=1),
                           conversation_id=conv.conversation_id)
             cache.begin_step()
@@ -156,6 +157,11 @@ class Bench:
             reclaim(0)
         self.rng.shuffle(self.idle)
 
+    def _token(self, session: str) -> int:
+        """The token every input of ``session`` repeats: 1, or with ``--share-prefixes`` one
+        of its own (no two sessions share a chunk: sharing's costs without its savings)."""
+        return 2 + int(session[1:]) if self.args.share_prefixes else 1
+
     def _top_up(self) -> None:
         """New turns from idle sessions until ``--waiting`` turns wait."""
         sched, cache = self.sched, self.cache
@@ -169,7 +175,7 @@ class Bench:
                 cache.delete(self.cid(s))
                 self.generation[s] += 1
                 history = []
-            new = [1] * self.rng.randint(*self.args.turn_tokens)
+            new = [self._token(s)] * self.rng.randint(*self.args.turn_tokens)
             self.num_requests += 1
             params = SamplingParams(max_tokens=self.rng.randint(*self.args.output_tokens),
                                     ignore_eos=True)
@@ -347,6 +353,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--policy", default="pensieve")
     ap.add_argument("--key-refresh-s", type=float, default=0.5,
                     help="TieredKVCache key_refresh_s (the engine's default: 0.5)")
+    ap.add_argument("--share-prefixes", action="store_true",
+                    help="the cache shares prefixes; each session's tokens are its own, so "
+                         "nothing is shared (the bookkeeping's cost alone)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each size this many times (same work) and report the run of "

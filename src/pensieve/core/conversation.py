@@ -58,6 +58,15 @@ class Conversation:
     queued_at: float | None = None
     """Arrival time of a turn of it waiting in the scheduler's queue (None: none waits): its KV
     is what the next admissions need."""
+    share_salt: bytes = b""
+    """The salt :attr:`share_hashes` were computed with (``core.prefix_share``)."""
+    share_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the history's full chunks as far as computed (shared prefixes)."""
+    share_upto: int = 0
+    """Chunks below this were offered for registration when a turn ended (shared prefixes)."""
+    share_back: list[int] = field(default_factory=list)
+    """Chunks below :attr:`share_upto` that admissions brought back to the GPU since (swapped
+    in or recomputed: private blocks again), to offer when the turn ends."""
     block_table: tuple[int, ...] = ()
     """While running: the GPU block of each chunk, replaced by a longer tuple as chunks are
     added (never changed in place, so each step's output holds it without a copy). Empty while

@@ -53,6 +53,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     first_token_time: float | None = None
     finish_time: float | None = None
+    share_salt: bytes = b""
+    """Seed of this turn's chunk hashes: equal salts may share blocks
+    (:func:`pensieve.core.prefix_share.share_salt`)."""
+    share_hashes: list[bytes] | None = None
+    """Chained hashes of the turn's full chunks as far as computed (None: not yet)."""
     deferrals: int = 0
     """Steps this turn's admission waited for background swap-outs to free its blocks
     (``TieredKVCache.defer_admission``)."""

@@ -21,6 +21,9 @@ class CacheStats:
     disk_hit_tokens: int = 0
     """Context tokens whose KV was read back from the disk tier (then swapped in through the
     CPU tier; not in ``cpu_hit_tokens``)."""
+    shared_hit_tokens: int = 0
+    """Context tokens whose KV was another conversation's GPU block of the same tokens (a
+    shared prefix, ``core.prefix_share``; not in ``gpu_hit_tokens``)."""
     new_prompt_tokens: int = 0
     """Tokens with no KV computed before: the new input (and the last answer's final token)."""
     swapped_out_tokens: int = 0

@@ -27,6 +27,7 @@ from pensieve.core.disk_index import DiskIndex, chunk_hashes, spilled_key
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
+from pensieve.core.prefix_share import PrefixShare
 from pensieve.core.stats import CacheStats
 from pensieve.core.tenant_share import TenantShare
 
@@ -54,10 +55,13 @@ class TierPools:
         decode_reserve: float,
         swap_out_batch: float,
         tenant_kv_share: float | None = None,
+        share_prefixes: bool = False,
     ) -> None:
         """``index``: the eviction index over the same conversations (shared with the
         cache). No CPU pool when the index's policy keeps no CPU tier or ``num_cpu_blocks`` is
-        0. ``tenant_kv_share``: see :class:`~pensieve.core.tenant_share.TenantShare`."""
+        0. ``tenant_kv_share``: see :class:`~pensieve.core.tenant_share.TenantShare`.
+        ``share_prefixes``: GPU blocks of equal full chunks are shared
+        (:mod:`pensieve.core.prefix_share`)."""
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
         self.index = index
@@ -93,7 +97,10 @@ class TierPools:
         step)."""
         self._plan = _StepPlan()
         self.pinned_gpu = 0
-        """GPU blocks held by running conversations (all of their chunks)."""
+        """GPU blocks held by running conversations (all of their chunks; a shared block
+        once)."""
+        self.share: PrefixShare | None = PrefixShare() if share_prefixes else None
+        """Registered (shareable) GPU blocks and their references; None: no sharing."""
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -171,13 +178,23 @@ class TierPools:
         kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
         table: list[int] = []
         hit = swapped = recomputed = 0
+        share = self.share
+        refs, pins = (share.refs, share.pins) if share is not None else ({}, {})
+        pinned = len(chunks)
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
             tier = ch.tier
             if tier is gpu_tier:
                 hit += tokens
+                if ch.block in refs:  # PrefixShare.pin, inline (the hot path)
+                    n = pins.get(ch.block, 0)
+                    pins[ch.block] = n + 1
+                    if n:
+                        pinned -= 1  # another running conversation pins it already
             else:
                 block = gpu.allocate_one()
+                if share is not None and i < conv.share_upto:
+                    conv.share_back.append(i)
                 if tier is cpu_tier:
                     swap_in.append((ch.block, block))
                     reclaim_cpu.append(ch.block)
@@ -187,7 +204,7 @@ class TierPools:
                 ch.tier, ch.block = gpu_tier, block
             table.append(ch.block)
         conv.block_table = tuple(table)
-        self.pinned_gpu += len(chunks)
+        self.pinned_gpu += pinned
         return hit, swapped, recomputed
 
     def extend(self, conv: Conversation, num_chunks: int) -> None:
@@ -202,7 +219,11 @@ class TierPools:
 
     def release(self, conv: Conversation) -> None:
         """A running conversation stops running (its chunks are all on the GPU)."""
-        self.pinned_gpu -= len(conv.chunks)
+        share = self.share
+        if share is None or not share.pins:
+            self.pinned_gpu -= len(conv.chunks)
+        else:
+            self.pinned_gpu -= share.unpin_chunks(conv.chunks)
         conv.running = False
         conv.block_table = ()
 
@@ -212,12 +233,21 @@ class TierPools:
         for i in range(keep, len(conv.chunks)):
             ch = conv.chunks[i]
             if ch.tier is Tier.GPU:
-                self.gpu.free([ch.block])
+                self.free_gpu_block(ch.block)
             elif ch.tier is Tier.CPU and self.cpu is not None:
                 self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
                 self.cpu.free([ch.block])
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
+        conv.share_upto = min(conv.share_upto, keep)
+        if self.share is not None:
+            self.share.truncated(conv, self.chunk_size)
+
+    def free_gpu_block(self, block: int) -> None:
+        """A chunk of an idle conversation lets its GPU ``block`` go: the block is freed
+        unless another chunk shares it."""
+        if self.share is None or self.share.unref(block):
+            self.gpu.free_one(block)
 
     # ------------------------------------------------------------------ eviction
     def plan_background(self, now: float) -> None:
@@ -270,8 +300,10 @@ class TierPools:
                 if to is Tier.CPU:
                     entered_cpu(conv, i, key)
                 if self.tenant_share is not None and conv in self.tenant_share.counted:
-                    self._hints_due |= self.tenant_share.moved(conv, gpu_tier, to)
-                done += 1
+                    self._hints_due |= self.tenant_share.moved(conv, gpu_tier,
+                                                               to or Tier.DROPPED)
+                if to is not None:  # None: a shared block lost one reference, not freed
+                    done += 1
                 # the conversation's next GPU chunk takes its place in the GPU index
                 j = first(conv, gpu_tier, i + step)
                 if j is None:
@@ -297,6 +329,9 @@ class TierPools:
         for i, ch in enumerate(conv.chunks):
             if ch.tier is Tier.GPU:
                 to = self._leave_gpu(conv, i, None, urgent=True)
+                if to is None and self.tenant_share is not None \
+                        and conv in self.tenant_share.counted:
+                    self._hints_due |= self.tenant_share.moved(conv, Tier.GPU, Tier.DROPPED)
                 if self._hints_due:
                     self.apply_hints()
                 if to is Tier.CPU:
@@ -317,13 +352,19 @@ class TierPools:
                 self.index.rekey(conv)
 
     def _leave_gpu(self, conv: Conversation, i: int, key: EvictionKey | None,
-                   urgent: bool) -> Tier:
+                   urgent: bool) -> Tier | None:
         """GPU chunk ``i`` of ``conv`` (of key ``key`` now; None: not computed yet) leaves for
         a free CPU block, or one freed by dropping the CPU tier's lowest chunk if that one's
         key is not higher, else it is dropped; returns the tier it went to. An urgent copy
-        frees its GPU block at once, a background one when it is reclaimed. The caller keeps
-        the conversation's index entries (of both tiers) right."""
+        frees its GPU block at once, a background one when it is reclaimed. A block other
+        chunks share stays: the chunk only drops its reference (it becomes dropped) and None
+        is returned (no block was freed). The caller keeps the conversation's index entries
+        (of both tiers) right."""
         ch = conv.chunks[i]
+        share = self.share
+        if share is not None and not share.unref(ch.block):
+            ch.tier, ch.block = Tier.DROPPED, -1
+            return None
         c = self.chunk_size
         tokens = min(c, conv.kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
         cpu, stats = self.cpu, self.stats
@@ -420,12 +461,29 @@ class TierPools:
 
     def _check_pool(self, pool: BlockPool, tier: Tier, reclaim: list[int]) -> None:
         owners: dict[int, str] = {}
+        holders: dict[int, int] = {}  # GPU block -> chunks holding it
+        running: dict[int, int] = {}  # GPU block -> running conversations holding it
+        share = self.share if tier is Tier.GPU else None
         for conv in self.index.conversations.values():
+            if share is not None and not conv.running and conv.kv_end % self.chunk_size:
+                last = conv.chunks[-1]  # partial: the next turn writes into it
+                assert last.tier is not Tier.GPU or last.block not in share.refs, (
+                    f"{conv.conversation_id}: a partial chunk holds a shareable block")
             for ch in conv.chunks:
                 if ch.tier is tier:
-                    assert ch.block not in owners, f"{tier} block {ch.block} held twice"
-                    assert not pool.is_free(ch.block), f"{tier} block {ch.block} held and free"
-                    owners[ch.block] = conv.conversation_id
+                    b = ch.block
+                    assert not pool.is_free(b), f"{tier} block {b} held and free"
+                    if share is not None:
+                        holders[b] = holders.get(b, 0) + 1
+                        if conv.running:
+                            running[b] = running.get(b, 0) + 1
+                        if b in owners:
+                            assert b in share.refs, f"{tier} block {b} held twice, unshared"
+                            continue
+                    assert b not in owners, f"{tier} block {b} held twice"
+                    owners[b] = conv.conversation_id
+        if share is not None:
+            share.check(holders, running)
         for b in reclaim:
             assert b not in owners and not pool.is_free(b), f"{tier} block {b} reclaim clash"
             owners[b] = "<reclaim>"

@@ -39,8 +39,13 @@ simulator that was ~2.5x the prefill tokens on ShareGPT near saturation. Recompu
 only chosen for chunks that fit the step's token budget (the scheduler passes what is left), so
 it never delays a turn by a step; with ``swap_chunk_s = None`` every CPU chunk is swapped in.
 
+Shared prefixes (``share_prefixes``, :mod:`pensieve.core.prefix_share`): a turn's full chunks
+equal to a registered GPU block's take a reference to it at admission instead of being
+computed (:meth:`pending_for` leaves them out), and an ended turn registers its own.
+
 Invariants (:meth:`check_integrity`): each GPU and CPU block is free, held by exactly one chunk
-of its tier, or waiting to be reclaimed, never two of these; each chunk is in exactly one tier;
+of its tier (a registered GPU block: by as many as its references), or waiting to be
+reclaimed, never two of these; each chunk is in exactly one tier;
 a running conversation has all its chunks on the GPU; an idle one has ``cdiv(kv_end, C)``; the
 eviction index and the running counts equal a full recomputation.
 """
@@ -48,6 +53,7 @@ eviction index and the running counts equal a full recomputation.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.disk_index import DiskIndex
@@ -56,6 +62,7 @@ from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.request import Request
+from pensieve.core.share_admission import find_shared, register_chunks, take_shared
 from pensieve.core.stats import CacheStats
 from pensieve.core.tier_pools import TierPools
 
@@ -89,6 +96,8 @@ class TieredKVCache:
         swap_chunk_s: float | None = None,
         tenant_kv_share: float | None = None,
         defer_admission: int = 0,
+        share_prefixes: bool = False,
+        share_across_tenants: bool = False,
     ) -> None:
         """``key_refresh_s``: how far ahead (seconds) time-dependent eviction keys are
         evaluated, i.e. how often at most the whole index is re-keyed; the eviction order is
@@ -98,7 +107,9 @@ class TieredKVCache:
         expected to be sooner (see the module docstring); None: always swap in.
         ``tenant_kv_share``: the share of each tier a tenant's hinted conversations may hold
         before their hints stop counting (:mod:`pensieve.core.tenant_share`); None: no bound.
-        ``defer_admission``: see :attr:`defer_admission`."""
+        ``defer_admission``: see :attr:`defer_admission`. ``share_prefixes``: equal full
+        chunks share one GPU block (:mod:`pensieve.core.prefix_share`); ``share_across_tenants``:
+        :attr:`share_across_tenants`."""
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
         if isinstance(defer_admission, bool) or defer_admission < 0:
@@ -109,7 +120,7 @@ class TieredKVCache:
                                       key_refresh_s)
         self.pools = self.pools_class(num_gpu_blocks, num_cpu_blocks, self.index,
                                       swap_out_threshold, decode_reserve, swap_out_batch,
-                                      tenant_kv_share)
+                                      tenant_kv_share, share_prefixes)
         self.chunk_size = chunk_size
         self.policy = policy
         self.chunk_cost = chunk_cost
@@ -120,6 +131,8 @@ class TieredKVCache:
         self.tenant_share = self.pools.tenant_share
         self.decode_reserve_blocks = self.pools.decode_reserve_blocks
         self.swap_chunk_s = swap_chunk_s
+        self.share_across_tenants = share_across_tenants
+        """Requests' share salts leave out their tenant (``core.prefix_share.share_salt``)."""
         self.defer_admission = defer_admission
         """Steps a turn short of GPU blocks may wait for background swap-outs to free them
         (instead of urgent swap-outs that the whole step waits for); 0: never."""
@@ -244,19 +257,30 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
-        """Positions the turn must compute: dropped chunks, then everything from kv_end."""
-        c = self.chunk_size
+        """Positions the turn must compute: dropped chunks, then everything from kv_end
+        (less the chunks it would take from shared blocks, were it admitted now)."""
         if self.disk is not None:
             extend_from_disk(self.pools, req, conv)  # no KV here, copies on disk (a restart)
+        if self.pools.share is None:
+            return self._pending(req, conv, (), 0)
+        found, ext = find_shared(self.pools, req, conv)
+        return self._pending(req, conv, {i for i, _ in found}, len(ext))
+
+    def _pending(self, req: Request, conv: Conversation, shared: Collection[int],
+                 num_ext: int) -> list[Interval]:
+        """:meth:`pending_for` were chunks ``shared`` and ``num_ext`` more leading ones
+        (of a conversation without KV) taken from shared blocks."""
+        c = self.chunk_size
         holes: list[Interval] = []
         for i, chunk in enumerate(conv.chunks):
-            if chunk.tier is Tier.DROPPED:
+            if chunk.tier is Tier.DROPPED and i not in shared:
                 lo, hi = i * c, min((i + 1) * c, conv.kv_end)
                 if holes and holes[-1][1] == lo:
                     holes[-1] = (holes[-1][0], hi)
                 else:
                     holes.append((lo, hi))
-        tail = (min(conv.kv_end, req.num_tokens - 1), req.num_tokens)
+        kv_end = num_ext * c if num_ext else conv.kv_end
+        tail = (min(kv_end, req.num_tokens - 1), req.num_tokens)
         if holes and holes[-1][1] == tail[0]:
             holes[-1] = (holes[-1][0], tail[1])
         else:
@@ -278,27 +302,37 @@ class TieredKVCache:
         """
         c = self.chunk_size
         chunks = conv.chunks
-        on_gpu = sum(1 for ch in chunks if ch.tier is Tier.GPU)
-        need = len(chunks) - on_gpu + max(0, cdiv(first_end, c) - len(chunks))
-        shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         pools = self.pools
-        if shortfall > 0 and pools.evictable_gpu_blocks() - on_gpu < shortfall:
+        share = pools.share
+        found, ext = find_shared(pools, req, conv) if share is not None else ([], [])
+        on_gpu = sum(1 for ch in chunks if ch.tier is Tier.GPU) + len(found) + len(ext)
+        n_chunks = len(chunks) + len(ext)
+        need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
+        shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
+        held = on_gpu  # of the evictable blocks, those this turn would pin
+        if shortfall > 0 and share is not None and share.pins:  # pinned: not evictable
+            pinned = share.is_pinned
+            held -= sum(1 for ch in chunks if ch.tier is Tier.GPU and pinned(ch.block))
+            held -= sum(1 for b in ext if pinned(b)) + sum(1 for _, b in found if pinned(b))
+        if shortfall > 0 and pools.evictable_gpu_blocks() - held < shortfall:
             return False
         if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
             return False
         self.index.remove(conv)
         conv.running = True  # pinned: never its own victim
         conv.queued_at = None  # out of the index while running; ended turns re-index
+        st = CacheStats()
+        if found or ext:  # references before evicting: the blocks stay
+            st.shared_hit_tokens = take_shared(pools, conv, found, ext)
         if shortfall > 0:
             pools.evict_gpu(shortfall, now, urgent=True)
-        st = CacheStats()
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
         if self.disk is not None:
             st.disk_hit_tokens = restore_from_disk(self.pools, req, conv)  # dropped -> CPU chunks
-        req.pending = self.pending_for(req, conv)
+        req.pending = self._pending(req, conv, (), 0)
         hit, swapped, recomputed = pools.pin(conv)
-        st.gpu_hit_tokens += hit
+        st.gpu_hit_tokens += hit - st.shared_hit_tokens
         st.cpu_hit_tokens += swapped - st.disk_hit_tokens
         st.swapped_in_tokens += swapped
         st.recomputed_tokens += recomputed
@@ -383,6 +417,7 @@ class TieredKVCache:
             return
         if not self.policy.keeps_kv:
             self.pools.free_chunks(conv, 0)
+        register_chunks(self.pools, req, conv)
         self.index.reindex(conv)
         self._count_share(conv)
 
@@ -419,7 +454,7 @@ class TieredKVCache:
             for i in range(lo // c, cdiv(hi, c)):
                 ch = conv.chunks[i]
                 if ch.tier is Tier.GPU:
-                    self.gpu.free([ch.block])
+                    self.pools.free_gpu_block(ch.block)
                 ch.tier, ch.block = Tier.DROPPED, -1
         self._truncate(conv, kv_end)
 
@@ -440,19 +475,19 @@ class TieredKVCache:
         """Raise AssertionError if any block or chunk is accounted for twice or not at all, or
         if the eviction index or a running count differs from a full recomputation."""
         self.pools.check()
-        pinned = 0
+        pinned: set[int] = set()  # a shared block once
         for conv in self.conversations.values():
             n = len(conv.chunks)
             if conv.running:
                 assert all(ch.tier is Tier.GPU for ch in conv.chunks), conv.conversation_id
                 assert conv.block_table == tuple(ch.block for ch in conv.chunks), (
                     conv.conversation_id)
-                pinned += n
+                pinned.update(conv.block_table)
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
                 assert not conv.block_table, conv.conversation_id
             for ch in conv.chunks:
                 assert (ch.block >= 0) == (ch.tier is not Tier.DROPPED), ch
-        assert pinned == self.pools.pinned_gpu, (
-            f"pinned GPU blocks {self.pools.pinned_gpu} != {pinned}")
+        assert len(pinned) == self.pools.pinned_gpu, (
+            f"pinned GPU blocks {self.pools.pinned_gpu} != {len(pinned)}")
         self.index.check()

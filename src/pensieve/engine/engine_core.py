@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pensieve.core.prefix_share import share_salt
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
@@ -116,9 +117,12 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None,
-                    conversation_id: str | None = None) -> None:
+                    conversation_id: str | None = None, tenant: str = "",
+                    cache_salt: str | None = None) -> None:
         """Queue a request. With a ``conversation_id`` the prompt is the *new* turn's input: the
-        context is the conversation's history followed by it."""
+        context is the conversation's history followed by it. ``tenant`` and ``cache_salt``
+        salt its chunk hashes: only requests of equal salts share prefixes
+        (:func:`~pensieve.core.prefix_share.share_salt`)."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
         hi = self.vocab_size
@@ -137,7 +141,9 @@ class EngineCore:
                 context = conv.token_ids + context
         req = Request(request_id, context, params,
                       arrival_time=self.now() if arrival_time is None else arrival_time,
-                      eos_token_ids=self.eos_token_ids, conversation_id=conversation_id)
+                      eos_token_ids=self.eos_token_ids, conversation_id=conversation_id,
+                      share_salt=share_salt(tenant, cache_salt,
+                                            self.scheduler.cache.share_across_tenants))
         self.scheduler.add_request(req)
         if self.disk is not None and conversation_id is not None:
             self.disk.prefetch(conversation_id)  # read back while the turn waits
@@ -287,6 +293,9 @@ class EngineCore:
         out.update(self.executor.stats())
         if self.disk is not None:
             out.update(self.disk.stats())
+        share = self.cache.pools.share
+        out["shared_blocks"] = len(share) if share is not None else 0
+        out["shared_block_refs"] = share.num_refs if share is not None else 0
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu

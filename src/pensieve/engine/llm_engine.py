@@ -115,7 +115,9 @@ class LLMEngine(EngineCore):
                            chunk_size=cc.chunk_size, swap_out_threshold=cc.swap_out_threshold,
                            decode_reserve=cc.decode_reserve, swap_chunk_s=self.swap_chunk_s,
                            defer_admission=cc.defer_admission,
-                           tenant_kv_share=cc.tenant_kv_share)
+                           tenant_kv_share=cc.tenant_kv_share,
+                           share_prefixes=cc.share_prefixes,
+                           share_across_tenants=cc.share_prefixes_across_tenants)
         if self.disk_tier is not None:
             cache.disk = self.disk_tier.index
         return cache

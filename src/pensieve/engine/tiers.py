@@ -124,7 +124,8 @@ def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float]
                 policy: EvictionPolicy, chunk_size: int, swap_out_threshold: float,
                 decode_reserve: float, swap_chunk_s: float | None,
                 defer_admission: int = DEFAULT_DEFER_ADMISSION,
-                tenant_kv_share: float | None = None) -> TieredKVCache:
+                tenant_kv_share: float | None = None, share_prefixes: bool = False,
+                share_across_tenants: bool = False) -> TieredKVCache:
     """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none):
     :attr:`CacheConfig.policy`, resolved from its name once when the config was built.
     ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
@@ -137,4 +138,5 @@ def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float]
     cpu = tiers.num_cpu_blocks if policy.uses_cpu_tier else 0
     return TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, policy, chunk_cost,
                          swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
-                         tenant_kv_share=tenant_kv_share, defer_admission=defer_admission)
+                         tenant_kv_share=tenant_kv_share, defer_admission=defer_admission,
+                         share_prefixes=share_prefixes, share_across_tenants=share_across_tenants)

@@ -79,6 +79,8 @@ class EngineClient:
         params: SamplingParams,
         conversation_id: str | None = None,
         full_context: bool = False,
+        tenant: str = "",
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Update]:
         """Yield each sampled token, then the finished output. Closing the iterator early (a
         client that went away) aborts the request and frees its blocks. A request the engine
@@ -87,14 +89,15 @@ class EngineClient:
         ``full_context``: ``prompt_token_ids`` is the turn's whole context, not only what
         follows the conversation's history. The history is kept up to its first token that
         differs from that context (the KV past it is freed) and the rest is computed, so the
-        model sees exactly ``prompt_token_ids`` whatever the history held."""
+        model sees exactly ``prompt_token_ids`` whatever the history held.
+        ``tenant``, ``cache_salt``: whose prefixes it may share (``EngineCore.add_request``)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Update] = asyncio.Queue()
         self._streams[request_id] = (loop, q)
         done = False
         try:
             self._send("add", (request_id, prompt_token_ids, params, conversation_id,
-                               full_context))
+                               full_context, tenant, cache_salt))
             while True:
                 upd = await q.get()
                 if upd.error is not None:

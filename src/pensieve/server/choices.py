@@ -56,7 +56,7 @@ class Choices:
             p = dataclasses.replace(p, seed=(p.seed + i) % 2**63)
         rid = f"{self.rid}-{i}"
         first, stream = await start(self.state, self.turn, rid, self.turn.context_ids, p,
-                                    self.cid, True)
+                                    self.cid, True, self.body.cache_salt)
         if not self.outs:
             self.state.metrics.ttft.observe(time.monotonic() - self.t0)
         out = TurnOutput(self.state, self.body, self.turn, rid, self.chat, self.t0, self.stops,

@@ -116,12 +116,13 @@ class EngineLoop:
     def handle(self, kind: str, arg: Any) -> None:
         eng = self.engine
         if kind == "add":
-            rid, ids, params, cid, full_context = arg
+            rid, ids, params, cid, full_context, tenant, salt = arg
             self.live.add(rid)
             try:
                 if full_context and cid is not None:
                     ids = rebase(eng, cid, ids)
-                eng.add_request(rid, ids, params, conversation_id=cid)
+                eng.add_request(rid, ids, params, conversation_id=cid, tenant=tenant,
+                                cache_salt=salt)
             except Exception as e:  # noqa: BLE001 - handed to the waiting request
                 self.push(rid, Update(error=e))
         elif kind == "abort":

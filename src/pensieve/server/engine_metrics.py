@@ -11,7 +11,8 @@ from prometheus_client.registry import Collector
 from pensieve.server.async_engine import EngineClient
 
 _SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
-            "disk_hit": "disk_hit_tokens", "recomputed": "recomputed_tokens",
+            "disk_hit": "disk_hit_tokens", "shared_hit": "shared_hit_tokens",
+            "recomputed": "recomputed_tokens",
             "new": "new_prompt_tokens"}
 
 
@@ -61,6 +62,11 @@ class _EngineCollector(Collector):
         yield total
         yield usage
         yield held
+        blocks = st.get("shared_blocks", 0)
+        g = GaugeMetricFamily("pensieve_prefix_sharing_ratio", "Chunks holding a shareable GPU "
+                              "block per such block (1: no block shared; 0: none)")
+        g.add_metric([], st.get("shared_block_refs", 0) / blocks if blocks else 0.0)
+        yield g
         c = CounterMetricFamily("pensieve_disk_bytes", "Bytes written to and read from the "
                                 "disk tier's files", labels=["direction"])
         c.add_metric(["write"], st.get("disk_write_bytes", 0))

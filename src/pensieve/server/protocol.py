@@ -168,6 +168,9 @@ class _Sampling(BaseModel):
     keep_alive_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     """Pensieve: the conversation's KV counts as fresh for this long after each turn (finite;
     at most the server's ``--max-keep-alive-s``)."""
+    cache_salt: str | None = Field(default=None, max_length=256)
+    """vLLM: only requests with the same salt (and, unless the server shares prefixes across
+    tenants, of the same tenant) share prefix KV."""
     priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """Pensieve: retention weight of the conversation's KV (default 1; finite, at most the
     server's ``--max-priority``)."""

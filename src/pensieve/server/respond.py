@@ -146,7 +146,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     if body.n > 1:
         return await choices(state, body, turn, params, request, chat, stop_texts, rid)
     first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.cid,
-                                turn.full_context)
+                                turn.full_context, body.cache_salt)
     state.metrics.ttft.observe(time.monotonic() - t0)
     out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
@@ -166,12 +166,13 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
 
 
 async def start(state: ServerState, turn: Turn, rid: str, prompt: list[int],
-                params: SamplingParams, cid: str | None, full_context: bool
-                ) -> tuple[Any, Any]:
+                params: SamplingParams, cid: str | None, full_context: bool,
+                cache_salt: str | None = None) -> tuple[Any, Any]:
     """Submit a request; (its first update, the stream). A request refused before its first
     token is an APIError (409 busy, 400 invalid, 500/503 engine), its new conversation
     forgotten."""
-    stream = state.engine.generate(rid, prompt, params, cid, full_context=full_context)
+    stream = state.engine.generate(rid, prompt, params, cid, full_context=full_context,
+                                   tenant=turn.tenant, cache_salt=cache_salt)
     try:
         return await stream.__anext__(), stream
     except ConversationBusyError as e:
@@ -356,7 +357,8 @@ class TurnOutput:
 
     def usage(self, result: Result) -> dict[str, Any]:
         n_in, n_out = len(result.prompt_ids), len(result.output_ids)
-        cached = result.cache.get("gpu_hit_tokens", 0) + result.cache.get("cpu_hit_tokens", 0)
+        cached = sum(result.cache.get(k, 0) for k in ("gpu_hit_tokens", "cpu_hit_tokens",
+                                                      "shared_hit_tokens"))
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -1,0 +1,199 @@
+"""Shared prefixes: full chunks with equal tokens at equal positions held once on the GPU.
+
+A full chunk is identified by a chained hash (vLLM's scheme): chunk ``i``'s hash covers its
+parent's hash and its ``C`` token ids, and the chain is seeded with a *salt*
+(:func:`share_salt`): the tenant (the API key) and the request's ``cache_salt``, so that two
+tenants never share a block (nor learn from a hit or its timing) unless the server runs with
+``--share-prefixes-across-tenants``. Hashes are 16-byte BLAKE2b digests, so equal hashes mean
+equal tokens (no collision is expected in practice; Python's ``hash`` would not do).
+
+Which blocks are shared. When a turn ends, each full GPU chunk of its conversation whose
+tokens are in the history (its KV finished, never written again) is *registered*: its hash
+maps to its block. At admission, a conversation's dropped chunks and a new conversation's
+leading chunks whose hash is registered take a *reference* to that block instead of being
+recomputed (``CacheStats.shared_hit_tokens``). A partial last chunk is never registered: a
+conversation only writes into its own chunks past its shared ones, so copy-on-write never
+has to copy::
+
+    conversation A   [sys 0][sys 1][sys 2][A's question ...)
+    conversation B   [sys 0][sys 1][sys 2][B's question ...)     one GPU block per [sys i]
+
+Only the GPU tier shares: a shared chunk leaving the GPU for one sharer (eviction,
+suspension) drops that sharer's reference and its chunk becomes dropped (it re-shares at its
+next admission if the block is still there); only the last reference moves the block to the
+CPU tier or drops it, as for any private chunk. So the block leaves the GPU only when every
+sharer has evicted it: an approximation of "value a shared chunk by the sum of its sharers'
+values" that needs no change to the eviction index (each sharer's entry keeps its own key;
+the block survives until the last, i.e. the highest-valued, sharer lets it go).
+
+Invariants (:meth:`PrefixShare.check`): ``by_hash`` and ``hash_of`` are inverse maps; every
+registered block is a GPU block held by ``refs[block]`` chunks (unregistered blocks by one);
+``pins[block]`` is the number of running conversations holding it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from pensieve.core.conversation import Chunk, Conversation, Tier
+
+
+def share_salt(tenant: str, cache_salt: str | None, across_tenants: bool) -> bytes:
+    """The seed of a request's chunk hashes: its tenant's (unless ``across_tenants``) and its
+    own ``cache_salt``'s. Different salts never give equal hashes."""
+    parts = ("" if across_tenants else tenant, cache_salt or "")
+    return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).digest()
+
+
+def extend_hashes(hashes: list[bytes], salt: bytes, tokens: list[int],
+                  chunk_size: int) -> None:
+    """Append the chained hashes of the full chunks whose tokens ``tokens`` are (the chunks
+    after the ``len(hashes)`` ones ``hashes`` holds, under ``salt``; a partial rest is left
+    out)."""
+    c = chunk_size
+    prev = hashes[-1] if hashes else salt
+    data = array("q", tokens).tobytes()
+    step = 8 * c
+    blake2b = hashlib.blake2b
+    for lo in range(0, (len(tokens) // c) * step, step):
+        prev = blake2b(prev + data[lo:lo + step], digest_size=16).digest()
+        hashes.append(prev)
+
+
+class PrefixShare:
+    """The GPU tier's registered blocks: hash -> block, and per block its references (chunks
+    holding it) and pins (running conversations holding it)."""
+
+    def __init__(self) -> None:
+        self.by_hash: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.refs: dict[int, int] = {}
+        """Chunks holding each registered block (>= 1)."""
+        self.pins: dict[int, int] = {}
+        """Running conversations holding each registered block (absent: none)."""
+        self.num_refs = 0
+        """Chunks holding a registered block (the sharing ratio is this over ``len``)."""
+
+    def __len__(self) -> int:
+        return len(self.hash_of)
+
+    def lookup(self, h: bytes) -> int | None:
+        """The registered block of hash ``h``, if any."""
+        return self.by_hash.get(h)
+
+    def register(self, h: bytes, block: int) -> bool:
+        """Register a private block (one chunk holds it) under ``h``; False if ``h`` already
+        has a block (the chunk stays private)."""
+        if h in self.by_hash:
+            return False
+        self.by_hash[h] = block
+        self.hash_of[block] = h
+        self.refs[block] = 1
+        self.num_refs += 1
+        return True
+
+    def ref(self, block: int) -> None:
+        """One more chunk holds the registered ``block``."""
+        self.refs[block] += 1
+        self.num_refs += 1
+
+    def unref(self, block: int) -> bool:
+        """One chunk lets ``block`` go; True when the block itself must leave (it was
+        private, or this was its last reference: then it is unregistered)."""
+        n = self.refs.get(block)
+        if n is None:
+            return True
+        self.num_refs -= 1
+        if n > 1:
+            self.refs[block] = n - 1
+            return False
+        del self.refs[block]
+        del self.by_hash[self.hash_of.pop(block)]
+        self.pins.pop(block, None)
+        return True
+
+    def make_private(self, block: int) -> bool:
+        """The chunk holding ``block`` is to be written (it became partial): unregister the
+        block if that chunk is its only holder; False if others hold it (the chunk must let
+        it go instead)."""
+        n = self.refs.get(block)
+        if n is None:
+            return True
+        if n > 1:
+            return False
+        return self.unref(block)
+
+    def shared(self, block: int) -> bool:
+        """Whether another chunk holds ``block`` too (leaving drops only a reference)."""
+        return self.refs.get(block, 1) > 1
+
+    def pin(self, block: int) -> bool:
+        """A running conversation holds ``block``; True if no other one did (it becomes
+        pinned)."""
+        if block not in self.refs:
+            return True
+        n = self.pins.get(block, 0)
+        self.pins[block] = n + 1
+        return n == 0
+
+    def unpin(self, block: int) -> bool:
+        """A running conversation stops holding ``block``; True if it was the last one."""
+        n = self.pins.get(block)
+        if n is None:
+            return True
+        if n > 1:
+            self.pins[block] = n - 1
+            return False
+        del self.pins[block]
+        return True
+
+    def unpin_chunks(self, chunks: list[Chunk]) -> int:
+        """A running conversation with these (GPU) chunks stops running: :meth:`unpin` each
+        block; returns how many are no longer pinned by anyone (inline: a hot path)."""
+        pins, unpinned = self.pins, 0
+        for ch in chunks:
+            n = pins.get(ch.block)
+            if n is None:
+                unpinned += 1
+            elif n > 1:
+                pins[ch.block] = n - 1
+            else:
+                del pins[ch.block]
+                unpinned += 1
+        return unpinned
+
+    def truncated(self, conv: Conversation, chunk_size: int) -> None:
+        """``conv`` lost its chunks past ``kv_end``: its cached hashes go as far, and a last
+        chunk left partial (the next turn writes into it) holds no shareable block:
+        copy-on-write, the block is let go (the chunk is dropped, its positions recomputed),
+        or unregistered where the chunk was its only holder. The caller re-indexes ``conv``."""
+        del conv.share_hashes[conv.kv_end // chunk_size:]  # the history may change there
+        part = conv.kv_end // chunk_size
+        if conv.kv_end % chunk_size and part < len(conv.chunks):
+            ch = conv.chunks[part]
+            if ch.tier is Tier.GPU and not self.make_private(ch.block):
+                self.unref(ch.block)
+                ch.tier, ch.block = Tier.DROPPED, -1
+
+    def is_pinned(self, block: int) -> bool:
+        """Whether a running conversation holds the registered ``block``."""
+        return block in self.pins
+
+    def check(self, holders: dict[int, int], running_holders: dict[int, int]) -> None:
+        """Raise AssertionError unless the maps agree with ``holders`` (GPU block -> chunks
+        holding it) and ``running_holders`` (GPU block -> running conversations holding it)."""
+        assert len(self.by_hash) == len(self.hash_of) == len(self.refs), "share map sizes"
+        assert self.num_refs == sum(self.refs.values()), "reference count total"
+        for h, b in self.by_hash.items():
+            assert self.hash_of[b] == h, f"block {b}: hash maps disagree"
+        for b, n in holders.items():
+            assert n == self.refs.get(b, 1), f"GPU block {b}: {n} holders, refs {self.refs.get(b)}"
+        for b in self.refs:
+            assert b in holders, f"registered GPU block {b} held by no chunk"
+        for b in self.pins:
+            assert b in self.refs, f"pinned block {b} not registered"
+        for b, n in running_holders.items():
+            if b in self.refs:
+                assert self.pins.get(b, 0) == n, f"GPU block {b}: pins {self.pins.get(b)} != {n}"
+

@@ -1,0 +1,116 @@
+"""Shared prefixes at a turn's edges: the chunks an admitted turn takes from registered GPU
+blocks, and the chunks an ended turn registers (pure Python; the registry and the design are
+:mod:`pensieve.core.prefix_share`'s). Called by
+:class:`~pensieve.core.tiered_cache.TieredKVCache` at admission and at the end of a turn."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.prefix_share import extend_hashes
+from pensieve.core.request import Request
+
+if TYPE_CHECKING:
+    from pensieve.core.tier_pools import TierPools
+
+
+def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) -> list[bytes]:
+    """The chained hashes of the turn's first ``n`` full chunks (cached on the request, and
+    begun from the conversation's own when the salts agree, as far as its KV goes: a history
+    rewritten since (``set_history``) kept its KV only where it kept its tokens)."""
+    h = req.share_hashes
+    if h is None:
+        same = conv.share_salt == req.share_salt
+        valid = min(len(conv.token_ids), conv.kv_end) // chunk_size
+        h = conv.share_hashes[:valid] if same else []
+        req.share_hashes = h
+    if len(h) < n:
+        tokens = req.token_ids_range(len(h) * chunk_size, n * chunk_size)
+        extend_hashes(h, req.share_salt, tokens, chunk_size)
+    return h
+
+
+def find_shared(pools: TierPools, req: Request,
+                conv: Conversation) -> tuple[list[tuple[int, int]], list[int]]:
+    """Registered blocks the admitted turn can take instead of computing: ``(index, block)``
+    for its dropped full chunks, and the blocks of a conversation without KV's leading full
+    chunks (up to the first miss). Only chunks wholly before the turn's last token (which is
+    always computed) qualify. Changes nothing."""
+    share = pools.share
+    if share is None or not share.by_hash:
+        return [], []
+    c = pools.chunk_size
+    limit = (req.num_tokens - 1) // c  # full chunks before the last token
+    chunks = conv.chunks
+    found: list[tuple[int, int]] = []
+    ext: list[int] = []
+    if not chunks and conv.kv_end == 0:
+        hashes = request_hashes(req, conv, c, limit)
+        lookup = share.by_hash.get
+        for i in range(limit):
+            b = lookup(hashes[i])
+            if b is None:
+                break
+            ext.append(b)
+        return found, ext
+    limit = min(limit, conv.kv_end // c)
+    dropped = [i for i in range(limit) if chunks[i].tier is Tier.DROPPED]
+    if dropped:
+        hashes = request_hashes(req, conv, c, dropped[-1] + 1)
+        for i in dropped:
+            b = share.by_hash.get(hashes[i])
+            if b is not None:
+                found.append((i, b))
+    return found, ext
+
+
+def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int]],
+                ext: list[int]) -> int:
+    """Make the chunks :func:`find_shared` found references to their blocks; returns their
+    tokens."""
+    share = pools.share
+    assert share is not None
+    chunks = conv.chunks
+    for i, b in found:
+        chunks[i].tier, chunks[i].block = Tier.GPU, b
+        share.ref(b)
+    for b in ext:
+        chunks.append(Chunk(Tier.GPU, b))
+        share.ref(b)
+    if ext:
+        conv.kv_end = len(chunks) * pools.chunk_size
+    return (len(found) + len(ext)) * pools.chunk_size
+
+
+def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
+    """The turn ended (its conversation is idle, its history set): register its full GPU
+    chunks within the history that are not registered yet (those past
+    ``Conversation.share_upto`` and those brought back to the GPU by its admissions,
+    ``share_back``: work in proportion to what the turn changed), and keep their hashes on
+    the conversation. A chunk whose hash another block has already (computed by a turn that ran
+    beside this one) takes a reference to that block and frees its own: turns that computed
+    one prefix at the same time hold it once from then on."""
+    share = pools.share
+    if share is None:
+        return
+    c = pools.chunk_size
+    n = min(conv.kv_end, len(conv.token_ids)) // c
+    hashes = request_hashes(req, conv, c, n)
+    refs, by_hash = share.refs, share.by_hash
+    back, conv.share_back = conv.share_back, []
+    for i in back + list(range(min(conv.share_upto, n), n)):
+        if i >= n:
+            continue
+        ch = conv.chunks[i]
+        if ch.tier is not Tier.GPU or ch.block in refs:
+            continue
+        other = by_hash.get(hashes[i])
+        if other is None:
+            share.register(hashes[i], ch.block)
+        else:  # its own block is private and the turn's writes to it are done
+            pools.gpu.free_one(ch.block)
+            ch.block = other
+            share.ref(other)
+    conv.share_hashes, conv.share_salt = hashes, req.share_salt
+    conv.share_upto = max(conv.share_upto, n)
