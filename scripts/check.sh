@@ -2,13 +2,16 @@
 # Lint, type-check (strict on the pure-Python core, see pyproject), check sizes and run the tests
 # on the CPU. Triton kernels run through Triton's interpreter; GPU-only tests skip without CUDA.
 #   bash scripts/check.sh           # everything (CI)
-#   bash scripts/check.sh --fast    # the same checks, tests marked slow left out
+#   bash scripts/check.sh --fast    # the same checks, tests marked slow left out, two workers
 #   bash scripts/check.sh [--fast] [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marks=()
 if [[ ${1:-} == --fast ]]; then
+  # the development loop: slow tests left out, the rest on two workers (pytest-xdist; CI runs
+  # everything in one process)
   marks=(-m "not slow")
+  python -c "import xdist" 2>/dev/null && marks+=(-n 2)
   shift
 fi
 ruff check src tests benchmarks scripts
