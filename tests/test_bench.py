@@ -225,6 +225,27 @@ def test_same_prompts_and_think_times_for_every_system() -> None:
             assert a[nxt].sent - ra.finished == pytest.approx(b[nxt].sent - b[rid].finished)
 
 
+def test_shared_prefix_opens_every_first_turn() -> None:
+    """``shared_prefix_tokens``: every session's first prompt opens with the same ids, later
+    turns do not carry them, and the sessions' own inputs follow unchanged."""
+    convs = [Conversation(f"x{i}", [Turn(6, 10), Turn(4, 20)]) for i in range(4)]
+    prompts = []
+    for shared in (0, 40):
+        clock = VirtualClock()
+        eng = SlowEngine(clock, 0.01)
+        res = run_load(eng, clock, convs, 1.0, 2.0, 4.0, 1000, seed=5, drain_s=1000.0,
+                       shared_prefix_tokens=shared)
+        assert res.unfinished == 0
+        prompts.append(eng.prompts)
+    plain, with_prefix = prompts
+    assert plain.keys() == with_prefix.keys()
+    firsts = [p for rid, p in with_prefix.items() if rid.endswith("-t0")]
+    assert len(firsts) >= 3 and all(p[:40] == firsts[0][:40] for p in firsts)
+    for rid, p in with_prefix.items():
+        assert p == (firsts[0][:40] + plain[rid] if rid.endswith("-t0") else plain[rid])
+    assert len({tuple(p[40:]) for p in firsts}) == len(firsts)  # their own inputs differ
+
+
 def _result_with_samples(series: dict[str, list[float]], duration: float = 20.0
                          ) -> LoadResult:
     n = len(next(iter(series.values())))

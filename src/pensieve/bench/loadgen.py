@@ -24,6 +24,11 @@ its first request carries its whole history so far (the earlier turns' prompts a
 token ids drawn like any prompt) as new input, so the engine holds no state of it yet: what
 warms up is the sessions in flight, not the engine's caches, which fill within a few turns.
 
+Shared prefix: with ``shared_prefix_tokens`` = S, every session's first turn opens with the
+same S token ids (one generator for the whole run, seeded by ``seed``), before its own input:
+a system prompt and tool schema that all sessions send, which a cache that shares prefixes
+holds once. The first turn's input grows by S (``input_len`` counts it).
+
 Clairvoyance (for the simulator's ``oracle`` eviction order): given a ``next_think_s`` dict,
 the generator writes into it, as the engine accepts each turn, the think time that will follow
 that turn's answer (None: the conversation has no next turn; also written when a turn fails),
@@ -168,8 +173,11 @@ class _Run:
 
     def __init__(self, engine: BenchEngine, convs: list[Conversation], seed: int,
                  vocab_size: int, think_time_s: float, t0: float,
-                 next_think_s: dict[str, float | None] | None = None) -> None:
+                 next_think_s: dict[str, float | None] | None = None,
+                 shared_prefix_tokens: int = 0) -> None:
         self.engine, self.convs, self.seed = engine, convs, seed
+        rng = random.Random(f"{seed}:shared-prefix")
+        self.shared = [rng.randrange(vocab_size) for _ in range(shared_prefix_tokens)]
         self.next_think_s = next_think_s
         self.vocab_size, self.think_time_s, self.t0 = vocab_size, think_time_s, t0
         self.heap: list[tuple[float, int, int]] = []  # (send time, conversation slot, turn)
@@ -194,7 +202,7 @@ class _Run:
         """The new input of ``turn``; ``with_history`` (a warm-started session's first
         request): after its earlier turns' prompts and answers."""
         turns = self.convs[slot].turns
-        ids: list[int] = []
+        ids: list[int] = list(self.shared) if turn == 0 or with_history else []
         for j in range(turn if with_history else 0):
             ids += self._ids(slot, j, "prompt", turns[j].input_len)
             ids += self._ids(slot, j, "answer", turns[j].output_len)
@@ -317,6 +325,7 @@ def run_load(
     sample_interval_s: float | None = 1.0,
     warm_start: WarmStart | None = None,
     next_think_s: dict[str, float | None] | None = None,
+    shared_prefix_tokens: int = 0,
 ) -> LoadResult:
     """Drive ``engine`` with conversations drawn in order (cycling) from ``conversations``.
 
@@ -325,6 +334,7 @@ def run_load(
     of the run's state are taken every ``sample_interval_s`` (None: none). ``warm_start``:
     begin with the sessions a steady state would have in flight (module doc).
     ``next_think_s``: filled with the think time after each accepted turn (module doc).
+    ``shared_prefix_tokens``: the prefix every session's first turn opens with (module doc).
     """
     rng = random.Random(seed)
     t0 = clock.now()
@@ -333,7 +343,8 @@ def run_load(
     drain = duration_s if drain_s is None else drain_s
     stop_at = duration_s + drain
     convs = [conversations[i % len(conversations)] for i in range(len(arrivals))]
-    run = _Run(engine, convs, seed, vocab_size, think_time_s, t0, next_think_s)
+    run = _Run(engine, convs, seed, vocab_size, think_time_s, t0, next_think_s,
+               shared_prefix_tokens)
     past = [(slot, t) for slot, t in enumerate(arrivals) if t < 0]
     if warm_start:
         run.warm_start(past, warm_start, random.Random(f"{seed}:warm"))

@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds before the window, or 'auto' (1.5 mean session lifetimes)")
     ap.add_argument("--drain", type=float, default=None)
     add_warm_start_arg(ap)
+    ap.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                    help="every session's first turn opens with the same N tokens (a system "
+                         "prompt and tool schema all sessions send), before its own input")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -295,7 +298,8 @@ def run_point(system: str, rate: float, engine: Any, clock: Any, convs: list[Any
     res = run_load(engine, clock, convs, rate, args.think_time, args.duration,
                    vocab, seed=args.seed, drain_s=args.drain, progress=progress,
                    sample_interval_s=args.sample_interval or None,
-                   warm_start=warm_start_from(args.warm_start))
+                   warm_start=warm_start_from(args.warm_start),
+                   shared_prefix_tokens=args.shared_prefix_tokens)
     bar.close()
     batching = None if args.engine == "http" or system == "hf" else args.batching
     point = {"system": system, "conv_rate": rate, "engine": args.engine,
@@ -307,6 +311,7 @@ def run_point(system: str, rate: float, engine: Any, clock: Any, convs: list[Any
              "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb,
              "duration_s": args.duration, "warmup_s": args.warmup, "tag": args.tag,
              "warm_start_s_per_token": args.warm_start,
+             "shared_prefix_tokens": args.shared_prefix_tokens,
              "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
              **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
     if args.engine == "http":  # was the client a bottleneck, did requests fail?
