@@ -59,9 +59,15 @@ ROWS: list[tuple[str, Any]] = [
                f"{_f(p.get('prefill_cached_tokens'), fmt='{:,.0f}')}"),
     ("prefill computed tokens/s", lambda p: _f(p.get("prefill_computed_tokens_per_s"),
                                                fmt="{:.0f}")),
-    ("context from GPU / CPU / recomputed / new",
-     lambda p: " / ".join(_f(p.get(k)) for k in ("gpu_hit_rate", "cpu_hit_rate",
-                                                   "recomputed_rate", "new_prompt_rate"))),
+    ("prefill computed per turn (tokens)",
+     lambda p: _f(p.get("prefill_computed_per_turn"), fmt="{:,.0f}")),
+    ("context from GPU / shared / CPU / disk / recomputed / new",
+     lambda p: " / ".join(_f(p.get(k)) for k in (
+         "gpu_hit_rate", "shared_hit_rate", "cpu_hit_rate", "disk_hit_rate", "recomputed_rate",
+         "new_prompt_rate"))),
+    ("KV blocks held per session in flight (window)",
+     lambda p: _f(((p.get("steady") or {}).get("halves", {}).get("kv_blocks_per_session")
+                   or [None])[0], fmt="{:.1f}")),
     ("steady (10%) / within noise",
      lambda p: f"{_f(p.get('steady_state'))} / "
                f"{_f((p.get('steady') or {}).get('steady_within_noise'))}"),

@@ -29,7 +29,11 @@ from typing import Any
 
 from pensieve.bench.loadgen import LoadResult, RequestRecord
 
-_SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "recomputed_tokens", "new_prompt_tokens")
+_SOURCES = ("gpu_hit_tokens", "shared_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens",
+            "recomputed_tokens", "new_prompt_tokens")
+"""Where a turn's context came from (:class:`~pensieve.core.stats.CacheStats`): each token in
+exactly one."""
+_CACHED = ("gpu_hit_tokens", "shared_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -81,7 +85,7 @@ def summarize(result: LoadResult, warmup_s: float = 0.0) -> dict[str, Any]:
     for r in done:
         if any(k in r.cache for k in _SOURCES):
             known = True
-            cached += r.cache.get("gpu_hit_tokens", 0) + r.cache.get("cpu_hit_tokens", 0)
+            cached += sum(r.cache.get(k, 0) for k in _CACHED)
             computed += r.cache.get("recomputed_tokens", 0) + r.cache.get("new_prompt_tokens", 0)
         elif "usage_cached_tokens" in r.cache:
             known = True
@@ -92,6 +96,7 @@ def summarize(result: LoadResult, warmup_s: float = 0.0) -> dict[str, Any]:
     out["prefill_cached_rate"] = (cached / (cached + computed)
                                   if known and cached + computed else math.nan)
     out["prefill_computed_tokens_per_s"] = computed / span if known else math.nan
+    out["prefill_computed_per_turn"] = computed / len(done) if known and done else math.nan
     if result.samples:
         st = steady_state(result, warmup_s)
         out["steady_state"] = st["steady"]
@@ -179,6 +184,11 @@ def steady_state(result: LoadResult, warmup_s: float, rel_tol: float = 0.10
             unsteady.append(key)
             if nz is None or abs(b - a) > nz:
                 unsteady_noise.append(key)
+    kv = [(s.get("gpu_blocks_used") or 0) + (s.get("cpu_blocks_used") or 0)
+          for s in first + second if s.get("sessions_in_flight")]
+    if kv:  # information only: KV blocks held (GPU + CPU tiers) per session in flight
+        sessions = [s["sessions_in_flight"] for s in first + second if s.get("sessions_in_flight")]
+        halves["kv_blocks_per_session"] = [round(sum(kv) / sum(sessions), 2)] * 2
     span = (hi - lo) / 2.0
     if span > 0:  # information only: the offered load and what was served, per half
         cuts = ((lo, mid), (mid, hi))
