@@ -2,18 +2,18 @@
 # Lint, type-check (strict on the pure-Python core, see pyproject), check sizes and run the tests
 # on the CPU. Triton kernels run through Triton's interpreter; GPU-only tests skip without CUDA.
 #   bash scripts/check.sh           # everything (CI)
-#   bash scripts/check.sh --fast    # the same checks, tests marked slow left out, two workers
+#   bash scripts/check.sh --fast    # the same checks, tests marked slow left out
+# Tests run on two workers (pytest-xdist, a dev dependency; work stealing, so the few long
+# server tests do not hold one worker's queue back).
 #   bash scripts/check.sh [--fast] [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marks=()
-if [[ ${1:-} == --fast ]]; then
-  # the development loop: slow tests left out, the rest on two workers (pytest-xdist; CI runs
-  # everything in one process)
+if [[ ${1:-} == --fast ]]; then  # the development loop: slow tests left out
   marks=(-m "not slow")
-  python -c "import xdist" 2>/dev/null && marks+=(-n 2)
   shift
 fi
+python -c "import xdist" 2>/dev/null && marks+=(-n 2 --dist worksteal)
 ruff check src tests benchmarks scripts
 mypy src/pensieve/core src/pensieve/config.py src/pensieve/engine/engine_core.py \
   src/pensieve/engine/executor.py src/pensieve/engine/tiers.py src/pensieve/engine/containment.py \
