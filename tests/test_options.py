@@ -209,3 +209,23 @@ def test_command_lines_settle_max_model_len_from_the_model() -> None:
     assert "max_position_embeddings" in (_flags(_sub("generate"))["max_model_len"].help or "")
     assert _flags(_sub("serve"))["max_model_len"].help == _flags(
         _sub("generate"))["max_model_len"].help
+
+
+def test_command_defaults_under_the_config_file(tmp_path: Path) -> None:
+    """A benchmark's own defaults (``add_engine_args(defaults=...)``) sit between the
+    config's and a ``--config`` file's: shown in the help, overridden by the file and by the
+    flags; one of an option the command does not take is refused."""
+    from pensieve.options import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p, model_flag=True, defaults={"model": "llama3.1-8b", "load_format": "dummy"})
+    assert "(default: dummy)" in _flags(p)["load_format"].help
+    assert "llama3.1-8b" in _flags(p)["model"].help
+    assert engine_options(p.parse_args([])) == {"model": "llama3.1-8b", "load_format": "dummy"}
+    f = tmp_path / "e.json"
+    f.write_text(json.dumps({"load_format": "auto", "max_num_seqs": 4}))
+    assert engine_options(p.parse_args(["--config", str(f), "--max-num-seqs", "5"])) == {
+        "model": "llama3.1-8b", "load_format": "auto", "max_num_seqs": 5}
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        add_engine_args(argparse.ArgumentParser(), exclude=("kv_cache_dtype",),
+                        defaults={"kv_cache_dtype": "fp8"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.scheduling_config import SchedulerConfig
@@ -199,6 +200,23 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Flat keyword options (the init fields of the parts, :func:`owners`) split into the
+        composed config; unknown names raise TypeError; None leaves the field's default. No
+        default is settled from a device here (:func:`pensieve.engine.llm.build_engine_config`
+        does that first; the simulator takes the parts' own)."""
+        known = owners()
+        parts: dict[type, dict[str, Any]] = {part: {} for part in ENGINE_CONFIGS}
+        for key, value in options.items():
+            if key not in known:
+                raise TypeError(f"unknown option {key!r}; known: {sorted(known)}")
+            if value is not None:
+                parts[known[key]][key] = value
+        return cls(model=ModelConfig(**parts[ModelConfig]),
+                   cache=CacheConfig(**parts[CacheConfig]),
+                   scheduler=SchedulerConfig(**parts[SchedulerConfig]))
 
     def decode_graph_shape(self, device_type: str) -> tuple[int, int] | None:
         """(max batch, max blocks per request) of the decode CUDA graphs, or None for none."""

@@ -9,8 +9,9 @@ help. :data:`FLAG_SPECS` adds what an annotation cannot say: a parser for mixed 
 choices (the cache policies come from :data:`pensieve.core.eviction.POLICIES`) and the older
 aliases (``-tp``, ``--mixed-graphs``).
 
-Every generated flag defaults to None, "not given", so that three layers resolve in
-:func:`engine_options`: the dataclass default, under ``--config FILE`` (JSON, TOML, or YAML
+Every generated flag defaults to None, "not given", so that four layers resolve in
+:func:`engine_options`: the dataclass default, under the command's own defaults (a benchmark's
+setting, ``add_engine_args(defaults=...)``), under ``--config FILE`` (JSON, TOML, or YAML
 when PyYAML is installed), under the flags given.
 """
 
@@ -41,6 +42,10 @@ from pensieve.core.scheduling_config import (
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 """Names of the parts in a ``--config`` file that groups its options (``cache: {...}``)."""
+
+ENGINE_DEFAULTS = "engine_defaults"
+"""The parsed arguments' attribute that holds the command's own defaults of engine options
+(:func:`add_engine_args`)."""
 
 
 def default_of(name: str) -> Any:
@@ -129,16 +134,24 @@ def _value_type(hint: Any) -> Any:
     return hint
 
 
-def _flag_kwargs(cls: type, name: str, note: str | None = None
+def _flag_kwargs(cls: type, name: str, note: str | None = None, default: Any = MISSING
                  ) -> tuple[list[str], dict[str, Any]]:
     """(option strings, ``add_argument`` keywords) of one field's flag; ``note``: a help text
-    of the command's own, default included."""
+    of the command's own, default included; ``default``: the command's own default, shown in
+    the help instead of the config's."""
     spec = dict(FLAG_SPECS.get(name, {}))
     flags = [f"--{name.replace('_', '-')}", *spec.pop("aliases", [])]
-    default = default_of(name)
+    own = default is not MISSING
+    if not own:
+        default = default_of(name)
     doc = spec.pop("help", None) or field_docs(cls).get(name, "")
     shown = "none" if default is None or default is MISSING else default
-    text = note or (doc if "default" in doc else f"{doc} (default: {shown})")
+    if note:
+        text = note
+    elif "default" in doc:  # the config's default, told in words
+        text = f"{doc} (this command's default: {shown})" if own else doc
+    else:
+        text = f"{doc} (default: {shown})"
     kw: dict[str, Any] = {"dest": name, "default": None, "help": text.replace("%", "%%")}
     vtype = _value_type(typing.get_type_hints(cls)[name])
     if vtype is bool:
@@ -152,15 +165,24 @@ def _flag_kwargs(cls: type, name: str, note: str | None = None
 
 
 def add_engine_args(p: argparse.ArgumentParser, exclude: Collection[str] = (),
-                    help: Mapping[str, str] | None = None, model_flag: bool = False) -> None:
+                    help: Mapping[str, str] | None = None, model_flag: bool = False,
+                    defaults: Mapping[str, Any] | None = None) -> None:
     """The engine's options (all but ``exclude``) and ``--config FILE``; ``help``: the
     command's own help of some options. The model is the positional argument, optional
-    (``model_flag``: the option ``--model``, as the benchmarks take it)."""
+    (``model_flag``: the option ``--model``, as the benchmarks take it). ``defaults``: the
+    command's own defaults of some options (a benchmark's setting, such as the paper's tier
+    sizes), shown in their help; :func:`engine_options` puts a ``--config`` file and the
+    flags given over them."""
     notes = help or {}
     names = [n for n in owners() if n not in exclude]
+    own = dict(defaults or {})
+    unknown = sorted(set(own) - set(names))
+    if unknown:
+        raise ValueError(f"defaults of options this command does not take: {unknown}")
+    p.set_defaults(**{ENGINE_DEFAULTS: own})
     if "model" in names:
         text = notes.get("model") or (field_docs(ModelConfig).get("model", "")
-                                      + f" (default: {ModelConfig.model})")
+                                      + f" (default: {own.get('model', ModelConfig.model)})")
         if model_flag:
             p.add_argument("--model", default=None, help=text)
         else:
@@ -172,7 +194,7 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: Collection[str] = (),
     group = p.add_argument_group("engine options (pensieve.config)")
     for name, cls in owners().items():
         if name in names and name != "model":
-            flags, kw = _flag_kwargs(cls, name, notes.get(name))
+            flags, kw = _flag_kwargs(cls, name, notes.get(name), own.get(name, MISSING))
             group.add_argument(*flags, **kw)
 
 
@@ -249,10 +271,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def engine_options(args: argparse.Namespace, exclude: Collection[str] = ()) -> dict[str, Any]:
-    """The engine options that were set: the ``--config`` file's, then the flags given
-    (None: not given) over them, for :func:`pensieve.engine.llm.build_engine_config`."""
+    """The engine options that were set: the command's own defaults, the ``--config`` file's
+    over them, then the flags given (None: not given) over those, for
+    :func:`pensieve.engine.llm.build_engine_config`."""
     path = getattr(args, "config", None)
-    opts = load_config_file(path) if path else {}
+    opts = dict(getattr(args, ENGINE_DEFAULTS, None) or {})
+    opts.update(load_config_file(path) if path else {})
     for name in owners():
         value = getattr(args, name, None)
         if name not in exclude and value is not None:

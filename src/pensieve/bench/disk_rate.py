@@ -17,7 +17,6 @@ and dd's reads here are of files just written, so they compare alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from pensieve.bench.json_out import emit_result
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_tier import DiskTier
 
@@ -108,11 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     rates = tier_rates(args)
     result: dict[str, object] = {"args": vars(args), **rates, **dd_rates(args.path,
                                                                         int(rates["bytes"]))}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ the base KV dtype and under ``fp8_e4m3``; reported per prompt and overall:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pensieve.bench.json_out import emit_result
 from pensieve.options import add_engine_args, default_of, engine_options
 
 
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
            "tokens_per_gb_ratio": chunk_bytes[a.base_dtype] / chunk_bytes["fp8_e4m3"],
            **{k: v for k, v in asdict(acc).items() if k != "per_prompt"},
            "per_prompt": acc.per_prompt}
-    print(json.dumps({k: v for k, v in res.items() if k != "per_prompt"}, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit_result(res, a.out, brief=("per_prompt",))
     return 0
 
 

@@ -43,6 +43,10 @@ records its ``batching`` (None for ``hf`` and ``http``, whose batching is not ou
     pensieve bench multiturn --systems stateless,gpu-only,pensieve --rates 0.1,0.2,0.3 \
         --model llama2-13b-gqa10 --load-format dummy --dtype bfloat16 --think-time 6 \
         --gpu-kv-gb 4 --cpu-kv-gb 22 --duration 60 --warmup 10 --out results/multiturn
+
+The engine's options are generated from the config (:mod:`pensieve.options`, ``--config FILE``
+too), under this benchmark's own defaults (:data:`ENGINE_DEFAULTS`: the paper's setting);
+the real engine, the simulator's scheduler and the ``hf`` peer all read them from there.
 """
 
 from __future__ import annotations
@@ -65,9 +69,21 @@ from pensieve.bench.run_metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
 from pensieve.bench.workload import load_workload, ultrachat_synthetic
+from pensieve.options import add_engine_args, default_of, engine_options
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_lengths.json.gz"
 """The packaged ShareGPT file with its split pieces joined back into whole conversations."""
+
+ENGINE_DEFAULTS = {"model": "llama2-13b-gqa10", "load_format": "dummy", "dtype": "bfloat16",
+                   "gpu_kv_gb": 40.0, "cpu_kv_gb": 220.0, "max_model_len": 16384,
+                   "max_num_batched_tokens": 8192}
+"""The benchmark's defaults where they differ from the engine's (the paper's setting: Llama
+2-13B with GQA-10 on random weights, 40 GB of GPU KV and 220 GB of CPU KV, a fixed context
+limit and step budget whatever the model and device)."""
+
+NOT_ENGINE = ("seed", "cache_policy")
+"""Engine options this benchmark does not take: ``--seed`` is the load's own (workload,
+shuffle, arrivals), ``--systems`` names the cache policies."""
 
 
 def workload(args: argparse.Namespace) -> Any:
@@ -131,14 +147,7 @@ class RealEngines:
         from pensieve.engine.llm_engine import LLMEngine
 
         if self.engine is None:
-            cfg = build_engine_config(
-                model=args.model, load_format=args.load_format, dtype=args.dtype,
-                device=args.device, gpu_kv_gb=args.gpu_kv_gb, cpu_kv_gb=args.cpu_kv_gb,
-                cache_policy="pensieve", max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                enforce_eager=args.enforce_eager, cuda_graph_mixed=args.mixed_graphs,
-                batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
+            cfg = build_engine_config(**{**args.engine_options, "cache_policy": "pensieve"})
             # the points run on wall time, as the engine's default clock does
             self.engine = LLMEngine(cfg, clock=clock.now, observers=[self.steps])
         eng = self.engine
@@ -158,8 +167,6 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     from pensieve.bench.simulator import SimEngine
     from pensieve.bench.step_cost import StepCostModel
     from pensieve.core.cost_model import CostModel
-    from pensieve.core.scheduling_config import SchedulerConfig
-    from pensieve.engine.tiers import gib_blocks
 
     cost = StepCostModel.load(args.step_cost)
     if args.step_cost_set:  # what-if: e.g. per_prefill_step_s=0 (mixed steps as cheap as decode)
@@ -169,15 +176,12 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
         cost = dataclasses.replace(cost, **{k: float(v) for k, v in sets.items()},
                                    label=f"{cost.label} [what-if {args.step_cost_set}]")
     block_bytes = args.kv_bytes_per_token * args.chunk_size
-    gpu = gib_blocks(args.gpu_kv_gb, block_bytes)
-    cpu = gib_blocks(args.cpu_kv_gb, block_bytes)
     chunk_cost = (CostModel.load(args.cost_profile) if args.cost_profile
                   else CostModel.analytic(40, 5120, 40, 10, 128, 13824, args.chunk_size))
-    sc = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         batching=args.batching, swap_in_ahead_chunks=args.swap_in_ahead_chunks)
-    return SimEngine(sc, gpu, cpu, cost, clock, chunk_cost, chunk_size=args.chunk_size,
-                     cache_policy=system, block_bytes=block_bytes)
+    # tiers of --gpu-kv-gb / --cpu-kv-gb over the chunk's bytes, the scheduler and cache
+    # options as given: the engine's options, with no device's defaults settled
+    return SimEngine.from_options({**args.engine_options, "cache_policy": system}, cost, clock,
+                                  chunk_cost, block_bytes=block_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,10 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="http: do not delete the server conversations a point created")
     ap.add_argument("--sample-interval", type=float, default=1.0,
                     help="seconds between samples of the run's state (0: none)")
-    ap.add_argument("--model", default="llama2-13b-gqa10")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--workload", choices=["sharegpt", "ultrachat", "agentic", "coding-agent",
                                            "agent-mix"],
                     default="sharegpt")
@@ -220,8 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multiply every turn's input and answer length (>= 1 token): small "
                          "loads for smoke tests on the CPU")
     ap.add_argument("--think-time", type=float, default=60.0, help="mean seconds")
-    ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
-    ap.add_argument("--cpu-kv-gb", type=float, default=220.0)
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--warmup", default="60",
                     help="seconds before the window, or 'auto' (1.5 mean session lifetimes)")
@@ -230,39 +228,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
                     help="every session's first turn opens with the same N tokens (a system "
                          "prompt and tool schema all sessions send), before its own input")
-    ap.add_argument("--max-model-len", type=int, default=16384)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                    help="real: split the model over N GPUs")
-    ap.add_argument("--enforce-eager", action="store_true", help="real: no CUDA graphs")
-    ap.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="real: CUDA graphs for steps with prefill tokens too (the engine's "
-                         "default; --no-mixed-graphs for eager ones)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the load's seed: workload, shuffle, arrivals and think times")
     ap.add_argument("--step-cost", default=None, help="sim: StepCostModel JSON")
     ap.add_argument("--step-cost-set", default=None, metavar="NAME=VALUE,...",
                     help="sim: override coefficients of --step-cost (a what-if), e.g. "
                          "per_prefill_step_s=0")
-    ap.add_argument("--cost-profile", default=None, help="sim: retention cost profile JSON")
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
                     help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")
-    ap.add_argument("--chunk-size", type=int, default=32)
-    ap.add_argument("--swap-in-ahead-chunks", type=int, default=256,
-                    help="real and sim: chunks a step may swap in for turns that compute from "
-                         "the next step on (0: none; SchedulerConfig.swap_in_ahead_chunks)")
-    ap.add_argument("--batching", choices=["unified", "separate"], default=None,
-                    help="Pensieve's steps: unified prefill+decode batches (default) or "
-                    "separate prefill and decode steps (vLLM 0.2 style; real and sim engines)")
     ap.add_argument("--tag", default="", help="label stored with every point")
     ap.add_argument("--out", default="results/multiturn")
+    add_engine_args(ap, exclude=NOT_ENGINE, model_flag=True, defaults=ENGINE_DEFAULTS)
     return ap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked against each other (``--batching`` settled to its default)."""
+    """The options, checked against each other. The engine's are settled
+    (:func:`~pensieve.options.engine_options`) into ``args.engine_options``, what the engines
+    are built from, and each one's value (the config's default where none is set) into its
+    attribute of ``args`` (``args.gpu_kv_gb``), what the points record."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    try:
+        args.engine_options = engine_options(args, exclude=NOT_ENGINE)
+    except ValueError as e:  # a --config file the options refuse
+        ap.error(str(e))
+    for name, value in args.engine_options.items():
+        setattr(args, name, value)
     if args.engine == "sim" and not args.step_cost:
         ap.error("--engine sim needs --step-cost")
     if args.engine == "http" and not args.url:
@@ -277,7 +269,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "http)")
     if args.batching == "separate" and "hf" in args.systems.split(","):
         ap.error("--batching separate applies to Pensieve's engine, not to the hf system")
-    args.batching = args.batching or "unified"
+    args.batching = args.batching or default_of("batching")
+    for name in ("device", "chunk_size", "max_num_seqs", "swap_in_ahead_chunks"):
+        if getattr(args, name) is None:  # what the simulator and the hf peer read
+            setattr(args, name, default_of(name))
 
     return args
 

@@ -17,14 +17,14 @@ gap against the step time of one full chunk.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from typing import Any
 
-from pensieve.options import add_engine_args, engine_options
+from pensieve.bench.json_out import emit_result
+from pensieve.options import ENGINE_DEFAULTS, add_engine_args, engine_options
 
 
 def measure(llm: Any, decodes: int, decode_context: int, prompt: int, seed: int = 0,
@@ -81,10 +81,8 @@ def _computed(eng: Any, rid: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pensieve bench prefill-stall", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p, model_flag=True, help={
-        "model": "the model (default: llama3.1-8b)",
-        "load_format": "auto or dummy (default: dummy, random weights)"})
-    p.set_defaults(model="llama3.1-8b", load_format="dummy")
+    add_engine_args(p, model_flag=True, defaults={"model": "llama3.1-8b",
+                                                  "load_format": "dummy"})
     p.add_argument("--decodes", type=int, default=32)
     p.add_argument("--decode-context", type=int, default=2048)
     p.add_argument("--prompt", type=int, default=60000)
@@ -99,13 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     res = measure(llm, a.decodes, a.decode_context, a.prompt,
                   vocab=int(resolve_config(kw["model"])[0].vocab_size))
     sc = llm.engine.scheduler_config
-    res["config"] = {**{k: v for k, v in vars(a).items() if v is not None},
+    res["config"] = {**{k: v for k, v in vars(a).items()
+                        if v is not None and k != ENGINE_DEFAULTS}, **kw,
                      "max_num_batched_tokens": sc.max_num_batched_tokens,
                      "max_model_len": sc.max_model_len}
-    print(json.dumps({k: v for k, v in res.items() if k != "steps"}, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit_result(res, a.out, brief=("steps",))
     return 0
 
 

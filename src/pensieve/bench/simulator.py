@@ -44,9 +44,9 @@ the torch-free ``pensieve.engine.request_output``); it takes any clock with ``no
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from pensieve.bench.step_cost import (
     StepCostModel,
@@ -55,7 +55,7 @@ from pensieve.bench.step_cost import (
     TransferTimeline,
     features_of,
 )
-from pensieve.config import DEFAULT_DEFER_ADMISSION
+from pensieve.config import DEFAULT_DEFER_ADMISSION, EngineConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
@@ -66,9 +66,6 @@ from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 from pensieve.engine.step_record import prefill_decode_tokens
 from pensieve.engine.tiers import build_cache, sim_tiers
-
-if TYPE_CHECKING:
-    from pensieve.config import EngineConfig
 
 
 class SimClock(Protocol):
@@ -305,6 +302,23 @@ class SimEngine(EngineCore):
                    clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
                    block_bytes=tiers.block_bytes, **kw)
+
+
+    @classmethod
+    def from_options(
+        cls,
+        options: Mapping[str, Any],
+        step_cost: StepCostModel,
+        clock: SimClock,
+        chunk_cost: CostModel | Callable[[int], float],
+        block_bytes: int | None = None,
+        **kw: Any,
+    ) -> SimEngine:
+        """:meth:`from_config` of flat engine options (a command line's,
+        :func:`pensieve.options.engine_options`), with no device's defaults settled: the
+        simulator models its own device (:meth:`EngineConfig.from_options`)."""
+        return cls.from_config(EngineConfig.from_options(**options), step_cost, clock,
+                               chunk_cost, block_bytes=block_bytes, **kw)
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pensieve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, owners
+from pensieve.config import DEFAULT_MODEL, EngineConfig, ModelConfig
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduling_config import (
     SchedulerConfig,
@@ -20,9 +20,10 @@ from pensieve.engine.request_output import RequestOutput
 
 
 def build_engine_config(**kwargs: Any) -> EngineConfig:
-    """Split flat keyword options (the init fields of the config parts,
-    :func:`pensieve.config.owners`) into the composed config; unknown names raise TypeError;
-    None leaves the field's default.
+    """Flat keyword options (the init fields of the config parts,
+    :func:`pensieve.config.owners`) as the composed config
+    (:meth:`~pensieve.config.EngineConfig.from_options`: unknown names raise TypeError, None
+    leaves the field's default), with the defaults that depend on the device settled first.
     Without a ``max_num_batched_tokens`` (None), chunked prefill takes the device's default
     step budget (:func:`pensieve.core.scheduling_config.default_max_num_batched_tokens`); without a
     ``prefill_attention_pairs``, the device's (:func:`~pensieve.core.scheduling_config.
@@ -34,18 +35,7 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
     if kwargs.get("prefill_attention_pairs") is None:
         budget = kwargs.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens
         kwargs["prefill_attention_pairs"] = default_prefill_attention_pairs(device.type, budget)
-    known = owners()
-    parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
-    for key, value in kwargs.items():
-        if key not in known:
-            raise TypeError(f"unknown option {key!r}; known: {sorted(known)}")
-        if value is not None:
-            parts[known[key]][key] = value
-    return EngineConfig(
-        model=ModelConfig(**parts[ModelConfig]),
-        cache=CacheConfig(**parts[CacheConfig]),
-        scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-    )
+    return EngineConfig.from_options(**kwargs)
 
 
 class LLM:

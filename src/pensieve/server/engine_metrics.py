@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -14,6 +14,21 @@ _SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
             "disk_hit": "disk_hit_tokens", "shared_hit": "shared_hit_tokens",
             "recomputed": "recomputed_tokens",
             "new": "new_prompt_tokens"}
+
+
+def _by_label(name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
+    """A counter of one label, one sample per ``values`` item (label value -> count)."""
+    c = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        c.add_metric([value], count)
+    return c
+
+
+def _by_kind(st: Mapping[str, float], name: str, doc: str, prefill: str, decode: str) -> Metric:
+    """A counter labelled ``kind``: prefill steps' ``st[prefill]`` and decode steps'
+    ``st[decode]``."""
+    return _by_label(name, doc, "kind", {"prefill": st.get(prefill, 0),
+                                         "decode": st.get(decode, 0)})
 
 
 class _EngineCollector(Collector):
@@ -29,16 +44,11 @@ class _EngineCollector(Collector):
         g = GaugeMetricFamily("pensieve_requests_waiting", "Requests queued for admission")
         g.add_metric([], snap.waiting)
         yield g
-        c = CounterMetricFamily("pensieve_prompt_tokens", "Context tokens of admitted turns, by "
-                                "where their KV came from", labels=["source"])
-        for label, key in _SOURCES.items():
-            c.add_metric([label], st.get(key, 0))
-        yield c
-        c = CounterMetricFamily("pensieve_swap_bytes", "Bytes copied between the tiers",
-                                labels=["direction"])
-        c.add_metric(["in"], st.get("swap_in_bytes", 0))
-        c.add_metric(["out"], st.get("swap_out_bytes", 0))
-        yield c
+        yield _by_label("pensieve_prompt_tokens", "Context tokens of admitted turns, by where "
+                        "their KV came from", "source",
+                        {label: st.get(key, 0) for label, key in _SOURCES.items()})
+        yield _by_label("pensieve_swap_bytes", "Bytes copied between the tiers", "direction",
+                        {"in": st.get("swap_in_bytes", 0), "out": st.get("swap_out_bytes", 0)})
         c = CounterMetricFamily("pensieve_dropped_tokens", "KV tokens dropped from both tiers")
         c.add_metric([], st.get("dropped_tokens", 0))
         yield c
@@ -67,11 +77,9 @@ class _EngineCollector(Collector):
                               "block per such block (1: no block shared; 0: none)")
         g.add_metric([], st.get("shared_block_refs", 0) / blocks if blocks else 0.0)
         yield g
-        c = CounterMetricFamily("pensieve_disk_bytes", "Bytes written to and read from the "
-                                "disk tier's files", labels=["direction"])
-        c.add_metric(["write"], st.get("disk_write_bytes", 0))
-        c.add_metric(["read"], st.get("disk_read_bytes", 0))
-        yield c
+        yield _by_label("pensieve_disk_bytes", "Bytes written to and read from the disk tier's "
+                        "files", "direction", {"write": st.get("disk_write_bytes", 0),
+                                               "read": st.get("disk_read_bytes", 0)})
         g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
                               "GPU blocks may wait for background swap-outs (--defer-admission)")
         g.add_metric([], st.get("defer_admission", 0))
@@ -82,50 +90,33 @@ class _EngineCollector(Collector):
 def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
     """The engine's own step accounting (``StepTotals``): what a benchmark differences over its
     window to get per-token step costs and host time per step."""
-    c = CounterMetricFamily("pensieve_steps", "Engine steps, by whether they computed prefill "
-                            "tokens", labels=["kind"])
-    c.add_metric(["prefill"], st.get("prefill_steps", 0))
-    c.add_metric(["decode"], st.get("steps", 0) - st.get("prefill_steps", 0))
-    yield c
-    c = CounterMetricFamily("pensieve_graph_steps", "Engine steps replayed from CUDA graphs "
-                            "(the rest ran eagerly), by step kind", labels=["kind"])
-    c.add_metric(["prefill"], st.get("prefill_graph_steps", 0))
-    c.add_metric(["decode"], st.get("graph_steps", 0) - st.get("prefill_graph_steps", 0))
-    yield c
+    yield _by_label("pensieve_steps", "Engine steps, by whether they computed prefill tokens",
+                    "kind", {"prefill": st.get("prefill_steps", 0),
+                             "decode": st.get("steps", 0) - st.get("prefill_steps", 0)})
+    yield _by_label("pensieve_graph_steps", "Engine steps replayed from CUDA graphs (the rest "
+                    "ran eagerly), by step kind", "kind",
+                    {"prefill": st.get("prefill_graph_steps", 0),
+                     "decode": st.get("graph_steps", 0) - st.get("prefill_graph_steps", 0)})
     yield CounterMetricFamily("pensieve_decode_split_span_steps", "Engine steps whose decode "
                               "attention split KV by span (ragged contexts)",
                               value=st.get("split_span_steps", 0))
-    c = CounterMetricFamily("pensieve_step_execute_seconds", "Executor time of engine steps "
-                            "(swaps, forward, sampling), by step kind", labels=["kind"])
-    c.add_metric(["prefill"], st.get("prefill_step_execute_s", 0.0))
-    c.add_metric(["decode"], st.get("decode_step_execute_s", 0.0))
-    yield c
+    yield _by_kind(st, "pensieve_step_execute_seconds", "Executor time of engine steps (swaps, "
+                   "forward, sampling), by step kind", "prefill_step_execute_s",
+                   "decode_step_execute_s")
     for phase, what in (("prepare", "before its forward was launched (swaps issued, inputs "
                                     "built)"),
                         ("issue", "until its whole forward was issued, before the wait for "
                                   "the sampled tokens")):
-        c = CounterMetricFamily(f"pensieve_step_host_{phase}_seconds",
-                                f"The runner's host time in engine steps, {what}; by step kind",
-                                labels=["kind"])
-        c.add_metric(["prefill"], st.get(f"prefill_step_{phase}_s", 0.0))
-        c.add_metric(["decode"], st.get(f"decode_step_{phase}_s", 0.0))
-        yield c
-    c = CounterMetricFamily("pensieve_computed_tokens", "Tokens computed, prefill (prompts and "
-                            "recomputed history) or decode", labels=["kind"])
-    c.add_metric(["prefill"], st.get("prefill_tokens", 0))
-    c.add_metric(["decode"], st.get("decode_tokens", 0))
-    yield c
-    c = CounterMetricFamily("pensieve_scheduler_seconds", "Host time of the scheduler, by phase",
-                            labels=["phase"])
-    c.add_metric(["schedule"], st.get("schedule_s", 0.0))
-    c.add_metric(["update"], st.get("update_s", 0.0))
-    yield c
-    c = CounterMetricFamily("pensieve_swap_chunks", "Chunks planned between the tiers",
-                            labels=["kind"])
-    c.add_metric(["in"], st.get("swap_in_chunks", 0))
-    c.add_metric(["out"], st.get("swap_out_chunks", 0))
-    c.add_metric(["out_urgent"], st.get("urgent_swap_out_chunks", 0))
-    yield c
+        yield _by_kind(st, f"pensieve_step_host_{phase}_seconds",
+                       f"The runner's host time in engine steps, {what}; by step kind",
+                       f"prefill_step_{phase}_s", f"decode_step_{phase}_s")
+    yield _by_kind(st, "pensieve_computed_tokens", "Tokens computed, prefill (prompts and "
+                   "recomputed history) or decode", "prefill_tokens", "decode_tokens")
+    yield _by_label("pensieve_scheduler_seconds", "Host time of the scheduler, by phase", "phase",
+                    {"schedule": st.get("schedule_s", 0.0), "update": st.get("update_s", 0.0)})
+    yield _by_label("pensieve_swap_chunks", "Chunks planned between the tiers", "kind",
+                    {"in": st.get("swap_in_chunks", 0), "out": st.get("swap_out_chunks", 0),
+                     "out_urgent": st.get("urgent_swap_out_chunks", 0)})
 
 
 class Metrics:

@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pensieve.core.outputs import TokenLogprobs
-from pensieve.core.sampling_params import GrammarSpec, SamplingParams
+from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
 from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
@@ -44,12 +44,8 @@ from pensieve.server.store_sqlite import StoredConversation, StoreWriteError
 from pensieve.server.structured import Constraint
 from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.tool_answer import ToolAnswer
+from pensieve.server.turn_params import sampling_params, stop_lists, turn_max_tokens
 from pensieve.server.turns import Turn, engine_call, off_loop
-
-_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "min_tokens", "min_p", "logit_bias"}
-MAX_STOP_STRINGS = 64
 
 log = logging.getLogger("pensieve.server")
 
@@ -65,54 +61,6 @@ class Result:
     cache: dict[str, int]
 
 
-def _stops(state: ServerState, body: _Sampling) -> tuple[list[str], list[int]]:
-    """Stop strings matched on text, and stop ids (those that spell a special token)."""
-    stops = body.stop_list()
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
-                       param="stop")
-    texts, ids = [], list(body.stop_token_ids or [])
-    for s in stops:
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(400, f"stop string is not valid Unicode text: {e.reason}",
-                           param="stop") from None
-        tid = state.renderer.special_token_id(s) if state.renderer else None
-        if tid is not None:
-            ids.append(tid)
-        elif s:
-            texts.append(s)
-    if texts and state.renderer is None:
-        raise APIError(400, "stop strings need a tokenizer: use stop_token_ids", param="stop")
-    return texts, ids
-
-
-def _params(state: ServerState, body: _Sampling, max_tokens: int,
-            stop_ids: list[int], grammar: GrammarSpec | None = None) -> SamplingParams:
-    given = body.model_fields_set
-    d = {k: v for k, v in state.sampling_defaults.items() if k not in given}
-    stop_ids = stop_ids + [i for i in state.extra_stop_token_ids if not body.ignore_eos]
-    try:
-        num_logprobs = body.num_logprobs()
-    except ValueError as e:
-        raise APIError(400, str(e), param="top_logprobs") from e
-    try:
-        return SamplingParams(max_tokens=max_tokens,
-                              temperature=d.get("temperature", body.temperature),
-                              top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
-                              seed=body.seed,
-                              stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
-                              logprobs=num_logprobs, presence_penalty=body.presence_penalty,
-                              frequency_penalty=body.frequency_penalty,
-                              repetition_penalty=body.repetition_penalty,
-                              min_tokens=body.min_tokens, min_p=body.min_p,
-                              logit_bias=tuple(body.logit_bias_ids().items()), grammar=grammar)
-    except ValueError as e:  # SamplingParams names the field first in its messages
-        field = str(e).split(" ", 1)[0]
-        raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else None) from e
-
-
 async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
                    request: Request, chat: bool, choices: Any = None,
                    constraint: Constraint | None = None) -> Response:
@@ -123,21 +71,9 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     if body.n > 1 and constraint.tool_format:
         await forget_new(state, turn)
         raise APIError(400, "n > 1 is not supported with tools", param="n")
-    stop_texts, stop_ids = await off_loop(state, lambda: _stops(state, body))
-    context_len = len(turn.context_ids)
-    room = state.max_model_len - context_len
-    if room < 1:
-        raise APIError(400, f"the conversation's context ({context_len} tokens) exceeds "
-                       f"max_model_len={state.max_model_len}",
-                       code="context_length_exceeded", param="messages")
-    if max_tokens is None:  # the rest of the context, as vLLM (or the server's cap)
-        fits = (state.max_turn_tokens or state.max_model_len) - context_len
-        max_tokens = max(1, min(room, fits, state.default_max_tokens or room))
-    elif max_tokens > room:
-        raise APIError(400, f"max_tokens={max_tokens} exceeds the room left in the context "
-                       f"({room} of max_model_len={state.max_model_len})",
-                       code="context_length_exceeded", param="max_tokens")
-    params = _params(state, body, max_tokens, stop_ids, constraint.grammar)
+    stop_texts, stop_ids = await off_loop(state, lambda: stop_lists(state, body))
+    max_tokens = turn_max_tokens(state, len(turn.context_ids), max_tokens)
+    params = sampling_params(state, body, max_tokens, stop_ids, constraint.grammar)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
         await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
                           body.keep_alive_s, turn.tenant)
