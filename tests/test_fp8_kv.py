@@ -67,12 +67,14 @@ def _ranges(lens: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
             torch.zeros(len(lens), dtype=i32, device=DEV))
 
 
-@pytest.mark.parametrize("lens,splits", [
-    ([(0, 40)], None),  # a prefill
-    ([(30, 10), (5, 3)], None),  # continuations over cached history
-    ([(90, 1), (12, 1), (60, 1)], 4),  # split-KV decode
+@pytest.mark.parametrize("lens,splits,long", [
+    ([(0, 40)], None, False),  # a prefill
+    ([(30, 10), (5, 3)], None, False),  # continuations over cached history
+    ([(90, 1), (12, 1), (60, 1)], 4, False),  # split-KV decode
+    ([(90, 1), (12, 1), (127, 1)], 128, True),  # long-context tiles, 128 splits
 ])
-def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | None) -> None:
+def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | None,
+                                    long: bool) -> None:
     """The kernel (Triton's interpreter here) over an FP8 cache equals the reference with the
     same scales; the reference is close to float32 attention over the unquantized KV."""
     kc, vc, kf, vf = _filled(NB * C)
@@ -83,7 +85,8 @@ def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | N
     mq = max(n for _, n in lens)
     ks, vs = KS.to(DEV), VS.to(DEV)
     got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, max_query_len=mq,
-                                 num_kv_splits=splits, k_scale=ks, v_scale=vs)
+                                 num_kv_splits=splits, k_scale=ks, v_scale=vs,
+                                 long_context=long)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
     # float32 queries: the kernel's dots are exact float32 ("ieee") on both devices
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -127,9 +130,11 @@ def test_triton_store_fp8_equals_reference_on_gpu() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU test: bf16 queries take the "
                     "tensor-core path (fp16 over an FP8 cache) only on the GPU")
-@pytest.mark.parametrize("lens,splits", [([(0, 100)], None), ([(90, 1), (12, 1)], 4)])
+@pytest.mark.parametrize("lens,splits,long", [([(0, 100)], None, False),
+                                             ([(90, 1), (12, 1)], 4, False),
+                                             ([(90, 1), (127, 1)], 128, True)])
 def test_triton_attention_fp8_bf16_queries_on_gpu(lens: list[tuple[int, int]],
-                                                  splits: int | None) -> None:
+                                                  splits: int | None, long: bool) -> None:
     kc, vc, _, _ = _filled(NB * C)
     qsl, rsp, rt = _ranges(lens)
     g = torch.Generator().manual_seed(3)
@@ -138,7 +143,7 @@ def test_triton_attention_fp8_bf16_queries_on_gpu(lens: list[tuple[int, int]],
     ks, vs = KS.to(DEV), VS.to(DEV)
     got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5,
                                  max_query_len=max(n for _, n in lens), num_kv_splits=splits,
-                                 k_scale=ks, v_scale=vs)
+                                 k_scale=ks, v_scale=vs, long_context=long)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pensieve.kernels as kernels
-from pensieve.kernels import launch
+from pensieve.kernels import launch, launch_policy
 from pensieve.kernels.launch import paged_attention_triton, store_kv_triton
 from pensieve.kernels.reference import paged_attention_ref, store_kv_ref
 
@@ -285,7 +285,10 @@ def test_two_ranges_share_a_table(group, chunk, dtype, d, n, new, real) -> None:
         (4, 16, BF16, 4, False),
         (1, 32, F32, 32, False),
         (8, 16, F16, 2, False),
+        (4, 16, BF16, 64, False),
+        (1, 16, F32, 128, False),
         pytest.param(4, 16, BF16, None, True, marks=gpu),
+        pytest.param(1, 32, BF16, 128, True, marks=gpu),
         pytest.param(4, 32, F16, 16, True, marks=gpu),
         pytest.param(8, 16, BF16, 8, True, marks=gpu),
     ],
@@ -296,8 +299,10 @@ def test_split_kv(group, chunk, dtype, splits, real) -> None:
         tables = [[(c - 1, 1)] for c in (1, 100, 4000)]
         assert launch._auto_splits(3 * 10, 3, 40, 128, torch.device(DEVICE)) > 1
     elif real:
-        tables = [[(c - 1, 1)] for c in (1, 100, 4000, 2500)]
+        tables = [[(c - 1, 1)] for c in (1, 100, 4000, 2500, 40000)]
         tables += [[(0, 300), (3000, 1)], [(1000, 33)]]
+    elif splits > 32:  # beyond the combiner's block: it merges 32 splits at a time
+        tables = [[(c - 1, 1)] for c in (1, 150, 2100, 9000)] + [[(0, 5), (40, 3)]]
     else:
         tables = [[(c - 1, 1)] for c in (1, 17, 64, 150)] + [[(0, 5), (40, 3)], [(20, 9)]]
     b = make_batch(tables, chunk=chunk, dtype=dtype, **shape_kw(group, real))
@@ -310,7 +315,9 @@ def test_split_kv(group, chunk, dtype, splits, real) -> None:
         (4, 16, BF16, 8, 256, False),   # a 900-position range needs 4 of the 8 splits
         (1, 32, F32, 2, 256, False),    # more than 2 x span: the equal part wins
         (8, 16, F16, 32, 512, False),
+        (4, 16, BF16, 128, 256, False),  # 64 splits of 256 for a 16k range, 6 for 1500
         pytest.param(4, 16, BF16, 8, 1024, True, marks=gpu),
+        pytest.param(1, 32, BF16, 128, 512, True, marks=gpu),
         pytest.param(4, 32, BF16, 16, 256, True, marks=gpu),
     ],
 )
@@ -319,6 +326,8 @@ def test_split_kv_by_span(group, chunk, dtype, splits, span, real) -> None:
     length needs; the programs of the others exit without writing, and the combiner leaves
     them out."""
     lens = (1, 17, 255, 256, 257, 900, 1500) if not real else (1, 300, 2500, 13000, 4096)
+    if splits > 32:
+        lens = (1, 257, 1500, 16000) if not real else (1, 2500, 65536)
     b = make_batch([[(c - 1, 1)] for c in lens], chunk=chunk, dtype=dtype,
                    **shape_kw(group, real))
     out = torch.full_like(b.q, float("nan"))
@@ -350,7 +359,7 @@ def test_decode_split_span_rule() -> None:
     )
 
     dev = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
-    target = 4 * launch.num_sms(dev)
+    target = 4 * launch_policy.num_sms(dev)
     ragged = [500] * 50 + [13000] * 2
     span = decode_split_span(ragged, target, dev)  # programs plentiful: the mean decides
     mean = sum(ragged) // len(ragged)
@@ -540,10 +549,90 @@ def test_split_count_beyond_the_combiner_raises() -> None:
     q = torch.zeros(1, 4, 32, device=DEVICE)
     cache = torch.zeros(1, 16, 2, 32, device=DEVICE)
     z = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="num_kv_splits"):
-        paged_attention_triton(q, cache, cache, z.view(1, 1),
-                               torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), z, z,
-                               0.1, max_query_len=1, num_kv_splits=64)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"num_kv_splits must be a power of two in \[1, 128\]"):
+        paged_attention_triton(q, cache, cache, z.view(1, 1), qsl, z, z, 0.1, max_query_len=1,
+                               num_kv_splits=256)
+    # work items keep their split in 5 bits: at most 32 there
+    work = torch.tensor(launch.work_items_for([1], 2, 16, [0], 2, 16, 64), device=DEVICE)
+    num = torch.tensor([len(work)], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"num_kv_splits must be a power of two in \[1, 32\]"):
+        paged_attention_triton(q, cache, cache, z.view(1, 1), qsl, z, z, 0.1, max_query_len=1,
+                               work_items=work, num_work_items=num, tiles=(16, 64, 4, 1),
+                               num_kv_splits=64, kv_split_span=qsl[1:])
+
+
+def test_long_decode_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step is long from LONG_DECODE_KV on: 128-position KV tiles (decode rows
+    only) and up to 128 KV splits; short steps keep the measured tiles and 32 splits."""
+    import pensieve.kernels.launch_policy as lp
+    from pensieve.kernels.launch_policy import (
+        DECODE_MAX_SPLITS,
+        LONG_DECODE_KV,
+        MAX_SPLITS,
+        auto_kv_splits,
+        decode_kv_splits,
+        is_long_decode,
+    )
+
+    assert not is_long_decode([]) and not is_long_decode([LONG_DECODE_KV - 1] * 4)
+    assert is_long_decode([10, LONG_DECODE_KV])
+    for cuda in (False, True):
+        assert launch._attention_tiles(4, 4, 128, cuda, True) == (16, 128, 4, 2)
+        assert launch._attention_tiles(64, 64, 128, cuda, True)[1] == 128
+        # prefill rows, or head_dim 256, keep their tiles whatever the context
+        assert launch._attention_tiles(4096, 4096, 128, cuda, True) == \
+            launch._attention_tiles(4096, 4096, 128, cuda)
+        assert launch._attention_tiles(4, 4, 256, cuda, True) == \
+            launch._attention_tiles(4, 4, 256, cuda)
+    assert launch._attention_tiles(4, 4, 128, True) == (16, 32, 4, 2)  # short: as measured
+    assert (16, 128, 4, 2) in launch.attention_tile_choices(128, True)
+    # an H200-like device: 132 SMs, 528 programs wanted; one request of 8 KV heads
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(lp, "num_sms", lambda d: 132)
+    auto_kv_splits.cache_clear()
+    try:
+        assert auto_kv_splits(8, 1, 32, 128, cuda) == MAX_SPLITS
+        assert auto_kv_splits(8, 1, 32, 128, cuda, True) == DECODE_MAX_SPLITS == 128
+        assert auto_kv_splits(64, 8, 32, 128, cuda, True) == 16  # 8 requests: 528 / 64 -> 16
+        assert auto_kv_splits(1024, 128, 32, 128, cuda, True) == 1  # the grid fills the GPU
+        assert decode_kv_splits(1, 8, cuda) == MAX_SPLITS
+        assert decode_kv_splits(1, 8, cuda, True) == 128
+        assert decode_kv_splits(8, 8, cuda, True) == 16
+    finally:
+        auto_kv_splits.cache_clear()
+
+
+@pytest.mark.parametrize("group,dtype,splits,span", [
+    (4, BF16, None, None),   # the launcher's splits (interpreter: 4 SMs)
+    (1, F32, 128, None),
+    (8, F16, 64, 256),
+])
+def test_long_context_decode_matches_reference(group, dtype, splits, span) -> None:
+    """``long_context``: 128-position KV tiles (also under the interpreter) and up to 128
+    splits, equal parts or by span, against the reference."""
+    lens = (1, 100, 3000, 9000)
+    b = make_batch([[(c - 1, 1)] for c in lens], chunk=16, dtype=dtype, **shape_kw(group, False))
+    out = torch.full_like(b.q, float("nan"))
+    span_t = None if span is None else torch.tensor([span], dtype=torch.int32, device=DEVICE)
+    paged_attention_triton(*b.args(), max_query_len=1, out=out, num_kv_splits=splits,
+                           kv_split_span=span_t, long_context=True)
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(out, ref, b.q.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch,ctx", [(1, 32768), (8, 16384)])
+def test_long_context_decode_real_shapes(batch: int, ctx: int) -> None:
+    """Llama-3.1-8B's attention shape at long contexts with the launcher's own long-decode
+    choices (128-position tiles, up to 128 splits)."""
+    b = make_batch([[(ctx - 1 - 37 * i, 1)] for i in range(batch)], chunk=32, dtype=BF16,
+                   heads=32, kv_heads=8, head_dim=128)
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention_triton(*b.args(), max_query_len=1, out=out, long_context=True)
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    assert_close(out, ref, BF16)
 
 
 @pytest.mark.parametrize("group", [1, 4])

@@ -12,7 +12,10 @@ cases per context length ``L``:
   cached tokens (split-KV decode).
 
 ``ours``: :func:`~pensieve.kernels.launch.paged_attention_triton` over a cache paged in
-32-token chunks whose ids are a random permutation, its KV in bf16 or FP8 (e4m3, per-head
+32-token chunks whose ids are a random permutation, with the launcher's own choices as the
+runner makes them: ``long_context`` per ``launch_policy.is_long_decode`` (decode at contexts
+of ``LONG_DECODE_KV`` = 8k or more: 128-position KV tiles, up to 128 KV splits), reported as
+``ours_tiles`` and ``ours_splits``; its KV in bf16 or FP8 (e4m3, per-head
 scales). ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over contiguous bf16
 KV (the ideal layout, no gather counted), with a bottom-right causal mask for the chunk; each
 of the flash, cuDNN and memory-efficient backends is tried (GQA native where it runs, else KV
@@ -87,15 +90,19 @@ def _sdpa_best(q: Any, k: Any, v: Any, lower_right: bool, warmup: int,
 SWEEP_TILES = [(bm, bn, w, st) for bm in (16,) for bn in (32, 64, 128) for w in (4, 8)
                for st in (2, 3, 4)]
 """Decode tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) that ``--sweep`` times."""
+SWEEP_SPLITS = (4, 8, 16, 32, 64, 128)
+"""KV split counts that ``--sweep`` times with each tile."""
 
 
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
          iters: int, seed: int = 0, sweep: bool = False) -> dict[str, Any]:
     """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``;
-    ``sweep``: also time every decode tile of :data:`SWEEP_TILES` and KV splits 4-32."""
+    ``sweep``: also time every decode tile of :data:`SWEEP_TILES` with each split count of
+    :data:`SWEEP_SPLITS`."""
     import torch
 
-    from pensieve.kernels.launch import FP8_KV, paged_attention_triton
+    from pensieve.kernels.launch import FP8_KV, _attention_tiles, paged_attention_triton
+    from pensieve.kernels.launch_policy import auto_kv_splits, is_long_decode
     from pensieve.kernels.reference import store_kv_ref
 
     dev = torch.device("cuda")
@@ -114,8 +121,12 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     qsl = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=i32)
     start = torch.full((batch,), ctx - q_len, device=dev, dtype=i32)
     rows = torch.arange(batch, device=dev, dtype=i32)
+    long = q_len == 1 and is_long_decode([ctx] * batch)
+    tiles0 = _attention_tiles(q_len * (H // HKV), q_len * (H // HKV), D, True, long)
+    programs = batch * -(-q_len * (H // HKV) // tiles0[0]) * HKV
     res: dict[str, Any] = {"context": ctx, "query_len": q_len, "batch": batch,
-                           "sdpa_s": t_sdpa, "sdpa_backend": backend}
+                           "sdpa_s": t_sdpa, "sdpa_backend": backend, "ours_tiles": tiles0,
+                           "ours_splits": auto_kv_splits(programs, batch * q_len, H, D, dev, long)}
     for kv in kv_dtypes:
         dtype = FP8_KV if kv == "fp8" else bf
         kc = torch.empty(batch * blocks, CHUNK, HKV, D, device=dev, dtype=dtype)
@@ -130,7 +141,7 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
 
         def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales) -> Any:
             return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
-                                          max_query_len=q_len, **scales)
+                                          max_query_len=q_len, long_context=long, **scales)
         out = ours()
         err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
         res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
@@ -139,7 +150,7 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
         if sweep and q_len == 1:
             best = None
             for tiles in SWEEP_TILES:
-                for splits in (4, 8, 16, 32):
+                for splits in SWEEP_SPLITS:
                     def tiled(kc: Any = kc, vc: Any = vc, scales: dict = scales,
                               tiles: Any = tiles, splits: int = splits) -> Any:
                         return paged_attention_triton(
@@ -201,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true",
-                   help="decode cases: also time each tile of SWEEP_TILES and 4-32 KV splits")
+                   help="decode cases: also time each tile of SWEEP_TILES and 4-128 KV splits")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)

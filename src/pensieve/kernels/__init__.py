@@ -73,11 +73,13 @@ def paged_attention(  # noqa: ANN201
     q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table, scale,
     max_query_len: int, out=None, work_items=None, num_work_items=None, tiles=None,  # noqa: ANN001
     num_kv_splits=None, kv_split_span=None, k_scale=None, v_scale=None,  # noqa: ANN001
+    long_context: bool = False,
 ):
     """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`.
     ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode;
     ``num_kv_splits``, ``kv_split_span``: its KV splits (see
-    :func:`launch.paged_attention_triton`); the reference computes the same without them.
+    :func:`launch.paged_attention_triton`), ``long_context`` its decode tile and split class;
+    the reference computes the same without them.
     ``k_scale``, ``v_scale``: an FP8 cache's per-head scales."""
     if _use_triton(q):
         from pensieve.kernels.launch import paged_attention_triton
@@ -87,6 +89,7 @@ def paged_attention(  # noqa: ANN201
             scale, max_query_len=max_query_len, out=out, tiles=tiles, work_items=work_items,
             num_work_items=num_work_items, num_kv_splits=num_kv_splits,
             kv_split_span=kv_split_span, k_scale=k_scale, v_scale=v_scale,
+            long_context=long_context,
         )
     attend = paged_attention_ref if CHOICE.attention == "reference" else paged_attention_cpu
     return attend(

@@ -9,7 +9,6 @@ ids, query offsets) are trusted.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Sequence
@@ -19,8 +18,9 @@ import torch
 import triton
 
 from pensieve.kernels import triton_attention as _k
+from pensieve.kernels.launch_policy import DECODE_MAX_SPLITS as _DECODE_MAX_SPLITS
 from pensieve.kernels.launch_policy import MAX_SPLITS as _MAX_SPLITS
-from pensieve.kernels.launch_policy import num_sms
+from pensieve.kernels.launch_policy import auto_kv_splits
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_KV = torch.float8_e4m3fn
@@ -155,8 +155,8 @@ def store_kv_triton(
     )
 
 
-def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
-                     is_cuda: bool) -> tuple[int, int, int, int]:
+def _attention_tiles(rows: int, mean_rows: float, head_dim: int, is_cuda: bool,
+                     long_context: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = max_query_len * group`` rows of
     the longest range and ``mean_rows`` per range on average.
 
@@ -165,9 +165,15 @@ def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
     match FlashAttention; short ranges (decode) also prefer 32-position KV tiles. A batch
     whose longest range is long but whose ranges are mostly short (prefill mixed into decodes)
     would waste most of a 128-row tile on every decode range: it keeps the 64 x 64 tiles,
-    which were measured faster there. The interpreter (CPU tests) keeps the older tiles."""
+    which were measured faster there. Short ranges over long contexts (``long_context``: a
+    decode step whose longest context reaches ``launch_policy.LONG_DECODE_KV``) take
+    128-position KV tiles, 4 warps, 2 stages: the H200 sweep's best at 32k-128k
+    (docs/long_context.md). The interpreter (CPU tests) keeps the older tiles, except that
+    ``long_context`` takes the same 128-position KV tiles there (so tests cover them)."""
     older = (min(64, max(16, triton.next_power_of_2(rows))),
              64 if head_dim <= 128 or not is_cuda else 32, 4, 3)
+    if long_context and rows <= 64 and head_dim <= 128:
+        return max(16, triton.next_power_of_2(rows)), 128, 4, 2
     if not is_cuda:
         return older
     if mean_rows >= 128 and head_dim <= 128:
@@ -182,8 +188,8 @@ def _attention_tiles(rows: int, mean_rows: float, head_dim: int,
 def attention_tile_choices(head_dim: int, is_cuda: bool) -> set[tuple[int, int, int, int]]:
     """Every tile shape :func:`_attention_tiles` can pick for this head dim."""
     rows = [2**i for i in range(17)]
-    return {_attention_tiles(r, m, head_dim, is_cuda) for r in rows for m in (1, 64, 128, r)
-            if m <= r}
+    return {_attention_tiles(r, m, head_dim, is_cuda, long) for r in rows
+            for m in (1, 64, 128, r) if m <= r for long in (False, True)}
 
 
 ITEM_SPLIT_BITS = 5
@@ -234,10 +240,9 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype,
                         device=device)
-    scales: dict[str, torch.Tensor] = {}
+    one = None
     if cache.dtype == FP8_KV:
         one = torch.ones(num_kv_heads, dtype=torch.float32, device=device)
-        scales = {"k_scale": one, "v_scale": one}
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     args = (q, cache, cache, zero.view(1, 1), qsl, zero, zero, head_dim**-0.5)
@@ -246,35 +251,19 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
     for tiles in sorted(attention_tile_choices(head_dim, device.type == "cuda")):
         for splits, kv_split_span in ((1, None), (2, None), (2, span)):
             paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
-                                   kv_split_span=kv_split_span, **scales)
+                                   kv_split_span=kv_split_span, k_scale=one, v_scale=one)
             n += 1
     return n
-_WORKSPACE_BYTES = 256 << 20
 
 
-@functools.cache
-def _auto_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
-                 device: torch.device) -> int:
-    """Split KV when the grid has fewer than four programs per SM.
-
-    Chosen by measurement (docs/performance.md, "KV splits for decode"): a decode grid of
-    fewer programs split its KV faster, larger ones ran best unsplit. Splits do not depend on
-    the context length, so a CUDA graph captured for a batch size stays right for any
-    context."""
-    target = 4 * num_sms(device)
-    if programs >= target:
-        return 1
-    splits = min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
-    while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > _WORKSPACE_BYTES:
-        splits //= 2
-    return splits
+_auto_splits = auto_kv_splits
 
 
 def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           range_start_pos: torch.Tensor, range_table: torch.Tensor, scale: float,
                           max_query_len: int, out: torch.Tensor | None,
-                          num_kv_splits: int | None) -> torch.Tensor:
+                          num_kv_splits: int | None, worklist: bool = False) -> torch.Tensor:
     """Raise ValueError unless :func:`paged_attention_triton`'s arguments fit together;
     returns ``out`` (allocated if None)."""
     _check_float("q", q, 3)
@@ -301,11 +290,12 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"range_table has {range_table.shape[0]} entries for {num_ranges} ranges")
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    most = _MAX_SPLITS if worklist else _DECODE_MAX_SPLITS
     if num_kv_splits is not None and (
         not isinstance(num_kv_splits, int) or num_kv_splits < 1
-        or num_kv_splits & (num_kv_splits - 1) or num_kv_splits > _MAX_SPLITS
+        or num_kv_splits & (num_kv_splits - 1) or num_kv_splits > most
     ):
-        raise ValueError(f"num_kv_splits must be a power of two in [1, {_MAX_SPLITS}], got "
+        raise ValueError(f"num_kv_splits must be a power of two in [1, {most}], got "
                          f"{num_kv_splits!r}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -329,7 +319,8 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_ranges: int,
                  max_query_len: int, tiles: tuple[int, int, int, int] | None,
                  num_kv_splits: int | None, work_items: torch.Tensor | None,
-                 num_work_items: torch.Tensor | None, kv_split_span: torch.Tensor | None
+                 num_work_items: torch.Tensor | None, kv_split_span: torch.Tensor | None,
+                 long_context: bool = False
                  ) -> tuple[tuple[int, int, int, int], int, tuple[torch.Tensor, ...]]:
     """The tiles, the KV split count and the split workspaces (``out`` thrice when unsplit)
     of one :func:`paged_attention_triton` launch."""
@@ -339,7 +330,7 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
     tiles_arg = tiles
     if tiles is None:
         tiles = _attention_tiles(max_query_len * group, num_tokens * group / num_ranges,
-                                 head_dim, q.is_cuda)
+                                 head_dim, q.is_cuda, long_context)
     elif (len(tiles) != 4 or any(t < 1 or t & (t - 1) for t in tiles[:3])
           or min(tiles[:2]) < 16 or tiles[3] < 1):
         raise ValueError("tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two, "
@@ -362,7 +353,7 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
         splits = num_kv_splits
         if splits is None:
             splits = _auto_splits(num_ranges * num_tiles * num_kv_heads, num_tokens, num_heads,
-                                  head_dim, device)
+                                  head_dim, device, long_context)
     if splits > 1:
         ws_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                              device=device)
@@ -404,7 +395,7 @@ def _combine(out: torch.Tensor, ws: tuple[torch.Tensor, ...], query_start_loc: t
     _k._combine_splits_kernel[(len(range_start_pos), max_query_len, num_heads)](
         out, *ws, query_start_loc, range_start_pos, span_t, out.stride(0),
         out.stride(1), num_heads, splits, HEAD_DIM=head_dim, BLOCK_S=_MAX_SPLITS,
-        BLOCK_N=block_n, SPAN=span, num_warps=4,
+        BLOCK_N=block_n, SPAN=span, num_warps=4,  # BLOCK_S: splits merged at a time
     )
 
 
@@ -434,6 +425,7 @@ def paged_attention_triton(
     kv_split_span: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    long_context: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -444,25 +436,24 @@ def paged_attention_triton(
     int64) block ids, row-contiguous; query_start_loc: ``[num_ranges + 1]`` int32 cumulative
     token offsets into q; range_start_pos: ``[num_ranges]`` int32 position of each range's
     first token; range_table: ``[num_ranges]`` int32 row of block_tables each range reads
-    (ranges may share a row). Token ``i`` of range ``r`` sits at position
-    ``p = range_start_pos[r] + i`` and attends to positions ``0..p``. max_query_len: host
-    int, at least the longest range (it sizes the grid; tokens of longer ranges would be left
-    unwritten). out: optional ``[num_tokens, num_heads, head_dim]`` of q's dtype. Tokens
-    outside every range are not written. num_kv_splits: split each KV range over this many
-    programs (a power of two; 1 = off) and merge the partials in a second kernel; ``None``
-    picks it from the grid size (splits only grids that would not fill the GPU, e.g. decode of
-    a few long requests). tiles: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` instead of the
-    default choice (for tuning). work_items, num_work_items: the static-grid mode of CUDA
-    graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range * 65536 + row tile * 32 +
-    KV split`` and ``[1]`` int32 count; needs ``tiles`` (and with ``num_kv_splits`` > 1 the
-    span) the items were cut for; the grid is ``max_items`` whatever the ranges.
+    (may be shared). Token ``i`` of range ``r`` sits at position ``p = range_start_pos[r] +
+    i`` and attends to positions ``0..p``. max_query_len: host int, at least the longest
+    range (it sizes the grid). out: optional ``[num_tokens, num_heads, head_dim]`` of q's
+    dtype; tokens outside every range are not written. num_kv_splits: split each KV range
+    over this many programs (a power of two, at most 128, 32 with work items; 1 = off) and
+    merge the partials in a second kernel; ``None``: ``launch_policy.auto_kv_splits``. tiles:
+    ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tuning). work_items, num_work_items: the
+    static-grid mode of CUDA graphs (:func:`work_items_for`): ``[max_items]`` int32 ``range *
+    65536 + row tile * 32 + KV split`` and ``[1]`` int32 count; needs ``tiles`` (and with
+    splits the span) the items were cut for; the grid is ``max_items`` whatever the ranges.
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
     split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
-    float32 scales. Returns out.
+    float32 scales. long_context: ``launch_policy.is_long_decode`` of the step: short ranges
+    take 128-position KV tiles, automatic splits go up to 128. Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
-                                num_kv_splits)
+                                num_kv_splits, work_items is not None)
     fp8, ks, vs = _kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     chunk_size, num_kv_heads, num_ranges = k_cache.shape[1], k_cache.shape[2], len(range_start_pos)
@@ -471,7 +462,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     (block_m, block_n, num_warps, num_stages), splits, (ws_acc, ws_m, ws_l) = _launch_plan(
         q, out, num_kv_heads, num_ranges, max_query_len, tiles, num_kv_splits, work_items,
-        num_work_items, kv_split_span)
+        num_work_items, kv_split_span, long_context)
     worklist = work_items is not None
     span = _check_span(kv_split_span, max_query_len, splits, q.device, worklist)
     grid = ((work_items.shape[0], 1, num_kv_heads) if worklist else

@@ -20,7 +20,17 @@ import numpy as np
 import torch
 
 MAX_SPLITS = 32
-"""Most KV splits of one range (the combiner's block)."""
+"""Most KV splits of one range in the static-grid mode (a work item keeps its split in 5 bits)
+and of a decode step whose contexts are short (:func:`decode_kv_splits`)."""
+DECODE_MAX_SPLITS = 128
+"""Most KV splits of one range of a long decode step (:func:`is_long_decode`): one 32k
+request's KV of one layer (8 KV heads x 32k x 128 x 2 x 2 B = 134 MB) is ~31 us at ~4.3 TB/s,
+and its 8 programs need 64-128 splits each to give an H200's 132 SMs a few programs each."""
+LONG_DECODE_KV = 8192
+"""A decode step is *long* when its longest context reaches this many positions: its KV tiles
+are 128 positions (``launch._attention_tiles``) and its ranges may split up to
+:data:`DECODE_MAX_SPLITS` ways. The H200 sweep (docs/long_context.md) measured 32-position
+tiles best at 8k contexts and 128-position tiles best at 32k and beyond."""
 DECODE_MIN_SPLITS = 8
 """Decode steps with a span get at least this many splits of grid
 (:func:`decode_kv_splits`): a range up to 8x the span still ends with the others."""
@@ -72,15 +82,29 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def decode_kv_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+def is_long_decode(kv_lens: Sequence[int]) -> bool:
+    """Whether a decode step's longest context reaches :data:`LONG_DECODE_KV`."""
+    return bool(kv_lens) and max(kv_lens) >= LONG_DECODE_KV
+
+
+def max_decode_splits(long_context: bool) -> int:
+    """The most KV splits of one range of a decode step: :data:`DECODE_MAX_SPLITS` when it is
+    long (:func:`is_long_decode`), else :data:`MAX_SPLITS`."""
+    return DECODE_MAX_SPLITS if long_context else MAX_SPLITS
+
+
+def decode_kv_splits(batch: int, num_kv_heads: int, device: torch.device,
+                     long_context: bool = False) -> int:
     """The KV split count (grid) of a decode step of ``batch`` requests with a span: enough
     programs to fill the GPU (4 per SM) for small batches, and at least
-    :data:`DECODE_MIN_SPLITS`. Depends only on the batch, so a CUDA graph captured for a batch
-    bucket stays right for any contexts."""
+    :data:`DECODE_MIN_SPLITS`, at most :func:`max_decode_splits`. Depends only on the batch
+    and the step's length class, so a CUDA graph captured for a batch bucket and class stays
+    right for any contexts of that class (the span, set per step, keeps short ranges from
+    using more splits than their length needs)."""
     target = 4 * num_sms(device)
     programs = max(1, batch * num_kv_heads)
     fill = 1 if programs >= target else _next_pow2(-(-target // programs))
-    return min(MAX_SPLITS, max(DECODE_MIN_SPLITS, fill))
+    return min(max_decode_splits(long_context), max(DECODE_MIN_SPLITS, fill))
 
 
 def mixed_kv_splits(tokens: int, group: int, block_m: int, num_kv_heads: int,
@@ -126,3 +150,27 @@ def decode_split_span(kv_lens: Sequence[int], num_kv_heads: int, device: torch.d
     fill = total * num_kv_heads // (4 * num_sms(device))
     span = max(SPAN_ALIGN, min(total // n, fill))
     return -(-span // SPAN_ALIGN) * SPAN_ALIGN
+
+
+WORKSPACE_BYTES = 256 << 20
+"""Most bytes of a launch's split-KV workspaces (:func:`auto_kv_splits` splits less beyond)."""
+
+
+@functools.cache
+def auto_kv_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
+                   device: torch.device, long_context: bool = False) -> int:
+    """The launcher's KV splits of a grid of ``programs``: split when the grid has fewer than
+    four programs per SM, at most :func:`max_decode_splits` ways (128 for a long decode step:
+    a lone long request's 8 programs need 64-128 splits to fill an H200).
+
+    Chosen by measurement (docs/performance.md, "KV splits for decode"): a decode grid of
+    fewer programs split its KV faster, larger ones ran best unsplit. Splits depend on the
+    length class, not the context length, so a CUDA graph captured for a batch size and class
+    stays right for any context of that class."""
+    target = 4 * num_sms(device)
+    if programs >= target:
+        return 1
+    splits = min(max_decode_splits(long_context), _next_pow2(-(-target // programs)))
+    while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > WORKSPACE_BYTES:
+        splits //= 2
+    return splits

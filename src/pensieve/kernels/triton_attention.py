@@ -21,9 +21,11 @@ Attention design (``_paged_attention_kernel``):
   ``kv_pos <= q_pos``.
 * Split-KV ("flash decoding") for grids too small to fill the GPU (decode of few, long
   requests): each program covers one of ``num_splits`` slices of its KV range and writes fp32
-  partials; ``_combine_splits_kernel`` merges them with their softmax weights. Ragged decode
-  steps split by *span* instead (pieces of at least a per-step length read from device memory,
-  each range using only the splits it needs): the longest request no longer runs on alone.
+  partials (up to 128 splits for decode at long contexts, 32 in the static-grid mode);
+  ``_combine_splits_kernel`` merges them with their softmax weights, 32 splits at a time.
+  Ragged decode steps split by *span* instead (pieces of at least a per-step length read
+  from device memory, each range using only the splits it needs): the longest request no
+  longer runs on alone.
   The static-grid mode of CUDA graphs (work items) splits the same way, by span, so that a
   turn of a few tokens after a long history does not run on a handful of programs;
   ``_combine_items_kernel`` merges its partials item by item.
@@ -365,10 +367,11 @@ def _combine_splits_kernel(
     BLOCK_N: tl.constexpr,
     SPAN: tl.constexpr,
 ):
-    """Merge the split-KV partials of one (range, query token, head) into ``out``
-    (``BLOCK_S``: a power of two >= ``num_splits``). With ``SPAN`` (one query token per
-    range) only the splits that start before the range's KV length wrote partials: the others
-    are masked out, as the attention kernel computed them."""
+    """Merge the split-KV partials of one (range, query token, head) into ``out``, ``BLOCK_S``
+    splits at a time with an online softmax (any ``num_splits``: a lone long request's decode
+    uses up to 128). With ``SPAN`` (one query token per range) only the splits that start
+    before the range's KV length wrote partials: the others are skipped, as the attention
+    kernel computed them."""
     rng = tl.program_id(0)
     qi = tl.program_id(1)
     head = tl.program_id(2)
@@ -377,26 +380,36 @@ def _combine_splits_kernel(
     if qi >= q_hi - q_lo:
         return
     tok = (q_lo + qi).to(tl.int64)
-    splits = tl.arange(0, BLOCK_S)
-    valid = splits < num_splits
+    used = num_splits
     if SPAN:
         kv_len = tl.load(range_start_pos_ptr + rng) + 1
         per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N,
                                tl.load(span_ptr))
         if kv_len <= per_split:  # one split: the attention kernel wrote out itself
             return
-        valid = valid & (splits * per_split < kv_len)
+        used = tl.minimum(tl.cdiv(kv_len, per_split), num_splits)
     d = tl.arange(0, HEAD_DIM)
-    ws_row = (tok * num_heads + head) * num_splits + splits
-    m = tl.load(ws_m_ptr + ws_row, mask=valid, other=-1.0e30)
-    l_sum = tl.load(ws_l_ptr + ws_row, mask=valid, other=0.0)
-    acc = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None],
-                  other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+    row0 = (tok * num_heads + head) * num_splits
+    m_run = tl.max(tl.full([BLOCK_S], -1.0e30, dtype=tl.float32), 0)
+    l_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
+    acc_run = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        valid = splits < used
+        ws_row = row0 + splits
+        m = tl.load(ws_m_ptr + ws_row, mask=valid, other=-1.0e30)
+        l_sum = tl.load(ws_l_ptr + ws_row, mask=valid, other=0.0)
+        acc = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :],
+                      mask=valid[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        a = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        acc_run = acc_run * a + tl.sum(acc * w[:, None], 0)
+        l_run = l_run * a + tl.sum(l_sum * w, 0)
+        m_run = m_new
     tl.store(
         out_ptr + tok * stride_o_t + head * stride_o_h + d,
-        o.to(out_ptr.dtype.element_ty),
+        (acc_run / l_run).to(out_ptr.dtype.element_ty),
     )
 
 

@@ -51,6 +51,10 @@ class AttentionMetadata:
     kv_split_span: torch.Tensor | None = None
     """``[1]`` int32: a decode step's split span, with ``num_kv_splits``
     (:func:`pensieve.kernels.launch_policy.decode_split_span`). None: equal parts."""
+    long_context: bool = False
+    """The step's (or, for ``decode``, its decodes') longest context reaches
+    ``launch_policy.LONG_DECODE_KV``: decode launches take 128-position KV tiles and up to 128
+    KV splits (:func:`pensieve.kernels.launch.paged_attention_triton`)."""
     decode: AttentionMetadata | None = None
     """The step's one-token ranges when they attend in a decode launch of their own
     (``launch_policy.MIXED_DECODES`` ``split``): their ``query_start_loc``, ``range_start_pos``,
@@ -102,14 +106,14 @@ class PagedAttention(nn.Module):
                 q, kv_cache[0], kv_cache[1], meta.block_tables, dec.query_start_loc,
                 dec.range_start_pos, dec.range_table, self.scale, max_query_len=1,
                 num_kv_splits=dec.num_kv_splits, kv_split_span=dec.kv_split_span,
-                k_scale=ks, v_scale=vs,
+                k_scale=ks, v_scale=vs, long_context=dec.long_context,
             )
         out = paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
             meta.range_start_pos, meta.range_table, self.scale, max_query_len=meta.max_query_len,
             out=out, work_items=meta.work_items, num_work_items=meta.num_work_items,
             tiles=meta.tiles, num_kv_splits=meta.num_kv_splits, kv_split_span=meta.kv_split_span,
-            k_scale=ks, v_scale=vs,
+            k_scale=ks, v_scale=vs, long_context=meta.long_context,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 

@@ -33,8 +33,10 @@ import torch
 
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.kernels.launch_policy import (
+    LONG_DECODE_KV,
     decode_kv_splits,
     decode_split_span,
+    is_long_decode,
     use_split_span,
 )
 from pensieve.layers.attention import AttentionMetadata
@@ -169,7 +171,13 @@ class DecodeGraphs(StepGraphs):
         ``"1"``, decode attention splits each range's KV by a span set per step from its
         contexts (:func:`~pensieve.kernels.launch_policy.decode_split_span`); ``"0"``, the
         launcher's split rule; ``"auto"``, both variants are captured over the same buffers,
-        and :meth:`fill` picks the span one for ragged steps."""
+        and :meth:`fill` picks the span one for ragged steps.
+
+        Decode tiles by context: where ``max_blocks * chunk_size`` reaches
+        ``launch_policy.LONG_DECODE_KV``, every (span variant, bucket) is captured twice, for
+        the short and the long class (``AttentionMetadata.long_context``: 128-position KV tiles,
+        up to 128 splits), and :meth:`fill` picks the class from the step's longest context, so
+        a replay never runs the other class's tile."""
         if max_batch < 1 or max_blocks < 1:
             raise ValueError(f"max_batch {max_batch} and max_blocks {max_blocks} must be >= 1")
         self.model = model
@@ -196,8 +204,14 @@ class DecodeGraphs(StepGraphs):
         """Which attention variants are captured: unsplit by span (False), split (True)."""
         self.split_span = self.variants[0]
         """The variant of the step :meth:`fill` last wrote (that :meth:`replay` runs)."""
-        self._by_variant: dict[bool, tuple[dict, dict]] = {}
-        """Each variant's graphs and logits, per bucket, once captured."""
+        self.tile_classes = (False, True) if max_blocks * chunk_size >= LONG_DECODE_KV \
+            else (False,)
+        """The length classes captured: short (False) and, where a context can reach
+        ``LONG_DECODE_KV``, long (True)."""
+        self.long_context = False
+        """The length class of the step :meth:`fill` last wrote."""
+        self._by_variant: dict[tuple[bool, bool], tuple[dict, dict]] = {}
+        """Each (span variant, length class)'s graphs and logits, per bucket, once captured."""
         self.logits_out: torch.Tensor | None = None
         """``[max_batch, vocab]`` float32: every bucket's logits, of either variant, are a view
         of it (one buffer held, not one per bucket: ~0.5 GB at 256 requests and a 32k
@@ -207,12 +221,13 @@ class DecodeGraphs(StepGraphs):
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:  # noqa: ANN001
-        """Capture every variant's graphs into one memory pool."""
+        """Capture every (span variant, length class)'s graphs into one memory pool."""
         for v in self.variants:
-            self.split_span = v
-            super().capture(pool)
-            pool = self.pool
-            self._by_variant[v] = (self._graphs, self._logits)
+            for long in self.tile_classes:
+                self.split_span, self.long_context = v, long
+                super().capture(pool)
+                pool = self.pool
+                self._by_variant[(v, long)] = (self._graphs, self._logits)
 
     # ------------------------------------------------------------------ forward on the buffers
     def _forward(self, bucket: int) -> torch.Tensor:
@@ -223,9 +238,11 @@ class DecodeGraphs(StepGraphs):
             range_table=self.range_table[:bucket],
             block_tables=self.block_tables[:bucket],
             max_query_len=1,
+            long_context=self.long_context,
         )
         if self.split_span:
-            meta.num_kv_splits = decode_kv_splits(bucket, self.num_kv_heads, self.device)
+            meta.num_kv_splits = decode_kv_splits(bucket, self.num_kv_heads, self.device,
+                                                  self.long_context)
             meta.kv_split_span = self.kv_split_span
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches,
                             meta)
@@ -277,7 +294,8 @@ class DecodeGraphs(StepGraphs):
         self.split_span = use_split_span(kv_lens, self.span_mode)
         if self.split_span:
             np32[-1] = decode_split_span(kv_lens, self.num_kv_heads, self.device)
+        self.long_context = self.tile_classes[-1] and is_long_decode(kv_lens)
         if self.captured:
-            self._graphs, self._logits = self._by_variant[self.split_span]
+            self._graphs, self._logits = self._by_variant[(self.split_span, self.long_context)]
         self._copy_in()
         return bucket

@@ -22,6 +22,7 @@ from pensieve.kernels.launch_policy import (
     MIXED_DECODES,
     decode_kv_splits,
     decode_split_span,
+    is_long_decode,
     use_split_span,
 )
 from pensieve.layers.attention import AttentionMetadata, first_attention
@@ -226,9 +227,10 @@ class ModelRunner:
         if split:
             arrays += [(qsl[: d + 1], i32), (lay.starts[:d], i32), (lay.req[:d], i32)]
         splits = 0
+        long = is_long_decode(dec_lens)  # a decode launch's tile and split class
         if by_span and (split or max_q == 1):  # a decode launch, split by span
             hkv = self.kv_caches[0].shape[-2]
-            splits = decode_kv_splits(len(dec_lens), hkv, self.device)
+            splits = decode_kv_splits(len(dec_lens), hkv, self.device, long)
             arrays.append(([decode_split_span(dec_lens, hkv, self.device)], i32))
         t = self._upload(arrays)
         tables_t = t[4].view(len(sched.requests), -1)
@@ -241,6 +243,8 @@ class ModelRunner:
             dec = attn.decode = AttentionMetadata(
                 slot_mapping=t[0], query_start_loc=t[8], range_start_pos=t[9],
                 range_table=t[10], block_tables=tables_t, max_query_len=1)
+        if split or max_q == 1:
+            dec.long_context = long
         if splits:
             dec.num_kv_splits = splits
             dec.kv_split_span = t[-1]
