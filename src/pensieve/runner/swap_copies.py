@@ -269,8 +269,8 @@ class CopyPaths(StagedPaths):
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
-        block 0 to CPU block 0 and back, which changes no GPU byte, then through the staging
-        buffers (which allocates them with one row)."""
+        block 0 to CPU block 0 (an urgent swap-out's launch), then through the staging buffers
+        out and back in, which changes no GPU byte (and allocates the buffers with one row)."""
         assert self._streams is not None
         pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
         layers = self.num_layers
@@ -278,7 +278,6 @@ class CopyPaths(StagedPaths):
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             self._kernel(pairs, False, 0, layers)
-            self._kernel(pairs, True, 0, 1)
             self._grow_out(1)
             for _ in range(2):  # both halves, by the swap-outs' groups of layers
                 self._issue_out_staged(self._streams, [(0, 0)], s, s)

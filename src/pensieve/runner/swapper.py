@@ -14,8 +14,9 @@ Semantics. For every layer the lists of a plan apply one after the other::
 
 ``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
 wait for them; they go by the staged swap-ins' groups of layers and each layer of the next
-step waits for its group only (``ahead_waits="layers"``, where the copies go through the copy
-engines), so that step starts while the tail of the copies runs. The synchronous paths copy
+step waits for its group only (``ahead_waits="layers"``, the default; ``"all"``: the next
+step's compute waits for all of them first), so that step starts while the tail of the copies
+runs. The synchronous paths copy
 them with the step's swap-ins. ``swap_out_first`` (urgent) copies go before the swap-ins, in
 one launch for every layer.
 
@@ -37,8 +38,9 @@ Methods (:data:`METHODS`):
   the copy engines keep their concurrent rate, where SM reads of the mapped tier take rate
   from the copy engines' writes the other way (measurements of the alternatives in
   docs/performance.md, "Swaps between the GPU and CPU tiers").
-- ``"dma"`` (the CPU's, and CUDA without the copy streams): one copy per run of consecutive
-  CPU ids per layer, through a staging buffer when the GPU ids of a run are not consecutive.
+- ``"dma"`` (the CPU's; on CUDA, when asked for, on one copy stream with an event per layer):
+  one copy per run of consecutive CPU ids per layer, through a staging buffer when the GPU ids
+  of a run are not consecutive.
 
 Copy streams, events and the cross-stream hazards on CUDA are described in
 :mod:`pensieve.runner.swap_streams`; the copy strategies live in
