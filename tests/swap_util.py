@@ -20,8 +20,8 @@ from pensieve.runner.swapper import (
 HAS_CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
-METHODS = ["kernel", "hybrid", "staged", "dma"]
-STREAM_METHODS = ["kernel", "hybrid", "staged"]
+METHODS = ["staged", "dma"]
+STREAM_METHODS = ["staged"]
 STAGING = 4  # chunks per staging piece in these tests (several pieces per batch)
 
 
@@ -40,7 +40,7 @@ def make_caches(
 
 def make_swapper(caches: list[torch.Tensor], cpu_blocks: int, method: str | None = None,
                  **kw: Any) -> KVSwapper:
-    if method in ("hybrid", "staged"):
+    if method == "staged":
         kw.setdefault("staging_chunks", STAGING)
     sw = KVSwapper(caches, cpu_blocks, method, **kw)
     for c in sw.cpu_caches:

@@ -122,7 +122,7 @@ def test_strided_tiers() -> None:
 @pytest.mark.parametrize("direction", ["in", "out"])
 @pytest.mark.parametrize("start,stop", [(0, 3), (1, 2)])
 def test_chunk_major_tier(direction: str, start: int, stop: int) -> None:
-    """The hybrid swapper's host tier: ``[blocks, L, 2, C, Hkv, D]`` seen as ``[L, 2, blocks,
+    """The staged swapper's host tier: ``[blocks, L, 2, C, Hkv, D]`` seen as ``[L, 2, blocks,
     ...]`` (permuted strides), either way, with layer ranges."""
     rng = random.Random(f"{direction}{start}")
     host = tier(3, 10, (4, 2, 8), BF16).permute(2, 0, 1, 3, 4, 5).contiguous()
@@ -247,7 +247,7 @@ def test_cuda_layer_slices_of_mapped_host(mapped) -> None:  # noqa: ANN001
 @needs_cuda
 @pytest.mark.parametrize("direction", ["in", "out"])
 def test_cuda_chunk_major_mapped_host(mapped, direction: str) -> None:  # noqa: ANN001
-    """The hybrid swapper's host tier: chunk-major pinned memory, ``MappedHost.permute`` to
+    """The staged swapper's host tier: chunk-major pinned memory, ``MappedHost.permute`` to
     the kernel's ``[L, 2, blocks, ...]`` view; all layers and a layer slice."""
     rng = random.Random(direction)
     layers, block = 5, (32, 10, 128)

@@ -1,19 +1,18 @@
 """KVSwapper's stream ordering, simulated on the CPU and run on the GPU.
 
-The stream ordering of the kernel, hybrid and staged methods (copy streams, background
-swap-outs outliving their step; hybrid: gathers into two staging halves on the out stream,
-device-to-host copies on the dma stream) is checked on the CPU by running the swapper's real
-issue logic against a simulator of streams and events (:class:`SimStreams`) that executes the
-enqueued work in random orders that respect only the waits the swapper asked for; the
-simulator is first shown to catch a missing wait (a hazard wait, a staging half reused too
-early). The hybrid and staged methods run with a few chunks per staging piece, so batches are
-cut into several pieces and both halves are reused. The ``cuda`` cases run background
-batches, staging halves and random multi-step plans on the GPU.
+The stream ordering of the staged method (copy streams, background swap-outs outliving their
+step: gathers into two staging halves on the out stream, device-to-host copies on the dma
+stream; swap-ins by groups of layers through the in-staging buffer) is checked on the CPU by
+running the swapper's real issue logic against a simulator of streams and events
+(:class:`SimStreams`) that executes the enqueued work in random orders that respect only the
+waits the swapper asked for; the simulator is first shown to catch a missing wait (a hazard
+wait, a staging half reused too early). The staged method runs with a few chunks per staging
+piece, so batches are cut into several pieces and both halves are reused. The ``cuda`` cases run
+background batches, staging halves and random multi-step plans on the GPU.
 """
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from collections import deque
@@ -133,11 +132,10 @@ class SimStreams:
         assert not any(self.queues.values()), "work left behind a wait that never completes"
 
 
-def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = True,
-             ahead_path: str = "kernel", urgent_layered: bool = False,
+def simulate(seed: int, steps: int = 8, method: str = "staged", ahead: bool = True,
              ahead_waits: str = "all", defer: bool = False, layers: int = 2,
              out_groups: int = 1) -> None:
-    """Random plans over small pools (blocks collide often) on the kernel method's stream
+    """Random plans over small pools (blocks collide often) on the staged method's stream
     logic, with a compute stream that reads each layer's swapped-in blocks after
     ``layer_ready`` and writes blocks the step owns: the urgent swap-outs' sources (reused),
     the swap-ins' destinations (new tokens) and free ones, never a block a background batch
@@ -153,8 +151,7 @@ def simulate(seed: int, steps: int = 8, method: str = "kernel", ahead: bool = Tr
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
     sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
     sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
-                      ahead=ahead_path if method in ("hybrid", "staged") else None,
-                      urgent_layered=urgent_layered, ahead_waits=ahead_waits)
+                      ahead_waits=ahead_waits)
     sw._triton = False  # the torch reference of the kernel: the streams are under test here
     sw.out_groups = out_groups
     gpu, cpu = snapshot(sw)
@@ -243,44 +240,32 @@ def test_simulated_streams_match_reference(seed: int, method: str) -> None:
     simulate(seed, method=method)
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_simulated_swap_ins_ahead_through_the_copy_engines(seed: int) -> None:
-    """Hybrid with ``ahead="dma"``: the ahead copies run as staged swap-ins do."""
-    simulate(seed, method="hybrid", ahead_path="dma")
-
-
-@pytest.mark.parametrize(("method", "ahead_path"), [("staged", "kernel"), ("hybrid", "dma")])
 @pytest.mark.parametrize("seed", range(40))
-def test_simulated_ahead_copies_waited_for_by_layers(seed: int, method: str,
-                                                     ahead_path: str) -> None:
+def test_simulated_ahead_copies_waited_for_by_layers(seed: int) -> None:
     """``ahead_waits="layers"``: the ahead copies go by groups of layers, and the next step's
     layer i waits for its group only (also when the step has no copies of its own); it still
     reads them done, its writes and swap-outs land after them, and the tiers end as the
     sequential reference's."""
-    simulate(seed, method=method, ahead_path=ahead_path, ahead_waits="layers")
+    simulate(seed, ahead_waits="layers")
 
 
-@pytest.mark.parametrize(("method", "ahead_waits"),
-                         [("kernel", "all"), ("hybrid", "all"), ("staged", "all"),
-                          ("staged", "layers")])
+@pytest.mark.parametrize("ahead_waits", ["all", "layers"])
 @pytest.mark.parametrize("seed", range(40))
-def test_simulated_background_copies_issued_after_the_compute(seed: int, method: str,
+def test_simulated_background_copies_issued_after_the_compute(seed: int,
                                                               ahead_waits: str) -> None:
     """``defer_background``: the ahead copies and background swap-outs issued once the
     step's compute is (``issue_background``) wait for the same events as when issued first:
     the reads, the counts and the tiers match the sequential reference."""
-    simulate(seed, method=method, ahead_waits=ahead_waits, defer=True)
+    simulate(seed, ahead_waits=ahead_waits, defer=True)
 
 
-@pytest.mark.parametrize(("method", "layers", "groups"),
-                         [("hybrid", 3, 2), ("staged", 3, 3), ("staged", 5, 2)])
+@pytest.mark.parametrize(("layers", "groups"), [(3, 2), (3, 3), (5, 2)])
 @pytest.mark.parametrize("seed", range(30))
-def test_simulated_swap_outs_by_groups_of_layers(seed: int, method: str, layers: int,
-                                                 groups: int) -> None:
+def test_simulated_swap_outs_by_groups_of_layers(seed: int, layers: int, groups: int) -> None:
     """Background swap-outs by groups of layers (each group's copies to the host after its
     own gather, a staging half packed by group): reads, counts and tiers still match the
     sequential reference."""
-    simulate(seed, method=method, layers=layers, out_groups=groups)
+    simulate(seed, layers=layers, out_groups=groups)
 
 
 def test_simulator_catches_a_group_copied_before_its_gather(
@@ -359,57 +344,13 @@ def test_simulator_catches_ahead_copies_not_waited_for(monkeypatch: pytest.Monke
 def test_ahead_waits_choice() -> None:
     caches = make_caches(2, 4, 2, 1, 4, torch.float32)
     assert make_swapper(caches, 4, "staged").ahead_waits == "layers"  # the default
-    for method in ("kernel", "hybrid", "dma"):  # where it does not apply
-        assert make_swapper(caches, 4, method).ahead_waits == "all"
+    assert make_swapper(caches, 4, "dma").ahead_waits == "all"  # where it does not apply
     assert make_swapper(caches, 4, "staged", ahead_waits="all").ahead_waits == "all"
     assert make_swapper(caches, 4, "staged", ahead_waits="layers").ahead_waits == "layers"
-    assert make_swapper(caches, 4, "hybrid", ahead="dma",
-                        ahead_waits="layers").ahead_waits == "layers"
-    for method in ("kernel", "hybrid"):  # ahead copies through the kernel: all at once
-        with pytest.raises(ValueError, match="ahead waits 'layers'"):
-            make_swapper(caches, 4, method, ahead_waits="layers")
+    with pytest.raises(ValueError, match="ahead waits 'layers'"):  # no streams
+        make_swapper(caches, 4, "dma", ahead_waits="layers")
     with pytest.raises(ValueError, match="not in"):
         make_swapper(caches, 4, "staged", ahead_waits="some")
-
-
-@pytest.mark.parametrize("method", ["kernel", "hybrid"])
-@pytest.mark.parametrize("seed", range(40))
-def test_simulated_layered_urgent_swap_outs(seed: int, method: str) -> None:
-    """Urgent swap-outs layer by layer (``urgent_layered``): layer i's compute, which writes
-    the urgent sources' blocks, waits for layer i's urgent copies only, and still sees them
-    done; the tiers end as the sequential reference's."""
-    simulate(seed, method=method, urgent_layered=True)
-
-
-def test_simulator_catches_layered_urgent_copies_after_their_event(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulation is sharp enough: layered urgent copies issued after their layer's
-    event (and its swap-ins) leave layer i's compute free to overwrite blocks not yet copied
-    out, and some seeds go wrong."""
-
-    def late(self: KVSwapper, st: Any, s: Any, step: Any, layered: bool) -> list[Any]:
-        events = []
-        for layer in range(self.num_layers):
-            if step.swap_in is not None:
-                st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
-                                            layer + 1))
-            events.append(st.record(s))
-            if layered:
-                st.run(s, functools.partial(self._kernel, step.out_first, False, layer,
-                                            layer + 1))
-        return events
-
-    monkeypatch.setattr(KVSwapper, "_issue_layers", late)
-    assert _fails(range(40), urgent_layered=True) > 0
-
-
-def test_urgent_path_choice() -> None:
-    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
-    assert make_swapper(caches, 4, "hybrid").urgent_layered is False
-    assert make_swapper(caches, 4, "hybrid", urgent_layered=True).urgent_layered is True
-    with pytest.raises(ValueError, match="layered urgent"):
-        make_swapper(caches, 4, "staged", urgent_layered=True)
-    assert make_swapper(caches, 4, "dma").urgent_layered is False
 
 
 @pytest.mark.parametrize("method", STREAM_METHODS)
@@ -426,23 +367,11 @@ def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
         sw.start_step(SwapPlan(swap_in_ahead=[(0, 99)]))
 
 
-def test_ahead_path_choice() -> None:
-    caches = make_caches(2, 4, 2, 1, 4, torch.float32)
-    assert make_swapper(caches, 4, "hybrid").ahead == "kernel"
-    assert make_swapper(caches, 4, "hybrid", ahead="dma").ahead == "dma"
-    with pytest.raises(ValueError):
-        make_swapper(caches, 4, "kernel", ahead="dma")  # layer-major host tier
-    with pytest.raises(ValueError):
-        make_swapper(caches, 4, "hybrid", ahead="nvlink")
-    assert make_swapper(caches, 4, "dma").ahead == "kernel"
-
-
-def _fails(seeds: range, method: str = "kernel", urgent_layered: bool = False,
-           **kw: Any) -> int:
+def _fails(seeds: range, method: str = "staged", **kw: Any) -> int:
     failed = 0
     for seed in seeds:
         try:
-            simulate(seed, method=method, urgent_layered=urgent_layered, **kw)
+            simulate(seed, method=method, **kw)
         except AssertionError:
             failed += 1
     return failed
@@ -450,10 +379,10 @@ def _fails(seeds: range, method: str = "kernel", urgent_layered: bool = False,
 
 def test_simulator_catches_a_staging_half_reused_too_early(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hybrid: a gather into a half that does not wait for the copies out of it overwrites
+    """A gather into a half that does not wait for the copies out of it overwrites
     chunks not yet copied to the host."""
     monkeypatch.setattr(KVSwapper, "_wait_half_free", lambda self, st, stream, h: None)
-    assert _fails(range(60), "hybrid") > 0
+    assert _fails(range(60)) > 0
 
 
 def test_simulator_catches_an_in_staging_half_reused_too_early(
@@ -461,14 +390,13 @@ def test_simulator_catches_an_in_staging_half_reused_too_early(
     """Staged swap-ins by groups: copies into a half that do not wait for the scatter out of
     it overwrite chunks not yet scattered."""
     monkeypatch.setattr(KVSwapper, "_wait_in_half", staticmethod(lambda st, dma, free: None))
-    assert _fails(range(60), "staged") > 0
+    assert _fails(range(60)) > 0
 
 
 def test_simulator_catches_missing_cross_stream_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulation is sharp enough: without the hazard waits some seeds go wrong."""
     monkeypatch.setattr(swapper_mod, "step_waits", lambda plan, busy: StepWaits(-1, False))
     assert _fails(range(60)) > 0
-    assert _fails(range(60), "hybrid") > 0
 
 
 def test_simulator_catches_a_missing_wait_for_swap_ins_ahead(
@@ -476,7 +404,7 @@ def test_simulator_catches_a_missing_wait_for_swap_ins_ahead(
     """Without the next step's wait the compute reads blocks still being swapped in ahead."""
     monkeypatch.setattr(KVSwapper, "_wait_ahead", lambda self: None)
     assert _fails(range(60)) > 0
-    assert _fails(range(60), "staged") > 0
+    assert _fails(range(60), ahead_waits="layers") > 0
 
 
 def test_simulator_catches_an_undercounted_end_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -487,7 +415,6 @@ def test_simulator_catches_an_undercounted_end_step(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(swapper_mod, "pop_completed", pop_all)
     assert _fails(range(60)) > 0
-    assert _fails(range(60), "hybrid") > 0
 
 
 @pytest.mark.parametrize("method", STREAM_METHODS)
@@ -531,7 +458,7 @@ def test_simulated_background_false_waits_at_end_step(method: str) -> None:
 # ---------------------------------------------------------------- CUDA: background swap-outs
 
 
-def stacked_swapper(layers: int = 4, blocks: int = 256, method: str = "kernel",
+def stacked_swapper(layers: int = 4, blocks: int = 256, method: str | None = None,
                     **kw: Any) -> KVSwapper:
     """The engine's layout: per-layer views of one allocation (one launch for all layers)."""
     from pensieve.runner.model_runner import allocate_kv_caches
@@ -539,7 +466,7 @@ def stacked_swapper(layers: int = 4, blocks: int = 256, method: str = "kernel",
     caches = allocate_kv_caches(layers, blocks, 32, 8, 128, torch.float16, torch.device("cuda"))
     for c in caches:
         c.copy_(torch.randn(c.shape, device="cuda").half())
-    if method != "kernel":
+    if method != "dma":  # staged, the default on CUDA
         kw.setdefault("staging_chunks", 16)
     sw = make_swapper(caches, blocks, method, **kw)
     torch.cuda.synchronize()
@@ -566,7 +493,7 @@ def test_cuda_default_is_staged_on_one_allocation() -> None:
     """On CUDA the default method is `staged` (the copy engines both ways, swap-ins by groups
     of layers); the engine's caches are views of one allocation."""
     sw = stacked_swapper(layers=2, blocks=8)
-    assert sw.method == "kernel" and sw._gpu_stack is not None
+    assert sw.method == "staged" and sw._gpu_stack is not None
     assert KVSwapper(make_caches(device="cuda"), 4).method == "staged"
 
 
@@ -643,21 +570,19 @@ def test_cuda_urgent_swap_out_waits_for_a_background_write_to_its_cpu_block(meth
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
-@pytest.mark.parametrize(("method", "layered"), [(m, False) for m in STREAM_METHODS]
-                         + [("kernel", True), ("hybrid", True)])
+@pytest.mark.parametrize("method", STREAM_METHODS)
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("stacked", [True, False])
-def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool, method: str,
-                                                   layered: bool) -> None:
+def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool, method: str
+                                                   ) -> None:
     """Random plans over small pools (blocks collide), end_step between steps (batches stay
-    in flight), the compute stream stalled at random; swapped-in blocks read at layer_ready.
-    ``layered``: urgent swap-outs layer by layer (``urgent_layered``)."""
+    in flight), the compute stream stalled at random; swapped-in blocks read at layer_ready."""
     rng = random.Random(seed)
     layers, g_blocks, c_blocks = 3, 48, 40
     caches = make_caches(layers, g_blocks, 32, 8, 128, torch.float16, "cuda")
     if stacked:
         caches = list(torch.stack(caches).unbind(0))
-    sw = make_swapper(caches, c_blocks, method, urgent_layered=layered)
+    sw = make_swapper(caches, c_blocks, method)
     assert (sw._gpu_stack is not None) == stacked
     torch.cuda.synchronize()
     gpu, cpu = snapshot(sw)
@@ -692,12 +617,11 @@ def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool, meth
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["hybrid", "staged"])
-def test_cuda_staging_halves_reused_by_batches_in_flight(method: str) -> None:
+def test_cuda_staging_halves_reused_by_batches_in_flight() -> None:
     """Three background batches of 20 chunks (3 pieces of at most 8 each through two halves)
     held in flight across steps by a stalled compute stream, then every chunk swapped back
     in (that waits for them); the CPU tier is chunk-major and pinned."""
-    sw = stacked_swapper(method=method, staging_chunks=8)
+    sw = stacked_swapper(method="staged", staging_chunks=8)
     assert sw.host_layout == "chunk-major" and sw.pinned
     assert sw.host_tier.is_pinned() and all(c.is_pinned() for c in sw.cpu_caches)
     rng = random.Random(0)
@@ -726,7 +650,7 @@ def test_cuda_staging_halves_reused_by_batches_in_flight(method: str) -> None:
 def test_cuda_staging_grows_while_batches_are_in_flight() -> None:
     """A small batch, then a larger one (the halves are replaced while the first batch still
     uses the old ones), both held back by a stalled compute stream."""
-    sw = stacked_swapper(method="hybrid", staging_chunks=32)
+    sw = stacked_swapper(method="staged", staging_chunks=32)
     gpu, cpu = snapshot(sw)
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
@@ -742,17 +666,19 @@ def test_cuda_staging_grows_while_batches_are_in_flight() -> None:
 
 
 def test_kernel_knobs_between_steps() -> None:
-    """num_programs and tile_bytes change the launches, not the result."""
+    """num_programs and tile_bytes change the staged method's launches (urgent swap-outs,
+    scatters, gathers), not the result."""
     rng = random.Random(3)
     caches = list(torch.stack(make_caches(3, 20, 4, 2, 8)).unbind(0))
-    sw = make_swapper(caches, 16, "kernel", num_programs=2)
+    sw = make_swapper(caches, 16, "staged", num_programs=2)
     gpu, cpu = snapshot(sw)
     for programs, tile in ((2, None), (5, 32), (64, 8)):
         sw.num_programs, sw.tile_bytes = programs, tile
-        g = rng.sample(range(20), 6)
-        c = rng.sample(range(16), 6)
-        plan = SwapPlan(swap_in=list(zip(c[:3], g[:3], strict=True)),
-                        swap_out=list(zip(g[3:], c[3:], strict=True)))
+        g = rng.sample(range(20), 8)
+        c = rng.sample(range(16), 8)
+        plan = SwapPlan(swap_out_first=list(zip(g[6:], c[6:], strict=True)),
+                        swap_in=list(zip(c[:3], g[:3], strict=True)),
+                        swap_out=list(zip(g[3:6], c[3:6], strict=True)))
         run_step(sw, plan)
         apply_reference(gpu, cpu, plan)
         assert_tiers(sw, gpu, cpu)

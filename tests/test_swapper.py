@@ -2,8 +2,8 @@
 
 The reference applies a SwapPlan one pair at a time, in the documented order
 (swap_out_first, swap_in, swap_out). Every test runs on the CPU (the engine's CPU path: no
-streams, swap-ins at ``layer_ready``), with every copy method (the kernel one through Triton's
-interpreter); the ``cuda`` cases run the same plans on the GPU and add races that only the
+streams, swap-ins at ``layer_ready``), with every copy method (the staged one's swap kernel through
+Triton's interpreter); the ``cuda`` cases run the same plans on the GPU and add races that only the
 copy streams' events prevent (the compute stream is stalled with ``torch.cuda._sleep`` so that
 a missing wait reads or writes too early). The stream ordering itself: ``test_swap_streams.py``.
 """
@@ -419,12 +419,12 @@ def test_stacked_layer_views() -> None:
 
 def test_method_choice() -> None:
     assert make_swapper(make_caches(), 4).method == "dma"  # CPU default
-    assert make_swapper(make_caches(), 4, "kernel").method == "kernel"
     assert KVSwapper(make_caches(), 4, "staged").method == "staged"
+    for removed in ("memcpy", "kernel", "hybrid"):
+        with pytest.raises(ValueError):
+            KVSwapper(make_caches(), 4, removed)
     with pytest.raises(ValueError):
-        KVSwapper(make_caches(), 4, "memcpy")
-    with pytest.raises(ValueError):
-        KVSwapper(make_caches(), 4, "hybrid", staging_chunks=0)
+        KVSwapper(make_caches(), 4, "staged", staging_chunks=0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -439,7 +439,7 @@ def test_host_layout_and_cpu_cache_views(method: str) -> None:
         assert c.shape == (2, n, 4, 2, 8)
         c.copy_(torch.randn(c.shape).to(c.dtype))
         assert c.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
-    if method in ("hybrid", "staged"):
+    if method == "staged":
         assert sw.host_layout == "chunk-major" and host.shape == (n, layers, 2, 4, 2, 8)
         assert not sw.cpu_caches[0].is_contiguous()
         for layer, c in enumerate(sw.cpu_caches):
@@ -456,12 +456,11 @@ def test_runs_of() -> None:
     assert swap_streams.runs_of([1, 3, 5]) == [(0, 1, 1), (1, 3, 1), (2, 5, 1)]
 
 
-@pytest.mark.parametrize("method", ["hybrid", "staged"])
-def test_staged_copies_per_run_and_bounded_staging(method: str) -> None:
+def test_staged_copies_per_run_and_bounded_staging() -> None:
     """Swap-outs (and staged swap-ins) go through at most staging_chunks rows per half, one
     gather per piece and one host copy per run of consecutive CPU ids within a piece."""
     caches = list(torch.stack(make_caches(2, 40, 4, 2, 8)).unbind(0))
-    sw = make_swapper(caches, 32, method, staging_chunks=5)
+    sw = make_swapper(caches, 32, "staged", staging_chunks=5)
     sw.out_groups = 1  # swap-outs of all layers at once (by groups: the test below)
     gpu, cpu = snapshot(sw)
     gpu_ids = random.Random(0).sample(range(40), 12)
@@ -479,19 +478,15 @@ def test_staged_copies_per_run_and_bounded_staging(method: str) -> None:
     run_step(sw, plan)
     apply_reference(gpu, cpu, plan)
     assert_tiers(sw, gpu, cpu)
-    if method == "staged":
-        assert sw.num_copies == 3 + 6 and sw._in_stage is not None
-        assert sw._in_stage.shape[0] == 5
-    else:
-        assert sw.num_copies == 2 and sw._in_stage is None  # one launch per layer
+    assert sw.num_copies == 3 + 6 and sw._in_stage is not None
+    assert sw._in_stage.shape[0] == 5
 
 
-@pytest.mark.parametrize("method", ["hybrid", "staged"])
-def test_staged_swap_outs_by_groups_of_layers(method: str) -> None:
+def test_staged_swap_outs_by_groups_of_layers() -> None:
     """By groups of layers: per piece, one gather and one host copy per chunk for each
     group; the staging halves hold the same rows, packed by group."""
     caches = list(torch.stack(make_caches(3, 40, 4, 2, 8)).unbind(0))
-    sw = make_swapper(caches, 32, method, staging_chunks=5)
+    sw = make_swapper(caches, 32, "staged", staging_chunks=5)
     sw.out_groups = 2  # layers 0 | 1..2
     gpu, cpu = snapshot(sw)
     plan = SwapPlan(swap_out=list(zip(random.Random(0).sample(range(40), 12),

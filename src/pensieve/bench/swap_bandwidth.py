@@ -4,15 +4,12 @@ Llama 2-13B GQA-10 shape by default (40 layers, 10 KV heads, head_dim 128, bf16,
 80 KB per K or V chunk per layer, 160 KB of K+V, 6.5 MB for all layers). The GPU caches are
 the engine's layout (views of one allocation). For each copy method of ``KVSwapper``
 
-    kernel   the Triton gather/scatter over the device-mapped CPU tier (SMs, both ways)
-    hybrid   chunk-major CPU tier; swap-in as kernel (layer-pipelined), swap-out through the
-             copy engines: device-side gather into staging, one copy per run of consecutive
-             CPU ids (>= 6.5 MB, one batch call a piece), pieces of --staging-chunks through
-             two halves
-    staged   as hybrid, and swap-in through the copy engines too, by groups of layers
+    staged   chunk-major CPU tier; swap-in through the copy engines by groups of layers
              (KVSwapper in_groups, default 8): per group one cuMemcpyBatchAsync call into
-             a staging buffer, then a device-side scatter; layer i waits for its group (the
-             default on CUDA)
+             a staging buffer, then a device-side scatter; layer i waits for its group.
+             Swap-out: device-side gather into staging, one copy per run of consecutive CPU
+             ids (>= 6.5 MB, one batch call a piece), pieces of --staging-chunks through two
+             halves (the default on CUDA)
     dma      one cudaMemcpy per run of consecutive CPU ids per layer (80 KB pieces)
 
 and each chunk count it times one step moving that many chunks with GPU and CPU block ids
@@ -20,8 +17,8 @@ drawn at random (random order, scattered)::
 
     in       swap_in
     out      background swap_out
-    in+out   both in one step, disjoint blocks: on two streams at once (kernel, hybrid,
-             staged), DMA on one stream one after the other
+    in+out   both in one step, disjoint blocks: on two streams at once (staged),
+             DMA on one stream one after the other
     in+out xK   ``--steps`` K such steps back to back, as a serving engine under churn
              issues them: each step waits for its own swap-ins only (``end_step``), its
              background swap-outs run on beside the next steps, and the clock stops once the
@@ -39,10 +36,10 @@ waits for: swap-ins yes, background swap-outs no); ``layer0`` the device time un
 swap-ins are usable by the compute stream. Raw single copies (H2D, D2H, both on two
 streams) and the H200's 55 GB/s one-way reference give the ceiling.
 
-``--sweep-programs`` / ``--sweep-tiles`` time the ``--sweep-methods`` per persistent grid
-size and per tile at ``--sweep-chunks`` chunks, and how much a bf16 GEMM loop on the compute
-stream slows down while in+out copies run beside it (``gemm x``: its time with copies /
-alone), to pick ``DEFAULT_PROGRAMS`` by measurement.
+``--sweep-programs`` / ``--sweep-tiles`` time the staged method's kernels (gathers, scatters,
+urgent swap-outs) per persistent grid size and per tile at ``--sweep-chunks`` chunks, and how
+much a bf16 GEMM loop on the compute stream slows down while in+out copies run beside it (``gemm
+x``: its time with copies / alone), to pick ``DEFAULT_PROGRAMS`` by measurement.
 
     pensieve bench swaps --out swap_bandwidth.json --plot swap_bandwidth.png
 """
@@ -62,7 +59,7 @@ import torch
 from pensieve.core.outputs import SwapPlan
 from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS, DEFAULT_TILE_BYTES
 from pensieve.runner.model_runner import allocate_kv_caches
-from pensieve.runner.swapper import DEFAULT_STAGING_CHUNKS, METHODS, STREAM_METHODS, KVSwapper
+from pensieve.runner.swapper import DEFAULT_STAGING_CHUNKS, METHODS, KVSwapper
 
 REFERENCE_GBPS = 55.0  # measured on the H200: large pinned copies, one direction
 TARGET_GBPS = 45.0  # issue 13: each way, scattered ids, 64-1024 chunks
@@ -201,7 +198,7 @@ def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: i
                 num_cpu: int, step_bytes: int, reps: int, seed: int, steps: int = 0
                 ) -> list[dict]:
     rows = []
-    programs = sw.num_programs if sw.method in STREAM_METHODS else None
+    programs = sw.num_programs if sw.method == "staged" else None
     for n in sizes:
         for pattern in patterns:
             p = plans(n, pattern, num_gpu, num_cpu, random.Random(f"{seed}{n}{pattern}"))
@@ -212,7 +209,7 @@ def method_rows(sw: KVSwapper, sizes: list[int], patterns: list[str], num_gpu: i
                 t = timed(swapper_step(sw, plan), reps)
                 add(rows, {"method": sw.method, "pattern": pattern, "dir": direction,
                            "chunks": n, "programs": programs, "bytes": n * step_bytes, **t})
-        if steps > 1 and sw.method in STREAM_METHODS:
+        if steps > 1 and sw.method == "staged":
             seq = step_plans(n, steps, num_gpu, num_cpu, random.Random(f"{seed}{n}steps"))
             t = timed(swapper_steps(sw, seq), reps)
             add(rows, {"method": sw.method, "pattern": "random", "dir": f"in+out x{steps}",
@@ -338,7 +335,7 @@ def plot(result: dict, path: str) -> None:
                                  if r["tile_bytes"] == tile and r["dir"] == direction
                                  and r["method"] == method)
                     ax.plot([p for p, _ in pts], [g for _, g in pts], marker="o",
-                            ls="-" if method == "kernel" else "--",
+                            ls="-",
                             label=f"{method} {direction}, tile {tile // 1024}K")
         ax.axhline(TARGET_GBPS, ls="--", color="red")
         ax.set_xscale("log", base=2)
@@ -352,8 +349,8 @@ def plot(result: dict, path: str) -> None:
                           if "gemm_slowdown" in r and r["method"] == method)
             if slow:
                 ax2 = ax2 or ax.twinx()
-                ax2.plot([p for p, _ in slow], [s for _, s in slow], "k-" if method == "kernel"
-                         else "k:", marker="x", label=f"gemm x, {method}")
+                ax2.plot([p for p, _ in slow], [s for _, s in slow], "k-", marker="x",
+                         label=f"gemm x, {method}")
         if ax2 is not None:
             ax2.set_ylabel("GEMM time beside in+out copies / alone (black)")
             ax2.legend(fontsize=6, loc="lower right")
@@ -376,16 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--methods", nargs="+", default=["kernel", "hybrid", "staged", "dma"],
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
                     choices=list(METHODS))
     ap.add_argument("--patterns", nargs="+", default=["random"],
                     choices=["random", "direct", "scattered"])
     ap.add_argument("--programs", type=int, default=DEFAULT_PROGRAMS,
                     help="kernel programs for the main rows")
     ap.add_argument("--staging-chunks", type=int, default=DEFAULT_STAGING_CHUNKS,
-                    help="hybrid / staged: chunks per staging piece and half")
-    ap.add_argument("--sweep-methods", nargs="*", default=["kernel", "hybrid"],
-                    choices=list(STREAM_METHODS))
+                    help="staged: chunks per staging piece and half")
     ap.add_argument("--sweep-programs", type=int, nargs="*", default=[16, 32])
     ap.add_argument("--sweep-tiles", type=int, nargs="*", default=[16384, 32768])
     ap.add_argument("--sweep-chunks", type=int, default=256)
@@ -397,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--patterns scattered)")
     ap.add_argument("--steps", type=int, default=8,
                     help="the 'in+out xK' row: K in + out steps back to back per size, for "
-                         "the stream methods (0: no such row)")
+                         "the staged method (0: no such row)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -444,10 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method}: CPU tier ({sw.host_layout}) pinned and mapped (and kernel compiled) "
               f"in {pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs"
               + (f"; staging {args.staging_chunks} chunks per piece, 2 halves"
-                 if method in ("hybrid", "staged") else ""), flush=True)
+                 if method == "staged" else ""), flush=True)
         rows += method_rows(sw, args.sizes, args.patterns, num_gpu, num_cpu, step_bytes,
                             args.reps, args.seed, args.steps)
-        if method in args.sweep_methods and args.sweep_programs:
+        if method == "staged" and args.sweep_programs:
             print(f"{method} sweep ({args.sweep_chunks} chunks, random ids; gemm x: "
                   f"{args.gemm_n}^3 bf16 GEMMs beside in+out copies / alone)", flush=True)
             sweep += sweep_rows(sw, args.sweep_programs,

@@ -103,7 +103,7 @@ class ModelRunner:
         background_swap_out: bool | None = None,
         tokenizer: str | None = None,
     ) -> None:
-        """``swap_method``: the swapper's (``"hybrid"``, ``"kernel"``, ``"staged"``, ``"dma"``;
+        """``swap_method``: the swapper's (``"staged"``, ``"dma"``;
         None: its default, staged on CUDA).
         ``background_swap_out``: let background swap-outs outlive their step (reported in
         :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank

@@ -1,6 +1,7 @@
-"""The swapper's copy strategies: Triton kernel copies (kernel, hybrid, staged), the staging
-halves of the hybrid and staged methods, and DMA batching (:mod:`pensieve.runner.swapper`
-explains each method and when it runs).
+"""The swapper's copy strategies: the ``staged`` method's swap kernel launches (urgent
+swap-outs, gathers into and scatters out of the staging buffers) and staging halves, and the
+``dma`` method's batching (:mod:`pensieve.runner.swapper` explains each method and when it
+runs).
 
 :class:`CopyPaths` holds the copy machinery :class:`~pensieve.runner.swapper.KVSwapper` builds
 on; the host tier is allocated by :func:`allocate_host_tier`.
@@ -8,7 +9,6 @@ on; the host tier is allocated by :func:`allocate_host_tier`.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,14 +22,12 @@ from pensieve.runner.swap_staged import DEFAULT_OUT_GROUPS, StagedPaths, groups_
 from pensieve.runner.swap_streams import CudaStreams, InFlight, OutBatch, Streams
 
 LayerReady = Callable[[int], None]
-METHODS = ("kernel", "hybrid", "staged", "dma")
-CHUNK_MAJOR = ("hybrid", "staged")
-"""Methods with the chunk-major host tier and the staged (copy-engine) swap-outs."""
-STREAM_METHODS = ("kernel", "hybrid", "staged")
-"""Methods run through :class:`Streams` (CUDA, or a test's simulator)."""
+METHODS = ("staged", "dma")
+"""``staged``: run through :class:`Streams` (CUDA, or a test's simulator), chunk-major host
+tier; ``dma``: plain copies, layer-major host tier."""
 DEFAULT_STAGING_CHUNKS = 64
-"""Chunks per staging half (hybrid and staged): the device staging memory is at most 2 x this
-(out) + this (staged in) chunks of all layers (13B: 6.5 MB each)."""
+"""Chunks per staging half (staged): the device staging memory is at most 2 x this (out) +
+this (in) chunks of all layers (13B: 6.5 MB each)."""
 
 class Runs:
     """Views ``t[start : start + length]`` along dim 0 of a fixed set of disjoint runs.
@@ -80,8 +78,8 @@ class Step:
     """The step's copies not known complete, kept referenced until :meth:`KVSwapper.end_step`.
 
     ``out_first``, ``swap_in``, ``swap_out``: a :class:`Batch` (DMA), an ``[n, 2]`` pair tensor
-    (kernel), a :class:`Staged` (hybrid swap-outs, staged swap-ins, synchronous path), or
-    None; on CUDA also the references that staged work keeps alive."""
+    (urgent swap-outs through the kernel), a :class:`Staged` (staged swap-ins and swap-outs,
+    synchronous path), or None; on CUDA also the references that staged work keeps alive."""
 
     out_first: Any = None
     swap_in: Any = None
@@ -90,7 +88,7 @@ class Step:
     """Synchronous path only: first layer whose swap-ins have not run yet."""
     events: list[Any] | None = None
     in_done: Any = None
-    """Kernel streams: event after the step's in-stream work (None if it had none)."""
+    """Streams: event after the step's in-stream work (None if it had none)."""
 
 
 @dataclass
@@ -145,7 +143,7 @@ def allocate_host_tier(num_cpu_blocks: int, num_layers: int, block_shape: tuple[
 
 
 class CopyPaths(StagedPaths):
-    """Kernel, staged and DMA copies of :class:`~pensieve.runner.swapper.KVSwapper` (whose
+    """Staged and DMA copies of :class:`~pensieve.runner.swapper.KVSwapper` (whose
     constructor sets the state they share)."""
 
     def _init_copies(self, streams: Streams | None) -> None:
@@ -156,7 +154,7 @@ class CopyPaths(StagedPaths):
         tiers: ``"host"``, the out-staging halves ``"out0"`` / ``"out1"``, the in-staging
         buffer ``"in"`` (all layers; by groups of layers: ``("in", first, end, rows)``)."""
         self._out_stage: list[torch.Tensor] = []
-        """Hybrid, staged: the two ``[rows, L, 2, C, Hkv, D]`` device staging halves of the
+        """Staged: the two ``[rows, L, 2, C, Hkv, D]`` device staging halves of the
         swap-outs (rows <= staging_chunks; grown on demand)."""
         self._half_free: list[Any] = [None, None]
         """Event after the last copy out of each half (None: free)."""
@@ -165,7 +163,7 @@ class CopyPaths(StagedPaths):
         """Staged: the ``[rows, L, 2, C, Hkv, D]`` device staging buffer of the swap-ins."""
         self._streams: Streams | None = streams
         self._stream: torch.cuda.Stream | None = None  # DMA on CUDA
-        if self._cuda and self.method in STREAM_METHODS:
+        if self._cuda and self.method == "staged":
             self._streams = CudaStreams(self.device)
         elif self._cuda:
             # High priority: the swap-in scatter kernels should not queue behind compute.
@@ -173,10 +171,10 @@ class CopyPaths(StagedPaths):
         self._staging = torch.empty(0, dtype=self.gpu_caches[0].dtype, device=self.device)
         """DMA: the staging buffer of runs whose GPU blocks are not consecutive."""
         self.out_groups = groups_of(None, "out_groups", DEFAULT_OUT_GROUPS, self.num_layers)
-        """Hybrid, staged: groups of layers the background swap-outs are gathered and copied
+        """Staged: groups of layers the background swap-outs are gathered and copied
         to the host by (:meth:`_issue_out_staged`)."""
         self._engine = CopyEngine(self.device)
-        """Hybrid, staged: the copies between the staging buffers and the host tier."""
+        """Staged: the copies between the staging buffers and the host tier."""
         self._chunk_bytes = self.num_layers * self.block_bytes
         """Bytes of one chunk of every layer (a row of the chunk-major tiers)."""
 
@@ -188,12 +186,7 @@ class CopyPaths(StagedPaths):
         st.wait(s, compute_done)
         if after is not None:
             st.wait(s, after)
-        if self.method in CHUNK_MAJOR:
-            event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
-        else:
-            refs = st.upload(s, plan.swap_out)
-            st.run(s, functools.partial(self._kernel, refs, False, 0, self.num_layers))
-            event = st.record(s)
+        event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
         touches = InFlight(frozenset(c for _, c in plan.swap_out),
                            frozenset(g for g, _ in plan.swap_out))
         self._in_flight.append(OutBatch(event, refs, touches))
@@ -276,8 +269,8 @@ class CopyPaths(StagedPaths):
 
     def _compile(self) -> None:
         """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
-        block 0 to CPU block 0 and back, which changes no GPU byte (hybrid, staged: through
-        the staging buffers too, which allocates them with one row)."""
+        block 0 to CPU block 0 (an urgent swap-out's launch), then through the staging buffers
+        out and back in, which changes no GPU byte (and allocates the buffers with one row)."""
         assert self._streams is not None
         pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
         layers = self.num_layers
@@ -285,14 +278,12 @@ class CopyPaths(StagedPaths):
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             self._kernel(pairs, False, 0, layers)
-            self._kernel(pairs, True, 0, 1)
-            if self.method in CHUNK_MAJOR:
-                self._grow_out(1)
-                for _ in range(2):  # both halves, by the swap-outs' groups of layers
-                    self._issue_out_staged(self._streams, [(0, 0)], s, s)
-            if self.method == "staged":  # CPU block 0 holds GPU block 0 now
-                self._issue_in_staged(self._streams, s, [(0, 0)])
-                self._issue_in_staged(self._streams, s, [(0, 0)], self.in_groups)
+            self._grow_out(1)
+            for _ in range(2):  # both halves, by the swap-outs' groups of layers
+                self._issue_out_staged(self._streams, [(0, 0)], s, s)
+            # CPU block 0 holds GPU block 0 now
+            self._issue_in_staged(self._streams, s, [(0, 0)])
+            self._issue_in_staged(self._streams, s, [(0, 0)], self.in_groups)
         s.synchronize()
         self.num_copies = 0
 
@@ -300,18 +291,15 @@ class CopyPaths(StagedPaths):
 
     def _batch_plan(self, plan: SwapPlan) -> Step:
         """Synchronous and DMA paths: the three lists batched (DMA: runs and staging, grown
-        to the largest list; kernel: pair tensors; staged: the pairs)."""
-        if self.method in STREAM_METHODS:
+        to the largest list; staged: the pairs, urgent swap-outs as a pair tensor)."""
+        if self.method == "staged":
             def t(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
                 return torch.tensor(pairs, dtype=torch.int64) if pairs else None
 
             def staged(pairs: list[tuple[int, int]]) -> Staged | None:
                 return Staged(list(pairs)) if pairs else None
 
-            chunk_major = self.method in CHUNK_MAJOR
-            step = Step(t(plan.swap_out_first),
-                         staged(plan.swap_in) if self.method == "staged" else t(plan.swap_in),
-                         staged(plan.swap_out) if chunk_major else t(plan.swap_out))
+            step = Step(t(plan.swap_out_first), staged(plan.swap_in), staged(plan.swap_out))
         else:
             out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
             swap_in = self._batch([(g, c) for c, g in plan.swap_in])
@@ -323,20 +311,6 @@ class CopyPaths(StagedPaths):
                 self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
             step = Step(out_first, swap_in, swap_out)
         return step
-
-    def _issue_layers(self, st: Streams, s: Any, step: Step, layered: bool) -> list[Any]:
-        """Layer by layer on the in stream: layer i's urgent copies (``layered``), then its
-        swap-ins, then the event layer i's attention waits for."""
-        events = []
-        for layer in range(self.num_layers):
-            if layered:
-                st.run(s, functools.partial(self._kernel, step.out_first, False, layer,
-                                            layer + 1))
-            if step.swap_in is not None:
-                st.run(s, functools.partial(self._kernel, step.swap_in, True, layer,
-                                            layer + 1))
-            events.append(st.record(s))
-        return events
 
     def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
         assert self._stream is not None
@@ -440,7 +414,7 @@ class CopyPaths(StagedPaths):
 
 class RefCopy:
     """The kernel's torch reference with :class:`~pensieve.kernels.launch_swap.BlockCopy`'s
-    call signature (the kernel method on the CPU without Triton's interpreter)."""
+    call signature (the staged method on the CPU without Triton's interpreter)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.src, self.dst = src, dst

@@ -1,4 +1,4 @@
-"""The staged copies of the hybrid and staged methods (:mod:`pensieve.runner.swapper`):
+"""The staged copies of the staged method (:mod:`pensieve.runner.swapper`):
 swap-outs gathered on the GPU into two staging halves then copied to the chunk-major host
 tier by the copy engines; staged swap-ins copied by groups of layers into a staging buffer,
 then scattered into the GPU caches (by groups of layers: in two halves, each piece's copies
@@ -25,7 +25,7 @@ DEFAULT_IN_GROUPS = 8
 
 
 DEFAULT_OUT_GROUPS = 8
-"""Hybrid, staged: groups of layers the background swap-outs are gathered and copied by."""
+"""Staged: groups of layers the background swap-outs are gathered and copied by."""
 
 
 def groups_of(value: int | None, name: str, default: int, num_layers: int) -> int:

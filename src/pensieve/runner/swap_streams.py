@@ -1,35 +1,33 @@
 """Ordering and streams of the swapper's copies (:mod:`pensieve.runner.swapper`).
 
-CUDA, kernel, hybrid and staged methods: copy streams and the compute (current) stream.
+CUDA, staged method: copy streams and the compute (current) stream.
 
-- The *in* stream (high priority) runs ``swap_out_first`` (one launch, all layers), then the
-  swap-ins, one launch per layer with an event after each: ``layer_ready(i)`` makes the
-  compute stream wait for layer i's event (which follows every ``swap_out_first`` copy too),
-  so layer i's attention sees its swapped-in KV and never writes a block before its old
-  content is copied out. Then ``swap_in_ahead`` (one launch, all layers, an event after it):
-  the step's compute does not wait for it; the next step's ``start_step`` makes the compute
-  stream wait for that event before anything else (and so, through the event recorded on the
-  compute stream, both copy streams' next work). With ``ahead_waits="layers"`` the ahead
-  copies go by groups of layers as a step's staged swap-ins do, the next step's layer i waits
-  for its group's event (the step's own swap-ins, later on the in stream, cover them), and the
-  out stream waits for the last ahead event itself.
-- The *out* stream runs the background ``swap_out`` (one launch, all layers), concurrently
-  with the in stream (PCIe is full duplex). It is not waited for at the end of the step: each
-  such batch joins a FIFO of batches in flight (its event, its index tensor, the CPU blocks it
-  writes, the GPU blocks it reads). They complete in plan order (one stream).
-- ``hybrid`` / ``staged``: the out stream runs the gathers into the staging halves and the
-  *dma* stream the device-to-host copies, each piece's copies after its gather (an event),
-  each gather into a half after the copies of the piece that used that half before (the
-  half's "free" event, kept across batches and steps). The batch's event is recorded on the
-  dma stream after its last copy: it covers the batch's gathers, and every older batch (one
-  dma stream), so the FIFO and the hazard waits below are unchanged. A batch keeps its index
-  tensor and staging halves referenced until it is popped complete. ``staged`` swap-ins:
-  copies into the in-staging buffer, then the scatter, piece by piece. All layers at once
-  (``swap_in_ahead``), both on the in stream; by groups of layers (a step's swap-ins), the
-  copies on the *in-dma* stream into the two halves of the buffer in turn and the scatters on
-  the in stream: the in-dma stream first waits for the in stream's work so far (an event),
-  each scatter for its copies, each piece's copies for the scatter out of the same half two
-  pieces back; the layer events are on the in stream, after the scatters.
+- The *in* stream (high priority) runs ``swap_out_first`` (one kernel launch, all layers),
+  then the swap-ins by groups of layers: copies from the host tier into the in-staging buffer
+  on the *in-dma* stream, into the two halves of the buffer in turn, and the scatters into
+  the GPU caches on the in stream. The in-dma stream first waits for the in stream's work so
+  far (an event), each scatter for its copies, each piece's copies for the scatter out of the
+  same half two pieces back. One event per layer, after its group's last scatter:
+  ``layer_ready(i)`` makes the compute stream wait for layer i's event (which follows every
+  ``swap_out_first`` copy too), so layer i's attention sees its swapped-in KV and never writes
+  a block before its old content is copied out.
+- Then ``swap_in_ahead``: the step's compute does not wait for it. With
+  ``ahead_waits="layers"`` (the default) the ahead copies go by groups of layers as the
+  step's swap-ins do, the next step's layer i waits for its group's event (the step's own
+  swap-ins, later on the in stream, cover them), and the out stream waits for the last ahead
+  event itself; with ``"all"`` they go in one piece (copies and scatter on the in stream)
+  and the next step's ``start_step`` makes the compute stream wait for their event before
+  anything else (and so, through the event recorded on the compute stream, both copy
+  streams' next work).
+- The *out* stream runs the background ``swap_out``'s gathers into the staging halves and
+  the *dma* stream the device-to-host copies, each piece's copies after its gather (an
+  event), each gather into a half after the copies of the piece that used that half before
+  (the half's "free" event, kept across batches and steps), concurrently with the in stream
+  (PCIe is full duplex). It is not waited for at the end of the step: each such batch joins
+  a FIFO of batches in flight (its event, its index tensor and staging halves, the CPU blocks
+  it writes, the GPU blocks it reads). The batch's event is recorded on the dma stream after
+  its last copy: it covers the batch's gathers, and every older batch (one dma stream), so
+  the batches complete in plan order.
 - Both copy streams first wait for an event recorded on the compute stream in
   :meth:`~KVSwapper.start_step`: no copy reads a block before the compute stream's earlier
   writes to it are done, nor overwrites one it may still read.
@@ -45,7 +43,7 @@ CUDA, kernel, hybrid and staged methods: copy streams and the compute (current) 
   :meth:`~KVSwapper.finish_step` waits for everything.
 
 The ordering (:func:`step_waits`) is a pure function of the plan and the batches in flight;
-:class:`Streams` is what the kernel, hybrid and staged methods issue their work through
+:class:`Streams` is what the staged method issues its work through
 (:class:`CudaStreams` on CUDA, :data:`IMMEDIATE` for the synchronous CPU path, a simulator in
 the tests).
 """
@@ -112,7 +110,7 @@ class Streams(Protocol):
     in_stream: Any
     out_stream: Any
     dma_stream: Any
-    """The hybrid methods' device-to-host copies of staged swap-outs."""
+    """The device-to-host copies of staged swap-outs."""
     in_dma_stream: Any
     """``staged``: the host-to-device copies of swap-ins by groups of layers."""
 
@@ -194,7 +192,7 @@ class CudaStreams:
 
 
 class Immediate:
-    """:class:`Streams` that run every operation at once (the synchronous path: the hybrid
+    """:class:`Streams` that run every operation at once (the synchronous path: the staged
     methods' staging logic on the CPU)."""
 
     in_stream = out_stream = dma_stream = in_dma_stream = None
@@ -253,5 +251,5 @@ class OutBatch:
     event: Any
     refs: Any
     """What its work uses and must stay allocated until ``event``: the index tensor, and the
-    staging halves (hybrid, staged)."""
+    staging halves (staged)."""
     touches: InFlight

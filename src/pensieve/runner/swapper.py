@@ -3,9 +3,9 @@
 Owns one pinned host tensor holding, per layer, K then V of every CPU block, in the GPU caches'
 dtype; :attr:`KVSwapper.cpu_caches` are its per-layer ``[2, num_cpu_blocks, chunk_size,
 num_kv_heads, head_dim]`` views, whatever the layout (:attr:`KVSwapper.host_layout`):
-``"layer-major"`` (``[L, 2, num_cpu_blocks, C, Hkv, D]``: methods ``kernel`` and ``dma``) or
+``"layer-major"`` (``[L, 2, num_cpu_blocks, C, Hkv, D]``: method ``dma``) or
 ``"chunk-major"`` (``[num_cpu_blocks, L, 2, C, Hkv, D]``: one chunk of every layer is one
-contiguous piece, 6.5 MB for Llama 2-13B; methods ``hybrid`` and ``staged``).
+contiguous piece, 6.5 MB for Llama 2-13B; method ``staged``).
 
 Semantics. For every layer the lists of a plan apply one after the other::
 
@@ -14,8 +14,9 @@ Semantics. For every layer the lists of a plan apply one after the other::
 
 ``swap_in_ahead`` copies are for the next step: on CUDA streams this step's compute does not
 wait for them; they go by the staged swap-ins' groups of layers and each layer of the next
-step waits for its group only (``ahead_waits="layers"``, where the copies go through the copy
-engines), so that step starts while the tail of the copies runs. The synchronous paths copy
+step waits for its group only (``ahead_waits="layers"``, the default; ``"all"``: the next
+step's compute waits for all of them first), so that step starts while the tail of the copies
+runs. The synchronous paths copy
 them with the step's swap-ins. ``swap_out_first`` (urgent) copies go before the swap-ins, in
 one launch for every layer.
 
@@ -32,15 +33,14 @@ Methods (:data:`METHODS`):
   scatter launch into the GPU cache; layer i waits for its group only. Background swap-outs:
   a device-side gather into staging, then one copy per run of consecutive CPU ids, by groups
   of layers, through two staging halves of at most ``staging_chunks`` chunks.
-  ``swap_out_first`` through the swap kernel. Chosen by measurement: both directions through
-  the copy engines keep the concurrent rate that SM reads of the mapped tier take from the
-  copy engines' writes the other way (docs/performance.md, "Swaps between the GPU and CPU
-  tiers").
-- ``"dma"`` (the CPU's, where it is plain tensor copies): one copy per run of consecutive CPU
-  ids per layer, through a staging buffer when the GPU ids of a run are not consecutive.
-- ``"kernel"`` and ``"hybrid"``: the swap kernel (:mod:`pensieve.kernels.triton_swap`) for
-  both directions, or for swap-ins with ``staged``'s swap-outs; the measured alternatives,
-  kept for ``pensieve bench swaps`` and the tests that compare the methods' copies.
+  ``swap_out_first`` through the swap kernel (:mod:`pensieve.kernels.triton_swap`) reading
+  the GPU cache and writing the device-mapped host tier. Why staged: both directions through
+  the copy engines keep their concurrent rate, where SM reads of the mapped tier take rate
+  from the copy engines' writes the other way (measurements of the alternatives in
+  docs/performance.md, "Swaps between the GPU and CPU tiers").
+- ``"dma"`` (the CPU's; on CUDA, when asked for, on one copy stream with an event per layer):
+  one copy per run of consecutive CPU ids per layer, through a staging buffer when the GPU ids
+  of a run are not consecutive.
 
 Copy streams, events and the cross-stream hazards on CUDA are described in
 :mod:`pensieve.runner.swap_streams`; the copy strategies live in
@@ -51,7 +51,7 @@ The host tier is page-locked and device-mapped (``cudaHostRegister``) when the G
 on CUDA. On the CPU the copies are synchronous: ``swap_out_first`` at ``start_step``, layer
 i's swap-ins at ``layer_ready(i)`` (so a caller that forgets to call it reads stale KV on the
 CPU as well), the rest at ``end_step`` / ``finish_step``; nothing is ever in flight. Tests run
-the streamed methods' issue logic on CPU tensors through a :class:`Streams` simulator.
+the staged method's issue logic on CPU tensors through a :class:`Streams` simulator.
 """
 
 from __future__ import annotations
@@ -66,10 +66,8 @@ import torch
 
 from pensieve.core.outputs import SwapPlan
 from pensieve.runner.swap_copies import (
-    CHUNK_MAJOR,
     DEFAULT_STAGING_CHUNKS,
     METHODS,
-    STREAM_METHODS,
     Batch,
     CopyPaths,
     LayerReady,
@@ -79,13 +77,7 @@ from pensieve.runner.swap_copies import (
     check_caches,
     stacked_layers,
 )
-from pensieve.runner.swap_paths import (
-    AHEAD_PATHS,
-    ahead_path,
-    ahead_waits_of,
-    in_groups_of,
-    urgent_path,
-)
+from pensieve.runner.swap_paths import ahead_waits_of, in_groups_of
 from pensieve.runner.swap_streams import (
     IMMEDIATE,
     InFlight,
@@ -97,8 +89,8 @@ from pensieve.runner.swap_streams import (
     step_waits,
 )
 
-__all__ = ["AHEAD_PATHS", "DEFAULT_STAGING_CHUNKS", "METHODS", "STREAM_METHODS", "InFlight",
-           "KVSwapper", "StepWaits", "Streams", "pop_completed", "step_waits", "urgent_path"]
+__all__ = ["DEFAULT_STAGING_CHUNKS", "METHODS", "InFlight", "KVSwapper", "StepWaits", "Streams",
+           "pop_completed", "step_waits"]
 
 
 class KVSwapper(CopyPaths):
@@ -111,18 +103,17 @@ class KVSwapper(CopyPaths):
     plans then).
 
     ``method``: one of :data:`METHODS` (see the module docstring); None: staged on CUDA and
-    DMA on the CPU. ``num_programs``:
-    the kernel's persistent grid (None: :data:`~pensieve.kernels.launch_swap.DEFAULT_PROGRAMS`).
-    ``staging_chunks``: chunks per staging piece and half of the hybrid and staged methods
-    (None: :data:`DEFAULT_STAGING_CHUNKS`). ``background``: False makes
-    :meth:`end_step` wait for the background swap-outs too (the runner's choice under tensor
-    parallelism, where only rank 0's count reaches the scheduler). ``in_groups``: the groups
-    of layers staged swap-ins are copied by (None:
+    DMA on the CPU. ``num_programs``: the kernel's persistent grid (None:
+    :data:`~pensieve.kernels.launch_swap.DEFAULT_PROGRAMS`). ``staging_chunks``: chunks per
+    staging piece and half of the staged method (None: :data:`DEFAULT_STAGING_CHUNKS`).
+    ``background``: False makes :meth:`end_step` wait for the background swap-outs too (the
+    runner's choice under tensor parallelism, where only rank 0's count reaches the
+    scheduler). ``in_groups``: the groups of layers staged swap-ins are copied by (None:
     :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``ahead_waits``: how the next
     step waits for ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
     (:func:`~pensieve.runner.swap_paths.ahead_waits_of`; None: ``"layers"`` where it
-    applies). ``streams``: for tests, a
-    :class:`Streams` to run the kernel, hybrid or staged method's stream logic on CPU tensors.
+    applies). ``streams``: for tests, a :class:`Streams` to run the staged method's stream
+    logic on CPU tensors.
     """
 
     def __init__(
@@ -135,8 +126,6 @@ class KVSwapper(CopyPaths):
         staging_chunks: int | None = None,
         background: bool = True,
         streams: Streams | None = None,
-        ahead: str | None = None,
-        urgent_layered: bool | None = None,
         in_groups: int | None = None,
         ahead_waits: str | None = None,
     ) -> None:
@@ -154,16 +143,11 @@ class KVSwapper(CopyPaths):
         method = method or ("staged" if self._cuda else "dma")
         if method not in METHODS:
             raise ValueError(f"swap method {method!r} not in {METHODS}")
-        if streams is not None and (self._cuda or method not in STREAM_METHODS):
-            raise ValueError(f"streams= is for the {STREAM_METHODS} methods on CPU tensors "
-                             "(tests)")
+        if streams is not None and (self._cuda or method != "staged"):
+            raise ValueError("streams= is for the staged method on CPU tensors (tests)")
         if staging_chunks is not None and staging_chunks < 1:
             raise ValueError(f"staging_chunks {staging_chunks} < 1")
         self.method = method
-        self.ahead = ahead_path(ahead, method)
-        """How ``swap_in_ahead`` copies run on streams: ``"kernel"`` or ``"dma"``."""
-        self.urgent_layered = urgent_path(urgent_layered, method)
-        """``swap_out_first`` layer by layer on streams (module docstring), else at once."""
         from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
 
         self._num_programs = num_programs or DEFAULT_PROGRAMS
@@ -171,8 +155,8 @@ class KVSwapper(CopyPaths):
         self.background = background
         self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS  # per piece and half
         self.in_groups = in_groups_of(in_groups, self.num_layers)
-        self.ahead_waits = ahead_waits_of(ahead_waits, method, self.ahead)  # "all" | "layers"
-        chunk_major = method in CHUNK_MAJOR
+        self.ahead_waits = ahead_waits_of(ahead_waits, method)  # "all" | "layers"
+        chunk_major = method == "staged"
         self.host_layout = "chunk-major" if chunk_major else "layer-major"
         """``"layer-major"``: :attr:`host_tier` is ``[L, 2, num_cpu_blocks, C, Hkv, D]``;
         ``"chunk-major"``: ``[num_cpu_blocks, L, 2, C, Hkv, D]``."""
@@ -202,7 +186,7 @@ class KVSwapper(CopyPaths):
         self.num_copies = 0
         """Cumulative host<->device copies (DMA: K and V per run per layer; staged: per run, or
         per chunk per group of layers) plus kernel launches."""
-        if self._cuda and method in STREAM_METHODS and num_cpu_blocks and self.num_gpu_blocks:
+        if self._cuda and method == "staged" and num_cpu_blocks and self.num_gpu_blocks:
             self._compile()
 
     # ------------------------------------------------------------------ step API
@@ -265,7 +249,7 @@ class KVSwapper(CopyPaths):
         """End the step: wait for what it needs and return how many background swap-out
         batches are still in flight (this step's included; 0 when all are done).
 
-        Kernel method on CUDA: waits for the step's urgent swap-outs and swap-ins only (the
+        Staged method on CUDA: waits for the step's urgent swap-outs and swap-ins only (the
         compute stream's sync has normally covered them) and polls the background batches
         (with ``background=False`` waits for them too). DMA and the CPU: every copy of the
         step is complete on return (0)."""
@@ -302,7 +286,7 @@ class KVSwapper(CopyPaths):
         """Background batches not yet seen complete (as of the last :meth:`end_step`)."""
         return len(self._in_flight)
 
-    # ------------------------------------------------------------------ kernel, streams
+    # ------------------------------------------------------------------ streams
 
     def issue_background(self) -> None:
         """Issue the copies :meth:`start_step` deferred (no-op when none are)."""
@@ -327,19 +311,12 @@ class KVSwapper(CopyPaths):
                 st.wait(st.in_stream, self._in_flight[waits.in_after].event)
         if plan.swap_out_first or plan.swap_in:
             s = st.in_stream
-            layered = bool(plan.swap_out_first) and self.urgent_layered
             if plan.swap_out_first:
                 step.out_first = st.upload(s, plan.swap_out_first)
-                if not layered:
-                    st.run(s, functools.partial(self._kernel, step.out_first, False, 0,
-                                                layers))
-            if plan.swap_in and self.method == "staged":
+                st.run(s, functools.partial(self._kernel, step.out_first, False, 0, layers))
+            if plan.swap_in:
                 step.swap_in, events = self._issue_in_staged(st, s, plan.swap_in,
                                                              self.in_groups)
-            elif plan.swap_in or layered:
-                if plan.swap_in:
-                    step.swap_in = st.upload(s, plan.swap_in)
-                events = self._issue_layers(st, s, step, layered)
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
@@ -360,18 +337,14 @@ class KVSwapper(CopyPaths):
                           out_after_in: bool) -> None:
         """A step's copies its compute does not wait for: ``swap_in_ahead`` after its
         swap-ins on the in stream, then the background ``swap_out`` on the out stream."""
-        layers = self.num_layers
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
             by_layer: list[Any] | None = None
             if self.ahead_waits == "layers":  # by groups, as the step's own swap-ins
                 refs, by_layer = self._issue_in_staged(st, s, plan.swap_in_ahead,
                                                        self.in_groups)
-            elif self.method == "staged" or self.ahead == "dma":
-                refs = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
             else:
-                refs = st.upload(s, plan.swap_in_ahead)
-                st.run(s, functools.partial(self._kernel, refs, True, 0, layers))
+                refs = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
             last_in = st.record(s)
             self._ahead.append((last_in, refs, by_layer))
         if plan.swap_out:
@@ -386,7 +359,8 @@ class KVSwapper(CopyPaths):
     # ------------------------------------------------------------------ synchronous paths
 
     def _apply(self, obj: Any, to_gpu: bool, layers: range) -> None:
-        """Run one list's copies for ``layers`` now (DMA batch or kernel pairs)."""
+        """Run one list's copies for ``layers`` now (DMA batch, staged pairs, or urgent
+        swap-outs' kernel pairs)."""
         if obj is None or not layers:
             return
         if isinstance(obj, Batch):
