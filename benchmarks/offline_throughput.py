@@ -21,6 +21,7 @@ import time
 import torch
 
 from pensieve import LLM, SamplingParams
+from pensieve.options import add_engine_args, engine_options
 
 HBM_TBPS = 4.3  # measured device copy bandwidth, read + write (brief / KINDS.md)
 BF16_TFLOPS = 800.0  # measured bf16 matmul rate
@@ -28,33 +29,25 @@ BF16_TFLOPS = 800.0  # measured bf16 matmul rate
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="llama2-13b-gqa10")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-kv-gb", type=float, default=None)
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--mixed-graphs", action="store_true",
-                    help="CUDA graphs for steps with prefill tokens too")
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    # the engine's options from its config (pensieve.options), under this benchmark's defaults
+    add_engine_args(ap, model_flag=True, defaults={
+        "model": "llama2-13b-gqa10", "load_format": "dummy", "dtype": "bfloat16",
+        "max_num_batched_tokens": 8192, "cuda_graph_mixed": False})
     args = ap.parse_args()
 
-    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
-              device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_kv_gb=args.gpu_kv_gb, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, cuda_graph_mixed=args.mixed_graphs)
+    opts = engine_options(args)
+    llm = LLM(**opts)
     eng = llm.engine
     cfg = eng.hf_config
     model = eng.model
     # With tensor parallelism the driver's model lives on "meta": its shapes are the full model's.
     n_params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    tp = args.tensor_parallel_size
+    tp = llm.engine.config.model.tensor_parallel_size
     emb = cfg.vocab_size * cfg.hidden_size
     matmul_params = n_params - emb  # the input embedding is a gather, not a matmul
     elem = torch.empty((), dtype=eng.dtype).element_size()
@@ -118,7 +111,7 @@ def main() -> None:
     med_bytes = (statistics.median(weight_bytes + kv_bytes_per_token * s["kv_tokens_read"]
                                    for s in full_batch) if full_batch else float("nan"))
     result = {
-        "model": args.model, "dtype": str(eng.dtype), "device": str(eng.device),
+        "model": opts["model"], "dtype": str(eng.dtype), "device": str(eng.device),
         "gpu": torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu",
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "params_b": round(n_params / 1e9, 3),

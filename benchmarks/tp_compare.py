@@ -26,12 +26,12 @@ sys.path.insert(0, "src")
 import torch  # noqa: E402
 
 from pensieve import LLM, SamplingParams  # noqa: E402
+from pensieve.options import add_engine_args, engine_options  # noqa: E402
 
 
 def _run(args: argparse.Namespace, tp: int, prompts: list[list[int]]) -> tuple[list, float]:
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
-              device=args.device, tensor_parallel_size=tp, gpu_kv_gb=args.gpu_kv_gb)
+    llm = LLM(**{**engine_options(args), "tensor_parallel_size": tp})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=args.top_k if tp == 1 else None)
     outs = llm.generate(prompts, params)
@@ -62,21 +62,21 @@ def compare(ref: list, other: list) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama2-13b-gqa10")
-    ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--gpu-kv-gb", type=float, default=4.0)
+    ap.add_argument("--tp", type=int, default=2, help="the tensor-parallel size compared with 1")
     ap.add_argument("--prompt-lens", default="1,17,100,513,1500,3000")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=5)
     ap.add_argument("--out", default=None)
+    # the engine's options from its config (pensieve.options), under this script's defaults
+    add_engine_args(ap, exclude=("tensor_parallel_size",), model_flag=True, defaults={
+        "model": "llama2-13b-gqa10", "load_format": "dummy", "dtype": "bfloat16",
+        "gpu_kv_gb": 4.0})
     args = ap.parse_args()
+    model = engine_options(args)["model"]
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 30000) for _ in range(int(n))]
                for n in args.prompt_lens.split(",")]
-    if args.model == "demo":  # the demo model's vocabulary is small
+    if model == "demo":  # the demo model's vocabulary is small
         prompts = [[t % 250 + 4 for t in p] for p in prompts]
     ref, t1 = _run(args, 1, prompts)
     other, t2 = _run(args, args.tp, prompts)
@@ -85,7 +85,7 @@ def main() -> int:
     for r in rows:
         print(f"prompt {r['prompt_len']:5d}: {r['agreed']:3d}/{r['of']} tokens agree, "
               f"TP={args.tp} token's rank at the first difference: {r['rank_at_difference']}")
-    verdict = (f"TP={args.tp} vs TP=1 ({args.model}, {args.dtype}): "
+    verdict = (f"TP={args.tp} vs TP=1 ({model}, {engine_options(args).get('dtype')}): "
                f"{'within' if ok else 'OUTSIDE'} the top-{args.top_k} rule; "
                f"{sum(r['agreed'] for r in rows)} of {sum(r['of'] for r in rows)} tokens agreed "
                f"before the first difference (runs {t1:.0f} s and {t2:.0f} s with start-up)")
