@@ -31,12 +31,13 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
     return h
 
 
-def find_shared(pools: TierPools, req: Request,
-                conv: Conversation) -> tuple[list[tuple[int, int]], list[int]]:
+def find_shared(pools: TierPools, req: Request, conv: Conversation,
+                dropped: list[int] | None) -> tuple[list[tuple[int, int]], list[int]]:
     """Registered blocks the admitted turn can take instead of computing: ``(index, block)``
     for its dropped full chunks, and the blocks of a conversation without KV's leading full
     chunks (up to the first miss). Only chunks wholly before the turn's last token (which is
-    always computed) qualify. Changes nothing."""
+    always computed) qualify. ``dropped``: the indices of the conversation's dropped chunks,
+    if the caller has them (ascending). Changes nothing."""
     share = pools.share
     if share is None or not share.by_hash:
         return [], []
@@ -55,7 +56,10 @@ def find_shared(pools: TierPools, req: Request,
             ext.append(b)
         return found, ext
     limit = min(limit, conv.kv_end // c)
-    dropped = [i for i in range(limit) if chunks[i].tier is Tier.DROPPED]
+    if dropped is None:
+        dropped = [i for i, ch in enumerate(chunks) if ch.tier is Tier.DROPPED]
+    if dropped and dropped[-1] >= limit:
+        dropped = [i for i in dropped if i < limit]
     if dropped:
         hashes = request_hashes(req, conv, c, dropped[-1] + 1)
         for i in dropped:
@@ -97,20 +101,25 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     c = pools.chunk_size
     n = min(conv.kv_end, len(conv.token_ids)) // c
     hashes = request_hashes(req, conv, c, n)
-    refs, by_hash = share.refs, share.by_hash
+    refs, by_hash, hash_of = share.refs, share.by_hash, share.hash_of
     back, conv.share_back = conv.share_back, []
+    chunks, gpu_tier, registered = conv.chunks, Tier.GPU, 0
     for i in back + list(range(min(conv.share_upto, n), n)):
         if i >= n:
             continue
-        ch = conv.chunks[i]
-        if ch.tier is not Tier.GPU or ch.block in refs:
+        ch = chunks[i]
+        b = ch.block
+        if ch.tier is not gpu_tier or b in refs:
             continue
-        other = by_hash.get(hashes[i])
-        if other is None:
-            share.register(hashes[i], ch.block)
+        h = hashes[i]
+        other = by_hash.get(h)
+        if other is None:  # PrefixShare.register, inline (a hot path)
+            by_hash[h], hash_of[b], refs[b] = b, h, 1
+            registered += 1
         else:  # its own block is private and the turn's writes to it are done
             pools.gpu.free_one(ch.block)
             ch.block = other
             share.ref(other)
+    share.num_refs += registered
     conv.share_hashes, conv.share_salt = hashes, req.share_salt
     conv.share_upto = max(conv.share_upto, n)
