@@ -32,12 +32,12 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
 
 
 def find_shared(pools: TierPools, req: Request, conv: Conversation,
-                dropped: list[int] | None) -> tuple[list[tuple[int, int]], list[int]]:
+                dropped: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
     """Registered blocks the admitted turn can take instead of computing: ``(index, block)``
     for its dropped full chunks, and the blocks of a conversation without KV's leading full
     chunks (up to the first miss). Only chunks wholly before the turn's last token (which is
-    always computed) qualify. ``dropped``: the indices of the conversation's dropped chunks,
-    if the caller has them (ascending). Changes nothing."""
+    always computed) qualify. ``dropped``: the indices of the conversation's dropped chunks
+    (ascending, :meth:`Conversation.dropped_chunks`). Changes nothing."""
     share = pools.share
     if share is None or not share.by_hash:
         return [], []
@@ -56,8 +56,6 @@ def find_shared(pools: TierPools, req: Request, conv: Conversation,
             ext.append(b)
         return found, ext
     limit = min(limit, conv.kv_end // c)
-    if dropped is None:
-        dropped = [i for i, ch in enumerate(chunks) if ch.tier is Tier.DROPPED]
     if dropped and dropped[-1] >= limit:
         dropped = [i for i in dropped if i < limit]
     if dropped:
@@ -67,6 +65,29 @@ def find_shared(pools: TierPools, req: Request, conv: Conversation,
             if b is not None:
                 found.append((i, b))
     return found, ext
+
+
+def pending_ranges(req: Request, conv: Conversation, dropped: list[int], num_ext: int,
+                   chunk_size: int) -> list[tuple[int, int]]:
+    """The positions the turn must compute, ascending ``[lo, hi)`` ranges: the chunks
+    ``dropped`` (ascending; dropped ones not taken from shared blocks), then everything from
+    ``kv_end`` (or from ``num_ext`` leading chunks a conversation without KV takes from
+    shared blocks)."""
+    c = chunk_size
+    holes: list[tuple[int, int]] = []
+    for i in dropped:
+        lo, hi = i * c, min((i + 1) * c, conv.kv_end)
+        if holes and holes[-1][1] == lo:
+            holes[-1] = (holes[-1][0], hi)
+        else:
+            holes.append((lo, hi))
+    kv_end = num_ext * c if num_ext else conv.kv_end
+    tail = (min(kv_end, req.num_tokens - 1), req.num_tokens)
+    if holes and holes[-1][1] == tail[0]:
+        holes[-1] = (holes[-1][0], tail[1])
+    else:
+        holes.append(tail)
+    return holes
 
 
 def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int]],

@@ -61,7 +61,12 @@ from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.request import Request
-from pensieve.core.share_admission import find_shared, register_chunks, take_shared
+from pensieve.core.share_admission import (
+    find_shared,
+    pending_ranges,
+    register_chunks,
+    take_shared,
+)
 from pensieve.core.stats import CacheStats
 from pensieve.core.tier_pools import TierPools
 
@@ -260,34 +265,14 @@ class TieredKVCache:
         (less the chunks it would take from shared blocks, were it admitted now)."""
         if self.disk is not None:
             extend_from_disk(self.pools, req, conv)  # no KV here, copies on disk (a restart)
-        dropped = [i for i, ch in enumerate(conv.chunks) if ch.tier is Tier.DROPPED]
+        dropped = conv.dropped_chunks()
         if self.pools.share is None:
-            return self._pending(req, conv, dropped, 0)
+            return pending_ranges(req, conv, dropped, 0, self.chunk_size)
         found, ext = find_shared(self.pools, req, conv, dropped)
         if found:
             taken = {i for i, _ in found}
             dropped = [i for i in dropped if i not in taken]
-        return self._pending(req, conv, dropped, len(ext))
-
-    def _pending(self, req: Request, conv: Conversation, dropped: list[int],
-                 num_ext: int) -> list[Interval]:
-        """:meth:`pending_for` were chunks ``dropped`` (ascending) the dropped ones and
-        ``num_ext`` more leading ones (of a conversation without KV) taken from shared blocks."""
-        c = self.chunk_size
-        holes: list[Interval] = []
-        for i in dropped:
-            lo, hi = i * c, min((i + 1) * c, conv.kv_end)
-            if holes and holes[-1][1] == lo:
-                holes[-1] = (holes[-1][0], hi)
-            else:
-                holes.append((lo, hi))
-        kv_end = num_ext * c if num_ext else conv.kv_end
-        tail = (min(kv_end, req.num_tokens - 1), req.num_tokens)
-        if holes and holes[-1][1] == tail[0]:
-            holes[-1] = (holes[-1][0], tail[1])
-        else:
-            holes.append(tail)
-        return holes
+        return pending_ranges(req, conv, dropped, len(ext), self.chunk_size)
 
     def admit(self, req: Request, conv: Conversation, first_end: int, now: float,
               spare_tokens: int | None = None, may_defer: bool = False) -> bool:
@@ -306,9 +291,9 @@ class TieredKVCache:
         chunks = conv.chunks
         pools = self.pools
         share = pools.share
-        found, ext = (find_shared(pools, req, conv, None) if share is not None
+        found, ext = (find_shared(pools, req, conv, conv.dropped_chunks()) if share is not None
                       else ([], []))
-        on_gpu = sum(1 for ch in chunks if ch.tier is Tier.GPU) + len(found) + len(ext)
+        on_gpu = [ch.tier for ch in chunks].count(Tier.GPU) + len(found) + len(ext)
         n_chunks = len(chunks) + len(ext)
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
@@ -334,8 +319,7 @@ class TieredKVCache:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
         if self.disk is not None:
             st.disk_hit_tokens = restore_from_disk(self.pools, req, conv)  # dropped -> CPU chunks
-        dropped = [i for i, ch in enumerate(conv.chunks) if ch.tier is Tier.DROPPED]
-        req.pending = self._pending(req, conv, dropped, 0)
+        req.pending = pending_ranges(req, conv, conv.dropped_chunks(), 0, c)
         hit, swapped, recomputed = pools.pin(conv)
         st.gpu_hit_tokens += hit - st.shared_hit_tokens
         st.cpu_hit_tokens += swapped - st.disk_hit_tokens
