@@ -300,9 +300,9 @@ class TieredKVCache:
         held = on_gpu  # of the evictable blocks, those this turn would pin
         if (shortfall > 0 and share is not None and share.pins  # pinned: not evictable
                 and pools.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
-            pinned = share.is_pinned
-            held -= sum(1 for ch in chunks if ch.tier is Tier.GPU and pinned(ch.block))
-            held -= sum(1 for b in ext if pinned(b)) + sum(1 for _, b in found if pinned(b))
+            pins = share.pins  # PrefixShare.is_pinned, inline
+            held -= sum(1 for ch in chunks if ch.block in pins and ch.tier is Tier.GPU)
+            held -= sum(1 for b in ext if b in pins) + sum(1 for _, b in found if b in pins)
         if shortfall > 0 and pools.evictable_gpu_blocks() - held < shortfall:
             return False
         if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
