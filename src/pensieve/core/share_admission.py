@@ -41,9 +41,11 @@ def find_shared(pools: TierPools, req: Request, conv: Conversation,
     share = pools.share
     if share is None or not share.by_hash:
         return [], []
+    chunks = conv.chunks
+    if chunks and not dropped:  # KV and nothing dropped: nothing to take
+        return [], []
     c = pools.chunk_size
     limit = (req.num_tokens - 1) // c  # full chunks before the last token
-    chunks = conv.chunks
     found: list[tuple[int, int]] = []
     ext: list[int] = []
     if not chunks and conv.kv_end == 0:
@@ -133,9 +135,9 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
         if ch.tier is not gpu_tier or b in refs:
             continue
         h = hashes[i]
-        other = by_hash.get(h)
-        if other is None:  # PrefixShare.register, inline (a hot path)
-            by_hash[h], hash_of[b], refs[b] = b, h, 1
+        other = by_hash.setdefault(h, b)
+        if other == b:  # PrefixShare.register, inline (a hot path)
+            hash_of[b], refs[b] = h, 1
             registered += 1
         else:  # its own block is private and the turn's writes to it are done
             pools.gpu.free_one(ch.block)

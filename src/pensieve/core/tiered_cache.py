@@ -291,9 +291,10 @@ class TieredKVCache:
         chunks = conv.chunks
         pools = self.pools
         share = pools.share
-        found, ext = (find_shared(pools, req, conv, conv.dropped_chunks()) if share is not None
-                      else ([], []))
-        on_gpu = [ch.tier for ch in chunks].count(Tier.GPU) + len(found) + len(ext)
+        tiers = [ch.tier for ch in chunks]
+        found, ext = (find_shared(pools, req, conv, conv.dropped_chunks(tiers))
+                      if share is not None else ([], []))
+        on_gpu = tiers.count(Tier.GPU) + len(found) + len(ext)
         n_chunks = len(chunks) + len(ext)
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
