@@ -75,3 +75,12 @@ class Conversation:
     def chunk_tokens(self, index: int, chunk_size: int) -> int:
         """Positions of chunk ``index`` that hold (or held) KV."""
         return max(0, min(chunk_size, self.kv_end - index * chunk_size))
+
+    def dropped_chunks(self, tiers: list[Tier] | None = None) -> list[int]:
+        """Indices of the chunks on no tier (ascending; one pass at C speed when there are
+        none, the common case). ``tiers``: each chunk's tier, if the caller has them."""
+        if tiers is None:
+            tiers = [ch.tier for ch in self.chunks]
+        if Tier.DROPPED not in tiers:
+            return []
+        return [i for i, t in enumerate(tiers) if t is Tier.DROPPED]

@@ -104,14 +104,7 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
 
 
 def _cpu_block(cache: TierPools) -> int | None:
-    """A free CPU block, or one freed by spilling the CPU tier's lowest idle chunk."""
-    cpu = cache.cpu
-    assert cpu is not None
-    if cpu.num_free_blocks == 0:
-        victim = cache.index.peek_victim(Tier.CPU)
-        if victim is None:
-            return None
-        cache._drop_cpu_victim(victim[1], victim[2])
-        if cache._hints_due:
-            cache.apply_hints()
-    return cpu.allocate_one()
+    """A free CPU block, or one freed by spilling the CPU tier's lowest idle chunk (tenants'
+    hints that changed applied at once)."""
+    block = cache.take_cpu_block(None, settle=True)
+    return None if block < 0 else block

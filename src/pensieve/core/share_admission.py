@@ -31,18 +31,21 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
     return h
 
 
-def find_shared(pools: TierPools, req: Request,
-                conv: Conversation) -> tuple[list[tuple[int, int]], list[int]]:
+def find_shared(pools: TierPools, req: Request, conv: Conversation,
+                dropped: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
     """Registered blocks the admitted turn can take instead of computing: ``(index, block)``
     for its dropped full chunks, and the blocks of a conversation without KV's leading full
     chunks (up to the first miss). Only chunks wholly before the turn's last token (which is
-    always computed) qualify. Changes nothing."""
+    always computed) qualify. ``dropped``: the indices of the conversation's dropped chunks
+    (ascending, :meth:`Conversation.dropped_chunks`). Changes nothing."""
     share = pools.share
     if share is None or not share.by_hash:
         return [], []
+    chunks = conv.chunks
+    if chunks and not dropped:  # KV and nothing dropped: nothing to take
+        return [], []
     c = pools.chunk_size
     limit = (req.num_tokens - 1) // c  # full chunks before the last token
-    chunks = conv.chunks
     found: list[tuple[int, int]] = []
     ext: list[int] = []
     if not chunks and conv.kv_end == 0:
@@ -55,7 +58,8 @@ def find_shared(pools: TierPools, req: Request,
             ext.append(b)
         return found, ext
     limit = min(limit, conv.kv_end // c)
-    dropped = [i for i in range(limit) if chunks[i].tier is Tier.DROPPED]
+    if dropped and dropped[-1] >= limit:
+        dropped = [i for i in dropped if i < limit]
     if dropped:
         hashes = request_hashes(req, conv, c, dropped[-1] + 1)
         for i in dropped:
@@ -63,6 +67,29 @@ def find_shared(pools: TierPools, req: Request,
             if b is not None:
                 found.append((i, b))
     return found, ext
+
+
+def pending_ranges(req: Request, conv: Conversation, dropped: list[int], num_ext: int,
+                   chunk_size: int) -> list[tuple[int, int]]:
+    """The positions the turn must compute, ascending ``[lo, hi)`` ranges: the chunks
+    ``dropped`` (ascending; dropped ones not taken from shared blocks), then everything from
+    ``kv_end`` (or from ``num_ext`` leading chunks a conversation without KV takes from
+    shared blocks)."""
+    c = chunk_size
+    holes: list[tuple[int, int]] = []
+    for i in dropped:
+        lo, hi = i * c, min((i + 1) * c, conv.kv_end)
+        if holes and holes[-1][1] == lo:
+            holes[-1] = (holes[-1][0], hi)
+        else:
+            holes.append((lo, hi))
+    kv_end = num_ext * c if num_ext else conv.kv_end
+    tail = (min(kv_end, req.num_tokens - 1), req.num_tokens)
+    if holes and holes[-1][1] == tail[0]:
+        holes[-1] = (holes[-1][0], tail[1])
+    else:
+        holes.append(tail)
+    return holes
 
 
 def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int]],
@@ -97,20 +124,25 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     c = pools.chunk_size
     n = min(conv.kv_end, len(conv.token_ids)) // c
     hashes = request_hashes(req, conv, c, n)
-    refs, by_hash = share.refs, share.by_hash
+    refs, by_hash, hash_of = share.refs, share.by_hash, share.hash_of
     back, conv.share_back = conv.share_back, []
+    chunks, gpu_tier, registered = conv.chunks, Tier.GPU, 0
     for i in back + list(range(min(conv.share_upto, n), n)):
         if i >= n:
             continue
-        ch = conv.chunks[i]
-        if ch.tier is not Tier.GPU or ch.block in refs:
+        ch = chunks[i]
+        b = ch.block
+        if ch.tier is not gpu_tier or b in refs:
             continue
-        other = by_hash.get(hashes[i])
-        if other is None:
-            share.register(hashes[i], ch.block)
+        h = hashes[i]
+        other = by_hash.setdefault(h, b)
+        if other == b:  # PrefixShare.register, inline (a hot path)
+            hash_of[b], refs[b] = h, 1
+            registered += 1
         else:  # its own block is private and the turn's writes to it are done
             pools.gpu.free_one(ch.block)
             ch.block = other
             share.ref(other)
+    share.num_refs += registered
     conv.share_hashes, conv.share_salt = hashes, req.share_salt
     conv.share_upto = max(conv.share_upto, n)

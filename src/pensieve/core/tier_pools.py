@@ -27,6 +27,7 @@ from pensieve.core.disk_index import DiskIndex, chunk_hashes, spilled_key
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
+from pensieve.core.pool_audit import check_pool
 from pensieve.core.prefix_share import PrefixShare
 from pensieve.core.stats import CacheStats
 from pensieve.core.tenant_share import TenantShare
@@ -362,9 +363,16 @@ class TierPools:
         (of both tiers) right."""
         ch = conv.chunks[i]
         share = self.share
-        if share is not None and not share.unref(ch.block):
-            ch.tier, ch.block = Tier.DROPPED, -1
-            return None
+        if share is not None and ch.block in share.refs:  # PrefixShare.unref, inline (hot)
+            b = ch.block
+            n = share.refs[b]
+            share.num_refs -= 1
+            if n > 1:
+                share.refs[b] = n - 1
+                ch.tier, ch.block = Tier.DROPPED, -1
+                return None
+            del share.refs[b], share.by_hash[share.hash_of.pop(b)]
+            share.pins.pop(b, None)
         c = self.chunk_size
         tokens = min(c, conv.kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
         cpu, stats = self.cpu, self.stats
@@ -373,11 +381,8 @@ class TierPools:
             if cpu.num_free_blocks:
                 cpu_block = cpu.allocate_one()
             else:
-                victim = self.index.peek_victim(Tier.CPU)
-                if victim is not None and not (
-                        self.index.key_now(conv, i) if key is None else key) < victim[0]:
-                    self._drop_cpu_victim(victim[1], victim[2])
-                    cpu_block = cpu.allocate_one()
+                cpu_block = self.take_cpu_block(self.index.key_now(conv, i) if key is None
+                                                else key)
         if cpu_block < 0:
             if self.disk is not None:  # dropped from the GPU: to the disk tier instead
                 self._spill_to_disk(conv, i)
@@ -393,6 +398,22 @@ class TierPools:
         ch.tier, ch.block = Tier.CPU, cpu_block
         stats.swapped_out_tokens += tokens
         return Tier.CPU
+
+    def take_cpu_block(self, key: EvictionKey | None, settle: bool = False) -> int:
+        """A free CPU block, or one freed by dropping the CPU tier's lowest chunk (to disk, when
+        there is one) unless its key is higher than ``key`` (None: whatever its key); -1 if
+        neither. Tenants' hints the drop changes are applied now with ``settle``, else by the
+        caller."""
+        cpu = self.cpu
+        assert cpu is not None
+        if not cpu.num_free_blocks:
+            victim = self.index.peek_victim(Tier.CPU)
+            if victim is None or (key is not None and key < victim[0]):
+                return -1
+            self._drop_cpu_victim(victim[1], victim[2])
+            if settle and self._hints_due:
+                self.apply_hints()
+        return cpu.allocate_one()
 
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
@@ -455,37 +476,9 @@ class TierPools:
         neither (waiting to be reclaimed counts as held), or the reclaim count is off."""
         groups = [b for g in self._reclaim_groups for b in g]
         assert self._reclaim_group_blocks == len(groups), "reclaim group count"
-        self._check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()))
+        convs, c = self.index.conversations.values(), self.chunk_size
+        check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()), convs, c,
+                   self.share)
         if self.cpu is not None:
-            self._check_pool(self.cpu, Tier.CPU, self._reclaim_cpu + self._reclaim_cpu_ahead)
-
-    def _check_pool(self, pool: BlockPool, tier: Tier, reclaim: list[int]) -> None:
-        owners: dict[int, str] = {}
-        holders: dict[int, int] = {}  # GPU block -> chunks holding it
-        running: dict[int, int] = {}  # GPU block -> running conversations holding it
-        share = self.share if tier is Tier.GPU else None
-        for conv in self.index.conversations.values():
-            if share is not None and not conv.running and conv.kv_end % self.chunk_size:
-                last = conv.chunks[-1]  # partial: the next turn writes into it
-                assert last.tier is not Tier.GPU or last.block not in share.refs, (
-                    f"{conv.conversation_id}: a partial chunk holds a shareable block")
-            for ch in conv.chunks:
-                if ch.tier is tier:
-                    b = ch.block
-                    assert not pool.is_free(b), f"{tier} block {b} held and free"
-                    if share is not None:
-                        holders[b] = holders.get(b, 0) + 1
-                        if conv.running:
-                            running[b] = running.get(b, 0) + 1
-                        if b in owners:
-                            assert b in share.refs, f"{tier} block {b} held twice, unshared"
-                            continue
-                    assert b not in owners, f"{tier} block {b} held twice"
-                    owners[b] = conv.conversation_id
-        if share is not None:
-            share.check(holders, running)
-        for b in reclaim:
-            assert b not in owners and not pool.is_free(b), f"{tier} block {b} reclaim clash"
-            owners[b] = "<reclaim>"
-        total = len(owners) + pool.num_free_blocks
-        assert total == pool.num_blocks, f"{tier}: {total} accounted of {pool.num_blocks}"
+            check_pool(self.cpu, Tier.CPU, self._reclaim_cpu + self._reclaim_cpu_ahead, convs,
+                       c, None)

@@ -53,7 +53,6 @@ eviction index and the running counts equal a full recomputation.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.disk_index import DiskIndex
@@ -62,7 +61,12 @@ from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.request import Request
-from pensieve.core.share_admission import find_shared, register_chunks, take_shared
+from pensieve.core.share_admission import (
+    find_shared,
+    pending_ranges,
+    register_chunks,
+    take_shared,
+)
 from pensieve.core.stats import CacheStats
 from pensieve.core.tier_pools import TierPools
 
@@ -261,31 +265,14 @@ class TieredKVCache:
         (less the chunks it would take from shared blocks, were it admitted now)."""
         if self.disk is not None:
             extend_from_disk(self.pools, req, conv)  # no KV here, copies on disk (a restart)
+        dropped = conv.dropped_chunks()
         if self.pools.share is None:
-            return self._pending(req, conv, (), 0)
-        found, ext = find_shared(self.pools, req, conv)
-        return self._pending(req, conv, {i for i, _ in found}, len(ext))
-
-    def _pending(self, req: Request, conv: Conversation, shared: Collection[int],
-                 num_ext: int) -> list[Interval]:
-        """:meth:`pending_for` were chunks ``shared`` and ``num_ext`` more leading ones
-        (of a conversation without KV) taken from shared blocks."""
-        c = self.chunk_size
-        holes: list[Interval] = []
-        for i, chunk in enumerate(conv.chunks):
-            if chunk.tier is Tier.DROPPED and i not in shared:
-                lo, hi = i * c, min((i + 1) * c, conv.kv_end)
-                if holes and holes[-1][1] == lo:
-                    holes[-1] = (holes[-1][0], hi)
-                else:
-                    holes.append((lo, hi))
-        kv_end = num_ext * c if num_ext else conv.kv_end
-        tail = (min(kv_end, req.num_tokens - 1), req.num_tokens)
-        if holes and holes[-1][1] == tail[0]:
-            holes[-1] = (holes[-1][0], tail[1])
-        else:
-            holes.append(tail)
-        return holes
+            return pending_ranges(req, conv, dropped, 0, self.chunk_size)
+        found, ext = find_shared(self.pools, req, conv, dropped)
+        if found:
+            taken = {i for i, _ in found}
+            dropped = [i for i in dropped if i not in taken]
+        return pending_ranges(req, conv, dropped, len(ext), self.chunk_size)
 
     def admit(self, req: Request, conv: Conversation, first_end: int, now: float,
               spare_tokens: int | None = None, may_defer: bool = False) -> bool:
@@ -304,16 +291,19 @@ class TieredKVCache:
         chunks = conv.chunks
         pools = self.pools
         share = pools.share
-        found, ext = find_shared(pools, req, conv) if share is not None else ([], [])
-        on_gpu = sum(1 for ch in chunks if ch.tier is Tier.GPU) + len(found) + len(ext)
+        tiers = [ch.tier for ch in chunks]
+        found, ext = (find_shared(pools, req, conv, conv.dropped_chunks(tiers))
+                      if share is not None else ([], []))
+        on_gpu = tiers.count(Tier.GPU) + len(found) + len(ext)
         n_chunks = len(chunks) + len(ext)
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         held = on_gpu  # of the evictable blocks, those this turn would pin
-        if shortfall > 0 and share is not None and share.pins:  # pinned: not evictable
-            pinned = share.is_pinned
-            held -= sum(1 for ch in chunks if ch.tier is Tier.GPU and pinned(ch.block))
-            held -= sum(1 for b in ext if pinned(b)) + sum(1 for _, b in found if pinned(b))
+        if (shortfall > 0 and share is not None and share.pins  # pinned: not evictable
+                and pools.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
+            pins = share.pins  # PrefixShare.is_pinned, inline
+            held -= sum(1 for ch in chunks if ch.block in pins and ch.tier is Tier.GPU)
+            held -= sum(1 for b in ext if b in pins) + sum(1 for _, b in found if b in pins)
         if shortfall > 0 and pools.evictable_gpu_blocks() - held < shortfall:
             return False
         if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
@@ -330,7 +320,7 @@ class TieredKVCache:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
         if self.disk is not None:
             st.disk_hit_tokens = restore_from_disk(self.pools, req, conv)  # dropped -> CPU chunks
-        req.pending = self._pending(req, conv, (), 0)
+        req.pending = pending_ranges(req, conv, conv.dropped_chunks(), 0, c)
         hit, swapped, recomputed = pools.pin(conv)
         st.gpu_hit_tokens += hit - st.shared_hit_tokens
         st.cpu_hit_tokens += swapped - st.disk_hit_tokens
