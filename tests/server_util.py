@@ -25,11 +25,14 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, store: Path, cache_dir: Path, *extra: str, model: str = "demo",
-                 new_session: bool = False, budget: int | None = 256) -> None:
-        """``budget``: ``--max-num-batched-tokens`` (None: the server's default)."""
+                 new_session: bool = False, budget: int | None = 256,
+                 env: dict[str, str] | None = None) -> None:
+        """``budget``: ``--max-num-batched-tokens`` (None: the server's default); ``env``: more
+        environment variables for the server (e.g. ``PENSIEVE_STEP_LOG``)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
+               **(env or {})}
         self.log = open(store.with_suffix(f".{self.port}.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pensieve.cli", "serve", model, "--port", str(self.port),
