@@ -166,15 +166,17 @@ def _flag_kwargs(cls: type, name: str, note: str | None = None, default: Any = M
 
 def add_engine_args(p: argparse.ArgumentParser, exclude: Collection[str] = (),
                     help: Mapping[str, str] | None = None, model_flag: bool = False,
-                    defaults: Mapping[str, Any] | None = None) -> None:
-    """The engine's options (all but ``exclude``) and ``--config FILE``; ``help``: the
+                    defaults: Mapping[str, Any] | None = None,
+                    only: Collection[str] | None = None) -> None:
+    """The engine's options (all but ``exclude``; ``only``: just those) and ``--config FILE``;
+    ``help``: the
     command's own help of some options. The model is the positional argument, optional
     (``model_flag``: the option ``--model``, as the benchmarks take it). ``defaults``: the
     command's own defaults of some options (a benchmark's setting, such as the paper's tier
     sizes), shown in their help; :func:`engine_options` puts a ``--config`` file and the
     flags given over them."""
     notes = help or {}
-    names = [n for n in owners() if n not in exclude]
+    names = [n for n in owners() if n not in exclude and (only is None or n in only)]
     own = dict(defaults or {})
     unknown = sorted(set(own) - set(names))
     if unknown:

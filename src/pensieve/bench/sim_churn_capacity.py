@@ -34,6 +34,10 @@ from pathlib import Path
 from pensieve.bench.run_metrics import capacity_at
 from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times
 from pensieve.bench.step_cost import StepCostModel
+from pensieve.options import add_engine_args, engine_options
+
+SIM_ENGINE_OPTIONS = ("gpu_kv_gb", "cpu_kv_gb", "decode_reserve", "defer_admission")
+"""The engine options the simulated jobs read (:mod:`pensieve.bench.sim_churn_jobs`)."""
 
 
 def swap_gbps(text: str | None) -> list[float] | None:
@@ -67,17 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rates", default="0.4,0.5,0.6,0.7,0.8,1.0,1.2,1.4")
     ap.add_argument("--workload", choices=["agentic", "sharegpt"], default="agentic")
     ap.add_argument("--think", type=float, default=5.0, help="mean think time (s)")
-    ap.add_argument("--gpu-kv-gb", type=float, default=40.0)
-    ap.add_argument("--cpu-kv-gb", type=float, default=60.0)
     ap.add_argument("--template-tokens", type=int, default=8,
                     help="chat-template tokens a turn adds (the word-level chat model's)")
-    ap.add_argument("--decode-reserve", type=float, default=None,
-                    help="share of the GPU tier admission keeps free for decode growth "
-                         "(default: the engine's CacheConfig.decode_reserve, 0.10)")
-    ap.add_argument("--defer-admission", type=int, default=None, metavar="STEPS",
-                    help="steps a turn short of GPU blocks may wait for background swap-outs "
-                         "(default: the engine's CacheConfig.defer_admission, 3; results "
-                         "before it was the default ran with 0)")
+    # the engine options the simulated engine takes, from the config (pensieve.options)
+    add_engine_args(ap, only=SIM_ENGINE_OPTIONS, defaults={"gpu_kv_gb": 40.0, "cpu_kv_gb": 60.0})
     ap.add_argument("--swap-gbps", default=None, metavar="IN,OUT",
                     help="what-if copy rates, GB/s each way (default: the measured hybrid "
                          "rates of docs/results/swap/swap_bandwidth.json)")
@@ -91,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     duration, warmup, drain, scale = sweep_times(args)
+    opts = engine_options(args)
     jobs = [{"system": s, "rate": r, "pair": "capacity", "think": args.think,
-             "gpu_kv_gb": args.gpu_kv_gb, "cpu_kv_gb": args.cpu_kv_gb, "duration": duration,
+             "gpu_kv_gb": opts["gpu_kv_gb"], "cpu_kv_gb": opts["cpu_kv_gb"],
+             "duration": duration,
              "warmup": warmup, "drain": drain, "seed": args.seed, "workload": args.workload,
              "warm_start": args.warm_start, "recompute_rule": args.recompute_rule,
              "template_tokens": args.template_tokens,
-             "decode_reserve": args.decode_reserve, "swap_gbps": swap_gbps(args.swap_gbps),
-             "defer_admission": args.defer_admission,
+             "decode_reserve": opts.get("decode_reserve"),
+             "swap_gbps": swap_gbps(args.swap_gbps),
+             "defer_admission": opts.get("defer_admission"),
              "length_scale": scale, "cost": cost.to_dict(), "model_name": args.step_cost}
             for s in systems for r in rates]
     t0 = time.time()
@@ -154,7 +154,9 @@ def plot_capacity(points: list[dict], systems: list[str], args: argparse.Namespa
     ax.set_yscale("log")
     ax.set_xlabel("throughput (req/s)")
     ax.set_ylabel("P90 normalized latency (ms/token)")
-    ax.set_title(f"{args.workload}, 13B GQA-10, {args.gpu_kv_gb:g}/{args.cpu_kv_gb:g} GB tiers, "
+    opts = engine_options(args)
+    tiers = f"{opts['gpu_kv_gb']:g}/{opts['cpu_kv_gb']:g} GB tiers"
+    ax.set_title(f"{args.workload}, 13B GQA-10, {tiers}, "
                  f"think {args.think:g} s (simulated, validated fit)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
