@@ -104,6 +104,23 @@ def _rec(sent: float, lat: float | None, out: int, cache: dict[str, int] | None 
     return r
 
 
+def test_context_sources_count_shared_and_disk_hits() -> None:
+    """Shared and disk hits are context sources of their own, cached (not computed), and the
+    rates of all six sum to 1."""
+    recs = [_rec(1.0, 1.0, 10, {"gpu_hit_tokens": 2, "shared_hit_tokens": 4,
+                                "cpu_hit_tokens": 1, "disk_hit_tokens": 1,
+                                "recomputed_tokens": 1, "new_prompt_tokens": 1}),
+            _rec(2.0, 1.0, 10, {"shared_hit_tokens": 6, "new_prompt_tokens": 4})]
+    out = summarize(LoadResult(recs, duration_s=4.0, end_s=5.0, unfinished=0), 0.0)
+    assert out["shared_hit_tokens"] == 10 and out["disk_hit_tokens"] == 1
+    assert out["prefill_cached_tokens"] == 14 and out["prefill_computed_tokens"] == 6
+    assert out["prefill_computed_per_turn"] == 3.0
+    assert out["shared_hit_rate"] == 0.5
+    rates = [out[k] for k in ("gpu_hit_rate", "shared_hit_rate", "cpu_hit_rate",
+                              "disk_hit_rate", "recomputed_rate", "new_prompt_rate")]
+    assert sum(rates) == pytest.approx(1.0)
+
+
 def test_metrics_of_a_hand_made_trace() -> None:
     recs = [_rec(0.5, 1.0, 10),  # before the warm-up: ignored
             _rec(1.0, 2.0, 10, {"gpu_hit_tokens": 6, "new_prompt_tokens": 4}),

@@ -1,12 +1,13 @@
 """A long prompt on the CPU does not stall the other streams (`pensieve serve`, default model).
 
-Three greedy streams decode while an 8,000-token prompt arrives. At the CPU's default step
+Three greedy streams decode while a 4,096-token prompt arrives. At the CPU's default step
 budget the prompt is prefilled in chunks that share their steps with the streams' decodes, so
-no stream waits for more than one chunk's step for its next token. Under one 8k-token step
-each stream would wait for the whole prefill (minutes). Checked in steps, from the server's
-step log (``PENSIEVE_STEP_LOG``), not in seconds: every step that prefills part of the prompt
-also decodes a token of each stream, and no step prefills more than the budget. The longest
-wait in seconds is printed for information (it depends on the machine's load).
+no stream waits for more than one chunk's step for its next token. Under one 4k-token step
+each stream would wait for the whole prefill (~20 s on a 2-core machine). Checked in steps,
+from the server's step log (``PENSIEVE_STEP_LOG``), not in seconds: every step that prefills
+part of the prompt also decodes a token of each stream, and no step prefills more than the
+budget. The longest wait in seconds is printed for information (it depends on the machine's
+load).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from server_util import Server
 from pensieve.core.scheduling_config import STEP_TOKEN_BUDGETS
 from pensieve.models.builtin import DEFAULT_MODEL
 
-LONG_PROMPT = 8000
+LONG_PROMPT = 4096
 CPU_STEP_BUDGET = STEP_TOKEN_BUDGETS["cpu"]
 COMPLETIONS = "/v1/completions"
 
