@@ -246,6 +246,7 @@ class SimEngine(EngineCore):
         transfer: TransferModel | None = DEFAULT_TRANSFER,
         swap_bandwidth_gbps: float | str | None = "auto",
         defer_admission: int = DEFAULT_DEFER_ADMISSION,
+        share_prefixes: bool = False,
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``cache_policy``: a policy
@@ -257,7 +258,9 @@ class SimEngine(EngineCore):
         terms, every copy done within its step. ``swap_bandwidth_gbps``: the rate the cache
         weighs swap-in against recomputation with, as ``CacheConfig.swap_bandwidth_gbps`` does
         on the engine: ``"auto"`` the transfer model's swap-in rate (off without a transfer
-        model or ``block_bytes``), ``"off"``/None always swap in, or a number of GB/s."""
+        model or ``block_bytes``), ``"off"``/None always swap in, or a number of GB/s.
+        ``share_prefixes``: the cache holds equal full chunks once (``CacheConfig.share_prefixes``;
+        the prompts' token ids decide, as on the engine)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -274,7 +277,7 @@ class SimEngine(EngineCore):
         cache = build_cache(tiers, chunk_cost, policy=policy, chunk_size=chunk_size,
                             swap_out_threshold=swap_out_threshold,
                             decode_reserve=decode_reserve, swap_chunk_s=self.swap_chunk_s,
-                            defer_admission=defer_admission)
+                            defer_admission=defer_admission, share_prefixes=share_prefixes)
         executor = SimExecutor(tiers, step_cost, clock, sample_token_id, transfer)
         executor.cache = cache
         super().__init__(Scheduler(scheduler_config, cache), executor, clock=clock.now,
@@ -298,6 +301,7 @@ class SimEngine(EngineCore):
         tiers = sim_tiers(cc, block_bytes)
         kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
         kw.setdefault("defer_admission", cc.defer_admission)
+        kw.setdefault("share_prefixes", cc.share_prefixes)
         return cls(config.scheduler, tiers.num_gpu_blocks, tiers.num_cpu_blocks, step_cost,
                    clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
