@@ -297,7 +297,7 @@ def test_split_kv(group, chunk, dtype, splits, real) -> None:
     """KV ranges split over several programs, partials merged by the combine kernel."""
     if splits is None:  # the launcher's own choice: few decode requests, long contexts
         tables = [[(c - 1, 1)] for c in (1, 100, 4000)]
-        assert launch._auto_splits(3 * 10, 3, 40, 128, torch.device(DEVICE)) > 1
+        assert launch_policy.auto_kv_splits(3 * 10, 3, 40, 128, torch.device(DEVICE)) > 1
     elif real:
         tables = [[(c - 1, 1)] for c in (1, 100, 4000, 2500, 40000)]
         tables += [[(0, 300), (3000, 1)], [(1000, 33)]]
@@ -560,6 +560,20 @@ def test_split_count_beyond_the_combiner_raises() -> None:
         paged_attention_triton(q, cache, cache, z.view(1, 1), qsl, z, z, 0.1, max_query_len=1,
                                work_items=work, num_work_items=num, tiles=(16, 64, 4, 1),
                                num_kv_splits=64, kv_split_span=qsl[1:])
+
+
+@pytest.mark.parametrize("batch,q_len,long", [(1, 1, True), (8, 1, True), (2, 1, False),
+                                             (3, 40, False)])
+def test_attention_choice_is_the_launch_plan(batch: int, q_len: int, long: bool) -> None:
+    """``attention_choice`` (what the long-attention benchmark reports) equals the tiles and
+    split count a launch with neither given picks."""
+    dev = torch.device(DEVICE)
+    heads, kv_heads, head_dim = 32, 8, 128
+    q = torch.empty(batch * q_len, heads, head_dim, device=dev)
+    tiles, splits, _ = launch._launch_plan(q, q, kv_heads, batch, q_len, None, None, None, None,
+                                           None, long)
+    assert launch.attention_choice(batch * q_len, heads, kv_heads, head_dim, batch, q_len, dev,
+                                   long) == (tiles, splits)
 
 
 def test_long_decode_rule(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,12 +169,11 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: Collection[str] = (),
                     defaults: Mapping[str, Any] | None = None,
                     only: Collection[str] | None = None) -> None:
     """The engine's options (all but ``exclude``; ``only``: just those) and ``--config FILE``;
-    ``help``: the
-    command's own help of some options. The model is the positional argument, optional
-    (``model_flag``: the option ``--model``, as the benchmarks take it). ``defaults``: the
-    command's own defaults of some options (a benchmark's setting, such as the paper's tier
-    sizes), shown in their help; :func:`engine_options` puts a ``--config`` file and the
-    flags given over them."""
+    ``help``: the command's own help of some options. The model is the positional argument,
+    optional (``model_flag``: the option ``--model``, as the benchmarks take it). ``defaults``:
+    the command's own defaults of some options (a benchmark's setting, such as the paper's tier
+    sizes), shown in their help; :func:`engine_options` puts a ``--config`` file and the flags
+    given over them."""
     notes = help or {}
     names = [n for n in owners() if n not in exclude and (only is None or n in only)]
     own = dict(defaults or {})

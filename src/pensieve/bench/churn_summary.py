@@ -66,8 +66,7 @@ ROWS: list[tuple[str, Any]] = [
          "gpu_hit_rate", "shared_hit_rate", "cpu_hit_rate", "disk_hit_rate", "recomputed_rate",
          "new_prompt_rate"))),
     ("KV blocks held per session in flight (window)",
-     lambda p: _f(((p.get("steady") or {}).get("halves", {}).get("kv_blocks_per_session")
-                   or [None])[0], fmt="{:.1f}")),
+     lambda p: _f((p.get("steady") or {}).get("kv_blocks_per_session"), fmt="{:.1f}")),
     ("steady (10%) / within noise",
      lambda p: f"{_f(p.get('steady_state'))} / "
                f"{_f((p.get('steady') or {}).get('steady_within_noise'))}"),

@@ -101,8 +101,8 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     :data:`SWEEP_SPLITS`."""
     import torch
 
-    from pensieve.kernels.launch import FP8_KV, _attention_tiles, paged_attention_triton
-    from pensieve.kernels.launch_policy import auto_kv_splits, is_long_decode
+    from pensieve.kernels.launch import FP8_KV, attention_choice, paged_attention_triton
+    from pensieve.kernels.launch_policy import is_long_decode
     from pensieve.kernels.reference import store_kv_ref
 
     dev = torch.device("cuda")
@@ -122,11 +122,10 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     start = torch.full((batch,), ctx - q_len, device=dev, dtype=i32)
     rows = torch.arange(batch, device=dev, dtype=i32)
     long = q_len == 1 and is_long_decode([ctx] * batch)
-    tiles0 = _attention_tiles(q_len * (H // HKV), q_len * (H // HKV), D, True, long)
-    programs = batch * -(-q_len * (H // HKV) // tiles0[0]) * HKV
+    tiles0, splits0 = attention_choice(batch * q_len, H, HKV, D, batch, q_len, dev, long)
     res: dict[str, Any] = {"context": ctx, "query_len": q_len, "batch": batch,
                            "sdpa_s": t_sdpa, "sdpa_backend": backend, "ours_tiles": tiles0,
-                           "ours_splits": auto_kv_splits(programs, batch * q_len, H, D, dev, long)}
+                           "ours_splits": splits0}
     for kv in kv_dtypes:
         dtype = FP8_KV if kv == "fp8" else bf
         kc = torch.empty(batch * blocks, CHUNK, HKV, D, device=dev, dtype=dtype)

@@ -184,11 +184,11 @@ def steady_state(result: LoadResult, warmup_s: float, rel_tol: float = 0.10
             unsteady.append(key)
             if nz is None or abs(b - a) > nz:
                 unsteady_noise.append(key)
-    kv = [(s.get("gpu_blocks_used") or 0) + (s.get("cpu_blocks_used") or 0)
-          for s in first + second if s.get("sessions_in_flight")]
-    if kv:  # information only: KV blocks held (GPU + CPU tiers) per session in flight
-        sessions = [s["sessions_in_flight"] for s in first + second if s.get("sessions_in_flight")]
-        halves["kv_blocks_per_session"] = [round(sum(kv) / sum(sessions), 2)] * 2
+    live = [s for s in first + second if s.get("sessions_in_flight")]
+    # information only: KV blocks held (GPU + CPU tiers) per session in flight, over the window
+    kv_per_session = (round(sum((s.get("gpu_blocks_used") or 0) + (s.get("cpu_blocks_used") or 0)
+                                for s in live) / sum(s["sessions_in_flight"] for s in live), 2)
+                      if live else None)
     span = (hi - lo) / 2.0
     if span > 0:  # information only: the offered load and what was served, per half
         cuts = ((lo, mid), (mid, hi))
@@ -205,7 +205,8 @@ def steady_state(result: LoadResult, warmup_s: float, rel_tol: float = 0.10
         steady_noise = not unsteady_noise
     return {"steady": steady, "unsteady": unsteady, "steady_within_noise": steady_noise,
             "unsteady_within_noise": unsteady_noise, "rel_tol": rel_tol, "halves": halves,
-            "noise": noise, "samples": [len(first), len(second)]}
+            "noise": noise, "samples": [len(first), len(second)],
+            "kv_blocks_per_session": kv_per_session}
 
 
 def capacity_at(points: list[dict[str, Any]], target_s: float,

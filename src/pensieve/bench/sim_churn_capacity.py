@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from pensieve.bench.run_metrics import capacity_at
 from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         {"args": vars(args), "points": slim, "capacity": caps,
          "wall_s": round(time.time() - t0, 1)}, indent=1,
         default=lambda o: None if isinstance(o, float) else str(o)))
-    plot_capacity(points, systems, args, out / "sim_churn_capacity.png")
+    plot_capacity(points, systems, args, opts, out / "sim_churn_capacity.png")
     plot_ramp(points, systems, (warmup, duration), out / "sim_churn_ramp.png")
     print(f"wrote {out}/sim_churn_capacity.json, .png, sim_churn_ramp.png; "
           f"{time.time() - t0:.0f} s")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot_capacity(points: list[dict], systems: list[str], args: argparse.Namespace,
-                  path: Path) -> None:
+                  opts: dict[str, Any], path: Path) -> None:
     """Throughput against P90 normalized latency per system, the targets dotted."""
     import matplotlib
 
@@ -154,7 +155,6 @@ def plot_capacity(points: list[dict], systems: list[str], args: argparse.Namespa
     ax.set_yscale("log")
     ax.set_xlabel("throughput (req/s)")
     ax.set_ylabel("P90 normalized latency (ms/token)")
-    opts = engine_options(args)
     tiers = f"{opts['gpu_kv_gb']:g}/{opts['cpu_kv_gb']:g} GB tiers"
     ax.set_title(f"{args.workload}, 13B GQA-10, {tiers}, "
                  f"think {args.think:g} s (simulated, validated fit)", fontsize=9)

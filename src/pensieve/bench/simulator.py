@@ -307,7 +307,6 @@ class SimEngine(EngineCore):
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
                    block_bytes=tiers.block_bytes, **kw)
 
-
     @classmethod
     def from_options(
         cls,

@@ -63,7 +63,9 @@ def extend_hashes(hashes: list[bytes], salt: bytes, tokens: list[int],
 
 class PrefixShare:
     """The GPU tier's registered blocks: hash -> block, and per block its references (chunks
-    holding it) and pins (running conversations holding it)."""
+    holding it) and pins (running conversations holding it). Registration
+    (``share_admission.register_chunks``), pins (``TierPools.pin``) and a chunk leaving the GPU
+    (``TierPools._leave_gpu``) update these maps in place on their hot paths."""
 
     def __init__(self) -> None:
         self.by_hash: dict[bytes, int] = {}
@@ -77,21 +79,6 @@ class PrefixShare:
 
     def __len__(self) -> int:
         return len(self.hash_of)
-
-    def lookup(self, h: bytes) -> int | None:
-        """The registered block of hash ``h``, if any."""
-        return self.by_hash.get(h)
-
-    def register(self, h: bytes, block: int) -> bool:
-        """Register a private block (one chunk holds it) under ``h``; False if ``h`` already
-        has a block (the chunk stays private)."""
-        if h in self.by_hash:
-            return False
-        self.by_hash[h] = block
-        self.hash_of[block] = h
-        self.refs[block] = 1
-        self.num_refs += 1
-        return True
 
     def ref(self, block: int) -> None:
         """One more chunk holds the registered ``block``."""
@@ -124,30 +111,6 @@ class PrefixShare:
             return False
         return self.unref(block)
 
-    def shared(self, block: int) -> bool:
-        """Whether another chunk holds ``block`` too (leaving drops only a reference)."""
-        return self.refs.get(block, 1) > 1
-
-    def pin(self, block: int) -> bool:
-        """A running conversation holds ``block``; True if no other one did (it becomes
-        pinned)."""
-        if block not in self.refs:
-            return True
-        n = self.pins.get(block, 0)
-        self.pins[block] = n + 1
-        return n == 0
-
-    def unpin(self, block: int) -> bool:
-        """A running conversation stops holding ``block``; True if it was the last one."""
-        n = self.pins.get(block)
-        if n is None:
-            return True
-        if n > 1:
-            self.pins[block] = n - 1
-            return False
-        del self.pins[block]
-        return True
-
     def unpin_chunks(self, chunks: list[Chunk]) -> int:
         """A running conversation with these (GPU) chunks stops running: :meth:`unpin` each
         block; returns how many are no longer pinned by anyone (inline: a hot path)."""
@@ -175,10 +138,6 @@ class PrefixShare:
             if ch.tier is Tier.GPU and not self.make_private(ch.block):
                 self.unref(ch.block)
                 ch.tier, ch.block = Tier.DROPPED, -1
-
-    def is_pinned(self, block: int) -> bool:
-        """Whether a running conversation holds the registered ``block``."""
-        return block in self.pins
 
     def check(self, holders: dict[int, int], running_holders: dict[int, int]) -> None:
         """Raise AssertionError unless the maps agree with ``holders`` (GPU block -> chunks

@@ -136,7 +136,7 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
             continue
         h = hashes[i]
         other = by_hash.setdefault(h, b)
-        if other == b:  # PrefixShare.register, inline (a hot path)
+        if other == b:  # registered: its chunk is the block's one reference
             hash_of[b], refs[b] = h, 1
             registered += 1
         else:  # its own block is private and the turn's writes to it are done

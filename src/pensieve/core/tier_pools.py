@@ -187,7 +187,7 @@ class TierPools:
             tier = ch.tier
             if tier is gpu_tier:
                 hit += tokens
-                if ch.block in refs:  # PrefixShare.pin, inline (the hot path)
+                if ch.block in refs:  # a registered block: count the conversations pinning it
                     n = pins.get(ch.block, 0)
                     pins[ch.block] = n + 1
                     if n:

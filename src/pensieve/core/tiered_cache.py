@@ -301,7 +301,7 @@ class TieredKVCache:
         held = on_gpu  # of the evictable blocks, those this turn would pin
         if (shortfall > 0 and share is not None and share.pins  # pinned: not evictable
                 and pools.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
-            pins = share.pins  # PrefixShare.is_pinned, inline
+            pins = share.pins  # registered blocks running conversations hold
             held -= sum(1 for ch in chunks if ch.block in pins and ch.tier is Tier.GPU)
             held -= sum(1 for b in ext if b in pins) + sum(1 for _, b in found if b in pins)
         if shortfall > 0 and pools.evictable_gpu_blocks() - held < shortfall:

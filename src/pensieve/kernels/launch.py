@@ -20,7 +20,7 @@ import triton
 from pensieve.kernels import triton_attention as _k
 from pensieve.kernels.launch_policy import DECODE_MAX_SPLITS as _DECODE_MAX_SPLITS
 from pensieve.kernels.launch_policy import MAX_SPLITS as _MAX_SPLITS
-from pensieve.kernels.launch_policy import auto_kv_splits
+from pensieve.kernels.launch_policy import launch_kv_splits
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_KV = torch.float8_e4m3fn
@@ -256,7 +256,16 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
     return n
 
 
-_auto_splits = auto_kv_splits
+def attention_choice(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     num_ranges: int, max_query_len: int, device: torch.device,
+                     long_context: bool = False) -> tuple[tuple[int, int, int, int], int]:
+    """The tiles and KV split count :func:`paged_attention_triton` picks itself (given
+    neither) for a launch of this shape (what ``pensieve bench long-attention`` reports)."""
+    group = num_heads // num_kv_heads
+    tiles = _attention_tiles(max_query_len * group, num_tokens * group / num_ranges, head_dim,
+                             device.type == "cuda", long_context)
+    return tiles, launch_kv_splits(tiles[0], num_tokens, num_heads, num_kv_heads, head_dim,
+                                   num_ranges, max_query_len, device, long_context)
 
 
 def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -335,8 +344,6 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
           or min(tiles[:2]) < 16 or tiles[3] < 1):
         raise ValueError("tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): powers of two, "
                          f"BLOCK_M and BLOCK_N >= 16, num_stages >= 1; got {tiles}")
-    block_m = tiles[0]
-    num_tiles = triton.cdiv(max_query_len * group, block_m)
     worklist = work_items is not None
     if worklist:
         if num_work_items is None or tiles_arg is None:
@@ -352,8 +359,8 @@ def _launch_plan(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_rang
     else:
         splits = num_kv_splits
         if splits is None:
-            splits = _auto_splits(num_ranges * num_tiles * num_kv_heads, num_tokens, num_heads,
-                                  head_dim, device, long_context)
+            splits = launch_kv_splits(tiles[0], num_tokens, num_heads, num_kv_heads, head_dim,
+                                      num_ranges, max_query_len, device, long_context)
     if splits > 1:
         ws_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32,
                              device=device)

@@ -174,3 +174,13 @@ def auto_kv_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int
     while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > WORKSPACE_BYTES:
         splits //= 2
     return splits
+
+
+def launch_kv_splits(block_m: int, num_tokens: int, num_heads: int, num_kv_heads: int,
+                     head_dim: int, num_ranges: int, max_query_len: int, device: torch.device,
+                     long_context: bool = False) -> int:
+    """:func:`auto_kv_splits` of an attention launch's grid: ranges x ``block_m``-row tiles
+    x KV heads."""
+    rows = max_query_len * (num_heads // num_kv_heads)
+    programs = num_ranges * -(-rows // block_m) * num_kv_heads
+    return auto_kv_splits(programs, num_tokens, num_heads, head_dim, device, long_context)
