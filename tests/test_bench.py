@@ -360,3 +360,28 @@ def test_bench_multiturn_runs_from_the_package(tmp_path) -> None:  # noqa: ANN00
                 .splitlines()]
     assert point["system"] == "pensieve" and point["engine"] == "sim"
     assert point["throughput_rps"] > 0
+
+
+@pytest.mark.parametrize("name", ["agentic", "coding-agent", "sharegpt"])
+def test_shared_prefix_leaves_room_in_every_conversation(name: str) -> None:
+    """With ``--shared-prefix-tokens`` S the load's conversations fit the workload's context
+    limit with the prefix added (before, turns near the limit were refused with a 400), and
+    without it the workload is the one drawn as before."""
+    import argparse
+
+    from pensieve.bench.coding_agent import AGENT_MAX_CONTEXT
+    from pensieve.bench.multiturn import workload
+    from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT
+
+    limit = AGENT_MAX_CONTEXT if name == "coding-agent" else DEFAULT_MAX_CONTEXT
+    shared = 60_000 if name == "coding-agent" else 8_000
+
+    def load(s: int) -> list[Conversation]:
+        args = argparse.Namespace(workload=name, num_conversations=300, seed=0, sharegpt=None,
+                                  shared_prefix_tokens=s)
+        return list(workload(args).conversations)
+
+    plain, with_prefix = load(0), load(shared)
+    assert max(c.total_tokens for c in plain) + shared > limit  # the case that was refused
+    assert max(c.total_tokens for c in with_prefix) + shared <= limit
+    assert len(with_prefix) > 0

@@ -69,6 +69,7 @@ from pensieve.bench.run_metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
 from pensieve.bench.workload import load_workload, ultrachat_synthetic
+from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT
 from pensieve.options import add_engine_args, default_of, engine_options
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_lengths.json.gz"
@@ -87,19 +88,32 @@ shuffle, arrivals), ``--systems`` names the cache policies."""
 
 
 def workload(args: argparse.Namespace) -> Any:
+    """The load's conversations. With ``--shared-prefix-tokens`` S, every conversation's
+    context limit (the workload's ``max_context``) is S tokens lower, since its first turn
+    carries the prefix too: no turn passes the limit the workload was drawn for."""
+    room = args.shared_prefix_tokens
+    n = args.num_conversations or 5000
     if args.workload in ("coding-agent", "agent-mix"):
-        from pensieve.bench.commands import load_workload as load_named
+        from pensieve.bench.coding_agent import (
+            AGENT_MAX_CONTEXT,
+            agent_mix_workload,
+            coding_agent_workload,
+        )
 
-        return load_named(args.workload, args.num_conversations, args.seed)
+        make = coding_agent_workload if args.workload == "coding-agent" else agent_mix_workload
+        return make(n, seed=args.seed, max_context=AGENT_MAX_CONTEXT - room)
     if args.workload == "agentic":
         from pensieve.bench.agentic import agentic_workload
 
-        return agentic_workload(args.num_conversations or 5000, seed=args.seed)
+        return agentic_workload(n, seed=args.seed, max_context=DEFAULT_MAX_CONTEXT - room)
     if args.workload == "ultrachat":
-        return ultrachat_synthetic(args.num_conversations or 5000, seed=args.seed)
-    if args.sharegpt:
-        return sharegpt_workload(args.sharegpt, max_conversations=args.num_conversations)
-    return load_workload(str(DEFAULT_CACHE))
+        return ultrachat_synthetic(n, seed=args.seed, max_context=DEFAULT_MAX_CONTEXT - room)
+    wl = (sharegpt_workload(args.sharegpt, max_conversations=args.num_conversations)
+          if args.sharegpt else load_workload(str(DEFAULT_CACHE)))
+    if room:
+        wl.conversations = [c for c in wl.conversations
+                            if c.total_tokens <= DEFAULT_MAX_CONTEXT - room]
+    return wl
 
 
 class StepLog:
