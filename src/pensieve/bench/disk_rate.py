@@ -3,7 +3,10 @@
 Writes ``--chunks`` chunks of one model shape's KV (all layers, ``[L, 2, C, Hkv, D]``) through
 :class:`~pensieve.engine.disk_tier.DiskTier` (the engine's writer thread, one file per chunk,
 header and crc32 included), then reads them back as a restarted engine does (a new tier scans
-the directory; each conversation's files are read and checked in its thread pool). The raw
+the directory; each conversation's files are read and checked in its thread pool): all at
+once (``read``), and one conversation at a time with each chunk copied into a CPU-tier block
+before the next conversation is read (``restore``: what a server does turn by turn; buffers of
+restored chunks are read into again). The raw
 rate is ``dd`` of the same number of bytes in 1 MiB blocks, written with ``conv=fdatasync``
 and without, then read. The tier's writes do not fsync (a crash loses at most the files not yet
 flushed by the OS, never a half file under its name: writes go through a rename). Reads of
@@ -63,11 +66,28 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     read_s = time.perf_counter() - t0
     ready = sum(e.ready for es in reader.index.entries.values() for e in es.values())
     assert ready == args.chunks, ready
+    read_bytes = reader.bytes_read
+    reader.close(None)
+    # as a server restores: one conversation's turn at a time, read, checked and copied into
+    # CPU-tier blocks, so later reads reuse the buffers of restored chunks
+    reader = _tier(path, args, cpu)
+    t0 = time.perf_counter()
+    block = 0
+    for c in tqdm(sorted(reader.index.entries), desc="restore", unit="conversation"):
+        reader.prefetch(c)
+        reader.collect()
+        for entry in reader.index.of(c):
+            assert entry.ready, entry.name
+            reader.index.plan.reads.append((entry, block % args.blocks))
+            block += 1
+        reader.apply()
+    restore_s = time.perf_counter() - t0
     reader.close(None)
     shutil.rmtree(path, ignore_errors=True)
     return {"chunk_bytes": tier.block_bytes, "bytes": nbytes, "write_s": write_s,
             "write_gbps": nbytes / write_s / 1e9, "read_s": read_s,
-            "read_gbps": reader.bytes_read / read_s / 1e9}
+            "read_gbps": read_bytes / read_s / 1e9, "restore_s": restore_s,
+            "restore_gbps": reader.bytes_read / restore_s / 1e9}
 
 
 def dd_rates(path: str, nbytes: int) -> dict[str, float]:

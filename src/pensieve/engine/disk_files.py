@@ -83,31 +83,39 @@ def _parse(raw: bytes) -> Header | None:
         return None
 
 
-def decode(data: bytearray, fp: str, conversation_id: str, index: int, tokens: int,
-           prefix_hash: str, nbytes: int) -> memoryview | None:
+def decode(data: bytearray | memoryview, fp: str, conversation_id: str, index: int,
+           tokens: int, prefix_hash: str, nbytes: int) -> memoryview | None:
     """The payload of a file's bytes (a view, no copy) if it is the expected chunk, intact;
     else None."""
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
+    view = memoryview(data)
+    if len(view) < len(MAGIC) + _LEN.size or view[:len(MAGIC)] != MAGIC:
         return None
-    (n,) = _LEN.unpack_from(data, len(MAGIC))
+    (n,) = _LEN.unpack_from(view, len(MAGIC))
     start = len(MAGIC) + _LEN.size + n
-    h = _parse(bytes(data[len(MAGIC) + _LEN.size:start])) if n <= MAX_HEADER else None
+    h = _parse(bytes(view[len(MAGIC) + _LEN.size:start])) if n <= MAX_HEADER else None
     if h is None or (h.fingerprint, h.conversation_id, h.index, h.tokens, h.prefix_hash,
                      h.nbytes) != (fp, conversation_id, index, tokens, prefix_hash, nbytes):
         return None
-    payload = memoryview(data)[start:]
+    payload = view[start:]
     if payload.nbytes != nbytes or zlib.crc32(payload) != h.crc32:
         return None
     return payload
 
 
-def read_file(path: str) -> bytearray:
-    """A whole file into one writable buffer (OSError if it cannot be read)."""
+READ_SLACK = 4096
+"""Bytes a new read buffer has beyond its file, so files of the same payload with longer
+headers (a longer conversation id) can be read into it later."""
+
+
+def read_file(path: str, spare: bytearray | None = None) -> memoryview:
+    """A whole file's bytes (OSError if it cannot be read): read into ``spare`` if it is large
+    enough (a buffer read into before: no fresh pages to fault in), else into a new buffer;
+    a view of the bytes read, whose ``obj`` is the buffer."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        data = bytearray(size)
-        got = f.readinto(data)
-    return data[:got] if got != size else data
+        buf = spare if spare is not None and len(spare) >= size else bytearray(size + READ_SLACK)
+        got = f.readinto(memoryview(buf)[:size])
+    return memoryview(buf)[:got]
 
 
 def write_atomic(path: str, head: bytes, payload: memoryview) -> None:

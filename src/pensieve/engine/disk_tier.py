@@ -45,6 +45,9 @@ from pensieve.engine import disk_files
 
 log = logging.getLogger("pensieve")
 
+SPARE_BYTES = 1 << 30
+"""At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
+
 
 class DiskTier:
     """Files of one directory, read into and written from the CPU tier's blocks."""
@@ -77,6 +80,11 @@ class DiskTier:
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._loaded: dict[str, memoryview] = {}
         """Verified payloads of ready entries, by file name, until restored or dropped."""
+        self._spare: list[bytearray] = []
+        """Read buffers whose payload was restored, read into again (a fresh buffer's pages
+        are faulted in as it fills: reads into fresh buffers ran at a third of the rate of
+        reads into reused ones on the development VM, docs/performance.md)."""
+        self._spare_max = max(4 * read_threads, SPARE_BYTES // self.block_bytes)
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
         self._lock = threading.Lock()
@@ -125,7 +133,11 @@ class DiskTier:
             return queued[1]
         t0 = time.perf_counter()
         try:
-            data = disk_files.read_file(os.path.join(self.path, entry.name))
+            spare = self._spare.pop()  # list.pop is atomic: no lock
+        except IndexError:
+            spare = None
+        try:
+            data = disk_files.read_file(os.path.join(self.path, entry.name), spare)
         except OSError:
             return None
         self._read_s += time.perf_counter() - t0
@@ -174,12 +186,27 @@ class DiskTier:
             view = torch.frombuffer(payload, dtype=torch.uint8)
             kv = view.view(self.dtype).view(self.shape)
             for layer, cache in enumerate(self.cpu_caches):
-                cache[:, block].copy_(kv[layer])
+                cache[:, block].copy_(kv[layer])  # a host copy: done when it returns
+            del view, kv
+            self._recycle(payload)
         for name in plan.deletes:  # before the writes: a name may be written anew
-            self._loaded.pop(name, None)
+            dropped = self._loaded.pop(name, None)
+            if dropped is not None:
+                self._recycle(dropped)
             self._writer.submit(self._delete, name)
         for entry, payload in writes:
             self._submit_write(entry, payload)
+
+    def _recycle(self, payload: memoryview) -> None:
+        """Keep the buffer a read payload lies in for a later read (not a queued write's
+        bytes, which are no read buffer)."""
+        buf = payload.obj
+        if isinstance(buf, bytearray) and len(self._spare) < self._spare_max:
+            try:
+                payload.release()
+            except BufferError:  # still exported (a tensor over it): not reused
+                return
+            self._spare.append(buf)
 
     def _block_bytes(self, caches: list[torch.Tensor], block: int) -> memoryview:
         """A copy of one block's K and V over all layers, ``[L, 2, C, Hkv, D]``, as bytes."""
