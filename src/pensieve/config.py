@@ -159,6 +159,10 @@ class CacheConfig:
                              f"{self.defer_admission!r}")
         if self.disk_kv_gb is not None and self.disk_kv_gb > 0 and not self.disk_kv_path:
             raise ValueError("disk_kv_gb needs disk_kv_path (the directory of the disk tier)")
+        if self.disk_kv_gb and not self.policy.uses_cpu_tier:
+            raise ValueError(f"the disk tier lies below the CPU tier, and cache_policy "
+                             f"{self.cache_policy!r} keeps none: choose a policy with a CPU "
+                             f"tier or leave disk_kv_gb out")
         if (self.disk_kv_gb is not None and self.disk_kv_gb < 0) or (
                 self.disk_read_gbps is not None and not self.disk_read_gbps > 0):
             raise ValueError("disk_kv_gb must be >= 0 and disk_read_gbps > 0")
