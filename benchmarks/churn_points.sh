@@ -32,7 +32,7 @@
 # SERVE_ENV_A / SERVE_ENV_B (NAME=VALUE words for one server's environment, e.g.
 # PENSIEVE_STEP_LOG=steps.jsonl),
 # BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
-# HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (warning),
+# HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (info: the log keeps the start-up timings),
 # PROFILE_STEPS (START:COUNT: each server's steps START.. as a profiler trace, trace.json.gz),
 # TOKENIZER (words | demo: chat_model_dir.py --tokenizer), WORKLOAD (agentic | sharegpt: the
 # packaged ShareGPT lengths; a --workload in the extra args also sets it), PYTHON, SITE.
@@ -186,7 +186,7 @@ for s in $sides; do
   [ -n "${PROFILE_STEPS:-}" ] && prof=(PENSIEVE_PROFILE_STEPS="$PROFILE_STEPS:$w/$s/trace.json")
   env $(pin "$g") PENSIEVE_STEP_LOG="$w/$s/steps.jsonl" ${prof[@]+"${prof[@]}"} $e "$py" -m pensieve.cli serve "$serve_model" "${model_args[@]}" \
     --cache-policy "$sys" --host 127.0.0.1 --port "$p" --store "$w/conversations_$s.db" \
-    --log-level "${LOG_LEVEL:-warning}" --shutdown-timeout 10 ${SERVE_ARGS:-} $extra \
+    --log-level "${LOG_LEVEL:-info}" --shutdown-timeout 10 ${SERVE_ARGS:-} $extra \
     > "$w/server_${s}_$sys.log" 2>&1 &
   pids+=($!)
 done

@@ -61,10 +61,12 @@ class LLMEngine(EngineCore):
             self.model: Any = tp.model  # weightless (meta device): shapes only
             executor = tp
         else:
+            t0 = time.perf_counter()
             self.model, self.hf_config = load_model(
                 path or hf_config, dtype=resolve_dtype(mc.dtype, self.device, hf_config),
                 device=self.device, load_format=load_format, seed=mc.seed,
             )
+            log.info("model loaded in %.1f s", time.perf_counter() - t0)
             self.dtype = next(self.model.parameters()).dtype
             executor = LocalExecutor(config, self.model, self.hf_config, self.device)
         too_long = check_fits(config.scheduler.max_model_len, cc.chunk_size, executor.tiers)

@@ -13,6 +13,7 @@ with the other ranks between the second and the third):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -104,15 +105,20 @@ def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: t
                  num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
     """Allocate ``model``'s KV tiers, build its runner and capture its CUDA graphs."""
     cc = config.cache
+    t0 = time.perf_counter()
     kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, dtype)
     kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
                                    model.num_kv_heads, model.head_dim, kv_dtype, device)
     if kv_dtype == torch.float8_e4m3fn:  # a checkpoint's calibrated scales, else 1
         init_kv_scales(model, device, getattr(model, "checkpoint_kv_scales", None))
+    t1 = time.perf_counter()
     runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks,
                          tokenizer=config.model.model)
+    t2 = time.perf_counter()
     runner.capture_graphs(config.decode_graph_shape(device.type),
                           config.mixed_graph_shape(device.type))
+    log.info("engine start: GPU tier %.1f s, CPU tier and kernels %.1f s, CUDA graphs %.1f s",
+             t1 - t0, t2 - t1, time.perf_counter() - t2)
     return runner
 
 
