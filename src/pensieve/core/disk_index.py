@@ -32,8 +32,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionKey
 
 DiskKey = tuple[int, float, EvictionKey]
@@ -65,6 +67,28 @@ def chunk_hashes(tokens: list[int], chunk_size: int, n_chunks: int) -> list[str]
         prev = h.digest()
         out.append(h.hexdigest())
     return out
+
+
+def spill_chunk(disk: DiskIndex, conv: Conversation, i: int, chunk_size: int,
+                key_now: Callable[[Conversation, int], EvictionKey]) -> int:
+    """Chunk ``i`` of an idle ``conv`` (its bytes in its CPU or GPU block) leaves the cache
+    by the retention order: plan its write to ``disk`` if its tokens are in the history and
+    the disk takes it (keyed by ``key_now``, the policy's key now); returns the tokens planned
+    (0: none). Call it before the block is freed."""
+    c = chunk_size
+    ch = conv.chunks[i]
+    n_tok = conv.chunk_tokens(i, c)
+    history = conv.token_ids
+    if n_tok == 0 or i * c + n_tok > len(history):
+        return 0  # KV of a suspended turn beyond the history: no tokens to check it against
+    if n_tok == c:
+        h = disk.hashes_of(conv.conversation_id, history, i + 1)[i]
+    else:
+        h = chunk_hashes(history[:i * c + n_tok], c, i + 1)[i]
+    if disk.spill(conv.conversation_id, i, n_tok, h, spilled_key(key_now(conv, i)), ch.block,
+                  ch.tier is Tier.GPU):
+        return n_tok
+    return 0
 
 
 def file_name(conversation_id: str, index: int) -> str:

@@ -12,6 +12,17 @@ indexed again from scratch, one pass over its chunks), gets retention hints (or 
 crosses its ``tenant_kv_share``: :mod:`pensieve.core.tenant_share`), or a chunk of it
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
+Shared blocks (:mod:`pensieve.core.prefix_share`). A GPU chunk whose block other chunks hold
+too (``refs > 1``) is no candidate: evicting it would free nothing (the sharer only drops its
+reference), and the block is worth what all its sharers would lose, more than any one of them
+holds. :meth:`EvictionIndex.first` skips such chunks, so a conversation's GPU candidate is its
+first chunk in the policy's order that it holds alone. A chunk that becomes shared after it was
+indexed is skipped when it surfaces (``TierPools.evict_gpu``); one skipped while shared whose
+sharers have gone since stays out until its conversation is indexed again. Blocks out of the
+index leave only by the pools' fallback once an urgent pass finds no candidate left
+(:func:`pensieve.core.shared_eviction.evict_shared`). Invariant: every GPU chunk of an idle
+conversation before its GPU candidate (all of them, without one) holds a registered block.
+
 Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
 idle time`` depends on ``now``, so conversations' order changes over time and no static
 heap holds it. It only falls while a conversation stays idle, though, so a key evaluated at a
@@ -42,6 +53,7 @@ import math
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
+from pensieve.core.prefix_share import PrefixShare
 
 Victim = tuple[EvictionKey, Conversation, int]
 """(key, conversation, chunk index) of an eviction candidate."""
@@ -146,6 +158,9 @@ class EvictionIndex:
         self.step = -1 if policy.tail_first else 1
         """+1: a conversation's chunks go leading first; -1: tail first."""
         self._costs: dict[int, float] = {}
+        self.share: PrefixShare | None = None
+        """The GPU tier's registered blocks when prefixes are shared (set by the pools): GPU
+        chunks of blocks with more than one reference are no candidates (module docstring)."""
 
     def rekey(self, conv: Conversation) -> None:
         """The inputs of ``conv``'s keys changed: its index entries follow."""
@@ -201,8 +216,19 @@ class EvictionIndex:
         self.keyed_now.clear()
 
     def first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
-        """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order."""
+        """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order (on the
+        GPU, the first whose block no other chunk shares)."""
         chunks = conv.chunks
+        share = self.share
+        if share is not None and share.refs and tier is Tier.GPU:
+            refs = share.refs
+            order = (range(max(start, 0), len(chunks)) if self.step > 0
+                     else range(min(start, len(chunks) - 1), -1, -1))
+            for i in order:
+                ch = chunks[i]
+                if ch.tier is tier and refs.get(ch.block, 1) < 2:
+                    return i
+            return None
         if self.step > 0:
             for i in range(max(start, 0), len(chunks)):
                 if chunks[i].tier is tier:
@@ -287,13 +313,16 @@ class EvictionIndex:
         self._check_index(self.cpu, Tier.CPU)
 
     def _check_index(self, index: TierIndex, tier: Tier) -> None:
-        want: dict[Conversation, int] = {}
-        for conv in self.conversations.values():
-            i = None if conv.running else self.first(conv, tier, self.start(conv))
-            if i is not None:
-                want[conv] = i
         got = {conv: i for conv, (i, _, _, _) in index.live.items()}
-        assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
+        if tier is Tier.GPU and self.share is not None:
+            self._check_shared(got, self.share)
+        else:
+            want: dict[Conversation, int] = {}
+            for conv in self.conversations.values():
+                i = None if conv.running else self.first(conv, tier, self.start(conv))
+                if i is not None:
+                    want[conv] = i
+            assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
         heap = {seq: (key, conv, i) for key, seq, conv, i in index.heap}
         exact = {id(c) for x, c in self.keyed_now if x is index}
         for conv, (i, seq, key, t) in index.live.items():
@@ -305,3 +334,23 @@ class EvictionIndex:
             if self.time_dependent:  # a lower bound (at t_e), or exact now and listed
                 assert t == self.t_eval or (t == self.now and id(conv) in exact), (
                     tier, cid, t, "keyed at neither t_e nor now")
+
+    def _check_shared(self, got: dict[Conversation, int], share: PrefixShare) -> None:
+        """The GPU candidates with shared blocks (module docstring): each idle conversation's
+        is a GPU chunk, and every GPU chunk before it in the policy's order (all of them,
+        without one) holds a registered block; no running conversation has one."""
+        for conv in self.conversations.values():
+            cid, chunks = conv.conversation_id, conv.chunks
+            i = got.get(conv)
+            if conv.running:
+                assert i is None, (cid, "running conversation indexed")
+                continue
+            if i is not None:
+                assert chunks[i].tier is Tier.GPU, (cid, i, "GPU candidate not on the GPU")
+            order = range(len(chunks)) if self.step > 0 else range(len(chunks) - 1, -1, -1)
+            for j in order:
+                if j == i:
+                    break
+                ch = chunks[j]
+                assert ch.tier is not Tier.GPU or ch.block in share.refs, (
+                    cid, j, "unshared GPU chunk before the GPU candidate")

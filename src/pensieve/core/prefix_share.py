@@ -18,13 +18,12 @@ has to copy::
     conversation A   [sys 0][sys 1][sys 2][A's question ...)
     conversation B   [sys 0][sys 1][sys 2][B's question ...)     one GPU block per [sys i]
 
-Only the GPU tier shares: a shared chunk leaving the GPU for one sharer (eviction,
-suspension) drops that sharer's reference and its chunk becomes dropped (it re-shares at its
-next admission if the block is still there); only the last reference moves the block to the
-CPU tier or drops it, as for any private chunk. So the block leaves the GPU only when every
-sharer has evicted it: an approximation of "value a shared chunk by the sum of its sharers'
-values" that needs no change to the eviction index (each sharer's entry keeps its own key;
-the block survives until the last, i.e. the highest-valued, sharer lets it go).
+Only the GPU tier shares: a shared chunk leaving the GPU for one sharer (a suspension, the
+eviction fallback) drops that sharer's reference and its chunk becomes dropped (it re-shares at
+its next admission if the block is still there); only the last reference moves the block to the
+CPU tier or drops it, as for any private chunk. Eviction values a shared block above every
+chunk held alone: it is no eviction candidate while shared, and leaves only once nothing else
+is left (:mod:`pensieve.core.shared_eviction`).
 
 Invariants (:meth:`PrefixShare.check`): ``by_hash`` and ``hash_of`` are inverse maps; every
 registered block is a GPU block held by ``refs[block]`` chunks (unregistered blocks by one);

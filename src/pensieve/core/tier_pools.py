@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.disk_index import DiskIndex, chunk_hashes, spilled_key
+from pensieve.core.disk_index import DiskIndex, spill_chunk
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.pool_audit import check_pool
 from pensieve.core.prefix_share import PrefixShare
+from pensieve.core.shared_eviction import evict_shared
 from pensieve.core.stats import CacheStats
 from pensieve.core.tenant_share import TenantShare
 
@@ -102,6 +103,7 @@ class TierPools:
         once)."""
         self.share: PrefixShare | None = PrefixShare() if share_prefixes else None
         """Registered (shareable) GPU blocks and their references; None: no sharing."""
+        index.share = self.share
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -273,7 +275,9 @@ class TierPools:
         The hot loop of the cache. The victim's chunks are taken in a run while the next one's
         key stays below every other entry of the GPU heap (the top's children bound all
         others from below, lower bounds included), so the heap is touched once per run, not
-        once per chunk; the order is the one a pass chunk by chunk would take."""
+        once per chunk; the order is the one a pass chunk by chunk would take. A victim shared
+        since it was indexed is passed over; an urgent pass left with no candidate takes shared
+        blocks (:func:`evict_shared`)."""
         idx = self.index
         idx.refresh(now)
         whole = idx.policy.whole_conversation
@@ -281,14 +285,20 @@ class TierPools:
         step = idx.step
         gpu_tier = Tier.GPU
         peek_victim, first, key_now = idx.peek_victim, idx.first, idx.key_now
-        leave_gpu, entered_cpu = self._leave_gpu, idx.entered_cpu
+        evict_chunk = self._evict_chunk
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = idx.keyed_now if idx.time_dependent else []
+        refs = self.share.refs if self.share is not None else {}
         done = 0
         last: Conversation | None = None
         while True:
             top = peek_victim(gpu_tier)
             if top is None:
+                if done < n and refs and urgent:  # only shared blocks (or none) left
+                    done += evict_shared(idx, refs, n - done,
+                                         lambda c, j, k: self._evict_chunk(c, j, k, urgent))
+                    if self._hints_due:
+                        self.apply_hints()
                 break
             key, conv, i = top
             if done >= n and not (whole and conv is last):
@@ -297,13 +307,10 @@ class TierPools:
             bound = (min(heap[1][0], heap[2][0]) if len(heap) > 2
                      else heap[1][0] if len(heap) == 2 else None)
             while True:
-                to = leave_gpu(conv, i, key, urgent)
-                if to is Tier.CPU:
-                    entered_cpu(conv, i, key)
-                if self.tenant_share is not None and conv in self.tenant_share.counted:
-                    self._hints_due |= self.tenant_share.moved(conv, gpu_tier,
-                                                               to or Tier.DROPPED)
-                if to is not None:  # None: a shared block lost one reference, not freed
+                if refs and refs.get(conv.chunks[i].block, 1) > 1:
+                    pass  # shared since it was indexed: no candidate (evict_shared's)
+                else:  # the block's one holder: it moves
+                    evict_chunk(conv, i, key, urgent)
                     done += 1
                 # the conversation's next GPU chunk takes its place in the GPU index
                 j = first(conv, gpu_tier, i + step)
@@ -320,6 +327,17 @@ class TierPools:
                 self.apply_hints()
             last = conv
         return done
+
+    def _evict_chunk(self, conv: Conversation, i: int, key: EvictionKey, urgent: bool
+                     ) -> Tier | None:
+        """GPU chunk ``i`` of ``conv`` (of key ``key`` now) leaves in an eviction pass
+        (:meth:`_leave_gpu`); its CPU index entry and its tenant's counts follow."""
+        to = self._leave_gpu(conv, i, key, urgent)
+        if to is Tier.CPU:
+            self.index.entered_cpu(conv, i, key)
+        if self.tenant_share is not None and conv in self.tenant_share.counted:
+            self._hints_due |= self.tenant_share.moved(conv, Tier.GPU, to or Tier.DROPPED)
+        return to
 
     def move_out(self, conv: Conversation) -> None:
         """Every GPU chunk of an idle conversation (just suspended, indexed) leaves the GPU
@@ -427,28 +445,14 @@ class TierPools:
 
     def _spill_to_disk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` of an idle ``conv`` (on the CPU, or on the GPU) leaves the cache by the
-        retention order: plan its write to disk, if its bytes are in its block (a CPU block's
-        not still to be copied there in this step), its tokens are in the history and the disk
-        takes it. Call it before the block is freed."""
-        disk = self.disk
-        assert disk is not None
-        ch = conv.chunks[i]
-        from_gpu = ch.tier is Tier.GPU
-        if not from_gpu and (ch.block in self._plan.swap_out
-                             or ch.block in self._plan.swap_out_first):
-            return
-        c = self.chunk_size
-        n_tok = conv.chunk_tokens(i, c)
-        history = conv.token_ids
-        if n_tok == 0 or i * c + n_tok > len(history):
-            return  # KV of a suspended turn beyond the history: no tokens to check it against
-        if n_tok == c:
-            h = disk.hashes_of(conv.conversation_id, history, i + 1)[i]
-        else:
-            h = chunk_hashes(history[:i * c + n_tok], c, i + 1)[i]
-        if disk.spill(conv.conversation_id, i, n_tok, h,
-                      spilled_key(self.index.key_now(conv, i)), ch.block, from_gpu):
-            self.stats.disk_written_tokens += n_tok
+        retention order: :func:`spill_chunk`, unless it is a CPU chunk still to be copied into
+        its block in this step. Call it before the block is freed."""
+        assert self.disk is not None
+        b = conv.chunks[i].block
+        if conv.chunks[i].tier is Tier.GPU or not (b in self._plan.swap_out
+                                                   or b in self._plan.swap_out_first):
+            self.stats.disk_written_tokens += spill_chunk(self.disk, conv, i, self.chunk_size,
+                                                          self.index.key_now)
 
     def drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed). The
