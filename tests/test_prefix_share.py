@@ -3,6 +3,7 @@ random workloads with shared prefixes, branches, evictions and tenants under eve
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from pensieve.core.eviction import get_policy
 from pensieve.core.prefix_share import extend_hashes, share_salt
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.share_admission import pinned_by_others
 from pensieve.core.tiered_cache import TieredKVCache
 from tests.test_tiered_cache import IDS, KINDS, Driver, cost
 
@@ -190,6 +192,11 @@ class ShareDriver(Driver):
                 ch = conv.chunks[i]
                 if ch.tier is Tier.GPU and ch.block in share.refs:
                     assert share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
+        for conv in cache.conversations.values():  # the admission's count of pinned blocks
+            if not conv.running:
+                tiers = [ch.tier for ch in conv.chunks]
+                assert pinned_by_others(share, conv.chunks, tiers, [], []) == sum(
+                    1 for ch in conv.chunks if ch.tier is Tier.GPU and ch.block in share.pins)
         # background copies out read their GPU block until reclaimed (an urgent one's block
         # is free at once: the runner copies it before the step touches any KV)
         leaving = set(cache.pools._plan.swap_out.values())
@@ -364,3 +371,25 @@ def test_truncation_into_a_shared_chunk_lets_it_go() -> None:
     assert conv.chunks[0].block != a0
     # a's turn continues on its own block, still registered under its tokens
     assert run_turn(cache, "c", [1] * 9, 4.0).cache_stats.shared_hit_tokens == 8
+
+
+def test_chunk_hashes_are_chained_blake2b_of_the_token_bytes() -> None:
+    """Chunk ``i``'s hash is BLAKE2b-128 of chunk ``i - 1``'s hash (the salt for the first)
+    and its tokens as 8-byte little-endian ints; a partial rest is not hashed, and extending
+    a list continues its chain."""
+    salt = share_salt("t", None, False)
+    tokens = [3, 70000, 2**40, 5] * 5  # 20 tokens: two full chunks of 8, 4 left over
+    want, prev = [], salt
+    for lo in (0, 8):
+        data = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[lo:lo + 8])
+        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
+        want.append(prev)
+    got: list[bytes] = []
+    extend_hashes(got, salt, tokens, 8)
+    assert got == want
+    part: list[bytes] = []
+    extend_hashes(part, salt, tokens[:8], 8)
+    extend_hashes(part, salt, tokens[8:], 8)
+    assert part == want
+    extend_hashes(part, salt, [1] * 7, 8)  # less than a chunk: nothing to add
+    assert part == want
