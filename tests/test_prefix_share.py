@@ -3,6 +3,7 @@ random workloads with shared prefixes, branches, evictions and tenants under eve
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -15,6 +16,7 @@ from pensieve.core.eviction import get_policy
 from pensieve.core.prefix_share import extend_hashes, share_salt
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.share_admission import pinned_by_others
 from pensieve.core.tiered_cache import TieredKVCache
 from tests.test_tiered_cache import IDS, KINDS, Driver, cost
 
@@ -203,6 +205,11 @@ class ShareDriver(Driver):
                 ch = conv.chunks[i]
                 if ch.tier is Tier.GPU and ch.block in share.refs:
                     assert share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
+        for conv in cache.conversations.values():  # the admission's count of pinned blocks
+            if not conv.running:
+                tiers = [ch.tier for ch in conv.chunks]
+                assert pinned_by_others(share, conv.chunks, tiers, [], []) == sum(
+                    1 for ch in conv.chunks if ch.tier is Tier.GPU and ch.block in share.pins)
         # background copies out read their GPU block until reclaimed (an urgent one's block
         # is free at once: the runner copies it before the step touches any KV)
         leaving = set(cache.pools._plan.swap_out.values())
@@ -410,3 +417,25 @@ def test_random_workloads_reach_the_shared_eviction_fallback(
     finally:
         _ACROSS = None
     assert sum(freed) > 0
+
+
+def test_chunk_hashes_are_chained_blake2b_of_the_token_bytes() -> None:
+    """Chunk ``i``'s hash is BLAKE2b-128 of chunk ``i - 1``'s hash (the salt for the first)
+    and its tokens as 8-byte little-endian ints; a partial rest is not hashed, and extending
+    a list continues its chain."""
+    salt = share_salt("t", None, False)
+    tokens = [3, 70000, 2**40, 5] * 5  # 20 tokens: two full chunks of 8, 4 left over
+    want, prev = [], salt
+    for lo in (0, 8):
+        data = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[lo:lo + 8])
+        prev = hashlib.blake2b(prev + data, digest_size=16).digest()
+        want.append(prev)
+    got: list[bytes] = []
+    extend_hashes(got, salt, tokens, 8)
+    assert got == want
+    part: list[bytes] = []
+    extend_hashes(part, salt, tokens[:8], 8)
+    extend_hashes(part, salt, tokens[8:], 8)
+    assert part == want
+    extend_hashes(part, salt, [1] * 7, 8)  # less than a chunk: nothing to add
+    assert part == want

@@ -85,3 +85,16 @@ def test_options_given_win_over_the_preset() -> None:
     assert d.seed_tokens == (2000, 8000) and d.max_model_len == 16384
     with pytest.raises(SystemExit):
         ap.parse_args(["--seed-tokens", "9,3"])
+
+
+def test_repeats_report_each_steps_least_time() -> None:
+    """With ``--repeat``, each step's least time over the runs (same work step by step): its
+    median is at most every run's median (a pointwise lower bound), and the per-step times
+    stay out of the JSON."""
+    res = scheduler_cost.main(["--sessions", "8", "--steps", "12", "--warmup-steps", "2",
+                               "--max-num-seqs", "4", "--budget", "512", "--repeat", "3",
+                               "--no-progress"])
+    r = res["rows"][0]
+    assert len(r["repeat_median_ms"]) == 3
+    assert 0 < r["min_step_median_ms"] <= min(r["repeat_median_ms"])
+    assert "_times" not in r

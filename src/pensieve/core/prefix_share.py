@@ -33,9 +33,10 @@ registered block is a GPU block held by ``refs[block]`` chunks (unregistered blo
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
+from collections.abc import Sequence
 
-from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.conversation import Conversation, Tier
 
 
 def share_salt(tenant: str, cache_salt: str | None, across_tenants: bool) -> bytes:
@@ -49,15 +50,27 @@ def extend_hashes(hashes: list[bytes], salt: bytes, tokens: list[int],
                   chunk_size: int) -> None:
     """Append the chained hashes of the full chunks whose tokens ``tokens`` are (the chunks
     after the ``len(hashes)`` ones ``hashes`` holds, under ``salt``; a partial rest is left
-    out)."""
-    c = chunk_size
+    out). Hot: every full chunk an ended turn computed is hashed once. The tokens are packed
+    in one call (8-byte little-endian ints) and each chunk's digest starts from a copy of an
+    empty BLAKE2b state (cheaper than building one with its parameters)."""
+    n = len(tokens) // chunk_size * chunk_size
+    if not n:
+        return
+    data = _pack(f"<{n}q", *tokens) if n == len(tokens) else _pack(f"<{n}q", *tokens[:n])
     prev = hashes[-1] if hashes else salt
-    data = array("q", tokens).tobytes()
-    step = 8 * c
-    blake2b = hashlib.blake2b
-    for lo in range(0, (len(tokens) // c) * step, step):
-        prev = blake2b(prev + data[lo:lo + step], digest_size=16).digest()
-        hashes.append(prev)
+    step = 8 * chunk_size
+    new_state, append = _EMPTY.copy, hashes.append
+    for lo in range(0, 8 * n, step):
+        h = new_state()
+        h.update(prev)
+        h.update(data[lo:lo + step])
+        prev = h.digest()
+        append(prev)
+
+
+_EMPTY = hashlib.blake2b(digest_size=16)
+"""An empty 16-byte BLAKE2b state, copied for each chunk's digest (never updated itself)."""
+_pack = struct.pack
 
 
 class PrefixShare:
@@ -110,18 +123,19 @@ class PrefixShare:
             return False
         return self.unref(block)
 
-    def unpin_chunks(self, chunks: list[Chunk]) -> int:
-        """A running conversation with these (GPU) chunks stops running: :meth:`unpin` each
-        block; returns how many are no longer pinned by anyone (inline: a hot path)."""
+    def unpin_blocks(self, blocks: Sequence[int]) -> int:
+        """A running conversation whose chunks hold these GPU ``blocks`` (its block table)
+        stops running: each registered one loses a pin; returns how many are no longer pinned
+        by anyone (inline: a hot path)."""
         pins, unpinned = self.pins, 0
-        for ch in chunks:
-            n = pins.get(ch.block)
+        for b in blocks:
+            n = pins.get(b)
             if n is None:
                 unpinned += 1
             elif n > 1:
-                pins[ch.block] = n - 1
+                pins[b] = n - 1
             else:
-                del pins[ch.block]
+                del pins[b]
                 unpinned += 1
         return unpinned
 
@@ -151,6 +165,7 @@ class PrefixShare:
             assert b in holders, f"registered GPU block {b} held by no chunk"
         for b in self.pins:
             assert b in self.refs, f"pinned block {b} not registered"
+            assert b in running_holders, f"pinned block {b} held by no running conversation"
         for b, n in running_holders.items():
             if b in self.refs:
                 assert self.pins.get(b, 0) == n, f"GPU block {b}: pins {self.pins.get(b)} != {n}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.prefix_share import extend_hashes
+from pensieve.core.prefix_share import PrefixShare, extend_hashes
 from pensieve.core.request import Request
 
 if TYPE_CHECKING:
@@ -18,7 +18,12 @@ if TYPE_CHECKING:
 def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) -> list[bytes]:
     """The chained hashes of the turn's first ``n`` full chunks (cached on the request, and
     begun from the conversation's own when the salts agree, as far as its KV goes: a history
-    rewritten since (``set_history``) kept its KV only where it kept its tokens)."""
+    rewritten since (``set_history``) kept its KV only where it kept its tokens).
+
+    A copy, not the conversation's own list: a turn that never ends (aborted) must leave the
+    conversation's hashes as they were, and its chunks past the history are the aborted
+    input's (extending the conversation's list in place registered them for the next turn's
+    different tokens)."""
     h = req.share_hashes
     if h is None:
         same = conv.share_salt == req.share_salt
@@ -92,6 +97,21 @@ def pending_ranges(req: Request, conv: Conversation, dropped: list[int], num_ext
     return holes
 
 
+def pinned_by_others(share: PrefixShare, chunks: list[Chunk], tiers: list[Tier],
+                     found: list[tuple[int, int]], ext: list[int]) -> int:
+    """Of the GPU blocks a turn being admitted would pin (its idle conversation's GPU chunks'
+    (``tiers``: theirs), and the registered ones :func:`find_shared` found), how many
+    running conversations pin already (they are not among the evictable blocks). The
+    conversation's own blocks can be pinned by others only if shared: while no registered
+    block has two holders (the usual case without common prefixes) they are not looked up."""
+    pins = share.pins
+    n = sum(1 for b in ext if b in pins) + sum(1 for _, b in found if b in pins)
+    if share.num_refs > len(share.refs):
+        gpu = Tier.GPU
+        n += sum(map(pins.__contains__, [ch.block for ch, t in zip(chunks, tiers) if t is gpu]))
+    return n
+
+
 def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int]],
                 ext: list[int]) -> int:
     """Make the chunks :func:`find_shared` found references to their blocks; returns their
@@ -126,8 +146,9 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     hashes = request_hashes(req, conv, c, n)
     refs, by_hash, hash_of = share.refs, share.by_hash, share.hash_of
     back, conv.share_back = conv.share_back, []
+    new = range(min(conv.share_upto, n), n)
     chunks, gpu_tier, registered = conv.chunks, Tier.GPU, 0
-    for i in back + list(range(min(conv.share_upto, n), n)):
+    for i in [*back, *new] if back else new:
         if i >= n:
             continue
         ch = chunks[i]
@@ -140,7 +161,7 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
             hash_of[b], refs[b] = h, 1
             registered += 1
         else:  # its own block is private and the turn's writes to it are done
-            pools.gpu.free_one(ch.block)
+            pools.gpu.free_one(b)
             ch.block = other
             share.ref(other)
     share.num_refs += registered

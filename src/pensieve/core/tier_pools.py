@@ -226,7 +226,7 @@ class TierPools:
         if share is None or not share.pins:
             self.pinned_gpu -= len(conv.chunks)
         else:
-            self.pinned_gpu -= share.unpin_chunks(conv.chunks)
+            self.pinned_gpu -= share.unpin_blocks(conv.block_table)
         conv.running = False
         conv.block_table = ()
 
@@ -381,16 +381,14 @@ class TierPools:
         (of both tiers) right."""
         ch = conv.chunks[i]
         share = self.share
-        if share is not None and ch.block in share.refs:  # PrefixShare.unref, inline (hot)
+        if share is not None and (n := share.refs.get(ch.block)):  # unref, inline (hot)
             b = ch.block
-            n = share.refs[b]
             share.num_refs -= 1
             if n > 1:
                 share.refs[b] = n - 1
                 ch.tier, ch.block = Tier.DROPPED, -1
                 return None
-            del share.refs[b], share.by_hash[share.hash_of.pop(b)]
-            share.pins.pop(b, None)
+            del share.refs[b], share.by_hash[share.hash_of.pop(b)]  # held idle: not pinned
         c = self.chunk_size
         tokens = min(c, conv.kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
         cpu, stats = self.cpu, self.stats

@@ -64,6 +64,7 @@ from pensieve.core.request import Request
 from pensieve.core.share_admission import (
     find_shared,
     pending_ranges,
+    pinned_by_others,
     register_chunks,
     take_shared,
 )
@@ -301,9 +302,7 @@ class TieredKVCache:
         held = on_gpu  # of the evictable blocks, those this turn would pin
         if (shortfall > 0 and share is not None and share.pins  # pinned: not evictable
                 and pools.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
-            pins = share.pins  # registered blocks running conversations hold
-            held -= sum(1 for ch in chunks if ch.block in pins and ch.tier is Tier.GPU)
-            held -= sum(1 for b in ext if b in pins) + sum(1 for _, b in found if b in pins)
+            held -= pinned_by_others(share, chunks, tiers, found, ext)
         if shortfall > 0 and pools.evictable_gpu_blocks() - held < shortfall:
             return False
         if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
