@@ -1,0 +1,173 @@
+"""The simulator's disk tier: the real core's plans carried out on simulated time, no files.
+
+:class:`SimDiskTier` is :class:`~pensieve.bench.simulator.SimEngine`'s ``disk`` (the
+:class:`~pensieve.engine.engine_core.DiskHooks` that :class:`~pensieve.engine.disk_tier.
+DiskTier` is on a device). The cache's decisions are the real ones: its
+:class:`~pensieve.core.disk_index.DiskIndex` (spills in the retention order, the disk's own
+eviction order, hashes) and :func:`~pensieve.core.disk_restore.restore_from_disk` (read back or
+recompute, by ``DiskIndex.read_chunk_s``). What this module replaces is the I/O, with two
+queues of simulated time, one per direction, each one chunk after another at its rate::
+
+    add_request -> prefetch: each file not ready is queued for reading; it is done at
+                   max(now, read queue free) + block_bytes / read rate
+                   (a chunk whose write is still queued is read from memory: done now)
+    step        -> collect:  the step waits (the clock jumps) until every read started so
+                   far is done, as the engine waits on its reader threads; entries ready
+                   apply:    the step's writes queued at the write rate (never waited for),
+                             restores and deletes counted
+
+Reads and writes do not slow each other down (two independent queues: the disk's measured
+rates, each alone). A read planned into a CPU block costs no step time (on a device it is a
+host copy before the step's swap-ins, which the transfer model times). No restart: ``close``
+writes nothing at shutdown.
+
+Pure Python (no torch): the simulator's import stays light.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from pensieve.core.disk_index import DiskEntry, DiskIndex
+from pensieve.core.tiered_cache import TieredKVCache
+
+SIM_DISK_READ_GBPS = 1.6
+"""Default read rate: the disk tier's reads on the H200 host (16 readers, docs/performance.md
+"Disk tier: write and read rates")."""
+SIM_DISK_WRITE_GBPS = 0.85
+"""Default write rate: the disk tier's writes on the H200 host (same section)."""
+SIM_DISK_PATH = "(simulated disk: no files)"
+"""The ``disk_kv_path`` the simulator gives the config's check when none is given: the
+simulator never opens it."""
+
+
+class _Clock(Protocol):
+    def now(self) -> float: ...
+
+    def sleep_until(self, t: float) -> None: ...
+
+
+class SimDiskTier:
+    """A disk of ``capacity_chunks`` chunks of ``block_bytes``, read and written at the given
+    rates on ``clock`` (module docstring)."""
+
+    def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
+                 read_gbps: float = SIM_DISK_READ_GBPS,
+                 write_gbps: float = SIM_DISK_WRITE_GBPS) -> None:
+        """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
+        chunk back or recomputes it (GB/s: 1e9 bytes a second)."""
+        if block_bytes <= 0:
+            raise ValueError("a simulated disk tier needs block_bytes > 0")
+        if not (read_gbps > 0 and write_gbps > 0):
+            raise ValueError(f"disk rates must be > 0 GB/s, got read {read_gbps}, write "
+                             f"{write_gbps}")
+        self.index = DiskIndex(capacity_chunks, chunk_size)
+        self.clock = clock
+        self.block_bytes = block_bytes
+        self.read_gbps = read_gbps
+        self.write_gbps = write_gbps
+        self.read_chunk_s = block_bytes / (read_gbps * 1e9)
+        self.write_chunk_s = block_bytes / (write_gbps * 1e9)
+        self.index.read_chunk_s = self.read_chunk_s
+        self._reads: dict[str, tuple[DiskEntry, float]] = {}
+        """Reads started and not collected: file name -> (entry, done at)."""
+        self._writing: dict[str, tuple[DiskEntry, float]] = {}
+        """Writes queued or running: file name -> (entry, done at)."""
+        self._write_order: deque[tuple[float, str, DiskEntry]] = deque()
+        self._read_free_at = 0.0
+        self._write_free_at = 0.0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.reads_from_memory = 0
+        """Chunks prefetched while their write was still queued (no disk read)."""
+        self.restored_chunks = 0
+        self.deleted_files = 0
+        self.read_wait_s = 0.0
+        """Simulated time steps waited for reads when they scheduled."""
+        self.read_waits = 0
+        """Steps that waited for a read."""
+        self.write_backlog_max_s = 0.0
+        """Most seconds of writes ever queued ahead (the writer's lag behind the spills)."""
+
+    # ------------------------------------------------------------------ reads
+    def prefetch(self, conversation_id: str) -> None:
+        """Queue reads of the conversation's files that are not ready yet."""
+        now = self.clock.now()
+        for entry in self.index.of(conversation_id):
+            if entry.ready or entry.name in self._reads:
+                continue
+            queued = self._writing.get(entry.name)
+            if queued is not None and queued[0] is entry and queued[1] > now:
+                self.reads_from_memory += 1  # its bytes are still in the writer's queue
+                done = now
+            else:
+                done = max(now, self._read_free_at) + self.read_chunk_s
+                self._read_free_at = done
+                self.bytes_read += self.block_bytes
+            self._reads[entry.name] = (entry, done)
+
+    def collect(self) -> None:
+        """Wait until every read started so far is done; their entries become ready."""
+        if not self._reads:
+            return
+        until = max(done for _, done in self._reads.values())
+        now = self.clock.now()
+        if until > now:
+            self.read_wait_s += until - now
+            self.read_waits += 1
+            self.clock.sleep_until(until)
+        index = self.index
+        for entry, _ in self._reads.values():
+            if index.get(entry.conversation_id, entry.index) is entry:  # not dropped since
+                index.set_ready(entry.conversation_id, entry.index, True)
+        self._reads.clear()
+
+    # ------------------------------------------------------------------ a step
+    def apply(self, sync: Callable[[], None] | None = None) -> None:
+        """Queue the step's writes; count its restores and deletes (``sync``: unused, no
+        device copies)."""
+        plan = self.index.take_plan()
+        if not plan:
+            return
+        now = self.clock.now()
+        order = self._write_order
+        while order and order[0][0] <= now:  # writes done: their bytes leave memory
+            _, name, entry = order.popleft()
+            queued = self._writing.get(name)
+            if queued is not None and queued[0] is entry:
+                del self._writing[name]
+        for _, _, entry in plan.writes:
+            done = max(now, self._write_free_at) + self.write_chunk_s
+            self._write_free_at = done
+            self._writing[entry.name] = (entry, done)
+            order.append((done, entry.name, entry))
+            self.bytes_written += self.block_bytes
+        self.write_backlog_max_s = max(self.write_backlog_max_s, self._write_free_at - now)
+        self.restored_chunks += len(plan.reads)
+        self.deleted_files += len(plan.deletes)
+
+    def close(self, cache: TieredKVCache | None) -> None:
+        """The last plan; nothing is written at shutdown (the simulator has no restart)."""
+        self.apply()
+
+    def stats(self) -> dict[str, int]:
+        """The engine's disk counters (as :meth:`DiskTier.stats`), and the simulated waits."""
+        return {"disk_blocks_total": self.index.capacity,
+                "disk_blocks_free": self.index.capacity - self.index.size,
+                "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
+                "disk_write_errors": 0, "disk_reads_from_memory": self.reads_from_memory,
+                "disk_restored_chunks": self.restored_chunks,
+                "disk_read_waits": self.read_waits,
+                "disk_read_wait_us": round(self.read_wait_s * 1e6),
+                "disk_write_backlog_max_us": round(self.write_backlog_max_s * 1e6)}
+
+    def settings(self) -> dict[str, float]:
+        """What a benchmark point records of this disk."""
+        return {"disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
+                "disk_write_gbps": self.write_gbps,
+                "disk_read_chunk_ms": round(self.read_chunk_s * 1e3, 4)}
+
+
+__all__ = ["SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS", "SimDiskTier"]
