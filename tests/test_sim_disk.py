@@ -67,13 +67,14 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     disk.index.check()
 
 
-def _sim(clock: VirtualClock, read_gbps: float | None) -> SimEngine:
+def _sim(clock: VirtualClock, read_gbps: float | None, prefetch: str = "all") -> SimEngine:
     """Tiers for ~3 conversations of ~200 tokens, a disk for all (None: no disk)."""
     sim = SimEngine(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
                                     max_model_len=512), 40, 24, STEP, clock,
                     lambda _l: RECOMPUTE_S, chunk_size=CHUNK, cache_policy="pensieve",
                     block_bytes=BLOCK_BYTES, vocab_size=256,
-                    disk_kv_gb=None if read_gbps is None else 1.0, disk_read_gbps=read_gbps)
+                    disk_kv_gb=None if read_gbps is None else 1.0, disk_read_gbps=read_gbps,
+                    disk_prefetch=prefetch)
     sim.audit = True
     return sim
 
@@ -109,13 +110,16 @@ def _long_idle(sim: SimEngine, clock: VirtualClock, convs: int = 12, turns: int 
 
 def test_long_idle_load_hits_the_disk_or_recomputes_by_its_rate() -> None:
     runs = {}
-    for name, gbps in (("none", None), ("fast", 100.0), ("slow", 1.0)):
+    for name, gbps, prefetch in (("none", None, "all"), ("fast", 100.0, "all"),
+                                 ("slow", 1.0, "all"), ("skip", 1.0, "worth-reading"),
+                                 ("fast-skip", 100.0, "worth-reading")):
         clock = VirtualClock()
-        sim = _sim(clock, gbps)
+        sim = _sim(clock, gbps, prefetch)
         history = _long_idle(sim, clock)
         runs[name] = (sim.cache_stats(), history, clock.now())
-    none, fast, slow = (runs[k][0] for k in ("none", "fast", "slow"))
-    assert runs["fast"][1] == runs["slow"][1] == runs["none"][1]  # the same turns, all done
+    none, fast, slow, skip, fast_skip = (runs[k][0] for k in ("none", "fast", "slow", "skip",
+                                                               "fast-skip"))
+    assert all(run[1] == runs["none"][1] for run in runs.values())  # the same turns, all done
     assert none["disk_hit_tokens"] == 0 and "disk_read_bytes" not in none
     assert none["recomputed_tokens"] > 0  # the tiers are too small for the load
     for st in (fast, slow):  # chunks leaving the CPU tier went to disk
@@ -131,6 +135,11 @@ def test_long_idle_load_hits_the_disk_or_recomputes_by_its_rate() -> None:
     assert slow["disk_hit_tokens"] == 0 and slow["disk_restored_chunks"] == 0
     assert slow["recomputed_tokens"] > fast["recomputed_tokens"]
     assert slow["disk_read_wait_us"] > fast["disk_read_wait_us"] > 0
+    # the what-if: a disk too slow to beat recomputation is not read at all
+    assert skip["disk_reads_skipped"] > 0 and skip["disk_written_tokens"] > 0
+    assert skip["disk_read_bytes"] == skip["disk_read_wait_us"] == skip["disk_hit_tokens"] == 0
+    # and a fast one is read as before
+    assert fast_skip["disk_reads_skipped"] == 0 and fast_skip["disk_hit_tokens"] > 0
 
 
 def test_from_options_needs_no_disk_path() -> None:

@@ -16,6 +16,12 @@ queues of simulated time, one per direction, each one chunk after another at its
                    apply:    the step's writes queued at the write rate (never waited for),
                              restores and deletes counted
 
+What-if ``prefetch="worth-reading"`` (not the engine's behaviour): a turn reads only the
+files of chunks that the core's rule could read back at admission (``read_chunk_s`` at most
+the chunk's recompute cost, the rule with no other read queued), so that a disk too slow to
+beat recomputation is not read at all; the engine reads every file (``"all"``), and the core
+then recomputes the chunks it finds slower to read, after its steps waited for them.
+
 Reads and writes do not slow each other down (two independent queues: the disk's measured
 rates, each alone). A read planned into a CPU block costs no step time (on a device it is a
 host copy before the step's swap-ins, which the transfer model times). No restart: ``close``
@@ -38,6 +44,8 @@ SIM_DISK_READ_GBPS = 1.6
 "Disk tier: write and read rates")."""
 SIM_DISK_WRITE_GBPS = 0.85
 """Default write rate: the disk tier's writes on the H200 host (same section)."""
+PREFETCH = ("all", "worth-reading")
+"""Which files a turn reads when it is added: every one (the engine), or the what-if."""
 SIM_DISK_PATH = "(simulated disk: no files)"
 """The ``disk_kv_path`` the simulator gives the config's check when none is given: the
 simulator never opens it."""
@@ -55,9 +63,18 @@ class SimDiskTier:
 
     def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
                  read_gbps: float = SIM_DISK_READ_GBPS,
-                 write_gbps: float = SIM_DISK_WRITE_GBPS) -> None:
+                 write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str = "all",
+                 cache: TieredKVCache | None = None) -> None:
         """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
-        chunk back or recomputes it (GB/s: 1e9 bytes a second)."""
+        chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``: ``"all"`` (as
+        the engine) or the what-if ``"worth-reading"`` (module docstring), which needs the
+        ``cache`` whose costs decide."""
+        if prefetch not in PREFETCH:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH)}, got {prefetch!r}")
+        if prefetch == "worth-reading" and cache is None:
+            raise ValueError("prefetch='worth-reading' needs the cache")
+        self.prefetch_mode = prefetch
+        self.cache = cache
         if block_bytes <= 0:
             raise ValueError("a simulated disk tier needs block_bytes > 0")
         if not (read_gbps > 0 and write_gbps > 0):
@@ -82,6 +99,8 @@ class SimDiskTier:
         self.bytes_written = 0
         self.reads_from_memory = 0
         """Chunks prefetched while their write was still queued (no disk read)."""
+        self.reads_skipped = 0
+        """What-if ``worth-reading``: chunks not read since recomputing them is sooner."""
         self.restored_chunks = 0
         self.deleted_files = 0
         self.read_wait_s = 0.0
@@ -98,6 +117,9 @@ class SimDiskTier:
         for entry in self.index.of(conversation_id):
             if entry.ready or entry.name in self._reads:
                 continue
+            if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
+                self.reads_skipped += 1
+                continue
             queued = self._writing.get(entry.name)
             if queued is not None and queued[0] is entry and queued[1] > now:
                 self.reads_from_memory += 1  # its bytes are still in the writer's queue
@@ -107,6 +129,16 @@ class SimDiskTier:
                 self._read_free_at = done
                 self.bytes_read += self.block_bytes
             self._reads[entry.name] = (entry, done)
+
+    def _worth_reading(self, entry: DiskEntry) -> bool:
+        """Whether the core's rule could read the entry back (as ``restore_from_disk`` with
+        no read queued before it)."""
+        assert self.cache is not None
+        conv = self.cache.conversations.get(entry.conversation_id)
+        end = (entry.index + 1) * self.index.chunk_size
+        if conv is not None:
+            end = min(end, conv.kv_end)
+        return self.read_chunk_s <= self.cache.index.cost(end)
 
     def collect(self) -> None:
         """Wait until every read started so far is done; their entries become ready."""
@@ -159,15 +191,17 @@ class SimDiskTier:
                 "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
                 "disk_write_errors": 0, "disk_reads_from_memory": self.reads_from_memory,
                 "disk_restored_chunks": self.restored_chunks,
+                "disk_reads_skipped": self.reads_skipped,
                 "disk_read_waits": self.read_waits,
                 "disk_read_wait_us": round(self.read_wait_s * 1e6),
                 "disk_write_backlog_max_us": round(self.write_backlog_max_s * 1e6)}
 
-    def settings(self) -> dict[str, float]:
+    def settings(self) -> dict[str, float | str]:
         """What a benchmark point records of this disk."""
-        return {"disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
+        return {"disk_prefetch": self.prefetch_mode,
+                "disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
                 "disk_write_gbps": self.write_gbps,
                 "disk_read_chunk_ms": round(self.read_chunk_s * 1e3, 4)}
 
 
-__all__ = ["SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS", "SimDiskTier"]
+__all__ = ["PREFETCH", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS", "SimDiskTier"]

@@ -26,6 +26,10 @@ GPU blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`
 ``per_swap_chunk_s`` of the step-cost model (the copies before the swap kernel) are not used
 then; ``transfer=None`` restores them (every copy done within its step, as before).
 
+With ``disk_kv_gb`` a disk tier lies below the CPU tier (:mod:`pensieve.bench.sim_disk`): the
+core's disk index and plans, reads and writes on simulated time at the disk's rates; a step
+waits, before it schedules, for the reads its turns started (the clock jumps).
+
 Every step is also kept as a :class:`SimStepRecord` (:attr:`SimExecutor.step_records`): what
 the host of the real engine sees of a step (``pensieve.engine.step_record.StepRecord``'s
 token and swap counts, same definitions) plus the cache's token sources of the turns admitted
@@ -256,6 +260,7 @@ class SimEngine(EngineCore):
         disk_kv_gb: float | None = None,
         disk_read_gbps: float | None = None,
         disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
+        disk_prefetch: str = "all",
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``cache_policy``: a policy
@@ -272,7 +277,8 @@ class SimEngine(EngineCore):
         the prompts' token ids decide, as on the engine). ``disk_kv_gb``: a disk tier of that
         many GiB below the CPU tier (:class:`~pensieve.bench.sim_disk.SimDiskTier`: the core's
         disk index, reads and writes on simulated time at ``disk_read_gbps``, default
-        :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``)."""
+        :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
+        ``disk_prefetch``: which files a turn reads, ``"all"`` as the engine, or a what-if)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -298,7 +304,7 @@ class SimEngine(EngineCore):
         """The simulated disk tier (None: none); also the engine's ``disk``."""
         if disk_kv_gb:
             self.sim_disk = _sim_disk(disk_kv_gb, disk_read_gbps, disk_write_gbps, tiers,
-                                      chunk_size, clock)
+                                      chunk_size, clock, disk_prefetch, cache)
             self.disk = self.sim_disk
             cache.disk = self.sim_disk.index
 
@@ -350,7 +356,8 @@ class SimEngine(EngineCore):
 
 
 def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: TierSizes,
-              chunk_size: int, clock: SimClock) -> SimDiskTier:
+              chunk_size: int, clock: SimClock, prefetch: str,
+              cache: TieredKVCache) -> SimDiskTier:
     """The simulated disk tier of ``gib`` GiB over ``tiers``' chunks (the engine's checks:
     a CPU tier below which it lies, chunks of known bytes)."""
     if tiers.num_cpu_blocks <= 0:
@@ -361,7 +368,7 @@ def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: Tie
     capacity = int(gib * 2**30 // tiers.block_bytes)
     return SimDiskTier(capacity, chunk_size, tiers.block_bytes, clock,
                        read_gbps=read_gbps if read_gbps is not None else SIM_DISK_READ_GBPS,
-                       write_gbps=write_gbps)
+                       write_gbps=write_gbps, prefetch=prefetch, cache=cache)
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,
