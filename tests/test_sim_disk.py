@@ -67,14 +67,15 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     disk.index.check()
 
 
-def _sim(clock: VirtualClock, read_gbps: float | None, prefetch: str = "all") -> SimEngine:
+def _sim(clock: VirtualClock, read_gbps: float | None, prefetch: str = "all",
+         restore: str = "rule") -> SimEngine:
     """Tiers for ~3 conversations of ~200 tokens, a disk for all (None: no disk)."""
     sim = SimEngine(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
                                     max_model_len=512), 40, 24, STEP, clock,
                     lambda _l: RECOMPUTE_S, chunk_size=CHUNK, cache_policy="pensieve",
                     block_bytes=BLOCK_BYTES, vocab_size=256,
                     disk_kv_gb=None if read_gbps is None else 1.0, disk_read_gbps=read_gbps,
-                    disk_prefetch=prefetch)
+                    disk_prefetch=prefetch, disk_restore=restore)
     sim.audit = True
     return sim
 
@@ -110,11 +111,13 @@ def _long_idle(sim: SimEngine, clock: VirtualClock, convs: int = 12, turns: int 
 
 def test_long_idle_load_hits_the_disk_or_recomputes_by_its_rate() -> None:
     runs = {}
-    for name, gbps, prefetch in (("none", None, "all"), ("fast", 100.0, "all"),
-                                 ("slow", 1.0, "all"), ("skip", 1.0, "worth-reading"),
-                                 ("fast-skip", 100.0, "worth-reading")):
+    for name, gbps, prefetch, restore in (
+            ("none", None, "all", "rule"), ("fast", 100.0, "all", "rule"),
+            ("slow", 1.0, "all", "rule"), ("skip", 1.0, "worth-reading", "rule"),
+            ("fast-skip", 100.0, "worth-reading", "rule"),
+            ("mid", 6.0, "all", "rule"), ("mid-every", 6.0, "worth-reading", "every-read")):
         clock = VirtualClock()
-        sim = _sim(clock, gbps, prefetch)
+        sim = _sim(clock, gbps, prefetch, restore)
         history = _long_idle(sim, clock)
         runs[name] = (sim.cache_stats(), history, clock.now())
     none, fast, slow, skip, fast_skip = (runs[k][0] for k in ("none", "fast", "slow", "skip",
@@ -140,6 +143,11 @@ def test_long_idle_load_hits_the_disk_or_recomputes_by_its_rate() -> None:
     assert skip["disk_read_bytes"] == skip["disk_read_wait_us"] == skip["disk_hit_tokens"] == 0
     # and a fast one is read as before
     assert fast_skip["disk_reads_skipped"] == 0 and fast_skip["disk_hit_tokens"] > 0
+    # at 0.7 ms a chunk against 1 ms, the rule lets one chunk of a turn back per step; every
+    # copy read comes back under the what-if
+    mid, mid_every = runs["mid"][0], runs["mid-every"][0]
+    assert 0 < mid["disk_hit_tokens"] < mid_every["disk_hit_tokens"]
+    assert mid_every["disk_restored_chunks"] > 2 * mid["disk_restored_chunks"]
 
 
 def test_from_options_needs_no_disk_path() -> None:

@@ -22,6 +22,12 @@ the chunk's recompute cost, the rule with no other read queued), so that a disk 
 beat recomputation is not read at all; the engine reads every file (``"all"``), and the core
 then recomputes the chunks it finds slower to read, after its steps waited for them.
 
+What-if ``restore="every-read"`` (not the engine's behaviour either): at admission the core
+restores every copy that was read, whatever ``read_chunk_s`` (the index's is None: the read is
+done, its time already spent), instead of weighing ``read_chunk_s * (1 + reads queued this
+step)`` against the chunk's recompute cost, which lets about ``cost / read_chunk_s - 1`` chunks
+of a turn come back per step.
+
 Reads and writes do not slow each other down (two independent queues: the disk's measured
 rates, each alone). A read planned into a CPU block costs no step time (on a device it is a
 host copy before the step's swap-ins, which the transfer model times). No restart: ``close``
@@ -46,6 +52,8 @@ SIM_DISK_WRITE_GBPS = 0.85
 """Default write rate: the disk tier's writes on the H200 host (same section)."""
 PREFETCH = ("all", "worth-reading")
 """Which files a turn reads when it is added: every one (the engine), or the what-if."""
+RESTORE = ("rule", "every-read")
+"""How the core chooses at admission: its rule (the engine), or the what-if."""
 SIM_DISK_PATH = "(simulated disk: no files)"
 """The ``disk_kv_path`` the simulator gives the config's check when none is given: the
 simulator never opens it."""
@@ -64,16 +72,20 @@ class SimDiskTier:
     def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
                  read_gbps: float = SIM_DISK_READ_GBPS,
                  write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str = "all",
-                 cache: TieredKVCache | None = None) -> None:
+                 cache: TieredKVCache | None = None, restore: str = "rule") -> None:
         """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
         chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``: ``"all"`` (as
         the engine) or the what-if ``"worth-reading"`` (module docstring), which needs the
-        ``cache`` whose costs decide."""
+        ``cache`` whose costs decide. ``restore``: ``"rule"`` (the core's choice, as the
+        engine) or the what-if ``"every-read"`` (module docstring)."""
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH)}, got {prefetch!r}")
         if prefetch == "worth-reading" and cache is None:
             raise ValueError("prefetch='worth-reading' needs the cache")
+        if restore not in RESTORE:
+            raise ValueError(f"restore must be one of {', '.join(RESTORE)}, got {restore!r}")
         self.prefetch_mode = prefetch
+        self.restore_mode = restore
         self.cache = cache
         if block_bytes <= 0:
             raise ValueError("a simulated disk tier needs block_bytes > 0")
@@ -87,7 +99,7 @@ class SimDiskTier:
         self.write_gbps = write_gbps
         self.read_chunk_s = block_bytes / (read_gbps * 1e9)
         self.write_chunk_s = block_bytes / (write_gbps * 1e9)
-        self.index.read_chunk_s = self.read_chunk_s
+        self.index.read_chunk_s = self.read_chunk_s if restore == "rule" else None
         self._reads: dict[str, tuple[DiskEntry, float]] = {}
         """Reads started and not collected: file name -> (entry, done at)."""
         self._writing: dict[str, tuple[DiskEntry, float]] = {}
@@ -198,10 +210,11 @@ class SimDiskTier:
 
     def settings(self) -> dict[str, float | str]:
         """What a benchmark point records of this disk."""
-        return {"disk_prefetch": self.prefetch_mode,
+        return {"disk_prefetch": self.prefetch_mode, "disk_restore": self.restore_mode,
                 "disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
                 "disk_write_gbps": self.write_gbps,
                 "disk_read_chunk_ms": round(self.read_chunk_s * 1e3, 4)}
 
 
-__all__ = ["PREFETCH", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS", "SimDiskTier"]
+__all__ = ["PREFETCH", "RESTORE", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS",
+           "SimDiskTier"]
