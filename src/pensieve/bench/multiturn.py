@@ -68,6 +68,12 @@ from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
 from pensieve.bench.run_metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
+from pensieve.bench.sim_disk import (
+    PREFETCH,
+    RESTORE,
+    SIM_DISK_READ_GBPS,
+    SIM_DISK_WRITE_GBPS,
+)
 from pensieve.bench.workload import load_workload, ultrachat_synthetic
 from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT
 from pensieve.options import add_engine_args, default_of, engine_options
@@ -195,7 +201,10 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     # tiers of --gpu-kv-gb / --cpu-kv-gb over the chunk's bytes, the scheduler and cache
     # options as given: the engine's options, with no device's defaults settled
     return SimEngine.from_options({**args.engine_options, "cache_policy": system}, cost, clock,
-                                  chunk_cost, block_bytes=block_bytes)
+                                  chunk_cost, block_bytes=block_bytes,
+                                  disk_write_gbps=args.sim_disk_write_gbps,
+                                  disk_prefetch=args.sim_disk_prefetch,
+                                  disk_restore=args.sim_disk_restore)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "per_prefill_step_s=0")
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 40 * 10 * 128 * 2,
                     help="sim: KV bytes per token (default Llama 2-13B GQA-10 in bf16)")
+    ap.add_argument("--sim-disk-write-gbps", type=float, default=SIM_DISK_WRITE_GBPS,
+                    help="sim: the disk tier's write rate, GB/s (its read rate is "
+                         f"--disk-read-gbps, default {SIM_DISK_READ_GBPS} in the simulator; "
+                         "no --disk-kv-path needed there)")
+    ap.add_argument("--sim-disk-prefetch", choices=PREFETCH, default="all",
+                    help="sim: which of a conversation's files its turn reads: all (as the "
+                         "engine) or, a what-if, only those the read-or-recompute rule could "
+                         "read back")
+    ap.add_argument("--sim-disk-restore", choices=RESTORE, default="rule",
+                    help="sim: which copies read the core restores at admission: by its "
+                         "read-or-recompute rule (as the engine) or, a what-if, every one read")
     ap.add_argument("--tag", default="", help="label stored with every point")
     ap.add_argument("--out", default="results/multiturn")
     add_engine_args(ap, exclude=NOT_ENGINE, model_flag=True, defaults=ENGINE_DEFAULTS)
@@ -323,6 +343,11 @@ def run_point(system: str, rate: float, engine: Any, clock: Any, convs: list[Any
              "shared_prefix_tokens": args.shared_prefix_tokens,
              "unfinished": res.unfinished, "wall_s": round(time.time() - t_start, 1),
              **summarize(res, args.warmup), **vllm_metrics(res, args.warmup)}
+    disk = getattr(engine, "disk", None)
+    if disk is not None:  # a disk tier: its settings and counters (none: the point as before)
+        settings = getattr(disk, "settings", None)
+        point["disk_kv_gb"] = args.disk_kv_gb
+        point["disk"] = {**(settings() if settings else {}), **disk.stats()}
     if args.engine == "http":  # was the client a bottleneck, did requests fail?
         point.update(http_errors=engine.errors, http_throttled=engine.throttled,
                      http_peak_in_flight=engine.peak_in_flight,
@@ -437,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>10} rate {rate:5.2f}/s: {point['throughput_rps']:.3f} req/s, "
                   f"P90 norm {point['normalized_latency_s_p90'] * 1e3:.1f} ms/tok, "
                   f"hits gpu {point['gpu_hit_rate']:.2f} cpu {point['cpu_hit_rate']:.2f} "
+                  f"disk {point['disk_hit_rate']:.2f} "
                   f"recomputed {point['recomputed_rate']:.2f}, unfinished {res.unfinished}, "
                   f"steady {point.get('steady_state')}, wall {point['wall_s']} s", flush=True)
             if engine is not real.engine:  # the shared engine stops at the end

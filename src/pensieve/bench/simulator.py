@@ -26,6 +26,10 @@ GPU blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`
 ``per_swap_chunk_s`` of the step-cost model (the copies before the swap kernel) are not used
 then; ``transfer=None`` restores them (every copy done within its step, as before).
 
+With ``disk_kv_gb`` a disk tier lies below the CPU tier (:mod:`pensieve.bench.sim_disk`): the
+core's disk index and plans, reads and writes on simulated time at the disk's rates; a step
+waits, before it schedules, for the reads its turns started (the clock jumps).
+
 Every step is also kept as a :class:`SimStepRecord` (:attr:`SimExecutor.step_records`): what
 the host of the real engine sees of a step (``pensieve.engine.step_record.StepRecord``'s
 token and swap counts, same definitions) plus the cache's token sources of the turns admitted
@@ -48,6 +52,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from pensieve.bench.sim_disk import (
+    SIM_DISK_PATH,
+    SIM_DISK_READ_GBPS,
+    SIM_DISK_WRITE_GBPS,
+    SimDiskTier,
+)
 from pensieve.bench.step_cost import (
     StepCostModel,
     StepFeatures,
@@ -247,6 +257,11 @@ class SimEngine(EngineCore):
         swap_bandwidth_gbps: float | str | None = "auto",
         defer_admission: int = DEFAULT_DEFER_ADMISSION,
         share_prefixes: bool = False,
+        disk_kv_gb: float | None = None,
+        disk_read_gbps: float | None = None,
+        disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
+        disk_prefetch: str = "all",
+        disk_restore: str = "rule",
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``cache_policy``: a policy
@@ -260,7 +275,12 @@ class SimEngine(EngineCore):
         on the engine: ``"auto"`` the transfer model's swap-in rate (off without a transfer
         model or ``block_bytes``), ``"off"``/None always swap in, or a number of GB/s.
         ``share_prefixes``: the cache holds equal full chunks once (``CacheConfig.share_prefixes``;
-        the prompts' token ids decide, as on the engine)."""
+        the prompts' token ids decide, as on the engine). ``disk_kv_gb``: a disk tier of that
+        many GiB below the CPU tier (:class:`~pensieve.bench.sim_disk.SimDiskTier`: the core's
+        disk index, reads and writes on simulated time at ``disk_read_gbps``, default
+        :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
+        ``disk_prefetch``, ``disk_restore``: which files a turn reads and which copies read
+        the core restores, ``"all"`` and ``"rule"`` as the engine, or what-ifs)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -282,6 +302,13 @@ class SimEngine(EngineCore):
         executor.cache = cache
         super().__init__(Scheduler(scheduler_config, cache), executor, clock=clock.now,
                          eos_token_ids=tuple(eos_token_ids), vocab_size=vocab_size)
+        self.sim_disk: SimDiskTier | None = None
+        """The simulated disk tier (None: none); also the engine's ``disk``."""
+        if disk_kv_gb:
+            self.sim_disk = _sim_disk(disk_kv_gb, disk_read_gbps, disk_write_gbps, tiers,
+                                      chunk_size, clock, disk_prefetch, disk_restore, cache)
+            self.disk = self.sim_disk
+            cache.disk = self.sim_disk.index
 
     @classmethod
     def from_config(
@@ -302,6 +329,8 @@ class SimEngine(EngineCore):
         kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
         kw.setdefault("defer_admission", cc.defer_admission)
         kw.setdefault("share_prefixes", cc.share_prefixes)
+        kw.setdefault("disk_kv_gb", cc.disk_kv_gb)
+        kw.setdefault("disk_read_gbps", cc.disk_read_gbps)
         return cls(config.scheduler, tiers.num_gpu_blocks, tiers.num_cpu_blocks, step_cost,
                    clock, chunk_cost, chunk_size=cc.chunk_size, cache_policy=cc.policy,
                    swap_out_threshold=cc.swap_out_threshold, decode_reserve=cc.decode_reserve,
@@ -319,9 +348,30 @@ class SimEngine(EngineCore):
     ) -> SimEngine:
         """:meth:`from_config` of flat engine options (a command line's,
         :func:`pensieve.options.engine_options`), with no device's defaults settled: the
-        simulator models its own device (:meth:`EngineConfig.from_options`)."""
+        simulator models its own device (:meth:`EngineConfig.from_options`). A disk tier
+        (``disk_kv_gb``) needs no ``disk_kv_path``: :data:`~pensieve.bench.sim_disk.
+        SIM_DISK_PATH` stands in for the config's check, and no file is opened."""
+        if options.get("disk_kv_gb") and not options.get("disk_kv_path"):
+            options = {**options, "disk_kv_path": SIM_DISK_PATH}
         return cls.from_config(EngineConfig.from_options(**options), step_cost, clock,
                                chunk_cost, block_bytes=block_bytes, **kw)
+
+
+def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: TierSizes,
+              chunk_size: int, clock: SimClock, prefetch: str, restore: str,
+              cache: TieredKVCache) -> SimDiskTier:
+    """The simulated disk tier of ``gib`` GiB over ``tiers``' chunks (the engine's checks:
+    a CPU tier below which it lies, chunks of known bytes)."""
+    if tiers.num_cpu_blocks <= 0:
+        raise ValueError("the disk tier lies below the CPU tier, which has no blocks: give it "
+                         "some (--cpu-kv-gb) or leave --disk-kv-gb out")
+    if tiers.block_bytes <= 0:
+        raise ValueError("a simulated disk tier needs block_bytes > 0")
+    capacity = int(gib * 2**30 // tiers.block_bytes)
+    return SimDiskTier(capacity, chunk_size, tiers.block_bytes, clock,
+                       read_gbps=read_gbps if read_gbps is not None else SIM_DISK_READ_GBPS,
+                       write_gbps=write_gbps, prefetch=prefetch, cache=cache,
+                       restore=restore)
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,

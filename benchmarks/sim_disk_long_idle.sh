@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The disk tier under long idle, simulated (issue 45; docs/performance.md "Disk tier under long
+# idle, simulated"): pensieve on the agentic load with 5-minute think times, 40 / 60 GB tiers,
+# 13B GQA-10 step cost and the engine's H200 cost profile of that shape (what the engine weighs
+# recomputation with on the H200), without a disk tier and with 200 GB of disk at the given
+# read rates; then at the same rates the what-ifs --sim-disk-prefetch worth-reading (reads only
+# the files the rule could read back) and with it --sim-disk-restore every-read (every copy read
+# is restored: its read time is spent).
+# Usage: sim_disk_long_idle.sh OUT_DIR [RATE] [READ_GBPS...]   (CPU; ~1-2 min of wall a point)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-results/disk_sim}; rate=${2:-0.1}; shift $(( $# > 2 ? 2 : $# ))
+reads=("${@:-1.6 6}")
+common=(--engine sim --systems pensieve --rates "$rate" --workload agentic --think-time 300
+        --duration ${DURATION:-2400} --warmup ${WARMUP:-1200} --warm-start 0.05
+        --gpu-kv-gb 40 --cpu-kv-gb 60 --sample-interval 10
+        --step-cost docs/results/sim_churn_process/step_cost_churn_fit_all.json
+        --cost-profile src/pensieve/profiles/llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json
+        --out "$out")
+pensieve bench multiturn "${common[@]}" --tag no-disk
+for r in ${reads[@]}; do
+  pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
+    --tag "disk-200-read-$r"
+done
+for r in ${reads[@]}; do
+  pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
+    --sim-disk-prefetch worth-reading --tag "disk-200-read-$r-whatif-worth-reading"
+done
+for r in ${reads[@]}; do
+  pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
+    --sim-disk-prefetch worth-reading --sim-disk-restore every-read \
+    --tag "disk-200-read-$r-whatif-worth-reading-every-read"
+done

@@ -1,0 +1,220 @@
+"""The simulator's disk tier: the real core's plans carried out on simulated time, no files.
+
+:class:`SimDiskTier` is :class:`~pensieve.bench.simulator.SimEngine`'s ``disk`` (the
+:class:`~pensieve.engine.engine_core.DiskHooks` that :class:`~pensieve.engine.disk_tier.
+DiskTier` is on a device). The cache's decisions are the real ones: its
+:class:`~pensieve.core.disk_index.DiskIndex` (spills in the retention order, the disk's own
+eviction order, hashes) and :func:`~pensieve.core.disk_restore.restore_from_disk` (read back or
+recompute, by ``DiskIndex.read_chunk_s``). What this module replaces is the I/O, with two
+queues of simulated time, one per direction, each one chunk after another at its rate::
+
+    add_request -> prefetch: each file not ready is queued for reading; it is done at
+                   max(now, read queue free) + block_bytes / read rate
+                   (a chunk whose write is still queued is read from memory: done now)
+    step        -> collect:  the step waits (the clock jumps) until every read started so
+                   far is done, as the engine waits on its reader threads; entries ready
+                   apply:    the step's writes queued at the write rate (never waited for),
+                             restores and deletes counted
+
+What-if ``prefetch="worth-reading"`` (not the engine's behaviour): a turn reads only the
+files of chunks that the core's rule could read back at admission (``read_chunk_s`` at most
+the chunk's recompute cost, the rule with no other read queued), so that a disk too slow to
+beat recomputation is not read at all; the engine reads every file (``"all"``), and the core
+then recomputes the chunks it finds slower to read, after its steps waited for them.
+
+What-if ``restore="every-read"`` (not the engine's behaviour either): at admission the core
+restores every copy that was read, whatever ``read_chunk_s`` (the index's is None: the read is
+done, its time already spent), instead of weighing ``read_chunk_s * (1 + reads queued this
+step)`` against the chunk's recompute cost, which lets about ``cost / read_chunk_s - 1`` chunks
+of a turn come back per step.
+
+Reads and writes do not slow each other down (two independent queues: the disk's measured
+rates, each alone). A read planned into a CPU block costs no step time (on a device it is a
+host copy before the step's swap-ins, which the transfer model times). No restart: ``close``
+writes nothing at shutdown.
+
+Pure Python (no torch): the simulator's import stays light.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from pensieve.core.disk_index import DiskEntry, DiskIndex
+from pensieve.core.tiered_cache import TieredKVCache
+
+SIM_DISK_READ_GBPS = 1.6
+"""Default read rate: the disk tier's reads on the H200 host (16 readers, docs/performance.md
+"Disk tier: write and read rates")."""
+SIM_DISK_WRITE_GBPS = 0.85
+"""Default write rate: the disk tier's writes on the H200 host (same section)."""
+PREFETCH = ("all", "worth-reading")
+"""Which files a turn reads when it is added: every one (the engine), or the what-if."""
+RESTORE = ("rule", "every-read")
+"""How the core chooses at admission: its rule (the engine), or the what-if."""
+SIM_DISK_PATH = "(simulated disk: no files)"
+"""The ``disk_kv_path`` the simulator gives the config's check when none is given: the
+simulator never opens it."""
+
+
+class _Clock(Protocol):
+    def now(self) -> float: ...
+
+    def sleep_until(self, t: float) -> None: ...
+
+
+class SimDiskTier:
+    """A disk of ``capacity_chunks`` chunks of ``block_bytes``, read and written at the given
+    rates on ``clock`` (module docstring)."""
+
+    def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
+                 read_gbps: float = SIM_DISK_READ_GBPS,
+                 write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str = "all",
+                 cache: TieredKVCache | None = None, restore: str = "rule") -> None:
+        """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
+        chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``: ``"all"`` (as
+        the engine) or the what-if ``"worth-reading"`` (module docstring), which needs the
+        ``cache`` whose costs decide. ``restore``: ``"rule"`` (the core's choice, as the
+        engine) or the what-if ``"every-read"`` (module docstring)."""
+        if prefetch not in PREFETCH:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH)}, got {prefetch!r}")
+        if prefetch == "worth-reading" and cache is None:
+            raise ValueError("prefetch='worth-reading' needs the cache")
+        if restore not in RESTORE:
+            raise ValueError(f"restore must be one of {', '.join(RESTORE)}, got {restore!r}")
+        self.prefetch_mode = prefetch
+        self.restore_mode = restore
+        self.cache = cache
+        if block_bytes <= 0:
+            raise ValueError("a simulated disk tier needs block_bytes > 0")
+        if not (read_gbps > 0 and write_gbps > 0):
+            raise ValueError(f"disk rates must be > 0 GB/s, got read {read_gbps}, write "
+                             f"{write_gbps}")
+        self.index = DiskIndex(capacity_chunks, chunk_size)
+        self.clock = clock
+        self.block_bytes = block_bytes
+        self.read_gbps = read_gbps
+        self.write_gbps = write_gbps
+        self.read_chunk_s = block_bytes / (read_gbps * 1e9)
+        self.write_chunk_s = block_bytes / (write_gbps * 1e9)
+        self.index.read_chunk_s = self.read_chunk_s if restore == "rule" else None
+        self._reads: dict[str, tuple[DiskEntry, float]] = {}
+        """Reads started and not collected: file name -> (entry, done at)."""
+        self._writing: dict[str, tuple[DiskEntry, float]] = {}
+        """Writes queued or running: file name -> (entry, done at)."""
+        self._write_order: deque[tuple[float, str, DiskEntry]] = deque()
+        self._read_free_at = 0.0
+        self._write_free_at = 0.0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.reads_from_memory = 0
+        """Chunks prefetched while their write was still queued (no disk read)."""
+        self.reads_skipped = 0
+        """What-if ``worth-reading``: chunks not read since recomputing them is sooner."""
+        self.restored_chunks = 0
+        self.deleted_files = 0
+        self.read_wait_s = 0.0
+        """Simulated time steps waited for reads when they scheduled."""
+        self.read_waits = 0
+        """Steps that waited for a read."""
+        self.write_backlog_max_s = 0.0
+        """Most seconds of writes ever queued ahead (the writer's lag behind the spills)."""
+
+    # ------------------------------------------------------------------ reads
+    def prefetch(self, conversation_id: str) -> None:
+        """Queue reads of the conversation's files that are not ready yet."""
+        now = self.clock.now()
+        for entry in self.index.of(conversation_id):
+            if entry.ready or entry.name in self._reads:
+                continue
+            if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
+                self.reads_skipped += 1
+                continue
+            queued = self._writing.get(entry.name)
+            if queued is not None and queued[0] is entry and queued[1] > now:
+                self.reads_from_memory += 1  # its bytes are still in the writer's queue
+                done = now
+            else:
+                done = max(now, self._read_free_at) + self.read_chunk_s
+                self._read_free_at = done
+                self.bytes_read += self.block_bytes
+            self._reads[entry.name] = (entry, done)
+
+    def _worth_reading(self, entry: DiskEntry) -> bool:
+        """Whether the core's rule could read the entry back (as ``restore_from_disk`` with
+        no read queued before it)."""
+        assert self.cache is not None
+        conv = self.cache.conversations.get(entry.conversation_id)
+        end = (entry.index + 1) * self.index.chunk_size
+        if conv is not None:
+            end = min(end, conv.kv_end)
+        return self.read_chunk_s <= self.cache.index.cost(end)
+
+    def collect(self) -> None:
+        """Wait until every read started so far is done; their entries become ready."""
+        if not self._reads:
+            return
+        until = max(done for _, done in self._reads.values())
+        now = self.clock.now()
+        if until > now:
+            self.read_wait_s += until - now
+            self.read_waits += 1
+            self.clock.sleep_until(until)
+        index = self.index
+        for entry, _ in self._reads.values():
+            if index.get(entry.conversation_id, entry.index) is entry:  # not dropped since
+                index.set_ready(entry.conversation_id, entry.index, True)
+        self._reads.clear()
+
+    # ------------------------------------------------------------------ a step
+    def apply(self, sync: Callable[[], None] | None = None) -> None:
+        """Queue the step's writes; count its restores and deletes (``sync``: unused, no
+        device copies)."""
+        plan = self.index.take_plan()
+        if not plan:
+            return
+        now = self.clock.now()
+        order = self._write_order
+        while order and order[0][0] <= now:  # writes done: their bytes leave memory
+            _, name, entry = order.popleft()
+            queued = self._writing.get(name)
+            if queued is not None and queued[0] is entry:
+                del self._writing[name]
+        for _, _, entry in plan.writes:
+            done = max(now, self._write_free_at) + self.write_chunk_s
+            self._write_free_at = done
+            self._writing[entry.name] = (entry, done)
+            order.append((done, entry.name, entry))
+            self.bytes_written += self.block_bytes
+        self.write_backlog_max_s = max(self.write_backlog_max_s, self._write_free_at - now)
+        self.restored_chunks += len(plan.reads)
+        self.deleted_files += len(plan.deletes)
+
+    def close(self, cache: TieredKVCache | None) -> None:
+        """The last plan; nothing is written at shutdown (the simulator has no restart)."""
+        self.apply()
+
+    def stats(self) -> dict[str, int]:
+        """The engine's disk counters (as :meth:`DiskTier.stats`), and the simulated waits."""
+        return {"disk_blocks_total": self.index.capacity,
+                "disk_blocks_free": self.index.capacity - self.index.size,
+                "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
+                "disk_write_errors": 0, "disk_reads_from_memory": self.reads_from_memory,
+                "disk_restored_chunks": self.restored_chunks,
+                "disk_reads_skipped": self.reads_skipped,
+                "disk_read_waits": self.read_waits,
+                "disk_read_wait_us": round(self.read_wait_s * 1e6),
+                "disk_write_backlog_max_us": round(self.write_backlog_max_s * 1e6)}
+
+    def settings(self) -> dict[str, float | str]:
+        """What a benchmark point records of this disk."""
+        return {"disk_prefetch": self.prefetch_mode, "disk_restore": self.restore_mode,
+                "disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
+                "disk_write_gbps": self.write_gbps,
+                "disk_read_chunk_ms": round(self.read_chunk_s * 1e3, 4)}
+
+
+__all__ = ["PREFETCH", "RESTORE", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS",
+           "SimDiskTier"]
