@@ -56,3 +56,32 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path) -> None:  # noqa: ANN
         got = torch.stack([c[:, block] for c in cpu])
         assert torch.equal(got, want[key]), key
     reader.close(None)
+
+
+def test_slow_disk_reads_nothing_back_and_the_writer_backlog_is_bounded(
+        tiny_llama, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A disk slower than recomputation is not read (the prefetch skips every file, so no step
+    waits for reads the admission would not use), the tokens are still HF's; and spills past
+    the writer's backlog bound are dropped instead of queued."""
+    from test_disk_tier import make_llm
+    from test_stateful_invariant import Reference, every_path_workload, expected, run
+
+    import pensieve.engine.disk_tier as disk_tier
+
+    path, model = tiny_llama
+    workload = every_path_workload()
+    want = expected(Reference(model), workload)
+    slow = make_llm(path, str(tmp_path / "slow"), disk_read_gbps=1e-9)
+    assert run(slow, workload) == want
+    st = slow.cache_stats()
+    assert st["disk_written_tokens"] > 0 and st["disk_hit_tokens"] == 0, st
+    tier = slow.engine.disk_tier
+    assert tier.reads_skipped > 0 and tier.bytes_read == 0
+    slow.engine.shutdown()
+
+    monkeypatch.setattr(disk_tier, "WRITE_BACKLOG_BYTES", 0)  # every write over the bound
+    full = make_llm(path, str(tmp_path / "full"))
+    assert run(full, workload) == want
+    assert full.engine.disk_tier.writes_skipped > 0
+    assert full.engine.disk_tier.bytes_written == 0
+    full.engine.shutdown()

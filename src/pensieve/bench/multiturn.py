@@ -263,10 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: the disk tier's write rate, GB/s (its read rate is "
                          f"--disk-read-gbps, default {SIM_DISK_READ_GBPS} in the simulator; "
                          "no --disk-kv-path needed there)")
-    ap.add_argument("--sim-disk-prefetch", choices=PREFETCH, default="all",
-                    help="sim: which of a conversation's files its turn reads: all (as the "
-                         "engine) or, a what-if, only those the read-or-recompute rule could "
-                         "read back")
+    ap.add_argument("--sim-disk-prefetch", choices=PREFETCH, default="worth-reading",
+                    help="sim: which of a conversation's files its turn reads: those the "
+                         "read-or-recompute rule could read back (as the engine) or, a "
+                         "what-if, all of them (the engine before it weighed them)")
     ap.add_argument("--sim-disk-restore", choices=RESTORE, default="rule",
                     help="sim: which copies read the core restores at admission: by its "
                          "read-or-recompute rule (as the engine) or, a what-if, every one read")

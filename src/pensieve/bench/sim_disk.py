@@ -16,11 +16,12 @@ queues of simulated time, one per direction, each one chunk after another at its
                    apply:    the step's writes queued at the write rate (never waited for),
                              restores and deletes counted
 
-What-if ``prefetch="worth-reading"`` (not the engine's behaviour): a turn reads only the
-files of chunks that the core's rule could read back at admission (``read_chunk_s`` at most
-the chunk's recompute cost, the rule with no other read queued), so that a disk too slow to
-beat recomputation is not read at all; the engine reads every file (``"all"``), and the core
-then recomputes the chunks it finds slower to read, after its steps waited for them.
+Prefetch ``"worth-reading"`` (the engine's, ``DiskTier.prefetch`` with
+:func:`~pensieve.core.disk_restore.worth_reading`): a turn reads only the files of chunks that
+the core's rule could read back at admission (``read_chunk_s`` at most the chunk's recompute
+cost, the rule with no other read queued), so a disk too slow to beat recomputation is not
+read at all. What-if ``"all"`` (the engine before ``worth_reading``): every file is read, and
+the core then recomputes the chunks it finds slower to read, after its steps waited for them.
 
 What-if ``restore="every-read"`` (not the engine's behaviour either): at admission the core
 restores every copy that was read, whatever ``read_chunk_s`` (the index's is None: the read is
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pensieve.core.disk_index import DiskEntry, DiskIndex
+from pensieve.core.disk_restore import worth_reading
 from pensieve.core.tiered_cache import TieredKVCache
 
 SIM_DISK_READ_GBPS = 1.6
@@ -71,13 +73,16 @@ class SimDiskTier:
 
     def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
                  read_gbps: float = SIM_DISK_READ_GBPS,
-                 write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str = "all",
+                 write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str | None = None,
                  cache: TieredKVCache | None = None, restore: str = "rule") -> None:
         """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
-        chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``: ``"all"`` (as
-        the engine) or the what-if ``"worth-reading"`` (module docstring), which needs the
-        ``cache`` whose costs decide. ``restore``: ``"rule"`` (the core's choice, as the
-        engine) or the what-if ``"every-read"`` (module docstring)."""
+        chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``:
+        ``"worth-reading"`` (as the engine; it needs the ``cache`` whose costs decide) or the
+        what-if ``"all"`` (module docstring); None: ``"worth-reading"`` with a ``cache``,
+        else ``"all"``. ``restore``: ``"rule"`` (the core's choice, as the engine) or the
+        what-if ``"every-read"`` (module docstring)."""
+        if prefetch is None:
+            prefetch = "all" if cache is None else "worth-reading"
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH)}, got {prefetch!r}")
         if prefetch == "worth-reading" and cache is None:
@@ -143,14 +148,9 @@ class SimDiskTier:
             self._reads[entry.name] = (entry, done)
 
     def _worth_reading(self, entry: DiskEntry) -> bool:
-        """Whether the core's rule could read the entry back (as ``restore_from_disk`` with
-        no read queued before it)."""
+        """Whether the core's rule could read the entry back (as the engine decides)."""
         assert self.cache is not None
-        conv = self.cache.conversations.get(entry.conversation_id)
-        end = (entry.index + 1) * self.index.chunk_size
-        if conv is not None:
-            end = min(end, conv.kv_end)
-        return self.read_chunk_s <= self.cache.index.cost(end)
+        return worth_reading(self.cache, entry, self.read_chunk_s)
 
     def collect(self) -> None:
         """Wait until every read started so far is done; their entries become ready."""

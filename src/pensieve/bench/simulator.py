@@ -260,7 +260,7 @@ class SimEngine(EngineCore):
         disk_kv_gb: float | None = None,
         disk_read_gbps: float | None = None,
         disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
-        disk_prefetch: str = "all",
+        disk_prefetch: str = "worth-reading",
         disk_restore: str = "rule",
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk

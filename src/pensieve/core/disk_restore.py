@@ -20,14 +20,23 @@ matching copies, so they are read back the same way::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.disk_index import chunk_hashes
+from pensieve.core.disk_index import DiskEntry, chunk_hashes
 from pensieve.core.request import Request
 
 if TYPE_CHECKING:
+    from pensieve.core.eviction_index import EvictionIndex
     from pensieve.core.tier_pools import TierPools
+
+
+class _Cache(Protocol):
+    """What :func:`worth_reading` reads of a cache (a ``TieredKVCache``)."""
+
+    chunk_size: int
+    conversations: dict[str, Conversation]
+    index: EvictionIndex
 
 
 def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int:
@@ -108,3 +117,18 @@ def _cpu_block(cache: TierPools) -> int | None:
     hints that changed applied at once)."""
     block = cache.take_cpu_block(None, settle=True)
     return None if block < 0 else block
+
+
+def worth_reading(cache: _Cache, entry: DiskEntry, read_chunk_s: float | None) -> bool:
+    """Whether a turn should start reading ``entry`` back: reading one chunk
+    (``read_chunk_s``; None: not known, always read) is no slower than recomputing it (the
+    admission's rule with no other read queued). A read slower than recomputation would only
+    make the turn's step wait for bytes the admission then recomputes."""
+    if read_chunk_s is None:
+        return True
+    c = cache.chunk_size
+    end = (entry.index + 1) * c
+    conv = cache.conversations.get(entry.conversation_id)
+    if conv is not None and entry.index * c < conv.kv_end < end:  # its last, partial chunk
+        end = conv.kv_end
+    return read_chunk_s <= cache.index.cost(end)

@@ -45,6 +45,10 @@ from pensieve.engine import disk_files
 
 log = logging.getLogger("pensieve")
 
+WRITE_BACKLOG_BYTES = 8 << 30
+"""At most this many bytes wait for the writer (host memory); past it a spilled chunk is
+dropped, as without a disk tier (a disk slower than the spills must not grow memory)."""
+
 SPARE_BYTES = 1 << 30
 """At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
 
@@ -88,6 +92,13 @@ class DiskTier:
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
         self._lock = threading.Lock()
+        self.worth: Callable[[DiskEntry], bool] | None = None
+        """Whether a file is worth reading back (the engine sets it:
+        :func:`~pensieve.core.disk_restore.worth_reading` over its cache); None: every one."""
+        self.reads_skipped = 0
+        self._queued_write_bytes = 0
+        self.writes_skipped = 0
+        """Chunks dropped instead of written: the writer was WRITE_BACKLOG_BYTES behind."""
         self.write_errors = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -121,9 +132,15 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str) -> None:
-        """Start reading the conversation's files that are not ready yet."""
+        """Start reading the conversation's files that are not ready yet and worth reading
+        (:attr:`worth`; a slower read than recomputation is not started: the step would wait
+        for it and the admission recompute the chunk anyway)."""
+        worth = self.worth
         for entry in self.index.of(conversation_id):
             if entry.ready or entry.name in self._reads:
+                continue
+            if worth is not None and not worth(entry):
+                self.reads_skipped += 1
                 continue
             self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
 
@@ -215,6 +232,15 @@ class DiskTier:
 
     def _submit_write(self, entry: DiskEntry, payload: memoryview) -> None:
         with self._lock:
+            if self._queued_write_bytes + payload.nbytes > WRITE_BACKLOG_BYTES:
+                self.writes_skipped += 1
+                if self.writes_skipped == 1 or self.writes_skipped % 1000 == 0:
+                    log.warning("disk tier: the writer is %.1f GiB behind; a chunk leaving "
+                                "the CPU tier is dropped instead (%d so far)",
+                                self._queued_write_bytes / 2**30, self.writes_skipped)
+                self._failed.put(entry)  # forgotten at the next collect, as a failed write
+                return
+            self._queued_write_bytes += payload.nbytes
             self._writing[entry.name] = (entry, payload)
         self._writer.submit(self._write, entry, payload)
 
@@ -233,6 +259,7 @@ class DiskTier:
             self._failed.put(entry)
         finally:
             with self._lock:
+                self._queued_write_bytes -= payload.nbytes
                 queued = self._writing.get(entry.name)
                 if queued is not None and queued[0] is entry:
                     del self._writing[entry.name]
@@ -283,7 +310,9 @@ class DiskTier:
         return {"disk_blocks_total": self.index.capacity,
                 "disk_blocks_free": self.index.capacity - self.index.size,
                 "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
-                "disk_write_errors": self.write_errors}
+                "disk_write_errors": self.write_errors,
+                "disk_writes_skipped": self.writes_skipped,
+                "disk_reads_skipped": self.reads_skipped}
 
 
 def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pensieve.config import EngineConfig, swap_chunk_seconds
+from pensieve.core.disk_restore import worth_reading
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.scheduler import Scheduler
@@ -95,6 +96,9 @@ class LLMEngine(EngineCore):
                          vocab_size=int(self.hf_config.vocab_size), observers=observers)
         if self.disk_tier is not None:
             self.disk = self.disk_tier
+            index = self.disk_tier.index
+            self.disk_tier.worth = lambda e: worth_reading(self.scheduler.cache, e,
+                                                           index.read_chunk_s)
             if self.device.type == "cuda":
                 device = self.device
                 self.disk_sync = lambda: torch.cuda.synchronize(device)
