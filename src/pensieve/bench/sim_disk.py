@@ -117,7 +117,8 @@ class SimDiskTier:
         self.reads_from_memory = 0
         """Chunks prefetched while their write was still queued (no disk read)."""
         self.reads_skipped = 0
-        """What-if ``worth-reading``: chunks not read since recomputing them is sooner."""
+        """Chunks not read since recomputing them is sooner (``worth-reading``, as the
+        engine)."""
         self.restored_chunks = 0
         self.deleted_files = 0
         self.read_wait_s = 0.0
