@@ -70,7 +70,8 @@ def test_workload_stats_cli_lists_agentic(tmp_path: Path,
 
 def test_multiturn_registers_agentic(multiturn_module: Any) -> None:
     mt = multiturn_module
-    args = argparse.Namespace(workload="agentic", num_conversations=50, seed=4, sharegpt=None)
+    args = argparse.Namespace(workload="agentic", num_conversations=50, seed=4, sharegpt=None,
+                              shared_prefix_tokens=0)
     w = mt.workload(args)
     assert w.name == "Agentic" and len(w) == 50
     assert [c.turns for c in w.conversations] == [
