@@ -35,4 +35,4 @@ fi
 # own beside pytest, and more threads than free cores leave most of them waiting (on a loaded
 # 2-core machine test_engine.py + test_containment.py took 47.8 s with the default, 10.2 s so).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-python -m pytest -q -p no:cacheprovider ${marks[@]+"${marks[@]}"} "$@"
+python -m pytest -q -p no:cacheprovider --durations=20 ${marks[@]+"${marks[@]}"} "$@"
