@@ -269,21 +269,25 @@ def test_random_workloads_keep_references_exact(
 
 def test_random_workloads_do_share() -> None:
     """The property test's workload does exercise sharing (a guard against a vacuous pass)."""
+    hits = sum(_guard_workload("pensieve", 12, seed).stats.shared_hit_tokens
+               for seed in range(20))
+    assert hits > 0
+
+
+def _guard_workload(policy: str, gpu: int, seed: int) -> TieredKVCache:
+    """120 random operations of the property test's driver (one tenant per parity, not
+    shared across), 4 CPU blocks: the cache after them."""
     global _ACROSS
     _ACROSS = [False]
     try:
-        hits = 0
-        for seed in range(20):
-            cache = TieredKVCache(12, 4, C, get_policy("pensieve"), cost,
-                                  swap_out_threshold=0.25, decode_reserve=0.0,
-                                  share_prefixes=True)
-            rng = random.Random(seed)
-            d = ShareDriver(cache, False)
-            for _ in range(120):
-                d.do(rng.choice(KINDS + ["branch", "branch"]), rng.randint(0, 50),
-                     rng.randint(0, 50), rng.choice([0.0, 0.05, 0.4, 3.0]))
-            hits += cache.stats.shared_hit_tokens
-        assert hits > 0
+        cache = TieredKVCache(gpu, 4, C, get_policy(policy), cost, swap_out_threshold=0.25,
+                              decode_reserve=0.0, share_prefixes=True)
+        rng = random.Random(seed)
+        d = ShareDriver(cache, False)
+        for _ in range(120):
+            d.do(rng.choice(KINDS + ["branch", "branch"]), rng.randint(0, 50),
+                 rng.randint(0, 50), rng.choice([0.0, 0.05, 0.4, 3.0]))
+        return cache
     finally:
         _ACROSS = None
 
@@ -401,21 +405,9 @@ def test_random_workloads_reach_the_shared_eviction_fallback(
         return freed[-1]
 
     monkeypatch.setattr(tier_pools, "evict_shared", counting)
-    global _ACROSS
-    _ACROSS = [False]
-    try:
-        for policy in ["pensieve", "prefix-lru"]:
-            for seed in range(15):
-                cache = TieredKVCache(10, 4, C, get_policy(policy), cost,
-                                      swap_out_threshold=0.25, decode_reserve=0.0,
-                                      share_prefixes=True)
-                rng = random.Random(seed)
-                d = ShareDriver(cache, False)
-                for _ in range(120):
-                    d.do(rng.choice(KINDS + ["branch", "branch"]), rng.randint(0, 50),
-                         rng.randint(0, 50), rng.choice([0.0, 0.05, 0.4, 3.0]))
-    finally:
-        _ACROSS = None
+    for policy in ["pensieve", "prefix-lru"]:
+        for seed in range(15):
+            _guard_workload(policy, 10, seed)
     assert sum(freed) > 0
 
 
