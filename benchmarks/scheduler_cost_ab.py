@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pensieve.bench.scheduler_cost import min_step_median_ms
+
 ONE_RUN = """
 import argparse, json, sys
 from pensieve.bench import scheduler_cost as sc
@@ -60,9 +62,8 @@ def main() -> None:
             runs[name].append(one_run(src, args.sessions, bench_args))
     rows = []
     for name, rs in runs.items():
-        mins = [min(x) for x in zip(*rs)]
         rows.append({"build": name, "src": getattr(args, name),
-                     "min_step_median_ms": statistics.median(mins) * 1e3,
+                     "min_step_median_ms": min_step_median_ms(rs),
                      "run_median_ms": sorted(statistics.median(x) * 1e3 for x in rs)})
         print(f"{name}: min-step median {rows[-1]['min_step_median_ms']:.3f} ms; run medians "
               + " ".join(f"{m:.3f}" for m in rows[-1]["run_median_ms"]), flush=True)

@@ -318,6 +318,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, label: str = "",
     plt.close(fig)
 
 
+def min_step_median_ms(runs: list[list[float]]) -> float:
+    """Runs of the same work step by step (seconds per step): each step's least time over the
+    runs, then their median, in ms. Other load on the machine only adds time, so this is
+    steadier than any one run's median."""
+    return statistics.median(min(ts) for ts in zip(*runs)) * 1e3
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The benchmark's options (``pensieve bench scheduler --help``)."""
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default",
@@ -418,10 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r = runs[len(runs) // 2]  # the run of median cost (all runs are the same work)
         r["repeat_median_ms"] = [x["median_ms"] for x in runs]
         r["repeat_p90_ms"] = [x["p90_ms"] for x in runs]
-        # the runs do the same work step by step, and other load only adds time: each step's
-        # least time over the runs, then their median (steadier than any one run's median)
-        r["min_step_median_ms"] = statistics.median(
-            min(ts) for ts in zip(*(x.pop("_times") for x in runs))) * 1e3
+        r["min_step_median_ms"] = min_step_median_ms([x.pop("_times") for x in runs])
         rows.append(r)
         quiet = r["quiet_median_ms"]
         print(f"{n:>8} {r['median_ms']:>9.3f} {r['p90_ms']:>8.3f} {r['mean_ms']:>8.3f} "

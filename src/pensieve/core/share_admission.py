@@ -21,9 +21,8 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
     rewritten since (``set_history``) kept its KV only where it kept its tokens).
 
     A copy, not the conversation's own list: a turn that never ends (aborted) must leave the
-    conversation's hashes as they were, and its chunks past the history are the aborted
-    input's (extending the conversation's list in place registered them for the next turn's
-    different tokens)."""
+    conversation's hashes as they were, since its chunks past the history hold the aborted
+    input's tokens, not the next turn's."""
     h = req.share_hashes
     if h is None:
         same = conv.share_salt == req.share_salt
