@@ -67,6 +67,7 @@ from pensieve.bench.step_cost import (
 )
 from pensieve.config import DEFAULT_DEFER_ADMISSION, EngineConfig
 from pensieve.core.cost_model import CostModel
+from pensieve.core.disk_index import require_cpu_tier
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
@@ -280,7 +281,7 @@ class SimEngine(EngineCore):
         disk index, reads and writes on simulated time at ``disk_read_gbps``, default
         :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
         ``disk_prefetch``, ``disk_restore``: which files a turn reads and which copies read
-        the core restores, ``"all"`` and ``"rule"`` as the engine, or what-ifs)."""
+        the core restores, ``"worth-reading"`` and ``"rule"`` as the engine, or what-ifs)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -362,9 +363,7 @@ def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: Tie
               cache: TieredKVCache) -> SimDiskTier:
     """The simulated disk tier of ``gib`` GiB over ``tiers``' chunks (the engine's checks:
     a CPU tier below which it lies, chunks of known bytes)."""
-    if tiers.num_cpu_blocks <= 0:
-        raise ValueError("the disk tier lies below the CPU tier, which has no blocks: give it "
-                         "some (--cpu-kv-gb) or leave --disk-kv-gb out")
+    require_cpu_tier(tiers.num_cpu_blocks)
     if tiers.block_bytes <= 0:
         raise ValueError("a simulated disk tier needs block_bytes > 0")
     capacity = int(gib * 2**30 // tiers.block_bytes)

@@ -91,6 +91,14 @@ def spill_chunk(disk: DiskIndex, conv: Conversation, i: int, chunk_size: int,
     return 0
 
 
+def require_cpu_tier(num_cpu_blocks: int) -> None:
+    """The disk tier lies below the CPU tier (its reads land in CPU blocks): ValueError when
+    that tier has no blocks."""
+    if num_cpu_blocks <= 0:
+        raise ValueError("the disk tier lies below the CPU tier, which has no blocks: give it "
+                         "some (--cpu-kv-gb) or leave --disk-kv-gb out")
+
+
 def file_name(conversation_id: str, index: int) -> str:
     """The file of chunk ``index`` of a conversation (the id is hashed: any string is safe)."""
     cid = hashlib.blake2b(conversation_id.encode(), digest_size=12).hexdigest()

@@ -39,7 +39,14 @@ import torch
 
 from pensieve.config import CacheConfig
 from pensieve.core.conversation import Tier
-from pensieve.core.disk_index import DiskEntry, DiskIndex, chunk_hashes, found_key, spilled_key
+from pensieve.core.disk_index import (
+    DiskEntry,
+    DiskIndex,
+    chunk_hashes,
+    found_key,
+    require_cpu_tier,
+    spilled_key,
+)
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
 
@@ -327,18 +334,17 @@ def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
     runner = getattr(executor, "runner", None)
     if runner is None:
         raise ValueError("the disk tier needs a local executor (not tensor parallel)")
-    cpu = runner.swapper.cpu_caches
-    if not cpu or cpu[0].shape[1] == 0:
-        raise ValueError("the disk tier lies below the CPU tier, which has no blocks: give it "
-                         "some (--cpu-kv-gb) or leave --disk-kv-gb out")
+    require_cpu_tier(executor.tiers.num_cpu_blocks)
     kv_dtype = runner.kv_caches[0].dtype
     fp = disk_files.fingerprint(model_name, str(model_dtype), str(kv_dtype),
                                 cc.chunk_size, model.num_layers, model.num_kv_heads,
                                 model.head_dim)
     block_bytes = executor.tiers.block_bytes
     capacity = int(cc.disk_kv_gb * 2**30 // block_bytes)
-    tier = DiskTier(cc.disk_kv_path, capacity, cc.chunk_size, fp, cpu, runner.kv_caches,
-                    read_gbps=cc.disk_read_gbps, measure=runner.kv_caches[0].device.type == "cuda")
+    tier = DiskTier(cc.disk_kv_path, capacity, cc.chunk_size, fp, runner.swapper.cpu_caches,
+                    runner.kv_caches,
+                    read_gbps=cc.disk_read_gbps,
+                    measure=runner.kv_caches[0].device.type == "cuda")
     log.info("disk tier: %d chunks (%.2f GiB) in %s", capacity,
              capacity * block_bytes / 2**30, cc.disk_kv_path)
     room = shutil.disk_usage(cc.disk_kv_path).free + tier.index.size * block_bytes
