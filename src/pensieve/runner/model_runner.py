@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,8 +122,17 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         if background_swap_out is None:
             background_swap_out = not _multi_rank()
+        # The attention kernels compile while the CPU tier is page-locked (both release
+        # the GIL for most of their time: Triton's compiler, cudaHostRegister)
+        compiling = None
+        if self.device.type == "cuda":
+            pool = ThreadPoolExecutor(1)
+            compiling = pool.submit(self._compile_attention)
+            pool.shutdown(wait=False)
         self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
+        if compiling is not None:
+            compiling.result()
         self.decode_span_mode = DECODE_SPAN_MODE
         """When decode steps split KV by span (:data:`~pensieve.kernels.launch_policy.
         DECODE_SPAN_MODE`)."""
@@ -146,8 +156,6 @@ class ModelRunner:
         """Of those, the steps whose attention split KV by span (ragged ones, by default)."""
         self.num_mixed_graph_steps = 0
         """Steps run through :attr:`mixed_graphs` so far."""
-        if self.device.type == "cuda":
-            self._compile_attention()
 
     def _compile_attention(self) -> None:
         from pensieve.kernels.launch import compile_attention_kernels
@@ -156,6 +164,7 @@ class ModelRunner:
         if attn is None:
             return
         t0 = time.perf_counter()
+        torch.cuda.set_device(self.device)  # this thread's current device
         c = self.kv_caches[0]
         dtype = next(self.model.parameters()).dtype
         n = compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,

@@ -136,6 +136,9 @@ def allocate_host_tier(num_cpu_blocks: int, num_layers: int, block_shape: tuple[
     if pinned:
         from pensieve.kernels.launch_swap import register_host, unregister_host
 
+        # First touch with torch's intra-op threads: page-locking faults in every page of the
+        # fresh allocation, one thread in the driver; faulted in parallel first, it only pins.
+        host.view(torch.uint8).view(-1).zero_()
         mapped = register_host(host, device)
         view = mapped.permute(1, 2, 0, 3, 4, 5) if chunk_major else mapped
         weakref.finalize(owner, unregister_host, host)
