@@ -159,6 +159,24 @@ SWEEP_SPLITS = (4, 8, 16, 32, 64, 128)
 """KV split counts that ``--sweep`` times with each tile."""
 
 
+def _sweep(call: Any, timer: Any, iters: int) -> tuple[float, Any, int] | None:
+    """(seconds, tiles, splits) of the fastest ``call(tiles, splits)`` over :data:`SWEEP_TILES`
+    x :data:`SWEEP_SPLITS`, each timed by ``timer`` (eager or graph); None if none ran."""
+    import torch
+
+    best = None
+    for tiles in SWEEP_TILES:
+        for splits in SWEEP_SPLITS:
+            try:
+                t = timer(lambda tiles=tiles, splits=splits: call(tiles, splits), 1, iters)
+            except Exception:  # a tile the device cannot fit
+                torch.cuda.synchronize()
+                continue
+            if best is None or t < best[0]:
+                best = (t, tiles, splits)
+    return best
+
+
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
          iters: int, seed: int = 0, sweep: bool = False,
          graphs: bool = False) -> dict[str, Any]:
@@ -223,21 +241,12 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                 res[f"ratio_{kv}_graph"] = res[f"ours_{kv}_graph_s"] / t_sdpa_graph
         base = t_sdpa_graph if graphs and t_sdpa_graph else t_sdpa
         if sweep and q_len == 1:
-            best = None
-            for tiles in SWEEP_TILES:
-                for splits in SWEEP_SPLITS:
-                    def tiled(kc: Any = kc, vc: Any = vc, scales: dict = scales,
-                              tiles: Any = tiles, splits: int = splits) -> Any:
-                        return paged_attention_triton(
-                            q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
-                            tiles=tiles, num_kv_splits=splits, **scales)
-                    try:
-                        t = (_time_graph if graphs else _time)(tiled, 1, max(3, iters // 2))
-                    except Exception:  # a tile the device cannot fit
-                        torch.cuda.synchronize()
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, tiles, splits)
+            def tiled(tiles: Any, splits: int, kc: Any = kc, vc: Any = vc,
+                      scales: dict = scales) -> Any:
+                return paged_attention_triton(
+                    q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
+                    tiles=tiles, num_kv_splits=splits, **scales)
+            best = _sweep(tiled, _time_graph if graphs else _time, max(3, iters // 2))
             if best is not None:
                 res[f"best_{kv}_s"], res[f"best_{kv}_tiles"], res[f"best_{kv}_splits"] = best
                 res[f"best_ratio_{kv}"] = best[0] / base
