@@ -583,6 +583,7 @@ def test_long_decode_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     from pensieve.kernels.launch_policy import (
         DECODE_MAX_SPLITS,
         LONG_DECODE_KV,
+        LONG_DECODE_MIN_SPLITS,
         MAX_SPLITS,
         auto_kv_splits,
         decode_kv_splits,
@@ -607,8 +608,11 @@ def test_long_decode_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     auto_kv_splits.cache_clear()
     try:
         assert auto_kv_splits(8, 1, 32, 128, cuda) == MAX_SPLITS
-        assert auto_kv_splits(8, 1, 32, 128, cuda, True) == DECODE_MAX_SPLITS == 128
-        assert auto_kv_splits(64, 8, 32, 128, cuda, True) == 16  # 8 requests: 528 / 64 -> 16
+        # long: one program per SM (the H200 sweep's best), at least LONG_DECODE_MIN_SPLITS
+        assert auto_kv_splits(8, 1, 32, 128, cuda, True) == 32  # 1 request: 132 / 8 -> 32
+        assert auto_kv_splits(64, 8, 32, 128, cuda, True) == LONG_DECODE_MIN_SPLITS == 4
+        assert auto_kv_splits(256, 32, 32, 128, cuda, True) == 4  # 32 requests: the floor
+        assert auto_kv_splits(1, 1, 32, 128, cuda, True) == DECODE_MAX_SPLITS == 128
         assert auto_kv_splits(1024, 128, 32, 128, cuda, True) == 1  # the grid fills the GPU
         assert decode_kv_splits(1, 8, cuda) == MAX_SPLITS
         assert decode_kv_splits(1, 8, cuda, True) == 128

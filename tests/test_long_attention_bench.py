@@ -37,3 +37,5 @@ def test_sweep_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tuple(r["best_bf16_tiles"]) in long_attention.SWEEP_TILES
     assert r["best_bf16_splits"] in (4, 16)
     assert r["best_ratio_bf16"] == r["best_bf16_s"] / r["sdpa_graph_s"]
+    assert len(r["sweep_bf16"]) == 4
+    assert min(t for _, _, t in r["sweep_bf16"]) == r["best_bf16_s"]

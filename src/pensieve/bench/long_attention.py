@@ -29,7 +29,9 @@ two-launch decode kernel's eager time counts Triton's launch cost). The JSON kee
 fields (``sdpa_s``, ``ours_{kv}_s``) and adds ``sdpa_graph_s``, ``sdpa_graph_backend`` (the
 fastest backend that could be captured; ``sdpa_graph_note`` names those that could not),
 ``ours_{kv}_graph_s``, ``ratio_{kv}_graph``; with ``--sweep``, the sweep times graph
-replays too (``best_{kv}_*`` then from graphs, ``sweep_timing`` says which).
+replays too (``best_{kv}_*`` then from graphs, ``sweep_timing`` says which). A sweep row
+keeps every ``[tiles, splits, seconds]`` it timed in ``sweep_{kv}`` (the launch policy's
+split rule is read from them).
 """
 
 from __future__ import annotations
@@ -159,9 +161,11 @@ SWEEP_SPLITS = (4, 8, 16, 32, 64, 128)
 """KV split counts that ``--sweep`` times with each tile."""
 
 
-def _sweep(call: Any, timer: Any, iters: int) -> tuple[float, Any, int] | None:
+def _sweep(call: Any, timer: Any, iters: int,
+           table: list[list[Any]]) -> tuple[float, Any, int] | None:
     """(seconds, tiles, splits) of the fastest ``call(tiles, splits)`` over :data:`SWEEP_TILES`
-    x :data:`SWEEP_SPLITS`, each timed by ``timer`` (eager or graph); None if none ran."""
+    x :data:`SWEEP_SPLITS`, each timed by ``timer`` (eager or graph); None if none ran.
+    Appends ``[tiles, splits, seconds]`` of each that ran to ``table``."""
     import torch
 
     best = None
@@ -172,6 +176,7 @@ def _sweep(call: Any, timer: Any, iters: int) -> tuple[float, Any, int] | None:
             except Exception:  # a tile the device cannot fit
                 torch.cuda.synchronize()
                 continue
+            table.append([list(tiles), splits, t])
             if best is None or t < best[0]:
                 best = (t, tiles, splits)
     return best
@@ -246,7 +251,9 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                 return paged_attention_triton(
                     q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
                     tiles=tiles, num_kv_splits=splits, **scales)
-            best = _sweep(tiled, _time_graph if graphs else _time, max(3, iters // 2))
+            res[f"sweep_{kv}"] = []
+            best = _sweep(tiled, _time_graph if graphs else _time, max(3, iters // 2),
+                          res[f"sweep_{kv}"])
             if best is not None:
                 res[f"best_{kv}_s"], res[f"best_{kv}_tiles"], res[f"best_{kv}_splits"] = best
                 res[f"best_ratio_{kv}"] = best[0] / base
