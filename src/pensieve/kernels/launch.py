@@ -432,7 +432,7 @@ def paged_attention_triton(
     kv_split_span: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    long_context: bool = False,
+    long_context: bool = False, kv_transposed: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -455,8 +455,8 @@ def paged_attention_triton(
     splits the span) the items were cut for; the grid is ``max_items`` whatever the ranges.
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
     split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
-    float32 scales. long_context: ``launch_policy.is_long_decode`` of the step: short ranges
-    take 128-position KV tiles, automatic splits go up to 128. Returns out.
+    float32 scales. long_context: ``launch_policy.is_long_decode`` of the step (short ranges:
+    128-position KV tiles, up to 128 splits). kv_transposed: the ``KV_T`` variant. Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
@@ -484,7 +484,7 @@ def paged_attention_triton(
         *v_cache.stride()[:3], block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32=_exact_dots(q),
+        FP32=_exact_dots(q), KV_T=kv_transposed,
         SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
