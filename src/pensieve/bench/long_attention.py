@@ -36,7 +36,9 @@ split rule is read from them).
 ``--fp8-variant transposed``: also time the kernel's ``KV_T`` variant
 (:mod:`pensieve.kernels.triton_attention_tiles`: ``S^T = K @ Q^T``, the upcast FP8 K and V
 tiles as the dots' register operands) over each KV dtype: ``ours_{kv}_transposed_s``,
-``ratio_{kv}_transposed``, ``max_err_{kv}_transposed`` (and ``_graph`` ones).
+``ratio_{kv}_transposed``, ``max_err_{kv}_transposed`` (and ``_graph`` ones). ``--variant
+fused``: the ``FUSED`` variant (the last split program merges the partials: one launch where
+split KV took two), as ``ours_{kv}_fused_s`` etc.; ``--variant`` may repeat.
 """
 
 from __future__ import annotations
@@ -211,8 +213,8 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``;
     ``sweep``: also time every decode tile of :data:`SWEEP_TILES` with each split count of
     :data:`SWEEP_SPLITS`; ``graphs``: also time SDPA and ours as CUDA-graph replays (the sweep
-    too); ``variants`` (``transposed``): also time the launch with ``kv_transposed``, as
-    ``{kv}_transposed``."""
+    too); ``variants`` (``transposed``, ``fused``): also time the launch with
+    ``kv_transposed`` / ``fused_combine``, as ``{kv}_transposed`` / ``{kv}_fused``."""
     import torch
 
     from pensieve.kernels.launch import FP8_KV, attention_choice, paged_attention_triton
@@ -256,12 +258,12 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                      v4.permute(0, 2, 1, 3).reshape(-1, HKV, D), kc, vc, slots,
                      scales.get("k_scale"), scales.get("v_scale"))
 
-        for name, transposed in [(kv, False)] + [(f"{kv}_{v}", True) for v in variants]:
-            def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales,
-                     transposed: bool = transposed) -> Any:
+        for name, v in [(kv, "")] + [(f"{kv}_{v}", v) for v in variants]:
+            def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales, v: str = v) -> Any:
                 return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
                                               max_query_len=q_len, long_context=long,
-                                              kv_transposed=transposed, **scales)
+                                              kv_transposed=v == "transposed",
+                                              fused_combine=v == "fused", **scales)
             res.update(_time_ours(name, ours, ref, (batch, q_len), t_sdpa, t_sdpa_graph,
                                   warmup, iters, graphs))
         base = t_sdpa_graph if graphs and t_sdpa_graph else t_sdpa
@@ -328,10 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time SDPA and ours as CUDA-graph replays (*_graph_s fields); "
                         "the sweep then times graph replays")
-    p.add_argument("--fp8-variant", choices=["transposed"], action="append", default=[],
-                   help="also time our kernel's variant (transposed: S^T = K @ Q^T, the "
-                        "upcast KV tiles as register operands) for each --kv-dtypes, as "
-                        "ours_{kv}_transposed_s etc.")
+    p.add_argument("--variant", "--fp8-variant", dest="variant", action="append", default=[],
+                   choices=["transposed", "fused"],
+                   help="also time our kernel's variant for each --kv-dtypes (transposed: "
+                        "S^T = K @ Q^T, the upcast KV tiles as register operands; fused: the "
+                        "split combine in the attention kernel), as ours_{kv}_{variant}_s etc.")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for ctx, q_len, batch in tqdm(todo, desc="long-attention"):
         r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep, graphs=a.cuda_graphs,
-                 variants=tuple(a.fp8_variant))
+                 variants=tuple(a.variant))
         rows.append(r)
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items()))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pensieve.kernels.triton_attention_tiles import _attn_kv_tile, _attn_kv_tile_t
+from pensieve.kernels.triton_attention_tiles import _attn_kv_tile, _attn_kv_tile_t, _merge_splits
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)
 """Largest finite float8 e4m3fn value: FP8 KV is saturated to it."""
@@ -140,6 +140,7 @@ def _paged_attention_kernel(
     work_ptr,
     num_work_ptr,
     span_ptr,
+    counter_ptr,
     GROUP: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -151,9 +152,14 @@ def _paged_attention_kernel(
     SPAN: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_T: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
     ``KV_T``: the transposed KV-tile step (``triton_attention_tiles._attn_kv_tile_t``), a variant.
+    ``FUSED`` (with ``SPLIT``, not ``SPAN`` or ``WORKLIST``; a variant): after writing its
+    partials, a program adds one to its (range, tile, KV head)'s int32 at ``counter_ptr``
+    (zero before the launch); the last of the ``num_splits`` merges the partials into ``out``
+    and sets the counter back to zero (no combine launch).
 
     With ``KV_FP8`` the cache holds float8 e4m3 values of ``K / k_scale``, ``V / v_scale``
     per KV head: the K scale folds into the softmax scale and the V scale multiplies the
@@ -302,6 +308,15 @@ def _paged_attention_kernel(
                  mask=row_valid[:, None])
         tl.store(ws_m_ptr + ws_row, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws_row, l_i, mask=row_valid)
+        if FUSED:
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            n_tiles = tl.num_programs(1) // num_splits
+            cnt = counter_ptr + (rng * n_tiles + tile) * tl.num_programs(2) + kv_head
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(cnt, 0)
+                merged = _merge_splits(ws_acc_ptr, ws_m_ptr, ws_l_ptr, (tok * num_heads + head)
+                                       * num_splits, row_valid, num_splits, HEAD_DIM, BLOCK_M)
+                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])

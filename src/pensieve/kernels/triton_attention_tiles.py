@@ -14,6 +14,10 @@ Two forms of the same step:
   operands; what goes through shared memory is the query (once per program) and the fp16
   probabilities (``BLOCK_N x BLOCK_M`` per tile, against ``2 x BLOCK_N x HEAD_DIM`` for K and
   V). Same numbers up to rounding; not the default, as nobody has timed it on a GPU yet.
+
+:func:`_merge_splits` is the split combine of the kernel's ``FUSED`` variant (launcher
+``fused_combine``): the last split program of a (range, row tile, KV head) to finish, told by
+an atomic counter, merges the partials itself, so a split decode is one launch, not two.
 """
 
 from __future__ import annotations
@@ -158,3 +162,28 @@ def _attn_kv_tile_t(
     else:
         acc_t = tl.dot(v_t.to(q_t.dtype), p_t.to(q_t.dtype), acc_t)
     return acc_t, m_new, l_i
+
+
+@triton.jit
+def _merge_splits(ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws_row0, row_valid, used,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The normalised merge of ``used`` split partials of ``BLOCK_M`` rows (workspace rows
+    ``ws_row0 + split``), for the attention kernel's ``FUSED`` combine: loads bypass L1
+    (``.cg``), as other SMs wrote the partials."""
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for split in range(0, used):
+        ws_row = ws_row0 + split
+        m_s = tl.load(ws_m_ptr + ws_row, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(ws_l_ptr + ws_row, mask=row_valid, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :],
+                        mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_s)
+        a = tl.exp2(m_i - m_new)
+        b = tl.exp2(m_s - m_new)
+        acc = acc * a[:, None] + acc_s * b[:, None]
+        l_i = l_i * a + l_s * b
+        m_i = m_new
+    return acc / tl.where(row_valid, l_i, 1.0)[:, None]
