@@ -583,6 +583,7 @@ def test_long_decode_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     from pensieve.kernels.launch_policy import (
         DECODE_MAX_SPLITS,
         LONG_DECODE_KV,
+        LONG_DECODE_MIN_SPLITS,
         MAX_SPLITS,
         auto_kv_splits,
         decode_kv_splits,
@@ -607,8 +608,11 @@ def test_long_decode_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     auto_kv_splits.cache_clear()
     try:
         assert auto_kv_splits(8, 1, 32, 128, cuda) == MAX_SPLITS
-        assert auto_kv_splits(8, 1, 32, 128, cuda, True) == DECODE_MAX_SPLITS == 128
-        assert auto_kv_splits(64, 8, 32, 128, cuda, True) == 16  # 8 requests: 528 / 64 -> 16
+        # long: one program per SM (the H200 sweep's best), at least LONG_DECODE_MIN_SPLITS
+        assert auto_kv_splits(8, 1, 32, 128, cuda, True) == 32  # 1 request: 132 / 8 -> 32
+        assert auto_kv_splits(64, 8, 32, 128, cuda, True) == LONG_DECODE_MIN_SPLITS == 4
+        assert auto_kv_splits(256, 32, 32, 128, cuda, True) == 4  # 32 requests: the floor
+        assert auto_kv_splits(1, 1, 32, 128, cuda, True) == DECODE_MAX_SPLITS == 128
         assert auto_kv_splits(1024, 128, 32, 128, cuda, True) == 1  # the grid fills the GPU
         assert decode_kv_splits(1, 8, cuda) == MAX_SPLITS
         assert decode_kv_splits(1, 8, cuda, True) == 128
@@ -633,6 +637,25 @@ def test_long_context_decode_matches_reference(group, dtype, splits, span) -> No
                            kv_split_span=span_t, long_context=True)
     ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
     assert_close(out, ref, b.q.dtype)
+
+
+@pytest.mark.parametrize("dtype,splits,q_len", [(F16, 8, 1), (F32, 4, 1), (F16, 4, 3)])
+def test_fused_combine_matches_reference(dtype, splits, q_len) -> None:
+    """``fused_combine``: the last split of each (range, tile, KV head) merges the partials in
+    the attention kernel (no combine launch); twice in a row, as the counters must be back at
+    zero after a launch (a replayed graph relies on it)."""
+    from pensieve.kernels.launch_variants import combine_counters
+
+    lens = (40, 700, 2000)
+    b = make_batch([[(c - q_len, q_len)] for c in lens], chunk=16, dtype=dtype,
+                   **shape_kw(4, False))
+    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
+    for _ in range(2):
+        out = torch.full_like(b.q, float("nan"))
+        paged_attention_triton(*b.args(), max_query_len=q_len, out=out, num_kv_splits=splits,
+                               long_context=True, fused_combine=True)
+        assert_close(out, ref, b.q.dtype)
+        assert int(combine_counters(1, b.q.device).abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -21,6 +21,24 @@ KV (the ideal layout, no gather counted), with a bottom-right causal mask for th
 of the flash, cuDNN and memory-efficient backends is tried (GQA native where it runs, else KV
 heads expanded outside the timing) and the fastest is the reference. Times: CUDA events,
 median of ``--iters`` after ``--warmup``. The ratio ``ours / sdpa`` is the figure of merit.
+
+``--cuda-graphs``: also time both as CUDA-graph replays (:func:`_time_graph`: ``GRAPH_CALLS``
+calls captured in one graph, replayed, CUDA events around each replay, the median divided by
+the calls), the way serving's decode steps run, with no host launch overhead (a ~0.1 ms
+two-launch decode kernel's eager time counts Triton's launch cost). The JSON keeps the eager
+fields (``sdpa_s``, ``ours_{kv}_s``) and adds ``sdpa_graph_s``, ``sdpa_graph_backend`` (the
+fastest backend that could be captured; ``sdpa_graph_note`` names those that could not),
+``ours_{kv}_graph_s``, ``ratio_{kv}_graph``; with ``--sweep``, the sweep times graph
+replays too (``best_{kv}_*`` then from graphs, ``sweep_timing`` says which). A sweep row
+keeps every ``[tiles, splits, seconds]`` it timed in ``sweep_{kv}`` (the launch policy's
+split rule is read from them).
+
+``--fp8-variant transposed``: also time the kernel's ``KV_T`` variant
+(:mod:`pensieve.kernels.triton_attention_tiles`: ``S^T = K @ Q^T``, the upcast FP8 K and V
+tiles as the dots' register operands) over each KV dtype: ``ours_{kv}_transposed_s``,
+``ratio_{kv}_transposed``, ``max_err_{kv}_transposed`` (and ``_graph`` ones). ``--variant
+fused``: the ``FUSED`` variant (the last split program merges the partials: one launch where
+split KV took two), as ``ours_{kv}_fused_s`` etc.; ``--variant`` may repeat.
 """
 
 from __future__ import annotations
@@ -51,10 +69,48 @@ def _time(fn: Any, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+GRAPH_CALLS = 10
+"""Calls of the timed function captured in one CUDA graph (:func:`_time_graph`)."""
+
+
+def _time_graph(fn: Any, warmup: int, iters: int) -> float:
+    """Median seconds of one ``fn()`` replayed from a CUDA graph: :data:`GRAPH_CALLS` calls
+    captured once (after ``warmup`` eager calls on a side stream, which also compile Triton's
+    kernels), the graph replayed ``iters`` times between CUDA events, each replay's time
+    divided by the calls. Raises where ``fn`` cannot be captured."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / GRAPH_CALLS)
+    del graph
+    return statistics.median(times)
+
+
 def _sdpa_best(q: Any, k: Any, v: Any, lower_right: bool, warmup: int,
-               iters: int) -> tuple[float, str, Any]:
-    """(seconds, backend, output) of the fastest SDPA backend that runs. q ``[B, H, Q, D]``,
-    k, v ``[B, HKV, L, D]``."""
+               iters: int, graphs: bool = False) -> dict[str, Any]:
+    """The fastest SDPA backend that runs: ``sdpa_s``, ``sdpa_backend``, ``out``; with
+    ``graphs`` also ``sdpa_graph_s``, ``sdpa_graph_backend`` (the fastest captured as a CUDA
+    graph) and ``sdpa_graph_note`` (backends that ran eager but could not be captured).
+    q ``[B, H, Q, D]``, k, v ``[B, HKV, L, D]``."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,6 +118,8 @@ def _sdpa_best(q: Any, k: Any, v: Any, lower_right: bool, warmup: int,
 
     mask = causal_lower_right(q.shape[2], k.shape[2]) if lower_right else None
     best: tuple[float, str, Any] | None = None
+    best_graph: tuple[float, str] | None = None
+    not_captured: list[str] = []
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
@@ -77,14 +135,30 @@ def _sdpa_best(q: Any, k: Any, v: Any, lower_right: bool, warmup: int,
                 out = run()
             except RuntimeError:
                 continue
+            label = f"{name}{'' if gqa else ' (KV expanded)'}"
             t = _time(run, warmup, iters)
             if best is None or t < best[0]:
-                best = (t, f"{name}{'' if gqa else ' (KV expanded)'}", out)
+                best = (t, label, out)
+            if graphs:
+                try:
+                    tg = _time_graph(run, warmup, iters)
+                except RuntimeError as e:
+                    not_captured.append(f"{label}: {str(e).splitlines()[0][:120]}")
+                    torch.cuda.synchronize()
+                else:
+                    if best_graph is None or tg < best_graph[0]:
+                        best_graph = (tg, label)
             break  # GQA native ran: no need to expand
         torch.cuda.empty_cache()
     if best is None:
         raise RuntimeError("no SDPA backend ran")
-    return best
+    res: dict[str, Any] = {"sdpa_s": best[0], "sdpa_backend": best[1], "out": best[2]}
+    if graphs:
+        res["sdpa_graph_s"] = best_graph[0] if best_graph else None
+        res["sdpa_graph_backend"] = best_graph[1] if best_graph else None
+        if not_captured:
+            res["sdpa_graph_note"] = "not captured: " + "; ".join(not_captured)
+    return res
 
 
 SWEEP_TILES = [(bm, bn, w, st) for bm in (16,) for bn in (32, 64, 128) for w in (4, 8)
@@ -94,11 +168,53 @@ SWEEP_SPLITS = (4, 8, 16, 32, 64, 128)
 """KV split counts that ``--sweep`` times with each tile."""
 
 
+def _sweep(call: Any, timer: Any, iters: int,
+           table: list[list[Any]]) -> tuple[float, Any, int] | None:
+    """(seconds, tiles, splits) of the fastest ``call(tiles, splits)`` over :data:`SWEEP_TILES`
+    x :data:`SWEEP_SPLITS`, each timed by ``timer`` (eager or graph); None if none ran.
+    Appends ``[tiles, splits, seconds]`` of each that ran to ``table``."""
+    import torch
+
+    best = None
+    for tiles in SWEEP_TILES:
+        for splits in SWEEP_SPLITS:
+            try:
+                t = timer(lambda tiles=tiles, splits=splits: call(tiles, splits), 1, iters)
+            except Exception:  # a tile the device cannot fit
+                torch.cuda.synchronize()
+                continue
+            table.append([list(tiles), splits, t])
+            if best is None or t < best[0]:
+                best = (t, tiles, splits)
+    return best
+
+
+def _time_ours(name: str, ours: Any, ref: Any, shape: tuple[int, int], t_sdpa: float,
+               t_sdpa_graph: float | None, warmup: int, iters: int,
+               graphs: bool) -> dict[str, Any]:
+    """``ours_{name}_s``, ``ratio_{name}``, ``max_err_{name}`` (against SDPA's ``ref``) of one
+    launch ``ours()``, and with ``graphs`` ``ours_{name}_graph_s``, ``ratio_{name}_graph``."""
+    batch, q_len = shape
+    out = ours()
+    err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
+    res: dict[str, Any] = {f"ours_{name}_s": _time(ours, warmup, iters)}
+    res[f"ratio_{name}"] = res[f"ours_{name}_s"] / t_sdpa
+    res[f"max_err_{name}"] = float(err.max())
+    if graphs:
+        res[f"ours_{name}_graph_s"] = _time_graph(ours, warmup, iters)
+        if t_sdpa_graph:
+            res[f"ratio_{name}_graph"] = res[f"ours_{name}_graph_s"] / t_sdpa_graph
+    return res
+
+
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
-         iters: int, seed: int = 0, sweep: bool = False) -> dict[str, Any]:
+         iters: int, seed: int = 0, sweep: bool = False,
+         graphs: bool = False, variants: tuple[str, ...] = ()) -> dict[str, Any]:
     """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``;
     ``sweep``: also time every decode tile of :data:`SWEEP_TILES` with each split count of
-    :data:`SWEEP_SPLITS`."""
+    :data:`SWEEP_SPLITS`; ``graphs``: also time SDPA and ours as CUDA-graph replays (the sweep
+    too); ``variants`` (``transposed``, ``fused``): also time the launch with
+    ``kv_transposed`` / ``fused_combine``, as ``{kv}_transposed`` / ``{kv}_fused``."""
     import torch
 
     from pensieve.kernels.launch import FP8_KV, attention_choice, paged_attention_triton
@@ -111,7 +227,9 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     q4 = torch.randn(batch, H, q_len, D, device=dev, dtype=bf, generator=g)
     k4 = torch.randn(batch, HKV, ctx, D, device=dev, dtype=bf, generator=g)
     v4 = torch.randn(batch, HKV, ctx, D, device=dev, dtype=bf, generator=g)
-    t_sdpa, backend, ref = _sdpa_best(q4, k4, v4, q_len > 1, warmup, iters)
+    sd = _sdpa_best(q4, k4, v4, q_len > 1, warmup, iters, graphs)
+    t_sdpa, ref = sd.pop("sdpa_s"), sd.pop("out")
+    t_sdpa_graph = sd.get("sdpa_graph_s")
     blocks = ctx // CHUNK
     perm = torch.randperm(batch * blocks, device=dev, generator=g).to(torch.int32)
     tables = perm.view(batch, blocks)
@@ -124,8 +242,10 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     long = q_len == 1 and is_long_decode([ctx] * batch)
     tiles0, splits0 = attention_choice(batch * q_len, H, HKV, D, batch, q_len, dev, long)
     res: dict[str, Any] = {"context": ctx, "query_len": q_len, "batch": batch,
-                           "sdpa_s": t_sdpa, "sdpa_backend": backend, "ours_tiles": tiles0,
+                           "sdpa_s": t_sdpa, **sd, "ours_tiles": tiles0,
                            "ours_splits": splits0}
+    if sweep and q_len == 1:
+        res["sweep_timing"] = "graph" if graphs else "eager"
     for kv in kv_dtypes:
         dtype = FP8_KV if kv == "fp8" else bf
         kc = torch.empty(batch * blocks, CHUNK, HKV, D, device=dev, dtype=dtype)
@@ -138,32 +258,27 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                      v4.permute(0, 2, 1, 3).reshape(-1, HKV, D), kc, vc, slots,
                      scales.get("k_scale"), scales.get("v_scale"))
 
-        def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales) -> Any:
-            return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
-                                          max_query_len=q_len, long_context=long, **scales)
-        out = ours()
-        err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
-        res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
-        res[f"ratio_{kv}"] = res[f"ours_{kv}_s"] / t_sdpa
-        res[f"max_err_{kv}"] = float(err.max())
+        for name, v in [(kv, "")] + [(f"{kv}_{v}", v) for v in variants]:
+            def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales, v: str = v) -> Any:
+                return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
+                                              max_query_len=q_len, long_context=long,
+                                              kv_transposed=v == "transposed",
+                                              fused_combine=v == "fused", **scales)
+            res.update(_time_ours(name, ours, ref, (batch, q_len), t_sdpa, t_sdpa_graph,
+                                  warmup, iters, graphs))
+        base = t_sdpa_graph if graphs and t_sdpa_graph else t_sdpa
         if sweep and q_len == 1:
-            best = None
-            for tiles in SWEEP_TILES:
-                for splits in SWEEP_SPLITS:
-                    def tiled(kc: Any = kc, vc: Any = vc, scales: dict = scales,
-                              tiles: Any = tiles, splits: int = splits) -> Any:
-                        return paged_attention_triton(
-                            q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
-                            tiles=tiles, num_kv_splits=splits, **scales)
-                    try:
-                        t = _time(tiled, 1, max(3, iters // 2))
-                    except Exception:  # a tile the device cannot fit
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, tiles, splits)
+            def tiled(tiles: Any, splits: int, kc: Any = kc, vc: Any = vc,
+                      scales: dict = scales) -> Any:
+                return paged_attention_triton(
+                    q, kc, vc, tables, qsl, start, rows, D**-0.5, max_query_len=1,
+                    tiles=tiles, num_kv_splits=splits, **scales)
+            res[f"sweep_{kv}"] = []
+            best = _sweep(tiled, _time_graph if graphs else _time, max(3, iters // 2),
+                          res[f"sweep_{kv}"])
             if best is not None:
                 res[f"best_{kv}_s"], res[f"best_{kv}_tiles"], res[f"best_{kv}_splits"] = best
-                res[f"best_ratio_{kv}"] = best[0] / t_sdpa
+                res[f"best_ratio_{kv}"] = best[0] / base
         del kc, vc
         torch.cuda.empty_cache()
     return res
@@ -212,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true",
                    help="decode cases: also time each tile of SWEEP_TILES and 4-128 KV splits")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time SDPA and ours as CUDA-graph replays (*_graph_s fields); "
+                        "the sweep then times graph replays")
+    p.add_argument("--variant", "--fp8-variant", dest="variant", action="append", default=[],
+                   choices=["transposed", "fused"],
+                   help="also time our kernel's variant for each --kv-dtypes (transposed: "
+                        "S^T = K @ Q^T, the upcast KV tiles as register operands; fused: the "
+                        "split combine in the attention kernel), as ours_{kv}_{variant}_s etc.")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
@@ -231,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
              for b in a.decode_batches.split(",")]
     rows = []
     for ctx, q_len, batch in tqdm(todo, desc="long-attention"):
-        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep)
+        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep, graphs=a.cuda_graphs,
+                 variants=tuple(a.variant))
         rows.append(r)
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items()))

@@ -29,8 +29,12 @@ and its 8 programs need 64-128 splits each to give an H200's 132 SMs a few progr
 LONG_DECODE_KV = 8192
 """A decode step is *long* when its longest context reaches this many positions: its KV tiles
 are 128 positions (``launch._attention_tiles``) and its ranges may split up to
-:data:`DECODE_MAX_SPLITS` ways. The H200 sweep (docs/long_context.md) measured 32-position
-tiles best at 8k contexts and 128-position tiles best at 32k and beyond."""
+:data:`DECODE_MAX_SPLITS` ways (:func:`auto_kv_splits`: one program per SM). The H200 sweep
+(docs/long_context.md) measured 32-position tiles best at 8k contexts and 128-position tiles
+best at 32k and beyond."""
+LONG_DECODE_MIN_SPLITS = 4
+"""Fewest KV splits of a long decode step's grid that does not fill the GPU
+(:func:`auto_kv_splits`)."""
 DECODE_MIN_SPLITS = 8
 """Decode steps with a span get at least this many splits of grid
 (:func:`decode_kv_splits`): a range up to 8x the span still ends with the others."""
@@ -159,18 +163,34 @@ WORKSPACE_BYTES = 256 << 20
 @functools.cache
 def auto_kv_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int,
                    device: torch.device, long_context: bool = False) -> int:
-    """The launcher's KV splits of a grid of ``programs``: split when the grid has fewer than
-    four programs per SM, at most :func:`max_decode_splits` ways (128 for a long decode step:
-    a lone long request's 8 programs need 64-128 splits to fill an H200).
+    """The launcher's KV splits of a grid of ``programs``: unsplit when the grid has four
+    programs per SM or more; else, for a short step, enough splits for four programs per SM,
+    at most :data:`MAX_SPLITS`; for a long one (:func:`is_long_decode`), enough for one
+    program per SM, at least :data:`LONG_DECODE_MIN_SPLITS`, at most
+    :data:`DECODE_MAX_SPLITS`.
 
-    Chosen by measurement (docs/performance.md, "KV splits for decode"): a decode grid of
-    fewer programs split its KV faster, larger ones ran best unsplit. Splits depend on the
-    length class, not the context length, so a CUDA graph captured for a batch size and class
-    stays right for any context of that class."""
-    target = 4 * num_sms(device)
-    if programs >= target:
+    Chosen by measurement. Short steps (docs/performance.md, "KV splits for decode"): a decode
+    grid of fewer programs split its KV faster, larger ones ran best unsplit. Long steps
+    (``pensieve bench long-attention --sweep`` on the H200, 32k-128k, 8 KV heads,
+    docs/results/long_context/long_attention.json): every split of a long context still
+    streams thousands of KV positions, so one wave of programs has no tail to hide, and more
+    splits only add partial outputs to combine. The fastest split count was 32 for one
+    request (8 programs; 132 SMs / 8 -> 32) at every context and KV dtype, where four programs
+    per SM gave 128 and ran 1.33-1.92x SDPA against the sweep's best 1.05-1.65x; 4 for 8
+    requests at 128k (and at 64k in bf16), 4 for 32 requests in FP8 at every context (bf16:
+    8-16 best, 4 within 1-9% of it in long_attention_rule.json). Where no split count in the sweep
+    won for every cell (8 requests at 32k: 8-16), the rule keeps the one-wave count.
+
+    Splits depend on the batch and length class, not the context length, so a CUDA graph
+    captured for a batch bucket and class stays right for any context of that class."""
+    sms = num_sms(device)
+    if programs >= 4 * sms:
         return 1
-    splits = min(max_decode_splits(long_context), _next_pow2(-(-target // programs)))
+    if long_context:
+        splits = min(DECODE_MAX_SPLITS,
+                     max(LONG_DECODE_MIN_SPLITS, _next_pow2(-(-sms // programs))))
+    else:
+        splits = min(MAX_SPLITS, _next_pow2(-(-4 * sms // programs)))
     while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > WORKSPACE_BYTES:
         splits //= 2
     return splits
