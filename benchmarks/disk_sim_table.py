@@ -20,10 +20,8 @@ def row(d: dict) -> str:
                                                    "new_prompt_rate"))
     if disk:
         label = f"200 GB at {disk['disk_read_gbps']:g} GB/s"
-        if disk.get("disk_prefetch", "all") != "all":
-            label += f", what-if: prefetch {disk['disk_prefetch']}"
-        if disk.get("disk_restore", "rule") != "rule":
-            label += f", restore {disk['disk_restore']}"
+        if disk.get("disk_prefetch", "all") == "all":  # the engine: worth-reading
+            label += ", what-if: prefetch all"
         io = (f"{disk['disk_read_bytes'] / 1e9:.0f} / {disk['disk_write_bytes'] / 1e9:.0f} | "
               f"{disk['disk_restored_chunks']} | {disk['disk_read_wait_us'] / 1e6:.0f} s in "
               f"{disk['disk_read_waits']} steps")

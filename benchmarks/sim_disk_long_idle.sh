@@ -3,9 +3,8 @@
 # idle, simulated"): pensieve on the agentic load with 5-minute think times, 40 / 60 GB tiers,
 # 13B GQA-10 step cost and the engine's H200 cost profile of that shape (what the engine weighs
 # recomputation with on the H200), without a disk tier and with 200 GB of disk at the given
-# read rates (the engine: a turn reads only the files the rule could read back); then at the
-# same rates --sim-disk-prefetch all (the engine before: every file read) and the what-if
-# --sim-disk-restore every-read (every copy read is restored: its read time is spent).
+# read rates (the engine: a turn reads only the files no slower to read than to recompute, and
+# every copy read is restored at admission).
 # Usage: sim_disk_long_idle.sh OUT_DIR [RATE] [READ_GBPS...]   (CPU; ~1-2 min of wall a point)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,12 +20,4 @@ pensieve bench multiturn "${common[@]}" --tag no-disk
 for r in ${reads[@]}; do
   pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
     --tag "disk-200-read-$r"
-done
-for r in ${reads[@]}; do
-  pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
-    --sim-disk-prefetch all --tag "disk-200-read-$r-all-reads"
-done
-for r in ${reads[@]}; do
-  pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
-    --sim-disk-restore every-read --tag "disk-200-read-$r-whatif-every-read"
 done

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pensieve.core.conversation import Tier
 from pensieve.core.disk_index import DiskEntry, DiskIndex, chunk_hashes, found_key
+from pensieve.core.disk_restore import worth_reading
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.sampling_params import SamplingParams
@@ -86,12 +87,19 @@ class FakeDisk:
         self.index.read_chunk_s = None
         self.loaded: dict[str, list[str | None]] = {}
         self.done: list[tuple[DiskEntry, bool]] = []
+        self.worth: Callable[[DiskEntry], bool] | None = None
+        """As ``DiskTier.worth``: which files a turn reads (None: every one)."""
+        self.reads: list[tuple[str, int]] = []
+        """Every file read, in order: (conversation, chunk)."""
         for t, (_name, (head, _)) in enumerate(sorted(files.items())):
             if self.index.size < capacity:
                 self.index.add(DiskEntry(*head, key=found_key(float(t))))
 
     def prefetch(self, conversation_id: str) -> None:
         for e in self.index.of(conversation_id):
+            if e.ready or (self.worth is not None and not self.worth(e)):
+                continue
+            self.reads.append((e.conversation_id, e.index))
             f = self.files.get(e.name)
             ok = (f is not None and e.name not in self.corrupt
                   and f[0] == (e.conversation_id, e.index, e.tokens, e.prefix_hash))
@@ -139,6 +147,7 @@ class World:
         self.ex = FakeExecutor(lambda: self.eng)
         self.disk = FakeDisk(self.files, self.corrupt, self.ex, self.capacity)
         cache.disk = self.disk.index
+        self.disk.worth = lambda e: worth_reading(cache, e, self.disk.index.read_chunk_s)
         self.clock = 0.0
         self.eng = EngineCore(Scheduler(SchedulerConfig(max_num_batched_tokens=32,
                                                         max_num_seqs=3, max_model_len=80), cache),
@@ -266,3 +275,32 @@ def test_full_index_evicts_lowest_key_and_refuses_lower() -> None:
     assert index.get("x", 0) is None and index.get("x", 1) is not None
     assert index.take_plan().deletes == [DiskEntry("x", 0, C, "h", found_key(0.0)).name]
     index.check()
+
+
+def test_read_copies_are_restored_not_recomputed() -> None:
+    """Each chunk's read (0.9 s) is cheaper than recomputing it (1 s and more), so the turn
+    reads every copy of "a"; they come back at admission as far as CPU blocks go, though
+    charging the reads queued before each (0.9 s times 1 + queued) would have let only one
+    chunk back per step."""
+    world = World(100)
+    world.disk.index.read_chunk_s = 0.9
+    for cid, n in (("a", 40), ("b", 60), ("c", 60)):
+        world.histories.setdefault(cid, [])
+        world.eng.add_request(f"{cid}{n}", list(range(3, 3 + n)),
+                              SamplingParams(max_tokens=2, ignore_eos=True),
+                              conversation_id=cid)
+        world.run_all()
+    on_disk = sorted(world.disk.index.entries.get("a", {}))
+    assert len(on_disk) >= 3, on_disk  # several of "a"'s chunks went to disk
+    tokens = sum(e.tokens for e in world.disk.index.of("a"))
+    before = world.eng.cache.stats.disk_hit_tokens
+    world.eng.add_request("a4", [5, 6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True),
+                          conversation_id="a")
+    world.run_all()
+    st_ = world.eng.cache.stats
+    world.check()
+    assert sorted(i for c, i in world.disk.reads if c == "a") == on_disk  # the turn read them
+    # every copy read came back, as many as the CPU tier's blocks take (each restore is a
+    # read into a CPU block); the old charge would have let one chunk back (C tokens)
+    assert st_.disk_hit_tokens - before == min(tokens, CPU * C) > 2 * C
+    assert world.ex.checked > 0

@@ -70,7 +70,6 @@ from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
 from pensieve.bench.sim_disk import (
     PREFETCH,
-    RESTORE,
     SIM_DISK_READ_GBPS,
     SIM_DISK_WRITE_GBPS,
 )
@@ -203,8 +202,7 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     return SimEngine.from_options({**args.engine_options, "cache_policy": system}, cost, clock,
                                   chunk_cost, block_bytes=block_bytes,
                                   disk_write_gbps=args.sim_disk_write_gbps,
-                                  disk_prefetch=args.sim_disk_prefetch,
-                                  disk_restore=args.sim_disk_restore)
+                                  disk_prefetch=args.sim_disk_prefetch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,9 +265,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: which of a conversation's files its turn reads: those the "
                          "read-or-recompute rule could read back (as the engine) or, a "
                          "what-if, all of them (the engine before it weighed them)")
-    ap.add_argument("--sim-disk-restore", choices=RESTORE, default="rule",
-                    help="sim: which copies read the core restores at admission: by its "
-                         "read-or-recompute rule (as the engine) or, a what-if, every one read")
     ap.add_argument("--tag", default="", help="label stored with every point")
     ap.add_argument("--out", default="results/multiturn")
     add_engine_args(ap, exclude=NOT_ENGINE, model_flag=True, defaults=ENGINE_DEFAULTS)

@@ -5,7 +5,7 @@
 DiskTier` is on a device). The cache's decisions are the real ones: its
 :class:`~pensieve.core.disk_index.DiskIndex` (spills in the retention order, the disk's own
 eviction order, hashes) and :func:`~pensieve.core.disk_restore.restore_from_disk` (read back or
-recompute, by ``DiskIndex.read_chunk_s``). What this module replaces is the I/O, with two
+recompute). What this module replaces is the I/O, with two
 queues of simulated time, one per direction, each one chunk after another at its rate::
 
     add_request -> prefetch: each file not ready is queued for reading; it is done at
@@ -18,16 +18,12 @@ queues of simulated time, one per direction, each one chunk after another at its
 
 Prefetch ``"worth-reading"`` (the engine's, ``DiskTier.prefetch`` with
 :func:`~pensieve.core.disk_restore.worth_reading`): a turn reads only the files of chunks that
-the core's rule could read back at admission (``read_chunk_s`` at most the chunk's recompute
-cost, the rule with no other read queued), so a disk too slow to beat recomputation is not
-read at all. What-if ``"all"`` (the engine before ``worth_reading``): every file is read, and
-the core then recomputes the chunks it finds slower to read, after its steps waited for them.
+reading is no slower than recomputing (``read_chunk_s`` at most the chunk's recompute
+cost), so a disk too slow to beat recomputation is not
+read at all. What-if ``"all"`` (the engine before ``worth_reading``): every file is read.
 
-What-if ``restore="every-read"`` (not the engine's behaviour either): at admission the core
-restores every copy that was read, whatever ``read_chunk_s`` (the index's is None: the read is
-done, its time already spent), instead of weighing ``read_chunk_s * (1 + reads queued this
-step)`` against the chunk's recompute cost, which lets about ``cost / read_chunk_s - 1`` chunks
-of a turn come back per step.
+At admission the core restores every copy that was read (its read time is spent), as on
+the engine.
 
 Reads and writes do not slow each other down (two independent queues: the disk's measured
 rates, each alone). A read planned into a CPU block costs no step time (on a device it is a
@@ -53,9 +49,8 @@ SIM_DISK_READ_GBPS = 1.6
 SIM_DISK_WRITE_GBPS = 0.85
 """Default write rate: the disk tier's writes on the H200 host (same section)."""
 PREFETCH = ("all", "worth-reading")
-"""Which files a turn reads when it is added: every one (the engine), or the what-if."""
-RESTORE = ("rule", "every-read")
-"""How the core chooses at admission: its rule (the engine), or the what-if."""
+"""Which files a turn reads when it is added: every one (the what-if), or those worth reading
+(the engine)."""
 SIM_DISK_PATH = "(simulated disk: no files)"
 """The ``disk_kv_path`` the simulator gives the config's check when none is given: the
 simulator never opens it."""
@@ -74,23 +69,19 @@ class SimDiskTier:
     def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
                  read_gbps: float = SIM_DISK_READ_GBPS,
                  write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str | None = None,
-                 cache: TieredKVCache | None = None, restore: str = "rule") -> None:
+                 cache: TieredKVCache | None = None) -> None:
         """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
         chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``:
         ``"worth-reading"`` (as the engine; it needs the ``cache`` whose costs decide) or the
         what-if ``"all"`` (module docstring); None: ``"worth-reading"`` with a ``cache``,
-        else ``"all"``. ``restore``: ``"rule"`` (the core's choice, as the engine) or the
-        what-if ``"every-read"`` (module docstring)."""
+        else ``"all"``."""
         if prefetch is None:
             prefetch = "all" if cache is None else "worth-reading"
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH)}, got {prefetch!r}")
         if prefetch == "worth-reading" and cache is None:
             raise ValueError("prefetch='worth-reading' needs the cache")
-        if restore not in RESTORE:
-            raise ValueError(f"restore must be one of {', '.join(RESTORE)}, got {restore!r}")
         self.prefetch_mode = prefetch
-        self.restore_mode = restore
         self.cache = cache
         if block_bytes <= 0:
             raise ValueError("a simulated disk tier needs block_bytes > 0")
@@ -104,7 +95,7 @@ class SimDiskTier:
         self.write_gbps = write_gbps
         self.read_chunk_s = block_bytes / (read_gbps * 1e9)
         self.write_chunk_s = block_bytes / (write_gbps * 1e9)
-        self.index.read_chunk_s = self.read_chunk_s if restore == "rule" else None
+        self.index.read_chunk_s = self.read_chunk_s
         self._reads: dict[str, tuple[DiskEntry, float]] = {}
         """Reads started and not collected: file name -> (entry, done at)."""
         self._writing: dict[str, tuple[DiskEntry, float]] = {}
@@ -211,11 +202,11 @@ class SimDiskTier:
 
     def settings(self) -> dict[str, float | str]:
         """What a benchmark point records of this disk."""
-        return {"disk_prefetch": self.prefetch_mode, "disk_restore": self.restore_mode,
+        return {"disk_prefetch": self.prefetch_mode,
                 "disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
                 "disk_write_gbps": self.write_gbps,
                 "disk_read_chunk_ms": round(self.read_chunk_s * 1e3, 4)}
 
 
-__all__ = ["PREFETCH", "RESTORE", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS",
+__all__ = ["PREFETCH", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS",
            "SimDiskTier"]

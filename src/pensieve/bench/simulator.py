@@ -262,7 +262,6 @@ class SimEngine(EngineCore):
         disk_read_gbps: float | None = None,
         disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
         disk_prefetch: str = "worth-reading",
-        disk_restore: str = "rule",
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``cache_policy``: a policy
@@ -280,8 +279,8 @@ class SimEngine(EngineCore):
         many GiB below the CPU tier (:class:`~pensieve.bench.sim_disk.SimDiskTier`: the core's
         disk index, reads and writes on simulated time at ``disk_read_gbps``, default
         :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
-        ``disk_prefetch``, ``disk_restore``: which files a turn reads and which copies read
-        the core restores, ``"worth-reading"`` and ``"rule"`` as the engine, or what-ifs)."""
+        ``disk_prefetch``: which files a turn reads, ``"worth-reading"`` as the engine, or
+        the what-if ``"all"``)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -307,7 +306,7 @@ class SimEngine(EngineCore):
         """The simulated disk tier (None: none); also the engine's ``disk``."""
         if disk_kv_gb:
             self.sim_disk = _sim_disk(disk_kv_gb, disk_read_gbps, disk_write_gbps, tiers,
-                                      chunk_size, clock, disk_prefetch, disk_restore, cache)
+                                      chunk_size, clock, disk_prefetch, cache)
             self.disk = self.sim_disk
             cache.disk = self.sim_disk.index
 
@@ -359,7 +358,7 @@ class SimEngine(EngineCore):
 
 
 def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: TierSizes,
-              chunk_size: int, clock: SimClock, prefetch: str, restore: str,
+              chunk_size: int, clock: SimClock, prefetch: str,
               cache: TieredKVCache) -> SimDiskTier:
     """The simulated disk tier of ``gib`` GiB over ``tiers``' chunks (the engine's checks:
     a CPU tier below which it lies, chunks of known bytes)."""
@@ -369,8 +368,7 @@ def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: Tie
     capacity = int(gib * 2**30 // tiers.block_bytes)
     return SimDiskTier(capacity, chunk_size, tiers.block_bytes, clock,
                        read_gbps=read_gbps if read_gbps is not None else SIM_DISK_READ_GBPS,
-                       write_gbps=write_gbps, prefetch=prefetch, cache=cache,
-                       restore=restore)
+                       write_gbps=write_gbps, prefetch=prefetch, cache=cache)
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,

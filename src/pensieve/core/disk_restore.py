@@ -6,9 +6,12 @@ planned. Each dropped chunk with a
 verified copy on disk (:class:`~pensieve.core.disk_index.DiskIndex`, entry ``ready``) whose hash
 equals that of the turn's own tokens up to the chunk's end is read into a CPU block (a free
 one, or one freed by spilling the CPU tier's lowest chunk) and becomes a CPU chunk; admission
-then swaps it in like any other. A chunk is recomputed instead when reading it is expected to
-take longer (``DiskIndex.read_chunk_s`` times the reads queued before it this step, against
-its recompute cost), or when no CPU block can be had.
+then swaps it in like any other. A copy that is ready has been read into memory (its read
+time is spent), so it is always restored; the weighing of a read against recomputation
+(:func:`worth_reading`, ``DiskIndex.read_chunk_s`` against the chunk's recompute cost) happens
+earlier, when the turn is added and the engine chooses which files to read. A chunk is
+recomputed when its copy was not read (not ready: too slow to read, or spilled while the turn
+waited), or when no CPU block can be had.
 
 A conversation that has no KV in the cache but copies on disk (after a restart: the history
 came back from the conversation store) first gets dropped chunks for the leading run of
@@ -50,21 +53,16 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
     n = min(-(-(req.num_tokens - 1) // c), max(disk.entries[conv.conversation_id]) + 1)
     hashes = chunk_hashes(tokens, c, n)
     restored = 0
-    queued = len(disk.plan.reads)
     for i, ch in enumerate(conv.chunks):
         entry = disk.get(conv.conversation_id, i)
         if entry is None or ch.tier is not Tier.DROPPED:
             continue
         if not entry.ready:
-            continue  # not read yet (spilled while the turn waited): recomputed
+            continue  # not read (slower than recomputing, or spilled since): recomputed
         n_tok = conv.chunk_tokens(i, c)
         if entry.tokens != n_tok or i * c + n_tok > len(tokens) or \
                 entry.prefix_hash != _partial_hash(tokens, hashes, i, c, n_tok):
             disk.forget(conv.conversation_id, i)  # other tokens than these: never used
-            continue
-        read_s = disk.read_chunk_s
-        if read_s is not None and \
-                read_s * (1 + queued) > cache.index.cost(min((i + 1) * c, conv.kv_end)):
             continue
         block = _cpu_block(cache)
         if block is None:
@@ -73,7 +71,6 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
         disk.plan.reads.append((entry, block))
         conv.chunks[i] = Chunk(Tier.CPU, block)
         restored += n_tok
-        queued += 1
     disk.forget_from(conv.conversation_id, 0)  # the rest is computed in this turn
     return restored
 
@@ -121,9 +118,10 @@ def _cpu_block(cache: TierPools) -> int | None:
 
 def worth_reading(cache: _Cache, entry: DiskEntry, read_chunk_s: float | None) -> bool:
     """Whether a turn should start reading ``entry`` back: reading one chunk
-    (``read_chunk_s``; None: not known, always read) is no slower than recomputing it (the
-    admission's rule with no other read queued). A read slower than recomputation would only
-    make the turn's step wait for bytes the admission then recomputes."""
+    (``read_chunk_s``; None: not known, always read) is no slower than recomputing it. A
+    read slower than recomputation would only make the turn's step wait for bytes it could
+    have recomputed sooner; a copy that was read is then always restored at admission
+    (:func:`restore_from_disk`)."""
     if read_chunk_s is None:
         return True
     c = cache.chunk_size
