@@ -67,6 +67,9 @@ class Conversation:
     share_back: list[int] = field(default_factory=list)
     """Chunks below :attr:`share_upto` that admissions brought back to the GPU since (swapped
     in or recomputed: private blocks again), to offer when the turn ends."""
+    pinned_shared: list[int] = field(default_factory=list)
+    """While running: its registered GPU blocks (shared prefixes), each pinned once by it;
+    the rest of its block table is private. Empty while idle."""
     block_table: tuple[int, ...] = ()
     """While running: the GPU block of each chunk, replaced by a longer tuple as chunks are
     added (never changed in place, so each step's output holds it without a copy). Empty while

@@ -124,9 +124,9 @@ class PrefixShare:
         return self.unref(block)
 
     def unpin_blocks(self, blocks: Sequence[int]) -> int:
-        """A running conversation whose chunks hold these GPU ``blocks`` (its block table)
-        stops running: each registered one loses a pin; returns how many are no longer pinned
-        by anyone (inline: a hot path)."""
+        """A running conversation that pinned these registered GPU ``blocks``
+        (``Conversation.pinned_shared``) stops running: each loses a pin; returns how many
+        are no longer pinned by anyone (inline: a hot path)."""
         pins, unpinned = self.pins, 0
         for b in blocks:
             n = pins.get(b)

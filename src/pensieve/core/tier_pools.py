@@ -183,6 +183,7 @@ class TierPools:
         hit = swapped = recomputed = 0
         share = self.share
         refs, pins = (share.refs, share.pins) if share is not None else ({}, {})
+        registered = conv.pinned_shared
         pinned = len(chunks)
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
@@ -192,6 +193,7 @@ class TierPools:
                 if ch.block in refs:  # a registered block: count the conversations pinning it
                     n = pins.get(ch.block, 0)
                     pins[ch.block] = n + 1
+                    registered.append(ch.block)
                     if n:
                         pinned -= 1  # another running conversation pins it already
             else:
@@ -221,12 +223,17 @@ class TierPools:
         self.pinned_gpu += num_chunks
 
     def release(self, conv: Conversation) -> None:
-        """A running conversation stops running (its chunks are all on the GPU)."""
-        share = self.share
-        if share is None or not share.pins:
+        """A running conversation stops running (its chunks are all on the GPU). Only the
+        registered blocks :meth:`pin` recorded lose a pin: the blocks a running conversation
+        holds stay registered or private until it stops (registration happens at the end of
+        a turn, unregistration when the last reference, an idle one, leaves)."""
+        share, registered = self.share, conv.pinned_shared
+        if share is None or not registered:
             self.pinned_gpu -= len(conv.chunks)
         else:
-            self.pinned_gpu -= share.unpin_blocks(conv.block_table)
+            self.pinned_gpu -= (len(conv.chunks) - len(registered)
+                                + share.unpin_blocks(registered))
+            conv.pinned_shared = []
         conv.running = False
         conv.block_table = ()
 

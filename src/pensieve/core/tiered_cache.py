@@ -472,9 +472,12 @@ class TieredKVCache:
                 assert conv.block_table == tuple(ch.block for ch in conv.chunks), (
                     conv.conversation_id)
                 pinned.update(conv.block_table)
+                refs = self.pools.share.refs if self.pools.share is not None else {}
+                assert conv.pinned_shared == [b for b in conv.block_table if b in refs], (
+                    conv.conversation_id)
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
-                assert not conv.block_table, conv.conversation_id
+                assert not conv.block_table and not conv.pinned_shared, conv.conversation_id
             for ch in conv.chunks:
                 assert (ch.block >= 0) == (ch.tier is not Tier.DROPPED), ch
         assert len(pinned) == self.pools.pinned_gpu, (
