@@ -17,6 +17,7 @@ truncated, corrupt or foreign file) is None, and the chunk is recomputed.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import zlib
@@ -111,15 +112,17 @@ headers (a longer conversation id) can be read into it later."""
 
 
 class ReadBuffer(np.ndarray[Any, np.dtype[np.uint8]]):
-    """A buffer files are read into (bytes, 1-D): allocated without being filled, so its pages
-    are first touched by the kernel inside ``readinto``, with the GIL released (a
-    ``bytearray(n)`` is zero-filled with the GIL held: reader threads took turns on it). Its
+    """A buffer files are read into (bytes, 1-D): an anonymous mapping, not filled, so its
+    pages are first touched by the kernel inside ``readinto``, with the GIL released (a
+    ``bytearray(n)`` is zero-filled with the GIL held: reader threads take turns on it). Its
     type tells a read buffer from other bytes (a queued write's) for reuse."""
 
 
 def new_buffer(size: int) -> ReadBuffer:
-    """An unfilled read buffer of ``size`` bytes."""
-    return np.empty(size, np.uint8).view(ReadBuffer)
+    """An unfilled read buffer of ``size`` bytes. Not ``np.empty``: numpy advises huge pages
+    for large arrays, and reads into fresh buffers so advised ran at half the rate on the
+    development VM (0.60-0.68 GB/s against 1.0-1.2 for a plain mapping, one thread)."""
+    return np.frombuffer(mmap.mmap(-1, size), np.uint8).view(ReadBuffer)
 
 
 def read_file(path: str, spare: ReadBuffer | None = None) -> memoryview:
