@@ -120,8 +120,8 @@ class ReadBuffer(np.ndarray[Any, np.dtype[np.uint8]]):
 
 def new_buffer(size: int) -> ReadBuffer:
     """An unfilled read buffer of ``size`` bytes. Not ``np.empty``: numpy advises huge pages
-    for large arrays, and reads into fresh buffers so advised ran at half the rate on the
-    development VM (0.60-0.68 GB/s against 1.0-1.2 for a plain mapping, one thread)."""
+    for large arrays, and reads into fresh buffers so advised mostly ran at half the rate on
+    the development VM (docs/performance.md)."""
     return np.frombuffer(mmap.mmap(-1, size), np.uint8).view(ReadBuffer)
 
 
