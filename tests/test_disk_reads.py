@@ -4,10 +4,12 @@ corrupted by that."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pensieve.core.disk_index import DiskEntry, spilled_key
-from pensieve.engine.disk_tier import DiskTier
+from pensieve.engine.disk_files import ReadBuffer
+from pensieve.engine.disk_tier import DiskTier, chunk_major_blocks
 
 LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
 
@@ -16,12 +18,35 @@ def _entry(conv: str, i: int) -> DiskEntry:
     return DiskEntry(conv, i, CHUNK, f"{conv}-{i}", spilled_key((float(i), 0.0, "", 0.0)))
 
 
-def test_reused_read_buffers_restore_exact_bytes(tmp_path) -> None:  # noqa: ANN001
+def _cpu_tier(layout: str) -> list[torch.Tensor]:
+    """Per-layer ``[2, BLOCKS, CHUNK, HEADS, DIM]`` views, random, of one chunk-major tensor
+    (as the engine's CPU tier on CUDA) or one tensor per layer (layer-major)."""
+    if layout == "chunk-major":
+        host = torch.randn(BLOCKS, LAYERS, 2, CHUNK, HEADS, DIM)
+        return list(host.permute(1, 2, 0, 3, 4, 5).unbind(0))
+    return [torch.randn(2, BLOCKS, CHUNK, HEADS, DIM) for _ in range(LAYERS)]
+
+
+def test_chunk_major_blocks_only_for_one_chunk_major_tensor() -> None:
+    cpu = _cpu_tier("chunk-major")
+    rows = chunk_major_blocks(cpu)
+    assert rows is not None and rows.shape == (BLOCKS, LAYERS * 2 * CHUNK * HEADS * DIM)
+    for b in (0, 5, BLOCKS - 1):  # row b is block b's KV over all layers, [L, 2, C, Hkv, D]
+        assert torch.equal(rows[b].view(LAYERS, 2, CHUNK, HEADS, DIM),
+                           torch.stack([c[:, b] for c in cpu]))
+    assert chunk_major_blocks(_cpu_tier("layer-major")) is None
+    assert chunk_major_blocks(cpu[::-1]) is None  # layers out of order
+    assert chunk_major_blocks(cpu[1:]) is None  # not from the tensor's first layer on
+    assert chunk_major_blocks([]) is None
+
+
+@pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
+def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:  # noqa: ANN001
     torch.manual_seed(0)
-    shape = (2, BLOCKS, CHUNK, HEADS, DIM)
-    cpu = [torch.randn(shape) for _ in range(LAYERS)]
+    cpu = _cpu_tier(layout)
     path = str(tmp_path / "tier")
     tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    assert (tier._cpu_blocks is not None) == (layout == "chunk-major")
     want = {}
     for n, (conv, i) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)]):
         entry = _entry(conv, i)
@@ -50,11 +75,14 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path) -> None:  # noqa: ANN
             restored[(conv, i)] = first_block + i
         reader.apply()
         assert len(reader._spare) == spare_before + 2  # both buffers kept for later reads
+        assert all(isinstance(b, ReadBuffer) for b in reader._spare)
         kept = {id(b) for b in reader._spare}
     # every block holds its own chunk
     for key, block in restored.items():
         got = torch.stack([c[:, block] for c in cpu])
         assert torch.equal(got, want[key]), key
+    untouched = set(range(BLOCKS)) - set(restored.values())  # no copy spilled past its block
+    assert all(not c[:, b].any() for c in cpu for b in untouched)
     reader.close(None)
 
 

@@ -6,7 +6,9 @@ header and crc32 included), then reads them back as a restarted engine does (a n
 the directory; each conversation's files are read and checked in its thread pool): all at
 once (``read``), and one conversation at a time with each chunk copied into a CPU-tier block
 before the next conversation is read (``restore``: what a server does turn by turn; buffers of
-restored chunks are read into again). The raw
+restored chunks are read into again; ``restore_copy_s`` is the part of it spent copying payloads
+into the blocks). The CPU tier is chunk-major (``--layout``), one block's KV over all layers
+contiguous, as the engine's on CUDA; ``layer-major`` is the engine's on the CPU. The raw
 rate is ``dd`` of the same number of bytes in 1 MiB blocks, written with ``conv=fdatasync``
 and without, then read. The tier's writes do not fsync (a crash loses at most the files not yet
 flushed by the OS, never a half file under its name: writes go through a rename). Reads of
@@ -40,10 +42,20 @@ def _tier(path: str, args: argparse.Namespace, cpu: list[torch.Tensor]) -> DiskT
                     measure=True, read_threads=args.read_threads)
 
 
+def cpu_tier(args: argparse.Namespace) -> list[torch.Tensor]:
+    """The CPU tier's per-layer ``[2, blocks, C, Hkv, D]`` views, random bf16, of one
+    ``[blocks, L, 2, C, Hkv, D]`` tensor (chunk-major) or one per layer (layer-major)."""
+    block = (args.chunk_size, args.kv_heads, args.head_dim)
+    if args.layout == "chunk-major":
+        host = torch.randn((args.blocks, args.layers, 2, *block)).to(torch.bfloat16)
+        return list(host.permute(1, 2, 0, 3, 4, 5).unbind(0))
+    return [torch.randn((2, args.blocks, *block)).to(torch.bfloat16)
+            for _ in range(args.layers)]
+
+
 def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     """Seconds and GB/s of the tier's writes (until its writer is idle) and reads."""
-    shape = (2, args.blocks, args.chunk_size, args.kv_heads, args.head_dim)
-    cpu = [torch.randn(shape).to(torch.bfloat16) for _ in range(args.layers)]
+    cpu = cpu_tier(args)
     path = os.path.join(args.path, "tier")
     shutil.rmtree(path, ignore_errors=True)
     tier = _tier(path, args, cpu)
@@ -73,6 +85,7 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     reader = _tier(path, args, cpu)
     t0 = time.perf_counter()
     block = 0
+    copy_s = 0.0
     for c in tqdm(sorted(reader.index.entries), desc="restore", unit="conversation"):
         reader.prefetch(c)
         reader.collect()
@@ -80,14 +93,16 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
             assert entry.ready, entry.name
             reader.index.plan.reads.append((entry, block % args.blocks))
             block += 1
+        t1 = time.perf_counter()
         reader.apply()
+        copy_s += time.perf_counter() - t1
     restore_s = time.perf_counter() - t0
     reader.close(None)
     shutil.rmtree(path, ignore_errors=True)
     return {"chunk_bytes": tier.block_bytes, "bytes": nbytes, "write_s": write_s,
             "write_gbps": nbytes / write_s / 1e9, "read_s": read_s,
             "read_gbps": read_bytes / read_s / 1e9, "restore_s": restore_s,
-            "restore_gbps": reader.bytes_read / restore_s / 1e9}
+            "restore_gbps": reader.bytes_read / restore_s / 1e9, "restore_copy_s": copy_s}
 
 
 def dd_rates(path: str, nbytes: int) -> dict[str, float]:
@@ -118,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk-size", type=int, default=32)
     ap.add_argument("--read-threads", type=int, default=4)
+    ap.add_argument("--layout", choices=("chunk-major", "layer-major"), default="chunk-major",
+                    help="the CPU tier's layout (the engine's on CUDA / on the CPU)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 

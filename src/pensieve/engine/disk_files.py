@@ -17,10 +17,14 @@ truncated, corrupt or foreign file) is None, and the chunk is recomputed.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 MAGIC = b"PNSVKV1\n"
 _LEN = struct.Struct("<I")
@@ -107,15 +111,31 @@ READ_SLACK = 4096
 headers (a longer conversation id) can be read into it later."""
 
 
-def read_file(path: str, spare: bytearray | None = None) -> memoryview:
+class ReadBuffer(np.ndarray[Any, np.dtype[np.uint8]]):
+    """A buffer files are read into (bytes, 1-D): an anonymous mapping, not filled, so its
+    pages are first touched by the kernel inside ``readinto``, with the GIL released (a
+    ``bytearray(n)`` is zero-filled with the GIL held: reader threads take turns on it). Its
+    type tells a read buffer from other bytes (a queued write's) for reuse."""
+
+
+def new_buffer(size: int) -> ReadBuffer:
+    """An unfilled read buffer of ``size`` bytes. Not ``np.empty``: numpy advises huge pages
+    for large arrays, and reads into fresh buffers so advised mostly ran at half the rate on
+    the development VM (docs/performance.md)."""
+    return np.frombuffer(mmap.mmap(-1, size), np.uint8).view(ReadBuffer)
+
+
+def read_file(path: str, spare: ReadBuffer | None = None) -> memoryview:
     """A whole file's bytes (OSError if it cannot be read): read into ``spare`` if it is large
-    enough (a buffer read into before: no fresh pages to fault in), else into a new buffer;
-    a view of the bytes read, whose ``obj`` is the buffer."""
+    enough (a buffer read into before: no fresh pages to fault in), else into a new buffer
+    (:func:`new_buffer`); a view of the bytes read, whose ``obj`` is the buffer."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = spare if spare is not None and len(spare) >= size else bytearray(size + READ_SLACK)
-        got = f.readinto(memoryview(buf)[:size])
-    return memoryview(buf)[:got]
+        buf = spare if spare is not None and len(spare) >= size else new_buffer(
+            size + READ_SLACK)
+        view = memoryview(buf)  # type: ignore[arg-type]
+        got = f.readinto(view[:size])
+    return view[:got]
 
 
 def write_atomic(path: str, head: bytes, payload: memoryview) -> None:

@@ -26,6 +26,7 @@ logged and its chunk is simply dropped, as without a disk tier.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import shutil
@@ -91,10 +92,14 @@ class DiskTier:
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._loaded: dict[str, memoryview] = {}
         """Verified payloads of ready entries, by file name, until restored or dropped."""
-        self._spare: list[bytearray] = []
+        self._spare: list[disk_files.ReadBuffer] = []
         """Read buffers whose payload was restored, read into again (a fresh buffer's pages
         are faulted in as it fills: reads into fresh buffers ran at a third of the rate of
         reads into reused ones on the development VM, docs/performance.md)."""
+        self._cpu_blocks = chunk_major_blocks(cpu_caches)
+        """``[num_cpu_blocks, L * 2 * C * Hkv * D]`` when the CPU tier is chunk-major (one
+        block's KV over all layers is one contiguous region, as on CUDA): a restore is then
+        one copy; None: one copy per layer."""
         self._spare_max = max(4 * read_threads, SPARE_BYTES // self.block_bytes)
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
@@ -207,11 +212,7 @@ class DiskTier:
                 payload = queued[1] if queued is not None and queued[0] is entry else None
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
-            view = torch.frombuffer(payload, dtype=torch.uint8)
-            kv = view.view(self.dtype).view(self.shape)
-            for layer, cache in enumerate(self.cpu_caches):
-                cache[:, block].copy_(kv[layer])  # a host copy: done when it returns
-            del view, kv
+            self._restore(payload, block)
             self._recycle(payload)
         for name in plan.deletes:  # before the writes: a name may be written anew
             dropped = self._loaded.pop(name, None)
@@ -221,11 +222,23 @@ class DiskTier:
         for entry, payload in writes:
             self._submit_write(entry, payload)
 
+    def _restore(self, payload: memoryview, block: int) -> None:
+        """Copy a chunk's payload (``[L, 2, C, Hkv, D]``) into CPU block ``block``: one
+        contiguous copy on a chunk-major tier, else one per layer (host copies: done when
+        this returns)."""
+        view = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
+        if self._cpu_blocks is not None:
+            self._cpu_blocks[block].copy_(view)
+            return
+        kv = view.view(self.shape)
+        for layer, cache in enumerate(self.cpu_caches):
+            cache[:, block].copy_(kv[layer])
+
     def _recycle(self, payload: memoryview) -> None:
         """Keep the buffer a read payload lies in for a later read (not a queued write's
         bytes, which are no read buffer)."""
         buf = payload.obj
-        if isinstance(buf, bytearray) and len(self._spare) < self._spare_max:
+        if isinstance(buf, disk_files.ReadBuffer) and len(self._spare) < self._spare_max:
             try:
                 payload.release()
             except BufferError:  # still exported (a tensor over it): not reused
@@ -320,6 +333,28 @@ class DiskTier:
                 "disk_write_errors": self.write_errors,
                 "disk_writes_skipped": self.writes_skipped,
                 "disk_reads_skipped": self.reads_skipped}
+
+
+def chunk_major_blocks(cpu_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The CPU tier as ``[num_cpu_blocks, L * 2 * C * Hkv * D]`` (each row one block's KV over
+    all layers, contiguous) when ``cpu_caches``, per layer ``[2, num_cpu_blocks, C, Hkv, D]``,
+    are the layer views of one chunk-major ``[num_cpu_blocks, L, 2, C, Hkv, D]`` tensor
+    (:func:`~pensieve.runner.swap_copies.allocate_host_tier`); else None."""
+    if not cpu_caches or cpu_caches[0].device.type != "cpu":
+        return None
+    first = cpu_caches[0]
+    two, num_blocks, *inner = first.shape
+    per_layer = two * math.prod(inner)  # elements of one layer of one block
+    block = per_layer * len(cpu_caches)
+    size = math.prod(inner)
+    want = (size, block, *torch.empty(inner, device="meta").stride())
+    storage = first.untyped_storage().data_ptr()
+    for layer, c in enumerate(cpu_caches):
+        if (c.shape != first.shape or c.dtype != first.dtype or c.stride() != want
+                or c.untyped_storage().data_ptr() != storage
+                or c.data_ptr() != first.data_ptr() + layer * per_layer * c.element_size()):
+            return None
+    return first.as_strided((num_blocks, block), (block, 1))
 
 
 def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
