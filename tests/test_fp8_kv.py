@@ -67,7 +67,6 @@ def _ranges(lens: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
             torch.zeros(len(lens), dtype=i32, device=DEV))
 
 
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("lens,splits,long", [
     ([(0, 40)], None, False),  # a prefill
     ([(30, 10), (5, 3)], None, False),  # continuations over cached history
@@ -75,10 +74,9 @@ def _ranges(lens: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     ([(90, 1), (12, 1), (127, 1)], 128, True),  # long-context tiles, 128 splits
 ])
 def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | None,
-                                    long: bool, transposed: bool) -> None:
+                                    long: bool) -> None:
     """The kernel (Triton's interpreter here) over an FP8 cache equals the reference with the
-    same scales; the reference is close to float32 attention over the unquantized KV.
-    ``transposed``: the ``KV_T`` variant (``S^T = K @ Q^T``) gives the same."""
+    same scales; the reference is close to float32 attention over the unquantized KV."""
     kc, vc, kf, vf = _filled(NB * C)
     qsl, rsp, rt = _ranges(lens)
     g = torch.Generator().manual_seed(1)
@@ -88,7 +86,7 @@ def test_triton_attention_reads_fp8(lens: list[tuple[int, int]], splits: int | N
     ks, vs = KS.to(DEV), VS.to(DEV)
     got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, max_query_len=mq,
                                  num_kv_splits=splits, k_scale=ks, v_scale=vs,
-                                 long_context=long, kv_transposed=transposed)
+                                 long_context=long)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
     # float32 queries: the kernel's dots are exact float32 ("ieee") on both devices
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -130,34 +128,13 @@ def test_triton_store_fp8_equals_reference_on_gpu() -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("lens,splits", [([(0, 100)], None), ([(70, 30), (5, 3)], 2)])
-def test_triton_attention_fp8_fp16_queries(lens: list[tuple[int, int]], splits: int | None,
-                                           transposed: bool) -> None:
-    """fp16 queries take the 16-bit dots (not ``FP32``), in the interpreter too: both tile
-    forms equal the reference to fp16's rounding of the queries and probabilities."""
-    kc, vc, _, _ = _filled(NB * C)
-    qsl, rsp, rt = _ranges(lens)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(int(qsl[-1]), H, D, generator=g).to(DEV, torch.float16)
-    bt = torch.arange(NB, dtype=torch.int32, device=DEV)[None]
-    ks, vs = KS.to(DEV), VS.to(DEV)
-    got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5,
-                                 max_query_len=max(n for _, n in lens), num_kv_splits=splits,
-                                 k_scale=ks, v_scale=vs, kv_transposed=transposed)
-    ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU test: bf16 queries take the "
                     "tensor-core path (fp16 over an FP8 cache) only on the GPU")
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("lens,splits,long", [([(0, 100)], None, False),
                                              ([(90, 1), (12, 1)], 4, False),
                                              ([(90, 1), (127, 1)], 128, True)])
 def test_triton_attention_fp8_bf16_queries_on_gpu(lens: list[tuple[int, int]],
-                                                  splits: int | None, long: bool,
-                                                  transposed: bool) -> None:
+                                                  splits: int | None, long: bool) -> None:
     kc, vc, _, _ = _filled(NB * C)
     qsl, rsp, rt = _ranges(lens)
     g = torch.Generator().manual_seed(3)
@@ -166,8 +143,7 @@ def test_triton_attention_fp8_bf16_queries_on_gpu(lens: list[tuple[int, int]],
     ks, vs = KS.to(DEV), VS.to(DEV)
     got = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5,
                                  max_query_len=max(n for _, n in lens), num_kv_splits=splits,
-                                 k_scale=ks, v_scale=vs, long_context=long,
-                                 kv_transposed=transposed)
+                                 k_scale=ks, v_scale=vs, long_context=long)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

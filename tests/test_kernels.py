@@ -639,25 +639,6 @@ def test_long_context_decode_matches_reference(group, dtype, splits, span) -> No
     assert_close(out, ref, b.q.dtype)
 
 
-@pytest.mark.parametrize("dtype,splits,q_len", [(F16, 8, 1), (F32, 4, 1), (F16, 4, 3)])
-def test_fused_combine_matches_reference(dtype, splits, q_len) -> None:
-    """``fused_combine``: the last split of each (range, tile, KV head) merges the partials in
-    the attention kernel (no combine launch); twice in a row, as the counters must be back at
-    zero after a launch (a replayed graph relies on it)."""
-    from pensieve.kernels.launch_variants import combine_counters
-
-    lens = (40, 700, 2000)
-    b = make_batch([[(c - q_len, q_len)] for c in lens], chunk=16, dtype=dtype,
-                   **shape_kw(4, False))
-    ref = paged_attention_ref(*b.args(), out=torch.empty(b.q.shape, device=b.q.device))
-    for _ in range(2):
-        out = torch.full_like(b.q, float("nan"))
-        paged_attention_triton(*b.args(), max_query_len=q_len, out=out, num_kv_splits=splits,
-                               long_context=True, fused_combine=True)
-        assert_close(out, ref, b.q.dtype)
-        assert int(combine_counters(1, b.q.device).abs().sum()) == 0
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("batch,ctx", [(1, 32768), (8, 16384)])

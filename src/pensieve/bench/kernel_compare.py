@@ -55,7 +55,6 @@ if not torch.cuda.is_available():
     _already = "pensieve.kernels.triton_attention" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1"
     if _already:  # imported earlier without the interpreter: decorate the kernels again
-        importlib.reload(sys.modules["pensieve.kernels.triton_attention_tiles"])
         importlib.reload(sys.modules["pensieve.kernels.triton_attention"])
 
 import argparse

@@ -32,13 +32,6 @@ fastest backend that could be captured; ``sdpa_graph_note`` names those that cou
 replays too (``best_{kv}_*`` then from graphs, ``sweep_timing`` says which). A sweep row
 keeps every ``[tiles, splits, seconds]`` it timed in ``sweep_{kv}`` (the launch policy's
 split rule is read from them).
-
-``--fp8-variant transposed``: also time the kernel's ``KV_T`` variant
-(:mod:`pensieve.kernels.triton_attention_tiles`: ``S^T = K @ Q^T``, the upcast FP8 K and V
-tiles as the dots' register operands) over each KV dtype: ``ours_{kv}_transposed_s``,
-``ratio_{kv}_transposed``, ``max_err_{kv}_transposed`` (and ``_graph`` ones). ``--variant
-fused``: the ``FUSED`` variant (the last split program merges the partials: one launch where
-split KV took two), as ``ours_{kv}_fused_s`` etc.; ``--variant`` may repeat.
 """
 
 from __future__ import annotations
@@ -189,32 +182,13 @@ def _sweep(call: Any, timer: Any, iters: int,
     return best
 
 
-def _time_ours(name: str, ours: Any, ref: Any, shape: tuple[int, int], t_sdpa: float,
-               t_sdpa_graph: float | None, warmup: int, iters: int,
-               graphs: bool) -> dict[str, Any]:
-    """``ours_{name}_s``, ``ratio_{name}``, ``max_err_{name}`` (against SDPA's ``ref``) of one
-    launch ``ours()``, and with ``graphs`` ``ours_{name}_graph_s``, ``ratio_{name}_graph``."""
-    batch, q_len = shape
-    out = ours()
-    err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
-    res: dict[str, Any] = {f"ours_{name}_s": _time(ours, warmup, iters)}
-    res[f"ratio_{name}"] = res[f"ours_{name}_s"] / t_sdpa
-    res[f"max_err_{name}"] = float(err.max())
-    if graphs:
-        res[f"ours_{name}_graph_s"] = _time_graph(ours, warmup, iters)
-        if t_sdpa_graph:
-            res[f"ratio_{name}_graph"] = res[f"ours_{name}_graph_s"] / t_sdpa_graph
-    return res
-
-
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
          iters: int, seed: int = 0, sweep: bool = False,
-         graphs: bool = False, variants: tuple[str, ...] = ()) -> dict[str, Any]:
+         graphs: bool = False) -> dict[str, Any]:
     """One configuration: ``batch`` requests of ``q_len`` new tokens ending at ``ctx``;
     ``sweep``: also time every decode tile of :data:`SWEEP_TILES` with each split count of
     :data:`SWEEP_SPLITS`; ``graphs``: also time SDPA and ours as CUDA-graph replays (the sweep
-    too); ``variants`` (``transposed``, ``fused``): also time the launch with
-    ``kv_transposed`` / ``fused_combine``, as ``{kv}_transposed`` / ``{kv}_fused``."""
+    too)."""
     import torch
 
     from pensieve.kernels.launch import FP8_KV, attention_choice, paged_attention_triton
@@ -258,14 +232,18 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                      v4.permute(0, 2, 1, 3).reshape(-1, HKV, D), kc, vc, slots,
                      scales.get("k_scale"), scales.get("v_scale"))
 
-        for name, v in [(kv, "")] + [(f"{kv}_{v}", v) for v in variants]:
-            def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales, v: str = v) -> Any:
-                return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
-                                              max_query_len=q_len, long_context=long,
-                                              kv_transposed=v == "transposed",
-                                              fused_combine=v == "fused", **scales)
-            res.update(_time_ours(name, ours, ref, (batch, q_len), t_sdpa, t_sdpa_graph,
-                                  warmup, iters, graphs))
+        def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales) -> Any:
+            return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
+                                          max_query_len=q_len, long_context=long, **scales)
+        out = ours()
+        err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
+        res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
+        res[f"ratio_{kv}"] = res[f"ours_{kv}_s"] / t_sdpa
+        res[f"max_err_{kv}"] = float(err.max())
+        if graphs:
+            res[f"ours_{kv}_graph_s"] = _time_graph(ours, warmup, iters)
+            if t_sdpa_graph:
+                res[f"ratio_{kv}_graph"] = res[f"ours_{kv}_graph_s"] / t_sdpa_graph
         base = t_sdpa_graph if graphs and t_sdpa_graph else t_sdpa
         if sweep and q_len == 1:
             def tiled(tiles: Any, splits: int, kc: Any = kc, vc: Any = vc,
@@ -302,6 +280,9 @@ def _plot(rows: list[dict[str, Any]], kv_dtypes: list[str], path: str) -> None:
         for color, kv in zip(("C0", "C1", "C2"), kv_dtypes):
             ax.plot(x, [r[f"ratio_{kv}"] for r in sel], "o-", color=color,
                     label=f"ours ({kv} KV)")
+            if all(f"ratio_{kv}_graph" in r for r in sel):
+                ax.plot(x, [r[f"ratio_{kv}_graph"] for r in sel], "s--", color=color,
+                        label=f"ours ({kv} KV), CUDA graphs")
             if all(f"best_ratio_{kv}" in r for r in sel):
                 ax.plot(x, [r[f"best_ratio_{kv}"] for r in sel], "x:", color=color,
                         label=f"best swept tile ({kv})")
@@ -330,11 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time SDPA and ours as CUDA-graph replays (*_graph_s fields); "
                         "the sweep then times graph replays")
-    p.add_argument("--variant", "--fp8-variant", dest="variant", action="append", default=[],
-                   choices=["transposed", "fused"],
-                   help="also time our kernel's variant for each --kv-dtypes (transposed: "
-                        "S^T = K @ Q^T, the upcast KV tiles as register operands; fused: the "
-                        "split combine in the attention kernel), as ours_{kv}_{variant}_s etc.")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args(argv)
@@ -354,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
              for b in a.decode_batches.split(",")]
     rows = []
     for ctx, q_len, batch in tqdm(todo, desc="long-attention"):
-        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep, graphs=a.cuda_graphs,
-                 variants=tuple(a.variant))
+        r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep, graphs=a.cuda_graphs)
         rows.append(r)
         tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items()))

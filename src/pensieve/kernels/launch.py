@@ -21,7 +21,6 @@ from pensieve.kernels import triton_attention as _k
 from pensieve.kernels.launch_policy import DECODE_MAX_SPLITS as _DECODE_MAX_SPLITS
 from pensieve.kernels.launch_policy import MAX_SPLITS as _MAX_SPLITS
 from pensieve.kernels.launch_policy import launch_kv_splits
-from pensieve.kernels.launch_variants import combine_counters
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_KV = torch.float8_e4m3fn
@@ -433,7 +432,7 @@ def paged_attention_triton(
     kv_split_span: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    long_context: bool = False, kv_transposed: bool = False, fused_combine: bool = False,
+    long_context: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -456,8 +455,8 @@ def paged_attention_triton(
     splits the span) the items were cut for; the grid is ``max_items`` whatever the ranges.
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
     split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
-    float32 scales. long_context: ``launch_policy.is_long_decode`` (128-position KV tiles, up
-    to 128 splits). kv_transposed, fused_combine: variants (triton_attention_tiles). Returns out.
+    float32 scales. long_context: ``launch_policy.is_long_decode`` of the step: short ranges
+    take 128-position KV tiles, automatic splits go up to 128. Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
@@ -478,18 +477,18 @@ def paged_attention_triton(
     unused = query_start_loc  # stands in for the pointers a mode does not read
     work, num_work = (work_items, num_work_items) if worklist else (unused, unused)
     span_t = kv_split_span if span else unused
-    fused = fused_combine and splits > 1 and not worklist and not span
-    counters = combine_counters(math.prod(grid) // splits, q.device) if fused else unused
     _k._paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
-        ks, vs, float(scale) * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t, counters,
+        ks, vs, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], block_tables.stride(0),
+        ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32=_exact_dots(q), KV_T=kv_transposed, FUSED=fused, SPLIT=splits > 1,
-        WORKLIST=worklist, SPAN=span, KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
+        FP32=_exact_dots(q),
+        SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         _combine(out, (ws_acc, ws_m, ws_l), query_start_loc, range_start_pos, span_t,
                  work_items if worklist else None, num_work, max_query_len, splits, group,
                  (block_m, block_n, num_warps), span)

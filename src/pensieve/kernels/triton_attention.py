@@ -41,8 +41,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pensieve.kernels.triton_attention_tiles import _attn_kv_tile, _attn_kv_tile_t, _merge_splits
-
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)
 """Largest finite float8 e4m3fn value: FP8 KV is saturated to it."""
 
@@ -108,6 +106,75 @@ def _store_kv_kernel(
     )
 
 
+@triton.jit
+def _attn_kv_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    start_n,
+    kv_len,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    kv_head,
+    stride_kc_b,
+    stride_kc_c,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_c,
+    stride_vc_h,
+    scale_log2,
+    CHUNK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Fold KV positions ``start_n .. start_n + BLOCK_N - 1`` into the running softmax."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        in_range = offs_n < kv_len
+        block = tl.load(table_ptr + offs_n // CHUNK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + offs_n // CHUNK_SIZE).to(tl.int64)
+    within = (offs_n % CHUNK_SIZE).to(tl.int64)
+    k_off = block * stride_kc_b + within * stride_kc_c + kv_head * stride_kc_h
+    v_off = block * stride_vc_b + within * stride_vc_c + kv_head * stride_vc_h
+    if MASKED:
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :])
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :])
+
+    if FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        k = k.to(q.dtype)  # FP8 KV: upcast to fp16 in registers (no-op for a 16-bit cache)
+        v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
@@ -140,7 +207,6 @@ def _paged_attention_kernel(
     work_ptr,
     num_work_ptr,
     span_ptr,
-    counter_ptr,
     GROUP: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -151,15 +217,8 @@ def _paged_attention_kernel(
     WORKLIST: tl.constexpr,
     SPAN: tl.constexpr,
     KV_FP8: tl.constexpr,
-    KV_T: tl.constexpr = False,
-    FUSED: tl.constexpr = False,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
-    ``KV_T``: the transposed KV-tile step (``triton_attention_tiles._attn_kv_tile_t``), a variant.
-    ``FUSED`` (with ``SPLIT``, not ``SPAN`` or ``WORKLIST``; a variant): after writing its
-    partials, a program adds one to its (range, tile, KV head)'s int32 at ``counter_ptr``
-    (zero before the launch); the last of the ``num_splits`` merges the partials into ``out``
-    and sets the counter back to zero (no combine launch).
 
     With ``KV_FP8`` the cache holds float8 e4m3 values of ``K / k_scale``, ``V / v_scale``
     per KV head: the K scale folds into the softmax scale and the V scale multiplies the
@@ -255,40 +314,20 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if KV_T:  # scores and accumulator transposed: [HEAD_DIM, BLOCK_M]
-        q = tl.trans(q)
-        acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    if KV_T:
-        for start_n in range(kv_lo, tl.minimum(full_end, kv_hi), BLOCK_N):
-            acc, m_i, l_i = _attn_kv_tile_t(
-                acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
-                kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
-                stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32,
-            )
-        for start_n in range(tl.maximum(full_end, kv_lo), kv_hi, BLOCK_N):
-            acc, m_i, l_i = _attn_kv_tile_t(
-                acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
-                kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
-                stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
-            )
-    else:
-        for start_n in range(kv_lo, tl.minimum(full_end, kv_hi), BLOCK_N):
-            acc, m_i, l_i = _attn_kv_tile(
-                acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
-                kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
-                stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32,
-            )
-        for start_n in range(tl.maximum(full_end, kv_lo), kv_hi, BLOCK_N):
-            acc, m_i, l_i = _attn_kv_tile(
-                acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
-                kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
-                stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
-            )
-    if KV_T:
-        acc = tl.trans(acc)
+    for start_n in range(kv_lo, tl.minimum(full_end, kv_hi), BLOCK_N):
+        acc, m_i, l_i = _attn_kv_tile(
+            acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
+            kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
+            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32,
+        )
+    for start_n in range(tl.maximum(full_end, kv_lo), kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attn_kv_tile(
+            acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
+            kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
+            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
+        )
 
     o_ptrs = (out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h
               + d[None, :])
@@ -308,15 +347,6 @@ def _paged_attention_kernel(
                  mask=row_valid[:, None])
         tl.store(ws_m_ptr + ws_row, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws_row, l_i, mask=row_valid)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            n_tiles = tl.num_programs(1) // num_splits
-            cnt = counter_ptr + (rng * n_tiles + tile) * tl.num_programs(2) + kv_head
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(cnt, 0)
-                merged = _merge_splits(ws_acc_ptr, ws_m_ptr, ws_l_ptr, (tok * num_heads + head)
-                                       * num_splits, row_valid, num_splits, HEAD_DIM, BLOCK_M)
-                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
