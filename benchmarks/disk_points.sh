@@ -14,7 +14,8 @@
 #       turns' context tokens read from disk (usage's pensieve.cache fields) and how many greedy
 #       answers equal the no-disk server's.
 # Usage: OUT=results bash benchmarks/disk_points.sh [RATE [multiturn args]]   (default 0.1;
-#   one device call: (a) and (b) 140 s each, (c) three server starts, ~9 minutes in all)
+#   on a fresh H200 machine (a) and (b) took 204 s and 181 s with POINT_S 185 / 150, and (c)
+#   did not finish in the rest of a 600 s call: run POINTS=ab and POINTS=c in separate calls)
 # The device image lacks fastapi/uvicorn/pydantic: run bash scripts/device-wheels.sh
 # annotated-doc anyio==4.16.0 here first and carry .whl (as churn_points.sh).
 # Env: POINT_S (140: each of (a) and (b)'s BUDGET_S), POINTS (abc: which to run), MODEL

@@ -113,3 +113,25 @@ def test_slow_disk_reads_nothing_back_and_the_writer_backlog_is_bounded(
     assert full.engine.disk_tier.writes_skipped > 0
     assert full.engine.disk_tier.bytes_written == 0
     full.engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
+def test_spilled_blocks_are_copied_out_in_plan_order(tmp_path, layout: str) -> None:  # noqa: ANN001
+    """A step's spills from both tiers, gathered per tier at once, give each entry its own
+    block's bytes, ``[L, 2, C, Hkv, D]``, in the plan's order."""
+    torch.manual_seed(1)
+    cpu = _cpu_tier(layout)
+    gpu = _cpu_tier("layer-major")  # the device cache's layout (here on the CPU)
+    tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, gpu, read_threads=1)
+    spills = [(False, 5, _entry("a", 0)), (True, 2, _entry("a", 1)), (False, 1, _entry("b", 0)),
+              (True, 7, _entry("b", 1)), (False, 6, _entry("c", 0))]
+    got = tier._spilled_bytes(spills)
+    assert [e for e, _ in got] == [e for _, _, e in spills]
+    for (on_gpu, block, _), (_, payload) in zip(spills, got):
+        want = torch.stack([c[:, block] for c in (gpu if on_gpu else cpu)])
+        kv = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(want.shape)
+        assert torch.equal(kv, want), (on_gpu, block)
+    for c in cpu:  # copies, not views of the tier: a block reused after the step is safe
+        c.zero_()
+    assert all(bytes(p) != bytes(len(p)) for _, p in got[::2])
+    tier.close(None)

@@ -8,8 +8,9 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
 - ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
   forget them: a bad file is recomputed); failed writes forget theirs;
 - ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
-  block's bytes are copied out of the CPU tier (a host memcpy, before any copy of the step
-  touches the block) and written by one writer thread (writes and deletes in plan order), each
+  block's bytes are copied out of its tier (one gather per tier for the whole step, on
+  torch's intra-op threads, before any copy of the step touches the blocks; the step waits
+  for this copy, not for the write) and written by one writer thread (writes and deletes in plan order), each
   restored chunk's verified payload is copied into its CPU block (the step's swap-ins then
   move it to the GPU), and dropped files are deleted.
 
@@ -203,8 +204,7 @@ class DiskTier:
         if sync is not None and (plan.writes or plan.reads):
             sync()
         # bytes out of the spilled blocks first: a restored chunk may reuse one of them
-        writes = [(e, self._block_bytes(self.gpu_caches if gpu else self.cpu_caches, b))
-                  for gpu, b, e in plan.writes]
+        writes = self._spilled_bytes(plan.writes)
         for entry, block in plan.reads:
             payload = self._loaded.pop(entry.name, None)
             if payload is None:
@@ -245,10 +245,29 @@ class DiskTier:
                 return
             self._spare.append(buf)
 
-    def _block_bytes(self, caches: list[torch.Tensor], block: int) -> memoryview:
-        """A copy of one block's K and V over all layers, ``[L, 2, C, Hkv, D]``, as bytes."""
-        kv = torch.stack([c[:, block] for c in caches]).cpu().contiguous()
-        return memoryview(kv.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    def _spilled_bytes(self, spills: list[tuple[bool, int, DiskEntry]]
+                       ) -> list[tuple[DiskEntry, memoryview]]:
+        """Copies of the spilled blocks' K and V over all layers, ``[L, 2, C, Hkv, D]`` each, as
+        bytes, in plan order: one gather per tier (torch's intra-op threads; on a chunk-major
+        CPU tier one row per block), not one copy per block and layer, since the step waits
+        for them."""
+        out: dict[int, memoryview] = {}
+        for gpu in (False, True):
+            at = [i for i, (g, _, _) in enumerate(spills) if g == gpu]
+            if not at:
+                continue
+            blocks = [spills[i][1] for i in at]
+            if not gpu and self._cpu_blocks is not None:
+                rows = self._cpu_blocks.index_select(0, torch.tensor(blocks))
+            else:
+                caches = self.gpu_caches if gpu else self.cpu_caches
+                idx = torch.tensor(blocks, device=caches[0].device)
+                kv = torch.stack([c.index_select(1, idx) for c in caches])  # [L, 2, n, ...]
+                rows = kv.movedim(2, 0).contiguous().cpu().view(len(blocks), -1)
+            raw = rows.view(torch.uint8).numpy()
+            for i, row in zip(at, raw):
+                out[i] = memoryview(row)
+        return [(e, out[i]) for i, (_, _, e) in enumerate(spills)]
 
     def _submit_write(self, entry: DiskEntry, payload: memoryview) -> None:
         with self._lock:
@@ -320,8 +339,8 @@ class DiskTier:
                                   spilled_key(cache.index.key_now(conv, i)))
                 if not self.index.add(entry):
                     continue
-                caches = self.gpu_caches if ch.tier is Tier.GPU else self.cpu_caches
-                self._submit_write(entry, self._block_bytes(caches, ch.block))
+                [(_, payload)] = self._spilled_bytes([(ch.tier is Tier.GPU, ch.block, entry)])
+                self._submit_write(entry, payload)
         plan = self.index.take_plan()  # entries pushed out by the flush
         for name in plan.deletes:
             self._writer.submit(self._delete, name)
