@@ -10,9 +10,9 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
 - ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
   block's bytes are copied out of its tier (one gather per tier for the whole step, on
   torch's intra-op threads, before any copy of the step touches the blocks; the step waits
-  for this copy, not for the write) and written by one writer thread (writes and deletes in plan order), each
-  restored chunk's verified payload is copied into its CPU block (the step's swap-ins then
-  move it to the GPU), and dropped files are deleted.
+  for this copy, not for the write) and written by one writer thread (writes and deletes in
+  plan order), each restored chunk's verified payload is copied into its CPU block (the
+  step's swap-ins then move it to the GPU), and dropped files are deleted.
 
 No step waits for a disk write. A step waits for reads still running when it schedules (they
 started when their turns were added). On CUDA, a step with disk copies first waits for the
