@@ -59,7 +59,7 @@ def test_second_conversation_takes_the_first_ones_full_chunks() -> None:
     share = cache.pools.share
     assert share is not None
     assert [share.refs[ch.block] for ch in ca] == [2, 2, 1]
-    assert share.refs[cb[2].block] == 1 and cb[3].block not in share.refs  # partial: private
+    assert share.refs[cb[2].block] == 1 and not share.refs[cb[3].block]  # partial: private
     # A: 3 chunks (12 tokens), B: 4 (13), two of them A's blocks: 5 GPU blocks taken
     assert cache.gpu.num_blocks - cache.gpu.num_free_blocks == 5
     assert share.num_refs == 6
@@ -94,7 +94,7 @@ def test_evicting_a_shared_chunk_drops_only_that_reference() -> None:
     # each shared block went to the CPU once: one sharer holds it there, the other dropped it
     for i in range(2):
         assert sorted([a[i].tier.value, b[i].tier.value]) == ["cpu", "dropped"]
-    assert shared not in share.refs and len(share) == 0
+    assert not share.refs[shared] and len(share) == 0
     # a new turn of the dropped sharer recomputes (no GPU block left to share)
     loser = "a" if a[0].tier is Tier.DROPPED else "b"
     req = run_turn(cache, loser, [40], 3.0)
@@ -191,7 +191,7 @@ class ShareDriver(Driver):
         salts: dict[int, set[bytes]] = {}
         for conv in cache.conversations.values():
             for ch in conv.chunks:
-                if ch.tier is Tier.GPU and ch.block in share.refs:
+                if ch.tier is Tier.GPU and share.refs[ch.block]:
                     salts.setdefault(ch.block, set()).add(self.salt(conv.conversation_id))
         if not self.across:
             assert all(len(s) == 1 for s in salts.values()), "tenants share a block"
@@ -203,7 +203,7 @@ class ShareDriver(Driver):
             extend_hashes(hashes, self.salt(conv.conversation_id), conv.token_ids[:n * C], C)
             for i in range(n):
                 ch = conv.chunks[i]
-                if ch.tier is Tier.GPU and ch.block in share.refs:
+                if ch.tier is Tier.GPU and share.refs[ch.block]:
                     assert share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
         for conv in cache.conversations.values():  # the admission's count of pinned blocks
             if not conv.running:

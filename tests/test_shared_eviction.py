@@ -30,7 +30,7 @@ def private_gpu_chunks(cache: TieredKVCache) -> int:
     share = cache.pools.share
     assert share is not None
     return sum(1 for conv in cache.conversations.values() for ch in conv.chunks
-               if ch.tier is Tier.GPU and ch.block not in share.refs
+               if ch.tier is Tier.GPU and not share.refs[ch.block]
                or ch.tier is Tier.GPU and share.refs[ch.block] == 1)
 
 
@@ -60,7 +60,7 @@ def test_shared_blocks_go_after_every_chunk_held_alone(policy: str) -> None:
     # nothing held alone is left: the fallback frees one shared block, all sharers let it go
     assert cache.pools.evict_gpu(1, 11.0, urgent=True) == 1
     cache.check_integrity()
-    gone = [b for b in shared if b not in share.refs]
+    gone = [b for b in shared if not share.refs[b]]
     assert len(gone) == 1
     i = shared.index(gone[0])
     tiers = sorted(conv.chunks[i].tier.value for conv in cache.conversations.values())

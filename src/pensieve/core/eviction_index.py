@@ -220,13 +220,13 @@ class EvictionIndex:
         GPU, the first whose block no other chunk shares)."""
         chunks = conv.chunks
         share = self.share
-        if share is not None and share.refs and tier is Tier.GPU:
+        if share is not None and share.by_hash and tier is Tier.GPU:
             refs = share.refs
             order = (range(max(start, 0), len(chunks)) if self.step > 0
                      else range(min(start, len(chunks) - 1), -1, -1))
             for i in order:
                 ch = chunks[i]
-                if ch.tier is tier and refs.get(ch.block, 1) < 2:
+                if ch.tier is tier and refs[ch.block] < 2:
                     return i
             return None
         if self.step > 0:
@@ -352,5 +352,5 @@ class EvictionIndex:
                 if j == i:
                     break
                 ch = chunks[j]
-                assert ch.tier is not Tier.GPU or ch.block in share.refs, (
+                assert ch.tier is not Tier.GPU or share.refs[ch.block], (
                     cid, j, "unshared GPU chunk before the GPU candidate")

@@ -22,7 +22,7 @@ def check_pool(pool: BlockPool, tier: Tier, reclaim: list[int],
     for conv in conversations:
         if share is not None and not conv.running and conv.kv_end % chunk_size:
             last = conv.chunks[-1]  # partial: the next turn writes into it
-            assert last.tier is not Tier.GPU or last.block not in share.refs, (
+            assert last.tier is not Tier.GPU or not share.refs[last.block], (
                 f"{conv.conversation_id}: a partial chunk holds a shareable block")
         for ch in conv.chunks:
             if ch.tier is tier:
@@ -33,7 +33,7 @@ def check_pool(pool: BlockPool, tier: Tier, reclaim: list[int],
                     if conv.running:
                         running[b] = running.get(b, 0) + 1
                     if b in owners:
-                        assert b in share.refs, f"{tier} block {b} held twice, unshared"
+                        assert share.refs[b], f"{tier} block {b} held twice, unshared"
                         continue
                 assert b not in owners, f"{tier} block {b} held twice"
                 owners[b] = conv.conversation_id

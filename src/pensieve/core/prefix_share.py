@@ -25,8 +25,9 @@ CPU tier or drops it, as for any private chunk. Eviction values a shared block a
 chunk held alone: it is no eviction candidate while shared, and leaves only once nothing else
 is left (:mod:`pensieve.core.shared_eviction`).
 
-Invariants (:meth:`PrefixShare.check`): ``by_hash`` and ``hash_of`` are inverse maps; every
-registered block is a GPU block held by ``refs[block]`` chunks (unregistered blocks by one);
+Invariants (:meth:`PrefixShare.check`): ``by_hash`` and ``hash_of`` are inverse maps (an
+unregistered block's ``hash_of`` entry is ``b""``); every registered block is a GPU block held
+by ``refs[block]`` chunks (``refs[block] == 0``: unregistered, held by at most one);
 ``pins[block]`` is the number of running conversations holding it.
 """
 
@@ -77,20 +78,26 @@ class PrefixShare:
     """The GPU tier's registered blocks: hash -> block, and per block its references (chunks
     holding it) and pins (running conversations holding it). Registration
     (``share_admission.register_chunks``), pins (``TierPools.pin``) and a chunk leaving the GPU
-    (``TierPools._leave_gpu``) update these maps in place on their hot paths."""
+    (``TierPools._leave_gpu``) update these maps in place on their hot paths.
 
-    def __init__(self) -> None:
+    ``hash_of`` and ``refs`` are lists indexed by GPU block (``num_blocks`` entries), not
+    dictionaries: registering or unregistering a block writes two list slots and one
+    dictionary entry (``by_hash``) rather than three dictionary entries, on the path that
+    every chunk an ended turn brought back to the GPU takes."""
+
+    def __init__(self, num_blocks: int) -> None:
         self.by_hash: dict[bytes, int] = {}
-        self.hash_of: dict[int, bytes] = {}
-        self.refs: dict[int, int] = {}
-        """Chunks holding each registered block (>= 1)."""
+        self.hash_of: list[bytes] = [b""] * num_blocks
+        """Each GPU block's hash (``b""``: unregistered)."""
+        self.refs: list[int] = [0] * num_blocks
+        """Chunks holding each registered GPU block (>= 1; 0: unregistered)."""
         self.pins: dict[int, int] = {}
         """Running conversations holding each registered block (absent: none)."""
         self.num_refs = 0
         """Chunks holding a registered block (the sharing ratio is this over ``len``)."""
 
     def __len__(self) -> int:
-        return len(self.hash_of)
+        return len(self.by_hash)
 
     def ref(self, block: int) -> None:
         """One more chunk holds the registered ``block``."""
@@ -100,15 +107,15 @@ class PrefixShare:
     def unref(self, block: int) -> bool:
         """One chunk lets ``block`` go; True when the block itself must leave (it was
         private, or this was its last reference: then it is unregistered)."""
-        n = self.refs.get(block)
-        if n is None:
+        n = self.refs[block]
+        if not n:
             return True
         self.num_refs -= 1
+        self.refs[block] = n - 1
         if n > 1:
-            self.refs[block] = n - 1
             return False
-        del self.refs[block]
-        del self.by_hash[self.hash_of.pop(block)]
+        del self.by_hash[self.hash_of[block]]
+        self.hash_of[block] = b""
         self.pins.pop(block, None)
         return True
 
@@ -116,8 +123,8 @@ class PrefixShare:
         """The chunk holding ``block`` is to be written (it became partial): unregister the
         block if that chunk is its only holder; False if others hold it (the chunk must let
         it go instead)."""
-        n = self.refs.get(block)
-        if n is None:
+        n = self.refs[block]
+        if not n:
             return True
         if n > 1:
             return False
@@ -155,18 +162,20 @@ class PrefixShare:
     def check(self, holders: dict[int, int], running_holders: dict[int, int]) -> None:
         """Raise AssertionError unless the maps agree with ``holders`` (GPU block -> chunks
         holding it) and ``running_holders`` (GPU block -> running conversations holding it)."""
-        assert len(self.by_hash) == len(self.hash_of) == len(self.refs), "share map sizes"
-        assert self.num_refs == sum(self.refs.values()), "reference count total"
+        registered = [b for b, n in enumerate(self.refs) if n]
+        assert len(self.by_hash) == len(registered), "share map sizes"
+        assert len(registered) == sum(1 for h in self.hash_of if h), "share map sizes"
+        assert self.num_refs == sum(self.refs), "reference count total"
         for h, b in self.by_hash.items():
-            assert self.hash_of[b] == h, f"block {b}: hash maps disagree"
+            assert h and self.hash_of[b] == h, f"block {b}: hash maps disagree"
         for b, n in holders.items():
-            assert n == self.refs.get(b, 1), f"GPU block {b}: {n} holders, refs {self.refs.get(b)}"
-        for b in self.refs:
+            assert n == (self.refs[b] or 1), f"GPU block {b}: {n} holders, refs {self.refs[b]}"
+        for b in registered:
             assert b in holders, f"registered GPU block {b} held by no chunk"
         for b in self.pins:
-            assert b in self.refs, f"pinned block {b} not registered"
+            assert self.refs[b], f"pinned block {b} not registered"
             assert b in running_holders, f"pinned block {b} held by no running conversation"
         for b, n in running_holders.items():
-            if b in self.refs:
+            if self.refs[b]:
                 assert self.pins.get(b, 0) == n, f"GPU block {b}: pins {self.pins.get(b)} != {n}"
 

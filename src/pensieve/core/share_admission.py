@@ -105,7 +105,7 @@ def pinned_by_others(share: PrefixShare, chunks: list[Chunk], tiers: list[Tier],
     block has two holders (the usual case without common prefixes) they are not looked up."""
     pins = share.pins
     n = sum(1 for b in ext if b in pins) + sum(1 for _, b in found if b in pins)
-    if share.num_refs > len(share.refs):
+    if share.num_refs > len(share.by_hash):
         gpu = Tier.GPU
         n += sum(map(pins.__contains__, [ch.block for ch, t in zip(chunks, tiers) if t is gpu]))
     return n
@@ -152,7 +152,7 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
             continue
         ch = chunks[i]
         b = ch.block
-        if ch.tier is not gpu_tier or b in refs:
+        if ch.tier is not gpu_tier or refs[b]:
             continue
         h = hashes[i]
         other = by_hash.setdefault(h, b)

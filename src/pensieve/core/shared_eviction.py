@@ -34,21 +34,21 @@ EvictChunk = Callable[[Conversation, int, EvictionKey], object]
 ``TierPools._evict_chunk`` (a shared block's holder drops its reference, the last moves it)."""
 
 
-def shared_holders(conversations: dict[str, Conversation], refs: dict[int, int]
+def shared_holders(conversations: dict[str, Conversation], refs: list[int]
                    ) -> dict[int, list[tuple[Conversation, int]]]:
-    """Registered GPU blocks (``refs``: ``PrefixShare.refs``) that only idle conversations
-    hold: block -> ``(conversation, chunk index)`` of every holder."""
+    """Registered GPU blocks (``refs``: ``PrefixShare.refs``, 0: unregistered) that only idle
+    conversations hold: block -> ``(conversation, chunk index)`` of every holder."""
     holders: dict[int, list[tuple[Conversation, int]]] = {}
     for conv in conversations.values():
         if conv.running:
             continue
         for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.GPU and ch.block in refs:
+            if ch.tier is Tier.GPU and refs[ch.block]:
                 holders.setdefault(ch.block, []).append((conv, i))
     return {b: h for b, h in holders.items() if len(h) == refs[b]}
 
 
-def evict_shared(index: EvictionIndex, refs: dict[int, int], n: int,
+def evict_shared(index: EvictionIndex, refs: list[int], n: int,
                  evict_chunk: EvictChunk) -> int:
     """Free up to ``n`` registered GPU blocks held only by idle conversations, in the order of
     their last sharer's key at the index's ``now`` (module docstring), each holder through

@@ -101,7 +101,8 @@ class TierPools:
         self.pinned_gpu = 0
         """GPU blocks held by running conversations (all of their chunks; a shared block
         once)."""
-        self.share: PrefixShare | None = PrefixShare() if share_prefixes else None
+        self.share: PrefixShare | None = (PrefixShare(num_gpu_blocks) if share_prefixes
+                                          else None)
         """Registered (shareable) GPU blocks and their references; None: no sharing."""
         index.share = self.share
 
@@ -182,7 +183,7 @@ class TierPools:
         table: list[int] = []
         hit = swapped = recomputed = 0
         share = self.share
-        refs, pins = (share.refs, share.pins) if share is not None else ({}, {})
+        refs, pins = (share.refs, share.pins) if share is not None else ([], {})
         registered = conv.pinned_shared
         pinned = len(chunks)
         for i, ch in enumerate(chunks):
@@ -190,7 +191,7 @@ class TierPools:
             tier = ch.tier
             if tier is gpu_tier:
                 hit += tokens
-                if ch.block in refs:  # a registered block: count the conversations pinning it
+                if refs and refs[ch.block]:  # registered: count the conversations pinning it
                     n = pins.get(ch.block, 0)
                     pins[ch.block] = n + 1
                     registered.append(ch.block)
@@ -295,13 +296,15 @@ class TierPools:
         evict_chunk = self._evict_chunk
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = idx.keyed_now if idx.time_dependent else []
-        refs = self.share.refs if self.share is not None else {}
+        share = self.share
+        refs = share.refs if share is not None else []
         done = 0
         last: Conversation | None = None
         while True:
             top = peek_victim(gpu_tier)
             if top is None:
-                if done < n and refs and urgent:  # only shared blocks (or none) left
+                if done < n and share is not None and share.by_hash and urgent:
+                    # only shared blocks (or none) left
                     done += evict_shared(idx, refs, n - done,
                                          lambda c, j, k: self._evict_chunk(c, j, k, urgent))
                     if self._hints_due:
@@ -314,7 +317,7 @@ class TierPools:
             bound = (min(heap[1][0], heap[2][0]) if len(heap) > 2
                      else heap[1][0] if len(heap) == 2 else None)
             while True:
-                if refs and refs.get(conv.chunks[i].block, 1) > 1:
+                if refs and refs[conv.chunks[i].block] > 1:
                     pass  # shared since it was indexed: no candidate (evict_shared's)
                 else:  # the block's one holder: it moves
                     evict_chunk(conv, i, key, urgent)
@@ -388,14 +391,15 @@ class TierPools:
         (of both tiers) right."""
         ch = conv.chunks[i]
         share = self.share
-        if share is not None and (n := share.refs.get(ch.block)):  # unref, inline (hot)
+        if share is not None and (n := share.refs[ch.block]):  # unref, inline (hot)
             b = ch.block
             share.num_refs -= 1
+            share.refs[b] = n - 1
             if n > 1:
-                share.refs[b] = n - 1
                 ch.tier, ch.block = Tier.DROPPED, -1
                 return None
-            del share.refs[b], share.by_hash[share.hash_of.pop(b)]  # held idle: not pinned
+            del share.by_hash[share.hash_of[b]]  # held idle: not pinned
+            share.hash_of[b] = b""
         c = self.chunk_size
         tokens = min(c, conv.kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
         cpu, stats = self.cpu, self.stats

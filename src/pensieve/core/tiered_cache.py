@@ -472,8 +472,8 @@ class TieredKVCache:
                 assert conv.block_table == tuple(ch.block for ch in conv.chunks), (
                     conv.conversation_id)
                 pinned.update(conv.block_table)
-                refs = self.pools.share.refs if self.pools.share is not None else {}
-                assert conv.pinned_shared == [b for b in conv.block_table if b in refs], (
+                refs = self.pools.share.refs if self.pools.share is not None else []
+                assert conv.pinned_shared == [b for b in conv.block_table if refs and refs[b]], (
                     conv.conversation_id)
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
