@@ -24,8 +24,10 @@
 #   OUT=/tmp/disk_smoke DEVICE=cpu MODEL=demo DTYPE=auto GPU_KV_GB=0.004 CPU_KV_GB=0.004 \
 #   DISK_GB=0.05 MAX_MODEL_LEN=2048 THINK=2 POINT_S=100 CONVS=6 TURNS=3 WORDS=40 W=3 \
 #   bash benchmarks/disk_points.sh 0.3 --length-scale 0.1
-# Writes to $OUT: no_disk/ and disk/ (churn_points.sh's files), restart/ (cids.txt, warm.jsonl,
-# cold.jsonl, the servers' logs), summary.txt (also printed).
+# Writes to $OUT at most seven files (a device call returns eight): no_disk.tgz and disk.tgz
+# (churn_points.sh's files) with a copy of each one's summary (NAME.summary.txt), restart.tgz
+# (cids.txt, warm.jsonl, cold.jsonl, the servers' logs; refreshed after each server stops),
+# run.log and summary.txt (also printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -51,6 +53,13 @@ churn() {  # NAME SERVE_ARGS [multiturn args]: one point of churn_points.sh, pen
     GPU_KV_GB=$gpu_kv CPU_KV_GB=$cpu_kv SERVE_ARGS="$serve" GPUS=0 \
     bash benchmarks/churn_points.sh pensieve "$rate" --max-model-len "$mml" \
     --warm-start "${WARM_START:-0.05}" "$@" 2>&1 | tail -n 30 | tee -a "$out/run.log"
+  pack "$name"
+}
+pack() {  # NAME: $out/NAME/ becomes $out/NAME.tgz beside a copy of its summary, so that a
+  # device call, which returns at most 8 files of $OUT, brings every point back
+  [ -d "$out/$1" ] || return 0
+  [ -f "$out/$1/summary.txt" ] && cp "$out/$1/summary.txt" "$out/$1.summary.txt"
+  tar czf "$out/$1.tgz" -C "$out" "$1" && rm -rf "${out:?}/$1"
 }
 shift_args=("$@")
 disk_args="--disk-kv-gb $disk_gb --disk-kv-path $disk_dir"
@@ -66,7 +75,7 @@ fi
 
 # ------------------------------------------------------------------ (c) restart
 . benchmarks/server_deps.sh
-r="$out/restart"; mkdir -p "$r"; w=$(mktemp -d); rm -rf "$disk_dir"
+w=$(mktemp -d); r="$w/restart"; mkdir -p "$r"; rm -rf "$disk_dir"
 serve_model=$model
 if [ "$model" != demo ] && [ ! -d "$model" ]; then
   set_args=()
@@ -104,6 +113,7 @@ stop() {  # SIGINT (the disk server writes its tiers' KV to disk), then TERM, KI
     for _ in $(seq 120); do kill -0 "$srv" 2>/dev/null || break; sleep 0.5; done
   done
   wait "$srv" 2>/dev/null; say "server stopped (exit status $?)"; srv=
+  tar czf "$out/restart.tgz" -C "$w" restart  # what (c) has so far, should the call end
 }
 trap 'stop; rm -rf "$w" "$disk_dir"' EXIT
 client=("$py" -m pensieve.bench.disk_restart)
@@ -126,7 +136,7 @@ start cold "$w/cold.db" || exit 1
 stop
 {
   for p in no_disk disk; do
-    [ -f "$out/$p/summary.txt" ] && { echo "== ($p)"; cat "$out/$p/summary.txt"; }
+    [ -f "$out/$p.summary.txt" ] && { echo "== ($p)"; cat "$out/$p.summary.txt"; }
   done
   echo "== (c) restart"
   "${client[@]}" compare "$r/warm.jsonl" "$r/cold.jsonl"
