@@ -163,7 +163,6 @@ class DiskIndex:
         self.read_chunk_s: float | None = None
         """Seconds to read one chunk at the measured (or configured) disk rate; the restore
         recomputes a chunk when that is sooner. None: always read."""
-        self.written_tokens = 0
         self.evicted_tokens = 0
         self._hash_memo: dict[str, tuple[list[int], int, list[str]]] = {}
 
@@ -218,7 +217,6 @@ class DiskIndex:
         if not self.add(entry):
             return False
         self.plan.writes.append((from_gpu, block, entry))
-        self.written_tokens += tokens
         return True
 
     def forget(self, conversation_id: str, index: int, delete_file: bool = True) -> None:

@@ -44,10 +44,9 @@ from pensieve.core.conversation import Tier
 from pensieve.core.disk_index import (
     DiskEntry,
     DiskIndex,
-    chunk_hashes,
     found_key,
     require_cpu_tier,
-    spilled_key,
+    spill_chunk,
 )
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
@@ -322,28 +321,16 @@ class DiskTier:
         self._readers.shutdown(wait=True)
 
     def _flush(self, cache: TieredKVCache) -> None:
-        c = self.index.chunk_size
+        """Spill every idle conversation's chunks still in a tier, as the retention order
+        spills them (:func:`~pensieve.core.disk_index.spill_chunk`), each written before the
+        next is copied out (host memory stays bounded)."""
         for conv in list(cache.conversations.values()):
             if conv.running or conv.ephemeral:
                 continue
-            history = conv.token_ids
-            n = min(len(conv.chunks), len(history) // c + 1)
-            hashes = chunk_hashes(history, c, n)
-            for i in range(n):
-                ch, n_tok = conv.chunks[i], conv.chunk_tokens(i, c)
-                if ch.tier is Tier.DROPPED or n_tok == 0 or i * c + n_tok > len(history):
-                    continue
-                h = hashes[i] if n_tok == c else chunk_hashes(history[:i * c + n_tok], c,
-                                                             i + 1)[i]
-                entry = DiskEntry(conv.conversation_id, i, n_tok, h,
-                                  spilled_key(cache.index.key_now(conv, i)))
-                if not self.index.add(entry):
-                    continue
-                [(_, payload)] = self._spilled_bytes([(ch.tier is Tier.GPU, ch.block, entry)])
-                self._submit_write(entry, payload)
-        plan = self.index.take_plan()  # entries pushed out by the flush
-        for name in plan.deletes:
-            self._writer.submit(self._delete, name)
+            for i, ch in enumerate(conv.chunks):
+                if ch.tier is not Tier.DROPPED and spill_chunk(
+                        self.index, conv, i, self.index.chunk_size, cache.index.key_now):
+                    self.apply()  # its write, and deletes of entries it pushed out
 
     def stats(self) -> dict[str, int]:
         return {"disk_blocks_total": self.index.capacity,

@@ -122,8 +122,8 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         if background_swap_out is None:
             background_swap_out = not _multi_rank()
-        # The attention kernels compile while the CPU tier is page-locked (both release
-        # the GIL for most of their time: Triton's compiler, cudaHostRegister)
+        # The attention kernels compile while the CPU tier is page-locked (on an H200 the
+        # 60 GB tier's locking then added nothing to the compile: docs/long_context.md)
         compiling = None
         if self.device.type == "cuda":
             pool = ThreadPoolExecutor(1)
