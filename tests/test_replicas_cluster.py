@@ -25,15 +25,17 @@ def test_two_nodes_postgres_store():
 
     from ray.cluster_utils import Cluster
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with postgres_url() as url:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False})
         worker = cluster.add_node(num_cpus=1, resources={"worker": 1})
         try:
             ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+            # a free port picked once PostgreSQL and the cluster hold theirs (picked before
+            # them, one of theirs once took it: "Failed to bind")
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
             serve.start(proxy_location="HeadOnly",
                         http_options={"host": "127.0.0.1", "port": port})
             app = build_application(serve_args(url), replica_cpus=1, max_replicas_per_node=1,
