@@ -75,24 +75,60 @@ def continue_all(url: str, cids: list[str], max_tokens: int, workers: int,
 
     def one(cid: str) -> dict[str, Any]:
         r = _post(url, {"model": model, "temperature": 0.0, "max_tokens": max_tokens,
-                        "conversation_id": cid,
+                        "conversation_id": cid, "logprobs": True, "top_logprobs": 2,
                         "messages": [{"role": "user", "content": "And then?"}]}, timeout)
-        return {"conversation_id": cid, "answer": r["choices"][0]["message"]["content"],
-                "cache": (r.get("pensieve") or {}).get("cache") or {}}
+        choice = r["choices"][0]
+        steps = [(e["token"], e["logprob"], _margin(e))
+                 for e in ((choice.get("logprobs") or {}).get("content") or [])]
+        return {"conversation_id": cid, "answer": choice["message"]["content"],
+                "tokens": steps, "cache": (r.get("pensieve") or {}).get("cache") or {}}
 
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(one, cids))
 
 
-def compare(warm: list[dict[str, Any]], cold: list[dict[str, Any]]) -> dict[str, Any]:
-    """Disk share of the warm turns' context, and answers equal to the cold ones."""
+def _margin(entry: dict[str, Any]) -> float | None:
+    """How far the chosen token's logprob is above the runner-up's (None: no runner-up)."""
+    top = sorted((t["logprob"] for t in entry.get("top_logprobs") or []), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else None
+
+
+def divergence(w: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
+    """Where two greedy answers to the same turn part: the first differing token, the
+    chosen token's margin over the runner-up there in each run (a near tie, under bf16's
+    rounding, flips with the batch a turn ran in; KV of other tokens would not leave the
+    two runs' log-probabilities close up to there) and the largest log-probability
+    difference of the tokens before it."""
+    tw, tc = w.get("tokens") or [], c.get("tokens") or []
+    n = next((i for i, (a, b) in enumerate(zip(tw, tc)) if a[0] != b[0]), min(len(tw), len(tc)))
+    diff = max((abs(a[1] - b[1]) for a, b in zip(tw[:n], tc[:n])), default=0.0)
+    margins = [t[n][2] for t in (tw, tc) if n < len(t) and t[n][2] is not None]
+    return {"first_diff": n, "margin": min(margins) if margins else None,
+            "max_logprob_diff_before": diff}
+
+
+def compare(warm: list[dict[str, Any]], cold: list[dict[str, Any]],
+            near_tie: float = 0.1) -> dict[str, Any]:
+    """Disk share of the warm turns' context, and answers equal to the cold ones; for those
+    that differ, where and at what margin (:func:`divergence`): ``differ_near_tie`` counts
+    answers that part where the chosen token led the runner-up by less than ``near_tie``
+    nats in either run."""
     by_cid = {r["conversation_id"]: r for r in cold}
     pairs = [(w, by_cid[w["conversation_id"]]) for w in warm if w["conversation_id"] in by_cid]
     context = sum(sum(int(w["cache"].get(k, 0)) for k in CONTEXT_KEYS) for w, _ in pairs)
     disk = sum(int(w["cache"].get("disk_hit_tokens", 0)) for w, _ in pairs)
     cold_disk = sum(int(c["cache"].get("disk_hit_tokens", 0)) for _, c in pairs)
     same = sum(w["answer"] == c["answer"] for w, c in pairs)
-    return {"conversations": len(pairs), "context_tokens": context, "disk_hit_tokens": disk,
+    diffs = [dict(divergence(w, c), conversation_id=w["conversation_id"],
+                  disk_hit_tokens=int(w["cache"].get("disk_hit_tokens", 0)))
+             for w, c in pairs if w["answer"] != c["answer"]]
+    ties = sum(d["margin"] is not None and d["margin"] < near_tie for d in diffs)
+    agreed = [divergence(w, c)["max_logprob_diff_before"] for w, c in pairs]
+    return {"differ_near_tie": ties, "differ_not_near_tie": len(diffs) - ties,
+            "near_tie_nats": near_tie,
+            "max_logprob_diff_before_divergence": round(max(agreed, default=0.0), 4),
+            "differences": diffs, "conversations": len(pairs), "context_tokens": context,
+            "disk_hit_tokens": disk,
             "disk_share": round(disk / context, 4) if context else None,
             "cold_disk_hit_tokens": cold_disk, "greedy_agree": same,
             "greedy_agree_share": round(same / len(pairs), 4) if pairs else None}
@@ -140,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restart: {res['conversations']} conversations continued, "
               f"{res['disk_hit_tokens']} of {res['context_tokens']} context tokens from disk "
               f"({res['disk_share']}), greedy answers equal to the no-disk server's: "
-              f"{res['greedy_agree']} ({res['greedy_agree_share']})")
+              f"{res['greedy_agree']} ({res['greedy_agree_share']}); of the others "
+              f"{res['differ_near_tie']} part at a near tie (margin < {res['near_tie_nats']}), "
+              f"{res['differ_not_near_tie']} not; largest logprob difference before parting: "
+              f"{res['max_logprob_diff_before_divergence']}")
         print(json.dumps({"restart": res}))
         return 0 if res["conversations"] else 1
     return 0

@@ -115,6 +115,12 @@ class DiskTier:
         self.bytes_written = 0
         self.bytes_read = 0
         self._read_s = 0.0
+        """Wall time during which at least one read ran: ``bytes_read`` over it is the rate
+        the readers reach together (each read's own time, summed, would give one reader's
+        rate: with 16 readers sharing the disk, a sixteenth of what they read together)."""
+        self._reading = 0
+        self._busy_since = 0.0
+        self._read_lock = threading.Lock()
         self.found = self._scan()
 
     # ------------------------------------------------------------------ start
@@ -160,17 +166,26 @@ class DiskTier:
         queued = self._writing.get(entry.name)
         if queued is not None and queued[0] is entry:
             return queued[1]
-        t0 = time.perf_counter()
+        with self._read_lock:
+            if not self._reading:
+                self._busy_since = time.perf_counter()
+            self._reading += 1
         try:
             spare = self._spare.pop()  # list.pop is atomic: no lock
         except IndexError:
             spare = None
+        data = None
         try:
             data = disk_files.read_file(os.path.join(self.path, entry.name), spare)
         except OSError:
             return None
-        self._read_s += time.perf_counter() - t0
-        self.bytes_read += len(data)
+        finally:
+            with self._read_lock:
+                self._reading -= 1
+                if not self._reading:
+                    self._read_s += time.perf_counter() - self._busy_since
+                if data is not None:
+                    self.bytes_read += len(data)
         return disk_files.decode(data, self.fingerprint, entry.conversation_id, entry.index,
                                  entry.tokens, entry.prefix_hash, self.block_bytes)
 
