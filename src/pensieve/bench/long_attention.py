@@ -191,6 +191,35 @@ def _sweep(call: Any, timer: Any, iters: int,
     return best
 
 
+def _fp8_plan(ctx: int, q_len: int, tables: Any, elem_bytes: int) -> Any:
+    """The runner's FP8 scratch plan of a launch of ``len(tables)`` ranges of ``q_len`` tokens
+    ending at ``ctx`` (None: the direct kernel), from host arrays as the runner builds it."""
+    from pensieve.kernels.fp8_scratch import plan_fp8_scratch
+
+    batch = tables.shape[0]
+    return plan_fp8_scratch(np.full(batch, ctx - q_len), np.full(batch, q_len),
+                            np.arange(batch), tables.cpu().numpy(), CHUNK, H, HKV, D,
+                            elem_bytes, tables.device)
+
+
+def _ours(args: tuple[Any, ...], q_len: int, long: bool, scales: dict[str, Any],
+          plan: Any) -> Any:
+    """The timed call of our kernel: over the scratch of ``plan``, else directly. ``args``:
+    ``(q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table)``."""
+    from pensieve.kernels.fp8_scratch import paged_attention_fp8_scratch
+    from pensieve.kernels.launch import paged_attention_triton
+
+    q, kc, vc, tables, qsl, start, rows = args
+
+    def ours() -> Any:
+        if plan is not None:
+            return paged_attention_fp8_scratch(q, kc, vc, plan, qsl, start, rows, D**-0.5,
+                                               q_len, **scales)
+        return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
+                                      max_query_len=q_len, long_context=long, **scales)
+    return ours
+
+
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
          iters: int, seed: int = 0, sweep: bool = False,
          graphs: bool = False) -> dict[str, Any]:
@@ -200,7 +229,6 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
     too)."""
     import torch
 
-    from pensieve.kernels.fp8_scratch import paged_attention_fp8_scratch, plan_fp8_scratch
     from pensieve.kernels.launch import FP8_KV, attention_choice, paged_attention_triton
     from pensieve.kernels.launch_policy import is_long_decode
     from pensieve.kernels.reference import store_kv_ref
@@ -230,12 +258,8 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                            "ours_splits": splits0}
     if sweep and q_len == 1:
         res["sweep_timing"] = "graph" if graphs else "eager"
-    plan = None
-    if "fp8" in kv_dtypes:  # the runner's plan of this launch (host arrays: no device sync)
-        plan = plan_fp8_scratch(np.full(batch, ctx - q_len), np.full(batch, q_len),
-                                np.arange(batch), tables.cpu().numpy(), CHUNK, H, HKV, D,
-                                q.element_size(), dev)
-        res["ours_fp8_path"] = "direct" if plan is None else "scratch"
+    plan = _fp8_plan(ctx, q_len, tables, q.element_size())
+    res["ours_fp8_path"] = "direct" if plan is None else "scratch"
     for kv in kv_dtypes:
         fp8 = kv.startswith("fp8")
         dtype = FP8_KV if fp8 else bf
@@ -249,13 +273,8 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                      v4.permute(0, 2, 1, 3).reshape(-1, HKV, D), kc, vc, slots,
                      scales.get("k_scale"), scales.get("v_scale"))
 
-        def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales,
-                 plan: Any = plan if kv == "fp8" else None) -> Any:
-            if plan is not None:
-                return paged_attention_fp8_scratch(q, kc, vc, plan, qsl, start, rows,
-                                                   D**-0.5, q_len, **scales)
-            return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
-                                          max_query_len=q_len, long_context=long, **scales)
+        ours = _ours((q, kc, vc, tables, qsl, start, rows), q_len, long, scales,
+                     plan if kv == "fp8" else None)
         out = ours()
         err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
         res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
