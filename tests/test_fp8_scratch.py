@@ -78,15 +78,17 @@ def test_scratch_path_equals_reference_and_direct(lens: list[tuple[int, int, int
     plan = fs.plan_fp8_scratch(starts, qlens, rows, TABLES, C, H, HKV, D, 4,
                                torch.device(DEV), min_rows=0)
     assert plan is not None
-    need = fs.scratch_blocks(starts, qlens, rows, len(TABLES), C)
+    used, inv, need = fs.scratch_blocks(starts, qlens, rows, C)
     assert plan.num_blocks == int(need.sum())
+    assert (used[inv] == rows).all() and plan.range_table.tolist() == inv.tolist()
     src = plan.src_blocks.cpu().numpy()
     got_tables = plan.block_tables.cpu().numpy()
-    for b, n in enumerate(need):  # scratch row b: the cache row's first n blocks, in order
-        assert (src[got_tables[b, :n]] == TABLES[b, :n]).all()
+    for u, (b, n) in enumerate(zip(used, need)):  # the cache row's first n blocks, in order
+        assert n == -(-max(s + q for s, q, r in zip(starts, qlens, rows) if r == b) // C)
+        assert (src[got_tables[u, :n]] == TABLES[b, :n]).all()
     bt = torch.from_numpy(TABLES).to(DEV)
     mq = int(qlens.max())
-    got = fs.paged_attention_fp8_scratch(q, kc, vc, plan, qsl, rsp, rt, D**-0.5, mq,
+    got = fs.paged_attention_fp8_scratch(q, kc, vc, plan, qsl, rsp, D**-0.5, mq,
                                          k_scale=ks, v_scale=vs)
     ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -242,12 +244,14 @@ def test_runner_plans_the_scratch_for_its_prefill_launch(tmp_path, monkeypatch, 
     if span_mode == "1":
         assert inp.attn.decode is not None and inp.attn.decode.fp8_scratch is None
         assert plan.src_blocks.tolist() == [10, 11, 12, 13, 14]  # request p's 70 positions
-        assert plan.block_tables[1, :5].tolist() == [0, 1, 2, 3, 4]
+        assert plan.block_tables.tolist() == [[0, 1, 2, 3, 4]]
+        assert plan.range_table.tolist() == [0]
     else:  # the decodes' 61 and 18 positions too
         assert inp.attn.decode is None
         assert plan.src_blocks.tolist() == [3, 4, 5, 6, 10, 11, 12, 13, 14, 20, 21]
-        assert plan.block_tables[:, :5].tolist() == [[0, 1, 2, 3, 0], [4, 5, 6, 7, 8],
-                                                     [9, 10, 0, 0, 0]]
+        assert plan.block_tables.tolist() == [[0, 1, 2, 3, 0], [4, 5, 6, 7, 8],
+                                              [9, 10, 0, 0, 0]]
+        assert plan.range_table.tolist() == [0, 1, 2]
     saved = [c.clone() for c in kv]
     got = model(inp.input_ids, inp.positions, kv, inp.attn)
     for c, s in zip(kv, saved):

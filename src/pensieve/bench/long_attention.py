@@ -213,8 +213,8 @@ def _ours(args: tuple[Any, ...], q_len: int, long: bool, scales: dict[str, Any],
 
     def ours() -> Any:
         if plan is not None:
-            return paged_attention_fp8_scratch(q, kc, vc, plan, qsl, start, rows, D**-0.5,
-                                               q_len, **scales)
+            return paged_attention_fp8_scratch(q, kc, vc, plan, qsl, start, D**-0.5, q_len,
+                                               **scales)
         return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
                                       max_query_len=q_len, long_context=long, **scales)
     return ours

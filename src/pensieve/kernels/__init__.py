@@ -94,8 +94,8 @@ def paged_attention(  # noqa: ANN201
         from pensieve.kernels.fp8_scratch import paged_attention_fp8_scratch
 
         return paged_attention_fp8_scratch(
-            q, k_cache, v_cache, fp8_scratch, query_start_loc, range_start_pos, range_table,
-            scale, max_query_len, out, k_scale=k_scale, v_scale=v_scale, tiles=tiles,
+            q, k_cache, v_cache, fp8_scratch, query_start_loc, range_start_pos, scale,
+            max_query_len, out, k_scale=k_scale, v_scale=v_scale, tiles=tiles,
             num_kv_splits=num_kv_splits, kv_split_span=kv_split_span,
             long_context=long_context,
         )

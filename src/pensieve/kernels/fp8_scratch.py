@@ -9,10 +9,11 @@ on it::
     cache (FP8)  block table row b: [7][2][9][4]...        scale per KV head
                         | dequantize (triton_dequant), K and V
     scratch (q's dtype) rows laid end to end: [b: 0 1 2 3 ...][b': 4 5 ...]
-    scratch table row b = offset[b] + arange(blocks[b])    (range_table unchanged)
+    scratch table row u (the u-th row read) = offset[u] + arange(blocks[u])
 
 Only the blocks the launch's ranges can see are copied: row ``b`` needs ``cdiv(max over its
-ranges of start_pos + query_len, chunk_size)`` blocks. The plan is built on the host from
+ranges of start_pos + query_len, chunk_size)`` blocks; the scratch's block tables have one
+row per row read, and a range table of their own. The plan is built on the host from
 the step's host arrays (no device sync) by :func:`plan_fp8_scratch`, which also applies the
 cost rule (:func:`scratch_pays`) and the size cap (:data:`SCRATCH_CAP_BYTES`); it returns
 None where the launch should read FP8 directly. Decode launches, CUDA-graph launches and
@@ -45,25 +46,30 @@ element per row at ~700 TFLOP/s; the dequantization moves 3 bytes per KV element
 @dataclass
 class Fp8Scratch:
     """One launch's scratch plan (``AttentionMetadata.fp8_scratch``), built once per step and
-    reused by every layer."""
+    reused by every layer. Its block tables have one row per block-table row the launch
+    reads, in row order, so it has a range table of its own."""
 
     num_blocks: int
     """Scratch blocks (host int: sizes the scratch without a device sync)."""
     src_blocks: torch.Tensor
     """``[num_blocks]`` int32: the cache block each scratch block copies."""
     block_tables: torch.Tensor
-    """``[B, max_blocks]`` int32: the scratch's block table, row ``b`` ``offset[b] +
-    arange(blocks[b])`` (rows the launch does not read: zeros)."""
+    """``[U, max_blocks]`` int32, ``U`` the rows the launch reads: row ``u`` ``offset[u] +
+    arange(blocks[u])`` (then zeros)."""
+    range_table: torch.Tensor
+    """``[R]`` int32: each range's row of :attr:`block_tables`."""
 
 
-def scratch_blocks(starts: np.ndarray, qlens: np.ndarray, rows: np.ndarray, num_rows: int,
-                   chunk: int) -> np.ndarray:
-    """``[num_rows]`` int64: blocks of block-table row ``b`` that ranges ``(starts, qlens)``
-    reading rows ``rows`` can see (0 for rows no range reads)."""
-    need = np.zeros(num_rows, dtype=np.int64)
+def scratch_blocks(starts: np.ndarray, qlens: np.ndarray, rows: np.ndarray,
+                   chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(used, inv, need)`` of ranges ``(starts, qlens)`` reading block-table rows ``rows``:
+    the rows read (sorted), each range's index into them, and per used row the blocks its
+    ranges can see (``cdiv(max end, chunk)``)."""
+    used, inv = np.unique(np.asarray(rows, np.int64), return_inverse=True)
+    need = np.zeros(len(used), dtype=np.int64)
     ends = np.asarray(starts, np.int64) + np.asarray(qlens, np.int64)
-    np.maximum.at(need, np.asarray(rows, np.int64), -(-ends // chunk))
-    return need
+    np.maximum.at(need, inv, -(-ends // chunk))
+    return used, inv, need
 
 
 def scratch_pays(starts: np.ndarray, qlens: np.ndarray, blocks: np.ndarray, chunk: int,
@@ -96,7 +102,7 @@ def plan_fp8_scratch(starts: np.ndarray, qlens: np.ndarray, rows: np.ndarray,
     the host block tables ``[B, max_blocks]``; ``elem_bytes``: the scratch dtype's (q's)."""
     if chunk & (chunk - 1) or len(qlens) == 0:
         return None
-    need = scratch_blocks(starts, qlens, rows, tables.shape[0], chunk)
+    used, inv, need = scratch_blocks(starts, qlens, rows, chunk)
     total = int(need.sum())
     cap = SCRATCH_CAP_BYTES if cap_bytes is None else cap_bytes
     if scratch_bytes(total, chunk, num_kv_heads, head_dim, elem_bytes) > cap:
@@ -108,14 +114,14 @@ def plan_fp8_scratch(starts: np.ndarray, qlens: np.ndarray, rows: np.ndarray,
     width = max(1, int(need.max()))
     within = np.arange(width, dtype=np.int64)
     scratch_tables = np.where(within[None, :] < need[:, None], offsets[:, None] + within, 0)
-    src = tables[np.repeat(np.arange(len(need)), need),
-                 np.arange(total, dtype=np.int64) - np.repeat(offsets, need)]
-    src_t, tables_t = (torch.from_numpy(a.astype(np.int32)).pin_memory()
-                       if device.type == "cuda" else torch.from_numpy(a.astype(np.int32))
-                       for a in (src, scratch_tables))
-    return Fp8Scratch(num_blocks=total,
-                      src_blocks=src_t.to(device, non_blocking=True),
-                      block_tables=tables_t.to(device, non_blocking=True))
+    src = tables[np.repeat(used, need), np.arange(total, dtype=np.int64) - np.repeat(offsets, need)]
+    host = torch.empty(total + scratch_tables.size + len(inv), dtype=torch.int32,
+                       pin_memory=device.type == "cuda")
+    host.numpy()[...] = np.concatenate((src, scratch_tables.ravel(), inv))
+    dev = host.to(device, non_blocking=True)  # one copy
+    return Fp8Scratch(num_blocks=total, src_blocks=dev[:total],
+                      block_tables=dev[total : total + scratch_tables.size].view(len(used), width),
+                      range_table=dev[total + scratch_tables.size :])
 
 
 def dequant_blocks_triton(k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -157,15 +163,16 @@ def dequant_blocks_triton(k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention_fp8_scratch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Fp8Scratch,
-    query_start_loc: torch.Tensor, range_start_pos: torch.Tensor, range_table: torch.Tensor,
-    scale: float, max_query_len: int, out: torch.Tensor | None = None, *,
+    query_start_loc: torch.Tensor, range_start_pos: torch.Tensor, scale: float,
+    max_query_len: int, out: torch.Tensor | None = None, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor,
     tiles: tuple[int, int, int, int] | None = None, num_kv_splits: int | None = None,
     kv_split_span: torch.Tensor | None = None, long_context: bool = False,
 ) -> torch.Tensor:
     """:func:`launch.paged_attention_triton` of the ranges over an FP8 cache, computed by the
     16-bit kernel over a scratch of ``plan`` (:func:`dequant_blocks_triton` into q's dtype);
-    same arguments and result, ``plan.block_tables`` in place of the cache's. ``tiles``,
+    same arguments and result, ``plan.block_tables`` and ``plan.range_table`` in place of the
+    cache's block tables and the launch's range table. ``tiles``,
     ``num_kv_splits``, ``kv_split_span``, ``long_context``: as the launcher's (None: it
     chooses as for a 16-bit cache)."""
     from pensieve.kernels.launch import paged_attention_triton
@@ -173,7 +180,7 @@ def paged_attention_fp8_scratch(
     scratch = dequant_blocks_triton(k_cache, v_cache, plan.src_blocks, plan.num_blocks,
                                     k_scale, v_scale, q.dtype)
     return paged_attention_triton(q, scratch[0], scratch[1], plan.block_tables,
-                                  query_start_loc, range_start_pos, range_table, scale,
+                                  query_start_loc, range_start_pos, plan.range_table, scale,
                                   max_query_len=max_query_len, out=out, tiles=tiles,
                                   num_kv_splits=num_kv_splits, kv_split_span=kv_split_span,
                                   long_context=long_context)

@@ -275,9 +275,10 @@ class ModelRunner:
         """An FP8 cache's scratch plan of an eager step's main launch (its decodes, when they
         attend apart, read FP8 directly), if the cost rule picks it; graph replays never use
         one (their launches are captured with the direct kernel)."""
-        cache = self.kv_caches[0]
+        if self.kv_caches[0].dtype != torch.float8_e4m3fn or not triton_on(self.device):
+            return None
         attn = first_attention(self.model)
-        if cache.dtype != torch.float8_e4m3fn or attn is None or not triton_on(self.device):
+        if attn is None:
             return None
         from pensieve.kernels.fp8_scratch import plan_fp8_scratch
 
