@@ -217,11 +217,13 @@ def test_runner_plans_the_scratch_for_its_prefill_launch(tmp_path, monkeypatch, 
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=256)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    model, _ = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
-    init_kv_scales(model, torch.device("cpu"))
-    kv = allocate_kv_caches(2, 32, 16, 2, 16, F8, torch.device("cpu"))
+    dev = torch.device(DEV)
+    model, _ = load_model(str(tmp_path), dtype=torch.float32, device=dev)
+    init_kv_scales(model, dev)
+    kv = allocate_kv_caches(2, 32, 16, 2, 16, F8, dev)
     for c in kv:
-        c.copy_((torch.randn(c.shape, generator=torch.Generator().manual_seed(5))).to(F8))
+        c.copy_((torch.randn(c.shape, generator=torch.Generator().manual_seed(5))).to(F8)
+                .to(dev))
     runner = ModelRunner(model, kv, 16)
     runner.decode_span_mode = span_mode
     monkeypatch.setattr(kernels, "CHOICE", kernels.KernelChoice("triton"))
@@ -260,3 +262,29 @@ def test_runner_plans_the_scratch_for_its_prefill_launch(tmp_path, monkeypatch, 
     want = model(inp.input_ids, inp.positions, kv, inp.attn)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU test: bf16 queries take the "
+                    "tensor-core path only on the GPU")
+@pytest.mark.parametrize("lens", [[(0, 0, 130)], [(1, 60, 120), (2, 150, 1), (0, 30, 64)]])
+def test_scratch_bf16_queries_on_gpu(lens: list[tuple[int, int, int]]) -> None:
+    """bf16 queries over a bf16 scratch (the GPU's 128-row prefill tiles) against the
+    reference, at the FP8 GPU test's tolerance, and against the direct FP8 kernel."""
+    kc, vc = _fp8_cache(5)
+    qsl, rsp, rt, starts, qlens, rows = _launch(lens)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(int(qsl[-1]), H, D, generator=g).to(DEV, torch.bfloat16)
+    ks, vs = KS.to(DEV), VS.to(DEV)
+    plan = fs.plan_fp8_scratch(starts, qlens, rows, TABLES, C, H, HKV, D, 2,
+                               torch.device(DEV), min_rows=0)
+    assert plan is not None
+    bt = torch.from_numpy(TABLES).to(DEV)
+    mq = int(qlens.max())
+    got = fs.paged_attention_fp8_scratch(q, kc, vc, plan, qsl, rsp, D**-0.5, mq,
+                                         k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    direct = paged_attention_triton(q, kc, vc, bt, qsl, rsp, rt, D**-0.5, max_query_len=mq,
+                                    k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got.float(), direct.float(), atol=2e-2, rtol=2e-2)
