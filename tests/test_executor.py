@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pensieve.config import CacheConfig, EngineConfig, ModelConfig
+from pensieve.config import FP8_SCRATCH_BYTES, CacheConfig, EngineConfig, ModelConfig
 from pensieve.core.eviction import POLICIES
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.sampling_params import SamplingParams
@@ -57,6 +57,9 @@ def test_activation_estimate_doubles_with_mixed_graphs() -> None:
     assert one == (sc.max_num_batched_tokens * (8 * 4096 + 3 * 11008) * 2
                    + sc.max_num_seqs * 32000 * 12 + GIB)
     assert activation_bytes(graphs, 4096, 11008, 32000, 2) == 2 * one
+    fp8 = EngineConfig(model=ModelConfig(enforce_eager=True),
+                       cache=CacheConfig(kv_cache_dtype="fp8_e4m3"))
+    assert activation_bytes(fp8, 4096, 11008, 32000, 2) == one + FP8_SCRATCH_BYTES  # scratch
 
 
 def test_cpu_tier_sizes() -> None:

@@ -39,3 +39,18 @@ def test_sweep_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["best_ratio_bf16"] == r["best_bf16_s"] / r["sdpa_graph_s"]
     assert len(r["sweep_bf16"]) == 4
     assert min(t for _, _, t in r["sweep_bf16"]) == r["best_bf16_s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fp8_prefill_takes_the_scratch() -> None:
+    """An FP8 prefill row runs the runner's path (the scratch, by the cost rule), a decode row
+    the direct kernel; ``fp8direct`` times the direct kernel; both agree with SDPA."""
+    from pensieve.bench.long_attention import case
+
+    pre = case(8192, 2048, 1, ["bf16", "fp8", "fp8direct"], warmup=1, iters=3, graphs=True)
+    dec = case(8192, 1, 2, ["fp8"], warmup=1, iters=3)
+    assert pre["ours_fp8_path"] == "scratch" and dec["ours_fp8_path"] == "direct"
+    for kv in ("fp8", "fp8direct"):
+        assert pre[f"ours_{kv}_graph_s"] > 0
+        assert pre[f"max_err_{kv}"] < 0.25  # e4m3 KV against bf16 SDPA

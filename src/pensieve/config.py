@@ -22,6 +22,12 @@ the tiers"). Measure another interconnect with ``pensieve bench swaps`` and pass
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8")
 """Values of :attr:`CacheConfig.kv_cache_dtype` (``fp8`` is ``fp8_e4m3``, as in vLLM)."""
 
+FP8_SCRATCH_BYTES = 2**30
+"""The most device memory an FP8 cache's prefill scratch takes (K and V dequantized to 16
+bits for one launch; :mod:`pensieve.kernels.fp8_scratch`): a launch that would need more reads
+FP8 directly. 1 GiB holds 256k positions of 8 KV heads x 128 dims. Reserved beside the
+activations when the KV cache is FP8 (``engine.tiers.activation_bytes``)."""
+
 DEFAULT_CPU_KV_GB = {"cuda": 32.0, "cpu": 1.0}
 """GiB of the CPU tier when neither ``num_cpu_blocks`` nor ``cpu_kv_gb`` is given, by the
 device type the engine runs on (other types take the CPU's)."""

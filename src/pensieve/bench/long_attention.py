@@ -1,6 +1,7 @@
 """Attention at long contexts: our paged kernel against the fastest torch SDPA backend.
 
-    pensieve bench long-attention [--contexts 32768,65536,131072] [--kv-dtypes bf16,fp8]
+    pensieve bench long-attention [--contexts 32768,65536,131072]
+        [--kv-dtypes bf16,fp8[,fp8direct]] [--decode-batches 1,8,32 (empty: none)]
         [--out long_attention.json] [--plot long_attention.png]
 
 Llama-3.1-8B's attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 queries). Two
@@ -16,7 +17,13 @@ cases per context length ``L``:
 runner makes them: ``long_context`` per ``launch_policy.is_long_decode`` (decode at contexts
 of ``LONG_DECODE_KV`` = 8k or more: 128-position KV tiles, up to 128 KV splits), reported as
 ``ours_tiles`` and ``ours_splits``; its KV in bf16 or FP8 (e4m3, per-head
-scales). ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over contiguous bf16
+scales). FP8 launches take the path the runner would give them
+(:func:`~pensieve.kernels.fp8_scratch.plan_fp8_scratch`, planned outside the timing as the
+runner plans once per step): a prefill dequantizes the blocks it reads into a bf16 scratch
+(timed with it, as every layer pays it) and runs the 16-bit kernel; decodes read FP8
+directly. ``ours_fp8_path`` says which (``scratch`` or ``direct``). ``fp8direct`` in
+``--kv-dtypes`` times the FP8 cache through the direct kernel whatever the rule says.
+``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over contiguous bf16
 KV (the ideal layout, no gather counted), with a bottom-right causal mask for the chunk; each
 of the flash, cuDNN and memory-efficient backends is tried (GQA native where it runs, else KV
 heads expanded outside the timing) and the fastest is the reference. Times: CUDA events,
@@ -41,6 +48,8 @@ import json
 import statistics
 import sys
 from typing import Any
+
+import numpy as np
 
 H, HKV, D, CHUNK = 32, 8, 128, 32
 
@@ -182,6 +191,35 @@ def _sweep(call: Any, timer: Any, iters: int,
     return best
 
 
+def _fp8_plan(ctx: int, q_len: int, tables: Any, elem_bytes: int) -> Any:
+    """The runner's FP8 scratch plan of a launch of ``len(tables)`` ranges of ``q_len`` tokens
+    ending at ``ctx`` (None: the direct kernel), from host arrays as the runner builds it."""
+    from pensieve.kernels.fp8_scratch import plan_fp8_scratch
+
+    batch = tables.shape[0]
+    return plan_fp8_scratch(np.full(batch, ctx - q_len), np.full(batch, q_len),
+                            np.arange(batch), tables.cpu().numpy(), CHUNK, H, HKV, D,
+                            elem_bytes, tables.device)
+
+
+def _ours(args: tuple[Any, ...], q_len: int, long: bool, scales: dict[str, Any],
+          plan: Any) -> Any:
+    """The timed call of our kernel: over the scratch of ``plan``, else directly. ``args``:
+    ``(q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table)``."""
+    from pensieve.kernels.fp8_scratch import paged_attention_fp8_scratch
+    from pensieve.kernels.launch import paged_attention_triton
+
+    q, kc, vc, tables, qsl, start, rows = args
+
+    def ours() -> Any:
+        if plan is not None:
+            return paged_attention_fp8_scratch(q, kc, vc, plan, qsl, start, D**-0.5, q_len,
+                                               **scales)
+        return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
+                                      max_query_len=q_len, long_context=long, **scales)
+    return ours
+
+
 def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
          iters: int, seed: int = 0, sweep: bool = False,
          graphs: bool = False) -> dict[str, Any]:
@@ -220,21 +258,23 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                            "ours_splits": splits0}
     if sweep and q_len == 1:
         res["sweep_timing"] = "graph" if graphs else "eager"
+    plan = _fp8_plan(ctx, q_len, tables, q.element_size())
+    res["ours_fp8_path"] = "direct" if plan is None else "scratch"
     for kv in kv_dtypes:
-        dtype = FP8_KV if kv == "fp8" else bf
+        fp8 = kv.startswith("fp8")
+        dtype = FP8_KV if fp8 else bf
         kc = torch.empty(batch * blocks, CHUNK, HKV, D, device=dev, dtype=dtype)
         vc = torch.empty_like(kc)
         scales = {}
-        if kv == "fp8":
+        if fp8:
             one = torch.ones(HKV, device=dev)
             scales = {"k_scale": one, "v_scale": one}
         store_kv_ref(k4.permute(0, 2, 1, 3).reshape(-1, HKV, D),
                      v4.permute(0, 2, 1, 3).reshape(-1, HKV, D), kc, vc, slots,
                      scales.get("k_scale"), scales.get("v_scale"))
 
-        def ours(kc: Any = kc, vc: Any = vc, scales: dict = scales) -> Any:
-            return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
-                                          max_query_len=q_len, long_context=long, **scales)
+        ours = _ours((q, kc, vc, tables, qsl, start, rows), q_len, long, scales,
+                     plan if kv == "fp8" else None)
         out = ours()
         err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
         res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
@@ -302,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="32768,65536,131072")
     p.add_argument("--chunk", type=int, default=2048, help="query tokens of the prefill case")
-    p.add_argument("--decode-batches", default="1,8,32")
-    p.add_argument("--kv-dtypes", default="bf16,fp8")
+    p.add_argument("--decode-batches", default="1,8,32", help="empty: no decode cases")
+    p.add_argument("--kv-dtypes", default="bf16,fp8",
+                   help="bf16, fp8 (the runner's path), fp8direct (the direct FP8 kernel)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true",
@@ -327,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     kvs = a.kv_dtypes.split(",")
     todo = [(int(c), a.chunk, 1) for c in a.contexts.split(",")]
     todo += [(int(c), 1, int(b)) for c in a.contexts.split(",")
-             for b in a.decode_batches.split(",")]
+             for b in a.decode_batches.split(",") if b]
     rows = []
     for ctx, q_len, batch in tqdm(todo, desc="long-attention"):
         r = case(ctx, q_len, batch, kvs, a.warmup, a.iters, sweep=a.sweep, graphs=a.cuda_graphs)

@@ -53,6 +53,12 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def triton_on(device: torch.device) -> bool:
+    """Whether attention on ``device`` runs the Triton kernels (:data:`CHOICE`)."""
+    return CHOICE.attention == "triton" or (CHOICE.attention == "auto"
+                                             and device.type == "cuda")
+
+
 def _use_fused(t: torch.Tensor) -> bool:
     return _use_triton(t)
 
@@ -73,14 +79,26 @@ def paged_attention(  # noqa: ANN201
     q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table, scale,
     max_query_len: int, out=None, work_items=None, num_work_items=None, tiles=None,  # noqa: ANN001
     num_kv_splits=None, kv_split_span=None, k_scale=None, v_scale=None,  # noqa: ANN001
-    long_context: bool = False,
+    long_context: bool = False, fp8_scratch=None,  # noqa: ANN001
 ):
     """Multi-token causal paged attention; see :func:`reference.paged_attention_ref`.
     ``work_items``, ``num_work_items``, ``tiles``: the Triton kernel's static-grid mode;
     ``num_kv_splits``, ``kv_split_span``: its KV splits (see
     :func:`launch.paged_attention_triton`), ``long_context`` its decode tile and split class;
     the reference computes the same without them.
-    ``k_scale``, ``v_scale``: an FP8 cache's per-head scales."""
+    ``k_scale``, ``v_scale``: an FP8 cache's per-head scales. ``fp8_scratch``: an
+    :class:`fp8_scratch.Fp8Scratch` plan: the Triton path (not the static-grid mode)
+    dequantizes the blocks it names and runs the 16-bit kernel (the reference ignores it:
+    same result)."""
+    if _use_triton(q) and fp8_scratch is not None and work_items is None:
+        from pensieve.kernels.fp8_scratch import paged_attention_fp8_scratch
+
+        return paged_attention_fp8_scratch(
+            q, k_cache, v_cache, fp8_scratch, query_start_loc, range_start_pos, scale,
+            max_query_len, out, k_scale=k_scale, v_scale=v_scale, tiles=tiles,
+            num_kv_splits=num_kv_splits, kv_split_span=kv_split_span,
+            long_context=long_context,
+        )
     if _use_triton(q):
         from pensieve.kernels.launch import paged_attention_triton
 

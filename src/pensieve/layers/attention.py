@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pensieve.kernels import paged_attention, store_kv
+
+if TYPE_CHECKING:
+    from pensieve.kernels.fp8_scratch import Fp8Scratch
 
 
 @dataclass
@@ -61,6 +65,10 @@ class AttentionMetadata:
     ``range_table`` (offsets into the same tokens), ``max_query_len`` 1 and KV splits; the
     fields above then cover the other ranges only. ``slot_mapping`` and ``block_tables`` are
     the step's."""
+    fp8_scratch: Fp8Scratch | None = None
+    """An FP8 cache's prefill-heavy launch (the fields above, not ``decode``): the blocks to
+    dequantize into a 16-bit scratch that the 16-bit kernel reads
+    (:func:`pensieve.kernels.fp8_scratch.plan_fp8_scratch`); None: read FP8 directly."""
 
 
 class PagedAttention(nn.Module):
@@ -114,6 +122,7 @@ class PagedAttention(nn.Module):
             out=out, work_items=meta.work_items, num_work_items=meta.num_work_items,
             tiles=meta.tiles, num_kv_splits=meta.num_kv_splits, kv_split_span=meta.kv_split_span,
             k_scale=ks, v_scale=vs, long_context=meta.long_context,
+            fp8_scratch=meta.fp8_scratch if sc is not None else None,
         )
         return out.reshape(n, self.num_heads * self.head_dim)
 

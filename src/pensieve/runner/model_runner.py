@@ -12,12 +12,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pensieve.kernels import triton_on
 from pensieve.kernels.launch_policy import (
     DECODE_SPAN_MODE,
     MIXED_DECODES,
@@ -34,6 +35,9 @@ from pensieve.runner.mixed_graphs import MixedGraphs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
 from pensieve.runner.step_layout import range_layout
 from pensieve.runner.swapper import KVSwapper
+
+if TYPE_CHECKING:
+    from pensieve.kernels.fp8_scratch import Fp8Scratch
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +162,7 @@ class ModelRunner:
         """Steps run through :attr:`mixed_graphs` so far."""
 
     def _compile_attention(self) -> None:
+        from pensieve.kernels.fp8_scratch import compile_fp8_scratch
         from pensieve.kernels.launch import compile_attention_kernels
 
         attn = first_attention(self.model)
@@ -169,6 +174,11 @@ class ModelRunner:
         dtype = next(self.model.parameters()).dtype
         n = compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                       self.chunk_size, dtype, self.device, kv_dtype=c.dtype)
+        if c.dtype == torch.float8_e4m3fn:  # prefill-heavy steps attend over a 16-bit scratch
+            n += compile_fp8_scratch(attn.num_kv_heads, attn.head_dim, self.chunk_size, dtype,
+                                     self.device)
+            n += compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                           self.chunk_size, dtype, self.device)
         log.info("compiled %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     def capture_graphs(self, decode_shape: tuple[int, int] | None,
@@ -257,7 +267,24 @@ class ModelRunner:
         if splits:
             dec.num_kv_splits = splits
             dec.kv_split_span = t[-1]
+        attn.fp8_scratch = self._fp8_scratch(lay.starts[d:], lay.qlens[d:], lay.req[d:], tables)
         return StepInputs(input_ids=t[5], positions=t[6], attn=attn, logits_indices=t[7])
+
+    def _fp8_scratch(self, starts: np.ndarray, qlens: np.ndarray, rows: np.ndarray,
+                     tables: np.ndarray) -> Fp8Scratch | None:
+        """An FP8 cache's scratch plan of an eager step's main launch (its decodes, when they
+        attend apart, read FP8 directly), if the cost rule picks it; graph replays never use
+        one (their launches are captured with the direct kernel)."""
+        if self.kv_caches[0].dtype != torch.float8_e4m3fn or not triton_on(self.device):
+            return None
+        attn = first_attention(self.model)
+        if attn is None:
+            return None
+        from pensieve.kernels.fp8_scratch import plan_fp8_scratch
+
+        elem = next(self.model.parameters()).element_size()  # the scratch has q's dtype
+        return plan_fp8_scratch(starts, qlens, rows, tables, self.chunk_size, attn.num_heads,
+                                attn.num_kv_heads, attn.head_dim, elem, self.device)
 
     def _graphs_for(self, sched: SchedulerOutput) -> DecodeGraphs | MixedGraphs | None:
         """The graphs that replay the step, if any: a graph without per-group waits only when
