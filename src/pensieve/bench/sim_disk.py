@@ -120,10 +120,14 @@ class SimDiskTier:
         """Most seconds of writes ever queued ahead (the writer's lag behind the spills)."""
 
     # ------------------------------------------------------------------ reads
-    def prefetch(self, conversation_id: str) -> None:
-        """Queue reads of the conversation's files that are not ready yet."""
+    def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
+                 salt: bytes = b"") -> None:
+        """Queue reads of the files the turn may restore that are not ready yet (as
+        ``DiskTier.prefetch``)."""
         now = self.clock.now()
-        for entry in self.index.of(conversation_id):
+        entries = (self.index.of(conversation_id) if tokens is None else
+                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1))
+        for entry in entries:
             if entry.ready or entry.name in self._reads:
                 continue
             if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
@@ -156,8 +160,7 @@ class SimDiskTier:
             self.clock.sleep_until(until)
         index = self.index
         for entry, _ in self._reads.values():
-            if index.get(entry.conversation_id, entry.index) is entry:  # not dropped since
-                index.set_ready(entry.conversation_id, entry.index, True)
+            index.set_ready(entry, True)  # no-op if dropped since
         self._reads.clear()
 
     # ------------------------------------------------------------------ a step

@@ -3,8 +3,9 @@
 The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module does, for the
 :class:`~pensieve.engine.engine_core.EngineCore` at three points of its life:
 
-- ``prefetch(conversation_id)`` when a turn is added: the conversation's files are read and
-  checked (:mod:`pensieve.engine.disk_files`) in a thread pool, their payloads kept in memory;
+- ``prefetch(conversation_id, tokens, salt)`` when a turn is added: the files it may restore
+  (the conversation's own, and its leading full chunks' by hash) are read and checked
+  (:mod:`pensieve.engine.disk_files`) in a thread pool, their payloads kept in memory;
 - ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
   forget them: a bad file is recomputed); failed writes forget theirs;
 - ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
@@ -19,7 +20,8 @@ started when their turns were added). On CUDA, a step with disk copies first wai
 background swap-outs still in flight (a spilled block may be one's destination).
 
 ``close()`` (the engine's shutdown) writes every idle conversation's GPU and CPU chunks that
-are not on disk yet and waits for the writer, so a restarted server with the same path and
+are not on disk yet (a chunk shared by several conversations, or already on disk under its
+hash, is written once) and waits for the writer, so a restarted server with the same path and
 conversation store resumes them from disk. A write that fails (disk full, path gone) is
 logged and its chunk is simply dropped, as without a disk tier.
 """
@@ -40,13 +42,12 @@ from typing import Any
 import torch
 
 from pensieve.config import CacheConfig
-from pensieve.core.conversation import Tier
 from pensieve.core.disk_index import (
     DiskEntry,
     DiskIndex,
     found_key,
     require_cpu_tier,
-    spill_chunk,
+    spill_idle,
 )
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
@@ -131,10 +132,14 @@ class DiskTier:
                 continue
             entry = DiskEntry(h.conversation_id, h.index, h.tokens, h.prefix_hash,
                               found_key(h.written_at))
-            if entry.name != name or not 0 < h.tokens <= self.index.chunk_size:
+            full = h.tokens == self.index.chunk_size
+            if entry.name != name or not 0 < h.tokens <= self.index.chunk_size or \
+                    full == bool(h.conversation_id):
                 foreign += 1
             elif self.index.add(entry):
                 found += 1
+                if not full:  # a partial chunk: its conversation's own
+                    self.index.hold(h.conversation_id, h.index, entry)
             else:  # beyond the capacity (a smaller --disk-kv-gb than before)
                 os.remove(os.path.join(self.path, name))
         if found or foreign:
@@ -143,12 +148,20 @@ class DiskTier:
         return found
 
     # ------------------------------------------------------------------ reads
-    def prefetch(self, conversation_id: str) -> None:
-        """Start reading the conversation's files that are not ready yet and worth reading
-        (:attr:`worth`; a slower read than recomputation is not started: the step would wait
-        for it and the admission recompute the chunk anyway)."""
+    def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
+                 salt: bytes = b"") -> None:
+        """Start reading the files a turn may restore that are not ready yet and worth
+        reading (:attr:`worth`; a slower read than recomputation is not started: the step
+        would wait for it and the admission recompute the chunk anyway): the conversation's
+        own and, given the turn's ``tokens`` and ``salt``, those of its leading full chunks
+        by hash (:meth:`DiskIndex.wanted`)."""
+        self.start_reads(self.index.of(conversation_id) if tokens is None else
+                         self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1))
+
+    def start_reads(self, entries: list[DiskEntry]) -> None:
+        """Start reading those of ``entries`` not ready nor being read, and worth reading."""
         worth = self.worth
-        for entry in self.index.of(conversation_id):
+        for entry in entries:
             if entry.ready or entry.name in self._reads:
                 continue
             if worth is not None and not worth(entry):
@@ -181,15 +194,14 @@ class DiskTier:
         for name, (entry, fut) in list(self._reads.items()):
             payload = fut.result()
             del self._reads[name]
-            if index.get(entry.conversation_id, entry.index) is not entry:
+            if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:
                 self._loaded[name] = payload
-            index.set_ready(entry.conversation_id, entry.index, payload is not None)
+            index.set_ready(entry, payload is not None)
         while not self._failed.empty():
             entry = self._failed.get()
-            if index.get(entry.conversation_id, entry.index) is entry:
-                index.forget(entry.conversation_id, entry.index)
+            index.forget(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
 
@@ -205,7 +217,7 @@ class DiskTier:
         # bytes out of the spilled blocks first: a restored chunk may reuse one of them
         writes = self._spilled_bytes(plan.writes)
         for entry, block in plan.reads:
-            payload = self._loaded.pop(entry.name, None)
+            payload = self._loaded.pop(entry.name, None)  # one turn's restore per read
             if payload is None:
                 queued = self._writing.get(entry.name)
                 payload = queued[1] if queued is not None and queued[0] is entry else None
@@ -321,16 +333,10 @@ class DiskTier:
         self._readers.shutdown(wait=True)
 
     def _flush(self, cache: TieredKVCache) -> None:
-        """Spill every idle conversation's chunks still in a tier, as the retention order
-        spills them (:func:`~pensieve.core.disk_index.spill_chunk`), each written before the
-        next is copied out (host memory stays bounded)."""
-        for conv in list(cache.conversations.values()):
-            if conv.running or conv.ephemeral:
-                continue
-            for i, ch in enumerate(conv.chunks):
-                if ch.tier is not Tier.DROPPED and spill_chunk(
-                        self.index, conv, i, self.index.chunk_size, cache.index.key_now):
-                    self.apply()  # its write, and deletes of entries it pushed out
+        """Spill every idle conversation's chunks still in a tier
+        (:func:`~pensieve.core.disk_index.spill_idle`)."""
+        spill_idle(self.index, cache.conversations.values(), self.index.chunk_size,
+                   cache.index.key_now, self.apply)
 
     def stats(self) -> dict[str, int]:
         return {"disk_blocks_total": self.index.capacity,
