@@ -4,6 +4,8 @@ corrupted by that."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -15,7 +17,9 @@ LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
 
 
 def _entry(conv: str, i: int) -> DiskEntry:
-    return DiskEntry(conv, i, CHUNK, f"{conv}-{i}", spilled_key((float(i), 0.0, "", 0.0)))
+    """A full chunk's entry (named by its hash: here one per conversation and index)."""
+    h = hashlib.blake2b(f"{conv}-{i}".encode(), digest_size=16).hexdigest()
+    return DiskEntry("", i, CHUNK, h, spilled_key((float(i), 0.0, "", 0.0)))
 
 
 def _cpu_tier(layout: str) -> list[torch.Tensor]:
@@ -50,7 +54,8 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:
     want = {}
     for n, (conv, i) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)]):
         entry = _entry(conv, i)
-        assert tier.index.add(entry)
+        assert tier.index.spill(conv, entry, n, False)
+        tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         want[(conv, i)] = torch.stack([c[:, n] for c in cpu]).clone()
         tier.apply()
@@ -63,13 +68,14 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:
     restored = {}
     kept: set[int] = set()
     for conv, first_block in (("a", 0), ("b", 2)):
-        reader.prefetch(conv)
+        # a turn of ``conv`` reads its two chunks (by hash: after a restart no one holds them)
+        reader.start_reads([reader.index.files[_entry(conv, i).name] for i in (0, 1)])
         reader.collect()
         if kept:  # "b" is read into the buffers "a" was restored from
             assert {id(p.obj) for p in reader._loaded.values()} == kept
         spare_before = len(reader._spare)
         for i in (0, 1):
-            entry = reader.index.get(conv, i)
+            entry = reader.index.files.get(_entry(conv, i).name)
             assert entry is not None and entry.ready
             reader.index.plan.reads.append((entry, first_block + i))
             restored[(conv, i)] = first_block + i

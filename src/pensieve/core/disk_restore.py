@@ -118,13 +118,13 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
     full = _hashes(tokens, salt, c, limit // c)
     end = 0
     for i in range(-(-limit // c)):
-        if i < len(full):
-            entry = disk.files.get(f"{full[i].hex()}.kv")
-        else:
-            entry = disk.get(cid, i)
-            if entry is not None and (end + entry.tokens > limit or _copy(
-                    disk, cid, tokens, full, salt, i, entry.tokens) is not entry):
+        entry = disk.get(cid, i)  # its partial last chunk (full in this turn's tokens)
+        if entry is not None and entry.conversation_id:
+            if end + entry.tokens > limit or _copy(disk, cid, tokens, full, salt, i,
+                                                   entry.tokens) is not entry:
                 entry = None
+        elif i < len(full):
+            entry = disk.files.get(f"{full[i].hex()}.kv")
         if entry is None or not entry.ready:
             break
         end += entry.tokens
