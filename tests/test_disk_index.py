@@ -111,9 +111,9 @@ class FakeDisk:
                     self.index.hold(e.conversation_id, e.index, e)
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
         entries = (self.index.of(conversation_id) if tokens is None else
-                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1))
+                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1, dropped))
         for e in entries:
             if e.ready or (self.worth is not None and not self.worth(e)):
                 continue
@@ -376,8 +376,11 @@ def test_shared_prefix_written_once_and_resumed_after_a_restart_within_its_tenan
         world.eng.add_request(f"s{n}", SYSTEM + [50 + n, 51, 52], SamplingParams(
             max_tokens=2, ignore_eos=True), conversation_id=f"s{n}", tenant="t0")
         world.run_all()
+    index = world.disk.index
     world.restart()  # the shutdown spills every idle chunk
     world.check()
+    held = [e for e in index.files.values() if not e.conversation_id and e.index < 3]
+    assert [e.holders for e in held] == [{"s0", "s1", "s2", "s3"}] * 3  # one file, 4 holders
     shared = [e for e in world.disk.index.files.values() if not e.conversation_id and
               e.index < 3 and e.name in world.disk.writes]
     assert len(shared) == 3 and all(world.disk.writes[e.name] == 1 for e in shared), shared
@@ -391,6 +394,11 @@ def test_shared_prefix_written_once_and_resumed_after_a_restart_within_its_tenan
                               conversation_id=cid, tenant=tenant)
         world.run_all()
         assert stats.disk_hit_tokens - before == want, (cid, stats)
+    reads = list(world.disk.reads)
+    world.eng.add_request("new0+", [5], SamplingParams(max_tokens=2, ignore_eos=True),
+                          conversation_id="new0", tenant="t0")
+    world.run_all()
+    assert world.disk.reads == reads  # its prompt is in the cache: its files are not read
     world.corrupt.update(e.name for e in shared)
     world.restart()
     world.histories["new2"] = []

@@ -121,12 +121,13 @@ class SimDiskTier:
 
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
         """Queue reads of the files the turn may restore that are not ready yet (as
         ``DiskTier.prefetch``)."""
         now = self.clock.now()
         entries = (self.index.of(conversation_id) if tokens is None else
-                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1))
+                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
+                                     dropped))
         for entry in entries:
             if entry.ready or entry.name in self._reads:
                 continue

@@ -233,20 +233,26 @@ class DiskIndex:
         self._hash_memo[conversation_id] = (tokens, len(tokens), salt, full)
         return full
 
-    def wanted(self, conversation_id: str, tokens: list[int], salt: bytes,
-               limit: int) -> list[DiskEntry]:
+    def wanted(self, conversation_id: str, tokens: list[int], salt: bytes, limit: int,
+               dropped: list[int] | None = None) -> list[DiskEntry]:
         """The copies a turn of ``tokens`` (under ``salt``; positions below ``limit`` may
-        come from the cache) may read back: those the conversation holds, and the files of
-        its leading full chunks by hash (up to the first missing one)."""
+        come from the cache) may read back: those the conversation holds, and by hash the
+        files of its full chunks in ``dropped`` (None: it has no KV, its leading full chunks
+        up to the first missing file)."""
         out = {id(e): e for e in self.of(conversation_id)}
+        if not self.files:
+            return list(out.values())
+        c = self.chunk_size
+        n = limit // c
         hashes: list[bytes] = []
-        extend_hashes(hashes, salt, tokens[:limit // self.chunk_size * self.chunk_size],
-                      self.chunk_size)
-        for h in hashes:
-            e = self.files.get(f"{h.hex()}.kv")
-            if e is None:
+        for i in (range(n) if dropped is None else [i for i in dropped if i < n]):
+            if len(hashes) <= i:
+                extend_hashes(hashes, salt, tokens[len(hashes) * c:(i + 1) * c], c)
+            e = self.files.get(f"{hashes[i].hex()}.kv")
+            if e is not None:
+                out.setdefault(id(e), e)
+            elif dropped is None:
                 break
-            out.setdefault(id(e), e)
         return list(out.values())
 
     # ------------------------------------------------------------------ changes

@@ -58,6 +58,11 @@ WRITE_BACKLOG_BYTES = 8 << 30
 """At most this many bytes wait for the writer (host memory); past it a spilled chunk is
 dropped, as without a disk tier (a disk slower than the spills must not grow memory)."""
 
+UNHELD_LOADED_BYTES = 8 << 30
+"""At most this many bytes of verified payloads of entries no conversation holds (read by
+hash for a turn, or left over after an admission took its chunk from the GPU) wait in
+memory; past it the oldest are let go (not ready: read again, or recomputed)."""
+
 SPARE_BYTES = 1 << 30
 """At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
 
@@ -149,14 +154,16 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
         """Start reading the files a turn may restore that are not ready yet and worth
         reading (:attr:`worth`; a slower read than recomputation is not started: the step
         would wait for it and the admission recompute the chunk anyway): the conversation's
         own and, given the turn's ``tokens`` and ``salt``, those of its leading full chunks
-        by hash (:meth:`DiskIndex.wanted`)."""
+        by hash (:meth:`DiskIndex.wanted`; ``dropped``: the conversation's dropped chunks
+        when it has KV)."""
         self.start_reads(self.index.of(conversation_id) if tokens is None else
-                         self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1))
+                         self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
+                                           dropped))
 
     def start_reads(self, entries: list[DiskEntry]) -> None:
         """Start reading those of ``entries`` not ready nor being read, and worth reading."""
@@ -199,11 +206,24 @@ class DiskTier:
             if payload is not None:
                 self._loaded[name] = payload
             index.set_ready(entry, payload is not None)
+        self._bound_unheld()
         while not self._failed.empty():
             entry = self._failed.get()
             index.forget(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
+
+    def _bound_unheld(self) -> None:
+        """Let go of the oldest payloads of entries no one holds past UNHELD_LOADED_BYTES (a
+        held entry's payload goes at its holder's admission)."""
+        files = self.index.files
+        unheld = [n for n in self._loaded if n not in files or not files[n].holders]
+        over = len(unheld) - UNHELD_LOADED_BYTES // self.block_bytes
+        for name in unheld[:max(0, over)]:
+            entry = files.get(name)
+            if entry is not None:
+                entry.ready = False
+            self._recycle(self._loaded.pop(name))
 
     # ------------------------------------------------------------------ a step
     def apply(self, sync: Callable[[], None] | None = None) -> None:
