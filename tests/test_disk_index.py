@@ -10,6 +10,7 @@ import hashlib
 import random
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,7 +157,8 @@ class FakeDisk:
 
 
 class World:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, across_tenants: bool = False) -> None:
+        self.across_tenants = across_tenants
         self.files: dict[str, tuple[tuple[str, int, int, str], list[str | None]]] = {}
         self.corrupt: set[str] = set()
         self.writes: dict[str, int] = {}
@@ -166,7 +168,8 @@ class World:
 
     def start(self) -> None:
         cache = TieredKVCache(GPU, CPU, C, get_policy("pensieve"), lambda n: 1.0 + 0.01 * n,
-                              swap_out_threshold=0.3, decode_reserve=0.0)
+                              swap_out_threshold=0.3, decode_reserve=0.0,
+                              share_across_tenants=self.across_tenants)
         self.ex = FakeExecutor(lambda: self.eng)
         self.disk = FakeDisk(self.files, self.corrupt, self.ex, self.capacity, self.writes)
         cache.disk = self.disk.index
@@ -212,7 +215,7 @@ SYSTEM = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47]
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[int, list[tuple[str, int, int]]]:
+def workloads(draw: st.DrawFn) -> tuple[int, bool, list[tuple[str, int, int]]]:
     seed = draw(st.integers(0, 10**6))
     rng = random.Random(seed)
     ops: list[tuple[str, int, int]] = []
@@ -220,15 +223,15 @@ def workloads(draw: st.DrawFn) -> tuple[int, list[tuple[str, int, int]]]:
         kind = rng.choices(["turns", "restart", "edited", "corrupt", "delete"],
                            [6, 2, 2, 1, 1])[0]
         ops.append((kind, rng.randrange(10**6), rng.randint(1, 5)))
-    return draw(st.sampled_from([0, 3, 12, 200])), ops
+    return draw(st.sampled_from([0, 3, 12, 200])), draw(st.booleans()), ops
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(w=workloads())
 def test_random_workloads_keep_the_disk_tier_consistent(
-        w: tuple[int, list[tuple[str, int, int]]]) -> None:
-    capacity, ops = w
-    world = World(capacity)
+        w: tuple[int, bool, list[tuple[str, int, int]]]) -> None:
+    capacity, across, ops = w
+    world = World(capacity, across)
     lengths: dict[str, int] = {}
     for kind, seed, k in ops:
         rng = random.Random(seed)
@@ -365,12 +368,15 @@ def test_read_copies_are_restored_not_recomputed() -> None:
     assert world.ex.checked > 0
 
 
-def test_shared_prefix_written_once_and_resumed_after_a_restart_within_its_tenant() -> None:
+@pytest.mark.parametrize("across", [False, True])
+def test_shared_prefix_written_once_and_resumed_after_a_restart_within_its_tenant(
+        across: bool) -> None:
     """Four conversations of tenant t0 open with one system prompt (three chunks); the
     shutdown writes each of its chunks once, held by every conversation whose chunk it is. A
     restarted engine's new conversation of t0 reads the prompt back from disk; one of t1 (the
-    same tokens, another salt) recomputes it; a corrupted file is recomputed too."""
-    world = World(200)
+    same tokens, another salt) recomputes it, unless tenants share (``across``); a corrupted
+    file is recomputed too."""
+    world = World(200, across)
     for n in range(4):
         world.histories[f"s{n}"] = []
         world.eng.add_request(f"s{n}", SYSTEM + [50 + n, 51, 52], SamplingParams(
@@ -387,7 +393,7 @@ def test_shared_prefix_written_once_and_resumed_after_a_restart_within_its_tenan
     assert sum(world.disk.writes.values()) == len(world.files)  # each file written once
     assert len(world.files) == 3 + 4  # and each conversation's own fourth chunk
     stats = world.eng.cache.stats
-    for cid, tenant, want in (("new0", "t0", 3 * C), ("new1", "t1", 0)):
+    for cid, tenant, want in (("new0", "t0", 3 * C), ("new1", "t1", 3 * C if across else 0)):
         before = stats.disk_hit_tokens
         world.histories[cid] = []
         world.eng.add_request(cid, SYSTEM + [9, 9], SamplingParams(max_tokens=2, ignore_eos=True),

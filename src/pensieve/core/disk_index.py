@@ -274,9 +274,14 @@ class DiskIndex:
         return True
 
     def _push(self, entry: DiskEntry) -> None:
+        """(Re-)key ``entry`` in the order heap; the heap is rebuilt of its live items when
+        stale ones (re-keyed or dropped entries) outnumber them."""
         self._counter += 1
         self._seq[entry.name] = self._counter
         heapq.heappush(self._heap, (entry.key, self._counter, entry.name))
+        if len(self._heap) > 2 * len(self._seq) + 64:
+            self._heap = [t for t in self._heap if self._seq.get(t[2]) == t[1]]
+            heapq.heapify(self._heap)
 
     def hold(self, conversation_id: str, index: int, entry: DiskEntry) -> None:
         """The conversation's dropped chunk ``index`` is ``entry``'s copy."""
