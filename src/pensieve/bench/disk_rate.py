@@ -3,7 +3,7 @@
 Writes ``--chunks`` chunks of one model shape's KV (all layers, ``[L, 2, C, Hkv, D]``) through
 :class:`~pensieve.engine.disk_tier.DiskTier` (the engine's writer thread, one file per chunk,
 header and crc32 included), then reads them back as a restarted engine does (a new tier scans
-the directory; each conversation's files are read and checked in its thread pool): all at
+the directory; the files are read and checked in its thread pool, 16 a turn): all at
 once (``read``), and one conversation at a time with each chunk copied into a CPU-tier block
 before the next conversation is read (``restore``: what a server does turn by turn; buffers of
 restored chunks are read into again; ``restore_copy_s`` is the part of it spent copying payloads
