@@ -1,7 +1,9 @@
 """Files and bytes the disk tier holds after a shutdown, when N conversations of one tenant
 open with one system prompt: a random tiny Llama (2 layers, 2 KV heads of 16: 16 KiB a
 32-token chunk in float32) on the CPU, one turn per conversation, then ``engine.shutdown()``,
-which writes every idle chunk (docs/performance.md, "Disk tier"). Prints JSON.
+which writes every idle chunk; then a restarted engine continues every conversation (one
+turn each, all queued at once) and reports where their context came from (docs/performance.md,
+"Disk tier: a shared prompt written once"). Prints JSON.
 
     python benchmarks/disk_shared_flush.py --conversations 32 --prefix-chunks 8
 """
@@ -50,13 +52,32 @@ def main() -> None:
                    for _ in range(n)]
         llm.generate(prompts, [SamplingParams(max_tokens=4, ignore_eos=True)] * n,
                      conversation_ids=[f"c{i}" for i in range(n)])
+        ids = [f"c{i}" for i in range(n)]
+        histories = [llm.engine.conversation_history(cid) for cid in ids]
         llm.engine.shutdown()  # writes every idle chunk not on disk yet
         files = [f for f in os.listdir(disk) if f.endswith(".kv")]
         nbytes = sum(os.path.getsize(os.path.join(disk, f)) for f in files)
         chunks = sum(-(-(len(p) + 3) // c) for p in prompts)  # kv_end: all but the last token
-    print(json.dumps({"conversations": n, "prefix_chunks": args.prefix_chunks,
-                      "share_prefixes": not args.no_share_prefixes,
-                      "chunks_held": chunks, "files": len(files), "bytes": nbytes}))
+        out = {"conversations": n, "prefix_chunks": args.prefix_chunks,
+               "share_prefixes": not args.no_share_prefixes,
+               "chunks_held": chunks, "files": len(files), "bytes": nbytes}
+        # a restarted engine continues every conversation (histories from the store)
+        again = LLM(model=model, dtype="float32", device="cpu", chunk_size=c,
+                    max_num_batched_tokens=512, max_model_len=1024,
+                    num_gpu_blocks=n * 4 + args.prefix_chunks + 16,
+                    num_cpu_blocks=n * (args.prefix_chunks + 2),
+                    disk_kv_gb=0.5, disk_kv_path=disk,
+                    share_prefixes=not args.no_share_prefixes)
+        for cid, hist in zip(ids, histories):
+            again.engine.restore_conversation(cid, hist)
+        again.generate([[5, 6, 7]] * n, [SamplingParams(max_tokens=2, ignore_eos=True)] * n,
+                       conversation_ids=ids)
+        st = again.cache_stats()
+        again.engine.shutdown()
+        out["resume"] = {k: st[k] for k in ("disk_hit_tokens", "shared_hit_tokens",
+                                            "recomputed_tokens", "disk_read_bytes")}
+        out["resume"]["context_tokens"] = sum(len(h) - 1 for h in histories)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ class FakeDisk:
         plan = self.index.take_plan()
         writes = [(e, list((self.ex.gpu if g else self.ex.cpu)[b])) for g, b, e in plan.writes]
         for e, b in plan.reads:
-            self.ex.cpu[b] = self.loaded.pop(e.name)
+            self.ex.cpu[b] = list(self.loaded[e.name])  # kept, as DiskTier keeps restored
         for name in plan.deletes:
             self.files.pop(name, None)
             self.loaded.pop(name, None)
@@ -350,14 +350,14 @@ def test_read_copies_are_restored_not_recomputed() -> None:
         world.histories.setdefault(cid, [])
         world.eng.add_request(f"{cid}{n}", list(range(3, 3 + n)),
                               SamplingParams(max_tokens=2, ignore_eos=True),
-                              conversation_id=cid)
+                              conversation_id=cid, tenant=cid)  # nothing shared
         world.run_all()
     on_disk = sorted(world.disk.index.entries.get("a", {}))
     assert len(on_disk) >= 3, on_disk  # several of "a"'s chunks went to disk
     tokens = sum(e.tokens for e in world.disk.index.of("a"))
     before = world.eng.cache.stats.disk_hit_tokens
     world.eng.add_request("a4", [5, 6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True),
-                          conversation_id="a")
+                          conversation_id="a", tenant="a")
     world.run_all()
     st_ = world.eng.cache.stats
     world.check()

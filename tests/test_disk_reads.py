@@ -45,7 +45,11 @@ def test_chunk_major_blocks_only_for_one_chunk_major_tensor() -> None:
 
 
 @pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
-def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:  # noqa: ANN001
+def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa: ANN001
+                                               monkeypatch) -> None:  # noqa: ANN001
+    import pensieve.engine.disk_tier as disk_tier
+
+    monkeypatch.setattr(disk_tier, "RESTORED_LOADED_BYTES", 0)  # restored: buffers reused
     torch.manual_seed(0)
     cpu = _cpu_tier(layout)
     path = str(tmp_path / "tier")
@@ -141,3 +145,29 @@ def test_spilled_blocks_are_copied_out_in_plan_order(tmp_path, layout: str) -> N
         c.zero_()
     assert all(bytes(p) != bytes(len(p)) for _, p in got[::2])
     tier.close(None)
+
+
+def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: ANN001
+    """A chunk restored into one block stays ready (its bytes in memory, under
+    RESTORED_LOADED_BYTES): a second turn restores it into another block without a read."""
+    torch.manual_seed(2)
+    cpu = _cpu_tier("chunk-major")
+    path = str(tmp_path / "tier")
+    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    entry = _entry("a", 0)
+    assert tier.index.spill("a", entry, 0, False)
+    want = torch.stack([c[:, 0] for c in cpu]).clone()
+    tier.apply()
+    tier.close(None)
+    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    found = reader.index.files[entry.name]
+    reader.start_reads([found])
+    reader.collect()
+    read = reader.bytes_read
+    assert found.ready and read > 0
+    for block in (3, 5):  # two turns, in two steps
+        reader.index.plan.reads.append((found, block))
+        reader.apply()
+        assert found.ready and reader.bytes_read == read
+        assert torch.equal(torch.stack([c[:, block] for c in cpu]), want)
+    reader.close(None)

@@ -186,6 +186,8 @@ class SimDiskTier:
             self.bytes_written += self.block_bytes
         self.write_backlog_max_s = max(self.write_backlog_max_s, self._write_free_at - now)
         self.restored_chunks += len(plan.reads)
+        for entry, _ in plan.reads:  # its bytes let go, as the engine's once it has restored
+            entry.ready = False  # RESTORED_LOADED_BYTES more (the simulator keeps none)
         self.deleted_files += len(plan.deletes)
 
     def close(self, cache: TieredKVCache | None) -> None:

@@ -13,8 +13,9 @@ spent), so it is always restored; the weighing of a read against recomputation
 (:func:`worth_reading`, ``DiskIndex.read_chunk_s`` against the chunk's recompute cost)
 happens earlier, when the turn is added and the engine chooses which files to read. A chunk
 is recomputed when its copy was not read (not ready: too slow to read, spilled while the
-turn waited, or its bytes already taken by another turn admitted first), or when no CPU
-block can be had. The conversation then lets go of its copies (:meth:`DiskIndex.release`).
+turn waited, or its bytes let go from memory since), or when no CPU block can be had. A
+copy restored stays ready while the engine keeps its bytes (other turns of its salt may
+restore it too). The conversation then lets go of its copies (:meth:`DiskIndex.release`).
 
 A conversation that has no KV in the cache (a new one, or one after a restart: the history
 came back from the conversation store) first gets dropped chunks for the leading run of
@@ -94,7 +95,6 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
             block = _cpu_block(cache)
             if block is None:
                 break
-            entry.ready = False  # its bytes go into this block; another turn reads it anew
             disk.plan.reads.append((entry, block))
             conv.chunks[i] = Chunk(Tier.CPU, block)
             restored += n_tok

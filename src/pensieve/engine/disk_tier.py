@@ -13,7 +13,8 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
   torch's intra-op threads, before any copy of the step touches the blocks; the step waits
   for this copy, not for the write) and written by one writer thread (writes and deletes in
   plan order), each restored chunk's verified payload is copied into its CPU block (the
-  step's swap-ins then move it to the GPU), and dropped files are deleted.
+  step's swap-ins then move it to the GPU; the payload is kept for other turns, within
+  RESTORED_LOADED_BYTES), and dropped files are deleted.
 
 No step waits for a disk write. A step waits for reads still running when it schedules (they
 started when their turns were added). On CUDA, a step with disk copies first waits for the
@@ -59,9 +60,14 @@ WRITE_BACKLOG_BYTES = 8 << 30
 dropped, as without a disk tier (a disk slower than the spills must not grow memory)."""
 
 UNHELD_LOADED_BYTES = 8 << 30
-"""At most this many bytes of verified payloads of entries no conversation holds (read by
-hash for a turn, or left over after an admission took its chunk from the GPU) wait in
-memory; past it the oldest are let go (not ready: read again, or recomputed)."""
+"""At most this many bytes of verified payloads not restored yet of entries no conversation
+holds (read by hash for a turn, or left over after an admission took its chunk from the GPU)
+wait in memory; past it the oldest are let go (not ready: read again, or recomputed)."""
+
+RESTORED_LOADED_BYTES = 1 << 30
+"""At most this many bytes of payloads already restored are kept in memory (most recently
+restored first), so that other turns restore the same chunk (a shared prompt after a
+restart) without reading it again."""
 
 SPARE_BYTES = 1 << 30
 """At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
@@ -97,6 +103,8 @@ class DiskTier:
         """Files whose write is queued or running: their bytes (a prefetch takes them)."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._loaded: dict[str, memoryview] = {}
+        self._restored: dict[str, None] = {}
+        """Names in ``_loaded`` restored at least once, least recently restored first."""
         """Verified payloads of ready entries, by file name, until restored or dropped."""
         self._spare: list[disk_files.ReadBuffer] = []
         """Read buffers whose payload was restored, read into again (a fresh buffer's pages
@@ -206,23 +214,29 @@ class DiskTier:
             if payload is not None:
                 self._loaded[name] = payload
             index.set_ready(entry, payload is not None)
-        self._bound_unheld()
+        self._bound_loaded()
         while not self._failed.empty():
             entry = self._failed.get()
             index.forget(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
 
-    def _bound_unheld(self) -> None:
-        """Let go of the oldest payloads of entries no one holds past UNHELD_LOADED_BYTES (a
-        held entry's payload goes at its holder's admission)."""
+    def _bound_loaded(self) -> None:
+        """Let go of payloads (their entries are no longer ready) past RESTORED_LOADED_BYTES
+        of restored ones, least recently restored first, and past UNHELD_LOADED_BYTES of
+        unrestored ones no one holds, oldest first (the payloads of a conversation's own
+        dropped chunks wait for its admission)."""
         files = self.index.files
-        unheld = [n for n in self._loaded if n not in files or not files[n].holders]
-        over = len(unheld) - UNHELD_LOADED_BYTES // self.block_bytes
-        for name in unheld[:max(0, over)]:
+        restored = list(self._restored)
+        drop = restored[:max(0, len(restored) - RESTORED_LOADED_BYTES // self.block_bytes)]
+        unheld = [n for n in self._loaded if n not in self._restored
+                  and (n not in files or not files[n].holders)]
+        drop += unheld[:max(0, len(unheld) - UNHELD_LOADED_BYTES // self.block_bytes)]
+        for name in drop:
             entry = files.get(name)
             if entry is not None:
                 entry.ready = False
+            self._restored.pop(name, None)
             self._recycle(self._loaded.pop(name))
 
     # ------------------------------------------------------------------ a step
@@ -237,15 +251,20 @@ class DiskTier:
         # bytes out of the spilled blocks first: a restored chunk may reuse one of them
         writes = self._spilled_bytes(plan.writes)
         for entry, block in plan.reads:
-            payload = self._loaded.pop(entry.name, None)  # one turn's restore per read
+            payload = self._loaded.get(entry.name)  # kept: other turns may restore it
+            if payload is not None:
+                self._restored.pop(entry.name, None)
+                self._restored[entry.name] = None
             if payload is None:
                 queued = self._writing.get(entry.name)
                 payload = queued[1] if queued is not None and queued[0] is entry else None
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
             self._restore(payload, block)
-            self._recycle(payload)
+        if plan.reads:
+            self._bound_loaded()
         for name in plan.deletes:  # before the writes: a name may be written anew
+            self._restored.pop(name, None)
             dropped = self._loaded.pop(name, None)
             if dropped is not None:
                 self._recycle(dropped)
