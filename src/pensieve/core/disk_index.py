@@ -134,6 +134,11 @@ def file_name(conversation_id: str, index: int) -> str:
     return f"{cid}-{index:06d}.kv"
 
 
+def shared_name(prefix_hash: str) -> str:
+    """The file of a full chunk of that shared-prefix hash (hex)."""
+    return f"{prefix_hash}.kv"
+
+
 @dataclass(eq=False)
 class DiskEntry:
     """One chunk's copy on disk (one file)."""
@@ -155,7 +160,7 @@ class DiskEntry:
     def name(self) -> str:
         if self.conversation_id:
             return file_name(self.conversation_id, self.index)
-        return f"{self.prefix_hash}.kv"
+        return shared_name(self.prefix_hash)
 
 
 @dataclass
@@ -248,7 +253,7 @@ class DiskIndex:
         for i in (range(n) if dropped is None else [i for i in dropped if i < n]):
             if len(hashes) <= i:
                 extend_hashes(hashes, salt, tokens[len(hashes) * c:(i + 1) * c], c)
-            e = self.files.get(f"{hashes[i].hex()}.kv")
+            e = self.files.get(shared_name(hashes[i].hex()))
             if e is not None:
                 out.setdefault(id(e), e)
             elif dropped is None:

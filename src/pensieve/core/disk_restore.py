@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.disk_index import DiskEntry, DiskIndex, partial_hash
+from pensieve.core.disk_index import DiskEntry, DiskIndex, partial_hash, shared_name
 from pensieve.core.prefix_share import extend_hashes
 from pensieve.core.request import Request
 
@@ -57,7 +57,7 @@ def _copy(disk: DiskIndex, cid: str, tokens: list[int], full: list[bytes], salt:
     conversation's own whose hash matches; None: none."""
     c = disk.chunk_size
     if n_tok == c:
-        return disk.files.get(f"{full[i].hex()}.kv") if i < len(full) else None
+        return disk.files.get(shared_name(full[i].hex())) if i < len(full) else None
     entry = disk.get(cid, i)
     if entry is None or entry.tokens != n_tok or i > len(full) or \
             entry.prefix_hash != partial_hash(full[:i], salt, tokens[i * c:i * c + n_tok]):
@@ -124,7 +124,7 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
                                                    entry.tokens) is not entry:
                 entry = None
         elif i < len(full):
-            entry = disk.files.get(f"{full[i].hex()}.kv")
+            entry = disk.files.get(shared_name(full[i].hex()))
         if entry is None or not entry.ready:
             break
         end += entry.tokens
