@@ -10,11 +10,19 @@ import hashlib
 import random
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.core.conversation import Tier
-from pensieve.core.disk_index import DiskEntry, DiskIndex, chunk_hashes, found_key
+from pensieve.core.disk_index import (
+    DiskEntry,
+    DiskIndex,
+    found_key,
+    partial_hash,
+    spill_idle,
+    spilled_key,
+)
 from pensieve.core.disk_restore import worth_reading
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
@@ -29,9 +37,10 @@ C = 4
 GPU, CPU = 24, 6
 
 
-def tag(tokens: list[int], p: int) -> str:
-    """What the KV at position ``p`` depends on: the tokens up to it."""
-    return hashlib.blake2b(repr(tokens[:p + 1]).encode(), digest_size=8).hexdigest()
+def tag(tokens: list[int], p: int, salt: bytes = b"") -> str:
+    """What the KV at position ``p`` depends on: the tokens up to it; and, so that KV of
+    another tenant (salt) is never taken for one's own, the request's salt."""
+    return hashlib.blake2b(salt + repr(tokens[:p + 1]).encode(), digest_size=8).hexdigest()
 
 
 class FakeExecutor:
@@ -60,10 +69,11 @@ class FakeExecutor:
             table = s.block_table
             for r in s.ranges:
                 for p in range(r.start_pos, r.end_pos):
-                    self.gpu[table[p // C]][p % C] = tag(tokens, p)
+                    self.gpu[table[p // C]][p % C] = tag(tokens, p, req.share_salt)
             end = max(r.end_pos for r in s.ranges)
             for p in range(end):  # attention reads every position up to the last
-                assert self.gpu[table[p // C]][p % C] == tag(tokens, p), (s.request_id, p)
+                assert self.gpu[table[p // C]][p % C] == tag(tokens, p, req.share_salt), \
+                    (s.request_id, p)
                 self.checked += 1
             if s.sample:
                 sampled[s.request_id] = 3 + int(tag(tokens, end - 1), 16) % 50
@@ -81,7 +91,8 @@ class FakeDisk:
     handed over at ``collect`` as the real tier does."""
 
     def __init__(self, files: dict[str, tuple[tuple[str, int, int, str], list[str | None]]],
-                 corrupt: set[str], ex: FakeExecutor, capacity: int) -> None:
+                 corrupt: set[str], ex: FakeExecutor, capacity: int,
+                 writes: dict[str, int]) -> None:
         self.files, self.corrupt, self.ex = files, corrupt, ex
         self.index = DiskIndex(capacity, C)
         self.index.read_chunk_s = None
@@ -90,16 +101,24 @@ class FakeDisk:
         self.worth: Callable[[DiskEntry], bool] | None = None
         """As ``DiskTier.worth``: which files a turn reads (None: every one)."""
         self.reads: list[tuple[str, int]] = []
-        """Every file read, in order: (conversation, chunk)."""
+        """Every file read, in order: (conversation whose turn read it, chunk)."""
+        self.writes: dict[str, int] = writes
+        """Writes of each file name (over restarts)."""
         for t, (_name, (head, _)) in enumerate(sorted(files.items())):
             if self.index.size < capacity:
-                self.index.add(DiskEntry(*head, key=found_key(float(t))))
+                e = DiskEntry(*head, key=found_key(float(t)))
+                self.index.add(e)
+                if e.conversation_id:
+                    self.index.hold(e.conversation_id, e.index, e)
 
-    def prefetch(self, conversation_id: str) -> None:
-        for e in self.index.of(conversation_id):
+    def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
+        entries = (self.index.of(conversation_id) if tokens is None else
+                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1, dropped))
+        for e in entries:
             if e.ready or (self.worth is not None and not self.worth(e)):
                 continue
-            self.reads.append((e.conversation_id, e.index))
+            self.reads.append((conversation_id, e.index))
             f = self.files.get(e.name)
             ok = (f is not None and e.name not in self.corrupt
                   and f[0] == (e.conversation_id, e.index, e.tokens, e.prefix_hash))
@@ -109,43 +128,50 @@ class FakeDisk:
 
     def collect(self) -> None:
         for e, ok in self.done:
-            if self.index.get(e.conversation_id, e.index) is e:
-                self.index.set_ready(e.conversation_id, e.index, ok)
+            self.index.set_ready(e, ok)  # no-op if dropped since
         self.done.clear()
 
     def apply(self, sync: Callable[[], None] | None = None) -> None:
         plan = self.index.take_plan()
         writes = [(e, list((self.ex.gpu if g else self.ex.cpu)[b])) for g, b, e in plan.writes]
         for e, b in plan.reads:
-            self.ex.cpu[b] = self.loaded.pop(e.name)
+            self.ex.cpu[b] = list(self.loaded[e.name])  # kept, as DiskTier keeps restored
         for name in plan.deletes:
             self.files.pop(name, None)
             self.loaded.pop(name, None)
             self.corrupt.discard(name)
         for e, tags in writes:
+            assert e.name not in self.files, e.name  # a file is written once while on disk
+            self.writes[e.name] = self.writes.get(e.name, 0) + 1
             self.files[e.name] = ((e.conversation_id, e.index, e.tokens, e.prefix_hash), tags)
             self.corrupt.discard(e.name)
 
     def close(self, cache: TieredKVCache | None) -> None:
         self.apply()
+        if cache is not None:  # as DiskTier.close: every idle chunk not on disk yet
+            spill_idle(self.index, cache.conversations.values(), C, cache.index.key_now,
+                       self.apply)
 
     def stats(self) -> dict[str, int]:
         return {}
 
 
 class World:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, across_tenants: bool = False) -> None:
+        self.across_tenants = across_tenants
         self.files: dict[str, tuple[tuple[str, int, int, str], list[str | None]]] = {}
         self.corrupt: set[str] = set()
+        self.writes: dict[str, int] = {}
         self.capacity = capacity
         self.histories: dict[str, list[int]] = {}
         self.start()
 
     def start(self) -> None:
         cache = TieredKVCache(GPU, CPU, C, get_policy("pensieve"), lambda n: 1.0 + 0.01 * n,
-                              swap_out_threshold=0.3, decode_reserve=0.0)
+                              swap_out_threshold=0.3, decode_reserve=0.0,
+                              share_across_tenants=self.across_tenants)
         self.ex = FakeExecutor(lambda: self.eng)
-        self.disk = FakeDisk(self.files, self.corrupt, self.ex, self.capacity)
+        self.disk = FakeDisk(self.files, self.corrupt, self.ex, self.capacity, self.writes)
         cache.disk = self.disk.index
         self.disk.worth = lambda e: worth_reading(cache, e, self.disk.index.read_chunk_s)
         self.clock = 0.0
@@ -171,8 +197,9 @@ class World:
                 continue
             for i in entries:
                 assert i < len(conv.chunks) and conv.chunks[i].tier is Tier.DROPPED, (cid, i)
-        names = {e.name for es in index.entries.values() for e in es.values()}
-        assert names == set(self.files), (names ^ set(self.files))
+        assert set(index.files) == set(self.files), (set(index.files) ^ set(self.files))
+        for e in index.files.values():  # one tenant's (salt's) holders per file
+            assert len({index.salts.get(c) for c in e.holders}) <= 1, e
 
     def run_all(self) -> None:
         while self.eng.has_unfinished():
@@ -183,8 +210,12 @@ class World:
             self.histories[cid] = self.eng.conversation_history(cid)
 
 
+SYSTEM = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47]
+"""A system prompt (three chunks of C)."""
+
+
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[int, list[tuple[str, int, int]]]:
+def workloads(draw: st.DrawFn) -> tuple[int, bool, list[tuple[str, int, int]]]:
     seed = draw(st.integers(0, 10**6))
     rng = random.Random(seed)
     ops: list[tuple[str, int, int]] = []
@@ -192,15 +223,15 @@ def workloads(draw: st.DrawFn) -> tuple[int, list[tuple[str, int, int]]]:
         kind = rng.choices(["turns", "restart", "edited", "corrupt", "delete"],
                            [6, 2, 2, 1, 1])[0]
         ops.append((kind, rng.randrange(10**6), rng.randint(1, 5)))
-    return draw(st.sampled_from([0, 3, 12, 200])), ops
+    return draw(st.sampled_from([0, 3, 12, 200])), draw(st.booleans()), ops
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(w=workloads())
 def test_random_workloads_keep_the_disk_tier_consistent(
-        w: tuple[int, list[tuple[str, int, int]]]) -> None:
-    capacity, ops = w
-    world = World(capacity)
+        w: tuple[int, bool, list[tuple[str, int, int]]]) -> None:
+    capacity, across, ops = w
+    world = World(capacity, across)
     lengths: dict[str, int] = {}
     for kind, seed, k in ops:
         rng = random.Random(seed)
@@ -208,14 +239,19 @@ def test_random_workloads_keep_the_disk_tier_consistent(
             for c in rng.sample(range(6), k):
                 cid = f"c{c}"
                 new, m = rng.randint(1, 14), rng.randint(1, 5)
-                if lengths.get(cid, 0) + new + m > 72:
+                # most conversations open with one of two system prompts (shared prefixes,
+                # within a tenant and, as tokens, across the two tenants)
+                head = SYSTEM[:rng.choice([0, 9, 12])] if cid not in lengths else []
+                if rng.random() < 0.3:
+                    head = [3] + head[1:]
+                if lengths.get(cid, 0) + len(head) + new + m > 72:
                     continue
-                lengths[cid] = lengths.get(cid, 0) + new + m
+                lengths[cid] = lengths.get(cid, 0) + len(head) + new + m
                 world.histories.setdefault(cid, [])
-                world.eng.add_request(f"{cid}@{world.clock}", [rng.randrange(3, 60)
-                                                              for _ in range(new)],
+                world.eng.add_request(f"{cid}@{world.clock}", head + [rng.randrange(3, 60)
+                                                                     for _ in range(new)],
                                       SamplingParams(max_tokens=m, ignore_eos=True),
-                                      conversation_id=cid)
+                                      conversation_id=cid, tenant=f"t{c % 2}")
             world.run_all()
         elif kind == "restart":
             world.restart()
@@ -258,22 +294,48 @@ def test_disk_reads_happen_and_slow_disk_recomputes() -> None:
         assert world.ex.checked > 0
 
 
-def test_chunk_hashes_chain_over_the_prefix() -> None:
-    a = chunk_hashes([1, 2, 3, 4, 5, 6], 4, 2)
-    b = chunk_hashes([9, 2, 3, 4, 5, 6], 4, 2)
-    assert a[0] != b[0] and a[1] != b[1]  # the second chunk's hash covers the first's tokens
-    assert chunk_hashes([1, 2, 3, 4, 5, 6, 7], 4, 2)[0] == a[0]
-    assert chunk_hashes([1, 2, 3, 4, 5, 6, 7], 4, 2)[1] != a[1]  # partial: what there is
+def test_partial_hash_chains_onto_the_full_chunks() -> None:
+    salt, other = b"s" * 16, b"t" * 16
+    assert partial_hash([], salt, [1, 2]) != partial_hash([], other, [1, 2])  # salted
+    assert partial_hash([b"a" * 16], salt, [1, 2]) != partial_hash([b"b" * 16], salt, [1, 2])
+    assert partial_hash([b"a" * 16], salt, [1, 2]) == partial_hash([b"a" * 16], other, [1, 2])
+
+
+def _full(i: int, k: float) -> DiskEntry:
+    return DiskEntry("", i, C, f"{i:032x}", key=spilled_key((k, 0.0, "", 0.0)))
 
 
 def test_full_index_evicts_lowest_key_and_refuses_lower() -> None:
     index = DiskIndex(2, C)
     for i, k in enumerate((5.0, 7.0)):
-        assert index.add(DiskEntry("x", i, C, "h", key=(1, 0.0, (k, 0.0, "", 0.0))))
-    assert not index.add(DiskEntry("y", 0, C, "h", key=(1, 0.0, (1.0, 0.0, "", 0.0))))
-    assert index.add(DiskEntry("y", 0, C, "h", key=(1, 0.0, (6.0, 0.0, "", 0.0))))
-    assert index.get("x", 0) is None and index.get("x", 1) is not None
-    assert index.take_plan().deletes == [DiskEntry("x", 0, C, "h", found_key(0.0)).name]
+        assert index.spill(f"x{i}", _full(i, k), i, False)
+    assert not index.spill("y", _full(2, 1.0), 2, False)
+    assert index.spill("y", _full(3, 6.0), 3, False)
+    assert index.get("x0", 0) is None and index.get("x1", 1) is not None
+    assert index.take_plan().deletes == [_full(0, 0.0).name]
+    index.check()
+
+
+def test_a_spilled_copy_already_on_disk_only_gains_a_holder() -> None:
+    """Equal hashes: one file, written once, held by both; the key is the higher of the two;
+    the last holder letting go keeps the file (first to be evicted), a partial one's goes."""
+    index = DiskIndex(4, C)
+    assert index.spill("a", _full(0, 5.0), 0, False)
+    assert index.spill("b", _full(0, 9.0), 3, True)
+    plan = index.take_plan()
+    assert [(g, b, e.name) for g, b, e in plan.writes] == [(False, 0, _full(0, 0).name)]
+    e = index.get("a", 0)
+    assert e is not None and e is index.get("b", 0) and e.holders == {"a", "b"}
+    assert e.key == spilled_key((9.0, 0.0, "", 0.0))
+    part = DiskEntry("a", 1, 2, "p", key=spilled_key((1.0, 0.0, "", 0.0)))
+    assert index.spill("a", part, 1, False)
+    index.check()
+    index.release_from("a", 0)
+    assert e.holders == {"b"} and index.take_plan().deletes == [part.name]
+    index.release("b", 0)
+    assert e.holders == set() and index.files == {e.name: e} and e.key[0] == -1
+    assert index.spill("c", _full(0, 2.0), 1, False)  # back on disk: held, not written
+    assert index.get("c", 0) is e and not index.take_plan().writes
     index.check()
 
 
@@ -288,14 +350,14 @@ def test_read_copies_are_restored_not_recomputed() -> None:
         world.histories.setdefault(cid, [])
         world.eng.add_request(f"{cid}{n}", list(range(3, 3 + n)),
                               SamplingParams(max_tokens=2, ignore_eos=True),
-                              conversation_id=cid)
+                              conversation_id=cid, tenant=cid)  # nothing shared
         world.run_all()
     on_disk = sorted(world.disk.index.entries.get("a", {}))
     assert len(on_disk) >= 3, on_disk  # several of "a"'s chunks went to disk
     tokens = sum(e.tokens for e in world.disk.index.of("a"))
     before = world.eng.cache.stats.disk_hit_tokens
     world.eng.add_request("a4", [5, 6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True),
-                          conversation_id="a")
+                          conversation_id="a", tenant="a")
     world.run_all()
     st_ = world.eng.cache.stats
     world.check()
@@ -304,3 +366,50 @@ def test_read_copies_are_restored_not_recomputed() -> None:
     # read into a CPU block); the old charge would have let one chunk back (C tokens)
     assert st_.disk_hit_tokens - before == min(tokens, CPU * C) > 2 * C
     assert world.ex.checked > 0
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_shared_prefix_written_once_and_resumed_after_a_restart_within_its_tenant(
+        across: bool) -> None:
+    """Four conversations of tenant t0 open with one system prompt (three chunks); the
+    shutdown writes each of its chunks once, held by every conversation whose chunk it is. A
+    restarted engine's new conversation of t0 reads the prompt back from disk; one of t1 (the
+    same tokens, another salt) recomputes it, unless tenants share (``across``); a corrupted
+    file is recomputed too."""
+    world = World(200, across)
+    for n in range(4):
+        world.histories[f"s{n}"] = []
+        world.eng.add_request(f"s{n}", SYSTEM + [50 + n, 51, 52], SamplingParams(
+            max_tokens=2, ignore_eos=True), conversation_id=f"s{n}", tenant="t0")
+        world.run_all()
+    index = world.disk.index
+    world.restart()  # the shutdown spills every idle chunk
+    world.check()
+    held = [e for e in index.files.values() if not e.conversation_id and e.index < 3]
+    assert [e.holders for e in held] == [{"s0", "s1", "s2", "s3"}] * 3  # one file, 4 holders
+    shared = [e for e in world.disk.index.files.values() if not e.conversation_id and
+              e.index < 3 and e.name in world.disk.writes]
+    assert len(shared) == 3 and all(world.disk.writes[e.name] == 1 for e in shared), shared
+    assert sum(world.disk.writes.values()) == len(world.files)  # each file written once
+    assert len(world.files) == 3 + 4  # and each conversation's own fourth chunk
+    stats = world.eng.cache.stats
+    for cid, tenant, want in (("new0", "t0", 3 * C), ("new1", "t1", 3 * C if across else 0)):
+        before = stats.disk_hit_tokens
+        world.histories[cid] = []
+        world.eng.add_request(cid, SYSTEM + [9, 9], SamplingParams(max_tokens=2, ignore_eos=True),
+                              conversation_id=cid, tenant=tenant)
+        world.run_all()
+        assert stats.disk_hit_tokens - before == want, (cid, stats)
+    reads = list(world.disk.reads)
+    world.eng.add_request("new0+", [5], SamplingParams(max_tokens=2, ignore_eos=True),
+                          conversation_id="new0", tenant="t0")
+    world.run_all()
+    assert world.disk.reads == reads  # its prompt is in the cache: its files are not read
+    world.corrupt.update(e.name for e in shared)
+    world.restart()
+    world.histories["new2"] = []
+    before = stats.disk_hit_tokens
+    world.eng.add_request("new2", SYSTEM + [8], SamplingParams(max_tokens=2, ignore_eos=True),
+                          conversation_id="new2", tenant="t0")
+    world.run_all()
+    assert world.eng.cache.stats.disk_hit_tokens == 0 and world.ex.checked > 0

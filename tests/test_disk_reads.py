@@ -4,6 +4,8 @@ corrupted by that."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -15,7 +17,9 @@ LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
 
 
 def _entry(conv: str, i: int) -> DiskEntry:
-    return DiskEntry(conv, i, CHUNK, f"{conv}-{i}", spilled_key((float(i), 0.0, "", 0.0)))
+    """A full chunk's entry (named by its hash: here one per conversation and index)."""
+    h = hashlib.blake2b(f"{conv}-{i}".encode(), digest_size=16).hexdigest()
+    return DiskEntry("", i, CHUNK, h, spilled_key((float(i), 0.0, "", 0.0)))
 
 
 def _cpu_tier(layout: str) -> list[torch.Tensor]:
@@ -41,7 +45,11 @@ def test_chunk_major_blocks_only_for_one_chunk_major_tensor() -> None:
 
 
 @pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
-def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:  # noqa: ANN001
+def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa: ANN001
+                                               monkeypatch) -> None:  # noqa: ANN001
+    import pensieve.engine.disk_tier as disk_tier
+
+    monkeypatch.setattr(disk_tier, "RESTORED_LOADED_BYTES", 0)  # restored: buffers reused
     torch.manual_seed(0)
     cpu = _cpu_tier(layout)
     path = str(tmp_path / "tier")
@@ -50,7 +58,8 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:
     want = {}
     for n, (conv, i) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)]):
         entry = _entry(conv, i)
-        assert tier.index.add(entry)
+        assert tier.index.spill(conv, entry, n, False)
+        tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         want[(conv, i)] = torch.stack([c[:, n] for c in cpu]).clone()
         tier.apply()
@@ -63,13 +72,14 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str) -> None:
     restored = {}
     kept: set[int] = set()
     for conv, first_block in (("a", 0), ("b", 2)):
-        reader.prefetch(conv)
+        # a turn of ``conv`` reads its two chunks (by hash: after a restart no one holds them)
+        reader.start_reads([reader.index.files[_entry(conv, i).name] for i in (0, 1)])
         reader.collect()
         if kept:  # "b" is read into the buffers "a" was restored from
             assert {id(p.obj) for p in reader._loaded.values()} == kept
         spare_before = len(reader._spare)
         for i in (0, 1):
-            entry = reader.index.get(conv, i)
+            entry = reader.index.files.get(_entry(conv, i).name)
             assert entry is not None and entry.ready
             reader.index.plan.reads.append((entry, first_block + i))
             restored[(conv, i)] = first_block + i
@@ -135,3 +145,29 @@ def test_spilled_blocks_are_copied_out_in_plan_order(tmp_path, layout: str) -> N
         c.zero_()
     assert all(bytes(p) != bytes(len(p)) for _, p in got[::2])
     tier.close(None)
+
+
+def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: ANN001
+    """A chunk restored into one block stays ready (its bytes in memory, under
+    RESTORED_LOADED_BYTES): a second turn restores it into another block without a read."""
+    torch.manual_seed(2)
+    cpu = _cpu_tier("chunk-major")
+    path = str(tmp_path / "tier")
+    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    entry = _entry("a", 0)
+    assert tier.index.spill("a", entry, 0, False)
+    want = torch.stack([c[:, 0] for c in cpu]).clone()
+    tier.apply()
+    tier.close(None)
+    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    found = reader.index.files[entry.name]
+    reader.start_reads([found])
+    reader.collect()
+    read = reader.bytes_read
+    assert found.ready and read > 0
+    for block in (3, 5):  # two turns, in two steps
+        reader.index.plan.reads.append((found, block))
+        reader.apply()
+        assert found.ready and reader.bytes_read == read
+        assert torch.equal(torch.stack([c[:, block] for c in cpu]), want)
+    reader.close(None)

@@ -27,7 +27,7 @@ RECOMPUTE_S = 1e-3
 
 
 def _entry(i: int) -> DiskEntry:
-    return DiskEntry("c", i, CHUNK, f"h{i}", spilled_key((1.0, 0.0, "c", float(i))))
+    return DiskEntry("", i, CHUNK, f"{i:032x}", spilled_key((1.0, 0.0, "c", float(i))))
 
 
 def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
@@ -36,7 +36,8 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     read_s, write_s = BLOCK_BYTES / 2e9, BLOCK_BYTES / 1e9
     assert disk.index.read_chunk_s == pytest.approx(read_s)
     for i in range(3):
-        assert disk.index.add(_entry(i))
+        assert disk.index.spill("c", _entry(i), i, False)
+    disk.index.plan.writes.clear()  # on disk already
     disk.prefetch("c")
     disk.prefetch("c")  # reads already under way are not queued twice
     assert disk.bytes_read == 3 * BLOCK_BYTES and clock.now() == 10.0
@@ -50,8 +51,7 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     # comes from memory
     t = clock.now()
     for i in (3, 4):
-        assert disk.index.spill("c", i, CHUNK, f"h{i}", spilled_key((1.0, 0.0, "c", i)),
-                                block=i, from_gpu=False)
+        assert disk.index.spill("c", _entry(i), block=i, from_gpu=False)
     disk.apply()
     assert clock.now() == t and disk.bytes_written == 2 * BLOCK_BYTES
     assert disk.write_backlog_max_s == pytest.approx(2 * write_s)

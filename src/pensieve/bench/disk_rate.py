@@ -3,7 +3,7 @@
 Writes ``--chunks`` chunks of one model shape's KV (all layers, ``[L, 2, C, Hkv, D]``) through
 :class:`~pensieve.engine.disk_tier.DiskTier` (the engine's writer thread, one file per chunk,
 header and crc32 included), then reads them back as a restarted engine does (a new tier scans
-the directory; each conversation's files are read and checked in its thread pool): all at
+the directory; the files are read and checked in its thread pool, 16 a turn): all at
 once (``read``), and one conversation at a time with each chunk copied into a CPU-tier block
 before the next conversation is read (``restore``: what a server does turn by turn; buffers of
 restored chunks are read into again; ``restore_copy_s`` is the part of it spent copying payloads
@@ -53,6 +53,12 @@ def cpu_tier(args: argparse.Namespace) -> list[torch.Tensor]:
             for _ in range(args.layers)]
 
 
+def _batches(tier: DiskTier) -> list[list[DiskEntry]]:
+    """The tier's entries in the order written, 16 at a time (a conversation's turn)."""
+    entries = sorted(tier.index.files.values(), key=lambda e: e.prefix_hash)
+    return [entries[i:i + 16] for i in range(0, len(entries), 16)]
+
+
 def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     """Seconds and GB/s of the tier's writes (until its writer is idle) and reads."""
     cpu = cpu_tier(args)
@@ -61,7 +67,7 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     tier = _tier(path, args, cpu)
     t0 = time.perf_counter()
     for i in tqdm(range(args.chunks), desc="write", unit="chunk"):
-        entry = DiskEntry(f"c{i // 16}", i % 16, args.chunk_size, f"h{i}",
+        entry = DiskEntry("", i % 16, args.chunk_size, f"{i:032x}",
                           spilled_key((float(i), 0.0, "", 0.0)))
         assert tier.index.add(entry)
         tier.index.plan.writes.append((False, i % args.blocks, entry))
@@ -72,11 +78,11 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     reader = _tier(path, args, cpu)
     assert reader.found == args.chunks, reader.found
     t0 = time.perf_counter()
-    for c in tqdm(sorted(reader.index.entries), desc="read", unit="conversation"):
-        reader.prefetch(c)
+    for batch in tqdm(_batches(reader), desc="read", unit="conversation"):
+        reader.start_reads(batch)
     reader.collect()
     read_s = time.perf_counter() - t0
-    ready = sum(e.ready for es in reader.index.entries.values() for e in es.values())
+    ready = sum(e.ready for e in reader.index.files.values())
     assert ready == args.chunks, ready
     read_bytes = reader.bytes_read
     reader.close(None)
@@ -86,10 +92,10 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
     t0 = time.perf_counter()
     block = 0
     copy_s = 0.0
-    for c in tqdm(sorted(reader.index.entries), desc="restore", unit="conversation"):
-        reader.prefetch(c)
+    for batch in tqdm(_batches(reader), desc="restore", unit="conversation"):
+        reader.start_reads(batch)
         reader.collect()
-        for entry in reader.index.of(c):
+        for entry in batch:
             assert entry.ready, entry.name
             reader.index.plan.reads.append((entry, block % args.blocks))
             block += 1

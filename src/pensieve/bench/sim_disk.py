@@ -120,10 +120,15 @@ class SimDiskTier:
         """Most seconds of writes ever queued ahead (the writer's lag behind the spills)."""
 
     # ------------------------------------------------------------------ reads
-    def prefetch(self, conversation_id: str) -> None:
-        """Queue reads of the conversation's files that are not ready yet."""
+    def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
+        """Queue reads of the files the turn may restore that are not ready yet (as
+        ``DiskTier.prefetch``)."""
         now = self.clock.now()
-        for entry in self.index.of(conversation_id):
+        entries = (self.index.of(conversation_id) if tokens is None else
+                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
+                                     dropped))
+        for entry in entries:
             if entry.ready or entry.name in self._reads:
                 continue
             if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
@@ -156,8 +161,7 @@ class SimDiskTier:
             self.clock.sleep_until(until)
         index = self.index
         for entry, _ in self._reads.values():
-            if index.get(entry.conversation_id, entry.index) is entry:  # not dropped since
-                index.set_ready(entry.conversation_id, entry.index, True)
+            index.set_ready(entry, True)  # no-op if dropped since
         self._reads.clear()
 
     # ------------------------------------------------------------------ a step
@@ -182,6 +186,8 @@ class SimDiskTier:
             self.bytes_written += self.block_bytes
         self.write_backlog_max_s = max(self.write_backlog_max_s, self._write_free_at - now)
         self.restored_chunks += len(plan.reads)
+        for entry, _ in plan.reads:  # its bytes let go, as the engine's once it has restored
+            entry.ready = False  # RESTORED_LOADED_BYTES more (the simulator keeps none)
         self.deleted_files += len(plan.deletes)
 
     def close(self, cache: TieredKVCache | None) -> None:

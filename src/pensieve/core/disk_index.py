@@ -1,4 +1,4 @@
-"""The disk tier's bookkeeping: which chunks of which conversation have a copy on disk.
+"""The disk tier's bookkeeping: which chunks have a copy on disk, and who holds them.
 
 A third tier below the CPU tier (``--disk-kv-gb``, ``--disk-kv-path``). Pure Python: the
 cache decides, :mod:`pensieve.engine.disk_tier` moves the bytes (one file per chunk).
@@ -10,21 +10,36 @@ Life of a chunk on disk::
     ready --(the turn is admitted: restore)--> read into a CPU block --> swapped in
 
 In the cache's chunk map a chunk on disk is *dropped* (it holds no block); this index says
-that it may come back from disk instead of being recomputed. A chunk is identified by its
-conversation id, its index and a chained hash of the conversation's tokens up to its end
-(:func:`chunk_hashes`), so a copy is only used for the very tokens it was computed for: after a
-restart, or after the history was rewritten, a copy whose hash differs is never read.
+that it may come back from disk instead of being recomputed.
+
+Identity. A *full* chunk's copy is named by the chained hash of the shared prefixes
+(:func:`pensieve.core.prefix_share.extend_hashes`, seeded with the conversation's salt:
+its tenant and ``cache_salt``, :func:`~pensieve.core.prefix_share.share_salt`), so equal
+tokens at equal positions under one salt are one file, whichever conversations spilled them,
+and a restarted server recomputes the same names. A *partial* last chunk is never shared:
+its file is named by conversation and index, its hash chains its tokens onto the previous
+full chunk's (:func:`partial_hash`). A copy is only used for the very tokens it was computed
+for: a hash that differs from the turn's own is never read.
+
+Holders. Each entry (:class:`DiskEntry`, one per file) has the set of conversations whose
+dropped chunk it is (``holders``; :attr:`DiskIndex.entries` is the same relation by
+conversation and chunk index). A spill of a chunk whose file is already on disk or planned
+only adds its conversation as a holder (no write). An admission consumes the conversation's
+holds: copies read back become CPU chunks, and the conversation lets go of all of them. An
+entry no conversation holds is kept while there is room (a new conversation with the same
+prefix, or one after a restart, reads it by hash), except a partial chunk's, whose file is
+deleted with its last holder. A file is deleted when its entry is evicted or fails a check.
 
 Invariants (:meth:`DiskIndex.check`): at most ``capacity`` entries; the order heap has one
-live item per entry; an entry is for a dropped chunk of its conversation, or its conversation
-has no chunks in the cache (files found at start). An admission consumes all of a
-conversation's entries: those read back become CPU chunks, the others are forgotten (every
-chunk of a running conversation is on the GPU).
+live item per entry; ``holders`` and ``entries`` are the same relation; a full chunk's entry
+has no conversation and its file name is its hash; a partial one has at most one holder,
+its own conversation.
 
-Eviction order: the policy's key of the chunk when it was spilled (lowest leaves first;
-entries found on disk at start, whose key is unknown, go before every spilled one, oldest
-first). A spill whose key is lower than the lowest entry's is not written (the chunk is
-dropped, as without a disk tier).
+Eviction order: lowest key first. Entries no one holds go first (let go longest ago first),
+then entries found on disk at start (oldest first), then spilled ones by the policy's key at
+the spill; an entry held by several conversations has the highest of their keys (a later
+holder's spill raises it; a holder leaving does not lower it). A spill whose key is lower
+than the lowest entry's is not written (the chunk is dropped, as without a disk tier).
 """
 
 from __future__ import annotations
@@ -32,15 +47,17 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionKey
+from pensieve.core.prefix_share import extend_hashes
 
 DiskKey = tuple[int, float, EvictionKey]
-"""Order of disk entries: ``(0, written_at, NO_KEY)`` for entries found at start, ``(1, 0.0,
-key)`` for spilled ones (``key``: the policy's :data:`~pensieve.core.eviction.EvictionKey`)."""
+"""Order of disk entries: ``(-1, n, NO_KEY)`` for entries no one holds (the ``n``-th let
+go), ``(0, written_at, NO_KEY)`` for entries found at start, ``(1, 0.0, key)`` for spilled
+ones (``key``: the policy's :data:`~pensieve.core.eviction.EvictionKey`)."""
 
 NO_KEY: EvictionKey = (0.0, 0.0, "", 0.0)
 
@@ -55,40 +72,51 @@ def found_key(written_at: float) -> DiskKey:
     return (0, written_at, NO_KEY)
 
 
-def chunk_hashes(tokens: list[int], chunk_size: int, n_chunks: int) -> list[str]:
-    """Chained hashes of the first ``n_chunks`` chunks of ``tokens``: chunk ``i``'s hash
-    covers ``tokens[:(i + 1) * chunk_size]`` (the last one may be partial: it covers what
-    there is)."""
-    out: list[str] = []
-    prev = b""
-    for i in range(n_chunks):
-        part = tokens[i * chunk_size:(i + 1) * chunk_size]
-        h = hashlib.blake2b(prev + array("q", part).tobytes(), digest_size=16)
-        prev = h.digest()
-        out.append(h.hexdigest())
-    return out
+def partial_hash(full_hashes: list[bytes], salt: bytes, part: list[int]) -> str:
+    """The hash of a partial chunk of tokens ``part`` after the full chunks of
+    ``full_hashes`` (their chained hashes under ``salt``)."""
+    prev = full_hashes[-1] if full_hashes else salt
+    return hashlib.blake2b(prev + array("q", part).tobytes(), digest_size=16).hexdigest()
 
 
 def spill_chunk(disk: DiskIndex, conv: Conversation, i: int, chunk_size: int,
                 key_now: Callable[[Conversation, int], EvictionKey]) -> int:
     """Chunk ``i`` of an idle ``conv`` (its bytes in its CPU or GPU block) leaves the cache
-    by the retention order: plan its write to ``disk`` if its tokens are in the history and
-    the disk takes it (keyed by ``key_now``, the policy's key now); returns the tokens planned
-    (0: none). Call it before the block is freed."""
+    by the retention order: plan its write to ``disk`` (or only hold its file, already on
+    disk or planned) if its tokens are in the history, its salt is known (it was admitted)
+    and the disk takes it (keyed by ``key_now``, the policy's key now); returns the tokens
+    kept on disk (0: none). Call it before the block is freed."""
     c = chunk_size
     ch = conv.chunks[i]
     n_tok = conv.chunk_tokens(i, c)
     history = conv.token_ids
-    if n_tok == 0 or i * c + n_tok > len(history):
+    cid = conv.conversation_id
+    salt = disk.salts.get(cid)
+    if salt is None or n_tok == 0 or i * c + n_tok > len(history):
         return 0  # KV of a suspended turn beyond the history: no tokens to check it against
+    hashes = disk.hashes_of(cid, history, salt)
     if n_tok == c:
-        h = disk.hashes_of(conv.conversation_id, history, i + 1)[i]
+        entry = DiskEntry("", i, c, hashes[i].hex(), spilled_key(key_now(conv, i)))
     else:
-        h = chunk_hashes(history[:i * c + n_tok], c, i + 1)[i]
-    if disk.spill(conv.conversation_id, i, n_tok, h, spilled_key(key_now(conv, i)), ch.block,
-                  ch.tier is Tier.GPU):
-        return n_tok
-    return 0
+        h = partial_hash(hashes[:i], salt, history[i * c:i * c + n_tok])
+        entry = DiskEntry(cid, i, n_tok, h, spilled_key(key_now(conv, i)))
+    return n_tok if disk.spill(cid, entry, ch.block, ch.tier is Tier.GPU) else 0
+
+
+def spill_idle(disk: DiskIndex, conversations: Iterable[Conversation], chunk_size: int,
+               key_now: Callable[[Conversation, int], EvictionKey],
+               apply: Callable[[], None]) -> None:
+    """At shutdown: spill every idle conversation's chunks still in a tier, as the retention
+    order spills them (:func:`spill_chunk`), calling ``apply`` after each planned write (so
+    each is written before the next is copied out: host memory stays bounded). A chunk held
+    by several conversations, or already on disk under its hash, is written once."""
+    for conv in list(conversations):
+        if conv.running or conv.ephemeral:
+            continue
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is not Tier.DROPPED and spill_chunk(disk, conv, i, chunk_size, key_now) \
+                    and disk.plan:
+                apply()  # its write, and deletes of entries it pushed out
 
 
 def require_cpu_tier(num_cpu_blocks: int) -> None:
@@ -100,28 +128,39 @@ def require_cpu_tier(num_cpu_blocks: int) -> None:
 
 
 def file_name(conversation_id: str, index: int) -> str:
-    """The file of chunk ``index`` of a conversation (the id is hashed: any string is safe)."""
+    """The file of a partial chunk ``index`` of a conversation (the id is hashed: any string
+    is safe)."""
     cid = hashlib.blake2b(conversation_id.encode(), digest_size=12).hexdigest()
     return f"{cid}-{index:06d}.kv"
 
 
-@dataclass
+def shared_name(prefix_hash: str) -> str:
+    """The file of a full chunk of that shared-prefix hash (hex)."""
+    return f"{prefix_hash}.kv"
+
+
+@dataclass(eq=False)
 class DiskEntry:
-    """One chunk's copy on disk."""
+    """One chunk's copy on disk (one file)."""
 
     conversation_id: str
+    """The conversation of a partial chunk; empty for a full chunk (anyone's, by hash)."""
     index: int
     tokens: int
     """Tokens of the chunk the copy holds (the last chunk may be partial)."""
     prefix_hash: str
-    """:func:`chunk_hashes` of the conversation's tokens up to the chunk's end."""
+    """A full chunk's shared-prefix hash (hex), or a partial one's :func:`partial_hash`."""
     key: DiskKey
     ready: bool = False
     """Read and verified by the engine (its bytes wait in memory for the restore)."""
+    holders: set[str] = field(default_factory=set)
+    """Conversations whose dropped chunk ``index`` this copy is."""
 
     @property
     def name(self) -> str:
-        return file_name(self.conversation_id, self.index)
+        if self.conversation_id:
+            return file_name(self.conversation_id, self.index)
+        return shared_name(self.prefix_hash)
 
 
 @dataclass
@@ -143,134 +182,234 @@ class DiskPlan:
 
 
 class DiskIndex:
-    """Chunks on disk by conversation, in their own eviction order, and the step's disk
-    plan."""
+    """Chunks on disk by file and by holder, in their own eviction order, and the step's
+    disk plan."""
 
     def __init__(self, capacity: int, chunk_size: int) -> None:
         if capacity < 0:
             raise ValueError(f"disk capacity must be >= 0 chunks, got {capacity}")
         self.capacity = capacity
         self.chunk_size = chunk_size
+        self.files: dict[str, DiskEntry] = {}
+        """File name -> entry."""
         self.entries: dict[str, dict[int, DiskEntry]] = {}
-        """conversation id -> chunk index -> entry."""
-        self._heap: list[tuple[DiskKey, int, str, int]] = []
-        """(key, seq, conversation id, index); an item is live if its entry still has that
-        seq (lazy deletion)."""
-        self._seq: dict[tuple[str, int], int] = {}
+        """Conversation id -> chunk index -> the entry it holds there."""
+        self.salts: dict[str, bytes] = {}
+        """Each admitted conversation's salt (its last turn's): names its full chunks."""
+        self._heap: list[tuple[DiskKey, int, str]] = []
+        """(key, seq, file name); an item is live if its entry still has that seq (lazy
+        deletion)."""
+        self._seq: dict[str, int] = {}
         self._counter = 0
-        self.size = 0
+        self._let_go = 0
         self.plan = DiskPlan()
         self.read_chunk_s: float | None = None
         """Seconds to read one chunk at the measured (or configured) disk rate; the restore
         recomputes a chunk when that is sooner. None: always read."""
         self.evicted_tokens = 0
-        self._hash_memo: dict[str, tuple[list[int], int, list[str]]] = {}
+        self._hash_memo: dict[str, tuple[list[int], int, bytes, list[bytes]]] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.files)
 
     # ------------------------------------------------------------------ queries
     def get(self, conversation_id: str, index: int) -> DiskEntry | None:
+        """The entry the conversation holds at chunk ``index``."""
         return self.entries.get(conversation_id, {}).get(index)
 
     def of(self, conversation_id: str) -> list[DiskEntry]:
-        """The conversation's entries by chunk index."""
+        """The conversation's held entries by chunk index."""
         return [e for _, e in sorted(self.entries.get(conversation_id, {}).items())]
 
-    def hashes_of(self, conversation_id: str, tokens: list[int], n_chunks: int) -> list[str]:
-        """:func:`chunk_hashes` of a conversation's history, memoised while the history list
-        and its length stay the same."""
+    def live(self, entry: DiskEntry) -> bool:
+        """Whether ``entry`` is still the index's entry of its file."""
+        return self.files.get(entry.name) is entry
+
+    def hashes_of(self, conversation_id: str, tokens: list[int], salt: bytes) -> list[bytes]:
+        """The shared-prefix hashes of the full chunks of a conversation's history under
+        ``salt``, memoised while the history list, its length and the salt stay the same."""
         memo = self._hash_memo.get(conversation_id)
         if memo is not None and memo[0] is tokens and memo[1] == len(tokens) and \
-                len(memo[2]) >= n_chunks:
-            return memo[2]
-        full = chunk_hashes(tokens, self.chunk_size, -(-len(tokens) // self.chunk_size))
-        self._hash_memo[conversation_id] = (tokens, len(tokens), full)
+                memo[2] == salt:
+            return memo[3]
+        full: list[bytes] = []
+        extend_hashes(full, salt, tokens, self.chunk_size)
+        self._hash_memo[conversation_id] = (tokens, len(tokens), salt, full)
         return full
+
+    def wanted(self, conversation_id: str, tokens: list[int], salt: bytes, limit: int,
+               dropped: list[int] | None = None) -> list[DiskEntry]:
+        """The copies a turn of ``tokens`` (under ``salt``; positions below ``limit`` may
+        come from the cache) may read back: those the conversation holds, and by hash the
+        files of its full chunks in ``dropped`` (None: it has no KV, its leading full chunks
+        up to the first missing file)."""
+        out = {id(e): e for e in self.of(conversation_id)}
+        if not self.files:
+            return list(out.values())
+        c = self.chunk_size
+        n = limit // c
+        hashes: list[bytes] = []
+        for i in (range(n) if dropped is None else [i for i in dropped if i < n]):
+            if len(hashes) <= i:
+                extend_hashes(hashes, salt, tokens[len(hashes) * c:(i + 1) * c], c)
+            e = self.files.get(shared_name(hashes[i].hex()))
+            if e is not None:
+                out.setdefault(id(e), e)
+            elif dropped is None:
+                break
+        return list(out.values())
 
     # ------------------------------------------------------------------ changes
     def add(self, entry: DiskEntry) -> bool:
-        """Take ``entry`` if there is room, or room made by evicting entries of lower key;
-        False (nothing changed) otherwise."""
+        """Take ``entry`` (its file not in the index) if there is room, or room made by
+        evicting entries of lower key; False (nothing changed) otherwise."""
         if self.capacity == 0:
             return False
-        old = self.get(entry.conversation_id, entry.index)
-        if old is not None:
-            self.forget(entry.conversation_id, entry.index)
+        assert entry.name not in self.files, entry.name
         while self.size >= self.capacity:
             top = self._live_top()
             if top is None or entry.key < top[0]:
                 return False
-            victim = self.entries[top[2]][top[3]]
+            victim = self.files[top[2]]
             self.evicted_tokens += victim.tokens
-            self.forget(top[2], top[3])
-        self.entries.setdefault(entry.conversation_id, {})[entry.index] = entry
-        self._counter += 1
-        self._seq[(entry.conversation_id, entry.index)] = self._counter
-        heapq.heappush(self._heap, (entry.key, self._counter, entry.conversation_id,
-                                    entry.index))
-        self.size += 1
+            self.forget(victim)
+        self.files[entry.name] = entry
+        self._push(entry)
         return True
 
-    def spill(self, conversation_id: str, index: int, tokens: int, prefix_hash: str,
-              key: DiskKey, block: int, from_gpu: bool) -> bool:
-        """A chunk leaves the cache by the retention order: plan its write (its bytes are
-        copied from ``block`` before this step's copies). False: no room for it."""
-        entry = DiskEntry(conversation_id, index, tokens, prefix_hash, key)
+    def _push(self, entry: DiskEntry) -> None:
+        """(Re-)key ``entry`` in the order heap; the heap is rebuilt of its live items when
+        stale ones (re-keyed or dropped entries) outnumber them."""
+        self._counter += 1
+        self._seq[entry.name] = self._counter
+        heapq.heappush(self._heap, (entry.key, self._counter, entry.name))
+        if len(self._heap) > 2 * len(self._seq) + 64:
+            self._heap = [t for t in self._heap if self._seq.get(t[2]) == t[1]]
+            heapq.heapify(self._heap)
+
+    def hold(self, conversation_id: str, index: int, entry: DiskEntry) -> None:
+        """The conversation's dropped chunk ``index`` is ``entry``'s copy."""
+        old = self.get(conversation_id, index)
+        if old is entry:
+            return
+        if old is not None:
+            self.release(conversation_id, index)
+        entry.holders.add(conversation_id)
+        self.entries.setdefault(conversation_id, {})[index] = entry
+
+    def spill(self, conversation_id: str, entry: DiskEntry, block: int,
+              from_gpu: bool) -> bool:
+        """A chunk of the conversation leaves the cache by the retention order: hold its
+        file if one of the same name and hash is on disk or planned (its key raised to
+        ``entry.key`` if lower), else plan its write (its bytes are copied from ``block``
+        before this step's copies). False: no room for it."""
+        have = self.files.get(entry.name)
+        if have is not None and (have.tokens, have.prefix_hash) == (entry.tokens,
+                                                                    entry.prefix_hash):
+            if have.key < entry.key:
+                have.key = entry.key
+                self._push(have)
+            self.hold(conversation_id, entry.index, have)
+            return True
+        if have is not None:  # a partial chunk's file of other tokens
+            self.forget(have)
+        self.release(conversation_id, entry.index)
         if not self.add(entry):
             return False
+        self.hold(conversation_id, entry.index, entry)
         self.plan.writes.append((from_gpu, block, entry))
         return True
 
-    def forget(self, conversation_id: str, index: int, delete_file: bool = True) -> None:
-        """Drop one entry (its file is deleted by the engine)."""
+    def release(self, conversation_id: str, index: int) -> None:
+        """The conversation lets go of its copy of chunk ``index``: a partial chunk's file
+        goes with it; a full one no one holds stays, first in the eviction order."""
         entries = self.entries.get(conversation_id)
         if entries is None or index not in entries:
             return
         entry = entries.pop(index)
         if not entries:
             del self.entries[conversation_id]
-            self._hash_memo.pop(conversation_id, None)
-        del self._seq[(conversation_id, index)]
-        self.size -= 1
+        entry.holders.discard(conversation_id)
+        if entry.holders:
+            return
+        if entry.conversation_id:
+            self.forget(entry)
+        else:
+            self._let_go += 1
+            entry.key = (-1, float(self._let_go), NO_KEY)
+            self._push(entry)
+
+    def release_from(self, conversation_id: str, keep: int) -> None:
+        """The conversation lets go of its copies of chunk ``keep`` on."""
+        for i in [i for i in self.entries.get(conversation_id, {}) if i >= keep]:
+            self.release(conversation_id, i)
+
+    def forget_from(self, conversation_id: str, keep: int) -> None:
+        """The conversation's history was cut at chunk ``keep`` (0: it was deleted: its salt
+        and hashes are forgotten too): it lets go of its copies from there."""
+        self.release_from(conversation_id, keep)
+        self._hash_memo.pop(conversation_id, None)
+        if keep == 0:
+            self.salts.pop(conversation_id, None)
+
+    def forget(self, entry: DiskEntry, delete_file: bool = True) -> None:
+        """Drop one entry, from all its holders (its file is deleted by the engine, after
+        this step's reads)."""
+        if self.files.get(entry.name) is not entry:
+            return
+        del self.files[entry.name]
+        del self._seq[entry.name]
+        for cid in entry.holders:
+            entries = self.entries[cid]
+            for i in [i for i, e in entries.items() if e is entry]:
+                del entries[i]
+            if not entries:
+                del self.entries[cid]
+        entry.holders.clear()
         self.plan.writes = [w for w in self.plan.writes if w[2] is not entry]
-        self.plan.reads = [(e, b) for e, b in self.plan.reads if e is not entry]
+        # a planned read stays: its bytes are in memory and its chunk counts on them
         if delete_file:
             self.plan.deletes.append(entry.name)
 
-    def forget_from(self, conversation_id: str, keep: int) -> None:
-        """Drop the conversation's entries of chunk ``keep`` on (its history was cut)."""
-        for i in [i for i in self.entries.get(conversation_id, {}) if i >= keep]:
-            self.forget(conversation_id, i)
-
-    def set_ready(self, conversation_id: str, index: int, ok: bool) -> None:
+    def set_ready(self, entry: DiskEntry, ok: bool) -> None:
         """The engine read the entry's file: verified (``ok``), or not (the entry goes)."""
-        entry = self.get(conversation_id, index)
-        if entry is None:
+        if not self.live(entry):
             return
         if ok:
             entry.ready = True
         else:
-            self.forget(conversation_id, index)
+            self.forget(entry)
 
     def take_plan(self) -> DiskPlan:
         plan, self.plan = self.plan, DiskPlan()
         return plan
 
-    def _live_top(self) -> tuple[DiskKey, int, str, int] | None:
+    def _live_top(self) -> tuple[DiskKey, int, str] | None:
         heap = self._heap
         while heap:
             top = heap[0]
-            if self._seq.get((top[2], top[3])) == top[1]:
+            if self._seq.get(top[2]) == top[1]:
                 return top
             heapq.heappop(heap)
         return None
 
     def check(self) -> None:
         """Assert the invariants of the module docstring (over this index alone)."""
-        n = sum(len(v) for v in self.entries.values())
-        assert n == self.size == len(self._seq), (n, self.size, len(self._seq))
-        assert self.size <= self.capacity, (self.size, self.capacity)
-        live = [t for t in self._heap if self._seq.get((t[2], t[3])) == t[1]]
+        assert self.size == len(self._seq) <= self.capacity, (self.size, self.capacity)
+        live = [t for t in self._heap if self._seq.get(t[2]) == t[1]]
         assert len(live) == self.size, (len(live), self.size)
-        for cid, entries in self.entries.items():
-            for i, e in entries.items():
-                assert (e.conversation_id, e.index) == (cid, i), e
-                assert 0 < e.tokens <= self.chunk_size, e
+        by_entry: set[tuple[str, int]] = set()
+        for cid, es in self.entries.items():
+            assert es, cid
+            for i, e in es.items():
+                assert self.files.get(e.name) is e and e.index == i and cid in e.holders, e
+                by_entry.add((cid, id(e)))
+        assert sum(len(e.holders) for e in self.files.values()) == \
+            sum(len(es) for es in self.entries.values()), "reference counts"
+        for name, e in self.files.items():
+            assert e.name == name and 0 < e.tokens <= self.chunk_size, e
+            assert {(c, id(e)) for c in e.holders} <= by_entry, e
+            assert (e.tokens == self.chunk_size) != bool(e.conversation_id), e
+            assert e.holders <= ({e.conversation_id} if e.conversation_id else e.holders), e
+            assert e.holders or e.conversation_id or e.key[0] <= 0, e

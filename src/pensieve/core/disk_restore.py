@@ -2,23 +2,30 @@
 
 Called by :meth:`~pensieve.core.tiered_cache.TieredKVCache.admit` once the turn is pinned,
 after the swap-or-recompute choice of its CPU chunks and before its pending ranges are
-planned. Each dropped chunk with a
-verified copy on disk (:class:`~pensieve.core.disk_index.DiskIndex`, entry ``ready``) whose hash
-equals that of the turn's own tokens up to the chunk's end is read into a CPU block (a free
-one, or one freed by spilling the CPU tier's lowest chunk) and becomes a CPU chunk; admission
-then swaps it in like any other. A copy that is ready has been read into memory (its read
-time is spent), so it is always restored; the weighing of a read against recomputation
-(:func:`worth_reading`, ``DiskIndex.read_chunk_s`` against the chunk's recompute cost) happens
-earlier, when the turn is added and the engine chooses which files to read. A chunk is
-recomputed when its copy was not read (not ready: too slow to read, or spilled while the turn
-waited), or when no CPU block can be had.
+planned. Each dropped chunk with a verified copy on disk
+(:class:`~pensieve.core.disk_index.DiskIndex`, entry ``ready``) of the turn's own tokens is
+read into a CPU block (a free one, or one freed by spilling the CPU tier's lowest chunk) and
+becomes a CPU chunk; admission then swaps it in like any other. A full chunk's copy is found
+by its shared-prefix hash under the turn's salt (whichever conversation spilled it: within
+the tenant, or across tenants with ``--share-prefixes-across-tenants``), a partial one among
+the conversation's own. A copy that is ready has been read into memory (its read time is
+spent), so it is always restored; the weighing of a read against recomputation
+(:func:`worth_reading`, ``DiskIndex.read_chunk_s`` against the chunk's recompute cost)
+happens earlier, when the turn is added and the engine chooses which files to read. A chunk
+is recomputed when its copy was not read (not ready: too slow to read, spilled while the
+turn waited, or its bytes let go from memory since), or when no CPU block can be had. A
+copy restored stays ready while the engine keeps its bytes (other turns of its salt may
+restore it too). The conversation then lets go of its copies (:meth:`DiskIndex.release`).
 
-A conversation that has no KV in the cache but copies on disk (after a restart: the history
+A conversation that has no KV in the cache (a new one, or one after a restart: the history
 came back from the conversation store) first gets dropped chunks for the leading run of
 matching copies, so they are read back the same way::
 
     positions  0 ............. k*C | ........... num_tokens
                [on disk: read back ][computed: range from kv_end]
+
+Both record the turn's salt (``DiskIndex.salts``): it names the conversation's full chunks
+when they are spilled later.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.disk_index import DiskEntry, chunk_hashes
+from pensieve.core.disk_index import DiskEntry, DiskIndex, partial_hash, shared_name
+from pensieve.core.prefix_share import extend_hashes
 from pensieve.core.request import Request
 
 if TYPE_CHECKING:
@@ -42,44 +50,56 @@ class _Cache(Protocol):
     index: EvictionIndex
 
 
+def _copy(disk: DiskIndex, cid: str, tokens: list[int], full: list[bytes], salt: bytes,
+          i: int, n_tok: int) -> DiskEntry | None:
+    """The copy of chunk ``i`` (``n_tok`` tokens of ``tokens``) on disk: a full chunk's by
+    its hash (``full``: the hashes of the leading full chunks), a partial one's among the
+    conversation's own whose hash matches; None: none."""
+    c = disk.chunk_size
+    if n_tok == c:
+        return disk.files.get(shared_name(full[i].hex())) if i < len(full) else None
+    entry = disk.get(cid, i)
+    if entry is None or entry.tokens != n_tok or i > len(full) or \
+            entry.prefix_hash != partial_hash(full[:i], salt, tokens[i * c:i * c + n_tok]):
+        return None
+    return entry
+
+
+def _hashes(tokens: list[int], salt: bytes, c: int, n: int) -> list[bytes]:
+    """Shared-prefix hashes of the first ``n`` full chunks of ``tokens``."""
+    out: list[bytes] = []
+    extend_hashes(out, salt, tokens[:min(n, len(tokens) // c) * c], c)
+    return out
+
+
 def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int:
     """Turn the admitted conversation's dropped chunks that are on disk into CPU chunks (a
     read planned into each block); returns their tokens."""
     disk = cache.disk
-    if disk is None or cache.cpu is None or conv.conversation_id not in disk.entries:
+    if disk is None or cache.cpu is None:
         return 0
-    c = cache.chunk_size
-    tokens = req.all_token_ids
-    n = min(-(-(req.num_tokens - 1) // c), max(disk.entries[conv.conversation_id]) + 1)
-    hashes = chunk_hashes(tokens, c, n)
+    cid = conv.conversation_id
+    disk.salts[cid] = req.share_salt
+    dropped = conv.dropped_chunks()
     restored = 0
-    for i, ch in enumerate(conv.chunks):
-        entry = disk.get(conv.conversation_id, i)
-        if entry is None or ch.tier is not Tier.DROPPED:
-            continue
-        if not entry.ready:
-            continue  # not read (slower than recomputing, or spilled since): recomputed
-        n_tok = conv.chunk_tokens(i, c)
-        if entry.tokens != n_tok or i * c + n_tok > len(tokens) or \
-                entry.prefix_hash != _partial_hash(tokens, hashes, i, c, n_tok):
-            disk.forget(conv.conversation_id, i)  # other tokens than these: never used
-            continue
-        block = _cpu_block(cache)
-        if block is None:
-            break
-        disk.forget(conv.conversation_id, i)
-        disk.plan.reads.append((entry, block))
-        conv.chunks[i] = Chunk(Tier.CPU, block)
-        restored += n_tok
-    disk.forget_from(conv.conversation_id, 0)  # the rest is computed in this turn
+    if dropped and disk.files:
+        c, tokens, salt = cache.chunk_size, req.all_token_ids, req.share_salt
+        full = _hashes(tokens, salt, c, dropped[-1] + 1)
+        for i in dropped:
+            n_tok = conv.chunk_tokens(i, c)
+            if n_tok == 0 or i * c + n_tok > len(tokens):
+                continue
+            entry = _copy(disk, cid, tokens, full, salt, i, n_tok)
+            if entry is None or not entry.ready:
+                continue  # not read (slower than recomputing, or spilled since): recomputed
+            block = _cpu_block(cache)
+            if block is None:
+                break
+            disk.plan.reads.append((entry, block))
+            conv.chunks[i] = Chunk(Tier.CPU, block)
+            restored += n_tok
+    disk.release_from(cid, 0)  # read back, or computed in this turn
     return restored
-
-
-def _partial_hash(tokens: list[int], hashes: list[str], i: int, c: int, n_tok: int) -> str:
-    """The chained hash of ``tokens[:i * c + n_tok]``."""
-    if n_tok == c and i < len(hashes):
-        return hashes[i]
-    return chunk_hashes(tokens[:i * c + n_tok], c, i + 1)[i]
 
 
 def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None:
@@ -89,24 +109,30 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
     disk = cache.disk
     if disk is None or cache.cpu is None or conv.chunks or conv.kv_end or conv.running:
         return
-    entries = disk.entries.get(conv.conversation_id)
-    if not entries:
+    if not disk.files:
         return
-    c, tokens, limit = cache.chunk_size, req.all_token_ids, req.num_tokens - 1
-    hashes = chunk_hashes(tokens, c, min(-(-limit // c), max(entries) + 1))
+    cid, c, tokens, limit = conv.conversation_id, cache.chunk_size, req.all_token_ids, \
+        req.num_tokens - 1
+    salt = req.share_salt
+    disk.salts[cid] = salt
+    full = _hashes(tokens, salt, c, limit // c)
     end = 0
-    for i in range(len(hashes)):
-        entry = disk.get(conv.conversation_id, i)
-        if entry is None or not entry.ready or end + entry.tokens > limit:
-            break
-        if entry.prefix_hash != _partial_hash(tokens, hashes, i, c, entry.tokens):
+    for i in range(-(-limit // c)):
+        entry = disk.get(cid, i)  # its partial last chunk (full in this turn's tokens)
+        if entry is not None and entry.conversation_id:
+            if end + entry.tokens > limit or _copy(disk, cid, tokens, full, salt, i,
+                                                   entry.tokens) is not entry:
+                entry = None
+        elif i < len(full):
+            entry = disk.files.get(shared_name(full[i].hex()))
+        if entry is None or not entry.ready:
             break
         end += entry.tokens
         conv.chunks.append(Chunk(Tier.DROPPED, -1))
         if entry.tokens < c:
             break
     conv.kv_end = end
-    disk.forget_from(conv.conversation_id, len(conv.chunks))  # computed by this turn
+    disk.release_from(cid, len(conv.chunks))  # computed by this turn
 
 
 def _cpu_block(cache: TierPools) -> int | None:

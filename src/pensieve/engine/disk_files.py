@@ -7,7 +7,9 @@ contiguous). The header carries:
 - ``fingerprint``: model, dtype, KV dtype, chunk size and KV layout (:func:`fingerprint`); a
   file of another one is never read;
 - ``conversation_id``, ``index``, ``tokens``, ``prefix_hash``: which chunk, of which tokens
-  (:func:`pensieve.core.disk_index.chunk_hashes`);
+  (:mod:`pensieve.core.disk_index`: a full chunk's salted shared-prefix hash, its
+  conversation empty since any conversation of that salt may read it; a partial last
+  chunk's conversation and :func:`~pensieve.core.disk_index.partial_hash`);
 - ``nbytes`` and ``crc32`` of the payload; ``written_at`` (seconds since the epoch).
 
 :func:`decode` returns the payload only if every check passes; anything else (a missing,

@@ -3,8 +3,9 @@
 The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module does, for the
 :class:`~pensieve.engine.engine_core.EngineCore` at three points of its life:
 
-- ``prefetch(conversation_id)`` when a turn is added: the conversation's files are read and
-  checked (:mod:`pensieve.engine.disk_files`) in a thread pool, their payloads kept in memory;
+- ``prefetch(conversation_id, tokens, salt)`` when a turn is added: the files it may restore
+  (the conversation's own, and its leading full chunks' by hash) are read and checked
+  (:mod:`pensieve.engine.disk_files`) in a thread pool, their payloads kept in memory;
 - ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
   forget them: a bad file is recomputed); failed writes forget theirs;
 - ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
@@ -12,14 +13,16 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
   torch's intra-op threads, before any copy of the step touches the blocks; the step waits
   for this copy, not for the write) and written by one writer thread (writes and deletes in
   plan order), each restored chunk's verified payload is copied into its CPU block (the
-  step's swap-ins then move it to the GPU), and dropped files are deleted.
+  step's swap-ins then move it to the GPU; the payload is kept for other turns, within
+  RESTORED_LOADED_BYTES), and dropped files are deleted.
 
 No step waits for a disk write. A step waits for reads still running when it schedules (they
 started when their turns were added). On CUDA, a step with disk copies first waits for the
 background swap-outs still in flight (a spilled block may be one's destination).
 
 ``close()`` (the engine's shutdown) writes every idle conversation's GPU and CPU chunks that
-are not on disk yet and waits for the writer, so a restarted server with the same path and
+are not on disk yet (a chunk shared by several conversations, or already on disk under its
+hash, is written once) and waits for the writer, so a restarted server with the same path and
 conversation store resumes them from disk. A write that fails (disk full, path gone) is
 logged and its chunk is simply dropped, as without a disk tier.
 """
@@ -40,13 +43,12 @@ from typing import Any
 import torch
 
 from pensieve.config import CacheConfig
-from pensieve.core.conversation import Tier
 from pensieve.core.disk_index import (
     DiskEntry,
     DiskIndex,
     found_key,
     require_cpu_tier,
-    spill_chunk,
+    spill_idle,
 )
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
@@ -56,6 +58,16 @@ log = logging.getLogger("pensieve")
 WRITE_BACKLOG_BYTES = 8 << 30
 """At most this many bytes wait for the writer (host memory); past it a spilled chunk is
 dropped, as without a disk tier (a disk slower than the spills must not grow memory)."""
+
+UNHELD_LOADED_BYTES = 8 << 30
+"""At most this many bytes of verified payloads not restored yet of entries no conversation
+holds (read by hash for a turn, or left over after an admission took its chunk from the GPU)
+wait in memory; past it the oldest are let go (not ready: read again, or recomputed)."""
+
+RESTORED_LOADED_BYTES = 1 << 30
+"""At most this many bytes of payloads already restored are kept in memory (most recently
+restored first), so that other turns restore the same chunk (a shared prompt after a
+restart) without reading it again."""
 
 SPARE_BYTES = 1 << 30
 """At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
@@ -91,6 +103,8 @@ class DiskTier:
         """Files whose write is queued or running: their bytes (a prefetch takes them)."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._loaded: dict[str, memoryview] = {}
+        self._restored: dict[str, None] = {}
+        """Names in ``_loaded`` restored at least once, least recently restored first."""
         """Verified payloads of ready entries, by file name, until restored or dropped."""
         self._spare: list[disk_files.ReadBuffer] = []
         """Read buffers whose payload was restored, read into again (a fresh buffer's pages
@@ -137,10 +151,14 @@ class DiskTier:
                 continue
             entry = DiskEntry(h.conversation_id, h.index, h.tokens, h.prefix_hash,
                               found_key(h.written_at))
-            if entry.name != name or not 0 < h.tokens <= self.index.chunk_size:
+            full = h.tokens == self.index.chunk_size
+            if entry.name != name or not 0 < h.tokens <= self.index.chunk_size or \
+                    full == bool(h.conversation_id):
                 foreign += 1
             elif self.index.add(entry):
                 found += 1
+                if not full:  # a partial chunk: its conversation's own
+                    self.index.hold(h.conversation_id, h.index, entry)
             else:  # beyond the capacity (a smaller --disk-kv-gb than before)
                 os.remove(os.path.join(self.path, name))
         if found or foreign:
@@ -149,12 +167,22 @@ class DiskTier:
         return found
 
     # ------------------------------------------------------------------ reads
-    def prefetch(self, conversation_id: str) -> None:
-        """Start reading the conversation's files that are not ready yet and worth reading
-        (:attr:`worth`; a slower read than recomputation is not started: the step would wait
-        for it and the admission recompute the chunk anyway)."""
+    def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
+        """Start reading the files a turn may restore that are not ready yet and worth
+        reading (:attr:`worth`; a slower read than recomputation is not started: the step
+        would wait for it and the admission recompute the chunk anyway): the conversation's
+        own and, given the turn's ``tokens`` and ``salt``, those of its leading full chunks
+        by hash (:meth:`DiskIndex.wanted`; ``dropped``: the conversation's dropped chunks
+        when it has KV)."""
+        self.start_reads(self.index.of(conversation_id) if tokens is None else
+                         self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
+                                           dropped))
+
+    def start_reads(self, entries: list[DiskEntry]) -> None:
+        """Start reading those of ``entries`` not ready nor being read, and worth reading."""
         worth = self.worth
-        for entry in self.index.of(conversation_id):
+        for entry in entries:
             if entry.ready or entry.name in self._reads:
                 continue
             if worth is not None and not worth(entry):
@@ -196,17 +224,35 @@ class DiskTier:
         for name, (entry, fut) in list(self._reads.items()):
             payload = fut.result()
             del self._reads[name]
-            if index.get(entry.conversation_id, entry.index) is not entry:
+            if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:
                 self._loaded[name] = payload
-            index.set_ready(entry.conversation_id, entry.index, payload is not None)
+            index.set_ready(entry, payload is not None)
+        self._bound_loaded()
         while not self._failed.empty():
             entry = self._failed.get()
-            if index.get(entry.conversation_id, entry.index) is entry:
-                index.forget(entry.conversation_id, entry.index)
+            index.forget(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
+
+    def _bound_loaded(self) -> None:
+        """Let go of payloads (their entries are no longer ready) past RESTORED_LOADED_BYTES
+        of restored ones, least recently restored first, and past UNHELD_LOADED_BYTES of
+        unrestored ones no one holds, oldest first (the payloads of a conversation's own
+        dropped chunks wait for its admission)."""
+        files = self.index.files
+        restored = list(self._restored)
+        drop = restored[:max(0, len(restored) - RESTORED_LOADED_BYTES // self.block_bytes)]
+        unheld = [n for n in self._loaded if n not in self._restored
+                  and (n not in files or not files[n].holders)]
+        drop += unheld[:max(0, len(unheld) - UNHELD_LOADED_BYTES // self.block_bytes)]
+        for name in drop:
+            entry = files.get(name)
+            if entry is not None:
+                entry.ready = False
+            self._restored.pop(name, None)
+            self._recycle(self._loaded.pop(name))
 
     # ------------------------------------------------------------------ a step
     def apply(self, sync: Callable[[], None] | None = None) -> None:
@@ -220,15 +266,20 @@ class DiskTier:
         # bytes out of the spilled blocks first: a restored chunk may reuse one of them
         writes = self._spilled_bytes(plan.writes)
         for entry, block in plan.reads:
-            payload = self._loaded.pop(entry.name, None)
+            payload = self._loaded.get(entry.name)  # kept: other turns may restore it
+            if payload is not None:
+                self._restored.pop(entry.name, None)
+                self._restored[entry.name] = None
             if payload is None:
                 queued = self._writing.get(entry.name)
                 payload = queued[1] if queued is not None and queued[0] is entry else None
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
             self._restore(payload, block)
-            self._recycle(payload)
+        if plan.reads:
+            self._bound_loaded()
         for name in plan.deletes:  # before the writes: a name may be written anew
+            self._restored.pop(name, None)
             dropped = self._loaded.pop(name, None)
             if dropped is not None:
                 self._recycle(dropped)
@@ -336,16 +387,10 @@ class DiskTier:
         self._readers.shutdown(wait=True)
 
     def _flush(self, cache: TieredKVCache) -> None:
-        """Spill every idle conversation's chunks still in a tier, as the retention order
-        spills them (:func:`~pensieve.core.disk_index.spill_chunk`), each written before the
-        next is copied out (host memory stays bounded)."""
-        for conv in list(cache.conversations.values()):
-            if conv.running or conv.ephemeral:
-                continue
-            for i, ch in enumerate(conv.chunks):
-                if ch.tier is not Tier.DROPPED and spill_chunk(
-                        self.index, conv, i, self.index.chunk_size, cache.index.key_now):
-                    self.apply()  # its write, and deletes of entries it pushed out
+        """Spill every idle conversation's chunks still in a tier
+        (:func:`~pensieve.core.disk_index.spill_idle`)."""
+        spill_idle(self.index, cache.conversations.values(), self.index.chunk_size,
+                   cache.index.key_now, self.apply)
 
     def stats(self) -> dict[str, int]:
         return {"disk_blocks_total": self.index.capacity,

@@ -39,7 +39,8 @@ class DiskHooks(Protocol):
     DiskTier`): reads started when a turn is added, collected before scheduling, the step's
     plan carried out before execution, everything written at shutdown."""
 
-    def prefetch(self, conversation_id: str) -> None: ...
+    def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
+                 salt: bytes = b"", dropped: list[int] | None = None) -> None: ...
     def collect(self) -> None: ...
     def apply(self, sync: Callable[[], None] | None = None) -> None: ...
     def close(self, cache: TieredKVCache | None) -> None: ...
@@ -146,7 +147,10 @@ class EngineCore:
                                             self.scheduler.cache.share_across_tenants))
         self.scheduler.add_request(req)
         if self.disk is not None and conversation_id is not None:
-            self.disk.prefetch(conversation_id)  # read back while the turn waits
+            conv = self.cache.conversations.get(conversation_id)
+            dropped = conv.dropped_chunks() if conv is not None and conv.chunks else None
+            self.disk.prefetch(conversation_id, req.all_token_ids, req.share_salt,
+                               dropped)  # read back while the turn waits
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id, self.now())
