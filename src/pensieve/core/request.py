@@ -103,8 +103,9 @@ class Request:
 
     def append_output(self, token: int) -> None:
         """A sampled token: its KV is the next thing to compute."""
-        self.output_token_ids.append(token)
-        n = self.num_tokens
+        out = self.output_token_ids
+        out.append(token)
+        n = len(self.prompt_token_ids) + len(out)  # num_tokens, inline: once a token a step
         self.pending.append((n - 1, n))
 
     @property

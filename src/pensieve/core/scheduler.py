@@ -305,11 +305,14 @@ class Scheduler:
         blocks of background swap-outs the runner no longer reports in flight are reclaimed."""
         now = time.monotonic() if now is None else now
         finished: list[Request] = []
+        requests, sampled, running = self.requests, result.sampled_token_ids, RequestStatus.RUNNING
         for s in sched.requests:
-            req = self.requests.get(s.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING or not s.sample:
+            if not s.sample:
                 continue
-            token = result.sampled_token_ids[s.request_id]
+            req = requests.get(s.request_id)
+            if req is None or req.status is not running:
+                continue
+            token = sampled[s.request_id]
             req.append_output(token)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -326,11 +329,11 @@ class Scheduler:
         p = req.sampling_params
         if not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
+        if p.stop_token_ids and token in p.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        n_out = len(req.output_token_ids)
+        if n_out >= p.max_tokens or (len(req.prompt_token_ids) + n_out
+                                     >= self.config.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
