@@ -138,6 +138,30 @@ def test_cpu_copy_is_shared_at_admission_and_read_before_freed() -> None:
     assert all(cache.cpu.is_free(b) for b in copies) and not cpu_share.reads
 
 
+def test_shared_cpu_blocks_go_last_and_with_all_their_holders() -> None:
+    """A CPU block several chunks hold is no CPU eviction candidate: the private CPU chunks
+    go first; then, with the CPU index empty, the fallback drops one shared block, every
+    holder letting it go."""
+    cache = make(cpu=8)
+    run_turn(cache, "a", SYSTEM + [20], 0.0)
+    run_turn(cache, "b", SYSTEM + [30], 1.0)
+    cache.pools.evict_gpu(100, 2.0, urgent=True)
+    cache.take_swap_plan()
+    cache.begin_step()
+    cache.check_integrity()
+    cpu_share = cache.pools.cpu_share
+    assert cpu_share is not None and len(cpu_share) == 2
+    a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
+    held = cache.cpu.allocate(cache.cpu.num_free_blocks)  # the tier full
+    taken = [cache.pools.take_cpu_block(None) for _ in range(3)]
+    assert a[2].tier is Tier.DROPPED and b[2].tier is Tier.DROPPED  # private ones first
+    gone = [i for i in range(2) if a[i].tier is Tier.DROPPED]
+    assert len(gone) == 1 and b[gone[0]].tier is Tier.DROPPED  # both holders let it go
+    assert len(cpu_share) == 1 and cpu_share.num_refs == 2
+    cache.cpu.free(held + taken)
+    cache.check_integrity()
+
+
 def test_no_cpu_tier_drops_a_shared_chunk() -> None:
     cache = make(cpu=0)
     run_turn(cache, "a", SYSTEM + [20], 0.0)

@@ -123,7 +123,7 @@ def lookup_cpu(pools: TierPools, h: bytes) -> int:
     if cs is None:
         return -1
     b = cs.by_hash.get(h, -1)
-    return -1 if b in pools.swap_out_targets() else b
+    return -1 if b in pools.plan.swap_out else b
 
 
 def release_cpu(pools: TierPools, block: int) -> bool:
@@ -159,10 +159,42 @@ def to_cpu_copy(pools: TierPools, conv: Conversation, i: int, h: bytes,
         cb = pools.take_cpu_block(pools.index.key_now(conv, i) if key is None else key)
         if cb < 0:
             return False
-        pools.plan_copy_out(cb, ch.block)  # urgent: the GPU block stays held (not freed)
+        pools.plan.swap_out_first[cb] = ch.block  # urgent: the GPU block stays held (not freed)
         pools.stats.swapped_out_tokens += conv.chunk_tokens(i, pools.chunk_size)
         cs.register(cb, h)
     ch.tier, ch.block = Tier.CPU, cb
+    return True
+
+
+def drop_shared_cpu(pools: TierPools, key: EvictionKey | None) -> bool:
+    """The CPU tier's fallback, once its index has no candidate left (every CPU chunk holds
+    a registered block out of the index, as on the GPU: :mod:`pensieve.core.shared_eviction`):
+    drop the registered CPU block of lowest last-sharer key that only idle conversations
+    hold, every holder letting it go (the last spills it to disk, when there is a disk tier),
+    unless ``key`` (None: any) is lower. True if one went. Cost: one pass over the
+    conversations' chunks, only when the CPU index is empty and the tier full."""
+    cs, idx = pools.cpu_share, pools.index
+    assert cs is not None
+    holders: dict[int, list[tuple[Conversation, int]]] = {}
+    running: set[int] = set()
+    for conv in idx.conversations.values():
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is Tier.CPU and cs.refs[ch.block]:
+                holders.setdefault(ch.block, []).append((conv, i))
+                if conv.running:  # references taken by a turn being admitted
+                    running.add(ch.block)
+    best: tuple[EvictionKey, list[tuple[EvictionKey, Conversation, int]]] | None = None
+    for b, hs in holders.items():
+        if b in running:
+            continue
+        keyed = sorted(((idx.key_now(conv, i), conv, i) for conv, i in hs), key=lambda k: k[0])
+        if best is None or keyed[-1][0] < best[0]:
+            best = (keyed[-1][0], keyed)
+    if best is None or (key is not None and key < best[0]):
+        return False
+    for _, conv, i in best[1]:
+        pools._drop_cpu_victim(conv, i)
+        idx.reindex_cpu(conv)
     return True
 
 

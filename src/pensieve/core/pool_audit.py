@@ -15,11 +15,12 @@ if TYPE_CHECKING:
     from pensieve.core.tier_pools import TierPools
 
 
-def check_pools(pools: TierPools, gpu_reclaim: list[int], cpu_reclaim: list[int]) -> None:
+def check_pools(pools: TierPools, gpu_reclaim: list[int]) -> None:
     """Raise AssertionError if a block of either pool is free and held, held twice (unless
-    shared), or neither (``*_reclaim``: waiting to be reclaimed, counts as held), or the
-    pending background swap-outs are off."""
-    pending = list(pools.swap_out_targets().values())
+    shared), or neither (waiting to be reclaimed counts as held: ``gpu_reclaim``, and the CPU
+    blocks swap-ins read), or the pending background swap-outs are off."""
+    cpu_reclaim = pools.reads.now + pools.reads.ahead
+    pending = list(pools.plan.swap_out.values())
     assert pools.pending_reclaim_gpu() == len(gpu_reclaim) + len(pending), "reclaim count"
     convs, c = pools.index.conversations.values(), pools.chunk_size
     check_pool(pools.gpu, Tier.GPU, gpu_reclaim + pending, convs, c, pools.share)

@@ -86,8 +86,8 @@ def find_shared(pools: TierPools, req: Request, conv: Conversation,
             b = lookup(hashes[i])
             if b is not None:
                 found.append((i, b))
-            elif cs and (b := lookup_cpu(pools, hashes[i])) >= 0:
-                cpu.append((i, b))
+            elif cs and (cb := lookup_cpu(pools, hashes[i])) >= 0:
+                cpu.append((i, cb))
     return found, ext, cpu
 
 

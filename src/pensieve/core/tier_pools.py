@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.cpu_share import CpuShare, SwapInReads, release_cpu, to_cpu_copy
+from pensieve.core.cpu_share import CpuShare, SwapInReads, drop_shared_cpu, release_cpu, to_cpu_copy
 from pensieve.core.disk_index import DiskIndex, spill_chunk
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
@@ -100,9 +100,8 @@ class TierPools:
         self.cpu_share: CpuShare | None = (CpuShare(self.cpu.num_blocks) if share_prefixes
                                            and self.cpu is not None else None)
         """The CPU tier's (:mod:`pensieve.core.cpu_share`); None: no sharing or no CPU."""
-        self.reads = SwapInReads(self.cpu, self.cpu_share)
-        """CPU blocks this and the previous step's swap-ins read, freed once read."""
-        index.share = self.share
+        self.reads = SwapInReads(self.cpu, self.cpu_share)  # CPU blocks swap-ins read
+        index.share, index.cpu_share = self.share, self.cpu_share
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -160,13 +159,10 @@ class TierPools:
             self.gpu.free(group)
             self._reclaim_group_blocks -= len(group)
 
-    def plan_copy_out(self, cpu_block: int, gpu_block: int) -> None:
-        """An urgent copy (the GPU block is the caller's to free, or stays held)."""
-        self._plan.swap_out_first[cpu_block] = gpu_block
-
-    def swap_out_targets(self) -> dict[int, int]:
-        """This step's background swap-outs so far: CPU block -> GPU block."""
-        return self._plan.swap_out
+    @property
+    def plan(self) -> _StepPlan:
+        """This step's copy plan so far (urgent swap-outs may be added: ``to_cpu_copy``)."""
+        return self._plan
 
     def pending_reclaim_gpu(self) -> int:
         """GPU blocks that become free once background copies finish."""
@@ -437,23 +433,28 @@ class TierPools:
         caller."""
         cpu = self.cpu
         assert cpu is not None
-        while not cpu.num_free_blocks:  # a shared victim's drop frees no block: the next
+        cs = self.cpu_share
+        while not cpu.num_free_blocks:  # a drop may free no block (a read one): the next
             victim = self.index.peek_victim(Tier.CPU)
+            if victim is None and cs and drop_shared_cpu(self, key):  # only shared ones left
+                continue
             if victim is None or (key is not None and key < victim[0]):
                 return -1
-            self._drop_cpu_victim(victim[1], victim[2])
+            _, conv, i = victim
+            if not (cs and cs.refs[conv.chunks[i].block] > 1):  # else shared since indexed
+                self._drop_cpu_victim(conv, i)
+            self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
                 self.apply_hints()
         return cpu.allocate_one()
 
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
-        """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
+        """Drop an idle CPU chunk (the caller keeps the CPU index right)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
         cs = self.cpu_share
         if self.disk is not None and (cs is None or cs.refs[conv.chunks[i].block] < 2):
             self._spill_to_disk(conv, i)  # to the disk tier instead (the block's last holder)
         self.drop_cpu_chunk(conv, i)
-        self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
         if self.tenant_share is not None and conv in self.tenant_share.counted:
             self._hints_due |= self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED)
 
@@ -496,5 +497,4 @@ class TierPools:
     # ------------------------------------------------------------------ audit
     def check(self) -> None:
         """Raise AssertionError unless both pools agree with their holders (:func:`check_pools`)."""
-        check_pools(self, [b for g in self._reclaim_groups for b in g],
-                    self.reads.now + self.reads.ahead)
+        check_pools(self, [b for g in self._reclaim_groups for b in g])
