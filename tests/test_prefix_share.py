@@ -303,6 +303,8 @@ class ShareDriver(Driver):
         plan = cache.pools._plan
         for cb, _ in plan.swap_in + plan.swap_in_ahead:
             assert cache.cpu is not None and not cache.cpu.is_free(cb), cb
+        for reads in (plan.swap_in, plan.swap_in_ahead):  # the runner's batches need this
+            assert len({cb for cb, _ in reads}) == len(reads), "a CPU block read twice"
         if cpu_share is not None:
             self.cpu_refs_seen = max(self.cpu_refs_seen, max(cpu_refs, default=0))
 

@@ -24,6 +24,9 @@ CPU blocks, :class:`CpuShare`, keyed by the same chained hashes:
 - Leaving the CPU (an eviction drop, a truncation, recompute instead of swap-in) drops one
   reference; only the last frees the block (to disk first, when there is one), unregisters
   it and cancels this step's copy into it.
+- Eviction. As on the GPU, a CPU chunk whose block others hold too is no CPU eviction
+  candidate (:meth:`EvictionIndex.first`); once the CPU index is empty and the tier full,
+  :func:`drop_shared_cpu` drops the block of lowest last-sharer key, all its holders at once.
 
 Invariants (:func:`check_cpu`): each CPU block's holders equal its references (1 when
 unregistered); the reclaim lists hold every pending read of a registered block as often as
@@ -55,6 +58,10 @@ class CpuShare(PrefixShare):
         """Registered CPU blocks read by planned swap-ins not yet reclaimed -> how many."""
         self.orphans: set[int] = set()
         """Blocks of ``reads`` no chunk holds any more: freed when their last read ends."""
+        self.step_reads: set[int] = set()
+        """Registered blocks this step's swap-ins read: a step's plan reads a CPU block once
+        (the runner's copy batches cut disjoint runs of CPU blocks), so a chunk of one of
+        these is recomputed instead (:func:`drop_read_twice`) and admission takes none."""
 
     def register(self, block: int, h: bytes) -> None:
         """The chunk holding the private CPU ``block`` of hash ``h`` registers it."""
@@ -66,6 +73,7 @@ class CpuShare(PrefixShare):
     def read(self, block: int) -> None:
         """A planned swap-in reads ``block`` (registered) for a chunk that leaves the CPU."""
         self.reads[block] = self.reads.get(block, 0) + 1
+        self.step_reads.add(block)
         if self.unref(block):
             self.orphans.add(block)
 
@@ -103,6 +111,8 @@ class SwapInReads:
 
     def begin_step(self) -> None:
         """Free the blocks of ``now``; ``ahead`` becomes ``now``."""
+        if self.share is not None:
+            self.share.step_reads.clear()
         if self.pool is not None:
             if self.share is not None:
                 self.share.end_reads(self.pool, self.now)
@@ -123,7 +133,22 @@ def lookup_cpu(pools: TierPools, h: bytes) -> int:
     if cs is None:
         return -1
     b = cs.by_hash.get(h, -1)
-    return -1 if b in pools.plan.swap_out else b
+    return -1 if b in pools.plan.swap_out or b in cs.step_reads else b
+
+
+def drop_read_twice(pools: TierPools, conv: Conversation) -> int:
+    """The CPU chunks of ``conv`` (being admitted) whose block another swap-in of this step
+    reads already are dropped, to be recomputed (:attr:`CpuShare.step_reads`); returns
+    their tokens."""
+    cs = pools.cpu_share
+    if cs is None or not cs.step_reads:
+        return 0
+    tokens = 0
+    for i, ch in enumerate(conv.chunks):
+        if ch.tier is Tier.CPU and ch.block in cs.step_reads:
+            tokens += conv.chunk_tokens(i, pools.chunk_size)
+            pools.drop_cpu_chunk(conv, i)
+    return tokens
 
 
 def release_cpu(pools: TierPools, block: int) -> bool:

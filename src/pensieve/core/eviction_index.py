@@ -20,8 +20,10 @@ first chunk in the policy's order that it holds alone. A chunk that becomes shar
 indexed is skipped when it surfaces (``TierPools.evict_gpu``); one skipped while shared whose
 sharers have gone since stays out until its conversation is indexed again. Blocks out of the
 index leave only by the pools' fallback once an urgent pass finds no candidate left
-(:func:`pensieve.core.shared_eviction.evict_shared`). Invariant: every GPU chunk of an idle
-conversation before its GPU candidate (all of them, without one) holds a registered block.
+(:func:`pensieve.core.shared_eviction.evict_shared`). CPU chunks likewise
+(:mod:`pensieve.core.cpu_share`: the fallback is ``drop_shared_cpu``). Invariant: every GPU
+(CPU) chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one)
+holds a registered block.
 
 Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
 idle time`` depends on ``now``, so conversations' order changes over time and no static

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 
 from pensieve.core.conversation import Conversation, Tier
+from pensieve.core.cpu_share import drop_read_twice
 from pensieve.core.disk_index import DiskIndex
 from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
@@ -324,6 +325,7 @@ class TieredKVCache:
             pools.evict_gpu(shortfall, now, urgent=True)
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
+        drop_read_twice(pools, conv)  # read by another swap-in of this step: recomputed
         if cpu:  # those still to be swapped in (not chosen for recomputation)
             st.cpu_shared_tokens = sum(conv.chunk_tokens(i, c) for i, b in cpu
                                        if chunks[i].tier is Tier.CPU and chunks[i].block == b)
