@@ -72,9 +72,15 @@ class CpuShare(PrefixShare):
 
     def read(self, block: int) -> None:
         """A planned swap-in reads ``block`` (registered) for a chunk that leaves the CPU."""
-        self.reads[block] = self.reads.get(block, 0) + 1
+        reads = self.reads
+        reads[block] = reads.get(block, 0) + 1
         self.step_reads.add(block)
-        if self.unref(block):
+        n = self.refs[block]
+        self.refs[block] = n - 1
+        self.num_refs -= 1
+        if n == 1:  # its last holder: unregistered, freed once read
+            del self.by_hash[self.hash_of[block]]
+            self.hash_of[block] = b""
             self.orphans.add(block)
 
     def end_reads(self, pool: BlockPool, blocks: list[int]) -> None:
@@ -122,7 +128,11 @@ class SwapInReads:
 
     def move_ahead(self, blocks: list[int]) -> None:
         """The swap-ins reading ``blocks`` move to this step's ``swap_in_ahead``."""
-        self.now = without(self.now, blocks)
+        if self.share is None or not self.share.reads:  # each block once in ``now``
+            moved = set(blocks)
+            self.now = [b for b in self.now if b not in moved]
+        else:
+            self.now = without(self.now, blocks)
         self.ahead.extend(blocks)
 
 

@@ -201,7 +201,7 @@ class TierPools:
                 if share is not None and i < conv.share_upto:
                     conv.share_back.append(i)
                 if tier is cpu_tier:
-                    if cpu_share and cpu_refs[ch.block]:  # registered: a read, no reference
+                    if cpu_refs and cpu_refs[ch.block] and cpu_share:  # a read, no reference
                         cpu_share.read(ch.block)
                     swap_in.append((ch.block, block))
                     reclaim_cpu.append(ch.block)
@@ -441,7 +441,7 @@ class TierPools:
             if victim is None or (key is not None and key < victim[0]):
                 return -1
             _, conv, i = victim
-            if not (cs and cs.refs[conv.chunks[i].block] > 1):  # else shared since indexed
+            if cs is None or cs.refs[conv.chunks[i].block] < 2:  # else shared since indexed
                 self._drop_cpu_victim(conv, i)
             self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
