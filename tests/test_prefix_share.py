@@ -78,27 +78,100 @@ def test_tenants_do_not_share_unless_salts_agree() -> None:
     assert share_salt("t1", "x", True) != share_salt("t2", None, True)
 
 
-def test_evicting_a_shared_chunk_drops_only_that_reference() -> None:
+def test_evicting_a_shared_chunk_moves_it_to_the_cpu_once() -> None:
     cache = make(cpu=8)
     run_turn(cache, "a", SYSTEM + [20], 0.0)
     run_turn(cache, "b", SYSTEM + [30], 1.0)
-    share = cache.pools.share
-    assert share is not None
+    share, cpu_share = cache.pools.share, cache.pools.cpu_share
+    assert share is not None and cpu_share is not None
     shared = cache.conversations["a"].chunks[0].block
+    cache.take_swap_plan()
     # evict everything idle: chunks held alone first, then (no candidate left) each shared
-    # block: its sharers' references go, the last one moves it to the CPU
+    # block, copied once to one CPU block that both sharers hold
     cache.pools.evict_gpu(100, 2.0, urgent=True)
     cache.check_integrity()
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
-    assert all(ch.tier is not Tier.GPU for ch in a + b)
-    # each shared block went to the CPU once: one sharer holds it there, the other dropped it
+    assert all(ch.tier is Tier.CPU for ch in a + b)
     for i in range(2):
-        assert sorted([a[i].tier.value, b[i].tier.value]) == ["cpu", "dropped"]
-    assert not share.refs[shared] and len(share) == 0
-    # a new turn of the dropped sharer recomputes (no GPU block left to share)
-    loser = "a" if a[0].tier is Tier.DROPPED else "b"
-    req = run_turn(cache, loser, [40], 3.0)
-    assert req.cache_stats.shared_hit_tokens == 0
+        assert a[i].block == b[i].block and cpu_share.refs[a[i].block] == 2
+    assert a[2].block != b[2].block and not cpu_share.refs[a[2].block]  # partial: private
+    assert not share.refs[shared] and len(share) == 0 and len(cpu_share) == 2
+    assert cpu_share.num_refs == 4
+    plan = cache.take_swap_plan()  # one copy per CPU block: 2 shared + 2 private chunks
+    assert sorted(c for _, c in plan.swap_out_first) == sorted({ch.block for ch in a + b})
+    cache.begin_step()
+    # A's next turn swaps its chunks in; B still holds the CPU copies of the shared ones
+    req = run_turn(cache, "a", [40], 3.0)
+    assert req.cache_stats.cpu_hit_tokens == 11 and req.cache_stats.recomputed_tokens == 0
+    assert [cpu_share.refs[ch.block] for ch in b[:2]] == [1, 1]
+    cache.begin_step()
+    cache.check_integrity()
+    # a new conversation takes references to them (not registered on the GPU any more)
+    assert share.by_hash  # A's turn registered its GPU blocks again
+    run_turn(cache, "a2", [1, 2, 3], 4.0)  # unrelated
+
+
+def test_cpu_copy_is_shared_at_admission_and_read_before_freed() -> None:
+    cache = make(gpu=16, cpu=8)
+    run_turn(cache, "a", SYSTEM + [20], 0.0)
+    run_turn(cache, "b", SYSTEM + [30], 1.0)
+    cpu_share = cache.pools.cpu_share
+    assert cpu_share is not None
+    cache.pools.evict_gpu(100, 2.0, urgent=True)  # everything to the CPU, shared blocks once
+    cache.take_swap_plan()
+    cache.begin_step()
+    copies = [ch.block for ch in cache.conversations["a"].chunks[:2]]
+    # C (no KV) takes references to the CPU copies and swaps them in: 8 tokens shared
+    c = run_turn(cache, "c", SYSTEM + [50], 3.0)
+    assert c.cache_stats.cpu_shared_tokens == 8 and c.cache_stats.cpu_hit_tokens == 8
+    assert c.cache_stats.shared_hit_tokens == 0
+    assert [cpu_share.refs[b] for b in copies] == [2, 2]  # A and B still hold them
+    plan = cache.take_swap_plan()
+    assert sorted(cb for cb, _ in plan.swap_in) == sorted(copies)
+    # A and B let them go in the same step: the blocks are read, so freed only at the next
+    for cid in ("a", "b"):
+        cache.delete(cid)
+    cache.check_integrity()
+    assert all(not cache.cpu.is_free(b) for b in copies) and cpu_share.orphans == set(copies)
+    cache.begin_step()
+    cache.check_integrity()
+    assert all(cache.cpu.is_free(b) for b in copies) and not cpu_share.reads
+
+
+def test_shared_cpu_blocks_go_last_and_with_all_their_holders() -> None:
+    """A CPU block several chunks hold is no CPU eviction candidate: the private CPU chunks
+    go first; then, with the CPU index empty, the fallback drops one shared block, every
+    holder letting it go."""
+    cache = make(cpu=8)
+    run_turn(cache, "a", SYSTEM + [20], 0.0)
+    run_turn(cache, "b", SYSTEM + [30], 1.0)
+    cache.pools.evict_gpu(100, 2.0, urgent=True)
+    cache.take_swap_plan()
+    cache.begin_step()
+    cache.check_integrity()
+    cpu_share = cache.pools.cpu_share
+    assert cpu_share is not None and len(cpu_share) == 2
+    a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
+    held = cache.cpu.allocate(cache.cpu.num_free_blocks)  # the tier full
+    taken = [cache.pools.take_cpu_block(None) for _ in range(3)]
+    assert a[2].tier is Tier.DROPPED and b[2].tier is Tier.DROPPED  # private ones first
+    gone = [i for i in range(2) if a[i].tier is Tier.DROPPED]
+    assert len(gone) == 1 and b[gone[0]].tier is Tier.DROPPED  # both holders let it go
+    assert len(cpu_share) == 1 and cpu_share.num_refs == 2
+    cache.cpu.free(held + taken)
+    cache.check_integrity()
+
+
+def test_no_cpu_tier_drops_a_shared_chunk() -> None:
+    cache = make(cpu=0)
+    run_turn(cache, "a", SYSTEM + [20], 0.0)
+    run_turn(cache, "b", SYSTEM + [30], 1.0)
+    cache.pools.evict_gpu(100, 2.0, urgent=True)
+    cache.check_integrity()
+    a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
+    assert all(ch.tier is Tier.DROPPED for ch in a + b)
+    req = run_turn(cache, "a", [40], 3.0)
+    assert req.cache_stats.shared_hit_tokens == 0 and req.cache_stats.recomputed_tokens == 11
 
 
 def test_running_reader_keeps_a_shared_block() -> None:
@@ -157,6 +230,8 @@ class ShareDriver(Driver):
     def __init__(self, cache: TieredKVCache, across: bool) -> None:
         super().__init__(cache)
         self.across = across
+        self.cpu_refs_seen = 0
+        """The most chunks seen holding one CPU block (> 1: the CPU tier shared)."""
 
     def salt(self, cid: str) -> bytes:
         return share_salt(str(int(cid[1:]) % 2), None, self.across)
@@ -188,11 +263,16 @@ class ShareDriver(Driver):
         cache = self.cache
         share = cache.pools.share
         assert share is not None
-        salts: dict[int, set[bytes]] = {}
+        cpu_share = cache.pools.cpu_share
+        assert (cpu_share is None) == (cache.cpu is None)
+        cpu_refs = cpu_share.refs if cpu_share is not None else []
+        salts: dict[tuple[Tier, int], set[bytes]] = {}
         for conv in cache.conversations.values():
             for ch in conv.chunks:
-                if ch.tier is Tier.GPU and share.refs[ch.block]:
-                    salts.setdefault(ch.block, set()).add(self.salt(conv.conversation_id))
+                if (ch.tier is Tier.GPU and share.refs[ch.block]) or (
+                        ch.tier is Tier.CPU and cpu_refs[ch.block]):
+                    salts.setdefault((ch.tier, ch.block), set()).add(
+                        self.salt(conv.conversation_id))
         if not self.across:
             assert all(len(s) == 1 for s in salts.values()), "tenants share a block"
         for conv in cache.conversations.values():  # a registered block holds its tokens
@@ -205,6 +285,8 @@ class ShareDriver(Driver):
                 ch = conv.chunks[i]
                 if ch.tier is Tier.GPU and share.refs[ch.block]:
                     assert share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
+                if ch.tier is Tier.CPU and cpu_share is not None and cpu_refs[ch.block]:
+                    assert cpu_share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
         for conv in cache.conversations.values():  # the admission's count of pinned blocks
             if not conv.running:
                 tiers = [ch.tier for ch in conv.chunks]
@@ -217,6 +299,14 @@ class ShareDriver(Driver):
         for cid in self.running:
             table = cache.conversations[cid].block_table
             assert not leaving & set(table), "a block a running turn reads is leaving"
+        # a CPU block a planned swap-in reads is not free (so no copy out can take it)
+        plan = cache.pools._plan
+        for cb, _ in plan.swap_in + plan.swap_in_ahead:
+            assert cache.cpu is not None and not cache.cpu.is_free(cb), cb
+        for reads in (plan.swap_in, plan.swap_in_ahead):  # the runner's batches need this
+            assert len({cb for cb, _ in reads}) == len(reads), "a CPU block read twice"
+        if cpu_share is not None:
+            self.cpu_refs_seen = max(self.cpu_refs_seen, max(cpu_refs, default=0))
 
 
 @pytest.fixture(autouse=True)
@@ -274,19 +364,29 @@ def test_random_workloads_do_share() -> None:
     assert hits > 0
 
 
-def _guard_workload(policy: str, gpu: int, seed: int) -> TieredKVCache:
+def test_random_workloads_share_in_the_cpu_tier() -> None:
+    """With a small GPU tier the workload shares CPU blocks too: chunks holding one CPU block
+    together, and admissions taking references to CPU copies (a guard against a vacuous
+    pass of the property test there)."""
+    caches = [_guard_workload("pensieve", 7, seed, cpu=8) for seed in range(20)]
+    assert sum(c.stats.cpu_shared_tokens for c in caches) > 0
+    assert max(c.cpu_refs_seen for c in caches) > 1  # type: ignore[attr-defined]
+
+
+def _guard_workload(policy: str, gpu: int, seed: int, cpu: int = 4) -> TieredKVCache:
     """120 random operations of the property test's driver (one tenant per parity, not
-    shared across), 4 CPU blocks: the cache after them."""
+    shared across), ``cpu`` CPU blocks: the cache after them (with ``cpu_refs_seen``)."""
     global _ACROSS
     _ACROSS = [False]
     try:
-        cache = TieredKVCache(gpu, 4, C, get_policy(policy), cost, swap_out_threshold=0.25,
+        cache = TieredKVCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=0.25,
                               decode_reserve=0.0, share_prefixes=True)
         rng = random.Random(seed)
         d = ShareDriver(cache, False)
         for _ in range(120):
             d.do(rng.choice(KINDS + ["branch", "branch"]), rng.randint(0, 50),
                  rng.randint(0, 50), rng.choice([0.0, 0.05, 0.4, 3.0]))
+        cache.cpu_refs_seen = d.cpu_refs_seen  # type: ignore[attr-defined]
         return cache
     finally:
         _ACROSS = None

@@ -98,3 +98,39 @@ def test_tenants_share_only_with_the_flag(tiny_llama) -> None:  # noqa: ANN001
         same = _first_turn(llm, "c", prompt + [3], "t1")["shared_hit_tokens"]
         assert same == 40
         assert other == (40 if across else 0)
+
+
+def cpu_shared_workload(seed: int) -> Workload:
+    """Round 1: three conversations open with one system prompt (four full chunks of 8).
+    Round 2: another with a prompt of its own that needs all but two GPU blocks, so the
+    shared blocks leave the GPU (copied once to the CPU tier, all sharers holding the copy).
+    Round 3: two new conversations open with the system prompt and take the CPU copies
+    (``cpu_shared_tokens``), and the first three continue (swapping theirs in)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(32)]
+    workload: Workload = [[(c, system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
+                            rng.randint(1, 4)) for c in range(3)]]
+    workload.append([(3, [rng.randrange(VOCAB) for _ in range(172)], 4)])
+    workload.append([(c, system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
+                      rng.randint(1, 4)) for c in (8, 9)]
+                    + [(c, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
+                        rng.randint(1, 4)) for c in range(3)])
+    return workload
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000))
+def test_every_policy_matches_hf_sharing_in_the_cpu_tier(tiny_llama, seed: int) -> None:  # noqa: ANN001
+    """Shared blocks moved to the CPU tier and taken from there by new conversations (and
+    swapped in by their old sharers) give HF's greedy tokens under every policy; under
+    ``pensieve`` the CPU copies are shared (counted)."""
+    path, model = tiny_llama
+    ref = Reference(model)
+    workload = cpu_shared_workload(seed)
+    want = expected(ref, workload)
+    for policy in POLICIES:
+        llm = make_llm(path, policy, num_gpu_blocks=24, num_cpu_blocks=16)
+        assert run(llm, workload) == want, f"policy {policy} diverged"
+        if policy == "pensieve":
+            assert llm.cache_stats()["cpu_shared_tokens"] >= 32, llm.cache_stats()

@@ -20,8 +20,10 @@ first chunk in the policy's order that it holds alone. A chunk that becomes shar
 indexed is skipped when it surfaces (``TierPools.evict_gpu``); one skipped while shared whose
 sharers have gone since stays out until its conversation is indexed again. Blocks out of the
 index leave only by the pools' fallback once an urgent pass finds no candidate left
-(:func:`pensieve.core.shared_eviction.evict_shared`). Invariant: every GPU chunk of an idle
-conversation before its GPU candidate (all of them, without one) holds a registered block.
+(:func:`pensieve.core.shared_eviction.evict_shared`). CPU chunks likewise
+(:mod:`pensieve.core.cpu_share`: the fallback is ``drop_shared_cpu``). Invariant: every GPU
+(CPU) chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one)
+holds a registered block.
 
 Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
 idle time`` depends on ``now``, so conversations' order changes over time and no static
@@ -161,6 +163,8 @@ class EvictionIndex:
         self.share: PrefixShare | None = None
         """The GPU tier's registered blocks when prefixes are shared (set by the pools): GPU
         chunks of blocks with more than one reference are no candidates (module docstring)."""
+        self.cpu_share: PrefixShare | None = None
+        """The CPU tier's (:mod:`pensieve.core.cpu_share`): the same for CPU chunks."""
 
     def rekey(self, conv: Conversation) -> None:
         """The inputs of ``conv``'s keys changed: its index entries follow."""
@@ -217,10 +221,10 @@ class EvictionIndex:
 
     def first(self, conv: Conversation, tier: Tier, start: int) -> int | None:
         """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order (on the
-        GPU, the first whose block no other chunk shares)."""
+        GPU or CPU with shared prefixes, the first whose block no other chunk shares)."""
         chunks = conv.chunks
-        share = self.share
-        if share is not None and share.by_hash and tier is Tier.GPU:
+        share = self.share if tier is Tier.GPU else self.cpu_share
+        if share is not None and share.by_hash:
             refs = share.refs
             order = (range(max(start, 0), len(chunks)) if self.step > 0
                      else range(min(start, len(chunks) - 1), -1, -1))
@@ -256,6 +260,10 @@ class EvictionIndex:
         self._advance(self.gpu, Tier.GPU, conv, self.start(conv))
         self._advance(self.cpu, Tier.CPU, conv, self.start(conv))
 
+    def reindex_cpu(self, conv: Conversation) -> None:
+        """(Re)index an idle conversation's CPU candidate from scratch."""
+        self._advance(self.cpu, Tier.CPU, conv, self.start(conv))
+
     def remove(self, conv: Conversation) -> None:
         """``conv`` leaves the index (its turn starts, or it is deleted)."""
         self.gpu.discard(conv)
@@ -267,7 +275,9 @@ class EvictionIndex:
         conversation's CPU candidate if it comes first in the policy's order. ``key_now``: its
         key at :attr:`now` (during an eviction), which the entry then holds; else it is keyed
         at ``t_e``."""
-        cpu = self.cpu
+        cpu, cs = self.cpu, self.cpu_share
+        if cs is not None and cs.refs[conv.chunks[i].block] > 1:
+            return  # shared: no candidate
         entry = cpu.live.get(conv)
         if entry is None or (i - entry[0]) * self.step < 0:
             if key_now is None:
@@ -314,8 +324,9 @@ class EvictionIndex:
 
     def _check_index(self, index: TierIndex, tier: Tier) -> None:
         got = {conv: i for conv, (i, _, _, _) in index.live.items()}
-        if tier is Tier.GPU and self.share is not None:
-            self._check_shared(got, self.share)
+        share = self.share if tier is Tier.GPU else self.cpu_share
+        if share is not None:
+            self._check_shared(got, share, tier)
         else:
             want: dict[Conversation, int] = {}
             for conv in self.conversations.values():
@@ -335,10 +346,11 @@ class EvictionIndex:
                 assert t == self.t_eval or (t == self.now and id(conv) in exact), (
                     tier, cid, t, "keyed at neither t_e nor now")
 
-    def _check_shared(self, got: dict[Conversation, int], share: PrefixShare) -> None:
-        """The GPU candidates with shared blocks (module docstring): each idle conversation's
-        is a GPU chunk, and every GPU chunk before it in the policy's order (all of them,
-        without one) holds a registered block; no running conversation has one."""
+    def _check_shared(self, got: dict[Conversation, int], share: PrefixShare, tier: Tier
+                      ) -> None:
+        """The candidates of ``tier`` with shared blocks (module docstring): each idle
+        conversation's is a chunk there, and every chunk there before it in the policy's order
+        (all of them, without one) holds a registered block; no running conversation has one."""
         for conv in self.conversations.values():
             cid, chunks = conv.conversation_id, conv.chunks
             i = got.get(conv)
@@ -346,11 +358,11 @@ class EvictionIndex:
                 assert i is None, (cid, "running conversation indexed")
                 continue
             if i is not None:
-                assert chunks[i].tier is Tier.GPU, (cid, i, "GPU candidate not on the GPU")
+                assert chunks[i].tier is tier, (cid, i, tier, "candidate not in its tier")
             order = range(len(chunks)) if self.step > 0 else range(len(chunks) - 1, -1, -1)
             for j in order:
                 if j == i:
                     break
                 ch = chunks[j]
-                assert ch.tier is not Tier.GPU or share.refs[ch.block], (
-                    cid, j, "unshared GPU chunk before the GPU candidate")
+                assert ch.tier is not tier or share.refs[ch.block], (
+                    cid, j, tier, "unshared chunk before the candidate")

@@ -4,10 +4,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Conversation, Tier
+from pensieve.core.cpu_share import check_cpu
 from pensieve.core.prefix_share import PrefixShare
+
+if TYPE_CHECKING:
+    from pensieve.core.tier_pools import TierPools
+
+
+def check_pools(pools: TierPools, gpu_reclaim: list[int]) -> None:
+    """Raise AssertionError if a block of either pool is free and held, held twice (unless
+    shared), or neither (waiting to be reclaimed counts as held: ``gpu_reclaim``, and the CPU
+    blocks swap-ins read), or the pending background swap-outs are off."""
+    cpu_reclaim = pools.reads.now + pools.reads.ahead
+    pending = list(pools.plan.swap_out.values())
+    assert pools.pending_reclaim_gpu() == len(gpu_reclaim) + len(pending), "reclaim count"
+    convs, c = pools.index.conversations.values(), pools.chunk_size
+    check_pool(pools.gpu, Tier.GPU, gpu_reclaim + pending, convs, c, pools.share)
+    if pools.cpu_share is not None:
+        check_cpu(pools, cpu_reclaim)
+    elif pools.cpu is not None:
+        check_pool(pools.cpu, Tier.CPU, cpu_reclaim, convs, c, None)
 
 
 def check_pool(pool: BlockPool, tier: Tier, reclaim: list[int],

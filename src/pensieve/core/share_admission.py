@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.cpu_share import lookup_cpu
 from pensieve.core.prefix_share import PrefixShare, extend_hashes
 from pensieve.core.request import Request
 
@@ -35,42 +36,59 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
     return h
 
 
+Found = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]
+""":func:`find_shared`'s answer: ``(found, ext, cpu)``."""
+
+
 def find_shared(pools: TierPools, req: Request, conv: Conversation,
-                dropped: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
-    """Registered blocks the admitted turn can take instead of computing: ``(index, block)``
-    for its dropped full chunks, and the blocks of a conversation without KV's leading full
-    chunks (up to the first miss). Only chunks wholly before the turn's last token (which is
-    always computed) qualify. ``dropped``: the indices of the conversation's dropped chunks
-    (ascending, :meth:`Conversation.dropped_chunks`). Changes nothing."""
-    share = pools.share
-    if share is None or not share.by_hash:
-        return [], []
+                dropped: list[int]) -> Found:
+    """Registered blocks the admitted turn can take instead of computing: ``found``, ``(index,
+    GPU block)`` for its dropped full chunks; ``ext``, the GPU blocks of a conversation without
+    KV's leading full chunks (up to the first miss); ``cpu``, ``(index, CPU block)`` for the
+    chunks of either kind registered on the CPU tier but not on the GPU (for a conversation
+    without KV, those right after ``ext``, up to their first miss: indices past its chunks),
+    to be swapped in (:mod:`pensieve.core.cpu_share`). Only chunks wholly before the turn's
+    last token (which is always computed) qualify. ``dropped``: the indices of the
+    conversation's dropped chunks (ascending, :meth:`Conversation.dropped_chunks`). Changes
+    nothing."""
+    share, cs = pools.share, pools.cpu_share
+    if share is None or not (share.by_hash or cs):
+        return [], [], []
     chunks = conv.chunks
     if chunks and not dropped:  # KV and nothing dropped: nothing to take
-        return [], []
+        return [], [], []
     c = pools.chunk_size
     limit = (req.num_tokens - 1) // c  # full chunks before the last token
     found: list[tuple[int, int]] = []
     ext: list[int] = []
+    cpu: list[tuple[int, int]] = []
+    lookup = share.by_hash.get
     if not chunks and conv.kv_end == 0:
         hashes = request_hashes(req, conv, c, limit)
-        lookup = share.by_hash.get
         for i in range(limit):
             b = lookup(hashes[i])
             if b is None:
                 break
             ext.append(b)
-        return found, ext
+        if cs:
+            for i in range(len(ext), limit):
+                b = lookup_cpu(pools, hashes[i])
+                if b < 0:
+                    break
+                cpu.append((i, b))
+        return found, ext, cpu
     limit = min(limit, conv.kv_end // c)
     if dropped and dropped[-1] >= limit:
         dropped = [i for i in dropped if i < limit]
     if dropped:
         hashes = request_hashes(req, conv, c, dropped[-1] + 1)
         for i in dropped:
-            b = share.by_hash.get(hashes[i])
+            b = lookup(hashes[i])
             if b is not None:
                 found.append((i, b))
-    return found, ext
+            elif cs and (cb := lookup_cpu(pools, hashes[i])) >= 0:
+                cpu.append((i, cb))
+    return found, ext, cpu
 
 
 def pending_ranges(req: Request, conv: Conversation, dropped: list[int], num_ext: int,
@@ -112,19 +130,29 @@ def pinned_by_others(share: PrefixShare, chunks: list[Chunk], tiers: list[Tier],
 
 
 def take_shared(pools: TierPools, conv: Conversation, found: list[tuple[int, int]],
-                ext: list[int]) -> int:
-    """Make the chunks :func:`find_shared` found references to their blocks; returns their
-    tokens."""
+                ext: list[int], cpu: list[tuple[int, int]]) -> int:
+    """Make the chunks :func:`find_shared` found references to their blocks (CPU chunks for
+    ``cpu``: the turn swaps them in); returns the tokens of those on the GPU."""
     share = pools.share
     assert share is not None
     chunks = conv.chunks
+    n = len(chunks)
     for i, b in found:
         chunks[i].tier, chunks[i].block = Tier.GPU, b
         share.ref(b)
     for b in ext:
         chunks.append(Chunk(Tier.GPU, b))
         share.ref(b)
-    if ext:
+    if cpu:
+        cs = pools.cpu_share
+        assert cs is not None
+        for i, b in cpu:
+            if i < n:
+                chunks[i].tier, chunks[i].block = Tier.CPU, b
+            else:
+                chunks.append(Chunk(Tier.CPU, b))
+            cs.ref(b)
+    if len(chunks) > n:
         conv.kv_end = len(chunks) * pools.chunk_size
     return (len(found) + len(ext)) * pools.chunk_size
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
+from pensieve.core.cpu_share import CpuShare, SwapInReads, drop_shared_cpu, release_cpu, to_cpu_copy
 from pensieve.core.disk_index import DiskIndex, spill_chunk
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
-from pensieve.core.pool_audit import check_pool
+from pensieve.core.pool_audit import check_pools
 from pensieve.core.prefix_share import PrefixShare
 from pensieve.core.shared_eviction import evict_shared
 from pensieve.core.stats import CacheStats
@@ -83,20 +84,12 @@ class TierPools:
             TenantShare(tenant_kv_share, num_gpu_blocks, self.cpu.num_blocks if self.cpu else 0))
         self.disk: DiskIndex | None = None
         """The disk tier below the CPU tier (:mod:`pensieve.core.disk_index`); None: none."""
-        """Per-tenant share of each tier that hints cannot exceed (None: no bound)."""
         self._hints_due: set[Conversation] = set()
         """Conversations whose tenant crossed its share in an eviction, re-keyed once the
         eviction's run is over (a run holds its victim at the top of the GPU heap)."""
         self._reclaim_groups: deque[list[int]] = deque()
         """GPU blocks of each earlier step's background swap-outs, oldest first."""
         self._reclaim_group_blocks = 0
-        self._reclaim_cpu: list[int] = []
-        """CPU blocks of this and the previous step's swap-ins: freed when the next step
-        begins (the runner has finished them by then)."""
-        self._reclaim_cpu_ahead: list[int] = []
-        """CPU blocks of this step's ``swap_in_ahead``: they join ``_reclaim_cpu`` when the
-        next step begins, so they are freed one step later (the copies finish during the next
-        step)."""
         self._plan = _StepPlan()
         self.pinned_gpu = 0
         """GPU blocks held by running conversations (all of their chunks; a shared block
@@ -104,7 +97,11 @@ class TierPools:
         self.share: PrefixShare | None = (PrefixShare(num_gpu_blocks) if share_prefixes
                                           else None)
         """Registered (shareable) GPU blocks and their references; None: no sharing."""
-        index.share = self.share
+        self.cpu_share: CpuShare | None = (CpuShare(self.cpu.num_blocks) if share_prefixes
+                                           and self.cpu is not None else None)
+        """The CPU tier's (:mod:`pensieve.core.cpu_share`); None: no sharing or no CPU."""
+        self.reads = SwapInReads(self.cpu, self.cpu_share)  # CPU blocks swap-ins read
+        index.share, index.cpu_share = self.share, self.cpu_share
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -115,9 +112,7 @@ class TierPools:
     def begin_step(self) -> None:
         """Free the CPU blocks whose chunks the previous step swapped in (those it swapped in
         ahead: at the next step)."""
-        if self.cpu is not None:
-            self.cpu.free(self._reclaim_cpu)
-        self._reclaim_cpu, self._reclaim_cpu_ahead = self._reclaim_cpu_ahead, []
+        self.reads.begin_step()
 
     @property
     def num_planned_swap_ins(self) -> int:
@@ -133,9 +128,7 @@ class TierPools:
             return 0
         del plan.swap_in[since:]
         plan.swap_in_ahead.extend(moved)
-        cpu_blocks = {c for c, _ in moved}
-        self._reclaim_cpu = [b for b in self._reclaim_cpu if b not in cpu_blocks]
-        self._reclaim_cpu_ahead.extend(c for c, _ in moved)
+        self.reads.move_ahead([c for c, _ in moved])
         return len(moved)
 
     def queued_copies(self) -> int:
@@ -166,6 +159,11 @@ class TierPools:
             self.gpu.free(group)
             self._reclaim_group_blocks -= len(group)
 
+    @property
+    def plan(self) -> _StepPlan:
+        """This step's copy plan so far (urgent swap-outs may be added: ``to_cpu_copy``)."""
+        return self._plan
+
     def pending_reclaim_gpu(self) -> int:
         """GPU blocks that become free once background copies finish."""
         return self._reclaim_group_blocks + len(self._plan.swap_out)
@@ -178,7 +176,7 @@ class TierPools:
         to recompute). The GPU must have a free block for each chunk not on it."""
         c = self.chunk_size
         chunks = conv.chunks
-        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self._reclaim_cpu
+        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self.reads.now
         kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
         table: list[int] = []
         hit = swapped = recomputed = 0
@@ -186,6 +184,7 @@ class TierPools:
         refs, pins = (share.refs, share.pins) if share is not None else ([], {})
         registered = conv.pinned_shared
         pinned = len(chunks)
+        cpu_share, cpu_refs = self.cpu_share, self.cpu_share.refs if self.cpu_share else []
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
             tier = ch.tier
@@ -202,6 +201,8 @@ class TierPools:
                 if share is not None and i < conv.share_upto:
                     conv.share_back.append(i)
                 if tier is cpu_tier:
+                    if cpu_refs and cpu_refs[ch.block] and cpu_share:  # a read, no reference
+                        cpu_share.read(ch.block)
                     swap_in.append((ch.block, block))
                     reclaim_cpu.append(ch.block)
                     swapped += tokens
@@ -246,8 +247,7 @@ class TierPools:
             if ch.tier is Tier.GPU:
                 self.free_gpu_block(ch.block)
             elif ch.tier is Tier.CPU and self.cpu is not None:
-                self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
-                self.cpu.free([ch.block])
+                self._free_cpu_block(ch.block, conv.chunk_tokens(i, self.chunk_size))
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
         conv.share_upto = min(conv.share_upto, keep)
@@ -261,16 +261,6 @@ class TierPools:
             self.gpu.free_one(block)
 
     # ------------------------------------------------------------------ eviction
-    def plan_background(self, now: float) -> None:
-        """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
-        under the threshold."""
-        if self.cpu is None:
-            return
-        short = (self.swap_out_threshold_blocks - self.gpu.num_free_blocks
-                 - self.pending_reclaim_gpu())
-        if short > 0:
-            self.evict_gpu(short + self.swap_out_batch_blocks, now, urgent=False)
-
     def evictable_gpu_blocks(self) -> int:
         """GPU blocks held by idle conversations (every other taken block is pinned or
         waiting to be reclaimed)."""
@@ -306,7 +296,8 @@ class TierPools:
                 if done < n and share is not None and share.by_hash and urgent:
                     # only shared blocks (or none) left
                     done += evict_shared(idx, refs, n - done,
-                                         lambda c, j, k: self._evict_chunk(c, j, k, urgent))
+                                         lambda c, j, k: self._evict_chunk(c, j, k, urgent,
+                                                                           True))
                     if self._hints_due:
                         self.apply_hints()
                 break
@@ -338,11 +329,11 @@ class TierPools:
             last = conv
         return done
 
-    def _evict_chunk(self, conv: Conversation, i: int, key: EvictionKey, urgent: bool
-                     ) -> Tier | None:
+    def _evict_chunk(self, conv: Conversation, i: int, key: EvictionKey, urgent: bool,
+                     move_shared: bool = False) -> Tier | None:
         """GPU chunk ``i`` of ``conv`` (of key ``key`` now) leaves in an eviction pass
         (:meth:`_leave_gpu`); its CPU index entry and its tenant's counts follow."""
-        to = self._leave_gpu(conv, i, key, urgent)
+        to = self._leave_gpu(conv, i, key, urgent, move_shared)
         if to is Tier.CPU:
             self.index.entered_cpu(conv, i, key)
         if self.tenant_share is not None and conv in self.tenant_share.counted:
@@ -381,25 +372,32 @@ class TierPools:
                 self.index.rekey(conv)
 
     def _leave_gpu(self, conv: Conversation, i: int, key: EvictionKey | None,
-                   urgent: bool) -> Tier | None:
+                   urgent: bool, move_shared: bool = False) -> Tier | None:
         """GPU chunk ``i`` of ``conv`` (of key ``key`` now; None: not computed yet) leaves for
         a free CPU block, or one freed by dropping the CPU tier's lowest chunk if that one's
         key is not higher, else it is dropped; returns the tier it went to. An urgent copy
         frees its GPU block at once, a background one when it is reclaimed. A block other
-        chunks share stays: the chunk only drops its reference (it becomes dropped) and None
-        is returned (no block was freed). The caller keeps the conversation's index entries
-        (of both tiers) right."""
+        chunks share stays: the chunk drops its reference (None: dropped), or goes to the
+        block's CPU copy with ``move_shared`` (:mod:`pensieve.core.cpu_share`). The caller
+        keeps the conversation's index entries (of both tiers) right."""
         ch = conv.chunks[i]
         share = self.share
+        h = b""
         if share is not None and (n := share.refs[ch.block]):  # unref, inline (hot)
-            b = ch.block
+            b, h = ch.block, share.hash_of[ch.block]
             share.num_refs -= 1
             share.refs[b] = n - 1
             if n > 1:
+                if move_shared and to_cpu_copy(self, conv, i, h, key):
+                    return Tier.CPU
                 ch.tier, ch.block = Tier.DROPPED, -1
                 return None
-            del share.by_hash[share.hash_of[b]]  # held idle: not pinned
+            del share.by_hash[h]  # held idle: not pinned
             share.hash_of[b] = b""
+            if self.cpu_share is not None and h in self.cpu_share.by_hash \
+                    and to_cpu_copy(self, conv, i, h, key):
+                self.gpu.free_one(b)  # its copy is on the CPU already
+                return Tier.CPU
         c = self.chunk_size
         tokens = min(c, conv.kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
         cpu, stats = self.cpu, self.stats
@@ -424,6 +422,8 @@ class TierPools:
             self._plan.swap_out[cpu_block] = ch.block
         ch.tier, ch.block = Tier.CPU, cpu_block
         stats.swapped_out_tokens += tokens
+        if h and self.cpu_share is not None and h not in self.cpu_share.by_hash:
+            self.cpu_share.register(cpu_block, h)
         return Tier.CPU
 
     def take_cpu_block(self, key: EvictionKey | None, settle: bool = False) -> int:
@@ -433,22 +433,28 @@ class TierPools:
         caller."""
         cpu = self.cpu
         assert cpu is not None
-        if not cpu.num_free_blocks:
+        cs = self.cpu_share
+        while not cpu.num_free_blocks:  # a drop may free no block (a read one): the next
             victim = self.index.peek_victim(Tier.CPU)
+            if victim is None and cs and drop_shared_cpu(self, key):  # only shared ones left
+                continue
             if victim is None or (key is not None and key < victim[0]):
                 return -1
-            self._drop_cpu_victim(victim[1], victim[2])
+            _, conv, i = victim
+            if cs is None or cs.refs[conv.chunks[i].block] < 2:  # else shared since indexed
+                self._drop_cpu_victim(conv, i)
+            self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
                 self.apply_hints()
         return cpu.allocate_one()
 
     def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
-        """Drop the CPU tier's lowest chunk (its entry is the CPU index's top)."""
+        """Drop an idle CPU chunk (the caller keeps the CPU index right)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
-        if self.disk is not None:  # to the disk tier instead, when it takes it
-            self._spill_to_disk(conv, i)
+        cs = self.cpu_share
+        if self.disk is not None and (cs is None or cs.refs[conv.chunks[i].block] < 2):
+            self._spill_to_disk(conv, i)  # to the disk tier instead (the block's last holder)
         self.drop_cpu_chunk(conv, i)
-        self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
         if self.tenant_share is not None and conv in self.tenant_share.counted:
             self._hints_due |= self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED)
 
@@ -468,9 +474,14 @@ class TierPools:
         caller keeps the index right."""
         assert self.cpu is not None
         ch = conv.chunks[i]
-        self._cancel_swap_out(ch.block, conv.chunk_tokens(i, self.chunk_size))
-        self.cpu.free_one(ch.block)
+        self._free_cpu_block(ch.block, conv.chunk_tokens(i, self.chunk_size))
         ch.tier, ch.block = Tier.DROPPED, -1
+
+    def _free_cpu_block(self, block: int, tokens: int) -> None:
+        """A chunk lets its CPU ``block`` go (freed unless :func:`release_cpu` keeps it)."""
+        if release_cpu(self, block) and self.cpu is not None:
+            self._cancel_swap_out(block, tokens)
+            self.cpu.free_one(block)
 
     def _cancel_swap_out(self, cpu_block: int, tokens: int) -> None:
         """Forget this step's copy into ``cpu_block``, if any (its chunk leaves the CPU tier
@@ -485,13 +496,5 @@ class TierPools:
 
     # ------------------------------------------------------------------ audit
     def check(self) -> None:
-        """Raise AssertionError if a block of either pool is free and held, held twice, or
-        neither (waiting to be reclaimed counts as held), or the reclaim count is off."""
-        groups = [b for g in self._reclaim_groups for b in g]
-        assert self._reclaim_group_blocks == len(groups), "reclaim group count"
-        convs, c = self.index.conversations.values(), self.chunk_size
-        check_pool(self.gpu, Tier.GPU, groups + list(self._plan.swap_out.values()), convs, c,
-                   self.share)
-        if self.cpu is not None:
-            check_pool(self.cpu, Tier.CPU, self._reclaim_cpu + self._reclaim_cpu_ahead, convs,
-                       c, None)
+        """Raise AssertionError unless both pools agree with their holders (:func:`check_pools`)."""
+        check_pools(self, [b for g in self._reclaim_groups for b in g])

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 
 from pensieve.core.conversation import Conversation, Tier
+from pensieve.core.cpu_share import drop_read_twice
 from pensieve.core.disk_index import DiskIndex
 from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
@@ -258,7 +259,13 @@ class TieredKVCache:
     def plan_background(self, now: float) -> None:
         """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
         under the threshold."""
-        self.pools.plan_background(now)
+        pools = self.pools
+        if pools.cpu is None:
+            return
+        short = (pools.swap_out_threshold_blocks - pools.gpu.num_free_blocks
+                 - pools.pending_reclaim_gpu())
+        if short > 0:
+            pools.evict_gpu(short + pools.swap_out_batch_blocks, now, urgent=False)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
@@ -269,11 +276,12 @@ class TieredKVCache:
         dropped = conv.dropped_chunks()
         if self.pools.share is None:
             return pending_ranges(req, conv, dropped, 0, self.chunk_size)
-        found, ext = find_shared(self.pools, req, conv, dropped)
-        if found:
-            taken = {i for i, _ in found}
+        found, ext, cpu = find_shared(self.pools, req, conv, dropped)
+        if found or cpu:
+            taken = {i for i, _ in found}.union(i for i, _ in cpu)
             dropped = [i for i in dropped if i not in taken]
-        return pending_ranges(req, conv, dropped, len(ext), self.chunk_size)
+        num_ext = len(ext) + sum(1 for i, _ in cpu if i >= len(conv.chunks))
+        return pending_ranges(req, conv, dropped, num_ext, self.chunk_size)
 
     def admit(self, req: Request, conv: Conversation, first_end: int, now: float,
               spare_tokens: int | None = None, may_defer: bool = False) -> bool:
@@ -293,10 +301,10 @@ class TieredKVCache:
         pools = self.pools
         share = pools.share
         tiers = [ch.tier for ch in chunks]
-        found, ext = (find_shared(pools, req, conv, conv.dropped_chunks(tiers))
-                      if share is not None else ([], []))
+        found, ext, cpu = (find_shared(pools, req, conv, conv.dropped_chunks(tiers))
+                           if share is not None else ([], [], []))
         on_gpu = tiers.count(Tier.GPU) + len(found) + len(ext)
-        n_chunks = len(chunks) + len(ext)
+        n_chunks = len(chunks) + len(ext) + sum(1 for i, _ in cpu if i >= len(chunks))
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         held = on_gpu  # of the evictable blocks, those this turn would pin
@@ -311,12 +319,16 @@ class TieredKVCache:
         conv.running = True  # pinned: never its own victim
         conv.queued_at = None  # out of the index while running; ended turns re-index
         st = CacheStats()
-        if found or ext:  # references before evicting: the blocks stay
-            st.shared_hit_tokens = take_shared(pools, conv, found, ext)
+        if found or ext or cpu:  # references before evicting: the blocks stay
+            st.shared_hit_tokens = take_shared(pools, conv, found, ext, cpu)
         if shortfall > 0:
             pools.evict_gpu(shortfall, now, urgent=True)
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
+        drop_read_twice(pools, conv)  # read by another swap-in of this step: recomputed
+        if cpu:  # those still to be swapped in (not chosen for recomputation)
+            st.cpu_shared_tokens = sum(conv.chunk_tokens(i, c) for i, b in cpu
+                                       if chunks[i].tier is Tier.CPU and chunks[i].block == b)
         if self.disk is not None:
             st.disk_hit_tokens = restore_from_disk(self.pools, req, conv)  # dropped -> CPU chunks
         req.pending = pending_ranges(req, conv, conv.dropped_chunks(), 0, c)
