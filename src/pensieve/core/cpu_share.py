@@ -37,15 +37,45 @@ and held by none.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionKey
+from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.prefix_share import PrefixShare
+from pensieve.core.stats import CacheStats
 
-if TYPE_CHECKING:
-    from pensieve.core.tier_pools import TierPools
+
+class _Plan(Protocol):
+    swap_out_first: dict[int, int]
+    swap_out: dict[int, int]
+
+
+class TierPoolsView(Protocol):
+    """What this module's functions and the pools' audit read of
+    :class:`~pensieve.core.tier_pools.TierPools`, which imports them (a protocol, so that
+    neither imports it back)."""
+
+    chunk_size: int
+    gpu: BlockPool
+    cpu: BlockPool | None
+    share: PrefixShare | None
+    cpu_share: CpuShare | None
+    index: EvictionIndex
+    stats: CacheStats
+    reads: SwapInReads
+
+    @property
+    def plan(self) -> _Plan: ...
+
+    def take_cpu_block(self, key: EvictionKey | None, settle: bool = False) -> int: ...
+
+    def drop_cpu_chunk(self, conv: Conversation, i: int) -> None: ...
+
+    def _drop_cpu_victim(self, conv: Conversation, i: int) -> None: ...
+
+    def pending_reclaim_gpu(self) -> int: ...
 
 
 class CpuShare(PrefixShare):
@@ -136,7 +166,7 @@ class SwapInReads:
         self.ahead.extend(blocks)
 
 
-def lookup_cpu(pools: TierPools, h: bytes) -> int:
+def lookup_cpu(pools: TierPoolsView, h: bytes) -> int:
     """The registered CPU block of hash ``h`` a chunk may take a reference to now, or -1 (none,
     or one a background copy of this step still writes)."""
     cs = pools.cpu_share
@@ -146,7 +176,7 @@ def lookup_cpu(pools: TierPools, h: bytes) -> int:
     return -1 if b in pools.plan.swap_out or b in cs.step_reads else b
 
 
-def drop_read_twice(pools: TierPools, conv: Conversation) -> int:
+def drop_read_twice(pools: TierPoolsView, conv: Conversation) -> int:
     """The CPU chunks of ``conv`` (being admitted) whose block another swap-in of this step
     reads already are dropped, to be recomputed (:attr:`CpuShare.step_reads`); returns
     their tokens."""
@@ -161,7 +191,7 @@ def drop_read_twice(pools: TierPools, conv: Conversation) -> int:
     return tokens
 
 
-def release_cpu(pools: TierPools, block: int) -> bool:
+def release_cpu(pools: TierPoolsView, block: int) -> bool:
     """A chunk lets its CPU ``block`` go: False if other chunks still hold it (or a planned
     swap-in still reads it: then it is freed at reclaim); True if the caller frees it."""
     cs = pools.cpu_share
@@ -175,7 +205,7 @@ def release_cpu(pools: TierPools, block: int) -> bool:
     return True
 
 
-def to_cpu_copy(pools: TierPools, conv: Conversation, i: int, h: bytes,
+def to_cpu_copy(pools: TierPoolsView, conv: Conversation, i: int, h: bytes,
                 key: EvictionKey | None) -> bool:
     """GPU chunk ``i`` of an idle ``conv``, of hash ``h``, whose block stays on the GPU (other
     chunks hold it, or the caller frees it) takes a reference to the block's CPU copy, made
@@ -201,7 +231,7 @@ def to_cpu_copy(pools: TierPools, conv: Conversation, i: int, h: bytes,
     return True
 
 
-def drop_shared_cpu(pools: TierPools, key: EvictionKey | None) -> bool:
+def drop_shared_cpu(pools: TierPoolsView, key: EvictionKey | None) -> bool:
     """The CPU tier's fallback, once its index has no candidate left (every CPU chunk holds
     a registered block out of the index, as on the GPU: :mod:`pensieve.core.shared_eviction`):
     drop the registered CPU block of lowest last-sharer key that only idle conversations
@@ -246,7 +276,7 @@ def without(reclaim: list[int], moved: list[int]) -> list[int]:
     return keep[::-1]
 
 
-def check_cpu(pools: TierPools, reclaim: list[int]) -> None:
+def check_cpu(pools: TierPoolsView, reclaim: list[int]) -> None:
     """Raise AssertionError unless the CPU pool, the chunks holding its blocks, the registry
     and the pending reads agree (module docstring)."""
     cs, cpu = pools.cpu_share, pools.cpu

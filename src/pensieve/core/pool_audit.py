@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Conversation, Tier
-from pensieve.core.cpu_share import check_cpu
+from pensieve.core.cpu_share import TierPoolsView, check_cpu
 from pensieve.core.prefix_share import PrefixShare
 
-if TYPE_CHECKING:
-    from pensieve.core.tier_pools import TierPools
 
-
-def check_pools(pools: TierPools, gpu_reclaim: list[int]) -> None:
+def check_pools(pools: TierPoolsView, gpu_reclaim: list[int]) -> None:
     """Raise AssertionError if a block of either pool is free and held, held twice (unless
     shared), or neither (waiting to be reclaimed counts as held: ``gpu_reclaim``, and the CPU
     blocks swap-ins read), or the pending background swap-outs are off."""
