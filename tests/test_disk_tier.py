@@ -41,9 +41,14 @@ def test_history_from_disk_matches(tiny_llama, tmp_path) -> None:  # noqa: ANN00
     workload = every_path_workload()
     want = expected(Reference(model), workload)
     llm = make_llm(path, str(tmp_path))
+    steps: list = []
+    llm.engine.step_observers.append(steps.append)
     assert run(llm, workload) == want
     st = llm.cache_stats()
     assert st["disk_written_tokens"] > 0 and st["disk_hit_tokens"] > 0, st
+    # each step record times the disk tier's part of the host time before execution
+    assert steps and all(0.0 <= r.disk_wait_s + r.disk_apply_s <= r.schedule_s for r in steps)
+    assert any(r.disk_apply_s > 0.0 for r in steps)
     assert st["disk_blocks_total"] - st["disk_blocks_free"] == llm.engine.cache.disk.size > 0
     llm.engine.cache.disk.check()
     llm.engine.shutdown()

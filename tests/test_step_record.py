@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 
 import pytest
@@ -302,3 +303,25 @@ def test_server_engine_loop_opens_the_step_log_or_warns(tmp_path, monkeypatch, c
     with caplog.at_level("WARNING", logger="pensieve.server"):
         assert [type(o) for o in loop()] == [StepTotals]
     assert "PENSIEVE_STEP_LOG" in caplog.text
+
+
+def test_step_totals_reports_the_disk_tiers_share_of_the_host_time() -> None:
+    """A server's step rows carry the time spent waiting for disk reads and carrying out the
+    disk plan (parts of ``schedule_s``); step_totals reports them per step, and rows written
+    before those fields count 0."""
+    mod = importlib.import_module("pensieve.bench.step_totals")
+
+    def row(prefill: int, wait: float | None, apply: float | None) -> str:
+        d = {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": 0.01,
+             "host_prepare_s": 0.0, "host_issue_s": 0.0, "schedule_s": 0.05, "update_s": 0.0,
+             "swap_in_chunks": 0, "swap_out_chunks": 0, "urgent_swap_out_chunks": 0}
+        if wait is not None:
+            d["disk_wait_s"], d["disk_apply_s"] = wait, apply
+        return json.dumps(d)
+
+    c = mod.costs(mod.totals_of_steps([row(100, 0.03, 0.01), row(0, 0.0, 0.002),
+                                       row(0, None, None), row(0, 0.006, 0.0)]))
+    assert c["disk_wait_ms_per_step"] == pytest.approx(9.0)    # 36 ms over 4 steps
+    assert c["disk_apply_ms_per_step"] == pytest.approx(3.0)   # 12 ms over 4 steps
+    assert mod.costs(mod.totals_of_steps([]))["disk_wait_ms_per_step"] == 0.0
+

@@ -63,6 +63,9 @@ def costs(m: dict[str, float]) -> dict[str, float]:
         return 1e3 * m.get(f"pensieve_step_host_{name}_seconds_total:{kind}", 0.0) / n if n \
             else 0.0
 
+    def per_all(key: str) -> float:
+        return 1e3 * m.get(key, 0.0) / (steps_p + steps_d) if steps_p + steps_d else 0.0
+
     return {
         "prefill_host_prepare_ms": per_step("prepare", "prefill", steps_p),
         "prefill_host_issue_ms": per_step("issue", "prefill", steps_p),
@@ -76,6 +79,8 @@ def costs(m: dict[str, float]) -> dict[str, float]:
         "prefill_step_ms": 1e3 * sec_p / steps_p if steps_p else 0.0,
         "decode_step_ms": 1e3 * decode_step,
         "scheduler_ms_per_step": 1e3 * sched / (steps_p + steps_d) if steps_p + steps_d else 0.0,
+        "disk_wait_ms_per_step": per_all("pensieve_disk_step_seconds_total:wait"),
+        "disk_apply_ms_per_step": per_all("pensieve_disk_step_seconds_total:apply"),
         "swap_in_chunks": m.get("pensieve_swap_chunks_total:in", 0.0),
         "swap_out_chunks": out_bg + out_urgent,
         "urgent_swap_out_share": out_urgent / (out_bg + out_urgent) if out_bg + out_urgent
@@ -114,6 +119,8 @@ def totals_of_steps(lines: list[str]) -> dict[str, float]:
         add("pensieve_computed_tokens_total:prefill", d.get("num_prefill_tokens", 0))
         add("pensieve_scheduler_seconds_total:schedule", host.get("schedule_s", 0.0))
         add("pensieve_scheduler_seconds_total:update", host.get("update_s", 0.0))
+        add("pensieve_disk_step_seconds_total:wait", d.get("disk_wait_s", 0.0))
+        add("pensieve_disk_step_seconds_total:apply", d.get("disk_apply_s", 0.0))
         add("pensieve_swap_chunks_total:in", d.get("swap_in_chunks", 0))
         urgent = d.get("urgent_swap_out_chunks", 0)
         add("pensieve_swap_chunks_total:out_urgent", urgent)
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                     "http://host:port")
     args = ap.parse_args(argv)
     keys = ("us_per_prefill_token", "us_per_prefill_token_net", "prefill_step_ms",
-            "decode_step_ms", "scheduler_ms_per_step", "urgent_swap_out_share")
+            "decode_step_ms", "scheduler_ms_per_step", "disk_wait_ms_per_step",
+            "disk_apply_ms_per_step", "urgent_swap_out_share")
     host = ("prefill_step_ms", "prefill_host_prepare_ms", "prefill_host_issue_ms",
             "decode_step_ms", "decode_host_prepare_ms", "decode_host_issue_ms",
             "prefill_graph_share")

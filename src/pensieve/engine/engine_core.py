@@ -215,7 +215,9 @@ class EngineCore:
         t0 = time.perf_counter()
         if self.disk is not None:
             self.disk.collect()
+        ts = time.perf_counter()
         sched = self.scheduler.schedule(self.now())
+        ta = time.perf_counter()
         if self.disk is not None:
             self.disk.apply(self.disk_sync)
         t1 = time.perf_counter()
@@ -240,7 +242,8 @@ class EngineCore:
         finished = self.scheduler.update_from_output(sched, result, self.now())
         if self.step_observers:
             rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3,
-                                failed_requests=len(failed))
+                                failed_requests=len(failed), disk_wait_s=ts - t0,
+                                disk_apply_s=t1 - ta)
             for observe in self.step_observers:
                 observe(rec)
         if self.audit:
