@@ -126,7 +126,7 @@ class FakeDisk:
                 self.loaded[e.name] = list(f[1])
             self.done.append((e, ok))
 
-    def collect(self) -> None:
+    def collect(self, wait: bool = True) -> None:  # reads are instant here
         for e, ok in self.done:
             self.index.set_ready(e, ok)  # no-op if dropped since
         self.done.clear()

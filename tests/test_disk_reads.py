@@ -171,3 +171,80 @@ def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: 
         assert found.ready and reader.bytes_read == read
         assert torch.equal(torch.stack([c[:, block] for c in cpu]), want)
     reader.close(None)
+
+
+def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """``collect(wait=False)`` takes only the reads that are done: a read still running stays,
+    and the conversations whose turn waits for it stay in ``DiskIndex.reading`` (one count
+    per file, however many times a turn asks for it) until it is taken; ``collect()`` waits."""
+    import threading
+
+    import pensieve.engine.disk_files as disk_files
+
+    cpu = _cpu_tier("chunk-major")
+    path = str(tmp_path / "tier")
+    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    for n in (0, 1):
+        entry = _entry("a", n)
+        assert tier.index.spill("a", entry, n, False)
+        tier.index.plan.writes.clear()
+        tier.index.plan.writes.append((False, n, entry))
+        tier.apply()
+    tier.close(None)
+
+    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    gate = threading.Event()
+    slow_name = _entry("a", 1).name
+    read_file = disk_files.read_file
+
+    def gated(p: str, spare: object) -> object:
+        if p.endswith(slow_name):
+            assert gate.wait(60), "the test never opened the gate"
+        return read_file(p, spare)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_files, "read_file", gated)
+    entries = [reader.index.files[_entry("a", i).name] for i in (0, 1)]
+    reader.start_reads(entries, "conv-x")
+    reader.start_reads(entries[1:], "conv-x")  # asked again: still one count
+    reader.start_reads(entries[1:], "conv-y")  # another turn waits for the same file
+    assert reader.index.reading == {"conv-x": 2, "conv-y": 1}
+    fast = reader._reads[entries[0].name][1]
+    fast.result(timeout=60)  # the ungated read is done
+    reader.collect(wait=False)
+    assert entries[0].ready and not entries[1].ready
+    assert reader.index.reading == {"conv-x": 1, "conv-y": 1}
+    gate.set()
+    reader.collect()  # waits for the rest
+    assert entries[1].ready and reader.index.reading == {}
+    reader.close(None)
+
+
+def test_a_turn_whose_reads_still_run_waits_while_others_run(tiny_llama, tmp_path) -> None:  # noqa: ANN001
+    """The scheduler admits no turn whose conversation is in ``DiskIndex.reading`` while
+    other requests run (FCFS: it stops there), and admits it once the reads are taken."""
+    from test_disk_tier import make_llm
+
+    from pensieve import SamplingParams
+
+    path, _ = tiny_llama
+    llm = make_llm(path, str(tmp_path))
+    eng = llm.engine
+    eng.add_request("r1", list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True),
+                    conversation_id="c1")
+    eng.step()  # r1 runs
+    assert [r.request_id for r in eng.scheduler.running] == ["r1"]
+    disk = eng.cache.disk
+    assert disk is not None
+    disk.reading["c2"] = 1  # as if c2's turn waited for a read still running
+    eng.add_request("r2", list(range(40, 50)), SamplingParams(max_tokens=2, ignore_eos=True),
+                    conversation_id="c2")
+    disk.reading["c2"] = 1  # add_request's prefetch found nothing to read: keep it waiting
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.running] == ["r1"]
+    assert [r.request_id for r in eng.scheduler.waiting] == ["r2"]
+    del disk.reading["c2"]  # its reads were taken
+    eng.step()
+    assert {r.request_id for r in eng.scheduler.running} == {"r1", "r2"}
+    while eng.scheduler.has_unfinished():
+        eng.step()
+    llm.engine.shutdown()

@@ -149,8 +149,10 @@ class SimDiskTier:
         assert self.cache is not None
         return worth_reading(self.cache, entry, self.read_chunk_s)
 
-    def collect(self) -> None:
-        """Wait until every read started so far is done; their entries become ready."""
+    def collect(self, wait: bool = True) -> None:
+        """Wait until every read started so far is done; their entries become ready. Always
+        waits, ``wait`` or not: the simulator models the engine before it deferred turns
+        whose reads still run (``DiskIndex.reading`` stays empty here)."""
         if not self._reads:
             return
         until = max(done for _, done in self._reads.values())

@@ -189,6 +189,10 @@ class DiskIndex:
         if capacity < 0:
             raise ValueError(f"disk capacity must be >= 0 chunks, got {capacity}")
         self.capacity = capacity
+        self.reading: dict[str, int] = {}
+        """Conversation id -> reads still running that its queued turn waits for (kept by the
+        engine's disk tier): the scheduler admits no such turn while others run, so a step
+        does not wait for them (:meth:`pensieve.engine.disk_tier.DiskTier.collect`)."""
         self.chunk_size = chunk_size
         self.files: dict[str, DiskEntry] = {}
         """File name -> entry."""

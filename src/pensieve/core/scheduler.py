@@ -52,6 +52,9 @@ def is_decode(req: Request, num_pending: int) -> bool:
     return num_pending == 1 and bool(req.output_token_ids)
 
 
+_NONE_READING: dict[str, int] = {}
+"""No disk tier: no conversation waits for reads (never written)."""
+
 class ConversationBusyError(ValueError):
     """A turn was submitted for a conversation whose previous turn is still in flight."""
 
@@ -182,15 +185,13 @@ class Scheduler:
 
     def _fill(self, now: float, prefill: bool | None) -> list[ScheduledRequest]:
         """One step's requests under the token budget. ``prefill``: None takes every kind of
-        work (unified batches); True only prefill work, False only decodes (separate batches).
-        """
+        work (unified batches); True only prefill work, False only decodes (separate batches)."""
         cache, budget = self.cache, self.config.max_num_batched_tokens
         self._pairs_left = self._attention_pairs
         scheduled: list[ScheduledRequest] = []
 
         # 1. Running requests, oldest first; suspend the newest when blocks run out.
-        chunk_size, conversations = cache.chunk_size, cache.conversations
-        i = 0
+        chunk_size, conversations, i = cache.chunk_size, cache.conversations, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             pending = req.pending
@@ -230,6 +231,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             conv = self._conversation_of(req)
+            if self.running and conv.conversation_id in self._disk_reading:
+                break  # its disk reads still run: admitted once they are done (FCFS)
             pending = cache.pending_for(req, conv)
             total = sum(hi - lo for lo, hi in pending)
             if prefill is not None and is_decode(req, total) is prefill:
@@ -260,6 +263,12 @@ class Scheduler:
             scheduled.append(self._take(req, conv, n))
             budget -= n
         return scheduled
+
+    @property
+    def _disk_reading(self) -> dict[str, int]:
+        """Conversations whose queued turn waits for disk reads still running."""
+        disk = self.cache.disk
+        return disk.reading if disk is not None else _NONE_READING
 
     def _attention_cap(self, start: int, n: int) -> int:
         """The most of ``n`` prompt tokens from position ``start`` that the step's attention

@@ -102,6 +102,8 @@ class DiskTier:
         self._writing: dict[str, tuple[DiskEntry, memoryview]] = {}
         """Files whose write is queued or running: their bytes (a prefetch takes them)."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
+        self._awaiting: dict[str, set[str]] = {}
+        """File name -> conversations whose queued turn waits for its read."""
         self._loaded: dict[str, memoryview] = {}
         self._restored: dict[str, None] = {}
         """Names in ``_loaded`` restored at least once, least recently restored first."""
@@ -177,18 +179,26 @@ class DiskTier:
         when it has KV)."""
         self.start_reads(self.index.of(conversation_id) if tokens is None else
                          self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
-                                           dropped))
+                                           dropped), conversation_id)
 
-    def start_reads(self, entries: list[DiskEntry]) -> None:
-        """Start reading those of ``entries`` not ready nor being read, and worth reading."""
+    def start_reads(self, entries: list[DiskEntry], waiter: str | None = None) -> None:
+        """Start reading those of ``entries`` not ready nor being read, and worth reading;
+        conversation ``waiter``'s turn waits for these and for those already being read
+        (``DiskIndex.reading``)."""
         worth = self.worth
         for entry in entries:
-            if entry.ready or entry.name in self._reads:
+            if entry.ready:
                 continue
-            if worth is not None and not worth(entry):
-                self.reads_skipped += 1
-                continue
-            self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
+            if entry.name not in self._reads:
+                if worth is not None and not worth(entry):
+                    self.reads_skipped += 1
+                    continue
+                self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
+            if waiter is not None:
+                waiting = self._awaiting.setdefault(entry.name, set())
+                if waiter not in waiting:
+                    waiting.add(waiter)
+                    self.index.reading[waiter] = self.index.reading.get(waiter, 0) + 1
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
         queued = self._writing.get(entry.name)
@@ -217,13 +227,24 @@ class DiskTier:
         return disk_files.decode(data, self.fingerprint, entry.conversation_id, entry.index,
                                  entry.tokens, entry.prefix_hash, self.block_bytes)
 
-    def collect(self) -> None:
-        """Wait for the reads started so far; mark their entries ready or forget them; forget
-        the entries whose write failed."""
+    def collect(self, wait: bool = True) -> None:
+        """Take the reads that are done (``wait``: every read started so far, waiting for
+        those still running); mark their entries ready or forget them; forget the entries
+        whose write failed. The engine waits only when no request runs: otherwise a turn
+        whose reads still run is not admitted (``DiskIndex.reading``) and the running
+        requests' step goes on without waiting for them."""
         index = self.index
         for name, (entry, fut) in list(self._reads.items()):
+            if not wait and not fut.done():
+                continue
             payload = fut.result()
             del self._reads[name]
+            for waiter in self._awaiting.pop(name, ()):
+                n = index.reading.get(waiter, 0)
+                if n > 1:
+                    index.reading[waiter] = n - 1
+                else:
+                    index.reading.pop(waiter, None)
             if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:

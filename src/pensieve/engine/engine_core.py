@@ -41,7 +41,7 @@ class DiskHooks(Protocol):
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None) -> None: ...
-    def collect(self) -> None: ...
+    def collect(self, wait: bool = True) -> None: ...
     def apply(self, sync: Callable[[], None] | None = None) -> None: ...
     def close(self, cache: TieredKVCache | None) -> None: ...
     def stats(self) -> dict[str, int]: ...
@@ -213,8 +213,8 @@ class EngineCore:
         self.last_sampled = {}
         self.last_logprobs = {}
         t0 = time.perf_counter()
-        if self.disk is not None:
-            self.disk.collect()
+        if self.disk is not None:  # waits for reads only when no request runs
+            self.disk.collect(wait=not self.scheduler.running)
         ts = time.perf_counter()
         sched = self.scheduler.schedule(self.now())
         ta = time.perf_counter()
