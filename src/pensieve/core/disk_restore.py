@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from pensieve.core.conversation import Chunk, Conversation, Tier
 from pensieve.core.disk_index import DiskEntry, DiskIndex, partial_hash, shared_name
-from pensieve.core.prefix_share import extend_hashes
 from pensieve.core.request import Request
+from pensieve.core.share_admission import request_hashes
 
 if TYPE_CHECKING:
     from pensieve.core.eviction_index import EvictionIndex
@@ -65,13 +65,6 @@ def _copy(disk: DiskIndex, cid: str, tokens: list[int], full: list[bytes], salt:
     return entry
 
 
-def _hashes(tokens: list[int], salt: bytes, c: int, n: int) -> list[bytes]:
-    """Shared-prefix hashes of the first ``n`` full chunks of ``tokens``."""
-    out: list[bytes] = []
-    extend_hashes(out, salt, tokens[:min(n, len(tokens) // c) * c], c)
-    return out
-
-
 def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int:
     """Turn the admitted conversation's dropped chunks that are on disk into CPU chunks (a
     read planned into each block); returns their tokens."""
@@ -84,7 +77,8 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
     restored = 0
     if dropped and disk.files:
         c, tokens, salt = cache.chunk_size, req.all_token_ids, req.share_salt
-        full = _hashes(tokens, salt, c, dropped[-1] + 1)
+        n = dropped[-1] + 1  # the turn's hashes, cached on it (find_shared's too)
+        full = request_hashes(req, conv, c, n)[:n]
         for i in dropped:
             n_tok = conv.chunk_tokens(i, c)
             if n_tok == 0 or i * c + n_tok > len(tokens):
@@ -115,7 +109,7 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
         req.num_tokens - 1
     salt = req.share_salt
     disk.salts[cid] = salt
-    full = _hashes(tokens, salt, c, limit // c)
+    full = request_hashes(req, conv, c, limit // c)[:limit // c]  # before the last token
     end = 0
     for i in range(-(-limit // c)):
         entry = disk.get(cid, i)  # its partial last chunk (full in this turn's tokens)
