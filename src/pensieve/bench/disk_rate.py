@@ -17,6 +17,16 @@ and dd's reads here are of files just written, so they compare alike.
 
     python -m pensieve.bench.disk_rate --path /tmp/pensieve-disk-bench --chunks 128 \\
         --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32 --out disk_rate.json
+
+``--measure spill`` times instead what a step with spills waits for: ``DiskTier.apply()`` of a
+plan writing ``--spill-chunks`` chunks out of as many CPU-tier blocks (their bytes copied out
+of the tier; the writes are queued, not waited for), ``--spill-repeat`` times with the writer
+idle before each call (its earlier writes done), then as many times back to back (the writer
+still busy with the calls before). Each call's chunks replace the previous call's on disk
+(the tier holds ``--spill-chunks``).
+
+    python -m pensieve.bench.disk_rate --path /tmp/pensieve-disk-bench --measure spill \\
+        --spill-chunks 150 --blocks 150 --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32
 """
 
 from __future__ import annotations
@@ -111,6 +121,34 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
             "restore_gbps": reader.bytes_read / restore_s / 1e9, "restore_copy_s": copy_s}
 
 
+def spill_times(args: argparse.Namespace) -> dict[str, object]:
+    """Milliseconds of each ``apply()`` spilling ``--spill-chunks`` CPU-tier blocks: with the
+    writer idle before each (``spill_ms``), then back to back (``spill_busy_ms``)."""
+    cpu = cpu_tier(args)
+    n = args.spill_chunks
+    path = os.path.join(args.path, "spill")
+    shutil.rmtree(path, ignore_errors=True)
+    tier = DiskTier(path, n, args.chunk_size, _FP, cpu, cpu, read_gbps=None, measure=False)
+    out: dict[str, list[float]] = {"spill_ms": [], "spill_busy_ms": []}
+    calls = [("spill_ms", True)] * args.spill_repeat + [("spill_busy_ms", False)] * \
+        args.spill_repeat
+    for r, (series, idle) in enumerate(tqdm(calls, desc="spill", unit="apply")):
+        for j in range(n):  # keys above the previous call's: they make room on disk
+            entry = DiskEntry("", j, args.chunk_size, f"{r:08x}{j:024x}",
+                              spilled_key((float(r * n + j), 0.0, "", 0.0)))
+            assert tier.index.add(entry)
+            tier.index.plan.writes.append((False, j % args.blocks, entry))
+        if idle:
+            tier.wait_writes()
+        t0 = time.perf_counter()
+        tier.apply()
+        out[series].append((time.perf_counter() - t0) * 1e3)
+    tier.close(None)
+    shutil.rmtree(path, ignore_errors=True)
+    assert tier.bytes_written == len(calls) * n * tier.block_bytes, tier.bytes_written
+    return {"chunk_bytes": tier.block_bytes, "spill_chunks": n, **out}
+
+
 def dd_rates(path: str, nbytes: int) -> dict[str, float]:
     """``dd`` of ``nbytes`` (in MiB blocks): written with and without fdatasync, then read."""
     f = os.path.join(path, "dd.bin")
@@ -141,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--read-threads", type=int, default=4)
     ap.add_argument("--layout", choices=("chunk-major", "layer-major"), default="chunk-major",
                     help="the CPU tier's layout (the engine's on CUDA / on the CPU)")
+    ap.add_argument("--measure", choices=("rates", "spill"), default="rates",
+                    help="the tier's rates against dd's, or the time of a step's spills")
+    ap.add_argument("--spill-chunks", type=int, default=150,
+                    help="chunks spilled per apply() (--measure spill)")
+    ap.add_argument("--spill-repeat", type=int, default=5,
+                    help="apply() calls with the writer idle, then as many back to back")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     return ap
 
@@ -148,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     os.makedirs(args.path, exist_ok=True)
+    if args.measure == "spill":
+        emit_result({"args": vars(args), **spill_times(args)}, args.out)
+        return
     rates = tier_rates(args)
     result: dict[str, object] = {"args": vars(args), **rates, **dd_rates(args.path,
                                                                         int(rates["bytes"]))}

@@ -389,6 +389,10 @@ class DiskTier:
                 if queued is not None and queued[0] is entry:
                     del self._writing[entry.name]
 
+    def wait_writes(self) -> None:
+        """Wait until the writes and deletes submitted so far are done."""
+        self._writer.submit(lambda: None).result()
+
     def _delete(self, name: str) -> None:
         if name in self._writing:
             return  # written again since: that write is the file now
