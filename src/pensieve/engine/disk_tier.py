@@ -9,12 +9,14 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
 - ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
   forget them: a bad file is recomputed); failed writes forget theirs;
 - ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
-  block's bytes are copied out of its tier (one gather per tier for the whole step, on
-  torch's intra-op threads, before any copy of the step touches the blocks; the step waits
+  block's bytes are copied out of its tier into a pooled write buffer
+  (:mod:`pensieve.engine.disk_writes`: buffers already filled before, so no fresh pages to
+  fault in; pinned on CUDA; before any copy of the step touches the blocks; the step waits
   for this copy, not for the write) and written by one writer thread (writes and deletes in
-  plan order), each restored chunk's verified payload is copied into its CPU block (the
-  step's swap-ins then move it to the GPU; the payload is kept for other turns, within
-  RESTORED_LOADED_BYTES), and dropped files are deleted.
+  plan order), the buffer going back to the pool once written unless its bytes were lent
+  to a read or a restore meanwhile; each restored chunk's verified payload is copied into
+  its CPU block (the step's swap-ins then move it to the GPU; the payload is kept for other
+  turns, within RESTORED_LOADED_BYTES), and dropped files are deleted.
 
 No step waits for a disk write. A step waits for reads still running when it schedules (they
 started when their turns were added). On CUDA, a step with disk copies first waits for the
@@ -52,6 +54,7 @@ from pensieve.core.disk_index import (
 )
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
+from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_out
 
 log = logging.getLogger("pensieve")
 
@@ -99,8 +102,10 @@ class DiskTier:
             self.index.read_chunk_s = self.block_bytes / (read_gbps * 1e9)
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
-        self._writing: dict[str, tuple[DiskEntry, memoryview]] = {}
-        """Files whose write is queued or running: their bytes (a prefetch takes them)."""
+        self._writes = WriteBuffers(self.block_bytes, bool(gpu_caches) and
+                                    gpu_caches[0].device.type == "cuda")
+        """Pooled write buffers; files whose write is queued or running, their bytes lent
+        to a prefetch or a restore that needs them."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._awaiting: dict[str, set[str]] = {}
         """File name -> conversations whose queued turn waits for its read."""
@@ -119,12 +124,10 @@ class DiskTier:
         self._spare_max = max(4 * read_threads, SPARE_BYTES // self.block_bytes)
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
-        self._lock = threading.Lock()
         self.worth: Callable[[DiskEntry], bool] | None = None
         """Whether a file is worth reading back (the engine sets it:
         :func:`~pensieve.core.disk_restore.worth_reading` over its cache); None: every one."""
         self.reads_skipped = 0
-        self._queued_write_bytes = 0
         self.writes_skipped = 0
         """Chunks dropped instead of written: the writer was WRITE_BACKLOG_BYTES behind."""
         self.write_errors = 0
@@ -201,9 +204,9 @@ class DiskTier:
                     self.index.reading[waiter] = self.index.reading.get(waiter, 0) + 1
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
-        queued = self._writing.get(entry.name)
-        if queued is not None and queued[0] is entry:
-            return queued[1]
+        queued = self._writes.lend(entry)  # its buffer is ours now: never pooled again
+        if queued is not None:
+            return queued
         with self._read_lock:
             if not self._reading:
                 self._busy_since = time.perf_counter()
@@ -292,8 +295,7 @@ class DiskTier:
                 self._restored.pop(entry.name, None)
                 self._restored[entry.name] = None
             if payload is None:
-                queued = self._writing.get(entry.name)
-                payload = queued[1] if queued is not None and queued[0] is entry else None
+                payload = self._writes.lend(entry)
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
             self._restore(payload, block)
@@ -305,8 +307,8 @@ class DiskTier:
             if dropped is not None:
                 self._recycle(dropped)
             self._writer.submit(self._delete, name)
-        for entry, payload in writes:
-            self._submit_write(entry, payload)
+        for entry, buf in writes:
+            self._submit_write(entry, buf)
 
     def _restore(self, payload: memoryview, block: int) -> None:
         """Copy a chunk's payload (``[L, 2, C, Hkv, D]``) into CPU block ``block``: one
@@ -322,7 +324,8 @@ class DiskTier:
 
     def _recycle(self, payload: memoryview) -> None:
         """Keep the buffer a read payload lies in for a later read (not a queued write's
-        bytes, which are no read buffer)."""
+        bytes lent to a read, which are no read buffer: such a buffer is freed when its last
+        view goes, neither read into nor written from again)."""
         buf = payload.obj
         if isinstance(buf, disk_files.ReadBuffer) and len(self._spare) < self._spare_max:
             try:
@@ -332,44 +335,28 @@ class DiskTier:
             self._spare.append(buf)
 
     def _spilled_bytes(self, spills: list[tuple[bool, int, DiskEntry]]
-                       ) -> list[tuple[DiskEntry, memoryview]]:
-        """Copies of the spilled blocks' K and V over all layers, ``[L, 2, C, Hkv, D]`` each, as
-        bytes, in plan order: one gather per tier (torch's intra-op threads; on a chunk-major
-        CPU tier one row per block), not one copy per block and layer, since the step waits
-        for them."""
-        out: dict[int, memoryview] = {}
-        for gpu in (False, True):
-            at = [i for i, (g, _, _) in enumerate(spills) if g == gpu]
-            if not at:
-                continue
-            blocks = [spills[i][1] for i in at]
-            if not gpu and self._cpu_blocks is not None:
-                rows = self._cpu_blocks.index_select(0, torch.tensor(blocks))
-            else:
-                caches = self.gpu_caches if gpu else self.cpu_caches
-                idx = torch.tensor(blocks, device=caches[0].device)
-                kv = torch.stack([c.index_select(1, idx) for c in caches])  # [L, 2, n, ...]
-                rows = kv.movedim(2, 0).contiguous().cpu().view(len(blocks), -1)
-            raw = rows.view(torch.uint8).numpy()
-            for i, row in zip(at, raw):
-                out[i] = memoryview(row)
-        return [(e, out[i]) for i, (_, _, e) in enumerate(spills)]
+                       ) -> list[tuple[DiskEntry, torch.Tensor]]:
+        """Copies of the spilled blocks' K and V over all layers, ``[L, 2, C, Hkv, D]`` each,
+        in pooled write buffers (``[block_bytes]`` uint8), in plan order
+        (:func:`~pensieve.engine.disk_writes.copy_out`)."""
+        bufs = self._writes.take(len(spills))
+        copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks)
+        return [(e, buf) for (_, _, e), buf in zip(spills, bufs)]
 
-    def _submit_write(self, entry: DiskEntry, payload: memoryview) -> None:
-        with self._lock:
-            if self._queued_write_bytes + payload.nbytes > WRITE_BACKLOG_BYTES:
-                self.writes_skipped += 1
-                if self.writes_skipped == 1 or self.writes_skipped % 1000 == 0:
-                    log.warning("disk tier: the writer is %.1f GiB behind; a chunk leaving "
-                                "the CPU tier is dropped instead (%d so far)",
-                                self._queued_write_bytes / 2**30, self.writes_skipped)
-                self._failed.put(entry)  # forgotten at the next collect, as a failed write
-                return
-            self._queued_write_bytes += payload.nbytes
-            self._writing[entry.name] = (entry, payload)
-        self._writer.submit(self._write, entry, payload)
+    def _submit_write(self, entry: DiskEntry, buf: torch.Tensor) -> None:
+        write = self._writes.queue(entry, buf, WRITE_BACKLOG_BYTES)
+        if write is None:
+            self.writes_skipped += 1
+            if self.writes_skipped == 1 or self.writes_skipped % 1000 == 0:
+                log.warning("disk tier: the writer is %.1f GiB behind; a chunk leaving "
+                            "the CPU tier is dropped instead (%d so far)",
+                            self._writes.queued_bytes / 2**30, self.writes_skipped)
+            self._failed.put(entry)  # forgotten at the next collect, as a failed write
+            return
+        self._writer.submit(self._write, write)
 
-    def _write(self, entry: DiskEntry, payload: memoryview) -> None:
+    def _write(self, write: QueuedWrite) -> None:
+        entry, payload = write.entry, write.payload
         header = disk_files.make_header(self.fingerprint, entry.conversation_id, entry.index,
                                         entry.tokens, entry.prefix_hash, payload, time.time())
         try:
@@ -383,18 +370,14 @@ class DiskTier:
                             "(%d failed writes so far)", entry.name, e, self.write_errors)
             self._failed.put(entry)
         finally:
-            with self._lock:
-                self._queued_write_bytes -= payload.nbytes
-                queued = self._writing.get(entry.name)
-                if queued is not None and queued[0] is entry:
-                    del self._writing[entry.name]
+            self._writes.done(write)  # its buffer back in the pool, unless lent
 
     def wait_writes(self) -> None:
         """Wait until the writes and deletes submitted so far are done."""
         self._writer.submit(lambda: None).result()
 
     def _delete(self, name: str) -> None:
-        if name in self._writing:
+        if self._writes.writing(name):
             return  # written again since: that write is the file now
         try:
             os.remove(os.path.join(self.path, name))
@@ -410,6 +393,7 @@ class DiskTier:
             self._flush(cache)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        self._writes.clear()
 
     def _flush(self, cache: TieredKVCache) -> None:
         """Spill every idle conversation's chunks still in a tier

@@ -1,0 +1,159 @@
+"""The disk tier's write side: spilled chunks' bytes in pooled buffers, and who may read them.
+
+A step that spills chunks to disk copies each spilled block's KV over all layers
+(``[L, 2, C, Hkv, D]``, ``block_bytes``) out of its tier into a write buffer
+(:func:`copy_out`) before the step runs, and queues it for the writer thread
+(:class:`WriteBuffers`). A fresh buffer's pages are faulted in as the copy fills it (a buffer
+of megabytes is a fresh anonymous mapping, unmapped again when freed): on the development VM
+a step of 150 chunks of 4 MiB spent most of its copy in those faults (docs/performance.md,
+"The disk tier's spills: pooled write buffers"). So a buffer whose write is done (or skipped)
+goes back to an idle pool, at most ``WRITE_SPARE_BYTES`` of them, and is filled again by a
+later step. On CUDA the buffers are pinned, so a GPU block's bytes come over in one DMA each.
+
+Ownership, the invariant: a buffer is idle (in the pool; only :meth:`WriteBuffers.take` hands
+it out, on the thread that runs the steps) or owned by its write. While the write is queued
+its bytes may be lent (:meth:`WriteBuffers.lend`: a read of its file, whose payload may then
+stay in memory and be restored later, or a restore in the step itself). A lent buffer never
+goes back to the pool: the borrower keeps it, and it is freed when its last view goes. ``lend``
+and the writer's :meth:`WriteBuffers.done` hold the same lock, so either the lending comes
+first (and the write, once done, leaves its buffer to the borrower) or the write has left the
+queue (and nothing can be lent from it any more).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pensieve.core.disk_index import DiskEntry
+
+WRITE_SPARE_BYTES = 1 << 30
+"""At most this many bytes of idle write buffers are kept for reuse (and at least one)."""
+
+
+@dataclass(eq=False)
+class QueuedWrite:
+    """One chunk's write, queued or running."""
+
+    entry: DiskEntry
+    buf: torch.Tensor
+    """``[block_bytes]`` uint8: the chunk's bytes, ``[L, 2, C, Hkv, D]``."""
+    payload: memoryview
+    """The same bytes, for the writer (and for a borrower)."""
+    lent: bool = False
+    """Its bytes were handed to a reader or a restore: ``buf`` is theirs once written."""
+
+
+class WriteBuffers:
+    """The write buffers of one disk tier: the idle pool and the writes queued, by file name.
+    Thread-safe (one lock); buffers are taken by the step's thread only."""
+
+    def __init__(self, block_bytes: int, pin: bool) -> None:
+        """``pin``: page-locked buffers (the device cache is CUDA)."""
+        self.block_bytes = block_bytes
+        self.pin = pin
+        self.spare_max = max(1, WRITE_SPARE_BYTES // block_bytes)
+        self.allocated = 0
+        """Buffers made fresh so far (not taken from the pool)."""
+        self.queued_bytes = 0
+        self._idle: list[torch.Tensor] = []
+        self._queued: dict[str, QueuedWrite] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def take(self, n: int) -> list[torch.Tensor]:
+        """``n`` buffers of ``[block_bytes]`` uint8: idle ones first, then fresh ones."""
+        with self._lock:
+            k = min(n, len(self._idle))
+            bufs = self._idle[len(self._idle) - k:]
+            del self._idle[len(self._idle) - k:]
+        fresh = n - k
+        self.allocated += fresh
+        return bufs + [torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
+                       for _ in range(fresh)]
+
+    def queue(self, entry: DiskEntry, buf: torch.Tensor, backlog: int) -> QueuedWrite | None:
+        """Queue ``entry``'s write of ``buf`` unless ``backlog`` bytes would then wait for the
+        writer (None: skipped, ``buf`` back in the pool)."""
+        with self._lock:
+            if self.queued_bytes + self.block_bytes > backlog:
+                self._give(buf)
+                return None
+            self.queued_bytes += self.block_bytes
+            write = QueuedWrite(entry, buf, memoryview(buf.numpy()))  # type: ignore[arg-type]
+            self._queued[entry.name] = write
+            return write
+
+    def lend(self, entry: DiskEntry) -> memoryview | None:
+        """The bytes of ``entry``'s queued write (None: none queued); its buffer is the
+        caller's from now on, never pooled again."""
+        with self._lock:
+            write = self._queued.get(entry.name)
+            if write is None or write.entry is not entry:
+                return None
+            write.lent = True
+            return write.payload
+
+    def done(self, write: QueuedWrite) -> None:
+        """The writer is done with ``write`` (written or failed): it leaves the queue, and
+        its buffer goes back to the pool unless it was lent."""
+        with self._lock:
+            self.queued_bytes -= self.block_bytes
+            if self._queued.get(write.entry.name) is write:
+                del self._queued[write.entry.name]
+            if not write.lent:
+                self._give(write.buf)
+
+    def writing(self, name: str) -> bool:
+        """Whether a write of file ``name`` is queued or running."""
+        with self._lock:
+            return name in self._queued
+
+    def clear(self) -> None:
+        """Let the idle buffers go (the tier is closed)."""
+        with self._lock:
+            self._idle.clear()
+
+    def _give(self, buf: torch.Tensor) -> None:
+        if len(self._idle) < self.spare_max:
+            self._idle.append(buf)
+
+
+def copy_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor],
+             cpu_caches: list[torch.Tensor], gpu_caches: list[torch.Tensor],
+             cpu_blocks: torch.Tensor | None) -> None:
+    """Copy each spilled block's K and V over all layers, ``[L, 2, C, Hkv, D]``, into its
+    buffer (``bufs[i]``: ``[block_bytes]`` uint8, for ``spills[i]`` = (from_gpu, block, entry)),
+    done when this returns. Per layer the caches are ``[2, num_blocks, C, Hkv, D]``;
+    ``cpu_blocks``: the CPU tier as ``[num_cpu_blocks, L * 2 * C * Hkv * D]`` when it is
+    chunk-major (one copy per block), else None (one copy of all layers per block). A CUDA
+    cache's blocks are gathered on the device (one ``index_select`` per layer) and each row
+    copied into its pinned buffer asynchronously, then the stream is waited for."""
+    for gpu in (False, True):
+        at = [i for i, (g, _, _) in enumerate(spills) if g == gpu]
+        if not at:
+            continue
+        caches = gpu_caches if gpu else cpu_caches
+        dtype = caches[0].dtype
+        shape = (len(caches), *caches[0][:, 0].shape)  # [L, 2, C, Hkv, D]
+        device = caches[0].device
+        if device.type != "cpu":
+            idx = torch.tensor([spills[i][1] for i in at], device=device)
+            kv = torch.stack([c.index_select(1, idx) for c in caches])  # [L, 2, n, C, Hkv, D]
+            rows = kv.movedim(2, 0).contiguous().view(len(at), -1)  # [n, L * 2 * C * Hkv * D]
+            for j, i in enumerate(at):
+                bufs[i].view(dtype).copy_(rows[j], non_blocking=bufs[i].is_pinned())
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        elif not gpu and cpu_blocks is not None:
+            for i in at:
+                bufs[i].view(dtype).copy_(cpu_blocks[spills[i][1]])
+        else:
+            for i in at:
+                block = spills[i][1]
+                torch.stack([c[:, block] for c in caches], out=bufs[i].view(dtype).view(shape))

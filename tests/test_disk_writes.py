@@ -1,0 +1,156 @@
+"""The disk tier's pooled write buffers: a buffer whose write is done is filled again by a later
+spill, but never one whose bytes were lent to a read (or a restore) while its write was
+queued; files written from reused buffers hold their own chunks."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import pensieve.engine.disk_files as disk_files
+import pensieve.engine.disk_tier as disk_tier
+import pensieve.engine.disk_writes as disk_writes
+from pensieve.core.disk_index import DiskEntry, spilled_key
+from pensieve.engine.disk_tier import DiskTier
+
+LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
+
+
+def _entry(conv: str, i: int) -> DiskEntry:
+    h = hashlib.blake2b(f"{conv}-{i}".encode(), digest_size=16).hexdigest()
+    return DiskEntry("", i, CHUNK, h, spilled_key((float(i), 0.0, "", 0.0)))
+
+
+def _cpu_tier(layout: str) -> list[torch.Tensor]:
+    """Per-layer ``[2, BLOCKS, CHUNK, HEADS, DIM]`` views of one chunk-major tensor, or one
+    tensor per layer."""
+    if layout == "chunk-major":
+        host = torch.randn(BLOCKS, LAYERS, 2, CHUNK, HEADS, DIM)
+        return list(host.permute(1, 2, 0, 3, 4, 5).unbind(0))
+    return [torch.randn(2, BLOCKS, CHUNK, HEADS, DIM) for _ in range(LAYERS)]
+
+
+def _kv(cpu: list[torch.Tensor], block: int) -> torch.Tensor:
+    return torch.stack([c[:, block] for c in cpu]).clone()  # [L, 2, C, Hkv, D]
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The writer waits for this event before each file it writes (a write stays queued)."""
+    event = threading.Event()
+    event.set()
+    write_atomic = disk_files.write_atomic
+
+    def gated(path: str, head: bytes, payload: memoryview) -> None:
+        assert event.wait(30)
+        write_atomic(path, head, payload)
+
+    monkeypatch.setattr(disk_files, "write_atomic", gated)
+    yield event
+    event.set()
+
+
+def _spill(tier: DiskTier, conv: str, block: int) -> DiskEntry:
+    entry = _entry(conv, 0)
+    assert tier.index.spill(conv, entry, block, False)
+    tier.apply()
+    return entry
+
+
+@pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
+def test_a_write_buffer_lent_to_a_read_is_never_reused(tmp_path, layout: str,  # noqa: ANN001
+                                                       gate: threading.Event) -> None:
+    """A read of a file whose write is still queued takes the write's bytes; once the write is
+    done its buffer stays the read's: later spills (which reuse every pooled buffer) do not
+    overwrite it, and the chunk restored from it later is the chunk spilled."""
+    torch.manual_seed(0)
+    cpu = _cpu_tier(layout)
+    tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    want = _kv(cpu, 0)
+    gate.clear()
+    a = _spill(tier, "a", 0)  # queued: the writer waits
+    tier.start_reads([a])  # a prefetch of it takes the queued write's bytes
+    tier.collect()
+    assert a.ready and tier.bytes_read == 0
+    gate.set()
+    tier.wait_writes()
+    assert tier.bytes_written == tier.block_bytes
+    assert tier._writes.idle == 0  # lent: not back in the pool
+    for c in cpu:  # block 0 is reused by other chunks
+        c[:, 0].zero_()
+    made = tier._writes.allocated
+    for n, conv in enumerate("bcdef"):
+        _spill(tier, conv, 1 + n)
+        tier.wait_writes()
+        assert tier._writes.idle == 1  # written: back in the pool, taken by the next spill
+    assert tier._writes.allocated == made + 1  # one buffer, reused four times
+    tier.index.plan.reads.append((a, 7))
+    tier.apply()
+    assert torch.equal(_kv(cpu, 7), want)
+    tier.close(None)
+
+
+def test_a_restore_from_a_queued_write_and_files_from_reused_buffers(
+        tmp_path, gate: threading.Event) -> None:  # noqa: ANN001
+    """A chunk restored while its write is queued gets the spilled bytes; every file, written
+    from buffers reused across steps, reads back as its own chunk after a restart."""
+    torch.manual_seed(1)
+    cpu = _cpu_tier("chunk-major")
+    path = str(tmp_path / "tier")
+    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    want = {conv: _kv(cpu, n) for n, conv in enumerate("abcd")}
+    gate.clear()
+    a = _spill(tier, "a", 0)
+    tier.index.plan.reads.append((a, 6))  # restored in the next step, its write still queued
+    b = _entry("b", 0)
+    assert tier.index.spill("b", b, 1, False)
+    tier.apply()
+    assert torch.equal(_kv(cpu, 6), want["a"])
+    gate.set()
+    tier.wait_writes()
+    assert tier._writes.idle == 1  # b's buffer; a's was lent to the restore
+    for n, conv in ((2, "c"), (3, "d")):
+        _spill(tier, conv, n)
+        tier.wait_writes()
+    assert tier._writes.allocated == 2
+    tier.close(None)
+    for c in cpu:
+        c.zero_()
+    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    assert reader.found == 4
+    entries = {conv: reader.index.files[_entry(conv, 0).name] for conv in "abcd"}
+    reader.start_reads(list(entries.values()))
+    reader.collect()
+    for block, conv in enumerate("abcd"):
+        assert entries[conv].ready, conv
+        reader.index.plan.reads.append((entries[conv], block))
+    reader.apply()
+    for block, conv in enumerate("abcd"):
+        assert torch.equal(_kv(cpu, block), want[conv]), conv
+    reader.close(None)
+
+
+def test_the_pool_is_bounded_and_skipped_writes_return_their_buffers(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    cpu = _cpu_tier("chunk-major")
+    block_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    monkeypatch.setattr(disk_writes, "WRITE_SPARE_BYTES", 2 * block_bytes)
+    tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    for n in range(4):
+        assert tier.index.spill("a", _entry("a", n), n, False)
+    tier.apply()
+    tier.wait_writes()
+    assert tier.bytes_written == 4 * block_bytes
+    assert tier._writes.allocated == 4 and tier._writes.idle == 2  # two let go
+    monkeypatch.setattr(disk_tier, "WRITE_BACKLOG_BYTES", 0)  # every write over the bound
+    assert tier.index.spill("b", _entry("b", 0), 5, False)
+    tier.apply()
+    assert tier.writes_skipped == 1 and tier._writes.idle == 2  # taken, and given back
+    assert tier._writes.allocated == 4
+    tier.collect()
+    assert _entry("b", 0).name not in tier.index.files  # dropped, as a failed write
+    tier.close(None)
