@@ -154,3 +154,21 @@ def test_the_pool_is_bounded_and_skipped_writes_return_their_buffers(
     tier.collect()
     assert _entry("b", 0).name not in tier.index.files  # dropped, as a failed write
     tier.close(None)
+
+
+def test_disk_rate_spill_measures_every_apply(tmp_path) -> None:  # noqa: ANN001
+    """``disk_rate --measure spill``: one time per apply() with the writer idle and one per
+    apply() back to back (the bench itself checks every chunk was written)."""
+    import json
+
+    from pensieve.bench import disk_rate
+
+    out = tmp_path / "spill.json"
+    disk_rate.main(["--path", str(tmp_path / "bench"), "--measure", "spill",
+                    "--spill-chunks", "6", "--spill-repeat", "2", "--blocks", "4",
+                    "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--chunk-size", "4",
+                    "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["chunk_bytes"] == 2 * 2 * 4 * 2 * 8 * 2  # L * 2 * C * Hkv * D * bf16
+    assert len(got["spill_ms"]) == 2 and len(got["spill_busy_ms"]) == 2
+    assert all(t > 0 for t in got["spill_ms"] + got["spill_busy_ms"])
