@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
@@ -61,25 +62,41 @@ Victim = tuple[EvictionKey, Conversation, int]
 """(key, conversation, chunk index) of an eviction candidate."""
 
 
+class _Memo(dict[int, float]):
+    """Values of ``fn`` by argument, computed on first use."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: ChunkCost) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, key: int) -> float:
+        v = self[key] = self.fn(key)
+        return v
+
+
 class TierIndex:
     """Eviction candidates of one tier: per idle conversation with a chunk in the tier, the
     index of its first such chunk in the policy's order, that chunk's key and the time the key
-    was evaluated at; a heap of ``(key, seq, conversation, chunk index)`` whose entry is live
-    iff its ``seq`` is the one recorded for the conversation (older entries are skipped when
-    they surface)."""
+    was evaluated at; a heap of ``(key[0], key, seq, conversation, chunk index)`` whose entry
+    is live iff its ``seq`` is the one recorded for the conversation (older entries are
+    skipped when they surface). The key's first element leads the entry so that a sift
+    compares two floats, not two nested tuples, when they differ (the order is the same as
+    ``(key, seq)``'s)."""
 
     __slots__ = ("live", "heap", "_seq")
 
     def __init__(self) -> None:
         self.live: dict[Conversation, tuple[int, int, EvictionKey, float]] = {}
         """conversation -> (chunk index, seq, key, evaluation time) of its live entry."""
-        self.heap: list[tuple[EvictionKey, int, Conversation, int]] = []
+        self.heap: list[tuple[float, EvictionKey, int, Conversation, int]] = []
         self._seq = 0
 
     def set(self, conv: Conversation, index: int, key: EvictionKey, t: float) -> None:
         self._seq += 1
         self.live[conv] = (index, self._seq, key, t)
-        heapq.heappush(self.heap, (key, self._seq, conv, index))
+        heapq.heappush(self.heap, (key[0], key, self._seq, conv, index))
         if len(self.heap) > 2 * len(self.live) + 64:
             self._rebuild(self.live)
 
@@ -91,7 +108,7 @@ class TierIndex:
         returned it): one sift."""
         self._seq += 1
         self.live[conv] = (index, self._seq, key, t)
-        heapq.heapreplace(self.heap, (key, self._seq, conv, index))
+        heapq.heapreplace(self.heap, (key[0], key, self._seq, conv, index))
 
     def pop_top(self, conv: Conversation) -> None:
         """Like :meth:`discard`, when ``conv``'s live entry is the heap's top."""
@@ -101,7 +118,7 @@ class TierIndex:
     def peek(self) -> Victim | None:
         heap, live = self.heap, self.live
         while heap:
-            key, seq, conv, index = heap[0]
+            _, key, seq, conv, index = heap[0]
             entry = live.get(conv)
             if entry is not None and entry[1] == seq:
                 return key, conv, index
@@ -118,7 +135,7 @@ class TierIndex:
         for conv, (index, _, key, t) in live.items():
             self._seq += 1
             self.live[conv] = (index, self._seq, key, t)
-            self.heap.append((key, self._seq, conv, index))
+            self.heap.append((key[0], key, self._seq, conv, index))
         heapq.heapify(self.heap)
 
 
@@ -159,7 +176,9 @@ class EvictionIndex:
         self.time_dependent = policy.time_dependent
         self.step = -1 if policy.tail_first else 1
         """+1: a conversation's chunks go leading first; -1: tail first."""
-        self._costs: dict[int, float] = {}
+        self.cost: Callable[[int], float] = _Memo(chunk_cost).__getitem__
+        """``chunk_cost``, memoised (a pure function of the context length): a dictionary's
+        own lookup, which the eviction calls once per chunk it keys."""
         self.share: PrefixShare | None = None
         """The GPU tier's registered blocks when prefixes are shared (set by the pools): GPU
         chunks of blocks with more than one reference are no candidates (module docstring)."""
@@ -174,12 +193,6 @@ class EvictionIndex:
                 if entry is not None:
                     index.set(conv, entry[0], self.key(conv, entry[0]), self.t_eval)
 
-    def cost(self, context_len: int) -> float:
-        """``chunk_cost``, memoised (it is a pure function of the context length)."""
-        v = self._costs.get(context_len)
-        if v is None:
-            v = self._costs[context_len] = self.chunk_cost(context_len)
-        return v
 
     def key(self, conv: Conversation, i: int) -> EvictionKey:
         """Chunk ``i``'s key at ``t_e`` (a lower bound of its key at any ``now <= t_e``)."""
@@ -224,6 +237,10 @@ class EvictionIndex:
         GPU or CPU with shared prefixes, the first whose block no other chunk shares)."""
         chunks = conv.chunks
         share = self.share if tier is Tier.GPU else self.cpu_share
+        if 0 <= start < len(chunks):  # the common answer first: ``start`` itself
+            ch = chunks[start]
+            if ch.tier is tier and (share is None or share.refs[ch.block] < 2):
+                return start
         if share is not None and share.by_hash:
             refs = share.refs
             order = (range(max(start, 0), len(chunks)) if self.step > 0
@@ -293,8 +310,9 @@ class EvictionIndex:
         j = self.first(conv, tier, i + self.step)
         if j is None:
             index.pop_top(conv)
-        else:
-            index.replace_top(conv, j, self.key_now(conv, j), self.now)
+        else:  # keyed now (key_now, inline)
+            index.replace_top(conv, j, self.policy.key(conv, j, self.now, self.cost,
+                                                       self.chunk_size), self.now)
             if self.time_dependent:
                 self.keyed_now.append((index, conv))
 
@@ -334,7 +352,7 @@ class EvictionIndex:
                 if i is not None:
                     want[conv] = i
             assert got == want, f"{tier} index: {len(got)} candidates, want {len(want)}"
-        heap = {seq: (key, conv, i) for key, seq, conv, i in index.heap}
+        heap = {seq: (key, conv, i) for _, key, seq, conv, i in index.heap}
         exact = {id(c) for x, c in self.keyed_now if x is index}
         for conv, (i, seq, key, t) in index.live.items():
             cid = conv.conversation_id

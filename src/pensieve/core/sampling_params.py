@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
@@ -150,9 +151,10 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @property
+    @cached_property
     def needs_token_history(self) -> bool:
-        """True when the sampler needs the request's tokens (penalties, ``min_tokens``)."""
+        """True when the sampler needs the request's tokens (penalties, ``min_tokens``);
+        computed once (the scheduler asks for every request it schedules, every step)."""
         return self.has_penalties or self.min_tokens > 0
 
     @property

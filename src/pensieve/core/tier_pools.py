@@ -149,8 +149,7 @@ class TierPools:
                         p.swap_in_ahead)
 
     def reclaim_swap_outs(self, in_flight: int) -> None:
-        """The runner reports ``in_flight`` background swap-out batches still copying (they
-        finish in plan order): free the GPU blocks of every older one."""
+        """``in_flight`` background swap-out batches still copy (in plan order): free the rest."""
         if not 0 <= in_flight <= len(self._reclaim_groups):
             raise ValueError(f"{in_flight} swap-out batches reported in flight, "
                              f"{len(self._reclaim_groups)} were planned and not yet reclaimed")
@@ -215,19 +214,17 @@ class TierPools:
         return hit, swapped, recomputed
 
     def extend(self, conv: Conversation, num_chunks: int) -> None:
-        """``num_chunks`` more GPU chunks (free blocks, pinned) at the end of a running
-        conversation."""
+        """``num_chunks`` more GPU chunks (free blocks, pinned) at a running conversation's end."""
         if num_chunks <= 0:
             return
         blocks = self.gpu.allocate(num_chunks)
-        conv.chunks.extend(Chunk(Tier.GPU, b) for b in blocks)
+        conv.chunks += [Chunk(Tier.GPU, b) for b in blocks]
         conv.block_table += tuple(blocks)
         self.pinned_gpu += num_chunks
 
     def release(self, conv: Conversation) -> None:
         """A running conversation stops running (its chunks are all on the GPU). Only the
-        registered blocks :meth:`pin` recorded lose a pin: the blocks a running conversation
-        holds stay registered or private until it stops (registration happens at the end of
+        registered blocks :meth:`pin` recorded lose a pin (registration happens at the end of
         a turn, unregistration when the last reference, an idle one, leaves)."""
         share, registered = self.share, conv.pinned_shared
         if share is None or not registered:
@@ -255,15 +252,13 @@ class TierPools:
             self.share.truncated(conv, self.chunk_size)
 
     def free_gpu_block(self, block: int) -> None:
-        """A chunk of an idle conversation lets its GPU ``block`` go: the block is freed
-        unless another chunk shares it."""
+        """An idle chunk lets its GPU ``block`` go: freed unless another chunk shares it."""
         if self.share is None or self.share.unref(block):
             self.gpu.free_one(block)
 
     # ------------------------------------------------------------------ eviction
     def evictable_gpu_blocks(self) -> int:
-        """GPU blocks held by idle conversations (every other taken block is pinned or
-        waiting to be reclaimed)."""
+        """GPU blocks held by idle conversations (the others are pinned or to be reclaimed)."""
         taken = self.gpu.num_blocks - self.gpu.num_free_blocks - self.pending_reclaim_gpu()
         return taken - self.pinned_gpu
 
@@ -282,7 +277,8 @@ class TierPools:
         gpu_index = idx.gpu
         step = idx.step
         gpu_tier = Tier.GPU
-        peek_victim, first, key_now = idx.peek_victim, idx.first, idx.key_now
+        peek_victim, first = idx.peek_victim, idx.first
+        policy_key, cost, c = idx.policy.key, idx.cost, self.chunk_size  # key_now, inline
         evict_chunk = self._evict_chunk
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = idx.keyed_now if idx.time_dependent else []
@@ -305,20 +301,24 @@ class TierPools:
             if done >= n and not (whole and conv is last):
                 break
             heap = gpu_index.heap
-            bound = (min(heap[1][0], heap[2][0]) if len(heap) > 2
-                     else heap[1][0] if len(heap) == 2 else None)
+            bound = (min(heap[1][1], heap[2][1]) if len(heap) > 2
+                     else heap[1][1] if len(heap) == 2 else None)
+            chunks = conv.chunks
             while True:
-                if refs and refs[conv.chunks[i].block] > 1:
+                if refs and refs[chunks[i].block] > 1:
                     pass  # shared since it was indexed: no candidate (evict_shared's)
                 else:  # the block's one holder: it moves
                     evict_chunk(conv, i, key, urgent)
                     done += 1
-                # the conversation's next GPU chunk takes its place in the GPU index
-                j = first(conv, gpu_tier, i + step)
+                # its next GPU chunk takes its place in the GPU index (idx.first, inline)
+                j: int | None = i + step
+                if not (0 <= i + step < len(chunks) and (ch := chunks[i + step]).tier is
+                        gpu_tier and not (refs and refs[ch.block] > 1)):
+                    j = first(conv, gpu_tier, i + step)
                 if j is None:
                     gpu_index.pop_top(conv)
                     break
-                i, key = j, key_now(conv, j)
+                i, key = j, policy_key(conv, j, now, cost, c)
                 if (done >= n and not whole) or (bound is not None and not key < bound):
                     # keyed now (exact, for this eviction); at t_e again when time moves
                     gpu_index.replace_top(conv, j, key, now)
