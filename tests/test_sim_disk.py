@@ -1,5 +1,6 @@
 """The simulator's disk tier (``bench/sim_disk.py``): the core's disk index and plans carried
-out on virtual time. Reads are timed at the disk's rate and steps wait for them; a long-idle
+out on virtual time. Reads are timed at the disk's rate and steps wait for them (while
+requests run, only the turns waiting for them do); a long-idle
 load over tiers too small for it gets disk hits from a fast disk and recomputes under a slow
 one (the core's read-or-recompute choice at ``read_chunk_s``)."""
 
@@ -65,6 +66,38 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     disk.collect()
     assert clock.now() == pytest.approx(t + 10.0 + read_s)
     disk.index.check()
+
+
+def test_while_requests_run_a_step_takes_only_the_reads_done() -> None:
+    """The engine's rule: with ``wait=False`` (requests run) nothing is waited for; the
+    conversation whose reads still run stays in ``DiskIndex.reading`` until the last is done;
+    the what-if ``wait="always"`` waits as before."""
+    read_s = BLOCK_BYTES / 2e9
+    for mode in ("running", "always"):
+        clock = VirtualClock(10.0)
+        disk = SimDiskTier(16, CHUNK, BLOCK_BYTES, clock, read_gbps=2.0, write_gbps=1.0,
+                           wait=mode)
+        for i in range(3):
+            assert disk.index.spill("c", _entry(i), i, False)
+        disk.index.plan.writes.clear()  # on disk already
+        disk.prefetch("c")
+        disk.prefetch("c")  # the same turn waits for each read once
+        assert disk.index.reading == {"c": 3}
+        disk.collect(wait=False)
+        if mode == "always":
+            assert clock.now() == pytest.approx(10.0 + 3 * read_s)
+            assert disk.index.reading == {} and all(e.ready for e in disk.index.of("c"))
+            continue
+        assert clock.now() == 10.0 and disk.read_waits == 0
+        assert disk.index.reading == {"c": 3}
+        clock.sleep_until(10.0 + 2.5 * read_s)  # two of the three are done
+        disk.collect(wait=False)
+        assert disk.index.reading == {"c": 1}
+        assert sorted(e.index for e in disk.index.of("c") if e.ready) == [0, 1]
+        disk.collect(wait=True)  # nothing runs: the step waits for the last
+        assert clock.now() == pytest.approx(10.0 + 3 * read_s)
+        assert disk.index.reading == {} and disk.read_waits == 1
+        disk.index.check()
 
 
 def _sim(clock: VirtualClock, read_gbps: float | None, prefetch: str = "all") -> SimEngine:

@@ -72,6 +72,7 @@ from pensieve.bench.sim_disk import (
     PREFETCH,
     SIM_DISK_READ_GBPS,
     SIM_DISK_WRITE_GBPS,
+    WAIT,
 )
 from pensieve.bench.workload import load_workload, ultrachat_synthetic
 from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT
@@ -202,7 +203,8 @@ def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any
     return SimEngine.from_options({**args.engine_options, "cache_policy": system}, cost, clock,
                                   chunk_cost, block_bytes=block_bytes,
                                   disk_write_gbps=args.sim_disk_write_gbps,
-                                  disk_prefetch=args.sim_disk_prefetch)
+                                  disk_prefetch=args.sim_disk_prefetch,
+                                  disk_wait=args.sim_disk_wait)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: which of a conversation's files its turn reads: those the "
                          "read-or-recompute rule could read back (as the engine) or, a "
                          "what-if, all of them (the engine before it weighed them)")
+    ap.add_argument("--sim-disk-wait", choices=WAIT, default="running",
+                    help="sim: when a step waits for disk reads still running: only when no "
+                         "request runs (as the engine) or, a what-if, always (the engine "
+                         "before it held back the turns waiting for them)")
     ap.add_argument("--tag", default="", help="label stored with every point")
     ap.add_argument("--out", default="results/multiturn")
     add_engine_args(ap, exclude=NOT_ENGINE, model_flag=True, defaults=ENGINE_DEFAULTS)

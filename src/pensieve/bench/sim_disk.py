@@ -11,8 +11,10 @@ queues of simulated time, one per direction, each one chunk after another at its
     add_request -> prefetch: each file not ready is queued for reading; it is done at
                    max(now, read queue free) + block_bytes / read rate
                    (a chunk whose write is still queued is read from memory: done now)
-    step        -> collect:  the step waits (the clock jumps) until every read started so
-                   far is done, as the engine waits on its reader threads; entries ready
+    step        -> collect:  while requests run, the reads done by now; their entries
+                   ready, and a turn whose reads still run is not admitted
+                   (``DiskIndex.reading``, as the engine); with none running, the step
+                   waits (the clock jumps) until every read started so far is done
                    apply:    the step's writes queued at the write rate (never waited for),
                              restores and deletes counted
 
@@ -29,6 +31,9 @@ Reads and writes do not slow each other down (two independent queues: the disk's
 rates, each alone). A read planned into a CPU block costs no step time (on a device it is a
 host copy before the step's swap-ins, which the transfer model times). No restart: ``close``
 writes nothing at shutdown.
+
+What-if ``wait="always"`` (the engine before it deferred such turns): every step waits for
+every read started so far, also those of turns it does not admit.
 
 Pure Python (no torch): the simulator's import stays light.
 """
@@ -48,6 +53,9 @@ SIM_DISK_READ_GBPS = 1.6
 "Disk tier: write and read rates")."""
 SIM_DISK_WRITE_GBPS = 0.85
 """Default write rate: the disk tier's writes on the H200 host (same section)."""
+WAIT = ("running", "always")
+"""When a step waits for reads still running: only when no request runs (the engine), or
+always (the what-if)."""
 PREFETCH = ("all", "worth-reading")
 """Which files a turn reads when it is added: every one (the what-if), or those worth reading
 (the engine)."""
@@ -69,12 +77,15 @@ class SimDiskTier:
     def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
                  read_gbps: float = SIM_DISK_READ_GBPS,
                  write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str | None = None,
-                 cache: TieredKVCache | None = None) -> None:
+                 cache: TieredKVCache | None = None, wait: str = "running") -> None:
         """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
         chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``:
         ``"worth-reading"`` (as the engine; it needs the ``cache`` whose costs decide) or the
         what-if ``"all"`` (module docstring); None: ``"worth-reading"`` with a ``cache``,
-        else ``"all"``."""
+        else ``"all"``. ``wait``: one of :data:`WAIT` (module docstring)."""
+        if wait not in WAIT:
+            raise ValueError(f"wait must be one of {', '.join(WAIT)}, got {wait!r}")
+        self.wait = wait
         if prefetch is None:
             prefetch = "all" if cache is None else "worth-reading"
         if prefetch not in PREFETCH:
@@ -98,6 +109,8 @@ class SimDiskTier:
         self.index.read_chunk_s = self.read_chunk_s
         self._reads: dict[str, tuple[DiskEntry, float]] = {}
         """Reads started and not collected: file name -> (entry, done at)."""
+        self._awaiting: dict[str, set[str]] = {}
+        """File name -> conversations whose queued turn waits for its read."""
         self._writing: dict[str, tuple[DiskEntry, float]] = {}
         """Writes queued or running: file name -> (entry, done at)."""
         self._write_order: deque[tuple[float, str, DiskEntry]] = deque()
@@ -129,20 +142,26 @@ class SimDiskTier:
                    self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
                                      dropped))
         for entry in entries:
-            if entry.ready or entry.name in self._reads:
+            if entry.ready:
                 continue
-            if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
-                self.reads_skipped += 1
-                continue
-            queued = self._writing.get(entry.name)
-            if queued is not None and queued[0] is entry and queued[1] > now:
-                self.reads_from_memory += 1  # its bytes are still in the writer's queue
-                done = now
-            else:
-                done = max(now, self._read_free_at) + self.read_chunk_s
-                self._read_free_at = done
-                self.bytes_read += self.block_bytes
-            self._reads[entry.name] = (entry, done)
+            if entry.name not in self._reads:
+                if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
+                    self.reads_skipped += 1
+                    continue
+                queued = self._writing.get(entry.name)
+                if queued is not None and queued[0] is entry and queued[1] > now:
+                    self.reads_from_memory += 1  # its bytes are still in the writer's queue
+                    done = now
+                else:
+                    done = max(now, self._read_free_at) + self.read_chunk_s
+                    self._read_free_at = done
+                    self.bytes_read += self.block_bytes
+                self._reads[entry.name] = (entry, done)
+            waiting = self._awaiting.setdefault(entry.name, set())
+            if conversation_id not in waiting:  # as DiskTier.start_reads
+                waiting.add(conversation_id)
+                reading = self.index.reading
+                reading[conversation_id] = reading.get(conversation_id, 0) + 1
 
     def _worth_reading(self, entry: DiskEntry) -> bool:
         """Whether the core's rule could read the entry back (as the engine decides)."""
@@ -150,21 +169,31 @@ class SimDiskTier:
         return worth_reading(self.cache, entry, self.read_chunk_s)
 
     def collect(self, wait: bool = True) -> None:
-        """Wait until every read started so far is done; their entries become ready. Always
-        waits, ``wait`` or not: the simulator models the engine before it deferred turns
-        whose reads still run (``DiskIndex.reading`` stays empty here)."""
+        """The reads done by now become ready (their turns may be admitted); with ``wait``
+        (no request runs) or the what-if ``wait="always"``, the step first waits until every
+        read started so far is done."""
         if not self._reads:
             return
-        until = max(done for _, done in self._reads.values())
         now = self.clock.now()
-        if until > now:
-            self.read_wait_s += until - now
-            self.read_waits += 1
-            self.clock.sleep_until(until)
-        index = self.index
-        for entry, _ in self._reads.values():
+        if wait or self.wait == "always":
+            until = max(done for _, done in self._reads.values())
+            if until > now:
+                self.read_wait_s += until - now
+                self.read_waits += 1
+                self.clock.sleep_until(until)
+                now = until
+        index, reading = self.index, self.index.reading
+        for name, (entry, done) in list(self._reads.items()):
+            if done > now:
+                continue
+            del self._reads[name]
+            for waiter in self._awaiting.pop(name, ()):
+                n = reading.get(waiter, 0)
+                if n > 1:
+                    reading[waiter] = n - 1
+                else:
+                    reading.pop(waiter, None)
             index.set_ready(entry, True)  # no-op if dropped since
-        self._reads.clear()
 
     # ------------------------------------------------------------------ a step
     def apply(self, sync: Callable[[], None] | None = None) -> None:
@@ -210,11 +239,11 @@ class SimDiskTier:
 
     def settings(self) -> dict[str, float | str]:
         """What a benchmark point records of this disk."""
-        return {"disk_prefetch": self.prefetch_mode,
+        return {"disk_prefetch": self.prefetch_mode, "disk_wait": self.wait,
                 "disk_capacity_chunks": self.index.capacity, "disk_read_gbps": self.read_gbps,
                 "disk_write_gbps": self.write_gbps,
                 "disk_read_chunk_ms": round(self.read_chunk_s * 1e3, 4)}
 
 
-__all__ = ["PREFETCH", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS",
+__all__ = ["PREFETCH", "WAIT", "SIM_DISK_PATH", "SIM_DISK_READ_GBPS", "SIM_DISK_WRITE_GBPS",
            "SimDiskTier"]

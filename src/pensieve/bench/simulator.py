@@ -262,6 +262,7 @@ class SimEngine(EngineCore):
         disk_read_gbps: float | None = None,
         disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
         disk_prefetch: str = "worth-reading",
+        disk_wait: str = "running",
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``cache_policy``: a policy
@@ -280,7 +281,8 @@ class SimEngine(EngineCore):
         disk index, reads and writes on simulated time at ``disk_read_gbps``, default
         :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
         ``disk_prefetch``: which files a turn reads, ``"worth-reading"`` as the engine, or
-        the what-if ``"all"``)."""
+        the what-if ``"all"``; ``disk_wait``: when a step waits for reads, ``"running"`` as
+        the engine, or the what-if ``"always"``)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -306,7 +308,7 @@ class SimEngine(EngineCore):
         """The simulated disk tier (None: none); also the engine's ``disk``."""
         if disk_kv_gb:
             self.sim_disk = _sim_disk(disk_kv_gb, disk_read_gbps, disk_write_gbps, tiers,
-                                      chunk_size, clock, disk_prefetch, cache)
+                                      chunk_size, clock, disk_prefetch, cache, disk_wait)
             self.disk = self.sim_disk
             cache.disk = self.sim_disk.index
 
@@ -359,7 +361,7 @@ class SimEngine(EngineCore):
 
 def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: TierSizes,
               chunk_size: int, clock: SimClock, prefetch: str,
-              cache: TieredKVCache) -> SimDiskTier:
+              cache: TieredKVCache, wait: str) -> SimDiskTier:
     """The simulated disk tier of ``gib`` GiB over ``tiers``' chunks (the engine's checks:
     a CPU tier below which it lies, chunks of known bytes)."""
     require_cpu_tier(tiers.num_cpu_blocks)
@@ -368,7 +370,7 @@ def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: Tie
     capacity = int(gib * 2**30 // tiers.block_bytes)
     return SimDiskTier(capacity, chunk_size, tiers.block_bytes, clock,
                        read_gbps=read_gbps if read_gbps is not None else SIM_DISK_READ_GBPS,
-                       write_gbps=write_gbps, prefetch=prefetch, cache=cache)
+                       write_gbps=write_gbps, prefetch=prefetch, cache=cache, wait=wait)
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,
