@@ -221,7 +221,8 @@ def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> 
 
 def test_a_turn_whose_reads_still_run_waits_while_others_run(tiny_llama, tmp_path) -> None:  # noqa: ANN001
     """The scheduler admits no turn whose conversation is in ``DiskIndex.reading`` while
-    other requests run (FCFS: it stops there), and admits it once the reads are taken."""
+    other requests run: it passes over it (in its place in the queue) to the turns behind,
+    and admits it once the reads are taken."""
     from test_disk_tier import make_llm
 
     from pensieve import SamplingParams
@@ -239,12 +240,19 @@ def test_a_turn_whose_reads_still_run_waits_while_others_run(tiny_llama, tmp_pat
     eng.add_request("r2", list(range(40, 50)), SamplingParams(max_tokens=2, ignore_eos=True),
                     conversation_id="c2")
     disk.reading["c2"] = 1  # add_request's prefetch found nothing to read: keep it waiting
+    eng.add_request("r3", list(range(60, 70)), SamplingParams(max_tokens=30, ignore_eos=True),
+                    conversation_id="c3")
+    eng.add_request("r4", list(range(80, 90)), SamplingParams(max_tokens=30, ignore_eos=True),
+                    conversation_id="c4")
+    eng.step()  # r2 is passed over, r3 and r4 behind it are admitted
+    assert [r.request_id for r in eng.scheduler.running] == ["r1", "r3", "r4"]
+    assert [r.request_id for r in eng.scheduler.waiting] == ["r2"]
     eng.step()
-    assert [r.request_id for r in eng.scheduler.running] == ["r1"]
     assert [r.request_id for r in eng.scheduler.waiting] == ["r2"]
     del disk.reading["c2"]  # its reads were taken
     eng.step()
-    assert {r.request_id for r in eng.scheduler.running} == {"r1", "r2"}
+    assert {r.request_id for r in eng.scheduler.running} == {"r1", "r2", "r3", "r4"}
+    assert not eng.scheduler.waiting
     while eng.scheduler.has_unfinished():
         eng.step()
     llm.engine.shutdown()

@@ -186,11 +186,59 @@ class Scheduler:
     def _fill(self, now: float, prefill: bool | None) -> list[ScheduledRequest]:
         """One step's requests under the token budget. ``prefill``: None takes every kind of
         work (unified batches); True only prefill work, False only decodes (separate batches)."""
-        cache, budget = self.cache, self.config.max_num_batched_tokens
+        cache = self.cache
         self._pairs_left = self._attention_pairs
         scheduled: list[ScheduledRequest] = []
+        budget = self._fill_running(now, prefill, scheduled)
 
-        # 1. Running requests, oldest first; suspend the newest when blocks run out.
+        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (separate
+        # batches: while the head's work is of this step's kind). A turn with chunks to swap
+        # in, admitted into a step with other work, computes from the next step on (unified).
+        # Turns whose disk reads still run are passed over (kept in place) while others run.
+        ahead_left = self.config.swap_in_ahead_chunks if prefill is None else 0
+        waiting, at, reading = self.waiting, 0, self._disk_reading
+        while len(waiting) > at and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = waiting[at]
+            conv = self._conversation_of(req)
+            if reading and self.running and conv.conversation_id in reading:
+                at += 1
+                continue
+            pending = cache.pending_for(req, conv)
+            total = sum(hi - lo for lo, hi in pending)
+            if prefill is not None and is_decode(req, total) is prefill:
+                break
+            if total > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(total, budget)
+            if n > 1 and self.config.enable_chunked_prefill:
+                if not (n := self._attention_cap(pending[0][0], n)):
+                    break
+            req.pending = pending
+            # Separate batches admit a turn only with blocks for all of its prefill (as vLLM
+            # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
+            # the last one's admission and prefill steps always run out.
+            end = req.pending_end(n if prefill is None else total)
+            since = cache.num_planned_swap_ins
+            if not cache.admit(req, conv, end, now, spare_tokens=budget - n,
+                               may_defer=bool(self.running)):
+                req.pending = []
+                break
+            n += req.num_pending - total  # CPU chunks the cache chose to recompute
+            del waiting[at]
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if scheduled and 0 < cache.num_planned_swap_ins - since <= ahead_left:
+                ahead_left -= cache.swap_in_ahead(since)
+                continue  # no budget taken: the next step's running pass computes it
+            scheduled.append(self._take(req, conv, n))
+            budget -= n
+        return scheduled
+
+    def _fill_running(self, now: float, prefill: bool | None,
+                      scheduled: list[ScheduledRequest]) -> int:
+        """1. Running requests, oldest first, onto ``scheduled``; the newest are suspended when
+        blocks run out. Returns the token budget left."""
+        cache, budget = self.cache, self.config.max_num_batched_tokens
         chunk_size, conversations, i = cache.chunk_size, cache.conversations, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -223,46 +271,7 @@ class Scheduler:
             scheduled.append(self._take(req, conv, n))
             budget -= n
             i += 1
-
-        # 2. Waiting requests, FCFS, while the budget, the cap and the blocks allow (separate
-        # batches: while the head's work is of this step's kind). A turn with chunks to swap
-        # in, admitted into a step with other work, computes from the next step on (unified).
-        ahead_left = self.config.swap_in_ahead_chunks if prefill is None else 0
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            conv = self._conversation_of(req)
-            if self.running and conv.conversation_id in self._disk_reading:
-                break  # its disk reads still run: admitted once they are done (FCFS)
-            pending = cache.pending_for(req, conv)
-            total = sum(hi - lo for lo, hi in pending)
-            if prefill is not None and is_decode(req, total) is prefill:
-                break
-            if total > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(total, budget)
-            if n > 1 and self.config.enable_chunked_prefill:
-                if not (n := self._attention_cap(pending[0][0], n)):
-                    break
-            req.pending = pending
-            # Separate batches admit a turn only with blocks for all of its prefill (as vLLM
-            # 0.2 does): its later chunks never suspend anyone, so a prefill step cannot undo
-            # the last one's admission and prefill steps always run out.
-            end = req.pending_end(n if prefill is None else total)
-            since = cache.num_planned_swap_ins
-            if not cache.admit(req, conv, end, now, spare_tokens=budget - n,
-                               may_defer=bool(self.running)):
-                req.pending = []
-                break
-            n += req.num_pending - total  # CPU chunks the cache chose to recompute
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if scheduled and 0 < cache.num_planned_swap_ins - since <= ahead_left:
-                ahead_left -= cache.swap_in_ahead(since)
-                continue  # no budget taken: the next step's running pass computes it
-            scheduled.append(self._take(req, conv, n))
-            budget -= n
-        return scheduled
+        return budget
 
     @property
     def _disk_reading(self) -> dict[str, int]:

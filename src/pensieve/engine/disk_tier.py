@@ -72,6 +72,11 @@ RESTORED_LOADED_BYTES = 1 << 30
 restored first), so that other turns restore the same chunk (a shared prompt after a
 restart) without reading it again."""
 
+READ_THREADS = 16
+"""Reader threads of the engine's disk tier: on the H200 host the tier read 7.94 GB/s with 16
+readers against 3.63 GB/s with 4 (docs/performance.md, "Rerun on the H200 host after the
+read-path change"); a step's prefetches overlap, so their aggregate rate is what turns see."""
+
 SPARE_BYTES = 1 << 30
 """At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
 
@@ -82,7 +87,7 @@ class DiskTier:
     def __init__(self, path: str, capacity_chunks: int, chunk_size: int, fingerprint: str,
                  cpu_caches: list[torch.Tensor], gpu_caches: list[torch.Tensor],
                  read_gbps: float | None = None, measure: bool = True,
-                 read_threads: int = 4) -> None:
+                 read_threads: int = READ_THREADS) -> None:
         """``cpu_caches`` / ``gpu_caches``: per layer ``[2, num_blocks, C, Hkv, D]`` (the CPU
         tier and the device cache). ``read_gbps``: the disk's read rate for the
         read-or-recompute choice; None: measured on the reads if ``measure`` (until the first
