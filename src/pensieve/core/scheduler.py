@@ -268,7 +268,15 @@ class Scheduler:
                         break
                 if suspended:
                     break  # req itself was suspended; everything after it is too
-            scheduled.append(self._take(req, conv, n))
+            if len(pending) == 1 and n == num_pending:  # all of it (a decode): _take, inline
+                del pending[0]
+                params = req.sampling_params
+                scheduled.append(ScheduledRequest(
+                    req.request_id, conv.block_table, [QueryRange(lo, req.token_ids_range(lo, hi))],
+                    True, params, len(req.output_token_ids),
+                    self._history(req) if params.needs_token_history else None))
+            else:
+                scheduled.append(self._take(req, conv, n))
             budget -= n
             i += 1
         return budget
@@ -302,10 +310,15 @@ class Scheduler:
         params = req.sampling_params
         history = None
         if not pending and params.needs_token_history:
-            history = TokenHistory(req.prompt_token_ids, req.output_token_ids,
-                                   () if params.ignore_eos else req.eos_token_ids)
+            history = self._history(req)
         return ScheduledRequest(req.request_id, conv.block_table, ranges, not pending,
                                 params, len(req.output_token_ids), history)
+
+    @staticmethod
+    def _history(req: Request) -> TokenHistory:
+        """The tokens the request's logits processors read (its step samples)."""
+        return TokenHistory(req.prompt_token_ids, req.output_token_ids,
+                            () if req.sampling_params.ignore_eos else req.eos_token_ids)
 
     def _suspend(self, req: Request, now: float) -> None:
         self.running.remove(req)
@@ -324,16 +337,23 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         finished: list[Request] = []
         requests, sampled, running = self.requests, result.sampled_token_ids, RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
         for s in sched.requests:
             if not s.sample:
                 continue
-            req = requests.get(s.request_id)
+            rid = s.request_id
+            req = requests.get(rid)
             if req is None or req.status is not running:
                 continue
-            token = sampled[s.request_id]
+            token = sampled[rid]
             req.append_output(token)
             if req.first_token_time is None:
                 req.first_token_time = now
+            p, n_out = req.sampling_params, len(req.output_token_ids)
+            if (n_out < p.max_tokens and len(req.prompt_token_ids) + n_out < max_model_len
+                    and (p.ignore_eos or token not in req.eos_token_ids)
+                    and not (p.stop_token_ids and token in p.stop_token_ids)):
+                continue  # _stop_status's None, without the call (most tokens)
             status = self._stop_status(req, token)
             if status is not None:
                 req.finish_time = now
