@@ -54,6 +54,24 @@ def test_history_from_disk_matches(tiny_llama, tmp_path) -> None:  # noqa: ANN00
     llm.engine.shutdown()
 
 
+def test_fp8_history_from_disk_matches_a_roomy_cache(tiny_llama, tmp_path) -> None:  # noqa: ANN001
+    """With an FP8 KV cache the disk tier writes and restores the FP8 bytes: the every-path
+    workload gives the tokens of a GPU tier large enough to keep everything, as the two tiers
+    do without a disk (test_stateful_invariant.test_fp8_kv_every_policy_agrees)."""
+    path, _ = tiny_llama
+    workload = every_path_workload()
+    roomy = make_llm(path, None, num_gpu_blocks=400, kv_cache_dtype="fp8_e4m3")
+    want = run(roomy, workload)
+    roomy.engine.shutdown()
+    llm = make_llm(path, str(tmp_path), kv_cache_dtype="fp8_e4m3")
+    assert llm.engine.kv_caches[0].dtype.itemsize == 1
+    assert run(llm, workload) == want
+    st = llm.cache_stats()
+    assert st["disk_written_tokens"] > 0 and st["disk_hit_tokens"] > 0, st
+    llm.engine.cache.disk.check()
+    llm.engine.shutdown()
+
+
 def _restart_workload() -> tuple[Workload, Workload]:
     rng = random.Random(7)
     first = [[(c, [rng.randrange(VOCAB) for _ in range(rng.randint(30, 50))], 12)
