@@ -53,6 +53,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
+from functools import partial
 
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
@@ -125,9 +126,19 @@ class TierIndex:
             heapq.heappop(heap)
         return None
 
-    def rekey(self, key_of: dict[Conversation, EvictionKey], t: float) -> None:
-        """Every candidate's key anew (same chunk), evaluated at ``t``."""
-        self._rebuild({c: (i, s, key_of[c], t) for c, (i, s, _, _) in self.live.items()})
+    def rekey(self, key_of: Callable[[Conversation, int], EvictionKey], t: float) -> None:
+        """Every candidate's key anew (same chunk), ``key_of(conv, chunk)``, evaluated at
+        ``t``: one pass building the entries and the heap."""
+        live: dict[Conversation, tuple[int, int, EvictionKey, float]] = {}
+        heap: list[tuple[float, EvictionKey, int, Conversation, int]] = []
+        seq = self._seq
+        for conv, (i, _, _, _) in self.live.items():
+            seq += 1
+            key = key_of(conv, i)
+            live[conv] = (i, seq, key, t)
+            heap.append((key[0], key, seq, conv, i))
+        heapq.heapify(heap)
+        self.live, self.heap, self._seq = live, heap, seq
 
     def _rebuild(self, live: dict[Conversation, tuple[int, int, EvictionKey, float]]) -> None:
         self.live = {}
@@ -216,9 +227,10 @@ class EvictionIndex:
         t_e = self.t_eval
         if not t_e - self.key_refresh_s <= now <= t_e:
             t_e = self.t_eval = now + self.key_refresh_s
+            key_of = partial(self.policy.key, now=t_e, cost=self.cost,
+                             chunk_size=self.chunk_size)
             for index in (self.gpu, self.cpu):
-                index.rekey({conv: self.key(conv, i) for conv, (i, _, _, _) in
-                             index.live.items()}, t_e)
+                index.rekey(key_of, t_e)
             self.keyed_now.clear()
         else:
             self._rebound()
