@@ -271,8 +271,11 @@ class Scheduler:
             if len(pending) == 1 and n == num_pending:  # all of it (a decode): _take, inline
                 del pending[0]
                 params = req.sampling_params
+                n_prompt = len(req.prompt_token_ids)  # req.token_ids_range, inline
+                ids = (req.output_token_ids[lo - n_prompt:hi - n_prompt] if lo >= n_prompt
+                       else req.token_ids_range(lo, hi))
                 scheduled.append(ScheduledRequest(
-                    req.request_id, conv.block_table, [QueryRange(lo, req.token_ids_range(lo, hi))],
+                    req.request_id, conv.block_table, [QueryRange(lo, ids)],
                     True, params, len(req.output_token_ids),
                     self._history(req) if params.needs_token_history else None))
             else:
@@ -346,11 +349,14 @@ class Scheduler:
             if req is None or req.status is not running:
                 continue
             token = sampled[rid]
-            req.append_output(token)
+            out = req.output_token_ids  # req.append_output(token), inline (once a token)
+            out.append(token)
+            n_out, n_prompt = len(out), len(req.prompt_token_ids)
+            req.pending.append((n_prompt + n_out - 1, n_prompt + n_out))
             if req.first_token_time is None:
                 req.first_token_time = now
-            p, n_out = req.sampling_params, len(req.output_token_ids)
-            if (n_out < p.max_tokens and len(req.prompt_token_ids) + n_out < max_model_len
+            p = req.sampling_params
+            if (n_out < p.max_tokens and n_prompt + n_out < max_model_len
                     and (p.ignore_eos or token not in req.eos_token_ids)
                     and not (p.stop_token_ids and token in p.stop_token_ids)):
                 continue  # _stop_status's None, without the call (most tokens)
