@@ -6,6 +6,7 @@
 # read rates (the engine: a turn reads only the files no slower to read than to recompute, and
 # every copy read is restored at admission).
 # Usage: sim_disk_long_idle.sh OUT_DIR [RATE] [READ_GBPS...]   (CPU; ~1-2 min of wall a point)
+# Env: WRITE_GBPS (0.85: the rate of the docs' runs; the simulator's default is now 1.2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/disk_sim}; rate=${2:-0.1}; shift $(( $# > 2 ? 2 : $# ))
@@ -19,5 +20,6 @@ common=(--engine sim --systems pensieve --rates "$rate" --workload agentic --thi
 pensieve bench multiturn "${common[@]}" --tag no-disk
 for r in ${reads[@]}; do
   pensieve bench multiturn "${common[@]}" --disk-kv-gb 200 --disk-read-gbps "$r" \
+    --sim-disk-write-gbps "${WRITE_GBPS:-0.85}" \
     --tag "disk-200-read-$r"
 done

@@ -48,11 +48,13 @@ from pensieve.core.disk_index import DiskEntry, DiskIndex
 from pensieve.core.disk_restore import worth_reading
 from pensieve.core.tiered_cache import TieredKVCache
 
-SIM_DISK_READ_GBPS = 1.6
-"""Default read rate: the disk tier's reads on the H200 host (16 readers, docs/performance.md
-"Disk tier: write and read rates")."""
-SIM_DISK_WRITE_GBPS = 0.85
-"""Default write rate: the disk tier's writes on the H200 host (same section)."""
+SIM_DISK_READ_GBPS = 6.0
+"""Default read rate: the H200 host's disk as the engine reads it now (16 readers: 7.94 GB/s
+from the page cache; dd 6.1-7.0 GB/s; docs/performance.md, "Rerun on the H200 host after the
+read-path change"). It was 1.6, the tier's reads before that change."""
+SIM_DISK_WRITE_GBPS = 1.2
+"""Default write rate: the disk tier's writes on the H200 host (1.21-1.35 GB/s, same
+section; 0.85 before the read-path change's rerun)."""
 WAIT = ("running", "always")
 """When a step waits for reads still running: only when no request runs (the engine), or
 always (the what-if)."""
