@@ -18,9 +18,11 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
   its CPU block (the step's swap-ins then move it to the GPU; the payload is kept for other
   turns, within RESTORED_LOADED_BYTES), and dropped files are deleted.
 
-No step waits for a disk write. A step waits for reads still running when it schedules (they
-started when their turns were added). On CUDA, a step with disk copies first waits for the
-background swap-outs still in flight (a spilled block may be one's destination).
+No step waits for a disk write. A step waits for reads still running (they started when their
+turns were added) only when no request runs; otherwise the turns waiting for them
+(``DiskIndex.reading``) are passed over by the scheduler until they are done. On CUDA, a step
+with disk copies first waits for the background swap-outs still in flight (a spilled block
+may be one's destination).
 
 ``close()`` (the engine's shutdown) writes every idle conversation's GPU and CPU chunks that
 are not on disk yet (a chunk shared by several conversations, or already on disk under its
