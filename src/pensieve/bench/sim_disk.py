@@ -111,8 +111,6 @@ class SimDiskTier:
         self.index.read_chunk_s = self.read_chunk_s
         self._reads: dict[str, tuple[DiskEntry, float]] = {}
         """Reads started and not collected: file name -> (entry, done at)."""
-        self._awaiting: dict[str, set[str]] = {}
-        """File name -> conversations whose queued turn waits for its read."""
         self._writing: dict[str, tuple[DiskEntry, float]] = {}
         """Writes queued or running: file name -> (entry, done at)."""
         self._write_order: deque[tuple[float, str, DiskEntry]] = deque()
@@ -159,11 +157,7 @@ class SimDiskTier:
                     self._read_free_at = done
                     self.bytes_read += self.block_bytes
                 self._reads[entry.name] = (entry, done)
-            waiting = self._awaiting.setdefault(entry.name, set())
-            if conversation_id not in waiting:  # as DiskTier.start_reads
-                waiting.add(conversation_id)
-                reading = self.index.reading
-                reading[conversation_id] = reading.get(conversation_id, 0) + 1
+            self.index.await_read(entry.name, conversation_id)  # as DiskTier.start_reads
 
     def _worth_reading(self, entry: DiskEntry) -> bool:
         """Whether the core's rule could read the entry back (as the engine decides)."""
@@ -184,17 +178,12 @@ class SimDiskTier:
                 self.read_waits += 1
                 self.clock.sleep_until(until)
                 now = until
-        index, reading = self.index, self.index.reading
+        index = self.index
         for name, (entry, done) in list(self._reads.items()):
             if done > now:
                 continue
             del self._reads[name]
-            for waiter in self._awaiting.pop(name, ()):
-                n = reading.get(waiter, 0)
-                if n > 1:
-                    reading[waiter] = n - 1
-                else:
-                    reading.pop(waiter, None)
+            index.read_done(name)
             index.set_ready(entry, True)  # no-op if dropped since
 
     # ------------------------------------------------------------------ a step

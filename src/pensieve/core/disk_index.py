@@ -191,8 +191,11 @@ class DiskIndex:
         self.capacity = capacity
         self.reading: dict[str, int] = {}
         """Conversation id -> reads still running that its queued turn waits for (kept by the
-        engine's disk tier): the scheduler admits no such turn while others run, so a step
-        does not wait for them (:meth:`pensieve.engine.disk_tier.DiskTier.collect`)."""
+        disk tier's I/O through :meth:`await_read` and :meth:`read_done`): the scheduler
+        admits no such turn while others run, so a step does not wait for them
+        (:meth:`pensieve.engine.disk_tier.DiskTier.collect`)."""
+        self._awaiting: dict[str, set[str]] = {}
+        """File name -> conversations whose queued turn waits for its read."""
         self.chunk_size = chunk_size
         self.files: dict[str, DiskEntry] = {}
         """File name -> entry."""
@@ -225,6 +228,23 @@ class DiskIndex:
     def of(self, conversation_id: str) -> list[DiskEntry]:
         """The conversation's held entries by chunk index."""
         return [e for _, e in sorted(self.entries.get(conversation_id, {}).items())]
+
+    def await_read(self, name: str, conversation_id: str) -> None:
+        """The conversation's queued turn waits for the read of file ``name`` (once)."""
+        waiting = self._awaiting.setdefault(name, set())
+        if conversation_id not in waiting:
+            waiting.add(conversation_id)
+            self.reading[conversation_id] = self.reading.get(conversation_id, 0) + 1
+
+    def read_done(self, name: str) -> None:
+        """The read of file ``name`` was collected: its waiters wait for one read less."""
+        reading = self.reading
+        for waiter in self._awaiting.pop(name, ()):
+            n = reading.get(waiter, 0)
+            if n > 1:
+                reading[waiter] = n - 1
+            else:
+                reading.pop(waiter, None)
 
     def live(self, entry: DiskEntry) -> bool:
         """Whether ``entry`` is still the index's entry of its file."""

@@ -114,8 +114,6 @@ class DiskTier:
         """Pooled write buffers; files whose write is queued or running, their bytes lent
         to a prefetch or a restore that needs them."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
-        self._awaiting: dict[str, set[str]] = {}
-        """File name -> conversations whose queued turn waits for its read."""
         self._loaded: dict[str, memoryview] = {}
         self._restored: dict[str, None] = {}
         """Names in ``_loaded`` restored at least once, least recently restored first."""
@@ -205,10 +203,7 @@ class DiskTier:
                     continue
                 self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
             if waiter is not None:
-                waiting = self._awaiting.setdefault(entry.name, set())
-                if waiter not in waiting:
-                    waiting.add(waiter)
-                    self.index.reading[waiter] = self.index.reading.get(waiter, 0) + 1
+                self.index.await_read(entry.name, waiter)
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
         queued = self._writes.lend(entry)  # its buffer is ours now: never pooled again
@@ -249,12 +244,7 @@ class DiskTier:
                 continue
             payload = fut.result()
             del self._reads[name]
-            for waiter in self._awaiting.pop(name, ()):
-                n = index.reading.get(waiter, 0)
-                if n > 1:
-                    index.reading[waiter] = n - 1
-                else:
-                    index.reading.pop(waiter, None)
+            index.read_done(name)
             if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:
