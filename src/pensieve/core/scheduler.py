@@ -268,14 +268,11 @@ class Scheduler:
                         break
                 if suspended:
                     break  # req itself was suspended; everything after it is too
-            if len(pending) == 1 and n == num_pending:  # all of it (a decode): _take, inline
+            if len(pending) == 1 and n == num_pending:  # all of it (a decode): the hot path
                 del pending[0]
                 params = req.sampling_params
-                n_prompt = len(req.prompt_token_ids)  # req.token_ids_range, inline
-                ids = (req.output_token_ids[lo - n_prompt:hi - n_prompt] if lo >= n_prompt
-                       else req.token_ids_range(lo, hi))
                 scheduled.append(ScheduledRequest(
-                    req.request_id, conv.block_table, [QueryRange(lo, ids)],
+                    req.request_id, conv.block_table, [QueryRange(lo, req.token_ids_range(lo, hi))],
                     True, params, len(req.output_token_ids),
                     self._history(req) if params.needs_token_history else None))
             else:
@@ -304,18 +301,15 @@ class Scheduler:
         return max(0, n)
 
     def _take(self, req: Request, conv: Conversation, n: int) -> ScheduledRequest:
-        pending = req.pending
-        if len(pending) == 1 and n == pending[0][1] - pending[0][0]:  # a decode, a whole prompt
-            lo, hi = pending.pop()
-            ranges = [QueryRange(lo, req.token_ids_range(lo, hi))]
-        else:
-            ranges = req.take(n)
+        """The first ``n`` pending tokens of ``req`` as this step's share (a running decode's
+        whole token is taken in :meth:`_fill_running` itself, the hot path)."""
+        ranges = req.take(n)
         params = req.sampling_params
-        history = None
-        if not pending and params.needs_token_history:
-            history = self._history(req)
-        return ScheduledRequest(req.request_id, conv.block_table, ranges, not pending,
-                                params, len(req.output_token_ids), history)
+        sample = not req.pending
+        return ScheduledRequest(req.request_id, conv.block_table, ranges, sample, params,
+                                len(req.output_token_ids),
+                                self._history(req) if sample and params.needs_token_history
+                                else None)
 
     @staticmethod
     def _history(req: Request) -> TokenHistory:
@@ -349,37 +343,24 @@ class Scheduler:
             if req is None or req.status is not running:
                 continue
             token = sampled[rid]
-            out = req.output_token_ids  # req.append_output(token), inline (once a token)
-            out.append(token)
-            n_out, n_prompt = len(out), len(req.prompt_token_ids)
-            req.pending.append((n_prompt + n_out - 1, n_prompt + n_out))
+            req.append_output(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            p = req.sampling_params
-            if (n_out < p.max_tokens and n_prompt + n_out < max_model_len
-                    and (p.ignore_eos or token not in req.eos_token_ids)
-                    and not (p.stop_token_ids and token in p.stop_token_ids)):
-                continue  # _stop_status's None, without the call (most tokens)
-            status = self._stop_status(req, token)
-            if status is not None:
-                req.finish_time = now
-                self.cache.end_turn(req, self._conversation_of(req), now)
-                self._finish(req, status)
-                finished.append(req)
+            # why the turn stops, if it does (an end-of-sequence or stop token first)
+            p, n_out = req.sampling_params, len(req.output_token_ids)
+            if ((not p.ignore_eos and token in req.eos_token_ids)
+                    or (p.stop_token_ids and token in p.stop_token_ids)):
+                status = RequestStatus.FINISHED_STOPPED
+            elif n_out >= p.max_tokens or len(req.prompt_token_ids) + n_out >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            req.finish_time = now
+            self.cache.end_turn(req, self._conversation_of(req), now)
+            self._finish(req, status)
+            finished.append(req)
         self.cache.reclaim_swap_outs(result.swap_outs_in_flight)
         return finished
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.sampling_params
-        if not p.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        n_out = len(req.output_token_ids)
-        if n_out >= p.max_tokens or (len(req.prompt_token_ids) + n_out
-                                     >= self.config.max_model_len):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
