@@ -310,11 +310,8 @@ class TierPools:
                 else:  # the block's one holder: it moves
                     evict_chunk(conv, i, key, urgent)
                     done += 1
-                # its next GPU chunk takes its place in the GPU index (idx.first, inline)
-                j: int | None = i + step
-                if not (0 <= i + step < len(chunks) and (ch := chunks[i + step]).tier is
-                        gpu_tier and not (refs and refs[ch.block] > 1)):
-                    j = first(conv, gpu_tier, i + step)
+                # the conversation's next GPU chunk takes its place in the GPU index
+                j = first(conv, gpu_tier, i + step)
                 if j is None:
                     gpu_index.pop_top(conv)
                     break
