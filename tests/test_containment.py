@@ -212,3 +212,65 @@ def test_one_failing_request_among_concurrent_ones(tiny_llama, at_output: int) -
     assert st["failed_requests"] == 1
     assert st["swapped_out_tokens"] + st["dropped_tokens"] > 0  # the tiers were under pressure
     eng.cache.check_integrity()
+
+
+class FailedCopy:
+    """Runs each step on ``inner``; when the step swaps KV into a block of a request that
+    ``when`` selects, that block's bytes are overwritten (as a copy that failed midway would
+    leave them) and the step raises."""
+
+    def __init__(self, inner: Executor, kv: list[torch.Tensor],
+                 when: Callable[[ScheduledRequest], bool]) -> None:
+        self.inner, self.kv, self.when = inner, kv, when
+        self.raised = 0
+
+    @property
+    def tiers(self) -> TierSizes:
+        return self.inner.tiers
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = self.inner.execute(sched)
+        copied = {gpu for _, gpu in sched.swaps.swap_in}
+        hit = [b for s in sched.requests if self.when(s) for b in s.block_table if b in copied]
+        if hit:
+            self.raised += 1
+            for layer in self.kv:
+                layer[:, hit] = 1e4
+            raise RuntimeError(f"copy into blocks {hit} failed")
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def test_blocks_a_failed_steps_copies_were_to_fill_are_not_kept(tiny_llama) -> None:  # noqa: ANN001
+    """A turn whose history is swapped in fails in that step, its swapped-in blocks left
+    holding other bytes: the conversation keeps no chunk in those blocks (they are freed, the
+    chunks recomputed), so the retry's tokens are HF's greedy tokens."""
+    path, model = tiny_llama
+    base = LLMEngine(build_engine_config(model=path, dtype="float32", device="cpu",
+                                         chunk_size=8, num_gpu_blocks=14, num_cpu_blocks=24,
+                                         max_num_batched_tokens=64))
+    faulty = FailedCopy(base.executor, base.kv_caches, lambda s: s.request_id == "c0-t2")
+    eng = EngineCore(base.scheduler, faulty, clock=base.now, eos_token_ids=base.eos_token_ids,
+                     vocab_size=base.vocab_size)
+    eng.audit = True
+    rng = random.Random(5)
+
+    def new_ids(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    history: dict[str, list[int]] = {}
+    for c in ("c0", "c1", "c2"):  # c1 and c2 push c0's chunks to the CPU tier
+        _drive(eng, {f"{c}-t1": (c, new_ids(30), 4)})
+        history[c] = eng.conversation_history(c)
+    ids = new_ids(6)
+    outs = _drive(eng, {"c0-t2": ("c0", ids, 5)})
+    assert faulty.raised == 1 and outs["c0-t2"].finish_reason == "error"
+    assert eng.conversation_history("c0") == history["c0"]
+    eng.cache.check_integrity()
+    outs = _drive(eng, {"c0-retry": ("c0", ids, 5)})
+    assert outs["c0-retry"].output_token_ids == _hf(model, history["c0"] + ids, 5)

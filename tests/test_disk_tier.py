@@ -29,7 +29,7 @@ def make_llm(path: str, disk: str | None, **kw: object) -> LLM:
     if disk is not None:  # a fast disk: every copy on disk is read back, none recomputed
         extra = {"disk_kv_gb": 0.01, "disk_kv_path": disk, "disk_read_gbps": 1e9}
     llm = LLM(model=path, dtype="float32", device="cpu", chunk_size=CHUNK,
-              max_num_batched_tokens=64, **{**TIERS, **extra, **kw})  # type: ignore[arg-type]
+              **{"max_num_batched_tokens": 64, **TIERS, **extra, **kw})  # type: ignore[arg-type]
     llm.engine.audit = True
     return llm
 
@@ -238,3 +238,31 @@ def test_steps_do_not_wait_for_writes(tiny_llama, tmp_path) -> None:  # noqa: AN
     llm.engine.shutdown()  # waits for the writer
     assert llm.engine.disk_tier.stats()["disk_write_bytes"] > 0
     assert any(f.endswith(".kv") for f in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("times", [1, 4, 16])
+def test_restored_history_longer_than_the_step_budget(tiny_llama, tmp_path,  # noqa: ANN001
+                                                      times: int) -> None:
+    """A history of 1x, 4x and 16x the step's token budget read back from disk after a
+    restart: the turn is never scheduled with nothing to compute (it failed so, leaving its
+    chunks marked on the GPU unfilled), no request fails, and the tokens are HF's greedy
+    tokens from the full history, with the history's KV from disk."""
+    path, model = tiny_llama
+    budget = 16
+    rng = random.Random(times)
+    first = [[(0, [rng.randrange(VOCAB) for _ in range(times * budget - 4)], 4)]]
+    second = [[(0, [rng.randrange(VOCAB) for _ in range(5)], 6)]]
+    kw = {"max_num_batched_tokens": budget, "num_gpu_blocks": 64, "num_cpu_blocks": 48}
+    llm = make_llm(path, str(tmp_path), **kw)
+    run(llm, first)
+    history = llm.engine.conversation_history("c0")
+    llm.engine.shutdown()
+    llm = make_llm(path, str(tmp_path), **kw)
+    llm.engine.restore_conversation("c0", history)
+    got = run(llm, second)
+    stats = llm.cache_stats()
+    llm.engine.cache.check_integrity()
+    llm.engine.shutdown()
+    assert stats["failed_requests"] == 0, stats
+    assert got[0] == [Reference(model)(history + second[0][0][1], 6)]
+    assert stats["disk_hit_tokens"] >= len(history) - CHUNK, (stats, len(history))

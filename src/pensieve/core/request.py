@@ -88,7 +88,10 @@ class Request:
         raise ValueError(f"request {self.request_id}: fewer than {n} tokens pending")
 
     def take(self, n: int) -> list[QueryRange]:
-        """Remove the first ``n`` pending tokens; they become this step's query ranges."""
+        """Remove the first ``n`` pending tokens; they become this step's query ranges. A
+        step never schedules a request with nothing to compute: ``n`` must be positive."""
+        if n <= 0:
+            raise ValueError(f"request {self.request_id}: a step takes {n} tokens")
         ranges: list[QueryRange] = []
         while n > 0:
             lo, hi = self.pending[0]

@@ -223,16 +223,46 @@ class Scheduler:
                                may_defer=bool(self.running)):
                 req.pending = []
                 break
-            n += req.num_pending - total  # CPU chunks the cache chose to recompute
+            n = self._admitted_share(req, conv, n, total, now)
             del waiting[at]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if scheduled and 0 < cache.num_planned_swap_ins - since <= ahead_left:
                 ahead_left -= cache.swap_in_ahead(since)
                 continue  # no budget taken: the next step's running pass computes it
+            if n == 0:
+                continue  # no block for its first pending token: the running pass grows it
             scheduled.append(self._take(req, conv, n))
             budget -= n
         return scheduled
+
+    def _admitted_share(self, req: Request, conv: Conversation, n: int, total: int,
+                        now: float) -> int:
+        """The tokens an admitted turn computes in this step, given ``n`` of the ``total``
+        pending before admission. Admission changes what is pending: CPU chunks chosen for
+        recomputation join it (``n`` grows by them: the step's spare budget paid for them),
+        chunks read back from disk leave it (the turn computes at most what is left). The
+        share ends within the conversation's GPU blocks (grown if it must be and can be);
+        0: none this step (the next step's running pass grows the conversation, or suspends
+        it)::
+
+            before  [dropped: recompute ........................][new]    n of them
+            after   [from disk: swapped in ..........][recompute][new]    min(n, left)
+        """
+        left = req.num_pending
+        n = n + left - total if left >= total else min(n, left)
+        if n <= 0:
+            return 0
+        limit = len(conv.chunks) * self.cache.chunk_size
+        end = req.pending_end(n)
+        if end <= limit or self.cache.grow(conv, end, now):
+            return n
+        fits = 0  # no more blocks now: the pending tokens below the limit, in order
+        for lo, hi in req.pending:
+            if lo >= limit:
+                break
+            fits += min(hi, limit) - lo
+        return min(n, fits)
 
     def _fill_running(self, now: float, prefill: bool | None,
                       scheduled: list[ScheduledRequest]) -> int:

@@ -101,17 +101,29 @@ def _isolate(execute: Execute, group: list[ScheduledRequest], error: str, step: 
             _isolate(execute, half, _describe(exc), step, outputs)
 
 
-def restore_pending(pending: list[tuple[int, int]],
-                    taken: list[QueryRange]) -> list[tuple[int, int]]:
+def restore_pending(pending: list[tuple[int, int]], taken: list[QueryRange],
+                    unsure: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """``pending`` with the positions of ``taken`` (the step's ranges, which came off its
-    front) put back, adjacent intervals merged::
+    front) put back, and those of ``unsure`` (chunks a copy of the failed step was to fill),
+    overlapping or adjacent intervals merged::
 
         taken [0, 64) [200, 232)  +  pending [232, 260)  ->  [0, 64) [200, 260)
+        unsure [96, 128)  +  pending [232, 260)          ->  [96, 128) [232, 260)
     """
     out: list[tuple[int, int]] = []
-    for lo, hi in [(r.start_pos, r.end_pos) for r in taken] + pending:
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
+    for lo, hi in sorted([(r.start_pos, r.end_pos) for r in taken] + pending + (unsure or [])):
+        if out and out[-1][1] >= lo:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
         else:
             out.append((lo, hi))
     return out
+
+
+def copied_chunks(block_table: tuple[int, ...], copied: set[int], chunk_size: int,
+                  before: int) -> list[tuple[int, int]]:
+    """The positions of the chunks (below position ``before``) whose GPU blocks a copy of the
+    step was to fill (``copied``: the swap-ins' destination blocks): a request that failed in
+    the step does not know them to hold its KV."""
+    c = chunk_size
+    return [(i * c, min((i + 1) * c, before)) for i, b in enumerate(block_table)
+            if b in copied and i * c < before]

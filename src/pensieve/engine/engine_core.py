@@ -19,14 +19,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pensieve.core.outputs import (
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SwapPlan,
+    TokenLogprobs,
+)
 from pensieve.core.prefix_share import share_salt
 from pensieve.core.request import Request, RequestStatus
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError, Scheduler
 from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine.containment import execute_contained, restore_pending
+from pensieve.engine.containment import copied_chunks, execute_contained, restore_pending
 from pensieve.engine.executor import Executor
 from pensieve.engine.request_output import RequestOutput
 from pensieve.engine.step_record import StepRecord, prefill_decode_tokens
@@ -235,7 +241,7 @@ class EngineCore:
         result = step.output
         t3 = time.perf_counter()
         self._observe_step_time(sched, self.now() - c2)
-        failed = self._fail(sched.requests, step.failed) if step.failed else []
+        failed = self._fail(sched.requests, step.failed, sched.swaps) if step.failed else []
         self.last_sampled = result.sampled_token_ids
         self.last_logprobs = result.logprobs
         self._append_logprobs(sched.requests, result)
@@ -272,16 +278,21 @@ class EngineCore:
                         and s.request_id in result.sampled_token_ids):
                     req.logprobs.append(result.logprobs.get(s.request_id))
 
-    def _fail(self, scheduled: Iterable[ScheduledRequest],
-              errors: dict[str, str]) -> list[RequestOutput]:
+    def _fail(self, scheduled: Iterable[ScheduledRequest], errors: dict[str, str],
+              swaps: SwapPlan | None = None) -> list[RequestOutput]:
         """Abort the requests a step failed on: the positions it took are pending again (their
-        KV is not known to be computed), so the conversation is left as before the turn."""
+        KV is not known to be computed), and so are the chunks the step's swap-ins were to
+        fill (a block that a failed step's copy was to fill is freed, not kept), so the
+        conversation is left as before the turn, with only KV known to be written."""
         outs: list[RequestOutput] = []
+        copied = {gpu for _, gpu in swaps.swap_in} if swaps is not None else set()
         for s in scheduled:
             req = self.scheduler.requests.get(s.request_id)
             if s.request_id not in errors or req is None:
                 continue
-            req.pending = restore_pending(req.pending, s.ranges)
+            unsure = copied_chunks(s.block_table, copied, self.cache.chunk_size,
+                                   req.num_tokens)
+            req.pending = restore_pending(req.pending, s.ranges, unsure)
             self.scheduler.abort_request(s.request_id, self.now())
             out = _output(req)
             out.finish_reason = "error"

@@ -355,10 +355,17 @@ class ModelRunner:
         # The step's inputs go up before its swaps are issued: copies on the compute stream
         # queue on the copy engines behind the swap copies issued before them, and layer 0
         # would wait for the last swap-in.
-        if graphs is not None:
-            bucket = graphs.fill(sched)
-        else:
-            inp = self.prepare_inputs(sched)
+        try:
+            if graphs is not None:
+                bucket = graphs.fill(sched)
+            else:
+                inp = self.prepare_inputs(sched)
+        except Exception:
+            # the step's copies run all the same: the cache planned them, and a block's
+            # recorded place must stay true whatever happens to the step's compute
+            self.swapper.start_step(sched.swaps)
+            self.swapper.finish_step()
+            raise
         # a graph step issues its copies ahead and background swap-outs once its forward is
         # launched (defer_background): their host time then overlaps the forward
         layer_ready = self.swapper.start_step(
