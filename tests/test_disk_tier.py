@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from test_stateful_invariant import (
@@ -157,12 +161,77 @@ def test_bad_files_are_recomputed(tiny_llama, tmp_path, how: str) -> None:  # no
     assert stats["recomputed_tokens"] >= len(victims) * CHUNK
 
 
-def test_unwritable_path_is_a_clear_error(tiny_llama, tmp_path) -> None:  # noqa: ANN001
-    path, _ = tiny_llama
+def test_unwritable_path_serves_without_the_disk_tier(tiny_llama, tmp_path,  # noqa: ANN001
+                                                      caplog) -> None:  # noqa: ANN001
+    """A disk tier that cannot be written at start (full, read-only, not a directory) is a
+    logged warning: the engine serves without it, HF's greedy tokens."""
+    path, model = tiny_llama
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match="not writable"):
-        make_llm(path, str(blocker / "sub"))
+    with caplog.at_level("WARNING", logger="pensieve"):
+        llm = make_llm(path, str(blocker / "sub"))
+    assert llm.engine.disk_tier is None
+    assert any("disk tier off" in r.message and "not writable" in r.message
+               for r in caplog.records)
+    workload = [[(0, [5, 6, 7, 8, 9, 10], 5)]]
+    assert run(llm, workload) == expected(Reference(model), workload)
+    llm.engine.shutdown()
+
+
+def test_short_writes_leave_no_file(tmp_path) -> None:  # noqa: ANN001
+    """A write the file system cuts short (here: a file-size limit, as a full disk does) raises
+    and leaves neither the file nor its temporary (the audit found short writes renamed into
+    place and 15 empty temporaries left by a shutdown on a full disk)."""
+    script = textwrap.dedent(f"""
+        import resource, signal
+        from pensieve.engine import disk_files
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        try:
+            disk_files.write_atomic({str(tmp_path / "a.kv")!r}, b"head",
+                                    memoryview(bytes(100_000)))
+        except OSError as e:
+            print("raised", e.errno)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert "raised" in out.stdout, out
+    assert os.listdir(tmp_path) == []
+
+
+def test_leftover_temporaries_are_removed_at_start(tiny_llama, tmp_path) -> None:  # noqa: ANN001
+    path, _ = tiny_llama
+    (tmp_path / "abc.kv.tmp").write_bytes(b"")
+    (tmp_path / "def.kv.tmp").write_bytes(b"half a file")
+    llm = make_llm(path, str(tmp_path))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    llm.engine.shutdown()
+
+
+def test_changed_weights_read_no_old_kv(tiny_llama, tmp_path) -> None:  # noqa: ANN001
+    """New weights written in place under the same model path, then a restart with the same
+    disk path: no chunk of the old weights' KV is read (the fingerprint holds a digest of the
+    weights), and the tokens are the new model's greedy tokens."""
+    import safetensors.torch
+    import transformers
+
+    src, _ = tiny_llama
+    model_dir = tmp_path / "model"
+    shutil.copytree(src, model_dir)
+    disk = str(tmp_path / "kv")
+    first, second = _restart_workload()
+    histories = _first_round(str(model_dir), disk, first)
+    weights = model_dir / "model.safetensors"
+    tensors = safetensors.torch.load_file(weights)
+    name = next(n for n in sorted(tensors) if "layers.0.self_attn.k_proj" in n)
+    tensors[name] = tensors[name] * 1.5  # the KV of layer 0 changes
+    safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+    got, stats = _resume(str(model_dir), disk, histories, second)
+    assert stats["disk_hit_tokens"] == 0, stats
+    new = transformers.LlamaForCausalLM.from_pretrained(model_dir).eval()
+    ref = Reference(new)
+    for c, ids, m in second[0]:
+        assert got[c] == [ref(histories[c] + ids, m)]
 
 
 def test_failed_writes_fall_back_to_dropping(tiny_llama, tmp_path) -> None:  # noqa: ANN001

@@ -18,6 +18,8 @@ truncated, corrupt or foreign file) is None, and the chunk is recomputed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
 import os
@@ -34,10 +36,13 @@ MAX_HEADER = 1 << 16
 
 
 def fingerprint(model: str, dtype: str, kv_dtype: str, chunk_size: int, num_layers: int,
-                num_kv_heads: int, head_dim: int) -> str:
-    """What must be equal for a file's KV to be usable by this engine."""
+                num_kv_heads: int, head_dim: int, weights: str = "") -> str:
+    """What must be equal for a file's KV to be usable by this engine: ``weights`` is a
+    digest of the weights and the model's config (``disk_tier.model_digest``), so that new
+    weights under the same path never read the old KV."""
     return (f"model={model};dtype={dtype};kv_dtype={kv_dtype};chunk={chunk_size};"
-            f"layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim};layout=L2CHD")
+            f"layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim};layout=L2CHD;"
+            f"weights={weights}")
 
 
 @dataclass(frozen=True)
@@ -143,11 +148,32 @@ def read_file(path: str, spare: ReadBuffer | None = None) -> memoryview:
 def write_atomic(path: str, head: bytes, payload: memoryview) -> None:
     """Write ``head`` and ``payload`` to ``path`` through a temporary file and a rename (a
     crash leaves the old file or none, never half of one under the name)."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb", buffering=0) as f:
-        f.write(head)
-        f.write(payload)
-    os.replace(tmp, path)
+    tmp = path + TMP_SUFFIX
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            _write_all(f, memoryview(head))
+            _write_all(f, payload)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+TMP_SUFFIX = ".tmp"
+"""A file being written (:func:`write_atomic`); one left by a crash is removed at start."""
+
+
+def _write_all(f: Any, data: memoryview) -> None:
+    """Write every byte of ``data`` (a raw file's ``write`` may take fewer: a full disk);
+    OSError when the disk takes none."""
+    data = data.cast("B")
+    done = 0
+    while done < len(data):
+        n = f.write(data[done:])
+        if not n:
+            raise OSError(errno.ENOSPC, f"short write: {done} of {len(data)} bytes")
+        done += n
 
 
 def check_writable(directory: str) -> None:

@@ -33,6 +33,8 @@ logged and its chunk is simply dropped, as without a disk tier.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -153,6 +155,10 @@ class DiskTier:
         checked when its conversation's next turn comes); returns how many."""
         found = foreign = 0
         for name in sorted(os.listdir(self.path)):
+            if name.endswith(disk_files.TMP_SUFFIX):  # a write cut off by a crash or a stop
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.path, name))
+                continue
             if not name.endswith(".kv"):
                 continue
             h = disk_files.read_header(os.path.join(self.path, name))
@@ -442,10 +448,15 @@ def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
     if runner is None:
         raise ValueError("the disk tier needs a local executor (not tensor parallel)")
     require_cpu_tier(executor.tiers.num_cpu_blocks)
+    try:
+        disk_files.check_writable(cc.disk_kv_path)
+    except ValueError as e:  # a full or read-only disk: serve without the tier
+        log.warning("disk tier off: %s", e)
+        return None
     kv_dtype = runner.kv_caches[0].dtype
     fp = disk_files.fingerprint(model_name, str(model_dtype), str(kv_dtype),
                                 cc.chunk_size, model.num_layers, model.num_kv_heads,
-                                model.head_dim)
+                                model.head_dim, model_digest(model, model_name))
     block_bytes = executor.tiers.block_bytes
     capacity = int(cc.disk_kv_gb * 2**30 // block_bytes)
     tier = DiskTier(cc.disk_kv_path, capacity, cc.chunk_size, fp, runner.swapper.cpu_caches,
@@ -460,3 +471,35 @@ def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
                     "fail once it is full drop their chunks", cc.disk_kv_path, room / 2**30,
                     capacity * block_bytes / 2**30)
     return tier
+
+
+DIGEST_SLICE = 1 << 24
+"""Elements summed at once by :func:`model_digest` (bounds its temporary memory)."""
+
+
+def model_digest(model: torch.nn.Module, model_path: str) -> str:
+    """A digest of the model's weights and config, for the disk tier's fingerprint: the
+    ``config.json`` beside the weights (rotary and norm settings change the KV too) and, per
+    tensor of the state dict, its name, shape, dtype, the exact integer sum of its elements'
+    bits and 64 evenly spaced elements. Weights changed in place under the same path change it
+    (any changed element changes the sum unless other changes cancel it exactly); integer sums
+    make it the same whatever the device's reduction order. One read of the weights."""
+    h = hashlib.blake2b(digest_size=12)
+    cfg = os.path.join(model_path, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg, "rb") as f:
+            h.update(f.read())
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict().items()):
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+            flat = t.detach().contiguous().reshape(-1)
+            if flat.numel() == 0 or flat.element_size() not in bits:
+                continue
+            ints = flat.view(bits[flat.element_size()])
+            total = sum(int(ints[i:i + DIGEST_SLICE].sum(dtype=torch.int64))
+                        for i in range(0, ints.numel(), DIGEST_SLICE))
+            at = torch.linspace(0, ints.numel() - 1, min(64, ints.numel()),
+                                device=ints.device).long()
+            h.update(f"{total};".encode() + ints[at].cpu().numpy().tobytes())
+    return h.hexdigest()
