@@ -85,3 +85,59 @@ def test_restored_history_longer_than_budget_serves_own_tokens(tmp_path: Path) -
     for secret in ("7319", "swordfish", "vault", "PRIVATE"):
         assert secret not in warm and secret not in hist.text
     assert wbody["pensieve"]["cache"]["disk_hit_tokens"] > 0  # the history came from disk
+
+
+def _resend(srv: Server, histories: list[list[dict]], question: str) -> tuple[list[str], list[dict]]:
+    """Each conversation's next turn, no id, the whole history re-sent (the openai client)."""
+    client = srv.client("key-a")
+    answers, caches = [], []
+    for msgs in histories:
+        r = client.chat.completions.create(
+            model="pensieve-demo", messages=[*msgs, {"role": "user", "content": question}],
+            **GREEDY)
+        answers.append(r.choices[0].message.content)
+        caches.append(((r.model_extra or {}).get("pensieve") or {})["cache"])
+    return answers, caches
+
+
+@pytest.mark.slow  # three server starts on the demo model
+def test_restart_without_ids_history_resent_reads_back_from_disk(tmp_path: Path) -> None:
+    """The openai client, conversations without ids, the history re-sent each turn, a disk
+    tier: after a restart >= 90% of each continued turn's context is cached (read back from
+    disk) and the answers equal a fresh server's without a disk tier."""
+    # chunks of 16: an answer cut by max_tokens is re-rendered with its end-of-turn text, so
+    # the history's last chunk differs from the re-sent one (at most one chunk recomputed)
+    disk = ["--chunk-size", "16", "--disk-kv-gb", "0.05", "--disk-kv-path", str(tmp_path / "kv")]
+    store, cache = tmp_path / "conv.db", tmp_path / "cache"
+    srv = Server(store, cache, *KEYS, *disk)
+    histories: list[list[dict]] = []
+    try:
+        client = srv.client("key-a")
+        for i in range(3):
+            msgs: list[dict] = []
+            for q in (f"Tell me about the island number {i} and its lighthouse.",
+                      "Go on.", "What happened in the storm?"):
+                msgs.append({"role": "user", "content": q})
+                r = client.chat.completions.create(model="pensieve-demo", messages=msgs,
+                                                   **GREEDY)
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            histories.append(msgs)
+    finally:
+        srv.stop()
+    shutil.copy(store, tmp_path / "cold.db")
+    srv2 = Server(store, cache, *KEYS, *disk)
+    try:
+        warm, caches = _resend(srv2, histories, "And in the end?")
+    finally:
+        srv2.stop()
+    srv3 = Server(tmp_path / "cold.db", cache, *KEYS, "--chunk-size", "16")
+    try:
+        cold, cold_caches = _resend(srv3, histories, "And in the end?")
+    finally:
+        srv3.stop()
+    assert warm == cold
+    for c, cc in zip(caches, cold_caches):
+        context = cc["recomputed_tokens"] + cc["gpu_hit_tokens"] + cc["cpu_hit_tokens"]
+        assert cc["disk_hit_tokens"] == 0 and context > 0
+        cached = c["disk_hit_tokens"] + c["gpu_hit_tokens"] + c["cpu_hit_tokens"]
+        assert cached >= 0.9 * context, (c, cc)
