@@ -12,7 +12,7 @@
 # running and waiting); each point says whether its window was at steady state (the halves'
 # means within 10%: `steady_state`; and within the window's own noise: `steady_within_noise`).
 # Set-up: Llama 2-13B shape with 10 KV heads (preset llama2-13b-gqa10 + a word-level tokenizer
-# whose id sequences all re-tokenize to themselves, via src/pensieve/bench/chat_model_dir.py; TOKENIZER=
+# whose id sequences all re-tokenize to themselves, via benchmarks/chat_model_dir.py; TOKENIZER=
 # demo for the demo SentencePiece one), dummy weights, bf16, GPU KV tier 40 GB, CPU tier 60 GB.
 #
 # Usage: churn_points.sh [SYSTEM_A,SYSTEM_B] [RATE | RATE_A,RATE_B] [extra multiturn.py args]
@@ -110,12 +110,12 @@ finish() {  # gather what there is into $OUT, print the summary
     [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt 2000000 ] && gzip -f "$f"
   done
   if [ ${#ts[@]} -gt 0 ]; then
-    "$py" -m pensieve.bench.plot_timeseries "${ts[@]}" --out "$out/churn" --title \
+    "$py" benchmarks/plot_timeseries.py "${ts[@]}" --out "$out/churn" --title \
       "$sys_a$([ "$sides" = A ] || echo " vs $sys_b"), $rate sessions/s, $workload, $model, tiers $gpu_kv/$cpu_kv GB, $label" \
       >> "$log" 2>&1 || say "plot failed"
   fi
   if [ -s "$out/points.jsonl" ]; then
-    "$py" -m pensieve.bench.churn_summary "$out/points.jsonl" > "$out/summary.txt" 2>> "$log"
+    "$py" benchmarks/churn_summary.py "$out/points.jsonl" > "$out/summary.txt" 2>> "$log"
     cat "$out/summary.txt"
   else
     say "no points"
@@ -165,7 +165,7 @@ if [ "$api" = chat ] && [ "$model" != demo ] && [ ! -d "$model" ]; then
   # contexts beyond max_position_embeddings, so the benchmark's model allows 16,384 (the
   # client's --max-model-len) unless MODEL_SET says otherwise. The shape is unchanged.
   for kv in ${MODEL_SET:-max_position_embeddings=16384}; do set_args+=(--set "$kv"); done
-  serve_model=$("$py" -m pensieve.bench.chat_model_dir "$model" "$w/model" "${set_args[@]}" \
+  serve_model=$("$py" benchmarks/chat_model_dir.py "$model" "$w/model" "${set_args[@]}" \
                  --tokenizer "${TOKENIZER:-words}") \
     || { say "could not build a chat model directory for $model"; exit 2; }
   say "serving $model with the ${TOKENIZER:-words} tokenizer from $serve_model"

@@ -7,7 +7,7 @@
 #   (a) no disk tier;
 #   (b) the same load with a disk tier of DISK_GB (30) under DISK_DIR (/tmp/pensieve_disk);
 #   (c) a restart: a disk server gets CONVS (64) conversations of TURNS (4) turns of WORDS (300)
-#       words, built W at a time (pensieve.bench.disk_restart build), is stopped once they are
+#       words, built W at a time (benchmarks/disk_restart.py build), is stopped once they are
 #       built (SIGINT, between turns, not mid-turn: it writes its tiers' KV to disk), started again on the same store and disk path, and
 #       continues each conversation by one greedy turn; a server without the disk tier
 #       continues a copy of the same store (recomputing). Reported: the share of the continued
@@ -80,7 +80,7 @@ serve_model=$model
 if [ "$model" != demo ] && [ ! -d "$model" ]; then
   set_args=()
   for kv in ${MODEL_SET:-max_position_embeddings=131072}; do set_args+=(--set "$kv"); done
-  serve_model=$("$py" -m pensieve.bench.chat_model_dir "$model" "$w/model" "${set_args[@]}" \
+  serve_model=$("$py" benchmarks/chat_model_dir.py "$model" "$w/model" "${set_args[@]}" \
                 --tokenizer "${TOKENIZER:-words}") || { say "no chat model dir"; exit 2; }
 fi
 port=${PORT:-8341}; url="http://127.0.0.1:$port"; srv=
@@ -116,7 +116,7 @@ stop() {  # SIGINT (the disk server writes its tiers' KV to disk), then TERM, KI
   tar czf "$out/restart.tgz" -C "$w" restart  # what (c) has so far, should the call end
 }
 trap 'stop; rm -rf "$w" "$disk_dir"' EXIT
-client=("$py" -m pensieve.bench.disk_restart)
+client=("$py" benchmarks/disk_restart.py)
 copts=(--workers "${W:-16}" --max-tokens "${MAX_TOKENS:-32}")
 # shellcheck disable=SC2086  # disk_args is a list of words
 start disk1 "$w/conv.db" $disk_args || exit 1

@@ -1,6 +1,7 @@
-"""Two builds' scheduler host time, run by run in turn: ``pensieve bench scheduler``'s workload
-(one size), each run in a fresh process under ``PYTHONPATH=<src>``, builds alternating, then
-per build each step's least thread CPU time over its runs and the median over steps.
+"""Two builds' scheduler host time, run by run in turn: ``benchmarks/scheduler_cost.py``'s
+workload (one size), each run in a fresh process under ``PYTHONPATH=<src>`` (the driver, this
+directory's ``scheduler_cost.py``, is the same for both), builds alternating, then per build each
+step's least thread CPU time over its runs and the median over steps.
 
     python benchmarks/scheduler_cost_ab.py --before /tmp/before/src --after src \\
         --sessions 300 --runs 8 [--share-prefixes] [--preset pressure] [--out results.json]
@@ -21,11 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pensieve.bench.scheduler_cost import min_step_median_ms
+from scheduler_cost import min_step_median_ms
 
 ONE_RUN = """
 import argparse, json, sys
-from pensieve.bench import scheduler_cost as sc
+import scheduler_cost as sc
 ap = argparse.ArgumentParser(); sc.add_arguments(ap)
 a = sc.resolve(ap.parse_args(sys.argv[2:]))
 b = sc.Bench(int(sys.argv[1]), a, seed=a.seed + int(sys.argv[1]))
@@ -35,7 +36,8 @@ print(json.dumps([b.step()[0] for _ in range(a.steps)]))
 
 
 def one_run(src: str, sessions: int, bench_args: list[str]) -> list[float]:
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    here = str(Path(__file__).resolve().parent)  # scheduler_cost.py: the same driver for both
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, here]), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", ONE_RUN, str(sessions), *bench_args],
                          env=env, check=True, capture_output=True, text=True).stdout
     times: list[float] = json.loads(out)

@@ -18,9 +18,7 @@ ruff check src tests benchmarks scripts
 mypy src/pensieve/core src/pensieve/config.py src/pensieve/engine/engine_core.py \
   src/pensieve/engine/executor.py src/pensieve/engine/tiers.py src/pensieve/engine/containment.py \
   src/pensieve/engine/step_record.py src/pensieve/engine/request_output.py \
-  src/pensieve/bench/simulator.py src/pensieve/bench/sim_disk.py src/pensieve/bench/step_cost.py \
-  src/pensieve/bench/transfer_model.py src/pensieve/bench/nnls.py \
-  src/pensieve/bench/serve_metrics.py src/pensieve/kernels/launch_policy.py \
+  src/pensieve/sim src/pensieve/bench/serve_metrics.py src/pensieve/kernels/launch_policy.py \
   src/pensieve/options.py
 python scripts/size_check.py src --results docs/results
 # One PostgreSQL server for the tests that use one (each gets a database of its own on it;

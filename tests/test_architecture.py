@@ -130,12 +130,10 @@ ENGINE_CONFIG_READERS = {
                                  "cache config (disk_kv_gb, disk_kv_path, disk_read_gbps)",
     "pensieve.parallel.tp_executor": "an executor: TPExecutor",
     "pensieve.parallel.worker": "an executor: the tensor-parallel ranks behind TPExecutor",
-    "pensieve.bench.simulator": "an executor: SimEngine.from_config sizes the simulated tiers "
+    "pensieve.sim.simulator": "an executor: SimEngine.from_config sizes the simulated tiers "
                                 "as the engine would (through engine.tiers) for SimExecutor",
     "pensieve.options": "the command lines' engine options, generated from the config "
                         "dataclasses' fields (names, types, docstrings, defaults)",
-    "pensieve.bench.decode_step": "the decode-step benchmark drives a ModelRunner directly: it "
-                                  "reads the engine's decode-graph shape for its batch sizes",
 }
 """The modules that may read the engine config, and why."""
 

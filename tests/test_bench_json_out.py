@@ -2,7 +2,7 @@
 
 import json
 
-from pensieve.bench.json_out import emit_result
+from json_out import emit_result
 
 
 def test_prints_brief_and_writes_whole(tmp_path, capsys):

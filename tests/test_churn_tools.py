@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name: str) -> Any:
-    """The benchmark tool ``pensieve.bench.<name>``."""
-    return importlib.import_module(f"pensieve.bench.{name}")
+    """The benchmark script ``benchmarks/<name>.py`` (on the tests' path: pyproject)."""
+    return importlib.import_module(name)
 
 
 def test_chat_model_dir(tmp_path: Path) -> None:

@@ -14,8 +14,6 @@ import transformers
 
 from pensieve import SamplingParams
 from pensieve.bench.engine_api import VirtualClock
-from pensieve.bench.simulator import SimEngine
-from pensieve.bench.step_cost import StepCostModel
 from pensieve.core.outputs import QueryRange, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.engine.containment import execute_contained, restore_pending
@@ -24,6 +22,8 @@ from pensieve.engine.executor import Executor, TierSizes
 from pensieve.engine.llm import build_engine_config
 from pensieve.engine.llm_engine import LLMEngine
 from pensieve.engine.request_output import RequestOutput
+from pensieve.sim.simulator import SimEngine
+from pensieve.sim.step_cost import StepCostModel
 
 VOCAB = 256
 

@@ -27,7 +27,7 @@ def test_core_imports_no_torch() -> None:
     code = (
         "import sys, pensieve, pensieve.core.scheduler, pensieve.core.tiered_cache, "
         "pensieve.core.outputs, pensieve.config, pensieve.engine.engine_core, "
-        "pensieve.bench.simulator\n"
+        "pensieve.sim.simulator\n"
         "heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\nprint('clean')"
     )

@@ -1,21 +1,19 @@
-"""``pensieve bench cpu-prefill`` on the demo model: the table and the JSON it writes."""
+"""``python benchmarks/cpu_prefill.py`` on the demo model: the table and the JSON it writes."""
 
 import json
 from pathlib import Path
 
 import pytest
+from cpu_prefill import main
 
-from pensieve.cli import build_parser
 from pensieve.core.scheduling_config import STEP_TOKEN_BUDGETS
 
 
 def test_cpu_prefill_writes_every_point(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "r.json"
     n = STEP_TOKEN_BUDGETS["cpu"] + 44
-    args = build_parser().parse_args(
-        ["bench", "cpu-prefill", "--model", "demo", "--lengths", "40", str(n), "--repeats", "2",
-         "--one-step", "--threads", "1", "--output", str(out), "--no-progress"])
-    assert args.func(args) == 0
+    assert main(["--model", "demo", "--lengths", "40", str(n), "--repeats", "2", "--one-step",
+                 "--threads", "1", "--output", str(out), "--no-progress"]) == 0
     res = json.loads(out.read_text())
     assert res["meta"]["budgets"] == {"pensieve": STEP_TOKEN_BUDGETS["cpu"],
                                       "pensieve-one-step": n + 1}

@@ -218,7 +218,7 @@ def test_fp8_kv_cache_follows_fp32_on_the_trained_model(smollm2):
     """``kv_cache_dtype="fp8_e4m3"`` on SmolLM2's trained weights: a quarter of fp32's bytes
     per chunk, and greedy answers that follow the fp32 cache's (bounds from measurement:
     docs/performance.md, "FP8 KV cache")."""
-    from pensieve.bench.kv_accuracy import run
+    from kv_accuracy import run
 
     path, _, tok = smollm2
     prompts = [_chat_ids(tok, q) for q in QUESTIONS]

@@ -1,9 +1,9 @@
-"""pensieve.bench.disk_restart's comparison: the share of context from disk and the greedy
+"""benchmarks/disk_restart.py's comparison: the share of context from disk and the greedy
 agreement, from rows as its ``continue`` writes them."""
 
 from __future__ import annotations
 
-from pensieve.bench.disk_restart import compare
+from disk_restart import compare
 
 
 def _row(cid: str, answer: str, disk: int, recomputed: int, gpu: int = 0) -> dict:

@@ -161,7 +161,7 @@ def test_disk_rate_spill_measures_every_apply(tmp_path) -> None:  # noqa: ANN001
     apply() back to back (the bench itself checks every chunk was written)."""
     import json
 
-    from pensieve.bench import disk_rate
+    import disk_rate
 
     out = tmp_path / "spill.json"
     disk_rate.main(["--path", str(tmp_path / "bench"), "--measure", "spill",

@@ -8,13 +8,13 @@ from test_tiered_cache import C, cost, tiers, turn
 
 from pensieve.bench.engine_api import VirtualClock
 from pensieve.bench.loadgen import run_load
-from pensieve.bench.simulator import SimEngine
 from pensieve.bench.workload import Conversation as WorkloadConversation
 from pensieve.bench.workload import Turn
 from pensieve.core.conversation import Conversation
 from pensieve.core.eviction import POLICIES, OraclePolicy, get_policy
 from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
+from pensieve.sim.simulator import SimEngine
 
 
 def test_key_grows_as_the_next_turn_nears_and_along_the_conversation() -> None:

@@ -134,6 +134,6 @@ def test_pure_modules_import_no_torch() -> None:
     code = ("import sys\n"
             "import pensieve.engine.engine_core, pensieve.engine.tiers\n"
             "import pensieve.engine.containment\n"
-            "import pensieve.engine.executor, pensieve.bench.simulator\n"
+            "import pensieve.engine.executor, pensieve.sim.simulator\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,12 +1,12 @@
-"""``pensieve bench grammar`` on the demo tokenizer, small: the schema reaches its token
+"""``python benchmarks/grammar_cost.py`` on the demo tokenizer, small: the schema reaches its token
 count, and the report's numbers are what it says they are."""
 
 from __future__ import annotations
 
 import json
 
-from pensieve.bench.grammar_cost import big_schema, measure
-from pensieve.cli import main
+from grammar_cost import big_schema, main, measure
+
 from pensieve.models.tokenizer import load_tokenizer
 
 
@@ -28,7 +28,7 @@ def test_measure_reports_compile_and_step_costs():
 
 def test_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "g.json"
-    assert main(["bench", "grammar", "--model", "demo", "--device", "cpu", "--batch", "4",
+    assert main(["--model", "demo", "--device", "cpu", "--batch", "4",
                  "--constrained", "1", "--steps", "2", "--schema-tokens", "100",
                  "--compiles", "1", "--forward-ms", "10", "--output", str(out)]) == 0
     res = json.loads(out.read_text())

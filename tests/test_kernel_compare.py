@@ -1,4 +1,4 @@
-"""pensieve.bench.kernel_compare (Figure 12): every variant computes the same attention.
+"""benchmarks/kernel_compare.py (Figure 12): every variant computes the same attention.
 
 Without CUDA the Triton kernels run in Triton's interpreter (the script sets
 ``TRITON_INTERPRET=1`` on import), so the shapes are tiny: 4 query heads, 2 KV heads,
@@ -10,12 +10,11 @@ import math
 import warnings
 from pathlib import Path
 
+import kernel_compare as kc
+import kernel_configs as cfgs
+import kernel_variants as variants
 import pytest
 import torch
-
-import pensieve.bench.kernel_compare as kc
-import pensieve.bench.kernel_configs as cfgs
-import pensieve.bench.kernel_variants as variants
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

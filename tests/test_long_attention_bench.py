@@ -1,4 +1,4 @@
-"""``pensieve bench long-attention --cuda-graphs`` on a GPU: graph-replay times next to the
+"""``python benchmarks/long_attention.py --cuda-graphs`` on a GPU: graph-replay times next to the
 eager ones, and a decode sweep timed through graphs (small contexts, to keep it short)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_graph_timing_fields() -> None:
-    from pensieve.bench.long_attention import case
+    from long_attention import case
 
     pre = case(4096, 256, 1, ["bf16"], warmup=1, iters=3, graphs=True)
     dec = case(8192, 1, 2, ["bf16", "fp8"], warmup=1, iters=3, graphs=True)
@@ -28,7 +28,7 @@ def test_graph_timing_fields() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_sweep_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pensieve.bench import long_attention
+    import long_attention
 
     monkeypatch.setattr(long_attention, "SWEEP_TILES", [(16, 64, 4, 2), (16, 128, 4, 2)])
     monkeypatch.setattr(long_attention, "SWEEP_SPLITS", (4, 16))
@@ -46,7 +46,7 @@ def test_sweep_through_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fp8_prefill_takes_the_scratch() -> None:
     """An FP8 prefill row runs the runner's path (the scratch, by the cost rule), a decode row
     the direct kernel; ``fp8direct`` times the direct kernel; both agree with SDPA."""
-    from pensieve.bench.long_attention import case
+    from long_attention import case
 
     pre = case(8192, 2048, 1, ["bf16", "fp8", "fp8direct"], warmup=1, iters=3, graphs=True)
     dec = case(8192, 1, 2, ["fp8"], warmup=1, iters=3)

@@ -1,4 +1,4 @@
-"""pensieve.bench.profile_step: the kernel categoriser, the aggregation, and one CPU run.
+"""benchmarks/profile_step.py: the kernel categoriser, the aggregation, and one CPU run.
 
 Without CUDA the script profiles CPU operators (self time) of a tiny model instead of kernels;
 that exercises everything but the CUPTI side.
@@ -8,10 +8,9 @@ import gzip
 import json
 from pathlib import Path
 
+import profile_step as ps
 import pytest
 import torch
-
-import pensieve.bench.profile_step as ps
 
 KERNELS = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_"

@@ -8,15 +8,15 @@ import heapq
 import random
 
 import pytest
+from replicas_sim import ReplicatedSim, replica_names
 
 from pensieve.bench.engine_api import VirtualClock
-from pensieve.bench.replicas_sim import ReplicatedSim, replica_names
-from pensieve.bench.simulator import SimEngine
-from pensieve.bench.step_cost import StepCostModel
 from pensieve.core.cost_model import CostModel
 from pensieve.core.routing import AffinityRouter, RandomRouter
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.sim.simulator import SimEngine
+from pensieve.sim.step_cost import StepCostModel
 
 CHUNK = 8
 COST = CostModel.analytic(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,

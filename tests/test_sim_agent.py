@@ -1,15 +1,15 @@
-"""pensieve.bench.sim_agent: the long-context agent sweep in the simulator, tiny."""
+"""benchmarks/sim_agent.py: the long-context agent sweep in the simulator, tiny."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from pensieve.bench import sim_agent
+import sim_agent
 
 
 def test_step_cost_is_the_13b_fit_carried_to_the_8b_shape() -> None:
-    from pensieve.bench.step_cost import StepCostModel
+    from pensieve.sim.step_cost import StepCostModel
 
     fit = StepCostModel.load(sim_agent.FIT_13B)
     c = sim_agent.step_cost(0.5)

@@ -12,12 +12,12 @@ import random
 import pytest
 
 from pensieve.bench.engine_api import VirtualClock
-from pensieve.bench.sim_disk import SIM_DISK_PATH, SimDiskTier
-from pensieve.bench.simulator import SimEngine
-from pensieve.bench.step_cost import StepCostModel
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.sim.disk import SIM_DISK_PATH, SimDiskTier
+from pensieve.sim.simulator import SimEngine
+from pensieve.sim.step_cost import StepCostModel
 
 CHUNK = 8
 BLOCK_BYTES = 1 << 22  # 4 MiB a chunk: 1 GiB of disk holds 256

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 
 from pensieve.bench.engine_api import VirtualClock
-from pensieve.bench.simulator import DEFAULT_TRANSFER, SimEngine, prefill_decode_tokens
-from pensieve.bench.step_cost import (
+from pensieve.core.conversation import Tier
+from pensieve.core.cost_model import CostModel
+from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.sim.simulator import DEFAULT_TRANSFER, SimEngine, prefill_decode_tokens
+from pensieve.sim.step_cost import (
     PREFERRED_CASES,
     StepCostModel,
     StepFeatures,
@@ -25,11 +30,6 @@ from pensieve.bench.step_cost import (
     features_of,
     relative_errors,
 )
-from pensieve.core.conversation import Tier
-from pensieve.core.cost_model import CostModel
-from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
-from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.scheduling_config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BB = 32 * 2 * 40 * 10 * 128 * 2  # Llama 2-13B GQA chunk, all layers, K+V, bf16: 6.55 MB
@@ -581,8 +581,8 @@ def test_old_step_records_still_fit(tmp_path: Path) -> None:
 def test_copy_waits_match_the_runner() -> None:
     """The simulated ordering is the runner's (``pensieve.runner.swapper.step_waits``) on
     random plans against random batches in flight."""
-    from pensieve.bench.step_cost import copy_waits
     from pensieve.runner import swapper
+    from pensieve.sim.step_cost import copy_waits
 
     rng = random.Random(0)
 
@@ -653,7 +653,7 @@ def test_simulated_graph_swap_in_limit_is_the_runners() -> None:
 
     from pensieve.runner.model_runner import graph_max_swap_in
 
-    jobs = importlib.import_module("pensieve.bench.sim_churn_jobs")
+    jobs = importlib.import_module("sim_churn_jobs")
     assert jobs.GRAPH_MAX_SWAP_IN == graph_max_swap_in(jobs.KV_BYTES_PER_TOKEN * jobs.CHUNK)
     assert jobs.transfer_model(graph_rule=True).graph_max_swap_in == jobs.GRAPH_MAX_SWAP_IN
     assert jobs.transfer_model().graph_max_swap_in is None

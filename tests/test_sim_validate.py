@@ -1,4 +1,4 @@
-"""pensieve.bench.sim_validate_churn at tiny size: reads the real churn points, runs the
+"""benchmarks/sim_validate_churn.py at tiny size: reads the real churn points, runs the
 simulator on a short, scaled-down version of their load, recalibrates, writes its outputs."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-VALIDATE = [sys.executable, "-m", "pensieve.bench.sim_validate_churn"]
+BENCHMARKS = ROOT / "benchmarks"
+VALIDATE = [sys.executable, str(BENCHMARKS / "sim_validate_churn.py")]
 
 
 @pytest.mark.slow  # fits and simulates every real churn point, even at tiny size
@@ -37,10 +38,10 @@ def test_sim_validate_churn_tiny(tmp_path: Path) -> None:
 
 
 def test_sim_churn_capacity_tiny(tmp_path: Path) -> None:
-    """pensieve.bench.sim_churn_capacity at tiny size: every (system, rate) point is run and a
+    """``benchmarks/sim_churn_capacity.py`` at tiny size: every (system, rate) point is run and a
     capacity is reported per target for each system."""
     pytest.importorskip("matplotlib")
-    r = subprocess.run([sys.executable, "-m", "pensieve.bench.sim_churn_capacity", "--tiny",
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "sim_churn_capacity.py"), "--tiny",
                         "--workers", "1", "--rates", "0.5,1.0", "--systems",
                         "stateless,pensieve", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -72,14 +73,14 @@ def test_ramp_bins_the_samples() -> None:
 
 
 def _bench() -> Any:
-    """``pensieve.bench.sim_validate``: the real points and the fit behind the tool."""
-    import pensieve.bench.sim_validate as svc
+    """``benchmarks/sim_validate.py``: the real points and the fit behind the tool."""
+    import sim_validate as svc
 
     return svc
 
 
 def _jobs() -> Any:
-    import pensieve.bench.sim_churn_jobs as jobs
+    import sim_churn_jobs as jobs
 
     return jobs
 
@@ -116,7 +117,7 @@ def test_sides_and_scheduler_settings() -> None:
 
 def test_make_sim_takes_the_scheduler_settings() -> None:
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.step_cost import StepCostModel
+    from pensieve.sim.step_cost import StepCostModel
 
     svc, jobs = _bench(), _jobs()
     cost = StepCostModel.load(jobs.FIT_ALL)
@@ -153,7 +154,7 @@ def test_real_jobs_simulate_each_points_workload() -> None:
     sessions, each with its own tiers and think time."""
     import argparse
 
-    from pensieve.bench.step_cost import StepCostModel
+    from pensieve.sim.step_cost import StepCostModel
 
     svc = _bench()
     pairs = ("sharegpt_stateless_pensieve_0.7", "agentic_words_prefixlru_pensieve_0.85")
@@ -182,7 +183,7 @@ def test_one_server_runs_load_as_side_a() -> None:
 def test_what_if_copy_rates() -> None:
     """``--swap-gbps``: one rate for both ways or IN,OUT; a simulated engine then charges its
     copies at those rates (the default: the measured ones)."""
-    import pensieve.bench.sim_churn_capacity as sim_churn_capacity
+    import sim_churn_capacity as sim_churn_capacity
 
     assert sim_churn_capacity.swap_gbps(None) is None
     assert sim_churn_capacity.swap_gbps("30") == [30.0, 30.0]
@@ -197,7 +198,7 @@ def test_what_if_copy_rates() -> None:
     assert measured.swap_in_gbps > 40 and "swap_bandwidth.json" in measured.source
 
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.step_cost import StepCostModel
+    from pensieve.sim.step_cost import StepCostModel
 
     job = {"gpu_kv_gb": 1.0, "cpu_kv_gb": 1.0, "system": "pensieve", "swap_gbps": [30.0, 20.0]}
     eng = jobs.make_sim(job, StepCostModel.load(jobs.FIT_ALL), VirtualClock())

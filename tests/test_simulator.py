@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 
 from pensieve.bench.engine_api import VirtualClock
-from pensieve.bench.simulator import SimEngine
-from pensieve.bench.step_cost import (
+from pensieve.core.cost_model import CostModel
+from pensieve.core.eviction import POLICIES
+from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
+from pensieve.core.sampling_params import SamplingParams
+from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.sim.simulator import SimEngine
+from pensieve.sim.step_cost import (
     COEFFICIENTS,
     StepCostModel,
     StepFeatures,
@@ -23,11 +28,6 @@ from pensieve.bench.step_cost import (
     nnls,
     relative_errors,
 )
-from pensieve.core.cost_model import CostModel
-from pensieve.core.eviction import POLICIES
-from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
-from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.scheduling_config import SchedulerConfig
 
 # ------------------------------------------------------------------------------- features
 
@@ -141,7 +141,7 @@ def test_fit_keeps_coefficients_non_negative_and_reports_error() -> None:
 
 
 def test_nnls_active_set_kkt() -> None:
-    from pensieve.bench.nnls import _nnls_active_set
+    from pensieve.sim.nnls import _nnls_active_set
 
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -334,7 +334,7 @@ def test_sim_from_config() -> None:
 
 
 def test_import_does_not_load_torch() -> None:
-    code = ("import sys, pensieve.bench.simulator, pensieve.bench.step_cost; "
+    code = ("import sys, pensieve.sim.simulator, pensieve.sim.step_cost; "
             "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -54,9 +54,9 @@ def test_record_splits_prefill_and_decode_and_counts_swaps() -> None:
 
 def test_engine_calls_observers_once_per_step() -> None:
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.simulator import SimEngine
-    from pensieve.bench.step_cost import StepCostModel
     from pensieve.core.scheduling_config import SchedulerConfig
+    from pensieve.sim.simulator import SimEngine
+    from pensieve.sim.step_cost import StepCostModel
 
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=512, max_model_len=512), 64, 64,
                     StepCostModel(base_s=0.01), VirtualClock(), lambda ctx: 1e-3,
@@ -71,7 +71,7 @@ def test_engine_calls_observers_once_per_step() -> None:
 
 
 def test_step_totals_script_reads_metrics_text() -> None:
-    mod = importlib.import_module("pensieve.bench.step_totals")
+    mod = importlib.import_module("step_totals")
     text = "\n".join([
         "# HELP pensieve_steps_total Engine steps",
         'pensieve_steps_total{kind="prefill"} 10.0',
@@ -108,7 +108,7 @@ def test_step_totals_script_sums_in_process_step_rows(tmp_path) -> None:  # noqa
     import json
     import tarfile
 
-    mod = importlib.import_module("pensieve.bench.step_totals")
+    mod = importlib.import_module("step_totals")
     rows = [
         {"system": "pensieve", "num_prefill_tokens": 400, "num_decode_tokens": 2,
          "swap_in_chunks": 5, "swap_out_chunks": 4, "urgent_swap_out_chunks": 1, "time_s": 0.03,
@@ -186,7 +186,7 @@ def _server_log(tmp_path):  # noqa: ANN001, ANN202
 def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None:
     """step_breakdown.py: a small step with prefill counts in the bin of the chunks its
     previous step copied ahead, with its time over the mean decode step."""
-    brk = importlib.import_module("pensieve.bench.step_breakdown")
+    brk = importlib.import_module("step_breakdown")
 
     def row(prefill: int, ahead: int, ms: float) -> dict:
         return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
@@ -207,7 +207,7 @@ def test_small_steps_after_ahead_copies_are_binned_by_the_chunks_ahead() -> None
 def test_small_steps_by_the_kv_their_prefill_attends_over() -> None:
     """step_breakdown.py: small steps binned by ``prefill_kv``, with and without copies ahead
     in the step before; the ahead bins carry the mean of those positions."""
-    brk = importlib.import_module("pensieve.bench.step_breakdown")
+    brk = importlib.import_module("step_breakdown")
 
     def row(prefill: int, ahead: int, kv: int, ms: float) -> dict:
         return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
@@ -232,7 +232,7 @@ def test_small_steps_by_the_kv_their_prefill_attends_over() -> None:
 def test_the_rate_of_copies_ahead_implied_by_the_small_step_after_them() -> None:
     """step_breakdown.py: the copies ahead of a step took its time (less host prepare) plus
     what the small step after it waited beyond a small step after none."""
-    brk = importlib.import_module("pensieve.bench.step_breakdown")
+    brk = importlib.import_module("step_breakdown")
 
     def row(prefill: int, ahead: int, ms: float) -> dict:
         return {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": ms / 1e3,
@@ -253,13 +253,13 @@ def test_server_step_log_gives_the_metrics_counters_and_the_breakdown(tmp_path) 
     """A server's PENSIEVE_STEP_LOG rows: step_totals.py sums them into the /metrics counters;
     step_breakdown.py splits the steps with prefill by class with the same net cost."""
     path = _server_log(tmp_path)
-    totals = importlib.import_module("pensieve.bench.step_totals")
+    totals = importlib.import_module("step_totals")
     [(_, m)] = totals.sources(str(path))
     c = totals.costs(m)
     assert c["prefill_steps"] == 1 and c["decode_steps"] == 2
     assert c["us_per_prefill_token"] == 100.0 and c["us_per_prefill_token_net"] == 75.0
     assert c["prefill_host_prepare_ms"] == 2.0 and c["prefill_graph_share"] == 1.0
-    brk = importlib.import_module("pensieve.bench.step_breakdown")
+    brk = importlib.import_module("step_breakdown")
     s = brk.summarize(brk.load_rows(str(path)))
     assert s["decode_steps"] == 2 and s["decode_step_ms"] == 10.0
     by = {c["class"]: c for c in s["classes"]}
@@ -309,7 +309,7 @@ def test_step_totals_reports_the_disk_tiers_share_of_the_host_time() -> None:
     """A server's step rows carry the time spent waiting for disk reads and carrying out the
     disk plan (parts of ``schedule_s``); step_totals reports them per step, and rows written
     before those fields count 0."""
-    mod = importlib.import_module("pensieve.bench.step_totals")
+    mod = importlib.import_module("step_totals")
 
     def row(prefill: int, wait: float | None, apply: float | None) -> str:
         d = {"prefill_tokens": prefill, "decode_tokens": 4, "execute_s": 0.01,

@@ -1,4 +1,4 @@
-"""``src/pensieve/bench/swap_bandwidth.py --steps K``: the in + out steps back to back. Their plans
+"""``benchmarks/swap_bandwidth.py --steps K``: the in + out steps back to back. Their plans
 (no block both swapped in and out, so no step waits for an earlier one's swap-outs) and the
 step loop, run on the staged method's stream logic over the CPU stream simulator and checked
 against the block-by-block reference."""
@@ -17,7 +17,7 @@ from test_swap_streams import SimStreams
 @pytest.mark.parametrize("n,steps,gpu,cpu", [(4, 6, 40, 40), (4, 6, 16, 24), (8, 3, 16, 16)])
 def test_step_plans_never_swap_a_block_both_ways(n: int, steps: int, gpu: int, cpu: int
                                                  ) -> None:
-    bw = importlib.import_module("pensieve.bench.swap_bandwidth")
+    bw = importlib.import_module("swap_bandwidth")
     plans = bw.step_plans(n, steps, gpu, cpu, random.Random(n * steps))
     assert len(plans) == steps
     g_in = {g for p in plans for _, g in p.swap_in}
@@ -35,7 +35,7 @@ def test_step_plans_never_swap_a_block_both_ways(n: int, steps: int, gpu: int, c
 
 @pytest.mark.parametrize("seed", range(4))
 def test_steps_back_to_back_move_the_reference_bytes(seed: int) -> None:
-    bw = importlib.import_module("pensieve.bench.swap_bandwidth")
+    bw = importlib.import_module("swap_bandwidth")
     rng = random.Random(seed)
     caches = list(torch.stack(make_caches(4, 24, 2, 1, 4, torch.float32)).unbind(0))
     sw = make_swapper(caches, 20, "staged", streams=SimStreams(rng), staging_chunks=2,

@@ -11,19 +11,12 @@
   hit rates).
 - ``multiturn``: systems side by side in process, on the device or simulated
   (:mod:`pensieve.bench.multiturn`; its ``--help`` lists the options).
-- ``swaps``: CPU<->GPU swap bandwidth of the swapper's copy methods (CUDA;
-  :mod:`pensieve.bench.swap_bandwidth`).
 - ``workload-stats``: turn and context statistics of the workloads (the paper's Table 2).
-- ``long-attention``: our attention kernel against torch SDPA at 32k-128k contexts (CUDA;
-  :mod:`pensieve.bench.long_attention`).
-- ``kv-accuracy``: an FP8 KV cache against a 16/32-bit one, greedy agreement and logprob
-  error (:mod:`pensieve.bench.kv_accuracy`).
-- ``scheduler``: host time of ``schedule()`` + ``update_from_output()`` per step against the
-  sessions held, torch-free (:mod:`pensieve.bench.scheduler_cost`).
-- ``cpu-prefill``: prefill rate on the CPU against HF transformers on the same model
-  (:mod:`pensieve.bench.cpu_prefill`).
 
-``multiturn`` and ``swaps`` take their module's own options, passed through as given.
+Microbenchmarks, simulator studies and log analysis are not part of the package: they are the
+scripts of the repository's ``benchmarks/`` directory (``python benchmarks/X.py --help``).
+
+``multiturn`` takes its module's own options, passed through as given.
 """
 
 from __future__ import annotations
@@ -41,21 +34,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = {"multiturn": "pensieve.bench.multiturn", "swaps": "pensieve.bench.swap_bandwidth"}
+SCRIPTS = {"multiturn": "pensieve.bench.multiturn"}
 """Subcommands whose options are their module's own (its ``main(argv)``)."""
-MODULES = {
-    "long-attention": ("pensieve.bench.long_attention",
-                       "attention at 32k-128k contexts against torch SDPA, CUDA"),
-    "prefill-stall": ("pensieve.bench.prefill_stall",
-                      "how long a long prompt entering a batch stalls its decodes"),
-    "sim-agent": ("pensieve.bench.sim_agent",
-                  "coding-agent and mixed loads in the simulator: retention policies, CPU"),
-    "soak": ("pensieve.bench.soak",
-             "memory of a server under a long steady load of short conversations"),
-    "kv-accuracy": ("pensieve.bench.kv_accuracy",
-                    "FP8 KV cache against 16/32-bit: greedy agreement, logprob error"),
-}
-"""More subcommands of that kind, with their help line."""
 WORKLOADS = ("agentic", "coding-agent", "agent-mix", "sharegpt", "ultrachat")
 """The ``--workload`` names :func:`load_workload` knows."""
 
@@ -257,45 +237,22 @@ def run_script(name: str, argv: list[str]) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """``pensieve bench`` and its subcommands, under the ``pensieve`` parser's ``sub``."""
-    from pensieve.bench.cpu_prefill import add_cpu_prefill_args
-    from pensieve.bench.grammar_cost import __doc__ as grammar_doc
-    from pensieve.bench.grammar_cost import add_grammar_args, grammar_cmd
     from pensieve.bench.workload import add_workload_stats_args, workload_stats_cmd
 
-    b = sub.add_parser("bench", help="the benchmark suite (serve, multiturn, swaps, ...)",
+    b = sub.add_parser("bench", help="the benchmark suite (serve, multiturn, workload-stats)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bsub = b.add_subparsers(dest="bench_command", required=True)
     _add_serve(bsub)
     bsub.add_parser("multiturn", add_help=False,
                     help="systems side by side in process, real or simulated (its own --help)")
-    bsub.add_parser("swaps", add_help=False,
-                    help="CPU<->GPU swap bandwidth of the copy methods, CUDA (its own --help)")
-    for name, (_, text) in MODULES.items():
-        bsub.add_parser(name, add_help=False, help=f"{text} (its own --help)")
     w = bsub.add_parser("workload-stats", help="the paper's Table 2 for our workloads")
     add_workload_stats_args(w)
     w.set_defaults(func=workload_stats_cmd)
-    from pensieve.bench import scheduler_cost
-
-    sc = bsub.add_parser("scheduler", help="scheduler + cache host time per step (no torch)",
-                         description=scheduler_cost.__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    scheduler_cost.add_arguments(sc)
-    sc.set_defaults(func=lambda a: (scheduler_cost.run(a), 0)[1])
-    g = bsub.add_parser("grammar", help="grammar compile time and per-step bitmask cost",
-                        description=grammar_doc,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_grammar_args(g)
-    g.set_defaults(func=grammar_cmd)
-    add_cpu_prefill_args(bsub.add_parser(
-        "cpu-prefill", help="prefill rate on the CPU against HF transformers (same model)"))
 
 
 def script_command(argv: list[str]) -> int | None:
-    """Run ``pensieve bench multiturn|swaps ...`` (``argv`` without ``pensieve``), whose
-    options are the script's own; None for any other command line."""
+    """Run ``pensieve bench multiturn ...`` (``argv`` without ``pensieve``), whose options are
+    the script's own; None for any other command line."""
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in SCRIPTS:
         return run_script(argv[1], argv[2:])
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in MODULES:
-        return int(importlib.import_module(MODULES[argv[1]][0]).main(argv[2:]) or 0)
     return None

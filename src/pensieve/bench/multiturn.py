@@ -68,15 +68,15 @@ from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
 from pensieve.bench.run_metrics import summarize
 from pensieve.bench.serve_metrics import vllm_metrics
 from pensieve.bench.sharegpt import sharegpt_workload
-from pensieve.bench.sim_disk import (
+from pensieve.bench.workload import load_workload, ultrachat_synthetic
+from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT
+from pensieve.options import add_engine_args, default_of, engine_options
+from pensieve.sim.disk import (
     PREFETCH,
     SIM_DISK_READ_GBPS,
     SIM_DISK_WRITE_GBPS,
     WAIT,
 )
-from pensieve.bench.workload import load_workload, ultrachat_synthetic
-from pensieve.bench.workload_types import DEFAULT_MAX_CONTEXT
-from pensieve.options import add_engine_args, default_of, engine_options
 
 DEFAULT_CACHE = Path(__file__).resolve().parent / "data" / "sharegpt_merged_lengths.json.gz"
 """The packaged ShareGPT file with its split pieces joined back into whole conversations."""
@@ -126,14 +126,14 @@ class StepLog:
     """Step observer of the shared engine: each step's features and executor time, labelled
     with the system the point runs (the simulator is calibrated from these rows), and under
     ``host`` the step's host times (scheduler, executor wall, the runner's prepare and issue:
-    ``pensieve.bench.step_totals`` sums them as it does a server's ``/metrics``)."""
+    ``benchmarks/step_totals.py`` sums them as it does a server's ``/metrics``)."""
 
     def __init__(self) -> None:
         self.system = ""
         self.rows: list[dict[str, Any]] = []
 
     def __call__(self, rec: Any) -> None:
-        from pensieve.bench.step_cost import features_of
+        from pensieve.sim.step_cost import features_of
 
         self.rows.append({"system": self.system, **features_of(rec.sched).to_dict(),
                           "time_s": rec.step_time_s,
@@ -184,9 +184,9 @@ class RealEngines:
 
 
 def build_sim(system: str, args: argparse.Namespace, clock: VirtualClock) -> Any:
-    from pensieve.bench.simulator import SimEngine
-    from pensieve.bench.step_cost import StepCostModel
     from pensieve.core.cost_model import CostModel
+    from pensieve.sim.simulator import SimEngine
+    from pensieve.sim.step_cost import StepCostModel
 
     cost = StepCostModel.load(args.step_cost)
     if args.step_cost_set:  # what-if: e.g. per_prefill_step_s=0 (mixed steps as cheap as decode)

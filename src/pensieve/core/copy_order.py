@@ -1,7 +1,7 @@
 """The order of one step's tier copies against background batches still in flight (no torch).
 
 The runner (:func:`pensieve.runner.swapper.step_waits`) and the simulator
-(:func:`pensieve.bench.step_cost.copy_waits`) both decide with :func:`copy_waits`: a step's
+(:func:`pensieve.sim.step_cost.copy_waits`) both decide with :func:`copy_waits`: a step's
 urgent swap-outs and swap-ins, ahead ones included (the *in* stream), must wait for the newest
 in-flight background batch that writes a CPU block they read or write, or reads a GPU block a
 swap-in overwrites;

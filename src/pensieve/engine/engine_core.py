@@ -4,7 +4,7 @@ The engine is composed, not subclassed: a :class:`~pensieve.core.scheduler.Sched
 holds the :class:`~pensieve.core.tiered_cache.TieredKVCache`) and an
 :class:`~pensieve.engine.executor.Executor` (local model runner, tensor-parallel ranks or the
 simulator). :class:`~pensieve.engine.llm_engine.LLMEngine` and
-:class:`~pensieve.bench.simulator.SimEngine` only assemble those pieces; they share, line for
+:class:`~pensieve.sim.simulator.SimEngine` only assemble those pieces; they share, line for
 line, how a turn enters the scheduler, how a step runs and what comes out of it.
 
 One step: ``scheduler.schedule()`` -> ``executor.execute()`` (contained: a request whose

@@ -7,7 +7,7 @@ Three executors implement it:
   ModelRunner` in this process (a model on one device with its KV tiers);
 - :class:`~pensieve.parallel.tp_executor.TPExecutor`: ``tensor_parallel_size`` rank processes,
   each a ``ModelRunner`` over its shard (built by the same functions as the local one);
-- :class:`~pensieve.bench.simulator.SimExecutor`: no model, a clock moved by a step-cost model.
+- :class:`~pensieve.sim.simulator.SimExecutor`: no model, a clock moved by a step-cost model.
 
 Contract of :meth:`Executor.execute`: it runs the plan's swaps, then the step's query ranges,
 and samples; or it raises. An executor that raises after it issued the plan's copies must

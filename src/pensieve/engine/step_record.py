@@ -176,7 +176,7 @@ def step_log_row(r: StepRecord, t: float) -> dict[str, Any]:
 
 class StepLog:
     """A step observer that appends every step to a JSON-lines file (``pensieve serve`` with
-    ``PENSIEVE_STEP_LOG=path``): what ``pensieve.bench.step_totals`` and the simulator's fits
+    ``PENSIEVE_STEP_LOG=path``): what ``benchmarks/step_totals.py`` and the simulator's fits
     read, from a server as users run it. Line-buffered: a server stopped at any point leaves
     whole lines. ``{pid}`` in ``path`` becomes the process id: one file per engine process
     where several serve (replicas), whose steps would otherwise interleave in one file."""

@@ -32,7 +32,7 @@ from pensieve.kernels import triton_swap as _k
 
 DEFAULT_PROGRAMS = 32
 """Persistent grid size (programs, at most one per SM in practice) of one copy launch.
-``pensieve.bench.swap_bandwidth --sweep`` measures the bandwidth per program count."""
+``benchmarks/swap_bandwidth.py --sweep`` measures the bandwidth per program count."""
 DEFAULT_TILE_BYTES = 16384
 """Bytes each program moves per loop iteration (its loads in flight)."""
 DEFAULT_NUM_WARPS = 4

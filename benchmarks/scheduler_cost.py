@@ -1,9 +1,9 @@
-"""``pensieve bench scheduler``: host cost of the scheduler and the tiered cache per step,
-against the number of sessions held.
+"""Host cost of the scheduler and the tiered cache per step, against the number of sessions
+held.
 
-    pensieve bench scheduler [--sessions 100,300,1000,3000] [--steps 300]
+    python benchmarks/scheduler_cost.py [--sessions 100,300,1000,3000] [--steps 300]
         [--out docs/results/scheduler_cost/after.json] [--plot .../after.png]
-    pensieve bench scheduler --preset long --sessions 100,300      # 128k contexts
+    python benchmarks/scheduler_cost.py --preset long --sessions 100,300      # 128k contexts
 
 Drives :class:`~pensieve.core.scheduler.Scheduler` over a
 :class:`~pensieve.core.tiered_cache.TieredKVCache` directly (no torch, no engine) with a fake
@@ -326,7 +326,7 @@ def min_step_median_ms(runs: list[list[float]]) -> float:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The benchmark's options (``pensieve bench scheduler --help``)."""
+    """The benchmark's options (``python benchmarks/scheduler_cost.py --help``)."""
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default",
                     help="pressure: the GPU tier holds 1.2 running batches and nothing more, "
                          "turns of 200-2,000 new tokens, 500 waiting (eviction every few "
@@ -398,7 +398,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="pensieve bench scheduler", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/scheduler_cost.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return run(ap.parse_args(argv))

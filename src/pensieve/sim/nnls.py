@@ -1,4 +1,4 @@
-"""Non-negative least squares for :meth:`pensieve.bench.step_cost.StepCostModel.fit`:
+"""Non-negative least squares for :meth:`pensieve.sim.step_cost.StepCostModel.fit`:
 scipy's solver when installed, else an active-set NNLS on numpy."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Side-by-side summary of multi-turn points (e.g. the two servers of churn_points.sh).
 
-    python -m pensieve.bench.churn_summary results/churn/points.jsonl [--tag TAG]
+    python benchmarks/churn_summary.py results/churn/points.jsonl [--tag TAG]
 
 One column per point (system @ rate), one row per number: throughput, latency percentiles,
 prefill computed vs cached, where the context came from, the client's HTTP counters and the

@@ -1,8 +1,8 @@
 """Copies between the KV tiers in the simulator: the rates and latency of the swap copies
-(:class:`TransferModel`, from ``pensieve.bench.swap_bandwidth``'s JSON or a default rate) and
+(:class:`TransferModel`, from ``benchmarks/swap_bandwidth.py``'s JSON or a default rate) and
 the copy stream's timeline across steps (:class:`TransferTimeline`: background swap-outs that
 outlive their step, ordered after the copies they touch as the runner orders them), which give
-each simulated step its exposed copy time (:mod:`pensieve.bench.step_cost`). Pure Python, no
+each simulated step its exposed copy time (:mod:`pensieve.sim.step_cost`). Pure Python, no
 torch.
 """
 
@@ -25,7 +25,7 @@ DEFAULT_SWAP_GBPS = 45.0
 """One-way rate of the swap kernel on the H200 (GB/s), each direction, any block pattern; the
 same figure as :data:`pensieve.config.DEFAULT_SWAP_BANDWIDTH_GBPS`."""
 PREFERRED_CASES = ("kernel", "contig", "direct")
-"""Rows of a ``pensieve.bench.swap_bandwidth`` result used when no case is named. Results with
+"""Rows of a ``benchmarks/swap_bandwidth.py`` result used when no case is named. Results with
 a ``method`` per row (the swap kernel's benchmark): the ``kernel`` method's rows of the
 ``random`` block pattern (any ids, what serving produces). Older results with a ``case`` per
 row (before the kernel): the first of these present: ``kernel``, ``contig`` (consecutive CPU
@@ -216,7 +216,7 @@ class TransferModel:
              pattern: str | None = None, **overrides: Any) -> TransferModel:
         """Rates from a JSON file: one written by :meth:`save`; an object with
         ``swap_in_gbps`` and ``swap_out_gbps`` (and optionally ``latency_s``); or the output
-        of ``pensieve.bench.swap_bandwidth`` (``rows`` with ``dir``, ``bytes``, ``s``), where
+        of ``benchmarks/swap_bandwidth.py`` (``rows`` with ``dir``, ``bytes``, ``s``), where
         each direction's rate is the byte-weighted one (total bytes over total time) over the
         selected rows of that direction (``in``, ``out``; the ``in+out`` rows are not used).
         Rows are selected by ``case``: the ``method`` (default ``kernel``) and ``pattern``

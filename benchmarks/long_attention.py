@@ -1,6 +1,6 @@
 """Attention at long contexts: our paged kernel against the fastest torch SDPA backend.
 
-    pensieve bench long-attention [--contexts 32768,65536,131072]
+    python benchmarks/long_attention.py [--contexts 32768,65536,131072]
         [--kv-dtypes bf16,fp8[,fp8direct]] [--decode-batches 1,8,32 (empty: none)]
         [--out long_attention.json] [--plot long_attention.png]
 
@@ -338,7 +338,7 @@ def _plot(rows: list[dict[str, Any]], kv_dtypes: list[str], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pensieve bench long-attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="benchmarks/long_attention.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="32768,65536,131072")
     p.add_argument("--chunk", type=int, default=2048, help="query tokens of the prefill case")

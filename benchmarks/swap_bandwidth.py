@@ -41,7 +41,7 @@ urgent swap-outs) per persistent grid size and per tile at ``--sweep-chunks`` ch
 much a bf16 GEMM loop on the compute stream slows down while in+out copies run beside it (``gemm
 x``: its time with copies / alone), to pick ``DEFAULT_PROGRAMS`` by measurement.
 
-    pensieve bench swaps --out swap_bandwidth.json --plot swap_bandwidth.png
+    python benchmarks/swap_bandwidth.py --out swap_bandwidth.json --plot swap_bandwidth.png
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of ``pensieve bench swaps``."""
+    """The options of ``python benchmarks/swap_bandwidth.py``."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap)

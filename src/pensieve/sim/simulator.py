@@ -5,7 +5,7 @@ same :class:`~pensieve.core.scheduler.Scheduler` over the same
 :class:`~pensieve.core.tiered_cache.TieredKVCache` that :class:`~pensieve.engine.llm_engine.
 LLMEngine` builds (any cache policy; block counts only, no tensors), over another executor,
 :class:`SimExecutor`, which moves a clock forward by :meth:`StepCostModel.predict` of each step's
-:class:`~pensieve.bench.step_cost.StepFeatures`. One step::
+:class:`~pensieve.sim.step_cost.StepFeatures`. One step::
 
     sched = scheduler.schedule(now)              # the real admission, eviction and swap plans
     compute = step_cost.compute_time(features_of(sched))   # calibrated (or analytic) compute
@@ -15,7 +15,7 @@ LLMEngine` builds (any cache policy; block counts only, no tensors), over anothe
     scheduler.update_from_output(sched, <token 0 for every sampling request,
                                          copies.swap_outs_in_flight>, clock.now())
 
-Tier copies (:class:`~pensieve.bench.step_cost.TransferModel`, default 45 GB/s each way, or
+Tier copies (:class:`~pensieve.sim.step_cost.TransferModel`, default 45 GB/s each way, or
 ``TransferModel.load`` of a measured JSON such as ``docs/results/swap/swap_bandwidth.json``): the
 step waits for its urgent swap-outs in full and for its swap-ins only beyond its compute
 (pipelined per layer; ``pipelined=False`` for steps replayed from CUDA graphs, which the
@@ -26,7 +26,7 @@ GPU blocks only once the simulated copy is done. The fitted ``swap_copy_chunk_s`
 ``per_swap_chunk_s`` of the step-cost model (the copies before the swap kernel) are not used
 then; ``transfer=None`` restores them (every copy done within its step, as before).
 
-With ``disk_kv_gb`` a disk tier lies below the CPU tier (:mod:`pensieve.bench.sim_disk`): the
+With ``disk_kv_gb`` a disk tier lies below the CPU tier (:mod:`pensieve.sim.disk`): the
 core's disk index and plans, reads and writes on simulated time at the disk's rates; a step
 waits, before it schedules, for the reads its turns started (the clock jumps).
 
@@ -52,19 +52,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from pensieve.bench.sim_disk import (
-    SIM_DISK_PATH,
-    SIM_DISK_READ_GBPS,
-    SIM_DISK_WRITE_GBPS,
-    SimDiskTier,
-)
-from pensieve.bench.step_cost import (
-    StepCostModel,
-    StepFeatures,
-    TransferModel,
-    TransferTimeline,
-    features_of,
-)
 from pensieve.config import DEFAULT_DEFER_ADMISSION, EngineConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.disk_index import require_cpu_tier
@@ -77,6 +64,19 @@ from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 from pensieve.engine.step_record import prefill_decode_tokens
 from pensieve.engine.tiers import build_cache, sim_tiers
+from pensieve.sim.disk import (
+    SIM_DISK_PATH,
+    SIM_DISK_READ_GBPS,
+    SIM_DISK_WRITE_GBPS,
+    SimDiskTier,
+)
+from pensieve.sim.step_cost import (
+    StepCostModel,
+    StepFeatures,
+    TransferModel,
+    TransferTimeline,
+    features_of,
+)
 
 
 class SimClock(Protocol):
@@ -277,9 +277,9 @@ class SimEngine(EngineCore):
         model or ``block_bytes``), ``"off"``/None always swap in, or a number of GB/s.
         ``share_prefixes``: the cache holds equal full chunks once (``CacheConfig.share_prefixes``;
         the prompts' token ids decide, as on the engine). ``disk_kv_gb``: a disk tier of that
-        many GiB below the CPU tier (:class:`~pensieve.bench.sim_disk.SimDiskTier`: the core's
+        many GiB below the CPU tier (:class:`~pensieve.sim.disk.SimDiskTier`: the core's
         disk index, reads and writes on simulated time at ``disk_read_gbps``, default
-        :data:`~pensieve.bench.sim_disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
+        :data:`~pensieve.sim.disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
         ``disk_prefetch``: which files a turn reads, ``"worth-reading"`` as the engine, or
         the what-if ``"all"``; ``disk_wait``: when a step waits for reads, ``"running"`` as
         the engine, or the what-if ``"always"``)."""
@@ -351,7 +351,7 @@ class SimEngine(EngineCore):
         """:meth:`from_config` of flat engine options (a command line's,
         :func:`pensieve.options.engine_options`), with no device's defaults settled: the
         simulator models its own device (:meth:`EngineConfig.from_options`). A disk tier
-        (``disk_kv_gb``) needs no ``disk_kv_path``: :data:`~pensieve.bench.sim_disk.
+        (``disk_kv_gb``) needs no ``disk_kv_path``: :data:`~pensieve.sim.disk.
         SIM_DISK_PATH` stands in for the config's check, and no file is opened."""
         if options.get("disk_kv_gb") and not options.get("disk_kv_path"):
             options = {**options, "disk_kv_path": SIM_DISK_PATH}

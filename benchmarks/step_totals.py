@@ -21,7 +21,7 @@ Input: ``metrics_end.txt`` files (what ``benchmarks/churn_points.sh`` saves in `
 times, ``multiturn.py --engine real``) is summed into the same counters, as is a server's own
 step log (``PENSIEVE_STEP_LOG``, saved by ``churn_points.sh``)::
 
-    python -m pensieve.bench.step_totals A/churn.tgz
+    python benchmarks/step_totals.py A/churn.tgz
 """
 
 from __future__ import annotations

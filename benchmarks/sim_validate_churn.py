@@ -15,7 +15,7 @@ Each point's set-up (rate, think time, tiers, warm-up, duration) is read from it
 computed tokens, swap chunks) from ``metrics_end.txt`` inside ``real_points.tgz`` (the
 servers' ``points.jsonl`` and ``metrics_end.txt`` of a run's ``churn.tgz``).
 
-The simulator (:class:`~pensieve.bench.simulator.SimEngine`, the same scheduler and tiered
+The simulator (:class:`~pensieve.sim.simulator.SimEngine`, the same scheduler and tiered
 cache) runs the same load through ``pensieve.bench.loadgen.run_load`` (the load generator of
 ``src/pensieve/bench/multiturn.py``: same workload, shuffle, seed, arrivals and think times), with
 
@@ -46,7 +46,7 @@ step times), so the fit alternates with simulator runs (``--calib-iters``, defau
 Held-out check: a model fitted on one pair (``--fit-pair``, default the first) is run on the
 others (when a fit pair's prefill steps carry about the same tokens, ``per_prefill_token_s``
 is held at the fused fit's value). A model fitted on all pairs is the one the what-if and
-:mod:`pensieve.bench.sim_churn_capacity` use (``step_cost_churn_fit_all.json``; its
+``benchmarks/sim_churn_capacity.py`` use (``step_cost_churn_fit_all.json``; its
 errors are in-sample and are labelled so).
 
 What-if (``--whatif``): the ShareGPT set-up of ``benchmarks/sim_fused_whatif.sh`` at
@@ -55,8 +55,8 @@ time 6 s, 360 s of arrivals, window 120-360 s, 60 s drain, stateless / prefix-lr
 at a few rates, with the recalibrated model and the measured copies; capacity at P90 100 and
 150 ms/token.
 
-    python -m pensieve.bench.sim_validate_churn --out docs/results/sim_churn          # ~10 min
-    python -m pensieve.bench.sim_validate_churn --out /tmp/x --tiny                   # a smoke test
+    python benchmarks/sim_validate_churn.py --out docs/results/sim_churn          # ~10 min
+    python benchmarks/sim_validate_churn.py --out /tmp/x --tiny                   # a smoke test
 
 Writes ``<out>/sim_validate_churn.json`` (every real and simulated number, the fitted models,
 the what-if points), ``<out>/step_cost_churn_*.json`` (the recalibrated models),
@@ -71,7 +71,7 @@ stays apart.
 ``--fitted MODEL``: no fit and no what-if; every point of ``--pairs`` is simulated with an
 already fitted model, as is -- a held-out check on pairs the model was not fitted on::
 
-    python -m pensieve.bench.sim_validate_churn --out docs/results/sim_churn_ahead \
+    python benchmarks/sim_validate_churn.py --out docs/results/sim_churn_ahead \
         --fitted docs/results/sim_churn/step_cost_churn_fit_all.json \
         --pairs pensieve_ahead_off_on_0.9
 """
@@ -86,9 +86,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pensieve.bench.run_metrics import capacity_at
-from pensieve.bench.sim_churn_jobs import FIT_ALL, GRAPH_MAX_TOKENS, run_jobs, transfer_model
-from pensieve.bench.sim_validate import (
+from sim_churn_jobs import FIT_ALL, GRAPH_MAX_TOKENS, run_jobs, transfer_model
+from sim_validate import (
     DEFAULT_PAIRS,
     FUSED,
     METRICS,
@@ -98,7 +97,9 @@ from pensieve.bench.sim_validate import (
     real_jobs,
     same_point,
 )
-from pensieve.bench.step_cost import StepCostModel
+
+from pensieve.bench.run_metrics import capacity_at
+from pensieve.sim.step_cost import StepCostModel
 
 
 # ------------------------------------------------------------------------ output

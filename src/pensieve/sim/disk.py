@@ -1,6 +1,6 @@
 """The simulator's disk tier: the real core's plans carried out on simulated time, no files.
 
-:class:`SimDiskTier` is :class:`~pensieve.bench.simulator.SimEngine`'s ``disk`` (the
+:class:`SimDiskTier` is :class:`~pensieve.sim.simulator.SimEngine`'s ``disk`` (the
 :class:`~pensieve.engine.engine_core.DiskHooks` that :class:`~pensieve.engine.disk_tier.
 DiskTier` is on a device). The cache's decisions are the real ones: its
 :class:`~pensieve.core.disk_index.DiskIndex` (spills in the retention order, the disk's own

@@ -1,4 +1,4 @@
-"""``pensieve bench cpu-prefill``: prefill time on the CPU, Pensieve against HF transformers.
+"""``python benchmarks/cpu_prefill.py``: prefill time on the CPU, Pensieve against HF transformers.
 
 For each prompt length, one prompt of random token ids is prefilled (one output token) by
 
@@ -169,7 +169,6 @@ def add_cpu_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="cpu_prefill.json", help="JSON result file")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cpu_prefill_cmd)
 
 
 def cpu_prefill_cmd(args: argparse.Namespace) -> int:
@@ -179,3 +178,14 @@ def cpu_prefill_cmd(args: argparse.Namespace) -> int:
         json.dump({"meta": meta, "points": [asdict(p) for p in points]}, f, indent=1)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cpu_prefill_args(p)
+    return cpu_prefill_cmd(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

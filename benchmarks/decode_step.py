@@ -7,7 +7,7 @@ hand-built :class:`SchedulerOutput` (the same object the scheduler emits), so th
 building inputs, the forward pass, the LM head and greedy sampling, and the host's wait for the
 token ids. Distinct KV blocks per request (random ids), dummy weights.
 
-    python -m pensieve.bench.decode_step --model llama2-13b-gqa10 --out decode_step.json \
+    python benchmarks/decode_step.py --model llama2-13b-gqa10 --out decode_step.json \
         --plot decode_step.png
 
 Host time of a step (``host_ms``) is the time until the step's last kernel is enqueued;

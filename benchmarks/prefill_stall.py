@@ -1,6 +1,6 @@
 """How long a long prompt entering a running batch stalls its decodes.
 
-    pensieve bench prefill-stall --model llama3.1-8b --load-format dummy --gpu-kv-gb 40 \
+    python benchmarks/prefill_stall.py --model llama3.1-8b --load-format dummy --gpu-kv-gb 40 \
         --decodes 32 --decode-context 2048 --prompt 60000 [--kv-cache-dtype auto] [--out F]
 
 ``--decodes`` requests (``--decode-context`` prompt tokens each) are brought to decoding,
@@ -23,7 +23,8 @@ import sys
 import time
 from typing import Any
 
-from pensieve.bench.json_out import emit_result
+from json_out import emit_result
+
 from pensieve.options import ENGINE_DEFAULTS, add_engine_args, engine_options
 
 
@@ -79,7 +80,7 @@ def _computed(eng: Any, rid: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pensieve bench prefill-stall", description=__doc__,
+    p = argparse.ArgumentParser(prog="benchmarks/prefill_stall.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, model_flag=True, defaults={"model": "llama3.1-8b",
                                                   "load_format": "dummy"})

@@ -1,5 +1,5 @@
 """The real churn points and the step-cost recalibration behind
-:mod:`pensieve.bench.sim_validate_churn` (which explains the method): each point's set-up and
+``benchmarks/sim_validate_churn.py`` (which explains the method): each point's set-up and
 its servers' end totals from ``real_points.tgz``, the simulated jobs of those points, and the
 fit of the step cost to them."""
 
@@ -10,14 +10,15 @@ import dataclasses
 import json
 from typing import Any
 
-from pensieve.bench.sim_churn_jobs import (
+from sim_churn_jobs import (
     RESULTS,
     run_jobs,
     step_means,
 )
-from pensieve.bench.step_cost import StepCostModel, nnls
-from pensieve.bench.step_totals import archive_files
-from pensieve.bench.step_totals import parse as parse_metrics_text
+from step_totals import archive_files
+from step_totals import parse as parse_metrics_text
+
+from pensieve.sim.step_cost import StepCostModel, nnls
 
 CHURN = RESULTS / "churn"
 DEFAULT_PAIRS = ("stateless_pensieve_0.45_0.85", "stateless_pensieve_0.55_1.0",
@@ -184,7 +185,7 @@ def calibrate(base: StepCostModel, sims: list[dict[str, Any]], real: list[dict[s
     seconds per step (host time outside the executor) are added to ``base_s``."""
     import numpy as np
 
-    from pensieve.bench.step_cost import COEFFICIENTS
+    from pensieve.sim.step_cost import COEFFICIENTS
 
     ix = {c: i for i, c in enumerate(COEFFICIENTS)}
     rows, ys, tok_per_step = [], [], []

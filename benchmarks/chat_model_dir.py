@@ -18,7 +18,7 @@ same seed, same shape). Tokenizers (``--tokenizer``):
 - ``demo``: the demo model's tokenizer (Mistral's 32k SentencePiece vocabulary, the same
   template).
 
-    python -m pensieve.bench.chat_model_dir llama2-13b-gqa10 /tmp/llama2-13b-gqa10-chat
+    python benchmarks/chat_model_dir.py llama2-13b-gqa10 /tmp/llama2-13b-gqa10-chat
         [--set num_hidden_layers=1]   # a smaller model of the same width (CPU smoke tests)
 """
 

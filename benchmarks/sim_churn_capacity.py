@@ -1,5 +1,5 @@
 """Capacity of each policy on the agentic churn workload, in the simulator re-validated on the
-H200 churn points (:mod:`pensieve.bench.sim_validate_churn`).
+H200 churn points (``benchmarks/sim_validate_churn.py``).
 
 The real runs measured a few rates per system; this sweeps the rate in the simulator with
 the step cost fitted on the real points (``--step-cost``; default the engine-process
@@ -12,13 +12,13 @@ throughput with P90 normalized latency under each target, interpolated between r
 writes JSON (with each run's state over time, `ramp`) and two PNGs (capacity; `sim_churn_ramp.png`:
 sessions in flight and GPU blocks used over each run, the window shaded)::
 
-    python -m pensieve.bench.sim_churn_capacity --out docs/results/sim_churn_capacity_process
+    python benchmarks/sim_churn_capacity.py --out docs/results/sim_churn_capacity_process
 
 ``--workload sharegpt`` sweeps the packaged ShareGPT lengths instead, with the tiers and think
 time given (the real ShareGPT point of docs/benchmarks.md was 8 / 22 GB, think 6 s; the
 paper's set-up is 40 / 220 GB, think 60 s)::
 
-    python -m pensieve.bench.sim_churn_capacity --workload sharegpt --gpu-kv-gb 8 --cpu-kv-gb 22 \
+    python benchmarks/sim_churn_capacity.py --workload sharegpt --gpu-kv-gb 8 --cpu-kv-gb 22 \
         --think 6 --rates 0.4,0.5,0.6,0.7,0.8,1.0 --out docs/results/sim_sharegpt_capacity_process
 """
 
@@ -32,13 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sim_churn_jobs import add_sweep_args, run_jobs, sweep_times
+
 from pensieve.bench.run_metrics import capacity_at
-from pensieve.bench.sim_churn_jobs import add_sweep_args, run_jobs, sweep_times
-from pensieve.bench.step_cost import StepCostModel
 from pensieve.options import add_engine_args, engine_options
+from pensieve.sim.step_cost import StepCostModel
 
 SIM_ENGINE_OPTIONS = ("gpu_kv_gb", "cpu_kv_gb", "decode_reserve", "defer_admission")
-"""The engine options the simulated jobs read (:mod:`pensieve.bench.sim_churn_jobs`)."""
+"""The engine options the simulated jobs read (``benchmarks/sim_churn_jobs.py``)."""
 
 
 def swap_gbps(text: str | None) -> list[float] | None:

@@ -1,4 +1,4 @@
-"""The attention variants :mod:`pensieve.bench.kernel_compare` times against one another,
+"""The attention variants ``benchmarks/kernel_compare.py`` times against one another,
 each prepared for a problem as parts to run: ours (one paged launch), SDPA on contiguous KV
 (a), gather then SDPA (b), one single-token paged launch per query index (c) and
 FlexAttention over the paged cache (d)."""
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
-
-from pensieve.bench.kernel_configs import (
+from kernel_configs import (
     GroupView,
     Problem,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
 from pensieve.kernels.launch import paged_attention_triton
 
 # ---------------------------------------------------------------------------------------

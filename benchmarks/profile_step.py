@@ -1,7 +1,7 @@
 """Kernel-level profile of a decode step: where the device time of one step goes.
 
 For each ``BATCHxCTX`` config, a decode step of ``BATCH`` requests at context ``CTX`` (built as
-in :mod:`pensieve.bench.decode_step`: dummy weights, distinct random KV blocks, through
+in ``benchmarks/decode_step.py``: dummy weights, distinct random KV blocks, through
 ``ModelRunner.execute``) is run a few times to warm up, timed without the profiler (``wall``:
 median of ``--iters`` steps, each ending with the host's wait for the sampled ids), then
 ``--steps`` steps are recorded with ``torch.profiler`` (CPU + CUDA activities), eagerly and
@@ -21,7 +21,7 @@ a graph replay (only the input copies around it), the output says so and gives n
 On the H200 (expected under 2 minutes with the default configs: ~20 s model init, ~5 s to
 capture the 3 buckets, a few seconds per config and mode)::
 
-    python -m pensieve.bench.profile_step --model llama2-13b-gqa10 --kv-gb 60 \\
+    python benchmarks/profile_step.py --model llama2-13b-gqa10 --kv-gb 60 \\
         --out profile_step.json --plot profile_step.png --trace trace.json.gz
 
 ``--trace`` writes a gzipped chrome trace (chrome://tracing, https://ui.perfetto.dev) of one
@@ -49,10 +49,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from decode_step import HBM_TBPS, Setup, decode_step, setup
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from pensieve.bench.decode_step import HBM_TBPS, Setup, decode_step, setup
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.model_runner import ModelRunner

@@ -6,7 +6,7 @@ steps with prefill into classes and prints, per class: steps, prefill tokens a s
 step (executor) time, the runner's host prepare and issue times, the chunks swapped in by the
 step itself and copied ahead for the next, and the cost *net* of the step's decodes (the step's
 time less the mean decode-only step, per computed prefill token: what
-``pensieve.bench.step_totals`` reports for all of them together), with each class's share of
+``benchmarks/step_totals.py`` reports for all of them together), with each class's share of
 the prefill tokens and of that net time. Classes: replayed from a CUDA graph or eager; with or
 without swap-ins of its own; by prefill tokens a step. Then the small steps with prefill (under
 64 tokens) by how many chunks the step before them copied ahead (``swap_in_ahead``, which the
@@ -16,7 +16,7 @@ prefill ranges attend over, with or without copies ahead before them (:func:`sma
 the turns admitted with copies ahead are those with long histories). ``--plot`` draws the
 net cost per token against the step's prefill tokens::
 
-    python -m pensieve.bench.step_breakdown \
+    python benchmarks/step_breakdown.py \
         A/churn.tgz \
         --plot step_breakdown.png --json step_breakdown.json
 """

@@ -1,5 +1,5 @@
-"""The simulated churn runs behind :mod:`pensieve.bench.sim_validate_churn` and
-:mod:`pensieve.bench.sim_churn_capacity`: the real servers' set-up in the simulator (tiers, policy,
+"""The simulated churn runs behind ``benchmarks/sim_validate_churn.py`` and
+``benchmarks/sim_churn_capacity.py``: the real servers' set-up in the simulator (tiers, policy,
 retention cost profile, measured copy rates, scheduler settings), the workloads as
 :mod:`pensieve.bench.multiturn` draws them, one point per job (a dict, so jobs run in worker
 processes) and the options a simulated sweep shares."""
@@ -16,14 +16,14 @@ from typing import Any
 from pensieve.bench.engine_api import VirtualClock
 from pensieve.bench.loadgen import add_warm_start_arg, run_load, warm_start_from
 from pensieve.bench.run_metrics import summarize
-from pensieve.bench.step_cost import StepCostModel, TransferModel
 from pensieve.bench.workload_types import DEFAULT_SHAREGPT_MERGED_CACHE
+from pensieve.sim.step_cost import StepCostModel, TransferModel
 
 RESULTS = Path("docs") / "results"
 """The repository's recorded results, relative to the working directory: the simulated churn
 sweeps run from a source checkout, whose recorded fits and real points they read."""
 FIT_ALL = RESULTS / "sim_churn_process" / "step_cost_churn_fit_all.json"
-"""The default step cost of :mod:`pensieve.bench.sim_churn_capacity`: the fit on the
+"""The default step cost of ``benchmarks/sim_churn_capacity.py``: the fit on the
 engine-process servers' points (``sim_validate_churn.py --out docs/results/sim_churn_process
 ...``). The thread servers' fit, which the older tables used, is
 ``docs/results/sim_churn/step_cost_churn_fit_all.json``."""
@@ -37,7 +37,7 @@ one chunk's bytes; a test keeps the two equal): steps with more of their own swa
 run eagerly."""
 STAGED_GROUPS = 8
 """The ``staged`` swapper's groups of layers (``KVSwapper.in_groups``, its default)."""
-PROFILE = (Path(__file__).resolve().parents[1] / "profiles"
+PROFILE = (Path(__file__).resolve().parents[1] / "src" / "pensieve" / "profiles"
            / "llama-L40-H5120-q40-kv10-d128-i13824__NVIDIA_H200.json")
 """The retention cost profile the real servers used (the engine picks it by shape and GPU)."""
 
@@ -105,7 +105,7 @@ def conversations(workload: str, seed: int, template_tokens: int, length_scale: 
 
 def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
              chunk_cost: Any = None, transfer: TransferModel | None = None) -> Any:
-    """A :class:`~pensieve.bench.simulator.SimEngine` with the real servers' set-up: the
+    """A :class:`~pensieve.sim.simulator.SimEngine` with the real servers' set-up: the
     job's tiers (``gpu_kv_gb``, ``cpu_kv_gb``) and policy (``system``), the retention cost
     profile they used, the measured copies (``chunk_cost`` / ``transfer``: already loaded
     ones, to share between replicas) and the job's ``scheduler`` settings (``SchedulerConfig``
@@ -113,9 +113,9 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
     the measured ones if absent or None), ``decode_reserve`` (the share of the GPU tier
     admission keeps free for decode growth) and ``defer_admission`` (steps a turn short of GPU
     blocks may wait for background swap-outs); each the engine's default if absent or None."""
-    from pensieve.bench.simulator import SimEngine
     from pensieve.core.cost_model import CostModel
     from pensieve.core.scheduling_config import SchedulerConfig
+    from pensieve.sim.simulator import SimEngine
 
     block_bytes = KV_BYTES_PER_TOKEN * CHUNK
     gpu = int(job["gpu_kv_gb"] * 2**30 // block_bytes)
@@ -153,7 +153,7 @@ definition of steady state is sessions in flight and tier occupancy flat over th
 def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     """One simulated point: summary over the window plus run totals by step kind (and the
     aggregated design of each kind, for the recalibration)."""
-    from pensieve.bench.step_cost import _design_row
+    from pensieve.sim.step_cost import _design_row
 
     t0 = time.time()
     cost = StepCostModel.from_dict(job["cost"])
@@ -210,7 +210,7 @@ def ramp(samples: list[dict[str, Any]], every_s: float = 50.0) -> list[dict[str,
 
 
 def add_sweep_args(ap: argparse.ArgumentParser, targets: str) -> None:
-    """The options a simulated sweep shares (:mod:`pensieve.bench.sim_churn_capacity`)."""
+    """The options a simulated sweep shares (``benchmarks/sim_churn_capacity.py``)."""
     ap.add_argument("--step-cost", default=str(FIT_ALL))
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=300.0)
@@ -242,7 +242,7 @@ def run_jobs(jobs: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
 
 def step_means(p: dict[str, Any]) -> None:
     """Mean seconds of a prefill / decode step and executor seconds per computed prefill token
-    net of the decodes riding along (``pensieve.bench.step_totals``), from run totals."""
+    net of the decodes riding along (``benchmarks/step_totals.py``), from run totals."""
     n_p, n_d, tok = p["prefill_steps"], p["decode_steps"], p["prefill_tokens_run"]
     p["prefill_step_mean_s"] = p["prefill_step_s"] / n_p if n_p else None
     p["decode_step_mean_s"] = d = p["decode_step_s"] / n_d if n_d else 0.0

@@ -35,7 +35,7 @@ output is compared with ours (max abs error; ``agree_*`` is error <= atol: 2e-2 
 On CUDA the default is the full grid (query lengths {1, 16, 64, 128, 256, 512} x contexts
 {0, 1024, 4096, 16384}, batch from :func:`batch_size`, plus two mixed batches)::
 
-    python -m pensieve.bench.kernel_compare --out kernel_compare.json --plot kernel_compare.png
+    python benchmarks/kernel_compare.py --out kernel_compare.json --plot kernel_compare.png
 
 ``--check`` (the default without CUDA, where the Triton kernels run in Triton's interpreter)
 runs tiny shapes (4 query heads, 2 KV heads, head_dim 32, float32) without timing and checks
@@ -65,8 +65,7 @@ import traceback
 from collections.abc import Callable
 
 import triton
-
-from pensieve.bench.kernel_configs import (
+from kernel_configs import (
     ATOL,
     CHECK_SHAPE,
     DTYPES,
@@ -82,11 +81,12 @@ from pensieve.bench.kernel_configs import (
     make_problem,
     select_configs,
 )
-from pensieve.bench.kernel_variants import (
+from kernel_variants import (
     PREPARE,
     Prepared,
     prepare_flex,
 )
+
 from pensieve.kernels.reference import paged_attention_ref
 
 # ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The time series of multi-turn points: is the measurement window at steady state?
 
-    python -m pensieve.bench.plot_timeseries results/churn/timeseries.jsonl [more.jsonl ...] \
+    python benchmarks/plot_timeseries.py results/churn/timeseries.jsonl [more.jsonl ...] \
         --out results/churn/churn [--title TITLE]
 
 Reads the ``timeseries.jsonl`` lines that ``pensieve.bench.multiturn`` writes (one per point:

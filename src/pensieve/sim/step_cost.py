@@ -1,6 +1,6 @@
 """Time of one engine step as a function of what the scheduler put in it.
 
-The simulator (:mod:`pensieve.bench.simulator`) runs the real scheduler and cache and advances a
+The simulator (:mod:`pensieve.sim.simulator`) runs the real scheduler and cache and advances a
 virtual clock by :meth:`StepCostModel.predict` of each :class:`~pensieve.core.outputs.
 SchedulerOutput`. The model is calibrated by :meth:`StepCostModel.fit` on ``(features, measured
 step time)`` records taken from the real engine on the real device (``RunnerOutput.step_time_s``
@@ -28,7 +28,7 @@ time that the compute does not cover is exposed. Two swap coefficients, with dis
 
 * ``swap_copy_chunk_s`` is *physical*: the PCIe time of one chunk (all layers, K and V), i.e.
   ``chunk_bytes / bandwidth``. It is not fitted; it is given (from the hardware rate or from
-  ``pensieve.bench.swap_bandwidth``) and enters through the max above. 0 turns the term off.
+  ``benchmarks/swap_bandwidth.py``) and enters through the max above. 0 turns the term off.
 * ``per_swap_chunk_s`` is a *fitted* linear coefficient: exposed time per chunk copied on top of
   that (issue cost, gather/scatter kernels, synchronisation). With ``swap_copy_chunk_s = 0`` it
   is the whole swap model: a plain linear fit of the average exposed time per chunk.
@@ -40,7 +40,7 @@ time predicted by the current coefficients, refit) until the coefficients settle
 Those two swap terms describe the runner the step records were measured on (one copy stream,
 every copy done when the step returns). The copies of the swap kernel are modelled apart, as
 measured rather than fitted: :class:`TransferModel` (rates in GB/s each way, e.g. from
-``pensieve.bench.swap_bandwidth``'s JSON) and :class:`TransferTimeline` (background swap-outs
+``benchmarks/swap_bandwidth.py``'s JSON) and :class:`TransferTimeline` (background swap-outs
 that outlive their step) give each simulated step its exposed copy time, carried in
 ``StepFeatures.exposed_copy_s``; :meth:`StepCostModel.predict` then adds that to the fitted
 compute instead of its own swap terms. Step-cost JSON files of version 1 load unchanged.
@@ -57,18 +57,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from pensieve.bench.nnls import nnls, nnls_scaled
-from pensieve.bench.transfer_model import (
+from pensieve.core.copy_order import copy_waits
+from pensieve.core.cost_model import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S
+from pensieve.core.jsonio import read_json_object, write_json_atomic
+from pensieve.core.outputs import SchedulerOutput
+from pensieve.sim.nnls import nnls, nnls_scaled
+from pensieve.sim.transfer_model import (
     DEFAULT_SWAP_GBPS,
     PREFERRED_CASES,
     StepTransfer,
     TransferModel,
     TransferTimeline,
 )
-from pensieve.core.copy_order import copy_waits
-from pensieve.core.cost_model import H200_BF16_FLOPS, H200_HBM_BYTES_PER_S
-from pensieve.core.jsonio import read_json_object, write_json_atomic
-from pensieve.core.outputs import SchedulerOutput
 
 FORMAT = "pensieve-step-cost"
 FORMAT_VERSION = 1

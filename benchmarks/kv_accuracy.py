@@ -1,6 +1,6 @@
 """FP8 KV cache against a 16/32-bit one: greedy-token agreement and log-probability error.
 
-    pensieve bench kv-accuracy --model llama3.1-8b --load-format dummy --prompts 16 \
+    python benchmarks/kv_accuracy.py --model llama3.1-8b --load-format dummy --prompts 16 \
         --prompt-len 2048 --new-tokens 64 [--base-dtype auto] [--out kv_accuracy.json]
 
 Both engines run the same model on the same device. Each prompt is generated greedily under
@@ -21,7 +21,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pensieve.bench.json_out import emit_result
+from json_out import emit_result
+
 from pensieve.options import add_engine_args, default_of, engine_options
 
 
@@ -81,7 +82,7 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, base_dtype: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pensieve bench kv-accuracy", description=__doc__,
+    p = argparse.ArgumentParser(prog="benchmarks/kv_accuracy.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, exclude=("kv_cache_dtype",), model_flag=True)
     p.add_argument("--base-dtype", default="auto", help="the KV dtype compared against")

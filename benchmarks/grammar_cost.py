@@ -1,4 +1,4 @@
-"""``pensieve bench grammar``: what grammar-constrained decoding costs.
+"""``python benchmarks/grammar_cost.py``: what grammar-constrained decoding costs.
 
 Two numbers, as JSON:
 
@@ -166,3 +166,14 @@ def grammar_cmd(args: argparse.Namespace) -> int:
         with open(args.output, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_grammar_args(p)
+    return grammar_cmd(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

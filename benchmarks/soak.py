@@ -1,7 +1,7 @@
 """Memory under a long steady load: the resident set of ``pensieve serve`` and its engine
 process, sampled while short conversations run against it.
 
-    pensieve bench soak --url http://127.0.0.1:8000 --pid SERVER_PID --minutes 30 \
+    python benchmarks/soak.py --url http://127.0.0.1:8000 --pid SERVER_PID --minutes 30 \
         [--clients 4] [--turns 3] [--max-tokens 16] [--out soak.json] [--plot soak.png]
 
 ``--clients`` threads each run conversations of ``--turns`` turns one after another (an
@@ -124,7 +124,7 @@ def _plot(res: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pensieve bench soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="benchmarks/soak.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--pid", type=int, required=True, help="the pensieve serve process")

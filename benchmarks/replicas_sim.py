@@ -1,7 +1,7 @@
 """N simulated replicas behind one router, on one virtual timeline.
 
 :class:`ReplicatedSim` is a :class:`~pensieve.bench.engine_api.BenchEngine` over N engines
-(normally :class:`~pensieve.bench.simulator.SimEngine`, each on its own virtual clock: each
+(normally :class:`~pensieve.sim.simulator.SimEngine`, each on its own virtual clock: each
 replica is its own GPU, busy while the others are). Every request is routed by a router of
 :mod:`pensieve.core.routing` on its conversation key and the replicas' requests in flight.
 

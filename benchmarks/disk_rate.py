@@ -15,7 +15,7 @@ flushed by the OS, never a half file under its name: writes go through a rename)
 files just written come from the page cache unless the caches are dropped; both the tier's
 and dd's reads here are of files just written, so they compare alike.
 
-    python -m pensieve.bench.disk_rate --path /tmp/pensieve-disk-bench --chunks 128 \\
+    python benchmarks/disk_rate.py --path /tmp/pensieve-disk-bench --chunks 128 \\
         --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32 --out disk_rate.json
 
 ``--measure spill`` times instead what a step with spills waits for: ``DiskTier.apply()`` of a
@@ -25,7 +25,7 @@ idle before each call (its earlier writes done), then as many times back to back
 still busy with the calls before). Each call's chunks replace the previous call's on disk
 (the tier holds ``--spill-chunks``).
 
-    python -m pensieve.bench.disk_rate --path /tmp/pensieve-disk-bench --measure spill \\
+    python benchmarks/disk_rate.py --path /tmp/pensieve-disk-bench --measure spill \\
         --spill-chunks 150 --blocks 150 --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32
 """
 
@@ -38,9 +38,9 @@ import subprocess
 import time
 
 import torch
+from json_out import emit_result
 from tqdm import tqdm
 
-from pensieve.bench.json_out import emit_result
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_tier import DiskTier
 

@@ -1,6 +1,6 @@
 """Retention order on long-context agent loads, simulated: pensieve vs prefix-lru vs stateless.
 
-The simulator (:class:`~pensieve.bench.simulator.SimEngine`: the engine's scheduler and tiered
+The simulator (:class:`~pensieve.sim.simulator.SimEngine`: the engine's scheduler and tiered
 cache over virtual time) runs the coding-agent and mixed loads
 (:mod:`pensieve.bench.coding_agent`) through the load generator of :mod:`pensieve.bench.multiturn`
 (Poisson session arrivals, exponential think time ``--think``, 6 s) on the ``llama3.1-8b``
@@ -33,8 +33,8 @@ that was history recomputed (dropped chunks, or CPU chunks sooner recomputed tha
 Capacity: the highest throughput (requests/s and sessions/s) whose P90 TTFT meets each
 ``--ttft-targets`` (interpolated between rates, ``pensieve.bench.run_metrics.capacity_at``)::
 
-    pensieve bench sim-agent --out docs/results/sim_agent
-    pensieve bench sim-agent --tiny --out /tmp/sim_agent     # a smoke test
+    python benchmarks/sim_agent.py --out docs/results/sim_agent
+    python benchmarks/sim_agent.py --tiny --out /tmp/sim_agent     # a smoke test
 
 Writes ``<out>/sim_agent.json`` and ``<out>/sim_agent.png`` (P90 TTFT against throughput).
 """
@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from pensieve.bench.run_metrics import capacity_at
-from pensieve.bench.step_cost import StepCostModel
+from pensieve.sim.step_cost import StepCostModel
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 """The source tree (the fit below is a recorded result of it, not package data)."""
 FIT_13B = ROOT / "docs" / "results" / "sim_churn_process" / "step_cost_churn_fit_all.json"
 SHAPE = {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8,
@@ -109,10 +109,10 @@ def engine(job: dict[str, Any]) -> tuple[Any, Any, dict[str, float | None] | Non
     """The simulated engine of one point, its clock, and the map of think times the load
     generator fills for the ``oracle`` systems (None for the others)."""
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.simulator import DEFAULT_TRANSFER, SimEngine
     from pensieve.core.cost_model import CostModel
     from pensieve.core.eviction import EvictionPolicy, OraclePolicy
     from pensieve.core.scheduling_config import SchedulerConfig
+    from pensieve.sim.simulator import DEFAULT_TRANSFER, SimEngine
 
     block_bytes = KV_BYTES_PER_TOKEN * KV_DTYPE_BYTES[job["kv_dtype"]] // 2 * CHUNK
     next_think_s: dict[str, float | None] | None = None

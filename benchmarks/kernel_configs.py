@@ -1,4 +1,4 @@
-"""The configurations of :mod:`pensieve.bench.kernel_compare` (which explains the
+"""The configurations of ``benchmarks/kernel_compare.py`` (which explains the
 benchmark): the shapes, the batches of (q_len, ctx) requests it times or checks, and one
 problem built from a configuration (a paged KV cache with random block ids and the queries
 over it)."""
