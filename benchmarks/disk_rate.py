@@ -81,7 +81,7 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
                           spilled_key((float(i), 0.0, "", 0.0)))
         assert tier.index.add(entry)
         tier.index.plan.writes.append((False, i % args.blocks, entry))
-        tier.apply()
+        tier.apply(tier.index.take_plan())
     tier.close(None)
     write_s = time.perf_counter() - t0
     nbytes = tier.bytes_written
@@ -110,7 +110,7 @@ def tier_rates(args: argparse.Namespace) -> dict[str, float]:
             reader.index.plan.reads.append((entry, block % args.blocks))
             block += 1
         t1 = time.perf_counter()
-        reader.apply()
+        reader.apply(reader.index.take_plan())
         copy_s += time.perf_counter() - t1
     restore_s = time.perf_counter() - t0
     reader.close(None)
@@ -141,7 +141,7 @@ def spill_times(args: argparse.Namespace) -> dict[str, object]:
         if idle:
             tier.wait_writes()
         t0 = time.perf_counter()
-        tier.apply()
+        tier.apply(tier.index.take_plan())
         out[series].append((time.perf_counter() - t0) * 1e3)
     tier.close(None)
     shutil.rmtree(path, ignore_errors=True)

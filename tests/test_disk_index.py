@@ -25,7 +25,7 @@ from pensieve.core.disk_index import (
 )
 from pensieve.core.disk_restore import worth_reading
 from pensieve.core.eviction import get_policy
-from pensieve.core.outputs import RunnerOutput, SchedulerOutput
+from pensieve.core.outputs import DiskPlan, RunnerOutput, SchedulerOutput
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.scheduling_config import SchedulerConfig
@@ -131,8 +131,9 @@ class FakeDisk:
             self.index.set_ready(e, ok)  # no-op if dropped since
         self.done.clear()
 
-    def apply(self, sync: Callable[[], None] | None = None) -> None:
-        plan = self.index.take_plan()
+    def apply(self, plan: DiskPlan | None = None,
+              sync: Callable[[], None] | None = None) -> None:
+        plan = self.index.take_plan() if plan is None else plan
         writes = [(e, list((self.ex.gpu if g else self.ex.cpu)[b])) for g, b, e in plan.writes]
         for e, b in plan.reads:
             self.ex.cpu[b] = list(self.loaded[e.name])  # kept, as DiskTier keeps restored

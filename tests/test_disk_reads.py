@@ -62,7 +62,7 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa:
         tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         want[(conv, i)] = torch.stack([c[:, n] for c in cpu]).clone()
-        tier.apply()
+        tier.apply(tier.index.take_plan())
     tier.close(None)
 
     for c in cpu:
@@ -83,7 +83,7 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa:
             assert entry is not None and entry.ready
             reader.index.plan.reads.append((entry, first_block + i))
             restored[(conv, i)] = first_block + i
-        reader.apply()
+        reader.apply(reader.index.take_plan())
         assert len(reader._spare) == spare_before + 2  # both buffers kept for later reads
         assert all(isinstance(b, ReadBuffer) for b in reader._spare)
         kept = {id(b) for b in reader._spare}
@@ -157,7 +157,7 @@ def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: 
     entry = _entry("a", 0)
     assert tier.index.spill("a", entry, 0, False)
     want = torch.stack([c[:, 0] for c in cpu]).clone()
-    tier.apply()
+    tier.apply(tier.index.take_plan())
     tier.close(None)
     reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
     found = reader.index.files[entry.name]
@@ -167,7 +167,7 @@ def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: 
     assert found.ready and read > 0
     for block in (3, 5):  # two turns, in two steps
         reader.index.plan.reads.append((found, block))
-        reader.apply()
+        reader.apply(reader.index.take_plan())
         assert found.ready and reader.bytes_read == read
         assert torch.equal(torch.stack([c[:, block] for c in cpu]), want)
     reader.close(None)
@@ -189,7 +189,7 @@ def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> 
         assert tier.index.spill("a", entry, n, False)
         tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
-        tier.apply()
+        tier.apply(tier.index.take_plan())
     tier.close(None)
 
     reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)

@@ -87,7 +87,8 @@ def test_restored_history_longer_than_budget_serves_own_tokens(tmp_path: Path) -
     assert wbody["pensieve"]["cache"]["disk_hit_tokens"] > 0  # the history came from disk
 
 
-def _resend(srv: Server, histories: list[list[dict]], question: str) -> tuple[list[str], list[dict]]:
+def _resend(srv: Server, histories: list[list[dict]],
+            question: str) -> tuple[list[str], list[dict]]:
     """Each conversation's next turn, no id, the whole history re-sent (the openai client)."""
     client = srv.client("key-a")
     answers, caches = [], []

@@ -57,7 +57,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 def _spill(tier: DiskTier, conv: str, block: int) -> DiskEntry:
     entry = _entry(conv, 0)
     assert tier.index.spill(conv, entry, block, False)
-    tier.apply()
+    tier.apply(tier.index.take_plan())
     return entry
 
 
@@ -89,7 +89,7 @@ def test_a_write_buffer_lent_to_a_read_is_never_reused(tmp_path, layout: str,  #
         assert tier._writes.idle == 1  # written: back in the pool, taken by the next spill
     assert tier._writes.allocated == made + 1  # one buffer, reused four times
     tier.index.plan.reads.append((a, 7))
-    tier.apply()
+    tier.apply(tier.index.take_plan())
     assert torch.equal(_kv(cpu, 7), want)
     tier.close(None)
 
@@ -108,7 +108,7 @@ def test_a_restore_from_a_queued_write_and_files_from_reused_buffers(
     tier.index.plan.reads.append((a, 6))  # restored in the next step, its write still queued
     b = _entry("b", 0)
     assert tier.index.spill("b", b, 1, False)
-    tier.apply()
+    tier.apply(tier.index.take_plan())
     assert torch.equal(_kv(cpu, 6), want["a"])
     gate.set()
     tier.wait_writes()
@@ -128,7 +128,7 @@ def test_a_restore_from_a_queued_write_and_files_from_reused_buffers(
     for block, conv in enumerate("abcd"):
         assert entries[conv].ready, conv
         reader.index.plan.reads.append((entries[conv], block))
-    reader.apply()
+    reader.apply(reader.index.take_plan())
     for block, conv in enumerate("abcd"):
         assert torch.equal(_kv(cpu, block), want[conv]), conv
     reader.close(None)
@@ -142,13 +142,13 @@ def test_the_pool_is_bounded_and_skipped_writes_return_their_buffers(
     tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, cpu, read_threads=1)
     for n in range(4):
         assert tier.index.spill("a", _entry("a", n), n, False)
-    tier.apply()
+    tier.apply(tier.index.take_plan())
     tier.wait_writes()
     assert tier.bytes_written == 4 * block_bytes
     assert tier._writes.allocated == 4 and tier._writes.idle == 2  # two let go
     monkeypatch.setattr(disk_tier, "WRITE_BACKLOG_BYTES", 0)  # every write over the bound
     assert tier.index.spill("b", _entry("b", 0), 5, False)
-    tier.apply()
+    tier.apply(tier.index.take_plan())
     assert tier.writes_skipped == 1 and tier._writes.idle == 2  # taken, and given back
     assert tier._writes.allocated == 4
     tier.collect()

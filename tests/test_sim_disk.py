@@ -53,7 +53,7 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     t = clock.now()
     for i in (3, 4):
         assert disk.index.spill("c", _entry(i), block=i, from_gpu=False)
-    disk.apply()
+    disk.apply(disk.index.take_plan())
     assert clock.now() == t and disk.bytes_written == 2 * BLOCK_BYTES
     assert disk.write_backlog_max_s == pytest.approx(2 * write_s)
     disk.prefetch("c")

@@ -165,7 +165,8 @@ class DiskEntry:
 
 @dataclass
 class DiskPlan:
-    """The disk I/O a step needs, applied by the engine before the step's copies."""
+    """The disk tier's part of a step's plan (:attr:`SchedulerOutput.disk`), carried out before
+    the step's copies: what the cache decided since the last step."""
 
     writes: list[tuple[bool, int, DiskEntry]] = field(default_factory=list)
     """(from_gpu, block, entry): copy the block's bytes (a CPU-tier block, or a GPU one of a

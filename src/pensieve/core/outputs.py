@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pensieve.core.disk_index import DiskPlan
 from pensieve.core.sampling_params import SamplingParams
 
 # The per-request records (one or two per running request per step) are NamedTuples: immutable
@@ -151,6 +152,10 @@ class SchedulerOutput:
     swaps: SwapPlan = field(default_factory=SwapPlan)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step (the runner may drop per-request state)."""
+    disk: DiskPlan = field(default_factory=DiskPlan)
+    """The disk tier's reads, writes and deletes (empty without a disk tier), carried out
+    before the step's copies by whoever drives the disk (the engine's disk tier, or the
+    simulator's)."""
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -179,6 +179,7 @@ class Scheduler:
             requests=scheduled,
             swaps=cache.take_swap_plan(),
             finished_request_ids=self._finished_ids,
+            disk=cache.take_disk_plan(),
         )
         self._finished_ids = []
         return out

@@ -60,7 +60,7 @@ from pensieve.core.disk_index import DiskIndex
 from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
-from pensieve.core.outputs import SwapPlan
+from pensieve.core.outputs import DiskPlan, SwapPlan
 from pensieve.core.request import Request
 from pensieve.core.share_admission import (
     find_shared,
@@ -250,6 +250,12 @@ class TieredKVCache:
     def take_swap_plan(self) -> SwapPlan:
         """This step's copies; its background swap-outs become a reclaim group."""
         return self.pools.take_swap_plan()
+
+    def take_disk_plan(self) -> DiskPlan:
+        """The disk reads, writes and deletes decided since the last call (empty without a
+        disk tier): the step's :attr:`SchedulerOutput.disk`."""
+        disk = self.disk
+        return disk.take_plan() if disk is not None else DiskPlan()
 
     def reclaim_swap_outs(self, in_flight: int) -> None:
         """The runner reports ``in_flight`` background swap-out batches still copying: free

@@ -8,8 +8,8 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
   (:mod:`pensieve.engine.disk_files`) in a thread pool, their payloads kept in memory;
 - ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
   forget them: a bad file is recomputed); failed writes forget theirs;
-- ``apply()`` between scheduling and execution: the step's :class:`DiskPlan`: each spilled
-  block's bytes are copied out of its tier into a pooled write buffer
+- ``apply(plan)`` between scheduling and execution, ``plan`` the step's
+  :attr:`~pensieve.core.outputs.SchedulerOutput.disk`: each spilled block's bytes are copied out of its tier into a pooled write buffer
   (:mod:`pensieve.engine.disk_writes`: buffers already filled before, so no fresh pages to
   fault in; pinned on CUDA; before any copy of the step touches the blocks; the step waits
   for this copy, not for the write) and written by one writer thread (writes and deletes in
@@ -56,6 +56,7 @@ from pensieve.core.disk_index import (
     require_cpu_tier,
     spill_idle,
 )
+from pensieve.core.outputs import DiskPlan
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
 from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_out
@@ -282,10 +283,9 @@ class DiskTier:
             self._recycle(self._loaded.pop(name))
 
     # ------------------------------------------------------------------ a step
-    def apply(self, sync: Callable[[], None] | None = None) -> None:
-        """Carry out the step's disk plan (module docstring); ``sync`` waits for copies in
-        flight into the CPU tier first (CUDA)."""
-        plan = self.index.take_plan()
+    def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None:
+        """Carry out the step's disk plan (:attr:`SchedulerOutput.disk`, module docstring);
+        ``sync`` waits for copies in flight into the CPU tier first (CUDA)."""
         if not plan:
             return
         if sync is not None and (plan.writes or plan.reads):
@@ -392,7 +392,7 @@ class DiskTier:
         """Write the idle conversations' chunks that are not on disk yet (GPU and CPU tiers,
         within capacity), then wait for every write (module docstring)."""
         if cache is not None:
-            self.apply()
+            self.apply(cache.take_disk_plan())
             self._flush(cache)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
@@ -402,7 +402,7 @@ class DiskTier:
         """Spill every idle conversation's chunks still in a tier
         (:func:`~pensieve.core.disk_index.spill_idle`)."""
         spill_idle(self.index, cache.conversations.values(), self.index.chunk_size,
-                   cache.index.key_now, self.apply)
+                   cache.index.key_now, lambda: self.apply(cache.take_disk_plan()))
 
     def stats(self) -> dict[str, int]:
         return {"disk_blocks_total": self.index.capacity,

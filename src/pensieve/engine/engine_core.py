@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from pensieve.core.outputs import (
+    DiskPlan,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -48,7 +49,7 @@ class DiskHooks(Protocol):
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None) -> None: ...
     def collect(self, wait: bool = True) -> None: ...
-    def apply(self, sync: Callable[[], None] | None = None) -> None: ...
+    def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None: ...
     def close(self, cache: TieredKVCache | None) -> None: ...
     def stats(self) -> dict[str, int]: ...
 
@@ -225,7 +226,7 @@ class EngineCore:
         sched = self.scheduler.schedule(self.now())
         ta = time.perf_counter()
         if self.disk is not None:
-            self.disk.apply(self.disk_sync)
+            self.disk.apply(sched.disk, self.disk_sync)
         t1 = time.perf_counter()
         if sched.is_empty and not self.cache.has_pending_swap_outs:
             if self.scheduler.has_unfinished():

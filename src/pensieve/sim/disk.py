@@ -46,6 +46,7 @@ from typing import Protocol
 
 from pensieve.core.disk_index import DiskEntry, DiskIndex
 from pensieve.core.disk_restore import worth_reading
+from pensieve.core.outputs import DiskPlan
 from pensieve.core.tiered_cache import TieredKVCache
 
 SIM_DISK_READ_GBPS = 6.0
@@ -187,10 +188,9 @@ class SimDiskTier:
             index.set_ready(entry, True)  # no-op if dropped since
 
     # ------------------------------------------------------------------ a step
-    def apply(self, sync: Callable[[], None] | None = None) -> None:
-        """Queue the step's writes; count its restores and deletes (``sync``: unused, no
-        device copies)."""
-        plan = self.index.take_plan()
+    def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None:
+        """Queue the step's writes (:attr:`SchedulerOutput.disk`); count its restores and
+        deletes (``sync``: unused, no device copies)."""
         if not plan:
             return
         now = self.clock.now()
@@ -214,7 +214,7 @@ class SimDiskTier:
 
     def close(self, cache: TieredKVCache | None) -> None:
         """The last plan; nothing is written at shutdown (the simulator has no restart)."""
-        self.apply()
+        self.apply(cache.take_disk_plan() if cache is not None else self.index.take_plan())
 
     def stats(self) -> dict[str, int]:
         """The engine's disk counters (as :meth:`DiskTier.stats`), and the simulated waits."""
