@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pensieve.core.disk_index import DiskPlan
+from pensieve.core.disk_index import DiskPlan as DiskPlan
 from pensieve.core.sampling_params import SamplingParams
 
 # The per-request records (one or two per running request per step) are NamedTuples: immutable

@@ -9,7 +9,8 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
 - ``collect()`` before the scheduler runs: finished reads mark their entries ready (or
   forget them: a bad file is recomputed); failed writes forget theirs;
 - ``apply(plan)`` between scheduling and execution, ``plan`` the step's
-  :attr:`~pensieve.core.outputs.SchedulerOutput.disk`: each spilled block's bytes are copied out of its tier into a pooled write buffer
+  :attr:`~pensieve.core.outputs.SchedulerOutput.disk`: each spilled block's bytes are copied
+  out of its tier into a pooled write buffer
   (:mod:`pensieve.engine.disk_writes`: buffers already filled before, so no fresh pages to
   fault in; pinned on CUDA; before any copy of the step touches the blocks; the step waits
   for this copy, not for the write) and written by one writer thread (writes and deletes in
