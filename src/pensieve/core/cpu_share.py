@@ -73,7 +73,9 @@ class TierPoolsView(Protocol):
 
     def drop_cpu_chunk(self, conv: Conversation, i: int) -> None: ...
 
-    def _drop_cpu_victim(self, conv: Conversation, i: int) -> None: ...
+    def copy_out_now(self, gpu_block: int, cpu_block: int, tokens: int) -> None: ...
+
+    def drop_cpu_victim(self, conv: Conversation, i: int) -> None: ...
 
     def pending_reclaim_gpu(self) -> int: ...
 
@@ -156,6 +158,10 @@ class SwapInReads:
                 self.pool.free(self.now)
         self.now, self.ahead = self.ahead, []
 
+    def add(self, blocks: list[int]) -> None:
+        """This step's swap-ins read ``blocks`` (freed at the next step's start)."""
+        self.now.extend(blocks)
+
     def move_ahead(self, blocks: list[int]) -> None:
         """The swap-ins reading ``blocks`` move to this step's ``swap_in_ahead``."""
         if self.share is None or not self.share.reads:  # each block once in ``now``
@@ -224,8 +230,8 @@ def to_cpu_copy(pools: TierPoolsView, conv: Conversation, i: int, h: bytes,
         cb = pools.take_cpu_block(pools.index.key_now(conv, i) if key is None else key)
         if cb < 0:
             return False
-        pools.plan.swap_out_first[cb] = ch.block  # urgent: the GPU block stays held (not freed)
-        pools.stats.swapped_out_tokens += conv.chunk_tokens(i, pools.chunk_size)
+        # urgent: the GPU block stays held (not freed)
+        pools.copy_out_now(ch.block, cb, conv.chunk_tokens(i, pools.chunk_size))
         cs.register(cb, h)
     ch.tier, ch.block = Tier.CPU, cb
     return True
@@ -258,7 +264,7 @@ def drop_shared_cpu(pools: TierPoolsView, key: EvictionKey | None) -> bool:
     if best is None or (key is not None and key < best[0]):
         return False
     for _, conv, i in best[1]:
-        pools._drop_cpu_victim(conv, i)
+        pools.drop_cpu_victim(conv, i)
         idx.reindex_cpu(conv)
     return True
 

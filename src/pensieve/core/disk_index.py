@@ -406,6 +406,15 @@ class DiskIndex:
         else:
             self.forget(entry)
 
+    def set_salt(self, conversation_id: str, salt: bytes) -> None:
+        """The salt of the conversation's admitted turn: names its full chunks on disk."""
+        self.salts[conversation_id] = salt
+
+    def plan_read(self, entry: DiskEntry, cpu_block: int) -> None:
+        """Restore ``entry`` (ready: its bytes read) into ``cpu_block`` before the step's
+        swap-ins."""
+        self.plan.reads.append((entry, cpu_block))
+
     def take_plan(self) -> DiskPlan:
         plan, self.plan = self.plan, DiskPlan()
         return plan

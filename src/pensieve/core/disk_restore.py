@@ -72,7 +72,7 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
     if disk is None or cache.cpu is None:
         return 0
     cid = conv.conversation_id
-    disk.salts[cid] = req.share_salt
+    disk.set_salt(cid, req.share_salt)
     dropped = conv.dropped_chunks()
     restored = 0
     if dropped and disk.files:
@@ -89,7 +89,7 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
             block = _cpu_block(cache)
             if block is None:
                 break
-            disk.plan.reads.append((entry, block))
+            disk.plan_read(entry, block)
             conv.chunks[i] = Chunk(Tier.CPU, block)
             restored += n_tok
     disk.release_from(cid, 0)  # read back, or computed in this turn
@@ -108,7 +108,7 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
     cid, c, tokens, limit = conv.conversation_id, cache.chunk_size, req.all_token_ids, \
         req.num_tokens - 1
     salt = req.share_salt
-    disk.salts[cid] = salt
+    disk.set_salt(cid, salt)
     full = request_hashes(req, conv, c, limit // c)[:limit // c]  # before the last token
     end = 0
     for i in range(-(-limit // c)):

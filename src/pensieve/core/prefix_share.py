@@ -104,6 +104,30 @@ class PrefixShare:
         self.refs[block] += 1
         self.num_refs += 1
 
+    def register_block(self, block: int, h: bytes) -> int:
+        """An unregistered ``block`` whose chunk hashes to ``h``: registered as ``h``'s block
+        with its one reference, unless ``h`` has one already; returns ``h``'s block (the
+        other: the caller's chunk takes a reference to it and lets its own go)."""
+        other = self.by_hash.setdefault(h, block)
+        if other == block:
+            self.hash_of[block] = h
+            self.refs[block] = 1
+        else:
+            self.refs[other] += 1
+        self.num_refs += 1
+        return other
+
+    def leave(self, block: int) -> tuple[int, bytes]:
+        """An idle chunk lets the registered ``block`` go: its references before and its
+        hash. The last reference unregisters the block (the caller then keeps or frees it)."""
+        n, h = self.refs[block], self.hash_of[block]
+        self.num_refs -= 1
+        self.refs[block] = n - 1
+        if n == 1:
+            del self.by_hash[h]
+            self.hash_of[block] = b""
+        return n, h
+
     def unref(self, block: int) -> bool:
         """One chunk lets ``block`` go; True when the block itself must leave (it was
         private, or this was its last reference: then it is unregistered)."""

@@ -171,10 +171,10 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
     c = pools.chunk_size
     n = min(conv.kv_end, len(conv.token_ids)) // c
     hashes = request_hashes(req, conv, c, n)
-    refs, by_hash, hash_of = share.refs, share.by_hash, share.hash_of
+    refs = share.refs
     back, conv.share_back = conv.share_back, []
     new = range(min(conv.share_upto, n), n)
-    chunks, gpu_tier, registered = conv.chunks, Tier.GPU, 0
+    chunks, gpu_tier = conv.chunks, Tier.GPU
     for i in [*back, *new] if back else new:
         if i >= n:
             continue
@@ -182,15 +182,9 @@ def register_chunks(pools: TierPools, req: Request, conv: Conversation) -> None:
         b = ch.block
         if ch.tier is not gpu_tier or refs[b]:
             continue
-        h = hashes[i]
-        other = by_hash.setdefault(h, b)
-        if other == b:  # registered: its chunk is the block's one reference
-            hash_of[b], refs[b] = h, 1
-            registered += 1
-        else:  # its own block is private and the turn's writes to it are done
+        other = share.register_block(b, hashes[i])
+        if other != b:  # its own block is private and the turn's writes to it are done
             pools.gpu.free_one(b)
             ch.block = other
-            share.ref(other)
-    share.num_refs += registered
     conv.share_hashes, conv.share_salt = hashes, req.share_salt
     conv.share_upto = max(conv.share_upto, n)

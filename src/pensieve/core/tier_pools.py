@@ -160,8 +160,15 @@ class TierPools:
 
     @property
     def plan(self) -> _StepPlan:
-        """This step's copy plan so far (urgent swap-outs may be added: ``to_cpu_copy``)."""
+        """This step's copy plan so far (read-only to others: :meth:`copy_out_now` adds)."""
         return self._plan
+
+    def copy_out_now(self, gpu_block: int, cpu_block: int, tokens: int) -> None:
+        """Plan an urgent copy of ``gpu_block`` (``tokens`` of KV) into ``cpu_block``, before
+        the step's compute (``SwapPlan.swap_out_first``); the GPU block's holders decide
+        whether it is freed (a shared block's copy keeps it: ``to_cpu_copy``)."""
+        self._plan.swap_out_first[cpu_block] = gpu_block
+        self.stats.swapped_out_tokens += tokens
 
     def pending_reclaim_gpu(self) -> int:
         """GPU blocks that become free once background copies finish."""
@@ -175,7 +182,7 @@ class TierPools:
         to recompute). The GPU must have a free block for each chunk not on it."""
         c = self.chunk_size
         chunks = conv.chunks
-        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, self.reads.now
+        gpu, swap_in, reclaim_cpu = self.gpu, self._plan.swap_in, []
         kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
         table: list[int] = []
         hit = swapped = recomputed = 0
@@ -209,6 +216,8 @@ class TierPools:
                     recomputed += tokens
                 ch.tier, ch.block = gpu_tier, block
             table.append(ch.block)
+        if reclaim_cpu:
+            self.reads.add(reclaim_cpu)
         conv.block_table = tuple(table)
         self.pinned_gpu += pinned
         return hit, swapped, recomputed
@@ -380,17 +389,14 @@ class TierPools:
         ch = conv.chunks[i]
         share = self.share
         h = b""
-        if share is not None and (n := share.refs[ch.block]):  # unref, inline (hot)
-            b, h = ch.block, share.hash_of[ch.block]
-            share.num_refs -= 1
-            share.refs[b] = n - 1
+        if share is not None and share.refs[ch.block]:
+            b = ch.block
+            n, h = share.leave(b)  # an idle chunk: not pinned
             if n > 1:
                 if move_shared and to_cpu_copy(self, conv, i, h, key):
                     return Tier.CPU
                 ch.tier, ch.block = Tier.DROPPED, -1
                 return None
-            del share.by_hash[h]  # held idle: not pinned
-            share.hash_of[b] = b""
             if self.cpu_share is not None and h in self.cpu_share.by_hash \
                     and to_cpu_copy(self, conv, i, h, key):
                 self.gpu.free_one(b)  # its copy is on the CPU already
@@ -439,13 +445,13 @@ class TierPools:
                 return -1
             _, conv, i = victim
             if cs is None or cs.refs[conv.chunks[i].block] < 2:  # else shared since indexed
-                self._drop_cpu_victim(conv, i)
+                self.drop_cpu_victim(conv, i)
             self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
                 self.apply_hints()
         return cpu.allocate_one()
 
-    def _drop_cpu_victim(self, conv: Conversation, i: int) -> None:
+    def drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop an idle CPU chunk (the caller keeps the CPU index right)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
         cs = self.cpu_share
