@@ -112,9 +112,11 @@ class FakeDisk:
                     self.index.hold(e.conversation_id, e.index, e)
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
+                 salt: bytes = b"", dropped: list[int] | None = None,
+                 hashes: list[bytes] | None = None) -> None:
         entries = (self.index.of(conversation_id) if tokens is None else
-                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1, dropped))
+                   self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1, dropped,
+                                     hashes))
         for e in entries:
             if e.ready or (self.worth is not None and not self.worth(e)):
                 continue

@@ -264,17 +264,19 @@ class DiskIndex:
         return full
 
     def wanted(self, conversation_id: str, tokens: list[int], salt: bytes, limit: int,
-               dropped: list[int] | None = None) -> list[DiskEntry]:
+               dropped: list[int] | None = None,
+               hashes: list[bytes] | None = None) -> list[DiskEntry]:
         """The copies a turn of ``tokens`` (under ``salt``; positions below ``limit`` may
         come from the cache) may read back: those the conversation holds, and by hash the
         files of its full chunks in ``dropped`` (None: it has no KV, its leading full chunks
-        up to the first missing file)."""
+        up to the first missing file). ``hashes``: the turn's chunk hashes computed already
+        (``Request.share_hashes``), extended here as far as needed."""
         out = {id(e): e for e in self.of(conversation_id)}
         if not self.files:
             return list(out.values())
         c = self.chunk_size
         n = limit // c
-        hashes: list[bytes] = []
+        hashes = [] if hashes is None else hashes
         for i in (range(n) if dropped is None else [i for i in dropped if i < n]):
             if len(hashes) <= i:
                 extend_hashes(hashes, salt, tokens[len(hashes) * c:(i + 1) * c], c)

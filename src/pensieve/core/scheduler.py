@@ -124,6 +124,7 @@ class Scheduler:
                 raise ValueError(f"request {request.request_id} does not extend conversation {cid}")
             self._busy.add(cid)
             self.cache.set_queued(self.cache.conversation(cid), request.arrival_time)
+        self.cache.hash_turn(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

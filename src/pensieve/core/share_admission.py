@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from pensieve.core.tier_pools import TierPools
 
 
-def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) -> list[bytes]:
+def request_hashes(req: Request, conv: Conversation | None, chunk_size: int,
+                   n: int) -> list[bytes]:
     """The chained hashes of the turn's first ``n`` full chunks (cached on the request, and
     begun from the conversation's own when the salts agree, as far as its KV goes: a history
     rewritten since (``set_history``) kept its KV only where it kept its tokens).
@@ -26,9 +27,9 @@ def request_hashes(req: Request, conv: Conversation, chunk_size: int, n: int) ->
     input's tokens, not the next turn's."""
     h = req.share_hashes
     if h is None:
-        same = conv.share_salt == req.share_salt
-        valid = min(len(conv.token_ids), conv.kv_end) // chunk_size
-        h = conv.share_hashes[:valid] if same else []
+        h = []  # a conversation not known yet: from the first chunk
+        if conv is not None and conv.share_salt == req.share_salt:
+            h = conv.share_hashes[:min(len(conv.token_ids), conv.kv_end) // chunk_size]
         req.share_hashes = h
     if len(h) < n:
         tokens = req.token_ids_range(len(h) * chunk_size, n * chunk_size)

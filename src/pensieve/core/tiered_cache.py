@@ -67,6 +67,7 @@ from pensieve.core.share_admission import (
     pending_ranges,
     pinned_by_others,
     register_chunks,
+    request_hashes,
     take_shared,
 )
 from pensieve.core.stats import CacheStats
@@ -250,6 +251,16 @@ class TieredKVCache:
     def take_swap_plan(self) -> SwapPlan:
         """This step's copies; its background swap-outs become a reclaim group."""
         return self.pools.take_swap_plan()
+
+    def hash_turn(self, req: Request) -> None:
+        """Compute a queued turn's chunk hashes (its full chunks before its last token) once,
+        off the step path, onto ``req.share_hashes``: admission, the disk tier's prefetch and
+        the end of the turn take them from there. Nothing without sharing or a disk tier."""
+        if self.pools.share is None and self.disk is None:
+            return
+        cid = req.conversation_id
+        conv = self.conversations.get(cid) if cid is not None else None
+        request_hashes(req, conv, self.chunk_size, (req.num_tokens - 1) // self.chunk_size)
 
     def take_disk_plan(self) -> DiskPlan:
         """The disk reads, writes and deletes decided since the last call (empty without a

@@ -186,16 +186,17 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
+                 salt: bytes = b"", dropped: list[int] | None = None,
+                 hashes: list[bytes] | None = None) -> None:
         """Start reading the files a turn may restore that are not ready yet and worth
         reading (:attr:`worth`; a slower read than recomputation is not started: the step
         would wait for it and the admission recompute the chunk anyway): the conversation's
         own and, given the turn's ``tokens`` and ``salt``, those of its leading full chunks
         by hash (:meth:`DiskIndex.wanted`; ``dropped``: the conversation's dropped chunks
-        when it has KV)."""
+        when it has KV; ``hashes``: the turn's chunk hashes, ``Request.share_hashes``)."""
         self.start_reads(self.index.of(conversation_id) if tokens is None else
                          self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
-                                           dropped), conversation_id)
+                                           dropped, hashes), conversation_id)
 
     def start_reads(self, entries: list[DiskEntry], waiter: str | None = None) -> None:
         """Start reading those of ``entries`` not ready nor being read, and worth reading;

@@ -47,7 +47,8 @@ class DiskHooks(Protocol):
     plan carried out before execution, everything written at shutdown."""
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"", dropped: list[int] | None = None) -> None: ...
+                 salt: bytes = b"", dropped: list[int] | None = None,
+                 hashes: list[bytes] | None = None) -> None: ...
     def collect(self, wait: bool = True) -> None: ...
     def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None: ...
     def close(self, cache: TieredKVCache | None) -> None: ...
@@ -157,7 +158,7 @@ class EngineCore:
             conv = self.cache.conversations.get(conversation_id)
             dropped = conv.dropped_chunks() if conv is not None and conv.chunks else None
             self.disk.prefetch(conversation_id, req.all_token_ids, req.share_salt,
-                               dropped)  # read back while the turn waits
+                               dropped, req.share_hashes)  # read back while the turn waits
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id, self.now())

@@ -135,13 +135,14 @@ class SimDiskTier:
 
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
-                 salt: bytes = b"", dropped: list[int] | None = None) -> None:
+                 salt: bytes = b"", dropped: list[int] | None = None,
+                 hashes: list[bytes] | None = None) -> None:
         """Queue reads of the files the turn may restore that are not ready yet (as
         ``DiskTier.prefetch``)."""
         now = self.clock.now()
         entries = (self.index.of(conversation_id) if tokens is None else
                    self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
-                                     dropped))
+                                     dropped, hashes))
         for entry in entries:
             if entry.ready:
                 continue
