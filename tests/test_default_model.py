@@ -178,6 +178,49 @@ def test_four_turn_conversation_matches_hf_under_every_policy(small_tier_llm,
         assert stats["recomputed_tokens"] > 0, stats
 
 
+@pytest.mark.slow  # two engine starts per policy
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_with_disk_tier_restart_and_branch_matches_hf(
+        smollm2, conversation_reference, policy, tmp_path):
+    """The two conversations' first two turns, a restart (the engine stopped: with a disk
+    tier, where the policy keeps a CPU tier, its KV written; the histories given back as the
+    conversation store does), a branch (a new conversation re-sending ``a``'s history with its
+    third question: its prefix taken from ``a``'s blocks or files), then the last two turns:
+    every token is HF's greedy token from the full context."""
+    path, _, _ = smollm2
+    kw: dict = {"dtype": "float32", "device": "cpu", "cache_policy": policy,
+                "num_gpu_blocks": 24, "max_num_batched_tokens": 64}
+    if policy not in ("gpu-only", "stateless"):  # the disk tier lies below a CPU tier
+        kw |= {"num_cpu_blocks": 4, "disk_kv_gb": 0.05, "disk_kv_path": str(tmp_path),
+               "disk_read_gbps": 1e9}
+    params = SamplingParams(max_tokens=TURN_TOKENS, temperature=0.0, ignore_eos=True)
+    ref = conversation_reference
+
+    def turn(llm: LLM, t: int) -> None:
+        outs = llm.generate([conv[t][0] for conv in ref], params, conversation_ids=["a", "b"])
+        for c, conv in enumerate(ref):
+            assert outs[c].output_token_ids == conv[t][1], f"{policy}: conv {c} turn {t}"
+
+    llm = LLM(path, **kw)
+    llm.engine.audit = True
+    for t in (0, 1):
+        turn(llm, t)
+    histories = {cid: llm.engine.conversation_history(cid) for cid in ("a", "b")}
+    llm.engine.shutdown()
+    llm = LLM(path, **kw)
+    llm.engine.audit = True
+    for cid, hist in histories.items():
+        llm.engine.restore_conversation(cid, hist)
+    (branch,) = llm.generate([histories["a"] + ref[0][2][0]], params, conversation_ids=["a2"])
+    assert branch.output_token_ids == ref[0][2][1], policy
+    for t in (2, 3):
+        turn(llm, t)
+    st = llm.cache_stats()
+    llm.engine.shutdown()
+    if "disk_kv_gb" in kw:
+        assert st["disk_hit_tokens"] > 0, st
+
+
 def test_smollm2_straight_from_gguf_answers_paris(smollm2):
     """``LLM("….gguf")``: dequantized at load, tokenizer from the file's metadata."""
     llm = LLM(str(smollm2_gguf()), dtype="float32", device="cpu", num_gpu_blocks=16)

@@ -501,7 +501,9 @@ def model_digest(model: torch.nn.Module, model_path: str) -> str:
             ints = flat.view(bits[flat.element_size()])
             total = sum(int(ints[i:i + DIGEST_SLICE].sum(dtype=torch.int64))
                         for i in range(0, ints.numel(), DIGEST_SLICE))
-            at = torch.linspace(0, ints.numel() - 1, min(64, ints.numel()),
-                                device=ints.device).long()
+            # evenly spaced, in integers (a float32 linspace rounds 28,311,551 up to
+            # 28,311,552: past the end of SmolLM2's embedding)
+            k = min(64, ints.numel())
+            at = torch.arange(k, device=ints.device) * (ints.numel() - 1) // max(k - 1, 1)
             h.update(f"{total};".encode() + ints[at].cpu().numpy().tobytes())
     return h.hexdigest()
