@@ -15,6 +15,7 @@ This module imports neither torch nor transformers until a checkpoint is built.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -52,14 +53,29 @@ def smollm2_dir() -> Path:
     return cache_root() / f"smollm2-135m-instruct-q4_1-v{SMOLLM2_VERSION}"
 
 
-def ensure_smollm2_checkpoint() -> str:
-    """Directory of the dequantized SmolLM2-135M-Instruct, converting the GGUF on first use."""
-    target = smollm2_dir()
-    if (target / "model.safetensors").is_file():
-        return str(target)
-    from pensieve.models.gguf import convert_gguf
+SMOLLM2_GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+                             "do_sample": True, "temperature": 0.2, "top_p": 0.9}
+"""The ``generation_config.json`` written beside the dequantized SmolLM2: a GGUF file carries
+none, and at temperature 1 the 4-bit 135M model wanders ("Unsere Kamermens im Afrika: Paris").
+The sampling values are the ones the model card's example uses (``temperature=0.2,
+top_p=0.9``); ``pensieve serve`` applies them to requests that leave those fields out, as
+``vllm serve --generation-config auto`` does (:mod:`pensieve.server.model_defaults`)."""
 
-    return convert_gguf(smollm2_gguf(), target)
+
+def ensure_smollm2_checkpoint() -> str:
+    """Directory of the dequantized SmolLM2-135M-Instruct, converting the GGUF on first use
+    (and adding its generation config to a directory converted before it was written)."""
+    target = smollm2_dir()
+    if not (target / "model.safetensors").is_file():
+        from pensieve.models.gguf import convert_gguf
+
+        convert_gguf(smollm2_gguf(), target)
+    gen = target / "generation_config.json"
+    if not gen.is_file():
+        tmp = gen.with_name(f".{gen.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(SMOLLM2_GENERATION_CONFIG, indent=2) + "\n")
+        tmp.replace(gen)
+    return str(target)
 
 
 def resolve_builtin(name: str) -> str | None:
