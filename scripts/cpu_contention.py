@@ -66,13 +66,14 @@ def start_server(name: str, env: dict[str, str], workdir: Path, model: str | Non
 
 
 def stream_times(url: str, prompt: list[int], tokens: int, stop: threading.Event | None = None,
-                 usage: dict[str, Any] | None = None) -> list[float]:
+                 usage: dict[str, Any] | None = None, times: list[float] | None = None
+                 ) -> list[float]:
     """Arrival times of the events of one greedy completion (until ``stop``, if given; an
-    event may carry more than one token when the client reads late); ``usage``: filled with
-    the final usage."""
+    event may carry more than one token when the client reads late), appended to ``times``
+    as they arrive; ``usage``: filled with the final usage."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    times: list[float] = []
+    times = [] if times is None else times
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -104,14 +105,16 @@ def long_prompt_stall(url: str, prompt_len: int) -> dict[str, float]:
     """The longest wait of a running stream for its next token while a ``prompt_len``-token
     prompt is prefilled beside it."""
     stop = threading.Event()
-    times: list[float] = []
+    times: list[float] = []  # appended to as the events arrive
 
     def run() -> None:
-        times.extend(stream_times(url, [200] * 16, 100_000, stop))
+        stream_times(url, [200] * 16, 2000, stop, times=times)
 
-    th = threading.Thread(target=run)
+    th = threading.Thread(target=run, daemon=True)
     th.start()
     while len(times) < 3:
+        if not th.is_alive():
+            raise RuntimeError("the stream beside the long prompt failed")
         time.sleep(0.05)
     start = time.monotonic()
     r = httpx.post(url + "/v1/completions", timeout=1200,

