@@ -134,7 +134,8 @@ def _time_steps(device: str, steps: int, fn: Any) -> float:
 def add_grammar_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="whose tokenizer (a checkpoint directory or built-in name)")
-    p.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    p.add_argument("--device", default=None,
+                   help="cuda or cpu (default: cuda when present, else cpu)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--constrained", type=int, default=8)
     p.add_argument("--steps", type=int, default=50)
@@ -154,7 +155,8 @@ def _has_cuda() -> bool:
 def grammar_cmd(args: argparse.Namespace) -> int:
     from pensieve.models.tokenizer import load_tokenizer
 
-    res = measure(load_tokenizer(args.model), args.device, args.batch, args.constrained,
+    device = args.device or ("cuda" if _has_cuda() else "cpu")
+    res = measure(load_tokenizer(args.model), device, args.batch, args.constrained,
                   args.steps, args.schema_tokens, args.compiles)
     if args.forward_ms is not None:
         res["forward_ms"] = args.forward_ms

@@ -19,7 +19,7 @@ mypy src/pensieve/core src/pensieve/config.py src/pensieve/engine/engine_core.py
   src/pensieve/engine/executor.py src/pensieve/engine/tiers.py src/pensieve/engine/containment.py \
   src/pensieve/engine/step_record.py src/pensieve/engine/request_output.py \
   src/pensieve/sim src/pensieve/bench/serve_metrics.py src/pensieve/kernels/launch_policy.py \
-  src/pensieve/options.py
+  src/pensieve/options.py src/pensieve/help_text.py src/pensieve/threads.py
 python scripts/size_check.py src --results docs/results
 # One PostgreSQL server for the tests that use one (each gets a database of its own on it;
 # tests/pg_server.py), stopped on exit; without pgserver tests/pg_server.py starts its own.

@@ -10,18 +10,43 @@ import pytest
 TINY_LLAMA_VOCAB = 256
 
 
+CACHE_ENV = "PENSIEVE_TEST_CACHE_DIR"
+"""The test run's cache directory (made by the first pytest process, inherited by xdist's
+workers): ``$PENSIEVE_CACHE_DIR`` of every test and of the servers they start."""
+_OWNS_CACHE = pytest.StashKey[bool]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Without CUDA, Triton kernels run through the interpreter. Chosen here only, before any
     test module imports ``pensieve.kernels``: a kernel module imported before the variable is
     set keeps compiled kernels (each kernel test module used to set it and reload its kernel
     module, and ``test_mixed_splits.py`` still failed when run right after
-    ``test_mixed_fill.py``)."""
+    ``test_mixed_fill.py``).
+
+    Tests write only to temporary directories: ``$PENSIEVE_CACHE_DIR`` (built-in models, the
+    default conversation store) is one temporary directory for the whole run, shared by
+    xdist's workers, so the default model is dequantized once per run (not once per module
+    that serves it) and nothing lands in ``~/.cache/pensieve``."""
     import os
+    import tempfile
 
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if CACHE_ENV not in os.environ:  # the first pytest process of this run
+        os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="pensieve-test-cache-")
+        config.stash[_OWNS_CACHE] = True
+    os.environ["PENSIEVE_CACHE_DIR"] = os.environ[CACHE_ENV]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's cache directory goes with the process that made it."""
+    import os
+    import shutil
+
+    if config.stash.get(_OWNS_CACHE, False):
+        shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -43,17 +68,30 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     return str(path), model
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache() -> Any:
+    """The run's cache directory (a ``Path``) with the default model dequantized in it, once
+    per test process (a second process finding it converted reads it)."""
+    import os
+    from pathlib import Path
+
+    from pensieve.models.builtin import ensure_smollm2_checkpoint
+
+    ensure_smollm2_checkpoint()
+    return Path(os.environ["PENSIEVE_CACHE_DIR"])
+
+
 @pytest.fixture
 def pensieve_server(tmp_path: Any) -> Any:
     """A factory of ``pensieve serve`` subprocesses (demo model, CPU, small tiers, a free port;
     ``server_util.Server``) taking extra command-line arguments; each is stopped at the end."""
-    from server_util import Server
+    from server_util import Server, run_cache
 
     servers: list[Any] = []
 
     def start(*extra: str) -> Any:
         n = len(servers)
-        servers.append(Server(tmp_path / f"conv{n}.db", tmp_path / "cache", *extra))
+        servers.append(Server(tmp_path / f"conv{n}.db", run_cache(), *extra))
         return servers[-1]
 
     yield start

@@ -17,6 +17,13 @@ import openai
 MAX_LEN = 512
 
 
+def run_cache() -> Path:
+    """The test run's cache directory (``$PENSIEVE_CACHE_DIR``, set by conftest.py to one
+    temporary directory per run): the demo and default models are built there once per run,
+    not once per server."""
+    return Path(os.environ["PENSIEVE_CACHE_DIR"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

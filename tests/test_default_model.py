@@ -2,14 +2,15 @@
 weights: fp32 on the CPU, our greedy tokens equal HF transformers' on the same dequantized
 weights, under every cache policy; and it answers a question sensibly.
 
-The GGUF is dequantized once per test session (only this module uses it) into a temporary
-``$PENSIEVE_CACHE_DIR``, as ``pensieve serve`` does on its first start; every test reads that
-directory.
+The GGUF is dequantized once per test run into the run's temporary ``$PENSIEVE_CACHE_DIR``
+(conftest.py's ``smollm2_cache``), as ``pensieve serve`` does on its first start; every test
+reads that directory.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -48,24 +49,26 @@ TURN_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """``(checkpoint dir, HF model fp32, tokenizer)``; ``$PENSIEVE_CACHE_DIR`` points at a
-    temporary cache while this module runs (restored afterwards)."""
-    cache = tmp_path_factory.mktemp("pensieve-cache")
-    old = os.environ.get("PENSIEVE_CACHE_DIR")
-    os.environ["PENSIEVE_CACHE_DIR"] = str(cache)
-    try:
-        path = ensure_smollm2_checkpoint()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None  # exactly NEW_TOKENS, as ignore_eos
-        hf.generation_config.pad_token_id = 2
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        yield path, hf, tok
-    finally:
-        if old is None:
-            os.environ.pop("PENSIEVE_CACHE_DIR", None)
-        else:
-            os.environ["PENSIEVE_CACHE_DIR"] = old
+def smollm2(smollm2_cache):
+    """``(checkpoint dir, HF model fp32, tokenizer)``, in the test run's temporary
+    ``$PENSIEVE_CACHE_DIR``."""
+    path = ensure_smollm2_checkpoint()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly NEW_TOKENS, as ignore_eos
+    hf.generation_config.pad_token_id = 2
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return path, hf, tok
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    """``pensieve serve`` with no model argument (the default) and its default settings."""
+    from server_util import Server
+
+    srv = Server(tmp_path_factory.mktemp("store") / "conv.db",
+                 Path(os.environ["PENSIEVE_CACHE_DIR"]), model=DEFAULT_MODEL)
+    yield srv
+    srv.stop()
 
 
 def _chat_ids(tok, text: str) -> list[int]:
@@ -229,22 +232,31 @@ def test_smollm2_straight_from_gguf_answers_paris(smollm2):
     assert "Paris" in llm.tokenizer.decode(out.output_token_ids), out
 
 
-def test_pensieve_chat_answers_paris(smollm2, tmp_path):
-    """``pensieve serve`` (no model argument: the default) and ``pensieve chat`` on stdin."""
-    from server_util import Server
-
-    srv = Server(tmp_path / "conv.db", Path(os.environ["PENSIEVE_CACHE_DIR"]),
-                 model=DEFAULT_MODEL)
-    try:
-        chat = subprocess.run(
-            [sys.executable, "-m", "pensieve.cli", "chat", "--url", srv.url, "--temperature",
-             "0", "--max-tokens", "24"],
-            input="What is the capital of France?\n/quit\n", capture_output=True, text=True,
-            timeout=300, check=True)
-    finally:
-        srv.stop()
+def test_pensieve_chat_answers_paris(server):
+    """``pensieve serve`` (no model argument: the default) and ``pensieve chat`` on stdin, at
+    the server's default sampling."""
+    chat = subprocess.run(
+        [sys.executable, "-m", "pensieve.cli", "chat", "--url", server.url, "--max-tokens", "24"],
+        input="What is the capital of France?\n/quit\n", capture_output=True, text=True,
+        timeout=300, check=True)
     assert f"chatting with {DEFAULT_MODEL}" in chat.stdout
     assert "Paris" in chat.stdout, chat.stdout
+
+
+def test_default_sampling_answers_sensibly_for_every_seed(server, smollm2):
+    """The checkpoint's generation config (written beside the dequantized GGUF) is the
+    server's default sampling, as ``vllm serve --generation-config auto``: a request that
+    names no temperature gets the built-in model's default (greedy; at temperature 1 it
+    wandered off into German, at the model card's 0.2 / top_p 0.9 a third of the seeds
+    answered in French without naming Paris), and answers the question for every seed."""
+    cfg = json.loads((Path(smollm2[0]) / "generation_config.json").read_text())
+    assert cfg["do_sample"] is False and cfg["eos_token_id"] == 2
+    client = server.client()
+    answers = [client.chat.completions.create(
+        model=DEFAULT_MODEL, max_tokens=24, seed=seed,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    ).choices[0].message.content for seed in range(10)]
+    assert all("Paris" in a for a in answers), answers
 
 
 def test_pensieve_generate_answers_paris(smollm2, capsys):

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from server_util import Server
+from server_util import Server, run_cache
 
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
 
@@ -35,7 +35,7 @@ def test_restarted_server_resumes_from_disk(tmp_path: Path) -> None:
     # chunks of 16: a turn's rendering may differ from the stored history in its last tokens
     # (the end-of-turn text), which cuts the last chunk; the rest must come from disk
     disk = ["--chunk-size", "16", "--disk-kv-gb", "0.05", "--disk-kv-path", str(tmp_path / "kv")]
-    store, cache_dir = tmp_path / "conv.db", tmp_path / "cache"
+    store, cache_dir = tmp_path / "conv.db", run_cache()
     srv = Server(store, cache_dir, *disk)
     try:
         client = srv.client()

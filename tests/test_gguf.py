@@ -15,7 +15,7 @@ import torch
 from tiny_hf import hf_greedy, ours_greedy, tiny_hf
 
 from pensieve import LLM
-from pensieve.models.gguf import gguf_config, hf_tensor_name, iter_gguf_tensors
+from pensieve.models.gguf import convert_gguf, gguf_config, hf_tensor_name, iter_gguf_tensors
 from pensieve.models.loader import resolve_config
 from pensieve.models.tokenizer import load_tokenizer
 
@@ -178,3 +178,16 @@ def test_unknown_tensor_name_and_missing_tokenizer(tmp_path):
     path = write_gguf(tiny_hf("qwen2"), tmp_path / "notok.gguf", "qwen2")
     with pytest.raises(ValueError, match="holds no tokenizer"):
         load_tokenizer(path)
+
+
+def test_conversion_says_what_it_does(tmp_path, capsys):
+    """The first start of the default model converts its GGUF (~10 s on a busy 2-core CPU):
+    it says so, where to, and shows its progress over the tensors, instead of being silent."""
+    hf = tiny_hf("llama")
+    path = write_gguf(hf, tmp_path / "tiny.gguf", "llama")
+    out = convert_gguf(path, tmp_path / "converted")
+    err = capsys.readouterr().err
+    n = len(gguf.GGUFReader(path).tensors)
+    assert f"converting tiny.gguf into {out}" in err, err
+    assert "dequantizing: 100%" in err and f"{n}/{n}" in err, err
+    assert (tmp_path / "converted" / "model.safetensors").is_file()

@@ -1,13 +1,12 @@
 """Grammar-constrained decoding in the engine, on the default model (SmolLM2-135M-Instruct):
 50 random JSON schemas (hypothesis) decoded greedily in one batch with unconstrained
 requests; every answer is valid JSON that validates, and the unconstrained rows decode as
-they do alone. The GGUF is dequantized into a temporary ``$PENSIEVE_CACHE_DIR`` once for this
-module (as tests/test_default_model.py does)."""
+they do alone. The GGUF is dequantized once per test run, into the run's temporary
+``$PENSIEVE_CACHE_DIR`` (the ``smollm2_cache`` fixture of conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
@@ -16,7 +15,6 @@ from hypothesis import strategies as st
 
 from pensieve import LLM, SamplingParams
 from pensieve.core.sampling_params import GrammarSpec
-from pensieve.models.builtin import ensure_smollm2_checkpoint
 from pensieve.runner.grammar import GrammarCompiler, GrammarError
 
 NUM_SCHEMAS = 50
@@ -55,19 +53,8 @@ def object_schemas(draw, depth: int = 0):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("pensieve-cache")
-    old = os.environ.get("PENSIEVE_CACHE_DIR")
-    os.environ["PENSIEVE_CACHE_DIR"] = str(cache)
-    try:
-        ensure_smollm2_checkpoint()
-        yield LLM(dtype="float32", device="cpu", num_gpu_blocks=1200,
-                  max_num_batched_tokens=2048)
-    finally:
-        if old is None:
-            os.environ.pop("PENSIEVE_CACHE_DIR", None)
-        else:
-            os.environ["PENSIEVE_CACHE_DIR"] = old
+def llm(smollm2_cache):
+    return LLM(dtype="float32", device="cpu", num_gpu_blocks=1200, max_num_batched_tokens=2048)
 
 
 def _prompt(llm, text: str) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import Server
+from server_util import Server, run_cache
 from transformers import AutoTokenizer
 
 from pensieve.bench.engine_api import WallClock
@@ -35,7 +35,7 @@ RATE, DURATION, SEED = 4.0, 1.0, 1  # four conversations arrive in the first sec
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("http_bench")
-    srv = Server(tmp / "conv.db", tmp / "cache")
+    srv = Server(tmp / "conv.db", run_cache())
     yield srv
     srv.stop()
 

@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,9 +31,9 @@ COMPLETIONS = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: Path) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("long")
-    srv = Server(d / "conv.db", d / "cache", "--max-model-len", "8192",
+    srv = Server(d / "conv.db", smollm2_cache, "--max-model-len", "8192",
                  "--num-gpu-blocks", "320", model=DEFAULT_MODEL, budget=None,
                  env={"PENSIEVE_STEP_LOG": str(d / "steps.jsonl")})
     srv.step_log = d / "steps.jsonl"  # type: ignore[attr-defined]

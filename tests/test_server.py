@@ -14,14 +14,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_util import MAX_LEN, Server
+from server_util import MAX_LEN, Server, run_cache
 
 from pensieve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache_dir() -> Path:
+    return run_cache()
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +310,7 @@ def test_chat_client_ctrl_c_cancels_the_answer_and_401_is_explained(server: Serv
     cid = text.split("> ")[-2].strip()  # /id printed the conversation of the second answer
     conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
     assert [m["content"] for m in conv["messages"] if m["role"] == "user"] == ["second"]
-    srv = Server(tmp_path / "auth.db", tmp_path / "cache", "--api-key", "sekret")
+    srv = Server(tmp_path / "auth.db", run_cache(), "--api-key", "sekret")
     try:
         args = build_parser().parse_args(["chat", "--url", srv.url, "--api-key", "wrong"])
         out2 = io.StringIO()

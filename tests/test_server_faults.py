@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from server_util import Server
+from server_util import Server, run_cache
 
 from pensieve.server.store_sqlite import ConversationStore
 
@@ -62,7 +62,7 @@ def test_sigterm_and_sigint_shut_down_the_same_way(sig: int, tmp_path: Path) -> 
     """Either signal: the turn in flight finishes, the store is closed with its write-ahead
     log merged into the file, status 0."""
     store = tmp_path / "conv.db"
-    srv = Server(store, tmp_path / "cache")
+    srv = Server(store, run_cache())
     r = httpx.post(srv.url + CHAT, timeout=60, json={
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     cid = r.json()["conversation_id"]
@@ -111,7 +111,7 @@ def test_a_killed_engine_stops_the_server_and_no_completed_turn_is_lost(
     """kill -9 of the engine process with streams in flight: the server exits 1 (for its
     supervisor to restart it) instead of answering 500 forever; every turn completed before
     is in the store, and the restarted server continues the conversations."""
-    store, cache = tmp_path / "conv.db", tmp_path / "cache"
+    store, cache = tmp_path / "conv.db", run_cache()
     srv = Server(store, cache)
     done: dict[str, int] = {}
     for i in range(4):

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_util import Server
+from server_util import Server, run_cache
 
 CHAT = "/v1/chat/completions"
 GOOD = [{"messages": [{"role": "user", "content": f"Tell me a story about {w}."}],
@@ -38,7 +38,7 @@ GOOD = [{"messages": [{"role": "user", "content": f"Tell me a story about {w}."}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("fuzz")
-    srv = Server(d / "conv.db", d / "cache", "--max-request-bytes", "65536")
+    srv = Server(d / "conv.db", run_cache(), "--max-request-bytes", "65536")
     yield srv
     srv.stop()
 
@@ -297,7 +297,7 @@ def _rss_kib(pid: int) -> int:
 
 
 def test_overload_gets_429_and_admitted_requests_finish(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--max-queued-requests", "32")
+    srv = Server(tmp_path / "conv.db", run_cache(), "--max-queued-requests", "32")
     try:
         rss0 = _rss_kib(srv.proc.pid)
         prompt = "Please summarise the history of memory palaces in detail. " * 6
@@ -333,7 +333,7 @@ def test_overload_gets_429_and_admitted_requests_finish(tmp_path: Path) -> None:
 
 
 def test_health_answers_while_a_huge_request_is_prepared(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache")  # default --max-request-bytes
+    srv = Server(tmp_path / "conv.db", run_cache())  # default --max-request-bytes
     try:
         words = " ".join(f"w{i}ord" for i in range(300_000))  # ~3.3 MB of text to tokenize
         result: dict[str, Any] = {}
@@ -364,7 +364,7 @@ def test_health_answers_while_a_huge_request_is_prepared(tmp_path: Path) -> None
 
 
 def test_sigterm_with_a_long_stream_exits_within_the_timeout(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--shutdown-timeout", "2")
+    srv = Server(tmp_path / "conv.db", run_cache(), "--shutdown-timeout", "2")
     with httpx.stream("POST", srv.url + CHAT, timeout=60, json={
             "messages": [{"role": "user", "content": "long"}], "max_tokens": 400,
             "ignore_eos": True, "stream": True}) as r:
@@ -386,7 +386,7 @@ def test_shutdown_timeout_ends_turns_with_an_error_event_not_a_traceback(
     tasks (no ``CancelledError`` traceback per turn)."""
     import threading
 
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--shutdown-timeout", "1",
+    srv = Server(tmp_path / "conv.db", run_cache(), "--shutdown-timeout", "1",
                  "--log-level", "info")
     body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 480,
             "ignore_eos": True}
@@ -427,7 +427,7 @@ def test_sigterm_to_the_process_group_lets_a_turn_finish(tmp_path: Path) -> None
     whole answer streamed), then stops the engine and exits."""
     import os
 
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--shutdown-timeout", "60",
+    srv = Server(tmp_path / "conv.db", run_cache(), "--shutdown-timeout", "60",
                  new_session=True)
     events = []
     with httpx.stream("POST", srv.url + CHAT, timeout=120, json={

@@ -14,8 +14,6 @@ import openai
 import pytest
 from server_util import Server
 
-from pensieve.models.builtin import ensure_smollm2_checkpoint
-
 MODEL = "smollm2-135m-instruct"
 TOOLS = [
     {"type": "function", "function": {
@@ -49,21 +47,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("pensieve-cache")
-    import os
-
-    old = os.environ.get("PENSIEVE_CACHE_DIR")
-    os.environ["PENSIEVE_CACHE_DIR"] = str(cache)
-    try:
-        ensure_smollm2_checkpoint()  # once, before the server starts
-    finally:
-        if old is None:
-            os.environ.pop("PENSIEVE_CACHE_DIR", None)
-        else:
-            os.environ["PENSIEVE_CACHE_DIR"] = old
-    s = Server(tmp_path_factory.mktemp("store") / "store.db", cache, "--max-model-len", "2048",
-               model=MODEL)
+def server(tmp_path_factory, smollm2_cache):
+    s = Server(tmp_path_factory.mktemp("store") / "store.db", smollm2_cache, "--max-model-len",
+               "2048", model=MODEL)
     yield s
     s.stop()
 

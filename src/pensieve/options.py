@@ -21,7 +21,6 @@ import argparse
 import ast
 import inspect
 import json
-import re
 import textwrap
 import types
 import typing
@@ -39,6 +38,7 @@ from pensieve.core.scheduling_config import (
     SchedulerConfig,
     budget_help,
 )
+from pensieve.help_text import plain_text
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 """Names of the parts in a ``--config`` file that groups its options (``cache: {...}``)."""
@@ -120,8 +120,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            first = inspect.cleandoc(nxt.value.value).split("\n\n")[0]
-            first = re.sub(r":\w+:`~?([^`]*)`", r"\1", first).replace("``", "")
+            first = plain_text(inspect.cleandoc(nxt.value.value).split("\n\n")[0])
             docs[stmt.target.id] = " ".join(first.split())
     return docs
 
@@ -192,7 +191,7 @@ def add_engine_args(p: argparse.ArgumentParser, exclude: Collection[str] = (),
                    help="a JSON, TOML or YAML file of engine options (the flags' names with "
                         "underscores, flat or under model/cache/scheduler); flags given on the "
                         "command line override it")
-    group = p.add_argument_group("engine options (pensieve.config)")
+    group = p.add_argument_group("engine options (also keys of a --config file)")
     for name, cls in owners().items():
         if name in names and name != "model":
             flags, kw = _flag_kwargs(cls, name, notes.get(name), own.get(name, MISSING))

@@ -190,8 +190,8 @@ def _add_serve(sub: Any) -> None:
     s.set_defaults(func=serve)
     s.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     s.add_argument("--workload", choices=WORKLOADS, default="agentic",
-                   help="coding-agent / agent-mix: long-context agents (pensieve.bench."
-                        "coding_agent; think time 6 s and --max-model-len 131072 suit them)")
+                   help="coding-agent / agent-mix: long-context agents (think time 6 s and "
+                        "--max-model-len 131072 suit them)")
     s.add_argument("--sharegpt", default=None, help="sharegpt: a ShareGPT JSON file")
     s.add_argument("--num-conversations", type=int, default=None)
     s.add_argument("--length-scale", type=float, default=1.0,

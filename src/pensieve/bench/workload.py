@@ -245,11 +245,10 @@ def add_workload_stats_args(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="synthetic UltraChat conversations to draw (default 100000; the "
                              "paper's set has 1,468,352; 0 = skip)")
     parser.add_argument("--agentic-n", type=int, default=20_000,
-                        help="synthetic agentic sessions to draw (pensieve.bench.agentic; "
-                             "default 20000; 0 = skip)")
+                        help="synthetic agentic sessions to draw (default 20000; 0 = skip)")
     parser.add_argument("--coding-agent-n", type=int, default=0,
-                        help="synthetic coding-agent sessions to draw (pensieve.bench."
-                             "coding_agent; cut at 131072 tokens; default 0 = skip)")
+                        help="synthetic coding-agent sessions to draw (cut at 131072 tokens; "
+                             "default 0 = skip)")
     parser.add_argument("--agent-mix-n", type=int, default=0,
                         help="conversations of the mixed load to draw (coding agents beside "
                              "ShareGPT-like chats; default 0 = skip)")

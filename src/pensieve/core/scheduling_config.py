@@ -65,19 +65,23 @@ class SchedulerConfig:
     prefill work only or decodes only, prefills first whenever there are any."""
     swap_in_ahead_chunks: int = 256
     """Unified batches: a turn admitted with chunks to swap in, into a step that has other
-    work, has them copied during that step (``SwapPlan.swap_in_ahead``) and computes from the
-    next step on, so no step's compute waits for them; at most this many chunks a step go
-    ahead (a turn beyond that computes in its admission step, each layer waiting for its
-    swap-ins). 0: never ahead."""
+    work, has them copied during that step and computes from the next step on, so no step's
+    compute waits for them; at most this many chunks a step go ahead (a turn beyond that
+    computes in its admission step, each layer waiting for its swap-ins). 0: never ahead.
+
+    The copies ahead are the step's ``SwapPlan.swap_in_ahead``."""
 
     prefill_attention_pairs: int | None = None
     """Most (query token, KV position) pairs that a step's prefill may attend over, the part
-    of a step's time that grows with context: a piece of ``n`` prompt tokens from position
-    ``p`` counts ``n * (p + n / 2)``. Long turns are then prefilled in smaller pieces as their
-    context grows, so no step (and no running decode's next token) waits for a whole
-    ``max_num_batched_tokens`` chunk at 100k context. None: ``max_num_batched_tokens *
-    16384``, which leaves contexts up to ~16k untouched (the engine's entry points give each
-    device its own: :data:`STEP_ATTENTION_SPANS`; docs/long_context.md)."""
+    of a step's time that grows with context: a piece of n prompt tokens from position p
+    counts n * (p + n / 2). Long turns are then prefilled in smaller pieces as their context
+    grows, so no step (and no running decode's next token) waits for a whole
+    max_num_batched_tokens chunk at 100k context (default: max_num_batched_tokens times
+    16384 on CUDA, 2048 on the CPU, which leaves contexts up to ~16k and ~2k untouched;
+    docs/long_context.md).
+
+    None here is ``max_num_batched_tokens * 16384``; the engine's entry points give each
+    device its own (:data:`STEP_ATTENTION_SPANS`)."""
 
     def attention_pairs(self) -> int:
         """:attr:`prefill_attention_pairs`, or its default."""

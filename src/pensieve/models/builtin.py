@@ -15,6 +15,7 @@ This module imports neither torch nor transformers until a checkpoint is built.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -52,14 +53,35 @@ def smollm2_dir() -> Path:
     return cache_root() / f"smollm2-135m-instruct-q4_1-v{SMOLLM2_VERSION}"
 
 
-def ensure_smollm2_checkpoint() -> str:
-    """Directory of the dequantized SmolLM2-135M-Instruct, converting the GGUF on first use."""
-    target = smollm2_dir()
-    if (target / "model.safetensors").is_file():
-        return str(target)
-    from pensieve.models.gguf import convert_gguf
+SMOLLM2_GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+                             "do_sample": False}
+"""The ``generation_config.json`` written beside the dequantized SmolLM2 (a GGUF file carries
+none): greedy. ``pensieve serve`` applies it to requests that leave the sampling fields out,
+as ``vllm serve --generation-config auto`` does (:mod:`pensieve.server.model_defaults`).
 
-    return convert_gguf(smollm2_gguf(), target)
+Not the model card's temperature 0.2 / top_p 0.9: this 4-bit 135M build is almost undecided on
+the first token of an answer (to "What is the capital of France?" under its chat template:
+"The" 15.2%, "L" 14.0%, "La" 10.3% at temperature 1), so at 0.2 / 0.9 13 of 40 seeds answered
+"L'Étoile, la Marseillaise, ..." without naming Paris, and at temperature 1 it wandered off
+into German; greedy answered "The capital of France is Paris." (measured in-process with
+``LLM``, seeds 0-39; tests/test_default_model.py checks 10 seeds through the server)."""
+
+
+def ensure_smollm2_checkpoint() -> str:
+    """Directory of the dequantized SmolLM2-135M-Instruct, converting the GGUF on first use,
+    with :data:`SMOLLM2_GENERATION_CONFIG` (also written into a directory converted before)."""
+    target = smollm2_dir()
+    if not (target / "model.safetensors").is_file():
+        from pensieve.models.gguf import convert_gguf
+
+        convert_gguf(smollm2_gguf(), target)
+    gen = target / "generation_config.json"
+    text = json.dumps(SMOLLM2_GENERATION_CONFIG, indent=2) + "\n"
+    if not gen.is_file() or gen.read_text() != text:  # missing, or an older version's
+        tmp = gen.with_name(f".{gen.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(gen)
+    return str(target)
 
 
 def resolve_builtin(name: str) -> str | None:

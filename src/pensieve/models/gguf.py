@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,6 +248,7 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike,
     ``config.json``, the tokenizer files when the GGUF has a tokenizer); atomic (built in a
     temporary sibling directory, then renamed). Returns ``out_dir``."""
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,10 +256,17 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike,
     try:
         cfg = gguf_config(path)
         cfg.dtype = dtype
-        tensors = {name: w.to(dtype).contiguous() for name, w in iter_gguf_tensors(path)}
+        count = len(_open(path).tensors)
+        print(f"pensieve: converting {Path(path).name} into {out} (once; later starts read "
+              "that directory)", file=sys.stderr, flush=True)
+        tensors = {name: w.to(dtype).contiguous() for name, w in tqdm(
+            iter_gguf_tensors(path), total=count, desc="dequantizing", unit="tensor",
+            file=sys.stderr, mininterval=0.5)}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(tmp)
         if "tokenizer.ggml.model" in _open(path).fields:
+            print("pensieve: converting the tokenizer and chat template", file=sys.stderr,
+                  flush=True)
             gguf_tokenizer(path).save_pretrained(tmp)
         (tmp / "SOURCE.json").write_text(json.dumps({"gguf": str(Path(path).resolve())}) + "\n")
         try:

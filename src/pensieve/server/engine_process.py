@@ -32,6 +32,7 @@ from typing import Any
 
 from pensieve.server.async_engine import EngineClient
 from pensieve.server.engine_loop import EngineLoop, EngineRequestError, EngineStartError, Snapshot
+from pensieve.threads import set_thread_env, settle_engine_threads
 
 log = logging.getLogger("pensieve.server")
 
@@ -46,6 +47,7 @@ class ProcessEngine(EngineClient):
 
     def __init__(self, cfg: Any, log_level: str = "INFO") -> None:
         super().__init__()
+        set_thread_env()  # before the child starts: its OpenMP runtime reads them on load
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
@@ -64,8 +66,9 @@ class ProcessEngine(EngineClient):
             self._proc.join(timeout=10)
             raise EngineStartError(f"the engine process failed to start: {info}")
         self.info: dict[str, Any] = info
-        """What the server needs to know of the engine: ``kv_tokens`` (GPU tier) and
-        ``max_turn_tokens`` (:attr:`Scheduler.max_turn_tokens`)."""
+        """What the server needs to know of the engine: ``kv_tokens`` (GPU tier),
+        ``max_turn_tokens`` (:attr:`Scheduler.max_turn_tokens`), ``device`` (its type) and
+        ``threads`` (:func:`pensieve.threads.thread_settings` there)."""
         self.snapshot: Snapshot = info["snapshot"]
         self._reader = threading.Thread(target=self._read, name="pensieve-engine-reader",
                                         daemon=True)
@@ -154,10 +157,12 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
     def reply(token: Any, err: BaseException | None, res: Any) -> None:
         _sendable(out, ("result", token, err, res, core.snapshot()))
 
+    threads = settle_engine_threads(engine.device.type)
     core = EngineLoop(engine, reply)
     kv_tokens = engine.cache.gpu.num_blocks * engine.cache.chunk_size
     out.send(("ready", {"kv_tokens": kv_tokens, "snapshot": core.snapshot(),
-                        "max_turn_tokens": engine.scheduler.max_turn_tokens}))
+                        "max_turn_tokens": engine.scheduler.max_turn_tokens,
+                        "device": engine.device.type, "threads": threads}))
     try:
         _serve(core, cmds, out)
     finally:

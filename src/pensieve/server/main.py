@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pensieve.engine.llm import build_engine_config
-from pensieve.engine.llm_engine import LLMEngine
 from pensieve.options import (
     COMMAND_HELP,
     add_engine_args,
@@ -19,7 +19,10 @@ from pensieve.options import (
     float_or_nan,
     settle_model_options,
 )
-from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
+from pensieve.server.limits import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
+
+if TYPE_CHECKING:  # the engine is imported when it is built, not for `pensieve --help`
+    from pensieve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("pensieve.server")
 
@@ -87,8 +90,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run N engine replicas (one per GPU, or on the CPU) as a Ray Serve "
                         "application behind one endpoint, conversations routed by affinity "
                         "(needs the replicas extra: pip install -e '.[replicas]')")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 "
+                        "for every interface)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port to listen on, checked before the model loads (default: 8000)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require this bearer key (repeat for several tenants); "
                         "also read from PENSIEVE_API_KEYS (comma-separated)")
@@ -115,19 +121,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "many seconds, then end them with an error (503 / an SSE error event, "
                         "code shutting_down; their conversations stay as they were) and exit")
     p.add_argument("--max-priority", type=positive_arg, default=DEFAULT_MAX_PRIORITY,
-                   metavar="P", help="largest retention ``priority`` a request may set; more is "
+                   metavar="P", help="largest retention priority a request may set; more is "
                    f"a 400 (default {DEFAULT_MAX_PRIORITY:g})")
     p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
-                   metavar="S", help="largest ``keep_alive_s`` a request may set; more is a "
+                   metavar="S", help="largest keep_alive_s a request may set; more is a "
                    f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
     p.add_argument("--tenant-kv-share", type=share_arg, default="auto", metavar="FRACTION",
                    help="share of each KV tier a tenant's conversations with retention hints "
                    "may hold; past it their hints stop counting and they are evicted first, so "
                    "no tenant's hints push out another's KV (auto, the default: 1/N with N >= 2 "
                    "API keys, else off; off: no bound)")
-    p.add_argument("--store", default=str(Path.home() / ".cache" / "pensieve" / "conversations.db"),
+    p.add_argument("--store", default=None,
                    help="the persistent conversation store: a SQLite file, or a "
-                        "postgresql:// URL (shared by replicas on several hosts)")
+                        "postgresql:// URL (shared by replicas on several hosts) (default: "
+                        "conversations.db in $PENSIEVE_CACHE_DIR, itself ~/.cache/pensieve "
+                        "by default)")
     p.add_argument("--switch-interval-ms", type=positive_ms_arg,
                    default=DEFAULT_SWITCH_INTERVAL_MS, metavar="MS",
                    help="Python's thread switch interval (sys.setswitchinterval) in the server "
@@ -137,15 +145,41 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, off the GIL of the HTTP side "
                         "(default); --no-engine-process: in a thread of the server process")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log messages of this level and above (default: info)")
+
+
+class PortInUseError(Exception):
+    """The address ``pensieve serve`` was asked to listen on cannot be bound."""
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, as uvicorn will bind it (``SO_REUSEADDR``: a
+    port left in TIME_WAIT is free), so that a port in use is found before the model loads;
+    :class:`PortInUseError` if it cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise PortInUseError(f"cannot listen on {host}:{port}: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            why = "in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise PortInUseError(f"cannot listen on {host}:{port} ({why}); choose another "
+                                 "with --port") from None
 
 
 def serve(args: argparse.Namespace) -> int:
     """One server process (``--data-parallel-size`` > 1 is dispatched by ``pensieve.cli`` to
     :func:`pensieve.replicas.serve.serve_replicas`, which builds each replica with
-    :func:`build_server`)."""
+    :func:`build_server`). The port is checked first, before anything loads."""
     from pensieve.server.shutdown import run_server
 
+    check_port(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, close = build_server(args)
@@ -158,6 +192,15 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         close()
     return code
+
+
+def default_store() -> Path:
+    """``conversations.db`` in the cache directory (``$PENSIEVE_CACHE_DIR``, by default
+    ``~/.cache/pensieve``): a checkout or a test run that sets its own cache directory gets a
+    store of its own."""
+    from pensieve.models.builtin import cache_root
+
+    return cache_root() / "conversations.db"
 
 
 def model_aliases(model: str, path: Any) -> tuple[str, ...]:
@@ -173,8 +216,12 @@ def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None,
     """(the engine if it lives in this process, the client the server talks to)."""
     if args.engine_process:
         from pensieve.server.engine_process import ProcessEngine
+        from pensieve.threads import settle_server_threads
 
-        return None, ProcessEngine(cfg, args.log_level)
+        aengine = ProcessEngine(cfg, args.log_level)
+        settle_server_threads(aengine.info["device"])  # after the engine took its CPUs
+        return None, aengine
+    from pensieve.engine.llm_engine import LLMEngine
     from pensieve.server.async_engine import AsyncEngine
 
     engine = LLMEngine(cfg)
@@ -184,9 +231,12 @@ def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None,
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
+    from pensieve.engine.llm import build_engine_config
     from pensieve.server.store_check import open_checked
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.store is None:
+        args.store = str(default_store())
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
     share = tenant_kv_share(args.tenant_kv_share, len(keys))

@@ -14,10 +14,6 @@ from pensieve.core.sampling_params import MAX_LOGPROBS
 
 MAX_CHOICES = 16
 """Most choices one request may ask for (``n``): they decode one after another."""
-DEFAULT_MAX_PRIORITY = 100.0
-"""Default bound on a request's ``priority`` (``--max-priority``)."""
-DEFAULT_MAX_KEEP_ALIVE_S = 3600.0
-"""Default bound on a request's ``keep_alive_s`` (``--max-keep-alive-s``)."""
 INVALID_UNICODE = "invalid_unicode"
 """The pydantic error type of a string that is not valid Unicode; its ``ctx["field"]`` is the
 path of the offending field (``messages.0.content``), which the 400 names as ``param``."""

@@ -12,7 +12,7 @@ from typing import Any
 from pensieve.server.async_engine import EngineClient
 from pensieve.server.chat import ChatRenderer
 from pensieve.server.engine_metrics import Metrics
-from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
+from pensieve.server.limits import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 from pensieve.server.store_sqlite import ConversationStore
 
 
