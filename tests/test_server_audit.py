@@ -1,0 +1,67 @@
+"""Regression tests of the audit of 2026-12-06 (issue 60, "Faults"), over the scripted engine
+(the real scheduler and cache, an executor that answers from a script): sampling ranges,
+conversation ids that disagree or are empty, a conversation id sent with the whole history,
+tools whose schemas use ``$ref``, ``/metrics`` for the operator and ``/v1/usage`` per tenant,
+``GET /v1/models/{id}``, and stateless requests of one key that must never share a
+conversation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from server_scripted import build_tokenizer, scripted_app
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "Tell me about memory palaces."}]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return build_tokenizer("chatml")
+
+
+def _serve(tok: Any, tmp_path: Path, **kw: Any) -> Iterator[tuple[TestClient, Any, Any]]:
+    app, ex = scripted_app(tok, tmp_path / "conv.db", **kw)
+    with TestClient(app) as http:
+        yield http, ex, openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="k",
+                                      http_client=http, max_retries=0)
+    app.state.pensieve.engine.shutdown()
+
+
+@pytest.fixture
+def served(tok: Any, tmp_path: Path) -> Iterator[tuple[TestClient, Any, Any]]:
+    yield from _serve(tok, tmp_path)
+
+
+def _enc(tok: Any, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+# ---------------------------------------------------------------- 5: sampling ranges
+@pytest.mark.parametrize("field,value", [
+    ("repetition_penalty", 1e-40), ("repetition_penalty", 1e6), ("presence_penalty", 2.01),
+    ("frequency_penalty", -1e9), ("min_p", 1.5), ("temperature", 2.5), ("top_p", 0),
+])
+def test_sampling_values_out_of_range_are_400_naming_the_field(served: Any, field: str,
+                                                                value: float) -> None:
+    http, ex, _ = served
+    r = http.post(CHAT, json={"messages": MSGS, "max_tokens": 4, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"], err
+    assert not ex.sampled_with  # nothing reached the engine
+
+
+def test_a_tiny_temperature_runs_as_vllms_floor(tok: Any, served: Any) -> None:
+    """temperature 1e-40 divided the logits into infinities; it runs as 0.01, as vLLM."""
+    http, ex, _ = served
+    ex.script = _enc(tok, " ok") + [tok.eos_token_id]
+    r = http.post(CHAT, json={"messages": MSGS, "max_tokens": 4, "temperature": 1e-40})
+    assert r.status_code == 200, r.text
+    (params, _), = ex.sampled_with.values()
+    assert params.temperature == 0.01
