@@ -65,3 +65,77 @@ def test_a_tiny_temperature_runs_as_vllms_floor(tok: Any, served: Any) -> None:
     assert r.status_code == 200, r.text
     (params, _), = ex.sampled_with.values()
     assert params.temperature == 0.01
+
+
+# ---------------------------------------------------------------- 7: tracebacks, ids
+class _RaisesOnPoison:
+    """The scripted executor, raising for a step that holds the poison token."""
+
+    def __init__(self, inner: Any, poison: int) -> None:
+        self.inner, self.poison = inner, poison
+
+    @property
+    def tiers(self) -> Any:
+        return self.inner.tiers
+
+    def execute(self, sched: Any) -> Any:
+        if any(self.poison in r.token_ids for s in sched.requests for r in s.ranges):
+            _failing_kernel()
+        return self.inner.execute(sched)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _failing_kernel() -> None:
+    raise RuntimeError("the kernel failed")
+
+
+def test_a_failed_step_logs_its_traceback(tok: Any, tmp_path: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The step's exception used to be logged as one line, without where it was raised."""
+    poison = _enc(tok, "\u00a7")[0]
+    for http, ex, _ in _serve(tok, tmp_path, wrap=lambda inner: _RaisesOnPoison(inner, poison)):
+        ex.script = _enc(tok, " ok") + [tok.eos_token_id]
+        r = http.post(CHAT, json={"messages": [{"role": "user", "content": "\u00a7"}],
+                                  "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+    logged = "\n".join(caplog.text.splitlines())
+    assert "Traceback" in logged and "_failing_kernel" in logged, logged[-3000:]
+
+
+@pytest.mark.parametrize("body_id,header_id,code", [
+    ("conv-a", "conv-b", "conversation_id_mismatch"), ("", None, "invalid_conversation_id"),
+    (None, "", "invalid_conversation_id"), ("  ", None, "invalid_conversation_id"),
+])
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_conversation_ids_that_disagree_or_are_empty_are_400(
+        tok: Any, served: Any, path: str, body_id: str | None, header_id: str | None,
+        code: str) -> None:
+    http, ex, _ = served
+    ex.script = _enc(tok, " ok") + [tok.eos_token_id]
+    r = http.post(CHAT, json={"messages": MSGS, "max_tokens": 4})
+    before = http.app.state.pensieve.store.count()
+    body: dict[str, Any] = ({"messages": MSGS} if path == CHAT else {"prompt": "Hi"})
+    body["max_tokens"] = 4
+    if body_id is not None:
+        body["conversation_id"] = body_id
+    headers = {} if header_id is None else {"x-conversation-id": header_id}
+    r = http.post(path, json=body, headers=headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("conversation_id", code), err
+    assert http.app.state.pensieve.store.count() == before  # no conversation started
+
+
+def test_the_same_id_in_body_and_header_is_fine(tok: Any, served: Any) -> None:
+    http, ex, _ = served
+    ex.script = _enc(tok, " ok") + [tok.eos_token_id]
+    cid = http.post(CHAT, json={"messages": MSGS, "max_tokens": 4}).json()["conversation_id"]
+    r = http.post(CHAT, headers={"x-conversation-id": cid}, json={
+        "messages": [{"role": "user", "content": "More."}], "max_tokens": 4,
+        "conversation_id": cid})
+    assert r.status_code == 200 and r.json()["conversation_id"] == cid, r.text

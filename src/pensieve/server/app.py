@@ -81,6 +81,22 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
     _check_model(state, body.model)
 
 
+def _conversation_id(body: _Sampling, request: Request) -> str | None:
+    """The conversation a request names, by its body's ``conversation_id`` or its
+    ``X-Conversation-Id`` header: a 400 when it is empty (it used to start a new conversation
+    silently) or when the two disagree (the body's used to win silently)."""
+    in_body, in_header = body.conversation_id, request.headers.get("x-conversation-id")
+    for where, value in (("conversation_id", in_body), ("X-Conversation-Id", in_header)):
+        if value is not None and not value.strip():
+            raise APIError(400, f"{where} is empty: name a conversation, or leave it out to "
+                           "start one", param="conversation_id", code="invalid_conversation_id")
+    if in_body is not None and in_header is not None and in_body != in_header:
+        raise APIError(400, f"the body's conversation_id {in_body!r} and the "
+                       f"X-Conversation-Id header {in_header!r} disagree",
+                       param="conversation_id", code="conversation_id_mismatch")
+    return in_body if in_body is not None else in_header
+
+
 async def _admitted(state: ServerState, fn: Callable[[], Awaitable[Response]]) -> Response:
     """Run a generation request under admission control (429 past the queue limit)."""
     if state.draining:
@@ -230,6 +246,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         tenant = _tenant(state, request)
         _check_request(state, body)
         check_message_fields(body.messages)
+        cid = _conversation_id(body, request)
         if state.renderer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
 
@@ -238,7 +255,6 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 msgs = await off_loop(state, lambda: [m.canonical() for m in body.messages])
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
-            cid = body.conversation_id or request.headers.get("x-conversation-id")
             tools = [t.as_dict() for t in body.tools or []] or None
             wanted = await off_loop(state, lambda: constraint(state, body))
             turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
@@ -252,9 +268,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tenant = _tenant(state, request)
         _check_request(state, body)
+        cid = _conversation_id(body, request)
 
         async def go() -> Response:
-            cid = body.conversation_id or request.headers.get("x-conversation-id")
             turn = await completion_turn(state, tenant, cid, body.prompt,
                                          body.create_conversation)
             return await run_turn(state, body, turn, body.max_tokens, request, chat=False,
