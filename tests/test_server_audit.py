@@ -139,3 +139,26 @@ def test_the_same_id_in_body_and_header_is_fine(tok: Any, served: Any) -> None:
         "messages": [{"role": "user", "content": "More."}], "max_tokens": 4,
         "conversation_id": cid})
     assert r.status_code == 200 and r.json()["conversation_id"] == cid, r.text
+
+
+# ---------------------------------------------------------------- 4: id with the history
+def test_an_id_sent_with_the_whole_history_does_not_double_it(tok: Any, served: Any) -> None:
+    """The stored messages re-sent beside the conversation's id are recognised as its
+    history: the model's context and the store hold them once."""
+    http, ex, _ = served
+    ex.script = _enc(tok, " ok") + [tok.eos_token_id]
+    r = http.post(CHAT, json={"messages": MSGS, "max_tokens": 4}).json()
+    cid = r["conversation_id"]
+    history = MSGS + [{"role": "assistant", "content": " ok"}]
+    more = [{"role": "user", "content": "And then?"}]
+    r2 = http.post(CHAT, json={"messages": history + more, "max_tokens": 4,
+                               "conversation_id": cid})
+    assert r2.status_code == 200, r2.text
+    want = history + more + [{"role": "assistant", "content": " ok"}]
+    conv = http.get(f"/v1/conversations/{cid}").json()
+    assert conv["messages"] == want
+    assert ex.seen[-1] == tok.apply_chat_template(history + more, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+    # the history alone, with its id, asks for nothing new
+    r3 = http.post(CHAT, json={"messages": want, "conversation_id": cid})
+    assert r3.status_code == 400 and r3.json()["error"]["param"] == "messages", r3.text

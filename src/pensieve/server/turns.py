@@ -139,15 +139,13 @@ def _chat_retry(state: ServerState, tenant: str, cid: str | None, msgs: list[dic
     if conv is None or not msgs:
         return None
     asked = conv.messages[:-1]  # the last turn's answer dropped
-    if cid is not None:  # the request holds the turn's new messages only
-        if asked[len(asked) - len(msgs):] != msgs:
-            return None
-        prev = asked[:len(asked) - len(msgs)]
-    else:  # the whole history, then the turn's new messages
-        if asked != msgs:
-            return None
+    if asked == msgs:  # the whole history, then the turn's new messages
         k = max((i + 1 for i, m in enumerate(msgs) if m["role"] == "assistant"), default=0)
         prev = msgs[:k]
+    elif cid is not None and asked[len(asked) - len(msgs):] == msgs:  # the new ones only
+        prev = asked[:len(asked) - len(msgs)]
+    else:
+        return None
     # the redone turn's context: its tokens before the answer
     before = conv.token_ids[:conv.turns[-1]["context_len"]]
     return _before_last_turn(conv, prev, before), prev, asked[len(prev):]
@@ -157,10 +155,14 @@ def _chat_history(state: ServerState, tenant: str, cid: str | None,
                   msgs: list[dict[str, Any]]
                   ) -> tuple[StoredConversation, list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(the stored conversation, prev, new): the one ``cid`` names, or the longest prefix of
-    ``msgs`` that ends with an answer and equals a stored conversation of the tenant."""
+    ``msgs`` that ends with an answer and equals a stored conversation of the tenant. A
+    request that names its conversation and still sends the whole history (the stored
+    messages, then new ones) continues it with the new ones: the history is not doubled."""
     if cid is not None:
         stored = owned(state, cid, tenant)
-        return stored, stored.messages, msgs
+        n = len(stored.messages)
+        new = msgs[n:] if n and msgs[:n] == stored.messages else msgs
+        return stored, stored.messages, new
     for k in range(len(msgs) - 1, 0, -1):
         if msgs[k - 1]["role"] != "assistant":
             continue
