@@ -162,3 +162,59 @@ def test_an_id_sent_with_the_whole_history_does_not_double_it(tok: Any, served: 
     # the history alone, with its id, asks for nothing new
     r3 = http.post(CHAT, json={"messages": want, "conversation_id": cid})
     assert r3.status_code == 400 and r3.json()["error"]["param"] == "messages", r3.text
+
+
+# ---------------------------------------------------------------- 6: $ref in tool schemas
+def _pydantic_tool() -> dict[str, Any]:
+    """A tool whose parameters are what Pydantic writes for a nested model: a ``$ref`` to
+    ``#/$defs/Item``."""
+    from pydantic import BaseModel
+
+    class Item(BaseModel):
+        sku: str
+        count: int
+
+    class Order(BaseModel):
+        item: Item
+        note: str | None = None
+
+    return {"type": "function", "function": {"name": "order",
+                                             "parameters": Order.model_json_schema()}}
+
+
+def _legacy_tool() -> dict[str, Any]:
+    """The same with ``#/definitions`` (older generators)."""
+    return {"type": "function", "function": {"name": "order", "parameters": {
+        "type": "object", "properties": {"item": {"$ref": "#/definitions/Item"}},
+        "required": ["item"], "definitions": {"Item": {
+            "type": "object", "properties": {"sku": {"type": "string"},
+                                             "count": {"type": "integer"}},
+            "required": ["sku", "count"]}}}}}
+
+
+@pytest.mark.parametrize("tool", [_pydantic_tool(), _legacy_tool()], ids=["defs", "definitions"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "order"}}],
+                         ids=["required", "named"])
+def test_tool_schemas_with_refs_constrain_the_call(tok: Any, served: Any, tool: dict[str, Any],
+                                                   choice: Any) -> None:
+    """A forced call of a tool whose schema has ``$ref`` used to be a 400 (the reference was
+    resolved against the call's wrapper schema); the grammar now admits calls that follow
+    the referenced definition and only those. (Checked where the server checks a request's
+    constraint: the scripted engine's tiers are too small for the tools' system prompt.)"""
+    import xgrammar as xgr
+
+    from pensieve.server.protocol import ChatCompletionRequest
+    from pensieve.server.structured import constraint
+
+    http, _, _ = served
+    state = http.app.state.pensieve
+    body = ChatCompletionRequest(messages=MSGS, tools=[tool], tool_choice=choice)
+    wanted = constraint(state, body)
+    assert wanted.grammar is not None and wanted.tool_format == "hermes"
+    compiled = state.renderer.grammar_compiler().compile(wanted.grammar)
+    call = '<tool_call>\n{"name": "order", "arguments": {"item": {"sku": "a1", "count": 2}}}' \
+           '\n</tool_call>'
+    assert xgr.GrammarMatcher(compiled).accept_string(call)
+    wrong = call.replace('"count": 2', '"count": "two"')  # Item.count is an integer
+    assert not xgr.GrammarMatcher(compiled).accept_string(wrong)
