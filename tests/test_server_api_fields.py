@@ -175,10 +175,13 @@ def test_cors(served: Any) -> None:
 
 @pytest.mark.parametrize("public", [False, True])
 def test_metrics_public(tok: Any, tmp_path: Path, public: bool) -> None:
-    for http, _, _ in _serve(tok, tmp_path, api_keys=("secret",), metrics_public=public):
+    for http, _, _ in _serve(tok, tmp_path, api_keys=("secret",), metrics_public=public,
+                             metrics_key="ops"):
         assert http.get("/metrics").status_code == (200 if public else 401)
+        assert http.get("/metrics", headers={"authorization": "Bearer ops"}).status_code == 200
+        # a tenant's key reads every tenant's counters only when they are public
         assert http.get("/metrics", headers={"authorization": "Bearer secret"}).status_code \
-            == 200
+            == (200 if public else 403)
         assert http.get("/v1/models").status_code == 401  # only /metrics opens
 
 

@@ -218,3 +218,73 @@ def test_tool_schemas_with_refs_constrain_the_call(tok: Any, served: Any, tool: 
     assert xgr.GrammarMatcher(compiled).accept_string(call)
     wrong = call.replace('"count": 2', '"count": "two"')  # Item.count is an integer
     assert not xgr.GrammarMatcher(compiled).accept_string(wrong)
+
+
+# ---------------------------------------------------------------- 8: /metrics, /v1/usage
+def test_metrics_are_the_operators_and_usage_each_tenants(tok: Any, tmp_path: Path) -> None:
+    """A tenant's key used to read ``/metrics``, every tenant's traffic; it now reads its own
+    at ``/v1/usage``, and ``/metrics`` takes the operator's key."""
+    for http, ex, _ in _serve(tok, tmp_path, api_keys=("key-a", "key-b"), metrics_key="ops"):
+        a, b = ({"authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
+        ex.script = _enc(tok, " ok then") + [tok.eos_token_id]
+        r = http.post(CHAT, headers=a, json={"messages": MSGS, "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        for key in (a, b):
+            m = http.get("/metrics", headers=key)
+            assert m.status_code == 403 and m.json()["error"]["code"] == "operator_only", m.text
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"authorization": "Bearer ops"}).status_code == 200
+        mine = http.get("/v1/usage", headers=a).json()
+        assert mine == {"object": "usage", "requests": 1,
+                        "prompt_tokens": usage["prompt_tokens"],
+                        "cached_prompt_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                        "completion_tokens": usage["completion_tokens"]}
+        assert http.get("/v1/usage", headers=b).json()["requests"] == 0
+        assert http.get("/v1/usage").status_code == 401
+        assert http.get("/v1/usage", headers={"authorization": "Bearer ops"}).status_code == 401
+
+
+def test_metrics_public_opens_metrics_only(tok: Any, tmp_path: Path) -> None:
+    for http, _, _ in _serve(tok, tmp_path, api_keys=("key-a",), metrics_public=True):
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/v1/usage").status_code == 401
+
+
+# ---------------------------------------------------------------- first hour, item 7
+def test_models_retrieve(served: Any) -> None:
+    """``client.models.retrieve`` used to 404."""
+    http, _, client = served
+    m = client.models.retrieve("scripted")
+    assert (m.id, m.object, m.owned_by) == ("scripted", "model", "pensieve")
+    assert http.get("/v1/models/scripted").json() == http.get("/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert (e.value.body["param"], e.value.body["code"]) == ("model", "model_not_found")
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"messages": [{"role": "user", "content": "x " * 600}], "max_tokens": 4}, "messages",
+     "context_length_exceeded"),
+    ({"messages": MSGS, "max_tokens": 700}, "messages", "context_length_exceeded"),
+    ({"messages": MSGS, "max_tokens": 4, "logit_bias": {"999999": 1}}, "logit_bias",
+     "invalid_token_id"),
+    ({"messages": MSGS, "max_tokens": "many"}, "max_tokens", "int_parsing"),
+    ({"messages": MSGS, "temperature": 3}, "temperature", "less_than_equal"),
+])
+def test_errors_name_the_field_and_a_code(served: Any, body: dict[str, Any], param: str,
+                                          code: str) -> None:
+    """Errors whose field is known used to carry ``param: null`` or ``code: null``."""
+    http, _, _ = served
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_completion_errors_name_the_prompt(served: Any) -> None:
+    http, _, _ = served
+    r = http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("prompt", "invalid_token_id"), err

@@ -149,7 +149,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             loc = str((first.get("ctx") or {}).get("field")) or loc
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}"
                         for er in errs[:5])
-        return error_response(400, msg or "invalid request", param=loc)
+        return error_response(400, msg or "invalid request", param=loc,
+                              code=first.get("type") or None)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped 500s too
@@ -181,25 +182,55 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
-        """Server-wide counters (every tenant's together): any valid key may read them, or
-        anyone with ``--metrics-public``."""
-        if not state.metrics_public:
-            _tenant(state, request)
+        """Server-wide counters (every tenant's together), for the operator: with API keys
+        set, only the ``--metrics-key`` reads them (or anyone, with ``--metrics-public``); a
+        tenant reads its own traffic at ``/v1/usage``."""
+        _check_operator(state, request)
         state.metrics.queued.set(state.queued)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> dict[str, Any]:
+        """The caller's own turns and tokens since the server started (:mod:`.usage`)."""
+        return {"object": "usage", **state.usage.of(_tenant(state, request))}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         _tenant(state, request)
-        cards = []
-        for name in state.names:
-            card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
-                                    "owned_by": "pensieve", "root": state.model_name,
-                                    "max_model_len": state.max_model_len}
-            if state.is_demo:
-                card["description"] = "built-in demo model: random weights, not a trained LLM"
-            cards.append(card)
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        """One model's card (``client.models.retrieve``): a served name, or an alias of the
+        model (its path or directory name), as a request's ``model`` may give it."""
+        _tenant(state, request)
+        _check_model(state, model)
+        return _model_card(state, model)
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "pensieve",
+                            "root": state.model_name, "max_model_len": state.max_model_len}
+    if state.is_demo:
+        card["description"] = "built-in demo model: random weights, not a trained LLM"
+    return card
+
+
+def _check_operator(state: ServerState, request: Request) -> None:
+    """``/metrics``: open without API keys or with ``--metrics-public``; else the operator's
+    ``--metrics-key`` only (401 without a key, 403 with a tenant's)."""
+    if not state.api_keys or state.metrics_public:
+        return
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if state.metrics_key and key and secrets.compare_digest(key, state.metrics_key):
+        return
+    if key and any(secrets.compare_digest(key, k) for k in state.api_keys):
+        raise APIError(403, "/metrics shows every tenant's traffic: it needs the operator's "
+                       "key (--metrics-key) or --metrics-public; a key's own usage is at "
+                       "/v1/usage", "permission_denied_error", "operator_only")
+    raise APIError(401, "missing or invalid operator key for /metrics (--metrics-key)",
+                   "authentication_error", "invalid_api_key")
 
 
 async def _store_health(state: ServerState) -> dict[str, Any]:
@@ -248,7 +279,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         check_message_fields(body.messages)
         cid = _conversation_id(body, request)
         if state.renderer is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token "
+                           "ids", param="messages", code="no_tokenizer")
 
         async def go() -> Response:
             try:

@@ -100,7 +100,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default: none)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without an API key, for Prometheus scrapers (default: "
-                        "/metrics needs a key when --api-key is set)")
+                        "/metrics needs --metrics-key when --api-key is set)")
+    p.add_argument("--metrics-key", default=os.environ.get("PENSIEVE_METRICS_KEY"),
+                   metavar="KEY",
+                   help="the operator's key that reads /metrics when --api-key is set (a "
+                        "tenant's key reads only its own usage, at /v1/usage); also read from "
+                        "PENSIEVE_METRICS_KEY (default: none, so /metrics answers 403 to every "
+                        "key unless --metrics-public)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the model's own)")
     p.add_argument("--chat-template", default=None,
@@ -248,7 +254,7 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
                         model_aliases=model_aliases(model, path),
                         max_turn_tokens=turn_tokens,
                         allowed_origins=tuple(args.allowed_origins or ()),
-                        metrics_public=args.metrics_public,
+                        metrics_public=args.metrics_public, metrics_key=args.metrics_key,
                         max_queued_requests=args.max_queued_requests,
                         max_request_bytes=args.max_request_bytes,
                         extra_stop_token_ids=tuple(eos_ids),

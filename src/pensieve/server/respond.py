@@ -112,13 +112,35 @@ async def start(state: ServerState, turn: Turn, rid: str, prompt: list[int],
     try:
         return await stream.__anext__(), stream
     except ConversationBusyError as e:
-        raise APIError(409, str(e), code="conversation_busy") from e
+        raise APIError(409, str(e), code="conversation_busy", param="conversation_id") from e
     except ValueError as e:
         await forget_new(state, turn)
-        raise APIError(400, str(e)) from e
+        raise refusal(e, "messages" if turn.new or turn.prev else "prompt") from e
     except EngineRequestError as e:
         await forget_new(state, turn)
         raise engine_error(e) from e
+
+
+ENGINE_REFUSALS = (
+    ("leaves no room to generate", "context", "context_length_exceeded"),
+    ("needs more KV blocks than the GPU tier has", "context", "context_length_exceeded"),
+    ("logit_bias token ids out of range", "logit_bias", "invalid_token_id"),
+    ("token ids out of range", "prompt", "invalid_token_id"),
+    ("empty prompt", "prompt", "empty_prompt"),
+)
+"""The engine's reasons to refuse a request at admission (the start of its message), with the
+field they are about ("context": the messages, or a completion's prompt) and the error code."""
+
+
+def refusal(e: ValueError, context_param: str) -> APIError:
+    """The 400 of a request the engine refused, naming the field and a code where the
+    engine's reason tells them (``param``/``code`` used to be null)."""
+    text = str(e)
+    for needle, param, code in ENGINE_REFUSALS:
+        if needle in text:
+            return APIError(400, text, param=context_param if param == "context" else param,
+                            code=code)
+    return APIError(400, text)
 
 
 def engine_error(e: EngineRequestError) -> APIError:
@@ -245,6 +267,9 @@ class TurnOutput:
         m = self.state.metrics
         m.latency.observe(time.monotonic() - self.t0)
         m.generation_tokens.inc(len(result.output_ids))
+        self.state.usage.add(self.turn.tenant, len(result.prompt_ids),
+                             self.usage(result)["prompt_tokens_details"]["cached_tokens"],
+                             len(result.output_ids), request=self.index == 0)
         if len(self.tokens) > 1:  # time per output token after the first
             m.tpot.observe((self.last_token_t - self.first_token_t) / (len(self.tokens) - 1))
         turn = self.turn

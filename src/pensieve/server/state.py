@@ -14,6 +14,7 @@ from pensieve.server.chat import ChatRenderer
 from pensieve.server.engine_metrics import Metrics
 from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 from pensieve.server.store_sqlite import ConversationStore
+from pensieve.server.usage import Usage
 
 
 @dataclass
@@ -37,6 +38,9 @@ class ServerState:
     """Origins allowed by CORS (empty: no CORS headers)."""
     metrics_public: bool = False
     """``/metrics`` without an API key (for scrapers)."""
+    metrics_key: str | None = None
+    """The operator's key that reads ``/metrics`` when API keys are set (a tenant's key does
+    not: it reads its own ``/v1/usage``)."""
     max_queued_requests: int | None = None
     """Requests waiting for their first token beyond which a new one gets a 429 (None: no
     limit)."""
@@ -57,6 +61,8 @@ class ServerState:
     """Largest ``keep_alive_s`` a request may set (400 past it)."""
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         4, thread_name_prefix="pensieve-prep"))
+    usage: Usage = field(default_factory=Usage)
+    """Each tenant's completed turns and tokens (``/v1/usage``)."""
     queued: int = 0
     """Requests accepted that have not produced their first token (being prepared, waiting
     for the engine, or in prefill)."""

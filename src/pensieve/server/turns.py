@@ -98,7 +98,7 @@ async def engine_call(state: ServerState, fn: Any, *args: Any) -> Any:
         raise APIError(500, f"the engine failed on this request: {e}", "server_error",
                        code="engine_error") from e
     except ConversationBusyError as e:
-        raise APIError(409, str(e), code="conversation_busy") from e
+        raise APIError(409, str(e), code="conversation_busy", param="conversation_id") from e
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
