@@ -2,12 +2,15 @@
 
 Conversations, two ways. A client that re-sends the whole message list each turn (any OpenAI
 client) is recognised: the longest prefix of its messages that ends with an assistant message
-and equals a stored conversation of the same tenant continues that conversation. A client
-that names ``conversation_id`` (body field or ``X-Conversation-Id`` header) sends only the new
-messages. ``/v1/completions`` (token ids or text, no chat template) starts one only when asked
-(``create_conversation: true``) and continues it by ``conversation_id`` with the new tokens.
-Either way the response carries the conversation id, and only tokens whose KV is not
-cached are computed. Conversations belong to the API key that created them.
+and equals a stored conversation of the same tenant gives the turn that conversation's history
+and KV, in a new conversation of its own (:mod:`.engine_ids`: a history matched is a cache hit,
+not an identity, so two users of one key never share a conversation). A client that names
+``conversation_id`` (body field or ``X-Conversation-Id`` header) sends only the new messages
+and continues that conversation. ``/v1/completions`` (token ids or text, no chat template)
+starts one only when asked (``create_conversation: true``) and continues it by
+``conversation_id`` with the new tokens. Either way the response carries the conversation
+id, and only tokens whose KV is not cached are computed. Conversations belong to the API key
+that created them.
 
 Protection: a body over ``max_request_bytes`` is a 413 before it is read; past
 ``max_queued_requests`` requests waiting for their first token, a new one is a 429 with
@@ -264,7 +267,8 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
         except CorruptConversationError:
             pass  # its owner (or anyone, when the row is unreadable) may delete it
 
-        await engine_call(state, engine_ops.drop_conversation, cid)
+        await engine_call(state, engine_ops.drop_conversation, state.engine_ids.of(cid))
+        state.engine_ids.forget(cid)
         state.store.delete(cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
 

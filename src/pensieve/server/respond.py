@@ -75,13 +75,13 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     max_tokens = turn_max_tokens(state, len(turn.context_ids), max_tokens)
     params = sampling_params(state, body, max_tokens, stop_ids, constraint.grammar)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
-        await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
+        await engine_call(state, engine_ops.set_hints, turn.kv_id, body.priority,
                           body.keep_alive_s, turn.tenant)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
     if body.n > 1:
         return await choices(state, body, turn, params, request, chat, stop_texts, rid)
-    first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.cid,
+    first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.kv_id,
                                 turn.full_context, body.cache_salt)
     state.metrics.ttft.observe(time.monotonic() - t0)
     out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
@@ -153,8 +153,11 @@ def engine_error(e: EngineRequestError) -> APIError:
 
 
 async def forget_new(state: ServerState, turn: Turn) -> None:
-    """A new conversation whose first turn failed leaves nothing behind in the engine."""
+    """A new conversation whose first turn failed leaves nothing behind in the engine (one
+    that took another's engine conversation over gives it back)."""
     if turn.new_conversation and turn.cid is not None:
+        if state.engine_ids.give_back(turn.cid):
+            return
         try:
             await state.engine.call(engine_ops.forget_if_empty, turn.cid)
         except EngineRequestError:
@@ -252,7 +255,7 @@ class TurnOutput:
                 result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
                                 "stop", self.cache)
                 await engine_call(self.state, engine_ops.stop_turn, self.engine_rid,
-                                  self.turn.cid, result.prompt_ids + result.output_ids)
+                                  self.turn.kv_id, result.prompt_ids + result.output_ids)
                 await stream.aclose()  # the request is finished: no abort
                 await self._finish(result)
                 yield delta, result
@@ -296,6 +299,7 @@ class TurnOutput:
             await self._not_stored(e)
             return
         self.state.store_error = None
+        self.state.engine_ids.settle(turn.cid)
 
     async def _not_stored(self, e: StoreWriteError) -> None:
         """The turn was answered but the store refused it: say so, and leave nothing of a
@@ -305,7 +309,8 @@ class TurnOutput:
         self.state.store_error = e.message
         log.error("conversation %s: the turn is answered but not stored: %s", self.turn.cid,
                   e.message)
-        if self.turn.new_conversation and self.turn.cid is not None:
+        if (self.turn.new_conversation and self.turn.cid is not None
+                and not self.state.engine_ids.give_back(self.turn.cid)):
             try:
                 await self.state.engine.call(engine_ops.drop_conversation, self.turn.cid)
             except (EngineRequestError, ConversationBusyError):

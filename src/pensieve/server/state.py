@@ -11,6 +11,7 @@ from typing import Any
 
 from pensieve.server.async_engine import EngineClient
 from pensieve.server.chat import ChatRenderer
+from pensieve.server.engine_ids import EngineIds
 from pensieve.server.engine_metrics import Metrics
 from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
 from pensieve.server.store_sqlite import ConversationStore
@@ -61,6 +62,8 @@ class ServerState:
     """Largest ``keep_alive_s`` a request may set (400 past it)."""
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         4, thread_name_prefix="pensieve-prep"))
+    engine_ids: EngineIds = field(default_factory=EngineIds)
+    """The engine conversation of each API conversation (:mod:`.engine_ids`)."""
     usage: Usage = field(default_factory=Usage)
     """Each tenant's completed turns and tokens (``/v1/usage``)."""
     queued: int = 0
