@@ -446,3 +446,55 @@ def test_sigterm_to_the_process_group_lets_a_turn_finish(tmp_path: Path) -> None
     finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", [])
               if ch.get("finish_reason")]
     assert finish == ["length"]
+
+
+def _engine_process(srv: Server) -> Any:
+    """The server's engine process (a ``multiprocessing`` spawn child)."""
+    import psutil
+
+    kids = [p for p in psutil.Process(srv.proc.pid).children()
+            if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(kids) == 1, [p.cmdline() for p in kids]
+    return kids[0]
+
+
+def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
+        tmp_path: Path) -> None:
+    """``kill -STOP`` on the engine: requests used to hang and ``/health`` to answer 200
+    "ok". With ``--watchdog-timeout 3``: ``/health`` is a 503 (``engine_hung``) within the
+    watchdog time, the stream in flight gets an error event, and the server exits with
+    status 1 (its supervisor restarts it), the stopped engine killed."""
+    import psutil
+
+    watchdog = 3.0
+    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--watchdog-timeout", str(watchdog))
+    engine = _engine_process(srv)
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", srv.url + CHAT, timeout=120, json={
+                "messages": [{"role": "user", "content": "long"}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            events.append(next(lines))
+            engine.suspend()  # SIGSTOP
+            t0 = time.monotonic()
+            while (h := httpx.get(srv.url + "/health", timeout=10)).status_code == 200:
+                assert time.monotonic() - t0 < watchdog + 30, "/health still answers 200"
+                time.sleep(0.05)
+            failed_after = time.monotonic() - t0
+            events += list(lines)
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_hung", h.text
+        print(f"\nengine stopped: /health failed after {failed_after:.2f} s "
+              f"(watchdog {watchdog:g} s)")
+        # the engine's last progress was at most a step before the stop
+        assert failed_after <= watchdog + 1.5
+        data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        assert "no progress" in json.loads(data[-2])["error"]["message"], data[-2]
+        assert srv.proc.wait(timeout=60) == 1
+        assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if srv.proc.poll() is None:
+            engine.resume()
+            srv.proc.kill()
+        srv.log.close()

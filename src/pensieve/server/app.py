@@ -173,6 +173,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> dict[str, Any] | JSONResponse:
         snap = state.engine.snapshot
         if not state.engine.alive:
+            if getattr(state.engine, "hung", False):
+                return error_response(503, "the engine made no progress for more than "
+                                      f"{state.engine.watchdog_s:g} s (--watchdog-timeout): "
+                                      "the server restarts", "server_error", code="engine_hung")
             return error_response(503, "the engine is not running", "server_error",
                                   code="engine_down")
         store = await _store_health(state)

@@ -31,6 +31,11 @@ sooner (chosen by an A/B: docs/benchmarks.md, "Current engine: steady-state poin
 item "The server's host time")."""
 
 
+DEFAULT_WATCHDOG_S = 300.0
+"""``--watchdog-timeout``: as SGLang's. A step must never take this long; on a CPU a
+4,000-token prefill step took ~30 s on a busy 2-core machine."""
+
+
 def positive_ms_arg(text: str) -> float:
     """A positive, finite number of milliseconds (``--switch-interval-ms``)."""
     v = float_or_nan(text)
@@ -140,6 +145,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "process: how long the engine thread may wait for the GIL while the "
                         f"HTTP side holds it (default {DEFAULT_SWITCH_INTERVAL_MS}; Python's "
                         "own is 5)")
+    p.add_argument("--watchdog-timeout", type=seconds_arg, default=DEFAULT_WATCHDOG_S,
+                   metavar="S",
+                   help="an engine that reports no progress (no step, no idle heartbeat) for "
+                        "this many seconds is hung: what is in flight fails, /health answers "
+                        "503 and the server exits with status 1 for its supervisor to restart "
+                        f"it; longer than the longest step (default {DEFAULT_WATCHDOG_S:g}; "
+                        "0: off)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, off the GIL of the HTTP side "
                         "(default); --no-engine-process: in a thread of the server process")
@@ -177,14 +189,15 @@ def model_aliases(model: str, path: Any) -> tuple[str, ...]:
 
 def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
     """(the engine if it lives in this process, the client the server talks to)."""
+    watchdog = getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S) or None
     if args.engine_process:
         from pensieve.server.engine_process import ProcessEngine
 
-        return None, ProcessEngine(cfg, args.log_level)
+        return None, ProcessEngine(cfg, args.log_level, watchdog)
     from pensieve.server.async_engine import AsyncEngine
 
     engine = LLMEngine(cfg)
-    return engine, AsyncEngine(engine)
+    return engine, AsyncEngine(engine, watchdog)
 
 
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
