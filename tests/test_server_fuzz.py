@@ -498,3 +498,64 @@ def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
             engine.resume()
             srv.proc.kill()
         srv.log.close()
+
+
+def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
+    """A ``json_schema`` of 20,000 properties (~0.5 MB, under the body limit) used to compile
+    inside the engine's step: every stream paused for 45 s. It compiles off the steps now,
+    and past ``--grammar-compile-timeout`` it is a 400 (``grammar_too_complex``); the stream
+    running beside it never pauses more than 2 s (issue 60's bound), and a small schema sent
+    right after compiles in a thread of its own and is answered."""
+    import threading
+
+    timeout = 3.0
+    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--grammar-compile-timeout",
+                 str(timeout))
+    try:
+        times: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", srv.url + CHAT, timeout=300, json={
+                    "messages": [{"role": "user", "content": "a long story"}],
+                    "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        times.append(time.monotonic())
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        deadline = time.monotonic() + 60
+        while len(times) < 3:
+            assert time.monotonic() < deadline and streaming.is_alive()
+            time.sleep(0.02)
+        hostile = {"type": "object",
+                   "properties": {f"field_{i}": {"type": "string"} for i in range(20_000)}}
+        body = {"messages": [{"role": "user", "content": "fill the form"}], "max_tokens": 8,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "form", "schema": hostile}}}
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + CHAT, json=body, timeout=120)
+        took = time.monotonic() - t0
+        assert r.status_code == 400, r.text[:500]
+        assert r.json()["error"]["code"] == "grammar_too_complex", r.text[:500]
+        small = {"type": "object", "properties": {"name": {"type": "string"}},
+                 "required": ["name"]}
+        r2 = httpx.post(srv.url + CHAT, timeout=120, json={
+            "messages": [{"role": "user", "content": "a name"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "n", "schema": small}}})
+        assert r2.status_code == 200, r2.text[:500]
+        t1 = time.monotonic()
+        streaming.join(300)
+        window = [t for t in times if t0 - 1 <= t <= t1 + 1]
+        gaps = [b - a for a, b in zip(window, window[1:])]
+        print(f"\nhostile schema: 400 after {took:.1f} s (timeout {timeout:g} s); the stream "
+              f"beside it: {len(window)} tokens meanwhile, widest gap {max(gaps):.2f} s")
+        print("gaps over 0.3 s, at (s after the hostile request was sent):",
+              [(round(a - t0, 2), round(b - a, 2)) for a, b in zip(window, window[1:])
+               if b - a > 0.3])
+        assert took < timeout + 10  # the bound, not the compile (minutes)
+        assert len(window) > 5 and max(gaps) < 2.0
+    finally:
+        srv.stop()

@@ -47,7 +47,7 @@ from pensieve.server.protocol import (
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
-from pensieve.server.structured import constraint
+from pensieve.server.structured import compile_constraint, constraint
 from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
@@ -297,6 +297,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 raise APIError(400, str(e), param="messages") from e
             tools = [t.as_dict() for t in body.tools or []] or None
             wanted = await off_loop(state, lambda: constraint(state, body))
+            await compile_constraint(state, wanted)
             turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await run_turn(state, body, turn, max_tokens, request, chat=True,

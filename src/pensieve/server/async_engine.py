@@ -105,6 +105,27 @@ class EngineClient:
             raise
         return await fut
 
+    async def compile_grammar(self, spec: Any) -> bool:
+        """Compile a request's grammar where the engine lives, off its step loop, before the
+        request is added (so no step waits for it); raises the compiler's ``ValueError`` for
+        one that cannot compile. False: the engine cannot compile ahead (its first step
+        will). Cancelled (a timeout), a compile still queued never runs."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        token = next(self._call_ids)
+        self._calls[token] = (loop, fut)
+        try:
+            self._send("grammar", (token, spec))
+            return bool(await fut)
+        except asyncio.CancelledError:
+            try:
+                self._send("grammar_cancel", token)
+            except EngineRequestError:
+                pass
+            raise
+        finally:
+            self._calls.pop(token, None)
+
     async def generate(
         self,
         request_id: str,
@@ -229,13 +250,14 @@ class AsyncEngine(EngineClient):
         core = self._core
         while not self._stop.is_set():
             try:
+                core.reply_compiled()
                 if core.busy:
                     while True:
                         core.handle(*self._cmds.get_nowait())
                 else:
                     self.snapshot = core.snapshot()
                     self.progress()
-                    core.handle(*self._cmds.get(timeout=0.5))
+                    core.handle(*self._cmds.get(timeout=0.02 if core.compiling else 0.5))
                     self._dispatch(core.take())
                     continue
             except queue.Empty:

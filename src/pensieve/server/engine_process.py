@@ -38,6 +38,8 @@ log = logging.getLogger("pensieve.server")
 
 IDLE_POLL_S = 0.5
 """How often an idle engine process sends a fresh snapshot (and checks its pipe)."""
+COMPILE_POLL_S = 0.02
+"""How often an idle engine process looks whether a grammar compiling for a request is done."""
 
 
 class ProcessEngine(EngineClient):
@@ -202,9 +204,11 @@ def _serve(core: EngineLoop, cmds: Connection, out: Connection) -> None:
 
 def _loop(core: EngineLoop, cmds: Connection, out: Connection) -> None:
     while True:
+        core.reply_compiled()
         busy = core.busy
+        idle_poll = COMPILE_POLL_S if core.compiling else IDLE_POLL_S
         try:
-            if cmds.poll(0 if busy else IDLE_POLL_S):
+            if cmds.poll(0 if busy else idle_poll):
                 while True:
                     kind, arg = cmds.recv()
                     if kind == "stop":

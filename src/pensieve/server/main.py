@@ -19,7 +19,11 @@ from pensieve.options import (
     float_or_nan,
     settle_model_options,
 )
-from pensieve.server.protocol import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
+from pensieve.server.protocol import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_KEEP_ALIVE_S,
+    DEFAULT_MAX_PRIORITY,
+)
 
 log = logging.getLogger("pensieve.server")
 
@@ -152,6 +156,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "503 and the server exits with status 1 for its supervisor to restart "
                         f"it; longer than the longest step (default {DEFAULT_WATCHDOG_S:g}; "
                         "0: off)")
+    p.add_argument("--grammar-compile-timeout", type=positive_arg,
+                   default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metavar="S",
+                   help="longest a request's response_format or forced tool_choice grammar may "
+                        "compile (off the engine's steps: other requests go on meanwhile); past "
+                        "it the request is a 400 grammar_too_complex (default "
+                        f"{DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, off the GIL of the HTTP side "
                         "(default); --no-engine-process: in a thread of the server process")
@@ -273,7 +283,9 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
                         extra_stop_token_ids=tuple(eos_ids),
                         sampling_defaults=sampling_defaults,
                         corrupt_conversations=len(report.corrupt),
-                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s)
+                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s,
+                        grammar_compile_timeout_s=getattr(
+                            args, "grammar_compile_timeout", DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S))
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")
