@@ -126,6 +126,11 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": u, "max_tokens": 4, "min_tokens": 4, "repetition_penalty": 1.5,
          "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0.5,
          "logit_bias": {"1": 100, "2": -100}, "stop": ["a"]},
+        # the audit of 2026-12-06 (issue 60)
+        {"messages": u, "max_tokens": 4, "repetition_penalty": 1e-40},
+        {"messages": u, "max_tokens": 4, "temperature": 1e-40},
+        {"messages": u, "max_tokens": 4, "conversation_id": ""},
+        {"messages": u, "max_tokens": 8, "tools": [_REF_TOOL], "tool_choice": "required"},
     ]
     reqs: list[tuple[str, dict[str, Any]]] = [(CHAT, _json(b)) for b in bodies]
     reqs += [(CHAT, raw(b)) for b in (
@@ -149,6 +154,8 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
     reqs += [(CHAT, {"json": {"messages": u}, "headers": {"authorization": "Bearer \x7f"}}),
              (CHAT, {"content": b"messages=hi",
                      "headers": {"content-type": "application/x-www-form-urlencoded"}}),
+             (CHAT, {"json": {"messages": u, "conversation_id": "conv-a"},
+                     "headers": {"x-conversation-id": "conv-b"}}),
              (CHAT, {"content": b"x" * 70000}), ("/v1/conversations/%00", {}),
              ("/v1/nothing", {"json": {}})]
     return reqs + _hostile()
@@ -206,6 +213,12 @@ def _hostile() -> list[tuple[str, dict[str, Any]]]:
 
 _TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+_REF_TOOL = {"type": "function", "function": {"name": "order", "parameters": {
+    "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+    "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"}},
+                       "required": ["sku"]}}}}}
+"""What Pydantic writes for a nested model: a ``$ref`` to the schema's own ``$defs``."""
 
 _VALUE = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-2**80, max_value=2**80)
@@ -559,3 +572,36 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
         assert len(window) > 5 and max(gaps) < 2.0
     finally:
         srv.stop()
+
+
+def test_two_users_of_one_key_send_the_same_history_at_once(server: Server) -> None:
+    """Two users of one key each say "Hi!" and get the same greedy answer; then four
+    requests re-send that history with their own questions at once, without a conversation
+    id. None is a 409, each is a conversation of its own, and no question shows in another
+    user's conversation (one used to be appended to another user's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hi = [{"role": "user", "content": "Hi!"}]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        firsts = list(pool.map(lambda _: httpx.post(server.url + CHAT, timeout=120, json={
+            "messages": hi, **greedy}), range(2)))
+        assert [r.status_code for r in firsts] == [200, 200], [r.text for r in firsts]
+        answers = {r.json()["choices"][0]["message"]["content"] for r in firsts}
+        assert len(answers) == 1
+        users = [r.json()["conversation_id"] for r in firsts]
+        history = hi + [{"role": "assistant", "content": answers.pop()}]
+        questions = [f"user {k // 2}, question {k}: my PIN is {1000 + k}" for k in range(4)]
+        rs = list(pool.map(lambda q: httpx.post(server.url + CHAT, timeout=120, json={
+            "messages": history + [{"role": "user", "content": q}], **greedy}), questions))
+    assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+    ids = [r.json()["conversation_id"] for r in rs]
+    assert len(set(ids)) == 4 and not set(ids) & set(users)
+    for cid in users:
+        assert httpx.get(f"{server.url}/v1/conversations/{cid}").json()["messages"] == history
+    for cid, q in zip(ids, questions, strict=True):
+        got = httpx.get(f"{server.url}/v1/conversations/{cid}").json()["messages"]
+        assert [m["content"] for m in got if m["role"] == "user"] == ["Hi!", q]
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in rs]
+    print(f"\nfour re-sent histories at once: cached tokens {cached}")
+    server.wait_idle()
