@@ -347,7 +347,9 @@ def test_chat_client_over_http(server: Server) -> None:
         assert "steady" in s
     finally:
         engine.shutdown()
-    assert len(created) == 4  # the sessions' (the calibration's were deleted at once)
+    # one per turn: each re-sent history is a new conversation over the last one's KV (the
+    # calibration's were deleted at once)
+    assert len(created) == len(set(created)) == 12
     for cid in created:  # deleted at shutdown
         assert httpx.get(f"{server.url}/v1/conversations/{cid}").status_code == 404
 

@@ -63,7 +63,7 @@ def test_two_nodes_postgres_store():
             store = open_store(url)
             try:
                 for (msgs, cid), (_, cid0) in zip(results2, results):
-                    assert cid == cid0  # the same conversation, continued from PostgreSQL
+                    assert cid != cid0  # a new conversation over the history in PostgreSQL
                     conv = store.get(cid)
                     assert conv is not None and len(conv.turns) == 4 and conv.messages == msgs
             finally:

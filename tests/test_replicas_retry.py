@@ -66,9 +66,10 @@ def answer(r: dict) -> dict:
 
 
 def test_retry_of_a_stored_history_turn_redoes_it(replicas):
-    """History re-sent: turn 1 is stored by replica A, whose answer is lost; the retry on B
-    (same key) answers under the conversation's id and the store holds turns 0-2 as the
-    client received them. Without a key the same request is a new conversation (a client
+    """History re-sent: turn 1 (a new conversation over turn 0's history, as every re-sent
+    history is) is stored by replica A, whose answer is lost; the retry on B (same key)
+    answers under that conversation's id and the store holds turns 0-2 as the client
+    received them. Without a key the same request is another new conversation (a client
     re-sending a history whose last turn it never saw: its own retry)."""
     (a, b), store = replicas
     m0 = [{"role": "user", "content": "retry me: the history way"}]
@@ -76,21 +77,23 @@ def test_retry_of_a_stored_history_turn_redoes_it(replicas):
     cid = r0["conversation_id"]
     m1 = m0 + [answer(r0), {"role": "user", "content": "second"}]
     key = uuid.uuid4().hex
-    chat(a, m1, key)  # stored, then A dies: the answer never reaches the client
-    assert len(store.get(cid).turns) == 2
+    cid1 = chat(a, m1, key)["conversation_id"]  # stored, then A dies: the answer is lost
+    assert cid1 != cid and len(store.get(cid1).turns) == 2 and len(store.get(cid).turns) == 1
     r1 = chat(b, m1, key)  # the ingress's retry
-    assert r1["conversation_id"] == cid
-    conv = store.get(cid)
+    assert r1["conversation_id"] == cid1
+    conv = store.get(cid1)
     assert conv.messages == m1 + [answer(r1)] and len(conv.turns) == 2
-    assert conv.version == 3  # turn 0, A's turn 1, B's redo of it
+    assert conv.version == 2  # A's turn 1, B's redo of it
     m2 = m1 + [answer(r1), {"role": "user", "content": "third"}]
     r2 = chat(b, m2, uuid.uuid4().hex)
-    assert r2["conversation_id"] == cid
-    conv = store.get(cid)
+    cid2 = r2["conversation_id"]
+    assert cid2 not in (cid, cid1)
+    conv = store.get(cid2)
     assert conv.messages == m2 + [answer(r2)] and len(conv.turns) == 3
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     other = chat(b, m2, None)  # no key: not a retry, a new conversation
-    assert other["conversation_id"] != cid and len(store.get(cid).turns) == 3
+    assert other["conversation_id"] not in (cid, cid1, cid2)
+    assert len(store.get(cid2).turns) == 3
 
 
 def test_retry_of_a_first_turn_and_of_a_named_conversation(replicas):

@@ -175,10 +175,13 @@ def test_cors(served: Any) -> None:
 
 @pytest.mark.parametrize("public", [False, True])
 def test_metrics_public(tok: Any, tmp_path: Path, public: bool) -> None:
-    for http, _, _ in _serve(tok, tmp_path, api_keys=("secret",), metrics_public=public):
+    for http, _, _ in _serve(tok, tmp_path, api_keys=("secret",), metrics_public=public,
+                             metrics_key="ops"):
         assert http.get("/metrics").status_code == (200 if public else 401)
+        assert http.get("/metrics", headers={"authorization": "Bearer ops"}).status_code == 200
+        # a tenant's key reads every tenant's counters only when they are public
         assert http.get("/metrics", headers={"authorization": "Bearer secret"}).status_code \
-            == 200
+            == (200 if public else 403)
         assert http.get("/v1/models").status_code == 401  # only /metrics opens
 
 
@@ -206,13 +209,14 @@ def test_n_choices_share_the_prompt(tok: Any, served: Any) -> None:
     assert ex.computed[runs:] == [prompt, 1, 1, 1]
     assert _prompt_tokens_computed(http) - before == prompt + 3
     assert r.usage.completion_tokens == sum(len(_enc(tok, a)) + 1 for a in answers)
-    # the conversation continues with choice 0: its KV is reused by the next turn
+    # the conversation continues with choice 0: its KV is reused by the next turn (which,
+    # re-sending the history without an id, is a conversation of its own)
     msgs = MSGS + [{"role": "assistant", "content": " zero"}, {"role": "user", "content": "?"}]
     ex.scripts, ex.script = {}, _enc(tok, " ok") + [tok.eos_token_id]
     r2 = client.chat.completions.create(model="scripted", messages=msgs, max_tokens=4)
-    assert r2.model_extra["conversation_id"] == r.model_extra["conversation_id"]
+    assert r2.model_extra["conversation_id"] != r.model_extra["conversation_id"]
     assert r2.usage.prompt_tokens_details.cached_tokens >= prompt
-    stored = http.get(f"/v1/conversations/{r.model_extra['conversation_id']}").json()
+    stored = http.get(f"/v1/conversations/{r2.model_extra['conversation_id']}").json()
     assert [m["content"] for m in stored["messages"]][1:3] == [" zero", "?"]
 
 

@@ -126,6 +126,11 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": u, "max_tokens": 4, "min_tokens": 4, "repetition_penalty": 1.5,
          "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0.5,
          "logit_bias": {"1": 100, "2": -100}, "stop": ["a"]},
+        # the audit of 2026-12-06 (issue 60)
+        {"messages": u, "max_tokens": 4, "repetition_penalty": 1e-40},
+        {"messages": u, "max_tokens": 4, "temperature": 1e-40},
+        {"messages": u, "max_tokens": 4, "conversation_id": ""},
+        {"messages": u, "max_tokens": 8, "tools": [_REF_TOOL], "tool_choice": "required"},
     ]
     reqs: list[tuple[str, dict[str, Any]]] = [(CHAT, _json(b)) for b in bodies]
     reqs += [(CHAT, raw(b)) for b in (
@@ -149,6 +154,8 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
     reqs += [(CHAT, {"json": {"messages": u}, "headers": {"authorization": "Bearer \x7f"}}),
              (CHAT, {"content": b"messages=hi",
                      "headers": {"content-type": "application/x-www-form-urlencoded"}}),
+             (CHAT, {"json": {"messages": u, "conversation_id": "conv-a"},
+                     "headers": {"x-conversation-id": "conv-b"}}),
              (CHAT, {"content": b"x" * 70000}), ("/v1/conversations/%00", {}),
              ("/v1/nothing", {"json": {}})]
     return reqs + _hostile()
@@ -206,6 +213,12 @@ def _hostile() -> list[tuple[str, dict[str, Any]]]:
 
 _TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+_REF_TOOL = {"type": "function", "function": {"name": "order", "parameters": {
+    "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+    "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"}},
+                       "required": ["sku"]}}}}}
+"""What Pydantic writes for a nested model: a ``$ref`` to the schema's own ``$defs``."""
 
 _VALUE = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-2**80, max_value=2**80)
@@ -446,3 +459,149 @@ def test_sigterm_to_the_process_group_lets_a_turn_finish(tmp_path: Path) -> None
     finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", [])
               if ch.get("finish_reason")]
     assert finish == ["length"]
+
+
+def _engine_process(srv: Server) -> Any:
+    """The server's engine process (a ``multiprocessing`` spawn child)."""
+    import psutil
+
+    kids = [p for p in psutil.Process(srv.proc.pid).children()
+            if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(kids) == 1, [p.cmdline() for p in kids]
+    return kids[0]
+
+
+def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
+        tmp_path: Path) -> None:
+    """``kill -STOP`` on the engine: requests used to hang and ``/health`` to answer 200
+    "ok". With ``--watchdog-timeout 3``: ``/health`` is a 503 (``engine_hung``) within the
+    watchdog time, the stream in flight gets an error event, and the server exits with
+    status 1 (its supervisor restarts it), the stopped engine killed."""
+    import psutil
+
+    watchdog = 3.0
+    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--watchdog-timeout", str(watchdog))
+    engine = _engine_process(srv)
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", srv.url + CHAT, timeout=120, json={
+                "messages": [{"role": "user", "content": "long"}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            events.append(next(lines))
+            engine.suspend()  # SIGSTOP
+            t0 = time.monotonic()
+            while (h := httpx.get(srv.url + "/health", timeout=10)).status_code == 200:
+                assert time.monotonic() - t0 < watchdog + 30, "/health still answers 200"
+                time.sleep(0.05)
+            failed_after = time.monotonic() - t0
+            events += list(lines)
+        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_hung", h.text
+        print(f"\nengine stopped: /health failed after {failed_after:.2f} s "
+              f"(watchdog {watchdog:g} s)")
+        # the engine's last progress was at most a step before the stop
+        assert failed_after <= watchdog + 1.5
+        data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        assert "no progress" in json.loads(data[-2])["error"]["message"], data[-2]
+        assert srv.proc.wait(timeout=60) == 1
+        assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if srv.proc.poll() is None:
+            engine.resume()
+            srv.proc.kill()
+        srv.log.close()
+
+
+def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
+    """A ``json_schema`` of 20,000 properties (~0.5 MB, under the body limit) used to compile
+    inside the engine's step: every stream paused for 45 s. It compiles off the steps now,
+    and past ``--grammar-compile-timeout`` it is a 400 (``grammar_too_complex``); the stream
+    running beside it never pauses more than 2 s (issue 60's bound), and a small schema sent
+    right after compiles in a thread of its own and is answered."""
+    import threading
+
+    timeout = 3.0
+    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--grammar-compile-timeout",
+                 str(timeout))
+    try:
+        times: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", srv.url + CHAT, timeout=300, json={
+                    "messages": [{"role": "user", "content": "a long story"}],
+                    "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        times.append(time.monotonic())
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        deadline = time.monotonic() + 60
+        while len(times) < 3:
+            assert time.monotonic() < deadline and streaming.is_alive()
+            time.sleep(0.02)
+        hostile = {"type": "object",
+                   "properties": {f"field_{i}": {"type": "string"} for i in range(20_000)}}
+        body = {"messages": [{"role": "user", "content": "fill the form"}], "max_tokens": 8,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "form", "schema": hostile}}}
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + CHAT, json=body, timeout=120)
+        took = time.monotonic() - t0
+        assert r.status_code == 400, r.text[:500]
+        assert r.json()["error"]["code"] == "grammar_too_complex", r.text[:500]
+        small = {"type": "object", "properties": {"name": {"type": "string"}},
+                 "required": ["name"]}
+        r2 = httpx.post(srv.url + CHAT, timeout=120, json={
+            "messages": [{"role": "user", "content": "a name"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "n", "schema": small}}})
+        assert r2.status_code == 200, r2.text[:500]
+        t1 = time.monotonic()
+        streaming.join(300)
+        window = [t for t in times if t0 - 1 <= t <= t1 + 1]
+        gaps = [b - a for a, b in zip(window, window[1:])]
+        print(f"\nhostile schema: 400 after {took:.1f} s (timeout {timeout:g} s); the stream "
+              f"beside it: {len(window)} tokens meanwhile, widest gap {max(gaps):.2f} s")
+        print("gaps over 0.3 s, at (s after the hostile request was sent):",
+              [(round(a - t0, 2), round(b - a, 2)) for a, b in zip(window, window[1:])
+               if b - a > 0.3])
+        assert took < timeout + 10  # the bound, not the compile (minutes)
+        assert len(window) > 5 and max(gaps) < 2.0
+    finally:
+        srv.stop()
+
+
+def test_two_users_of_one_key_send_the_same_history_at_once(server: Server) -> None:
+    """Two users of one key each say "Hi!" and get the same greedy answer; then four
+    requests re-send that history with their own questions at once, without a conversation
+    id. None is a 409, each is a conversation of its own, and no question shows in another
+    user's conversation (one used to be appended to another user's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hi = [{"role": "user", "content": "Hi!"}]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        firsts = list(pool.map(lambda _: httpx.post(server.url + CHAT, timeout=120, json={
+            "messages": hi, **greedy}), range(2)))
+        assert [r.status_code for r in firsts] == [200, 200], [r.text for r in firsts]
+        answers = {r.json()["choices"][0]["message"]["content"] for r in firsts}
+        assert len(answers) == 1
+        users = [r.json()["conversation_id"] for r in firsts]
+        history = hi + [{"role": "assistant", "content": answers.pop()}]
+        questions = [f"user {k // 2}, question {k}: my PIN is {1000 + k}" for k in range(4)]
+        rs = list(pool.map(lambda q: httpx.post(server.url + CHAT, timeout=120, json={
+            "messages": history + [{"role": "user", "content": q}], **greedy}), questions))
+    assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+    ids = [r.json()["conversation_id"] for r in rs]
+    assert len(set(ids)) == 4 and not set(ids) & set(users)
+    for cid in users:
+        assert httpx.get(f"{server.url}/v1/conversations/{cid}").json()["messages"] == history
+    for cid, q in zip(ids, questions, strict=True):
+        got = httpx.get(f"{server.url}/v1/conversations/{cid}").json()["messages"]
+        assert [m["content"] for m in got if m["role"] == "user"] == ["Hi!", q]
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in rs]
+    print(f"\nfour re-sent histories at once: cached tokens {cached}")
+    server.wait_idle()

@@ -87,7 +87,7 @@ def test_stop_string_keeps_the_turn_kv(stream: bool, tmp_path: Path) -> None:
         msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
         ex.script = _enc(tok, " Done.") + [tok.eos_token_id]
         r2 = client.chat.completions.create(model="scripted", messages=msgs, max_tokens=40)
-        assert r2.model_extra["conversation_id"] == cid
+        assert r2.model_extra["conversation_id"] != cid  # a new conversation over its KV
         ctx2 = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                        return_dict=False)
         assert ex.seen[-1] == ctx2  # token-exact

@@ -74,7 +74,7 @@ def test_conversation_after_a_stop_string_is_still_exact(tok: Any, served: Any) 
     msgs += [{"role": "assistant", "content": " Sure."}, {"role": "user", "content": "And?"}]
     ex.script = _enc(tok, " Done.") + [tok.eos_token_id]
     r2 = client.chat.completions.create(model="a", messages=msgs, max_tokens=40)
-    assert r2.model_extra["conversation_id"] == r.model_extra["conversation_id"]
+    assert r2.model_extra["conversation_id"] != r.model_extra["conversation_id"]  # a new one
     assert ex.seen[-1] == tok.apply_chat_template(msgs, add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)
     assert r2.usage.prompt_tokens_details.cached_tokens > 0

@@ -14,9 +14,11 @@ or other Pensieve field is sent: ``pensieve serve`` recognises the re-sent histo
 reuses the conversation's KV. Token counts come from ``usage`` (``prompt_tokens``,
 ``completion_tokens``, and ``prompt_tokens_details.cached_tokens`` where the server reports it);
 Pensieve's own per-turn cache stats (``pensieve.cache`` in the last chunk) are read if present.
-Pensieve's ``conversation_id`` in the chunks, if present, is only watched: a later turn of a
-benchmark conversation that lands in another server conversation (its history was not
-recognised) is counted in ``history_misses``.
+Pensieve's ``conversation_id`` in the chunks, if present, is only watched (each turn that
+re-sends a history is a new server conversation over the last one's KV, and each is deleted
+at the end): a later turn of a benchmark conversation whose cache stats show nothing of its
+history (no hit, nothing recomputed: it was not recognised) is counted in
+``history_misses``.
 
 The user text of a turn is one word of :data:`~pensieve.bench.http_wire.CHAT_WORDS` per prompt
 token id the load generator drew (:func:`~pensieve.bench.http_wire.words_text`), so every
@@ -83,6 +85,10 @@ log = logging.getLogger("pensieve.bench")
 _STEP_WAIT_S = 0.01
 
 _CALIBRATION_WORDS = (64, 320)
+
+
+HISTORY_SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "recomputed_tokens")
+"""Where a recognised history's KV comes from (Pensieve's per-turn cache stats)."""
 
 
 class HTTPEngine:
@@ -375,11 +381,11 @@ class HTTPEngine:
                 server_cid = turn.server_cid
                 if server_cid is not None:
                     prev = self._chat_ids.get(bench_cid)
-                    if prev is None:
+                    if prev != server_cid:
                         self._created.append(server_cid)
-                    elif prev != server_cid:
+                    if prev is not None and out.cache_stats is not None and not any(
+                            out.cache_stats.get(k, 0) for k in HISTORY_SOURCES):
                         self.history_misses += 1
-                        self._created.append(server_cid)
                     self._chat_ids[bench_cid] = server_cid
             if out.cache_stats:
                 self._add_totals(out.cache_stats)

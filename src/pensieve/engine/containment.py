@@ -58,7 +58,7 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
             raise
         first = exc
     log.warning("step of %d requests failed (%s); re-running them in groups to isolate the "
-                "cause", len(sched.requests), _describe(first))
+                "cause", len(sched.requests), _describe(first), exc_info=first)
     step = ContainedStep(RunnerOutput({}))
     outputs: list[RunnerOutput] = []
     _isolate(execute, sched.requests, _describe(first), step, outputs)

@@ -9,6 +9,7 @@ swaps are issued, so that these copies on the compute stream do not queue behind
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ class ModelRunner:
         self._tokenizer = tokenizer
         self.grammar: GrammarSampling | None = None
         """Matchers of constrained requests, built with the first one (:mod:`.grammar`)."""
+        self._grammar_lock = threading.Lock()
+        """Guards building :attr:`grammar` (the step loop, or a compile ahead of a request)."""
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.device = kv_caches[0].device
@@ -305,9 +308,19 @@ class ModelRunner:
         if self.grammar is None:
             if not any(s.sampling_params.grammar is not None for s in sched.requests):
                 return False
-            self.grammar = self._new_grammar()
+            self.grammar_compiler()
+        assert self.grammar is not None
         self.grammar.prepare(sched.requests, sched.finished_request_ids)
         return self.grammar.fill(sampled)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler whose cache this runner's matchers are built from (built on first
+        use): a grammar compiled here ahead of its request (the server does, off the step
+        loop) makes the request's compile at its first step a cache hit."""
+        with self._grammar_lock:
+            if self.grammar is None:
+                self.grammar = self._new_grammar()
+            return self.grammar.compiler
 
     def _new_grammar(self) -> GrammarSampling:
         if self._tokenizer is None:

@@ -2,12 +2,15 @@
 
 Conversations, two ways. A client that re-sends the whole message list each turn (any OpenAI
 client) is recognised: the longest prefix of its messages that ends with an assistant message
-and equals a stored conversation of the same tenant continues that conversation. A client
-that names ``conversation_id`` (body field or ``X-Conversation-Id`` header) sends only the new
-messages. ``/v1/completions`` (token ids or text, no chat template) starts one only when asked
-(``create_conversation: true``) and continues it by ``conversation_id`` with the new tokens.
-Either way the response carries the conversation id, and only tokens whose KV is not
-cached are computed. Conversations belong to the API key that created them.
+and equals a stored conversation of the same tenant gives the turn that conversation's history
+and KV, in a new conversation of its own (:mod:`.engine_ids`: a history matched is a cache hit,
+not an identity, so two users of one key never share a conversation). A client that names
+``conversation_id`` (body field or ``X-Conversation-Id`` header) sends only the new messages
+and continues that conversation. ``/v1/completions`` (token ids or text, no chat template)
+starts one only when asked (``create_conversation: true``) and continues it by
+``conversation_id`` with the new tokens. Either way the response carries the conversation
+id, and only tokens whose KV is not cached are computed. Conversations belong to the API key
+that created them.
 
 Protection: a body over ``max_request_bytes`` is a 413 before it is read; past
 ``max_queued_requests`` requests waiting for their first token, a new one is a 429 with
@@ -44,7 +47,7 @@ from pensieve.server.protocol import (
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
-from pensieve.server.structured import constraint
+from pensieve.server.structured import compile_constraint, constraint
 from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
 
@@ -79,6 +82,22 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
             raise APIError(400, f"{name} must be at most {bound:g} on this server, got "
                            f"{value:g}", param=name)
     _check_model(state, body.model)
+
+
+def _conversation_id(body: _Sampling, request: Request) -> str | None:
+    """The conversation a request names, by its body's ``conversation_id`` or its
+    ``X-Conversation-Id`` header: a 400 when it is empty (it used to start a new conversation
+    silently) or when the two disagree (the body's used to win silently)."""
+    in_body, in_header = body.conversation_id, request.headers.get("x-conversation-id")
+    for where, value in (("conversation_id", in_body), ("X-Conversation-Id", in_header)):
+        if value is not None and not value.strip():
+            raise APIError(400, f"{where} is empty: name a conversation, or leave it out to "
+                           "start one", param="conversation_id", code="invalid_conversation_id")
+    if in_body is not None and in_header is not None and in_body != in_header:
+        raise APIError(400, f"the body's conversation_id {in_body!r} and the "
+                       f"X-Conversation-Id header {in_header!r} disagree",
+                       param="conversation_id", code="conversation_id_mismatch")
+    return in_body if in_body is not None else in_header
 
 
 async def _admitted(state: ServerState, fn: Callable[[], Awaitable[Response]]) -> Response:
@@ -133,7 +152,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             loc = str((first.get("ctx") or {}).get("field")) or loc
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}"
                         for er in errs[:5])
-        return error_response(400, msg or "invalid request", param=loc)
+        return error_response(400, msg or "invalid request", param=loc,
+                              code=first.get("type") or None)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped 500s too
@@ -153,6 +173,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> dict[str, Any] | JSONResponse:
         snap = state.engine.snapshot
         if not state.engine.alive:
+            if getattr(state.engine, "hung", False):
+                return error_response(503, "the engine made no progress for more than "
+                                      f"{state.engine.watchdog_s:g} s (--watchdog-timeout): "
+                                      "the server restarts", "server_error", code="engine_hung")
             return error_response(503, "the engine is not running", "server_error",
                                   code="engine_down")
         store = await _store_health(state)
@@ -165,25 +189,55 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
-        """Server-wide counters (every tenant's together): any valid key may read them, or
-        anyone with ``--metrics-public``."""
-        if not state.metrics_public:
-            _tenant(state, request)
+        """Server-wide counters (every tenant's together), for the operator: with API keys
+        set, only the ``--metrics-key`` reads them (or anyone, with ``--metrics-public``); a
+        tenant reads its own traffic at ``/v1/usage``."""
+        _check_operator(state, request)
         state.metrics.queued.set(state.queued)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> dict[str, Any]:
+        """The caller's own turns and tokens since the server started (:mod:`.usage`)."""
+        return {"object": "usage", **state.usage.of(_tenant(state, request))}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         _tenant(state, request)
-        cards = []
-        for name in state.names:
-            card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
-                                    "owned_by": "pensieve", "root": state.model_name,
-                                    "max_model_len": state.max_model_len}
-            if state.is_demo:
-                card["description"] = "built-in demo model: random weights, not a trained LLM"
-            cards.append(card)
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        """One model's card (``client.models.retrieve``): a served name, or an alias of the
+        model (its path or directory name), as a request's ``model`` may give it."""
+        _tenant(state, request)
+        _check_model(state, model)
+        return _model_card(state, model)
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "pensieve",
+                            "root": state.model_name, "max_model_len": state.max_model_len}
+    if state.is_demo:
+        card["description"] = "built-in demo model: random weights, not a trained LLM"
+    return card
+
+
+def _check_operator(state: ServerState, request: Request) -> None:
+    """``/metrics``: open without API keys or with ``--metrics-public``; else the operator's
+    ``--metrics-key`` only (401 without a key, 403 with a tenant's)."""
+    if not state.api_keys or state.metrics_public:
+        return
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if state.metrics_key and key and secrets.compare_digest(key, state.metrics_key):
+        return
+    if key and any(secrets.compare_digest(key, k) for k in state.api_keys):
+        raise APIError(403, "/metrics shows every tenant's traffic: it needs the operator's "
+                       "key (--metrics-key) or --metrics-public; a key's own usage is at "
+                       "/v1/usage", "permission_denied_error", "operator_only")
+    raise APIError(401, "missing or invalid operator key for /metrics (--metrics-key)",
+                   "authentication_error", "invalid_api_key")
 
 
 async def _store_health(state: ServerState) -> dict[str, Any]:
@@ -217,7 +271,8 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
         except CorruptConversationError:
             pass  # its owner (or anyone, when the row is unreadable) may delete it
 
-        await engine_call(state, engine_ops.drop_conversation, cid)
+        await engine_call(state, engine_ops.drop_conversation, state.engine_ids.of(cid))
+        state.engine_ids.forget(cid)
         state.store.delete(cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
 
@@ -230,17 +285,19 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         tenant = _tenant(state, request)
         _check_request(state, body)
         check_message_fields(body.messages)
+        cid = _conversation_id(body, request)
         if state.renderer is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token "
+                           "ids", param="messages", code="no_tokenizer")
 
         async def go() -> Response:
             try:
                 msgs = await off_loop(state, lambda: [m.canonical() for m in body.messages])
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from e
-            cid = body.conversation_id or request.headers.get("x-conversation-id")
             tools = [t.as_dict() for t in body.tools or []] or None
             wanted = await off_loop(state, lambda: constraint(state, body))
+            await compile_constraint(state, wanted)
             turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
             return await run_turn(state, body, turn, max_tokens, request, chat=True,
@@ -252,9 +309,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tenant = _tenant(state, request)
         _check_request(state, body)
+        cid = _conversation_id(body, request)
 
         async def go() -> Response:
-            cid = body.conversation_id or request.headers.get("x-conversation-id")
             turn = await completion_turn(state, tenant, cid, body.prompt,
                                          body.create_conversation)
             return await run_turn(state, body, turn, body.max_tokens, request, chat=False,

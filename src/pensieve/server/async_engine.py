@@ -36,14 +36,47 @@ __all__ = ["AsyncEngine", "EngineClient"]
 
 
 class EngineClient:
-    """The event loop's side: streams and pending calls; a subclass delivers commands."""
+    """The event loop's side: streams and pending calls; a subclass delivers commands.
+
+    Watchdog. The engine reports progress after every step and, when idle, every
+    :data:`~pensieve.server.engine_process.IDLE_POLL_S` (a heartbeat). With ``watchdog_s``
+    set, an engine that has reported nothing for that long is *hung* (stopped by a signal,
+    deadlocked, stuck in a step): :attr:`alive` turns false for good, every stream and pending
+    call fails at once, and ``pensieve serve`` answers ``/health`` with a 503 and exits
+    non-zero for its supervisor to restart it (SGLang's ``--watchdog-timeout``)."""
 
     snapshot: Snapshot
 
-    def __init__(self) -> None:
+    def __init__(self, watchdog_s: float | None = None) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Update]]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._call_ids = itertools.count()
+        self.watchdog_s = watchdog_s
+        """Seconds without progress after which the engine counts as hung (None: never)."""
+        self.last_progress = time.monotonic()
+        """When the engine last reported (``time.monotonic()``)."""
+        self.hung = False
+        """The watchdog found the engine hung (for good: the server restarts)."""
+
+    def progress(self) -> None:
+        """The engine reported: a step, a call's result, or its idle heartbeat."""
+        self.last_progress = time.monotonic()
+
+    @property
+    def responsive(self) -> bool:
+        """False once the engine went ``watchdog_s`` without progress; that moment fails
+        everything in flight (their conversations stay as before their turns)."""
+        if self.hung or self.watchdog_s is None:
+            return not self.hung
+        silent = time.monotonic() - self.last_progress
+        if silent > self.watchdog_s:
+            self.hung = True
+            log.error("the engine made no progress for %.1f s (--watchdog-timeout %g): it is "
+                      "hung; failing what is in flight", silent, self.watchdog_s)
+            self._fail_all(EngineRequestError(
+                f"the engine made no progress for {silent:.0f} s (the watchdog's limit is "
+                f"{self.watchdog_s:g} s): the server restarts"))
+        return not self.hung
 
     def _send(self, kind: str, arg: Any) -> None:
         raise NotImplementedError
@@ -71,6 +104,27 @@ class EngineClient:
             self._calls.pop(token, None)
             raise
         return await fut
+
+    async def compile_grammar(self, spec: Any) -> bool:
+        """Compile a request's grammar where the engine lives, off its step loop, before the
+        request is added (so no step waits for it); raises the compiler's ``ValueError`` for
+        one that cannot compile. False: the engine cannot compile ahead (its first step
+        will). Cancelled (a timeout), a compile still queued never runs."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        token = next(self._call_ids)
+        self._calls[token] = (loop, fut)
+        try:
+            self._send("grammar", (token, spec))
+            return bool(await fut)
+        except asyncio.CancelledError:
+            try:
+                self._send("grammar_cancel", token)
+            except EngineRequestError:
+                pass
+            raise
+        finally:
+            self._calls.pop(token, None)
 
     async def generate(
         self,
@@ -170,8 +224,8 @@ class EngineClient:
 class AsyncEngine(EngineClient):
     """Runs ``engine.step()`` in a background thread while requests are in flight."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__()
+    def __init__(self, engine: LLMEngine, watchdog_s: float | None = None) -> None:
+        super().__init__(watchdog_s)
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._core = EngineLoop(engine, self._resolve)
@@ -185,7 +239,7 @@ class AsyncEngine(EngineClient):
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.responsive
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -196,12 +250,14 @@ class AsyncEngine(EngineClient):
         core = self._core
         while not self._stop.is_set():
             try:
+                core.reply_compiled()
                 if core.busy:
                     while True:
                         core.handle(*self._cmds.get_nowait())
                 else:
                     self.snapshot = core.snapshot()
-                    core.handle(*self._cmds.get(timeout=0.5))
+                    self.progress()
+                    core.handle(*self._cmds.get(timeout=0.02 if core.compiling else 0.5))
                     self._dispatch(core.take())
                     continue
             except queue.Empty:
@@ -210,6 +266,7 @@ class AsyncEngine(EngineClient):
                 core.step()
             self._dispatch(core.take())
             self.snapshot = core.snapshot()
+            self.progress()
         core.close()
         log.info("engine thread stopped at %s", time.strftime("%X"))
 

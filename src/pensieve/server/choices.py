@@ -43,7 +43,7 @@ class Choices:
                  chat: bool, stops: list[str], rid: str) -> None:
         self.state, self.body, self.turn, self.params, self.chat, self.stops, self.rid = (
             state, body, turn, params, chat, stops, rid)
-        self.cid = turn.cid or "tmp-" + new_conversation_id()
+        self.cid = turn.kv_id or "tmp-" + new_conversation_id()
         """The conversation the choices share (a temporary one for a one-off completion)."""
         self.order = list(range(1, body.n)) + [0]
         self.outs: dict[int, TurnOutput] = {}

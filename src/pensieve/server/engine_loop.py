@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,30 @@ from pensieve.server.engine_ops import rebase
 from pensieve.server.step_profile import StepProfile
 
 log = logging.getLogger("pensieve.server")
+
+
+MAX_ABANDONED_COMPILES = 2
+"""Grammar compiles past their time (they cannot be interrupted) left running beside the one
+thread that compiles the others; past this many, new grammars wait behind them."""
+
+
+def _compile_thread() -> queue.SimpleQueue[tuple[Future[Any], Any] | None]:
+    """A daemon thread that runs the compiles put on the queue it returns, one at a time,
+    until it gets None (a daemon: a compile that will not end never holds the process up)."""
+    work: queue.SimpleQueue[tuple[Future[Any], Any] | None] = queue.SimpleQueue()
+
+    def run() -> None:
+        while (item := work.get()) is not None:
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the reply carries it
+                fut.set_exception(e)
+
+    threading.Thread(target=run, name="pensieve-grammar", daemon=True).start()
+    return work
 
 
 class EngineRequestError(RuntimeError):
@@ -96,6 +123,12 @@ class EngineLoop:
                 engine.step_observers.append(self.step_log)
         self.profile = StepProfile.from_env()
         """``PENSIEVE_PROFILE_STEPS``: a profiler trace of a window of steps."""
+        self._compile_queue: queue.SimpleQueue[tuple[Future[Any], Any] | None] | None = None
+        """The grammar compile thread's work (None: no thread yet)."""
+        self.compiling: dict[Any, Future[Any]] = {}
+        """Grammars compiling ahead of their requests, by the token their reply carries."""
+        self._abandoned: list[Future[Any]] = []
+        """Compiles the server gave up on, still running in threads of their own."""
 
     def snapshot(self) -> Snapshot:
         eng = self.engine
@@ -136,11 +169,62 @@ class EngineLoop:
                 self.reply(token, e, None)
             else:
                 self.reply(token, None, res)
+        elif kind == "grammar":
+            self._compile(*arg)
+        elif kind == "grammar_cancel":
+            self._cancel_compile(arg)
         elif kind != "noop":
             raise ValueError(f"unknown engine command {kind!r}")
 
+    def _compile(self, token: Any, spec: Any) -> None:
+        """Compile ``spec`` into the runner's grammar cache in a thread of its own, off the
+        step loop (the request is added once :meth:`reply_compiled` answered ``token``, and
+        its compile at its first step is then a cache hit). A runner that cannot (tensor
+        parallelism's executor) answers at once: its first step compiles."""
+        runner = getattr(self.engine, "runner", None)
+        compiler = getattr(runner, "grammar_compiler", None)
+        if compiler is None:
+            self.reply(token, None, False)
+            return
+        if self._compile_queue is None:
+            self._compile_queue = _compile_thread()
+        fut: Future[Any] = Future()
+        self.compiling[token] = fut
+        self._compile_queue.put((fut, lambda: compiler().compile(spec)))
+
+    def _cancel_compile(self, token: Any) -> None:
+        """The server gave up on a compile (its time ran out). One still queued never starts.
+        One running cannot be interrupted: it is left to finish in its thread, and later
+        grammars get a thread of their own instead of waiting behind it, while fewer than
+        :data:`MAX_ABANDONED_COMPILES` such compiles run."""
+        fut = self.compiling.pop(token, None)
+        if fut is None or fut.cancel():
+            return
+        self._abandoned = [f for f in self._abandoned if not f.done()]
+        if not fut.done() and len(self._abandoned) < MAX_ABANDONED_COMPILES:
+            self._abandoned.append(fut)
+            old, self._compile_queue = self._compile_queue, _compile_thread()
+            assert old is not None
+            while True:  # what waited behind it moves to the new thread
+                try:
+                    item = old.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._compile_queue.put(item)
+            old.put(None)  # its thread ends after the abandoned compile
+
+    def reply_compiled(self) -> None:
+        """Answer the compiles that finished (an error: the grammar cannot compile)."""
+        for token in [t for t, f in self.compiling.items() if f.done()]:
+            fut = self.compiling.pop(token)
+            err = fut.exception()
+            self.reply(token, err, None if err is not None else True)
+
     def close(self) -> None:
         """The server stops: write what the step profile has and close the step log."""
+        if self._compile_queue is not None:
+            self._compile_queue.put(None)
         if self.profile is not None:
             self.profile.close()
         if self.step_log is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import pickle
+import queue
 import signal
 import threading
 from multiprocessing.connection import Connection
@@ -38,6 +39,8 @@ log = logging.getLogger("pensieve.server")
 
 IDLE_POLL_S = 0.5
 """How often an idle engine process sends a fresh snapshot (and checks its pipe)."""
+COMPILE_POLL_S = 0.02
+"""How often an idle engine process looks whether a grammar compiling for a request is done."""
 
 
 class ProcessEngine(EngineClient):
@@ -45,8 +48,9 @@ class ProcessEngine(EngineClient):
     from ``cfg`` in a child process. Blocks until the engine is built (or raises
     ``RuntimeError`` with the child's error)."""
 
-    def __init__(self, cfg: Any, log_level: str = "INFO") -> None:
-        super().__init__()
+    def __init__(self, cfg: Any, log_level: str = "INFO",
+                 watchdog_s: float | None = None) -> None:
+        super().__init__(watchdog_s)
         set_thread_env()  # before the child starts: its OpenMP runtime reads them on load
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
@@ -70,22 +74,35 @@ class ProcessEngine(EngineClient):
         ``max_turn_tokens`` (:attr:`Scheduler.max_turn_tokens`), ``device`` (its type) and
         ``threads`` (:func:`pensieve.threads.thread_settings` there)."""
         self.snapshot: Snapshot = info["snapshot"]
+        self.progress()
         self._reader = threading.Thread(target=self._read, name="pensieve-engine-reader",
                                         daemon=True)
         self._reader.start()
+        self._outbox: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        """Commands for the writer thread: a pipe's send blocks once its buffer is full (a
+        stopped engine reads nothing), and the event loop must never block on it."""
+        self._writer = threading.Thread(target=self._write, name="pensieve-engine-writer",
+                                        daemon=True)
+        self._writer.start()
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self._proc.is_alive()
+        return not self._closed and self._proc.is_alive() and self.responsive
 
     def _send(self, kind: str, arg: Any) -> None:
         with self._lock:
-            if self._closed:
+            if self._closed or self.hung:
                 raise EngineRequestError("the engine process is not running")
+            self._outbox.put((kind, arg))
+
+    def _write(self) -> None:
+        """Send the commands in order; a broken pipe (the child is gone) ends the thread, and
+        the reader, seeing the pipe close, fails what is in flight."""
+        while (item := self._outbox.get()) is not None:
             try:
-                self._cmd_w.send((kind, arg))
-            except (OSError, ValueError) as e:  # the pipe broke: the child is gone
-                raise EngineRequestError(f"the engine process is not running ({e})") from e
+                self._cmd_w.send(item)
+            except (OSError, ValueError):
+                return
 
     def _read(self) -> None:
         while True:
@@ -93,6 +110,7 @@ class ProcessEngine(EngineClient):
                 msg = self._out_r.recv()
             except (EOFError, OSError):
                 break
+            self.progress()
             kind = msg[0]
             if kind == "step":
                 self._dispatch(msg[1])
@@ -110,15 +128,25 @@ class ProcessEngine(EngineClient):
         self._fail_all(EngineRequestError("the engine process exited"))
 
     def shutdown(self) -> None:
-        try:
-            self._send("stop", None)
-        except EngineRequestError:
-            pass
+        """Stop the engine process: ask it, then terminate it, then kill it (a hung one at
+        once: a stopped process never reads its pipe, and the server would wait on it at
+        exit)."""
+        if not self.hung:
+            try:
+                self._send("stop", None)
+            except EngineRequestError:
+                pass
         with self._lock:
             self._closed = True
-        self._proc.join(timeout=30)
-        if self._proc.is_alive():
+        self._outbox.put(None)
+        if not self.hung:
+            self._writer.join(timeout=30)
+        self._proc.join(timeout=0 if self.hung else 30)
+        if self._proc.is_alive() and not self.hung:
             self._proc.terminate()
+            self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()  # SIGKILL ends a stopped process too
             self._proc.join(timeout=10)
         self._cmd_w.close()
         self._reader.join(timeout=10)
@@ -181,9 +209,11 @@ def _serve(core: EngineLoop, cmds: Connection, out: Connection) -> None:
 
 def _loop(core: EngineLoop, cmds: Connection, out: Connection) -> None:
     while True:
+        core.reply_compiled()
         busy = core.busy
+        idle_poll = COMPILE_POLL_S if core.compiling else IDLE_POLL_S
         try:
-            if cmds.poll(0 if busy else IDLE_POLL_S):
+            if cmds.poll(0 if busy else idle_poll):
                 while True:
                     kind, arg = cmds.recv()
                     if kind == "stop":

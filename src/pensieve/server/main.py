@@ -19,7 +19,11 @@ from pensieve.options import (
     float_or_nan,
     settle_model_options,
 )
-from pensieve.server.limits import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
+from pensieve.server.limits import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_KEEP_ALIVE_S,
+    DEFAULT_MAX_PRIORITY,
+)
 
 if TYPE_CHECKING:  # the engine is imported when it is built, not for `pensieve --help`
     from pensieve.engine.llm_engine import LLMEngine
@@ -32,6 +36,11 @@ DEFAULT_SWITCH_INTERVAL_MS = 0.5
 steps while the event loop streams tokens, and a shorter interval than Python's 5 ms gives it
 sooner (chosen by an A/B: docs/benchmarks.md, "Current engine: steady-state points ...", the
 item "The server's host time")."""
+
+
+DEFAULT_WATCHDOG_S = 300.0
+"""``--watchdog-timeout``: as SGLang's. A step must never take this long; on a CPU a
+4,000-token prefill step took ~30 s on a busy 2-core machine."""
 
 
 def positive_ms_arg(text: str) -> float:
@@ -106,7 +115,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default: none)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without an API key, for Prometheus scrapers (default: "
-                        "/metrics needs a key when --api-key is set)")
+                        "/metrics needs --metrics-key when --api-key is set)")
+    p.add_argument("--metrics-key", default=os.environ.get("PENSIEVE_METRICS_KEY"),
+                   metavar="KEY",
+                   help="the operator's key that reads /metrics when --api-key is set (a "
+                        "tenant's key reads only its own usage, at /v1/usage); also read from "
+                        "PENSIEVE_METRICS_KEY (default: none, so /metrics answers 403 to every "
+                        "key unless --metrics-public)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory (default: the model's own)")
     p.add_argument("--chat-template", default=None,
@@ -142,6 +157,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "process: how long the engine thread may wait for the GIL while the "
                         f"HTTP side holds it (default {DEFAULT_SWITCH_INTERVAL_MS}; Python's "
                         "own is 5)")
+    p.add_argument("--watchdog-timeout", type=seconds_arg, default=DEFAULT_WATCHDOG_S,
+                   metavar="S",
+                   help="an engine that reports no progress (no step, no idle heartbeat) for "
+                        "this many seconds is hung: what is in flight fails, /health answers "
+                        "503 and the server exits with status 1 for its supervisor to restart "
+                        f"it; longer than the longest step (default {DEFAULT_WATCHDOG_S:g}; "
+                        "0: off)")
+    p.add_argument("--grammar-compile-timeout", type=positive_arg,
+                   default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, metavar="S",
+                   help="longest a request's response_format or forced tool_choice grammar may "
+                        "compile (off the engine's steps: other requests go on meanwhile); past "
+                        "it the request is a 400 grammar_too_complex (default "
+                        f"{DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, off the GIL of the HTTP side "
                         "(default); --no-engine-process: in a thread of the server process")
@@ -214,18 +242,19 @@ def model_aliases(model: str, path: Any) -> tuple[str, ...]:
 
 def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
     """(the engine if it lives in this process, the client the server talks to)."""
+    watchdog = getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S) or None
     if args.engine_process:
         from pensieve.server.engine_process import ProcessEngine
         from pensieve.threads import settle_server_threads
 
-        aengine = ProcessEngine(cfg, args.log_level)
+        aengine = ProcessEngine(cfg, args.log_level, watchdog)
         settle_server_threads(aengine.info["device"])  # after the engine took its CPUs
         return None, aengine
     from pensieve.engine.llm_engine import LLMEngine
     from pensieve.server.async_engine import AsyncEngine
 
     engine = LLMEngine(cfg)
-    return engine, AsyncEngine(engine)
+    return engine, AsyncEngine(engine, watchdog)
 
 
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
@@ -298,13 +327,15 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
                         model_aliases=model_aliases(model, path),
                         max_turn_tokens=turn_tokens,
                         allowed_origins=tuple(args.allowed_origins or ()),
-                        metrics_public=args.metrics_public,
+                        metrics_public=args.metrics_public, metrics_key=args.metrics_key,
                         max_queued_requests=args.max_queued_requests,
                         max_request_bytes=args.max_request_bytes,
                         extra_stop_token_ids=tuple(eos_ids),
                         sampling_defaults=sampling_defaults,
                         corrupt_conversations=len(report.corrupt),
-                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s)
+                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s,
+                        grammar_compile_timeout_s=getattr(
+                            args, "grammar_compile_timeout", DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S))
     app = create_app(state)
     log.info("store %s (%d conversations); auth %s", args.store, store.count(),
              f"{len(keys)} key(s)" if keys else "off")

@@ -14,6 +14,12 @@ from pensieve.core.sampling_params import MAX_LOGPROBS
 
 MAX_CHOICES = 16
 """Most choices one request may ask for (``n``): they decode one after another."""
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+"""Bounds of ``repetition_penalty``: HF's penalty divides positive logits by it, so a value
+near 0 (1e-40) overflowed them to infinity and the answer became one special token repeated."""
+MIN_TEMPERATURE = 0.01
+"""A temperature in (0, 0.01) runs as 0.01, as vLLM does: the logits are divided by it, and a
+smaller one (1e-40) overflows them to infinity."""
 INVALID_UNICODE = "invalid_unicode"
 """The pydantic error type of a string that is not valid Unicode; its ``ctx["field"]`` is the
 path of the offending field (``messages.0.content``), which the 400 names as ``param``."""
@@ -143,14 +149,15 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     """Choices for the prompt, sharing its KV; the conversation continues with choice 0."""
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY,
+                                      le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     """vLLM: HF's repetition penalty over the prompt and the output (1: off)."""
     min_tokens: int = 0
     """vLLM: end-of-sequence, stop ids and stop strings do not end the answer before this
     many tokens."""
-    min_p: float = 0.0
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     """vLLM: drop tokens less likely than ``min_p`` times the most likely one."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a string, OpenAI's form) to a bias in [-100, 100] added to its logit."""

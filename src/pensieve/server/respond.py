@@ -75,13 +75,13 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     max_tokens = turn_max_tokens(state, len(turn.context_ids), max_tokens)
     params = sampling_params(state, body, max_tokens, stop_ids, constraint.grammar)
     if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
-        await engine_call(state, engine_ops.set_hints, turn.cid, body.priority,
+        await engine_call(state, engine_ops.set_hints, turn.kv_id, body.priority,
                           body.keep_alive_s, turn.tenant)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
     if body.n > 1:
         return await choices(state, body, turn, params, request, chat, stop_texts, rid)
-    first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.cid,
+    first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.kv_id,
                                 turn.full_context, body.cache_salt)
     state.metrics.ttft.observe(time.monotonic() - t0)
     out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
@@ -112,13 +112,35 @@ async def start(state: ServerState, turn: Turn, rid: str, prompt: list[int],
     try:
         return await stream.__anext__(), stream
     except ConversationBusyError as e:
-        raise APIError(409, str(e), code="conversation_busy") from e
+        raise APIError(409, str(e), code="conversation_busy", param="conversation_id") from e
     except ValueError as e:
         await forget_new(state, turn)
-        raise APIError(400, str(e)) from e
+        raise refusal(e, "messages" if turn.new or turn.prev else "prompt") from e
     except EngineRequestError as e:
         await forget_new(state, turn)
         raise engine_error(e) from e
+
+
+ENGINE_REFUSALS = (
+    ("leaves no room to generate", "context", "context_length_exceeded"),
+    ("needs more KV blocks than the GPU tier has", "context", "context_length_exceeded"),
+    ("logit_bias token ids out of range", "logit_bias", "invalid_token_id"),
+    ("token ids out of range", "prompt", "invalid_token_id"),
+    ("empty prompt", "prompt", "empty_prompt"),
+)
+"""The engine's reasons to refuse a request at admission (the start of its message), with the
+field they are about ("context": the messages, or a completion's prompt) and the error code."""
+
+
+def refusal(e: ValueError, context_param: str) -> APIError:
+    """The 400 of a request the engine refused, naming the field and a code where the
+    engine's reason tells them (``param``/``code`` used to be null)."""
+    text = str(e)
+    for needle, param, code in ENGINE_REFUSALS:
+        if needle in text:
+            return APIError(400, text, param=context_param if param == "context" else param,
+                            code=code)
+    return APIError(400, text)
 
 
 def engine_error(e: EngineRequestError) -> APIError:
@@ -131,8 +153,11 @@ def engine_error(e: EngineRequestError) -> APIError:
 
 
 async def forget_new(state: ServerState, turn: Turn) -> None:
-    """A new conversation whose first turn failed leaves nothing behind in the engine."""
+    """A new conversation whose first turn failed leaves nothing behind in the engine (one
+    that took another's engine conversation over gives it back)."""
     if turn.new_conversation and turn.cid is not None:
+        if state.engine_ids.give_back(turn.cid):
+            return
         try:
             await state.engine.call(engine_ops.forget_if_empty, turn.cid)
         except EngineRequestError:
@@ -230,7 +255,7 @@ class TurnOutput:
                 result = Result(self.turn.context_ids, list(self.tokens), self.stops.text,
                                 "stop", self.cache)
                 await engine_call(self.state, engine_ops.stop_turn, self.engine_rid,
-                                  self.turn.cid, result.prompt_ids + result.output_ids)
+                                  self.turn.kv_id, result.prompt_ids + result.output_ids)
                 await stream.aclose()  # the request is finished: no abort
                 await self._finish(result)
                 yield delta, result
@@ -245,6 +270,9 @@ class TurnOutput:
         m = self.state.metrics
         m.latency.observe(time.monotonic() - self.t0)
         m.generation_tokens.inc(len(result.output_ids))
+        self.state.usage.add(self.turn.tenant, len(result.prompt_ids),
+                             self.usage(result)["prompt_tokens_details"]["cached_tokens"],
+                             len(result.output_ids), request=self.index == 0)
         if len(self.tokens) > 1:  # time per output token after the first
             m.tpot.observe((self.last_token_t - self.first_token_t) / (len(self.tokens) - 1))
         turn = self.turn
@@ -271,6 +299,7 @@ class TurnOutput:
             await self._not_stored(e)
             return
         self.state.store_error = None
+        self.state.engine_ids.settle(turn.cid)
 
     async def _not_stored(self, e: StoreWriteError) -> None:
         """The turn was answered but the store refused it: say so, and leave nothing of a
@@ -280,7 +309,8 @@ class TurnOutput:
         self.state.store_error = e.message
         log.error("conversation %s: the turn is answered but not stored: %s", self.turn.cid,
                   e.message)
-        if self.turn.new_conversation and self.turn.cid is not None:
+        if (self.turn.new_conversation and self.turn.cid is not None
+                and not self.state.engine_ids.give_back(self.turn.cid)):
             try:
                 await self.state.engine.call(engine_ops.drop_conversation, self.turn.cid)
             except (EngineRequestError, ConversationBusyError):

@@ -15,12 +15,13 @@ goes on to stop the engine and close the store (its write-ahead log merged) and 
 (Python's default SIGTERM handler would kill the process there, before the store is
 closed.)
 
-If the engine stops (its process killed, or its thread dead), the server shuts down the
-same way and ``serve`` exits 1 so that a supervisor restarts it: streams in flight have
-their error event, every completed turn is in the store, and the restarted server
-continues each conversation from there (KV recomputed). The engine is not restarted in
-place: a restart of the whole process brings every part back to a known state, and a
-supervisor already counts and spaces restarts.
+If the engine stops (its process killed, or its thread dead) or hangs (no progress for
+``--watchdog-timeout`` seconds: :class:`~pensieve.server.async_engine.EngineClient`), the
+server shuts down the same way and ``serve`` exits 1 so that a supervisor restarts it:
+streams in flight have their error event, every completed turn is in the store, and the
+restarted server continues each conversation from there (KV recomputed). The engine is not
+restarted in place: a restart of the whole process brings every part back to a known state,
+and a supervisor already counts and spaces restarts.
 """
 
 from __future__ import annotations

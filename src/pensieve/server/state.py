@@ -5,15 +5,22 @@ importing one another in a circle."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from pensieve.server.async_engine import EngineClient
 from pensieve.server.chat import ChatRenderer
+from pensieve.server.engine_ids import EngineIds
 from pensieve.server.engine_metrics import Metrics
-from pensieve.server.limits import DEFAULT_MAX_KEEP_ALIVE_S, DEFAULT_MAX_PRIORITY
+from pensieve.server.limits import (
+    DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+    DEFAULT_MAX_KEEP_ALIVE_S,
+    DEFAULT_MAX_PRIORITY,
+)
 from pensieve.server.store_sqlite import ConversationStore
+from pensieve.server.usage import Usage
 
 
 @dataclass
@@ -37,6 +44,9 @@ class ServerState:
     """Origins allowed by CORS (empty: no CORS headers)."""
     metrics_public: bool = False
     """``/metrics`` without an API key (for scrapers)."""
+    metrics_key: str | None = None
+    """The operator's key that reads ``/metrics`` when API keys are set (a tenant's key does
+    not: it reads its own ``/v1/usage``)."""
     max_queued_requests: int | None = None
     """Requests waiting for their first token beyond which a new one gets a 429 (None: no
     limit)."""
@@ -57,6 +67,14 @@ class ServerState:
     """Largest ``keep_alive_s`` a request may set (400 past it)."""
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         4, thread_name_prefix="pensieve-prep"))
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    """Longest a request's grammar may compile; past it the request is a 400."""
+    too_complex_grammars: OrderedDict[Any, None] = field(default_factory=OrderedDict)
+    """Grammars that ran out of compile time, refused at once when sent again."""
+    engine_ids: EngineIds = field(default_factory=EngineIds)
+    """The engine conversation of each API conversation (:mod:`.engine_ids`)."""
+    usage: Usage = field(default_factory=Usage)
+    """Each tenant's completed turns and tokens (``/v1/usage``)."""
     queued: int = 0
     """Requests accepted that have not produced their first token (being prepared, waiting
     for the engine, or in prefill)."""

@@ -46,7 +46,8 @@ class DetokenizeRequest(BaseModel):
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     renderer = state.renderer
     if renderer is None:
-        raise APIError(400, "this model has no tokenizer")
+        raise APIError(400, "this model has no tokenizer", param="prompt" if body.prompt
+                       is not None else "messages", code="no_tokenizer")
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     try:
@@ -71,7 +72,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
 def _detokenize(state: ServerState, tokens: list[int]) -> str:
     renderer = state.renderer
     if renderer is None:
-        raise APIError(400, "this model has no tokenizer")
+        raise APIError(400, "this model has no tokenizer", param="tokens", code="no_tokenizer")
     vocab = len(renderer.tokenizer)
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:

@@ -117,9 +117,8 @@ def call_grammar(tools: list[dict[str, Any]], names: list[str], parallel: bool,
     before, after, key = _WRAP[fmt]
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
                for t in tools}
-    options = [{"type": "json_schema", "json_schema": {
-        "type": "object", "properties": {"name": {"const": n}, key: schemas[n]},
-        "required": ["name", key], "additionalProperties": False}} for n in names]
+    options = [{"type": "json_schema", "json_schema": _call_schema(n, key, schemas[n])}
+               for n in names]
     one = _sequence([before, options[0] if len(options) == 1
                      else {"type": "or", "elements": options}, after])
     if parallel:
@@ -127,6 +126,21 @@ def call_grammar(tools: list[dict[str, Any]], names: list[str], parallel: bool,
         one = _sequence([one, {"type": "star", "content": _sequence([sep, one])}])
     return GrammarSpec("structural_tag",
                        json.dumps({"type": "structural_tag", "format": one}))
+
+
+DEFINITIONS = ("$defs", "definitions")
+"""Where a schema keeps the subschemas its ``$ref`` names (``#/$defs/X``: what Pydantic
+writes; ``#/definitions/X``: older generators)."""
+
+
+def _call_schema(name: str, key: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The schema of one call of ``name``: its arguments under ``key`` follow the tool's
+    ``parameters``. A ``$ref`` of theirs names the tool's own definitions from its root, so
+    those move to the call schema's root, where the reference now resolves."""
+    params = dict(parameters)
+    defs = {k: params.pop(k) for k in DEFINITIONS if k in params}
+    return {"type": "object", "properties": {"name": {"const": name}, key: params},
+            "required": ["name", key], "additionalProperties": False, **defs}
 
 
 def _sequence(parts: list[Any]) -> dict[str, Any]:

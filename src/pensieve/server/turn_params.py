@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pensieve.core.sampling_params import GrammarSpec, SamplingParams
 from pensieve.server.errors import APIError
-from pensieve.server.protocol import _Sampling
+from pensieve.server.protocol import MIN_TEMPERATURE, _Sampling
 from pensieve.server.state import ServerState
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
@@ -50,9 +50,11 @@ def sampling_params(state: ServerState, body: _Sampling, max_tokens: int,
         num_logprobs = body.num_logprobs()
     except ValueError as e:
         raise APIError(400, str(e), param="top_logprobs") from e
+    temperature = d.get("temperature", body.temperature)
+    if 0.0 < temperature < MIN_TEMPERATURE:  # as vLLM: a smaller divisor overflows the logits
+        temperature = MIN_TEMPERATURE
     try:
-        return SamplingParams(max_tokens=max_tokens,
-                              temperature=d.get("temperature", body.temperature),
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
                               seed=body.seed,
                               stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,

@@ -56,6 +56,13 @@ class Turn:
     ``full_context`` the turn's whole context."""
     new_conversation: bool
     full_context: bool = False
+    engine_cid: str | None = None
+    """The engine conversation that holds its KV (None: ``cid``; :mod:`.engine_ids`)."""
+
+    @property
+    def kv_id(self) -> str | None:
+        """The conversation's id in the engine."""
+        return self.engine_cid or self.cid
 
     @property
     def context_ids(self) -> list[int]:
@@ -98,17 +105,19 @@ async def engine_call(state: ServerState, fn: Any, *args: Any) -> Any:
         raise APIError(500, f"the engine failed on this request: {e}", "server_error",
                        code="engine_error") from e
     except ConversationBusyError as e:
-        raise APIError(409, str(e), code="conversation_busy") from e
+        raise APIError(409, str(e), code="conversation_busy", param="conversation_id") from e
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
 
-async def restore(state: ServerState, stored: StoredConversation) -> None:
-    """Make the engine's history of the conversation the stored one: after a restart (history,
-    no KV), or when another replica continued it (or redid its last turn) since this engine
-    last served it (the KV of the common prefix kept)."""
-
-    await engine_call(state, engine_ops.restore, stored.id, stored.token_ids, stored.priority,
+async def restore(state: ServerState, stored: StoredConversation,
+                  engine_cid: str | None = None) -> None:
+    """Make the engine's history of the conversation (its engine conversation
+    ``engine_cid``, by default the one :mod:`.engine_ids` gives it) the stored one: after a
+    restart (history, no KV), or when another replica continued it (or redid its last turn)
+    since this engine last served it (the KV of the common prefix kept)."""
+    eid = engine_cid or state.engine_ids.of(stored.id)
+    await engine_call(state, engine_ops.restore, eid, stored.token_ids, stored.priority,
                       stored.keep_alive_s, stored.tenant)
 
 
@@ -139,15 +148,13 @@ def _chat_retry(state: ServerState, tenant: str, cid: str | None, msgs: list[dic
     if conv is None or not msgs:
         return None
     asked = conv.messages[:-1]  # the last turn's answer dropped
-    if cid is not None:  # the request holds the turn's new messages only
-        if asked[len(asked) - len(msgs):] != msgs:
-            return None
-        prev = asked[:len(asked) - len(msgs)]
-    else:  # the whole history, then the turn's new messages
-        if asked != msgs:
-            return None
+    if asked == msgs:  # the whole history, then the turn's new messages
         k = max((i + 1 for i, m in enumerate(msgs) if m["role"] == "assistant"), default=0)
         prev = msgs[:k]
+    elif cid is not None and asked[len(asked) - len(msgs):] == msgs:  # the new ones only
+        prev = asked[:len(asked) - len(msgs)]
+    else:
+        return None
     # the redone turn's context: its tokens before the answer
     before = conv.token_ids[:conv.turns[-1]["context_len"]]
     return _before_last_turn(conv, prev, before), prev, asked[len(prev):]
@@ -157,10 +164,14 @@ def _chat_history(state: ServerState, tenant: str, cid: str | None,
                   msgs: list[dict[str, Any]]
                   ) -> tuple[StoredConversation, list[dict[str, Any]], list[dict[str, Any]]] | None:
     """(the stored conversation, prev, new): the one ``cid`` names, or the longest prefix of
-    ``msgs`` that ends with an answer and equals a stored conversation of the tenant."""
+    ``msgs`` that ends with an answer and equals a stored conversation of the tenant. A
+    request that names its conversation and still sends the whole history (the stored
+    messages, then new ones) continues it with the new ones: the history is not doubled."""
     if cid is not None:
         stored = owned(state, cid, tenant)
-        return stored, stored.messages, msgs
+        n = len(stored.messages)
+        new = msgs[n:] if n and msgs[:n] == stored.messages else msgs
+        return stored, stored.messages, new
     for k in range(len(msgs) - 1, 0, -1):
         if msgs[k - 1]["role"] != "assistant":
             continue
@@ -176,9 +187,12 @@ async def chat_turn(state: ServerState, tenant: str, cid: str | None,
                     template_kwargs: dict[str, Any] | None = None) -> Turn:
     """The turn of a chat request: the conversation it names or whose history it re-sends
     (the longest prefix of its messages that ends with an answer and equals a stored
-    conversation of the tenant), or a new one; a retry of a stored turn redoes it. ``tools``
-    (OpenAI's function tools) go into the rendering (:mod:`.tools`)."""
-    found = _chat_retry(state, tenant, cid, msgs) or _chat_history(state, tenant, cid, msgs)
+    conversation of the tenant: a new conversation over that one's KV, :mod:`.engine_ids`),
+    or a new one; a retry of a stored turn redoes it. ``tools`` (OpenAI's function tools) go
+    into the rendering (:mod:`.tools`)."""
+    found = _chat_retry(state, tenant, cid, msgs)
+    matched = found is None and cid is None  # a history found is a cache hit, not an identity
+    found = found or _chat_history(state, tenant, cid, msgs)
     if found is None:
         ids = await off_loop(state, lambda: render(state, msgs, tools, template_kwargs))
         cid = new_conversation_id()
@@ -193,9 +207,32 @@ async def chat_turn(state: ServerState, tenant: str, cid: str | None,
         raise APIError(400, f"conversation {stored.id!r} was started on /v1/completions: "
                        "continue it there", param="conversation_id")
     ids = await off_loop(state, lambda: render(state, prev + new, tools, template_kwargs))
+    if matched:
+        return await _take_over(state, tenant, stored, prev, new, ids)
     await restore(state, stored)
     return Turn(tenant, stored.id, stored, prev, new, ids, new_conversation=False,
-                full_context=True)
+                full_context=True, engine_cid=state.engine_ids.of(stored.id))
+
+
+async def _take_over(state: ServerState, tenant: str, matched: StoredConversation,
+                     prev: list[dict[str, Any]], new: list[dict[str, Any]], ids: list[int]
+                     ) -> Turn:
+    """A new conversation whose history is ``matched``'s, over its engine conversation (its
+    KV) unless a turn of that one runs: then over an engine conversation of its own."""
+    cid = new_conversation_id()
+    conv = dataclasses.replace(matched, id=cid, tenant=tenant, created=0.0, updated=0.0,
+                               request_key=request_key.get(), version=0)
+    eid = state.engine_ids.take_over(matched.id, cid)
+    try:
+        await restore(state, conv, eid)
+    except APIError as e:
+        state.engine_ids.give_back(cid)
+        if e.code != "conversation_busy":
+            raise
+        eid = cid
+        await restore(state, conv, eid)
+    return Turn(tenant, cid, conv, prev, new, ids, new_conversation=True, full_context=True,
+                engine_cid=eid)
 
 
 async def completion_turn(state: ServerState, tenant: str, cid: str | None, prompt: Any,
@@ -219,7 +256,8 @@ async def completion_turn(state: ServerState, tenant: str, cid: str | None, prom
         stored.request_key = request_key.get()
     if stored is not None:
         await restore(state, stored)
-        return Turn(tenant, stored.id, stored, [], [], ids, new_conversation=False)
+        return Turn(tenant, stored.id, stored, [], [], ids, new_conversation=False,
+                    engine_cid=state.engine_ids.of(stored.id))
     if create_conversation:
         cid = new_conversation_id()
         return Turn(tenant, cid, _new(cid, tenant), [], [], ids, new_conversation=True)
