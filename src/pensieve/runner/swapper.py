@@ -37,7 +37,7 @@ Methods (:data:`METHODS`):
   the GPU cache and writing the device-mapped host tier. Why staged: both directions through
   the copy engines keep their concurrent rate, where SM reads of the mapped tier take rate
   from the copy engines' writes the other way (measurements of the alternatives in
-  docs/performance.md, "Swaps between the GPU and CPU tiers").
+  docs/performance_history.md, "Swaps between the GPU and CPU tiers").
 - ``"dma"`` (the CPU's; on CUDA, when asked for, on one copy stream with an event per layer):
   one copy per run of consecutive CPU ids per layer, through a staging buffer when the GPU ids
   of a run are not consecutive.
