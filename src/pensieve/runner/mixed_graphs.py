@@ -81,11 +81,11 @@ class MixedGraphs(StepGraphs):
         split by a span set per step, where the step's decodes are ragged (``span_mode``: as
         :data:`~pensieve.kernels.launch_policy.DECODE_SPAN_MODE`);
         a step whose decodes are not puts them with its other ranges and leaves the decode
-        launch empty (a launch of their own cost more there: docs/performance_history.md, "Steps with
-        prefill over ragged decodes"). ``kv_splits``: the other ranges' attention splits
-        KV by a span set per step (the default: unsplit, a turn of a few tokens after thousands
-        of cached ones runs on a few programs per KV head; docs/performance_history.md, "KV splits for
-        the turns of mixed-step graphs"); tests compare it with False."""
+        launch empty (a launch of their own cost more there: docs/performance_history.md,
+        "Steps with prefill over ragged decodes"). ``kv_splits``: the other ranges' attention
+        splits KV by a span set per step (the default: unsplit, a turn of a few tokens after
+        thousands of cached ones runs on a few programs per KV head; docs/performance_history.md,
+        "KV splits for the turns of mixed-step graphs"); tests compare it with False."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")
