@@ -113,10 +113,10 @@ class KVSwapper:
     staging piece and half of the staged method (None: :data:`DEFAULT_STAGING_CHUNKS`).
     ``background``: False makes :meth:`end_step` wait for the background swap-outs too (the
     runner's choice under tensor parallelism, where only rank 0's count reaches the
-    scheduler). ``in_groups`` / ``out_groups``: the groups of layers staged swap-ins / background
-    swap-outs are copied by (None: :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS` /
-    ``DEFAULT_OUT_GROUPS``). ``ahead_waits``: how the next
-    step waits for ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
+    scheduler). ``in_groups`` / ``out_groups``: the groups of layers staged swap-ins /
+    background swap-outs are copied by (None: ``DEFAULT_IN_GROUPS`` / ``DEFAULT_OUT_GROUPS`` of
+    :mod:`~pensieve.runner.swap_staged`). ``ahead_waits``: how the next step waits for
+    ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
     (:func:`~pensieve.runner.swap_staged.ahead_waits_of`; None: ``"layers"`` where it
     applies). ``streams``: for tests, a :class:`Streams` to run the staged method's stream
     logic on CPU tensors.
