@@ -2,7 +2,7 @@
 buffer (``bytearray``, ``np.empty``, the tier's ``disk_files.new_buffer``) and into a reused
 one, ``bytearray(n)`` alone, crc32, and the restore's copy into a CPU tier (per layer into a
 layer-major or a chunk-major tier, or one contiguous copy). Files of random bytes in
-``--path``, one thread (docs/performance.md, "The read path, profiled and changed").
+``--path``, one thread (docs/performance_history.md, "The read path, profiled and changed").
 
     python benchmarks/disk_read_phases.py --path /tmp/dread_phases --chunks 64
 """

@@ -1,5 +1,8 @@
-"""The table of docs/performance.md "Disk tier under long idle, simulated" from the points of
-``benchmarks/sim_disk_long_idle.sh``: python benchmarks/disk_sim_table.py POINTS.jsonl..."""
+"""The table of docs/performance_history.md "Disk tier under long idle, simulated" from the
+points of ``benchmarks/sim_disk_long_idle.sh``:
+
+    python benchmarks/disk_sim_table.py POINTS.jsonl...
+"""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ PROFILE = (Path(__file__).resolve().parents[1] / "src" / "pensieve" / "profiles"
 
 ISSUE_GROUP_S, ISSUE_CHUNK_S = 0.149e-3, 0.0062e-3
 """Host time to issue staged copies, per group of layers and per chunk: a least-squares fit
-(no intercept) of measured issue times (docs/performance.md, "Host time of steps with
+(no intercept) of measured issue times (docs/performance_history.md, "Host time of steps with
 prefill, and what the server's step log shows", the simulator with the issue modelled)."""
 
 

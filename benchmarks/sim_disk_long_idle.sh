@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The disk tier under long idle, simulated (issue 45; docs/performance.md "Disk tier under long
+# The disk tier under long idle, simulated (issue 45; docs/performance_history.md "Disk tier under long
 # idle, simulated"): pensieve on the agentic load with 5-minute think times, 40 / 60 GB tiers,
 # 13B GQA-10 step cost and the engine's H200 cost profile of that shape (what the engine weighs
 # recomputation with on the H200), without a disk tier and with 200 GB of disk at the given

@@ -42,7 +42,7 @@ DEFERRED: dict[str, int] = {
     # deferred admission existed or was the default (0: urgent evictions)
     "agentic_words_overload_defer3_1.3": 3,
     "sharegpt_40_60_defer3_pensieve_1.25": 3,
-    # deferred admission the default from here on (docs/benchmarks.md, "Admissions that wait
+    # deferred admission the default from here on (docs/benchmarks_history.md, "Admissions that wait
     # for background swap-outs, on the GPU")
     "agentic_words_overload_defer3_1.3_again": 3,
     "sharegpt_40_60_defer3_pensieve_1.45": 3,

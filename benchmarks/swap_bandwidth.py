@@ -115,7 +115,7 @@ def raw_copies(sw: KVSwapper, nbytes: int, reps: int) -> list[dict]:
 
     # Each on a stream of its own, not the default (compute) stream: once that stream has
     # copied to or from the CPU tier, its later work waits for the swap steps' copies, which
-    # skewed the layer-0 column (docs/performance.md, "A timeline of one swap step").
+    # skewed the layer-0 column (docs/performance_history.md, "A timeline of one swap step").
     def h2d() -> dict[str, float]:
         with torch.cuda.stream(s1):
             dev.copy_(host, non_blocking=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on two GPUs of one host (nvidia-h200-x2; docs/performance.md, "Tensor
+# Tensor parallelism on two GPUs of one host (nvidia-h200-x2; docs/performance_history.md, "Tensor
 # parallelism"). PART selects what runs, so that each part fits one device call:
 #   PART=check (default): the TP tests on GPUs over NCCL (tests/test_tensor_parallel.py with
 #     PENSIEVE_TEST_DEVICE=cuda); TP=2 against TP=1 on the same prompts, Llama 2-13B GQA-10

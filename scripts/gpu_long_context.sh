@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-pb() { python -m pensieve.cli bench "$@"; }
+pb() { local script=${1//-/_}; shift; python "benchmarks/$script.py" "$@"; }  # long-attention ...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   python -m pytest -q -p no:cacheprovider tests/test_fp8_kv.py tests/test_kernels.py \

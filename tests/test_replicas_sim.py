@@ -1,4 +1,4 @@
-"""N simulated replicas behind a router (bench/replicas_sim.py): every turn's context is the
+"""N simulated replicas behind a router (benchmarks/replicas_sim.py): every turn's context is the
 whole conversation whatever replica serves it, time never runs back, affinity keeps a
 conversation where its KV is."""
 

@@ -141,7 +141,7 @@ def test_fit_keeps_coefficients_non_negative_and_reports_error() -> None:
 
 
 def test_nnls_active_set_kkt() -> None:
-    from pensieve.sim.nnls import _nnls_active_set
+    from pensieve.sim.step_cost import _nnls_active_set
 
     rng = np.random.default_rng(0)
     for _ in range(20):

@@ -38,9 +38,20 @@ def test_results_over_the_limit_fail(tmp_path: Path) -> None:
 
 
 def test_long_source_file_fails(tmp_path: Path) -> None:
-    (tmp_path / "long.py").write_text("x = 1\n" * 501)
+    (tmp_path / "long.py").write_text("x = 1\n" * 600)
+    assert _check(str(tmp_path)).returncode == 0  # 600 lines: within the limit
+    (tmp_path / "long.py").write_text("x = 1\n" * 601)
     r = _check(str(tmp_path))
-    assert r.returncode == 1 and "501 lines" in r.stdout
+    assert r.returncode == 1 and "601 lines (limit 600)" in r.stdout
+
+
+def test_long_function_fails(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    (tmp_path / "f.py").write_text(f"def f():\n{body}")  # 80 lines
+    assert _check(str(tmp_path)).returncode == 0
+    (tmp_path / "f.py").write_text(f"def f():\n{body}    return 0\n")  # 81 lines
+    r = _check(str(tmp_path))
+    assert r.returncode == 1 and "f() 81 lines (limit 80)" in r.stdout
 
 
 def test_the_tree_is_within_the_limits() -> None:

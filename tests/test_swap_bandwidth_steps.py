@@ -39,9 +39,8 @@ def test_steps_back_to_back_move_the_reference_bytes(seed: int) -> None:
     rng = random.Random(seed)
     caches = list(torch.stack(make_caches(4, 24, 2, 1, 4, torch.float32)).unbind(0))
     sw = make_swapper(caches, 20, "staged", streams=SimStreams(rng), staging_chunks=2,
-                      in_groups=2)
-    sw._triton = False  # the torch reference of the gather / scatter
-    sw.out_groups = 2
+                      in_groups=2, out_groups=2)
+    sw.kernels.triton = False  # the torch reference of the gather / scatter
     gpu, cpu = snapshot(sw)
     plans = bw.step_plans(3, 5, 24, 20, rng)
     for p in plans:

@@ -151,9 +151,8 @@ def simulate(seed: int, steps: int = 8, method: str = "staged", ahead: bool = Tr
     caches = list(torch.stack(make_caches(layers, g_blocks, 2, 1, 4, torch.float32)).unbind(0))
     sim = SimStreams(rng, eagerness=rng.choice([0.2, 0.5, 0.8]))
     sw = make_swapper(caches, c_blocks, method, streams=sim, staging_chunks=1,
-                      ahead_waits=ahead_waits)
-    sw._triton = False  # the torch reference of the kernel: the streams are under test here
-    sw.out_groups = out_groups
+                      ahead_waits=ahead_waits, out_groups=out_groups)
+    sw.kernels.triton = False  # the torch reference of the kernel: the streams are under test
     gpu, cpu = snapshot(sw)
     busy: list[frozenset[int]] = []  # GPU blocks read by batches possibly in flight, oldest first
     out_events: list[Any] = []
@@ -272,7 +271,7 @@ def test_simulator_catches_a_group_copied_before_its_gather(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """By groups: a group's copies to the host that do not wait for its gather copy stale
     staging rows."""
-    real = swap_staged.StagedPaths._issue_out_staged
+    real = swap_staged.StagedCopies.issue_out
 
     def no_wait(self: Any, st: Any, pairs: Any, gather: Any, dma: Any) -> Any:
         wait = st.wait
@@ -282,7 +281,7 @@ def test_simulator_catches_a_group_copied_before_its_gather(
         finally:
             st.wait = wait
 
-    monkeypatch.setattr(swap_staged.StagedPaths, "_issue_out_staged", no_wait)
+    monkeypatch.setattr(swap_staged.StagedCopies, "issue_out", no_wait)
     failed = 0
     for seed in range(40):
         try:
@@ -293,8 +292,9 @@ def test_simulator_catches_a_group_copied_before_its_gather(
 
 
 def test_out_groups_default_at_most_one_per_layer() -> None:
-    assert make_swapper(make_caches(3, 8, 2, 1, 4, torch.float32), 8, "staged").out_groups == 3
-    assert make_swapper(make_caches(9, 8, 2, 1, 4, torch.float32), 8, "staged").out_groups == 8
+    for layers, groups in ((3, 3), (9, 8)):
+        sw = make_swapper(make_caches(layers, 8, 2, 1, 4, torch.float32), 8, "staged")
+        assert sw.staged is not None and sw.staged.out_groups == groups
 
 
 def test_deferred_background_copies_are_issued_by_end_step(
@@ -312,7 +312,7 @@ def test_deferred_background_copies_are_issued_by_end_step(
     monkeypatch.setattr(KVSwapper, "_issue_background", counting)
     sim = SimStreams(random.Random(0), eagerness=0.0)
     sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, "staged", streams=sim)
-    sw._triton = False
+    sw.kernels.triton = False
     gpu, cpu = snapshot(sw)
     first = SwapPlan(swap_in=[(0, 1)], swap_out=[(2, 3)], swap_in_ahead=[(4, 5)])
     sw.start_step(first, defer_background=True)
@@ -359,7 +359,7 @@ def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
     step's own swap-ins."""
     sim = SimStreams(random.Random(0), eagerness=0.0)
     sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, method, streams=sim)
-    sw._triton = False
+    sw.kernels.triton = False
     sw.start_step(SwapPlan(swap_in=[(0, 1)], swap_in_ahead=[(2, 3), (4, 5)]))
     assert sw.bytes_in == 3 * sw.num_layers * sw.block_bytes
     sw.finish_step()
@@ -381,7 +381,8 @@ def test_simulator_catches_a_staging_half_reused_too_early(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A gather into a half that does not wait for the copies out of it overwrites
     chunks not yet copied to the host."""
-    monkeypatch.setattr(KVSwapper, "_wait_half_free", lambda self, st, stream, h: None)
+    monkeypatch.setattr(swap_staged.StagedCopies, "_wait_half_free",
+                        lambda self, st, stream, h: None)
     assert _fails(range(60)) > 0
 
 
@@ -389,7 +390,8 @@ def test_simulator_catches_an_in_staging_half_reused_too_early(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Staged swap-ins by groups: copies into a half that do not wait for the scatter out of
     it overwrite chunks not yet scattered."""
-    monkeypatch.setattr(KVSwapper, "_wait_in_half", staticmethod(lambda st, dma, free: None))
+    monkeypatch.setattr(swap_staged.StagedCopies, "_wait_in_half",
+                        staticmethod(lambda st, dma, free: None))
     assert _fails(range(60)) > 0
 
 
@@ -424,7 +426,7 @@ def test_simulated_background_batches_stay_in_flight_across_steps(method: str) -
     sim = SimStreams(random.Random(0), eagerness=0.0)  # nothing runs unless waited for
     caches = list(torch.stack(make_caches(2, 8, 2, 1, 4, torch.float32)).unbind(0))
     sw = make_swapper(caches, 8, method, streams=sim, staging_chunks=1)
-    sw._triton = False
+    sw.kernels.triton = False
     gpu, cpu = snapshot(sw)
     plans = [SwapPlan(swap_out=[(0, 0), (1, 1)]), SwapPlan(swap_out=[(2, 2)]),
              SwapPlan(swap_in=[(1, 5)]), SwapPlan()]
@@ -446,7 +448,7 @@ def test_simulated_background_false_waits_at_end_step(method: str) -> None:
     sim = SimStreams(random.Random(0), eagerness=0.0)
     sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, method, streams=sim,
                       background=False)
-    sw._triton = False
+    sw.kernels.triton = False
     gpu, cpu = snapshot(sw)
     plan = SwapPlan(swap_out=[(0, 3)])
     sw.start_step(plan)
@@ -493,7 +495,7 @@ def test_cuda_default_is_staged_on_one_allocation() -> None:
     """On CUDA the default method is `staged` (the copy engines both ways, swap-ins by groups
     of layers); the engine's caches are views of one allocation."""
     sw = stacked_swapper(layers=2, blocks=8)
-    assert sw.method == "staged" and sw._gpu_stack is not None
+    assert sw.method == "staged" and sw.kernels.gpu_stack is not None
     assert KVSwapper(make_caches(device="cuda"), 4).method == "staged"
 
 
@@ -583,7 +585,7 @@ def test_cuda_random_steps_with_batches_in_flight(seed: int, stacked: bool, meth
     if stacked:
         caches = list(torch.stack(caches).unbind(0))
     sw = make_swapper(caches, c_blocks, method)
-    assert (sw._gpu_stack is not None) == stacked
+    assert (sw.kernels.gpu_stack is not None) == stacked
     torch.cuda.synchronize()
     gpu, cpu = snapshot(sw)
     for step in range(8):
@@ -636,7 +638,7 @@ def test_cuda_staging_halves_reused_by_batches_in_flight() -> None:
         sw.start_step(SwapPlan(swap_out=list(zip(src[part], cpu[part], strict=True))))
         counts.append(sw.end_step())
     assert counts == [1, 2, 3]
-    assert all(t.shape[0] == 8 for t in sw._out_stage)
+    assert all(t.shape[0] == 8 for t in sw.staged.out_stage)
     dst = list(range(128, 188))
     reads = swap_in_and_read(sw, cpu, dst)
     assert sw.end_step() == 0
@@ -682,8 +684,9 @@ def test_kernel_knobs_between_steps() -> None:
         run_step(sw, plan)
         apply_reference(gpu, cpu, plan)
         assert_tiers(sw, gpu, cpu)
-    assert sw._copies and all(c.num_programs == 64 for spans in sw._copies.values()
-                              for _, _, c in spans)
+    launches = sw.kernels.launches
+    assert launches and all(c.num_programs == 64 for spans in launches.values()
+                            for _, _, c in spans)
     with pytest.raises(ValueError):
         sw.num_programs = 0
 
@@ -695,7 +698,7 @@ def test_staged_swap_ins_pipelined_by_groups_of_layers(in_groups: int) -> None:
     caches = list(torch.stack(make_caches(4, 10, 2, 1, 4, torch.float32)).unbind(0))
     sim = SimStreams(random.Random(0), eagerness=0.0)
     sw = make_swapper(caches, 8, "staged", streams=sim, in_groups=in_groups, staging_chunks=2)
-    sw._triton = False
+    sw.kernels.triton = False
     gpu, cpu = snapshot(sw)
     plan = SwapPlan(swap_in=[(1, 3), (2, 5), (6, 7)])
     ready = sw.start_step(plan)
@@ -736,7 +739,7 @@ def test_staged_swap_ins_by_halves_and_whole_buffer_pieces(seed: int, layers: in
     sim = SimStreams(rng, eagerness=rng.choice([0.0, 0.3, 0.9]))
     sw = make_swapper(caches, 12, "staged", streams=sim, in_groups=in_groups,
                       staging_chunks=staging)
-    sw._triton = False
+    sw.kernels.triton = False
     groups = swap_staged.layer_groups(layers, in_groups)
     halved = {(a, b) for a, b in groups if staging * layers // (b - a) >= 2}
     # (3, 2, 1): the whole buffer, then halves; (5, 2, 1): halves, then the whole buffer

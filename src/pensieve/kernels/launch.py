@@ -260,7 +260,7 @@ def attention_choice(num_tokens: int, num_heads: int, num_kv_heads: int, head_di
                      num_ranges: int, max_query_len: int, device: torch.device,
                      long_context: bool = False) -> tuple[tuple[int, int, int, int], int]:
     """The tiles and KV split count :func:`paged_attention_triton` picks itself (given
-    neither) for a launch of this shape (what ``pensieve bench long-attention`` reports)."""
+    neither) for a launch of this shape (what ``benchmarks/long_attention.py`` reports)."""
     group = num_heads // num_kv_heads
     tiles = _attention_tiles(max_query_len * group, num_tokens * group / num_ranges, head_dim,
                              device.type == "cuda", long_context)

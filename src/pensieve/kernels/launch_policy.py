@@ -171,7 +171,7 @@ def auto_kv_splits(programs: int, num_tokens: int, num_heads: int, head_dim: int
 
     Chosen by measurement. Short steps (docs/performance.md, "KV splits for decode"): a decode
     grid of fewer programs split its KV faster, larger ones ran best unsplit. Long steps
-    (``pensieve bench long-attention --sweep`` on the H200, 32k-128k, 8 KV heads,
+    (``python benchmarks/long_attention.py --sweep`` on the H200, 32k-128k, 8 KV heads,
     docs/results/long_context/long_attention.json): every split of a long context still
     streams thousands of KV positions, so one wave of programs has no tail to hide, and more
     splits only add partial outputs to combine. The fastest split count was 32 for one

@@ -3,7 +3,7 @@
 A swap of n scattered chunks is n copies (or n per group of layers). Issued one
 ``cudaMemcpyAsync`` at a time from Python their host time sank the grouped copies;
 ``cuMemcpyBatchAsync`` (CUDA 12.8+ drivers) takes them all in one call (chosen by
-measurement: docs/performance.md, "Swaps between the GPU and CPU tiers", the item "Staged
+measurement: docs/performance_history.md, "Swaps between the GPU and CPU tiers", the item "Staged
 swap-ins by groups of layers, in one driver call per group").
 
 :class:`CopyEngine` takes the copies as numpy arrays of addresses and sizes (built by

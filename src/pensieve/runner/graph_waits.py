@@ -3,7 +3,7 @@
 A captured graph cannot wait on the swapper's events, which are new each step: without these
 waits a step with prefill replayed from a mixed-step graph waits for *every* layer's swap-ins
 before its first layer, and a step with many swap-ins is better run eagerly (layer-pipelined,
-but paying the host time of issuing an eager forward: docs/performance.md, "Steps with
+but paying the host time of issuing an eager forward: docs/performance_history.md, "Steps with
 swap-ins: inputs first, graphs that wait per group").
 
 :class:`GraphLayerWaits` gives the mixed-step graphs one fixed *external* CUDA event per

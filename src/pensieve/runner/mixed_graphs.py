@@ -31,7 +31,7 @@ from pensieve.runner.step_layout import range_layout
 MIXED_GRAPH_MAX_TOKENS = 512
 """Mixed steps of more tokens run eagerly: past a few hundred prefill tokens an eager step's
 host time already hides behind the GPU's work, while a graph padded to a coarse bucket pays
-for its padding tokens (docs/performance.md, "Steps with prefill tokens: mixed-step CUDA
+for its padding tokens (docs/performance_history.md, "Steps with prefill tokens: mixed-step CUDA
 graphs"). Graphs pay off where the host's launch time dominates: few prefill tokens."""
 
 
@@ -48,7 +48,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 MIXED_TILES = (64, 64, 4, 3)
 """Attention tiles of mixed-step graphs: the shape the launcher picks for batches of short
-and long ranges together (docs/performance.md, "Attention kernel")."""
+and long ranges together (docs/performance_history.md, "Attention kernel")."""
 
 
 class MixedGraphs(StepGraphs):
@@ -81,11 +81,11 @@ class MixedGraphs(StepGraphs):
         split by a span set per step, where the step's decodes are ragged (``span_mode``: as
         :data:`~pensieve.kernels.launch_policy.DECODE_SPAN_MODE`);
         a step whose decodes are not puts them with its other ranges and leaves the decode
-        launch empty (a launch of their own cost more there: docs/performance.md, "Steps with
-        prefill over ragged decodes"). ``kv_splits``: the other ranges' attention splits
-        KV by a span set per step (the default: unsplit, a turn of a few tokens after thousands
-        of cached ones runs on a few programs per KV head; docs/performance.md, "KV splits for
-        the turns of mixed-step graphs"); tests compare it with False."""
+        launch empty (a launch of their own cost more there: docs/performance_history.md,
+        "Steps with prefill over ragged decodes"). ``kv_splits``: the other ranges' attention
+        splits KV by a span set per step (the default: unsplit, a turn of a few tokens after
+        thousands of cached ones runs on a few programs per KV head; docs/performance_history.md,
+        "KV splits for the turns of mixed-step graphs"); tests compare it with False."""
         if min(max_tokens, max_ranges, max_blocks) < 1:
             raise ValueError(f"max_tokens {max_tokens}, max_ranges {max_ranges} and max_blocks "
                              f"{max_blocks} must be >= 1")

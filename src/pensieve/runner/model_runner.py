@@ -58,11 +58,11 @@ class StepInputs:
 
 GRAPH_SWAP_IN_WAIT_S = 3e-3
 """The longest wait for swap-ins worth a graph replay: an eager step with prefill costs more
-host time than its graph (docs/performance.md, "Steps with prefill tokens: mixed-step CUDA
+host time than its graph (docs/performance_history.md, "Steps with prefill tokens: mixed-step CUDA
 graphs")."""
 SWAP_GBPS = 47.0
 """The swap-in rate the runner plans with, GB/s: the swap kernel's, random block ids, as
-``pensieve bench swaps`` measured it (docs/performance.md, "Swaps between the GPU and CPU
+``pensieve bench swaps`` measured it (docs/performance_history.md, "Swaps between the GPU and CPU
 tiers")."""
 
 

@@ -1,10 +1,10 @@
-"""The swapper's copy strategies: the ``staged`` method's swap kernel launches (urgent
-swap-outs, gathers into and scatters out of the staging buffers) and staging halves, and the
-``dma`` method's batching (:mod:`pensieve.runner.swapper` explains each method and when it
-runs).
-
-:class:`CopyPaths` holds the copy machinery :class:`~pensieve.runner.swapper.KVSwapper` builds
-on; the host tier is allocated by :func:`allocate_host_tier`.
+"""The swapper's copy paths as objects that :class:`~pensieve.runner.swapper.KVSwapper` holds
+(:mod:`pensieve.runner.swapper` explains each method and when it runs): the swap kernel's
+launches (:class:`SwapKernels`: urgent swap-outs, gathers into and scatters out of the staging
+buffers) and the ``dma`` method's copies (:class:`DmaCopies`); the ``staged`` method's copies
+through the staging buffers are :class:`~pensieve.runner.swap_staged.StagedCopies`. Also the
+host tier's allocation (:func:`allocate_host_tier`) and what a step keeps referenced
+(:class:`Step`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from typing import Any
 import torch
 
 from pensieve.core.outputs import SwapPlan
-from pensieve.runner.copy_engine import CopyEngine
-from pensieve.runner.swap_staged import DEFAULT_OUT_GROUPS, StagedPaths, groups_of
-from pensieve.runner.swap_streams import CudaStreams, InFlight, OutBatch, Streams
 
 LayerReady = Callable[[int], None]
 METHODS = ("staged", "dma")
@@ -145,58 +142,37 @@ def allocate_host_tier(num_cpu_blocks: int, num_layers: int, block_shape: tuple[
     return host, layers, view, pinned
 
 
-class CopyPaths(StagedPaths):
-    """Staged and DMA copies of :class:`~pensieve.runner.swapper.KVSwapper` (whose
-    constructor sets the state they share)."""
+class SwapKernels:
+    """The swap kernel's launches between the GPU caches and another tier (the host tier or a
+    staging buffer), built at first use per key and kept (:attr:`launches`).
 
-    def _init_copies(self, streams: Streams | None) -> None:
-        """The copy paths' state: kernel launches, staging buffers, streams."""
-        self._copies: dict[tuple[Any, ...], list[tuple[int, int, Any]]] = {}
-        """Kernel launches per (other tier, towards the GPU): ``(first_layer, end_layer, copy)``
-        covering the layers (one span when the caches are stacked), built at first use. Other
-        tiers: ``"host"``, the out-staging halves ``"out0"`` / ``"out1"``, the in-staging
-        buffer ``"in"`` (all layers; by groups of layers: ``("in", first, end, rows)``)."""
-        self._out_stage: list[torch.Tensor] = []
-        """Staged: the two ``[rows, L, 2, C, Hkv, D]`` device staging halves of the
-        swap-outs (rows <= staging_chunks; grown on demand)."""
-        self._half_free: list[Any] = [None, None]
-        """Event after the last copy out of each half (None: free)."""
-        self._next_half = 0
-        self._in_stage: torch.Tensor | None = None
-        """Staged: the ``[rows, L, 2, C, Hkv, D]`` device staging buffer of the swap-ins."""
-        self._streams: Streams | None = streams
-        self._stream: torch.cuda.Stream | None = None  # DMA on CUDA
-        if self._cuda and self.method == "staged":
-            self._streams = CudaStreams(self.device)
-        elif self._cuda:
-            # High priority: the swap-in scatter kernels should not queue behind compute.
-            self._stream = torch.cuda.Stream(self.device, priority=-1)
-        self._staging = torch.empty(0, dtype=self.gpu_caches[0].dtype, device=self.device)
-        """DMA: the staging buffer of runs whose GPU blocks are not consecutive."""
-        self.out_groups = groups_of(None, "out_groups", DEFAULT_OUT_GROUPS, self.num_layers)
-        """Staged: groups of layers the background swap-outs are gathered and copied
-        to the host by (:meth:`_issue_out_staged`)."""
-        self._engine = CopyEngine(self.device)
-        """Staged: the copies between the staging buffers and the host tier."""
-        self._chunk_bytes = self.num_layers * self.block_bytes
-        """Bytes of one chunk of every layer (a row of the chunk-major tiers)."""
+    ``gpu_caches``: the per-layer ``[2, N, C, Hkv, D]`` caches; when they are evenly spaced
+    views of one storage (:func:`stacked_layers`) one launch covers every layer, else one
+    per layer. ``num_programs``: the kernel's persistent grid. ``triton``: the Triton kernel
+    (CUDA or Triton's interpreter), else its torch reference (:class:`RefCopy`; set before
+    the first launch)."""
 
-    def _issue_out(self, st: Streams, plan: SwapPlan, compute_done: Any, after: Any) -> None:
-        """Issue ``plan``'s background swap-outs on the out stream, after ``compute_done``
-        (the compute before the step) and ``after`` (an in-stream event, or None), and put
-        the batch in flight."""
-        s = st.out_stream
-        st.wait(s, compute_done)
-        if after is not None:
-            st.wait(s, after)
-        event, refs = self._issue_out_staged(st, plan.swap_out, s, st.dma_stream)
-        touches = InFlight(frozenset(c for _, c in plan.swap_out),
-                           frozenset(g for g, _ in plan.swap_out))
-        self._in_flight.append(OutBatch(event, refs, touches))
+    def __init__(self, gpu_caches: list[torch.Tensor], num_programs: int, triton: bool) -> None:
+        self.gpu_caches = gpu_caches
+        self.num_layers = len(gpu_caches)
+        self.gpu_stack = stacked_layers(gpu_caches)
+        """``[num_layers, 2, ...]`` view of the GPU caches when they are evenly spaced views of
+        one storage; None: one launch per layer."""
+        self.triton = triton
+        self._num_programs = num_programs
+        self._tile_bytes: int | None = None
+        self.launches: dict[tuple[Any, ...], list[tuple[int, int, Any]]] = {}
+        """Launches per key: ``(first_layer, end_layer, copy)`` covering the key's layers (one
+        span when the caches are stacked). Keys name the other tier and the direction:
+        ``("host", to_gpu)``, the out-staging halves ``("out0", False)`` / ``("out1",
+        False)``, the in-staging buffer ``("in", True)``; by groups of layers
+        ``(name, first, end, rows, ...)``."""
+        self.num_copies = 0
+        """Kernel launches issued."""
 
     @property
     def num_programs(self) -> int:
-        """Persistent grid of each kernel launch (may be changed between steps)."""
+        """Persistent grid of each launch (may be changed between steps)."""
         return self._num_programs
 
     @num_programs.setter
@@ -204,14 +180,14 @@ class CopyPaths(StagedPaths):
         if value < 1:
             raise ValueError(f"num_programs {value} < 1")
         self._num_programs = value
-        for spans in self._copies.values():
+        for spans in self.launches.values():
             for _, _, copy in spans:
                 copy.num_programs = value
 
     @property
     def tile_bytes(self) -> int | None:
-        """Bytes per program per loop iteration of the kernel (None: the launcher's
-        default); may be changed between steps (the benchmark's sweep)."""
+        """Bytes per program per loop iteration (None: the launcher's default); may be
+        changed between steps (the benchmark's sweep)."""
         return self._tile_bytes
 
     @tile_bytes.setter
@@ -219,35 +195,24 @@ class CopyPaths(StagedPaths):
         from pensieve.kernels.launch_swap import DEFAULT_TILE_BYTES
 
         self._tile_bytes = value
-        for spans in self._copies.values():
+        for spans in self.launches.values():
             for _, _, copy in spans:
                 copy.tile_bytes = value or DEFAULT_TILE_BYTES
 
-    def _tier(self, name: str) -> Any:
-        """``[L, 2, blocks, C, Hkv, D]`` view of the tier ``name`` (see :attr:`_copies`)."""
-        if name == "host":
-            return self._host_view
-        t = self._in_stage if name == "in" else self._out_stage[int(name[-1])]
-        assert t is not None
-        return t.permute(1, 2, 0, 3, 4, 5)
-
-    def _copier(self, name: str, to_gpu: bool) -> list[tuple[int, int, Any]]:
-        return self._spans((name, to_gpu), self._tier(name), to_gpu, 0, self.num_layers)
-
-    def _spans(self, key: tuple[Any, ...], other: Any, to_gpu: bool, first: int, end: int
-               ) -> list[tuple[int, int, Any]]:
-        """Kernel launches ``(first_layer, end_layer, copy)`` (relative to ``first``) between
-        the GPU caches' layers ``[first, end)`` and ``other`` (``[end - first, 2, blocks, C,
-        Hkv, D]``), built once per ``key``."""
-        spans = self._copies.get(key)
+    def spans(self, key: tuple[Any, ...], other: Any, to_gpu: bool, first: int, end: int
+              ) -> list[tuple[int, int, Any]]:
+        """Launches ``(first_layer, end_layer, copy)`` (relative to ``first``) between the GPU
+        caches' layers ``[first, end)`` and ``other`` (``[end - first, 2, blocks, C, Hkv,
+        D]``), towards the GPU if ``to_gpu``; built once per ``key``."""
+        spans = self.launches.get(key)
         if spans is not None:
             return spans
-        if self._gpu_stack is not None:
-            pieces = [(0, end - first, self._gpu_stack[first:end], other)]
+        if self.gpu_stack is not None:
+            pieces = [(0, end - first, self.gpu_stack[first:end], other)]
         else:
             pieces = [(i - first, i - first + 1, self.gpu_caches[i].unsqueeze(0),
                        other[i - first:i - first + 1]) for i in range(first, end)]
-        if self._triton:
+        if self.triton:
             from pensieve.kernels.launch_swap import BlockCopy
 
             def make(src: Any, dst: Any) -> Any:
@@ -258,95 +223,94 @@ class CopyPaths(StagedPaths):
         else:
             make = RefCopy
         spans = [(a, b, make(o, g) if to_gpu else make(g, o)) for a, b, g, o in pieces]
-        self._copies[key] = spans
+        self.launches[key] = spans
         return spans
 
-    def _kernel(self, pairs: torch.Tensor, to_gpu: bool, start: int, stop: int,
-                tier: str = "host") -> None:
-        """Copy ``pairs`` (src, dst) for layers ``[start, stop)`` between the GPU caches and
-        ``tier`` (see :attr:`_copies`): towards the GPU if ``to_gpu``."""
-        for a, b, copy in self._copier(tier, to_gpu):
+    def forget(self, *names: str) -> None:
+        """Drop the launches of the tiers ``names`` (a staging buffer that was replaced)."""
+        for key in [k for k in self.launches if k[0] in names]:
+            del self.launches[key]
+
+    def launch(self, spans: list[tuple[int, int, Any]], pairs: torch.Tensor, start: int,
+               stop: int) -> None:
+        """Copy ``pairs`` (src, dst) for layers ``[start, stop)`` through ``spans``."""
+        for a, b, copy in spans:
             if a < stop and start < b:
                 copy(pairs, max(start, a) - a, min(stop, b) - a)
                 self.num_copies += 1
 
-    def _compile(self) -> None:
-        """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
-        block 0 to CPU block 0 (an urgent swap-out's launch), then through the staging buffers
-        out and back in, which changes no GPU byte (and allocates the buffers with one row)."""
-        assert self._streams is not None
-        pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
-        layers = self.num_layers
-        s = self._streams.in_stream
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            self._kernel(pairs, False, 0, layers)
-            self._grow_out(1)
-            for _ in range(2):  # both halves, by the swap-outs' groups of layers
-                self._issue_out_staged(self._streams, [(0, 0)], s, s)
-            # CPU block 0 holds GPU block 0 now
-            self._issue_in_staged(self._streams, s, [(0, 0)])
-            self._issue_in_staged(self._streams, s, [(0, 0)], self.in_groups)
-        s.synchronize()
+    def run_all(self, spans: list[tuple[int, int, Any]], pairs: torch.Tensor) -> None:
+        """Copy ``pairs`` through every launch of ``spans`` (a group's gather or scatter)."""
+        for a, b, copy in spans:
+            copy(pairs, 0, b - a)
+            self.num_copies += 1
+
+
+class DmaCopies:
+    """The ``dma`` method's copies: one per run of consecutive CPU ids per layer, through a
+    staging buffer when the GPU ids of a run are not consecutive; on CUDA on one copy stream
+    (high priority) with an event per layer.
+
+    ``gpu_caches`` / ``cpu_caches``: the per-layer ``[2, blocks, C, Hkv, D]`` tiers (the host
+    tier layer-major). ``num_copies``: copies issued (K and V per run per layer)."""
+
+    def __init__(self, gpu_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor],
+                 num_cpu_blocks: int) -> None:
+        first = gpu_caches[0]
+        self.gpu_caches, self.cpu_caches = gpu_caches, cpu_caches
+        self.num_layers = len(gpu_caches)
+        self.num_gpu_blocks, self.num_cpu_blocks = first.shape[1], num_cpu_blocks
+        self.block_shape = tuple(first.shape[2:])
+        self.device = first.device
+        self._cuda = self.device.type == "cuda"
+        self.stream: torch.cuda.Stream | None = None
+        if self._cuda:
+            # High priority: the swap-in copies should not queue behind compute.
+            self.stream = torch.cuda.Stream(self.device, priority=-1)
+        self.staging = torch.empty(0, dtype=first.dtype, device=self.device)
+        """The staging buffer of runs whose GPU blocks are not consecutive (grown to the
+        largest list, kept)."""
         self.num_copies = 0
 
-    # ------------------------------------------------------------------ DMA
+    def batch_plan(self, plan: SwapPlan) -> Step:
+        """The three lists batched (runs and staging, grown to the largest list)."""
+        out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
+        swap_in = self._batch([(g, c) for c, g in plan.swap_in])
+        swap_out = self._batch([(g, c) for g, c in plan.swap_out])
+        staged = [b.n for b in (out_first, swap_in, swap_out) if b is not None and b.gpu is None]
+        need = 2 * max(staged, default=0) * self.gpu_caches[0][0, 0].numel()
+        if need > self.staging.numel():
+            self.staging = torch.empty(need, dtype=self.staging.dtype, device=self.device)
+        return Step(out_first, swap_in, swap_out)
 
-    def _batch_plan(self, plan: SwapPlan) -> Step:
-        """Synchronous and DMA paths: the three lists batched (DMA: runs and staging, grown
-        to the largest list; staged: the pairs, urgent swap-outs as a pair tensor)."""
-        if self.method == "staged":
-            def t(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
-                return torch.tensor(pairs, dtype=torch.int64) if pairs else None
-
-            def staged(pairs: list[tuple[int, int]]) -> Staged | None:
-                return Staged(list(pairs)) if pairs else None
-
-            step = Step(t(plan.swap_out_first), staged(plan.swap_in), staged(plan.swap_out))
-        else:
-            out_first = self._batch([(g, c) for g, c in plan.swap_out_first])
-            swap_in = self._batch([(g, c) for c, g in plan.swap_in])
-            swap_out = self._batch([(g, c) for g, c in plan.swap_out])
-            staged = [b.n for b in (out_first, swap_in, swap_out)
-                      if b is not None and b.gpu is None]
-            need = 2 * max(staged, default=0) * self.gpu_caches[0][0, 0].numel()
-            if need > self._staging.numel():
-                self._staging = torch.empty(need, dtype=self._staging.dtype, device=self.device)
-            step = Step(out_first, swap_in, swap_out)
-        return step
-
-    def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
-        assert self._stream is not None
+    def issue_on_stream(self, prepare: Callable[[], Step]) -> Step:
+        """CUDA: on the copy stream, after the compute stream's work so far, ``prepare`` the
+        step (its index uploads go on the copy stream) and issue all its copies, layer by
+        layer: urgent swap-outs, swap-ins (an event after each layer's), swap-outs. The
+        step's ``events``: one per layer that the layer's compute waits for (empty: none)."""
+        assert self.stream is not None
         compute = torch.cuda.current_stream(self.device)
         compute_done = torch.cuda.Event()
         compute_done.record(compute)
-        with torch.cuda.stream(self._stream):
-            step = self._prepare(plan)  # index uploads go on the copy stream
-            self._stream.wait_event(compute_done)
+        with torch.cuda.stream(self.stream):
+            step = prepare()
+            self.stream.wait_event(compute_done)
             for layer in range(self.num_layers):
-                self._copy_out(step.out_first, layer)
+                self.copy_out(step.out_first, layer)
             events: list[torch.cuda.Event] = []
             if step.swap_in is not None:
                 for layer in range(self.num_layers):
-                    self._copy_in(step.swap_in, layer)
+                    self.copy_in(step.swap_in, layer)
                     events.append(torch.cuda.Event())
-                    events[-1].record(self._stream)
+                    events[-1].record(self.stream)
             elif step.out_first is not None:
                 events.append(torch.cuda.Event())
-                events[-1].record(self._stream)
+                events[-1].record(self.stream)
                 events *= self.num_layers
             for layer in range(self.num_layers):
-                self._copy_out(step.swap_out, layer)
+                self.copy_out(step.swap_out, layer)
         step.events = events
-        self._step = step
-        if not events:
-            return None
-
-        def layer_ready(i: int) -> None:
-            self._check_layer(i)
-            torch.cuda.current_stream(self.device).wait_event(events[i])
-
-        return layer_ready
+        return step
 
     def _batch(self, pairs: Sequence[tuple[int, int]]) -> Batch | None:
         """``pairs``: (gpu_block, cpu_block), validated. Sorted by CPU block, cut into
@@ -375,11 +339,11 @@ class CopyPaths(StagedPaths):
 
     def _stage(self, n: int) -> torch.Tensor:
         """``[2, n, chunk_size, num_kv_heads, head_dim]`` contiguous view of the staging buffer."""
-        return self._staging[: 2 * n * self.gpu_caches[0][0, 0].numel()].view(
+        return self.staging[: 2 * n * self.gpu_caches[0][0, 0].numel()].view(
             2, n, *self.block_shape
         )
 
-    def _copy_out(self, b: Batch | None, layer: int) -> None:
+    def copy_out(self, b: Batch | None, layer: int) -> None:
         """DMA: GPU -> CPU copies of one layer (on the current stream)."""
         if b is None:
             return
@@ -395,7 +359,7 @@ class CopyPaths(StagedPaths):
         torch._foreach_copy_(dst, src, non_blocking=True)
         self.num_copies += len(dst)
 
-    def _copy_in(self, b: Batch | None, layer: int) -> None:
+    def copy_in(self, b: Batch | None, layer: int) -> None:
         """DMA: CPU -> GPU copies of one layer (on the current stream)."""
         if b is None:
             return

@@ -140,7 +140,7 @@ class CudaStreams:
     the current stream itself, on a device with an explicit index, where
     ``torch.cuda.stream(...)`` and ``torch.cuda.current_stream()`` look the current device up
     through several Python calls each time (a large share of the host time of issuing a
-    step's staged swap-ins: docs/performance.md, "Host time of steps with prefill, and what
+    step's staged swap-ins: docs/performance_history.md, "Host time of steps with prefill, and what
     the server's step log shows", "Phase by phase")."""
 
     def __init__(self, device: torch.device) -> None:

@@ -37,14 +37,18 @@ Methods (:data:`METHODS`):
   the GPU cache and writing the device-mapped host tier. Why staged: both directions through
   the copy engines keep their concurrent rate, where SM reads of the mapped tier take rate
   from the copy engines' writes the other way (measurements of the alternatives in
-  docs/performance.md, "Swaps between the GPU and CPU tiers").
+  docs/performance_history.md, "Swaps between the GPU and CPU tiers").
 - ``"dma"`` (the CPU's; on CUDA, when asked for, on one copy stream with an event per layer):
   one copy per run of consecutive CPU ids per layer, through a staging buffer when the GPU ids
   of a run are not consecutive.
 
-Copy streams, events and the cross-stream hazards on CUDA are described in
-:mod:`pensieve.runner.swap_streams`; the copy strategies live in
-:mod:`pensieve.runner.swap_copies` and :mod:`pensieve.runner.swap_staged`. Index tensors are
+Composition. :class:`KVSwapper` decides what is copied when, and holds the copy paths as
+objects: the swap kernel's launches (:class:`~pensieve.runner.swap_copies.SwapKernels`, every
+method's urgent swap-outs on the staged one), the staged method's staging buffers and copy
+engine (:class:`~pensieve.runner.swap_staged.StagedCopies`), or the DMA method's copies
+(:class:`~pensieve.runner.swap_copies.DmaCopies`), and the copy streams
+(:class:`~pensieve.runner.swap_streams.Streams`). Copy streams, events and the cross-stream
+hazards on CUDA are described in :mod:`pensieve.runner.swap_streams`. Index tensors are
 uploaded on the stream that uses them and kept referenced until that work is known done.
 
 The host tier is page-locked and device-mapped (``cudaHostRegister``) when the GPU caches are
@@ -69,17 +73,18 @@ from pensieve.runner.swap_copies import (
     DEFAULT_STAGING_CHUNKS,
     METHODS,
     Batch,
-    CopyPaths,
+    DmaCopies,
     LayerReady,
     Staged,
     Step,
+    SwapKernels,
     allocate_host_tier,
     check_caches,
-    stacked_layers,
 )
-from pensieve.runner.swap_paths import ahead_waits_of, in_groups_of
+from pensieve.runner.swap_staged import StagedCopies, ahead_waits_of, in_groups_of
 from pensieve.runner.swap_streams import (
     IMMEDIATE,
+    CudaStreams,
     InFlight,
     OutBatch,
     StepWaits,
@@ -93,7 +98,7 @@ __all__ = ["DEFAULT_STAGING_CHUNKS", "METHODS", "InFlight", "KVSwapper", "StepWa
            "pop_completed", "step_waits"]
 
 
-class KVSwapper(CopyPaths):
+class KVSwapper:
     """The CPU tier plus the step's swap copies (see the module docstring for the rules).
 
     ``gpu_caches``: one ``[2, num_gpu_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per
@@ -108,10 +113,11 @@ class KVSwapper(CopyPaths):
     staging piece and half of the staged method (None: :data:`DEFAULT_STAGING_CHUNKS`).
     ``background``: False makes :meth:`end_step` wait for the background swap-outs too (the
     runner's choice under tensor parallelism, where only rank 0's count reaches the
-    scheduler). ``in_groups``: the groups of layers staged swap-ins are copied by (None:
-    :data:`~pensieve.runner.swap_staged.DEFAULT_IN_GROUPS`). ``ahead_waits``: how the next
-    step waits for ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
-    (:func:`~pensieve.runner.swap_paths.ahead_waits_of`; None: ``"layers"`` where it
+    scheduler). ``in_groups`` / ``out_groups``: the groups of layers staged swap-ins /
+    background swap-outs are copied by (None: ``DEFAULT_IN_GROUPS`` / ``DEFAULT_OUT_GROUPS`` of
+    :mod:`~pensieve.runner.swap_staged`). ``ahead_waits``: how the next step waits for
+    ``swap_in_ahead`` copies, ``"all"`` or ``"layers"``
+    (:func:`~pensieve.runner.swap_staged.ahead_waits_of`; None: ``"layers"`` where it
     applies). ``streams``: for tests, a :class:`Streams` to run the staged method's stream
     logic on CPU tensors.
     """
@@ -127,6 +133,7 @@ class KVSwapper(CopyPaths):
         background: bool = True,
         streams: Streams | None = None,
         in_groups: int | None = None,
+        out_groups: int | None = None,
         ahead_waits: str | None = None,
     ) -> None:
         check_caches(gpu_caches, num_cpu_blocks)
@@ -148,10 +155,6 @@ class KVSwapper(CopyPaths):
         if staging_chunks is not None and staging_chunks < 1:
             raise ValueError(f"staging_chunks {staging_chunks} < 1")
         self.method = method
-        from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
-
-        self._num_programs = num_programs or DEFAULT_PROGRAMS
-        self._tile_bytes: int | None = None
         self.background = background
         self.staging_chunks = staging_chunks or DEFAULT_STAGING_CHUNKS  # per piece and half
         self.in_groups = in_groups_of(in_groups, self.num_layers)
@@ -169,11 +172,23 @@ class KVSwapper(CopyPaths):
         self.cpu_caches: list[torch.Tensor] = list(layers.unbind(0))
         """One ``[2, num_cpu_blocks, chunk_size, num_kv_heads, head_dim]`` view per layer of
         :attr:`host_tier` (contiguous only when layer-major)."""
-        self._gpu_stack = stacked_layers(gpu_caches)
-        """``[num_layers, 2, ...]`` view of the GPU caches when they are evenly spaced views of
-        one storage; None: one launch per layer."""
-        self._triton = self._cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        self._init_copies(streams)
+        from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS
+
+        self.kernels = SwapKernels(gpu_caches, num_programs or DEFAULT_PROGRAMS,
+                                   self._cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        """The swap kernel's launches (urgent swap-outs; staged gathers and scatters)."""
+        self.staged: StagedCopies | None = None  # the staged method's copies, or
+        self.dma: DmaCopies | None = None  # the DMA method's
+        if method == "staged":
+            self.staged = StagedCopies(self.kernels, self._host, self.block_bytes,
+                                       self.staging_chunks, out_groups)
+        else:
+            self.dma = DmaCopies(gpu_caches, self.cpu_caches, num_cpu_blocks)
+        self._streams: Streams | None = streams
+        """The staged method's copy streams: CUDA's, or a test's simulator (None: DMA, or the
+        synchronous path on the CPU)."""
+        if self._cuda and method == "staged":
+            self._streams = CudaStreams(self.device)
         self._step: Step | None = None
         self._deferred: Callable[[], None] | None = None  # start_step's deferred copies
         self._in_flight: deque[OutBatch] = deque()
@@ -183,9 +198,6 @@ class KVSwapper(CopyPaths):
         the newest (one stream: it covers the older), before anything or layer by layer."""
         self.bytes_in = self.bytes_out = 0
         """Cumulative bytes copied CPU -> GPU and GPU -> CPU (K and V, all layers)."""
-        self.num_copies = 0
-        """Cumulative host<->device copies (DMA: K and V per run per layer; staged: per run, or
-        per chunk per group of layers) plus kernel launches."""
         if self._cuda and method == "staged" and num_cpu_blocks and self.num_gpu_blocks:
             self._compile()
 
@@ -214,7 +226,7 @@ class KVSwapper(CopyPaths):
         if plan.swap_in_ahead:  # synchronous paths: copied with the step's own swap-ins
             plan = SwapPlan(plan.swap_out_first, plan.swap_in + plan.swap_in_ahead,
                             plan.swap_out)
-        if self._stream is not None:
+        if self.dma is not None and self.dma.stream is not None:
             return self._start_dma_cuda(plan)
         step = self._prepare(plan)
         for_all = range(self.num_layers)
@@ -286,6 +298,32 @@ class KVSwapper(CopyPaths):
         """Background batches not yet seen complete (as of the last :meth:`end_step`)."""
         return len(self._in_flight)
 
+    @property
+    def num_copies(self) -> int:
+        """Cumulative host<->device copies (DMA: K and V per run per layer; staged: per run, or
+        per chunk per group of layers) plus kernel launches."""
+        return self.kernels.num_copies + sum(p.num_copies for p in (self.staged, self.dma)
+                                             if p is not None)
+
+    @property
+    def num_programs(self) -> int:
+        """Persistent grid of each kernel launch (may be changed between steps)."""
+        return self.kernels.num_programs
+
+    @num_programs.setter
+    def num_programs(self, value: int) -> None:
+        self.kernels.num_programs = value
+
+    @property
+    def tile_bytes(self) -> int | None:
+        """Bytes per program per loop iteration of the kernel (None: the launcher's
+        default); may be changed between steps (the benchmark's sweep)."""
+        return self.kernels.tile_bytes
+
+    @tile_bytes.setter
+    def tile_bytes(self, value: int | None) -> None:
+        self.kernels.tile_bytes = value
+
     # ------------------------------------------------------------------ streams
 
     def issue_background(self) -> None:
@@ -296,8 +334,8 @@ class KVSwapper(CopyPaths):
 
     def _start_streams(self, plan: SwapPlan, ahead: list[Any] | None, defer: bool
                        ) -> LayerReady | None:
-        st = self._streams
-        assert st is not None
+        st, staged = self._streams, self.staged
+        assert st is not None and staged is not None
         plan.check(self.num_gpu_blocks, self.num_cpu_blocks)
         waits = step_waits(plan, [b.touches for b in self._in_flight])
         self._count(plan)
@@ -313,10 +351,10 @@ class KVSwapper(CopyPaths):
             s = st.in_stream
             if plan.swap_out_first:
                 step.out_first = st.upload(s, plan.swap_out_first)
-                st.run(s, functools.partial(self._kernel, step.out_first, False, 0, layers))
+                st.run(s, functools.partial(self.kernels.launch, self._host_spans(False),
+                                            step.out_first, 0, layers))
             if plan.swap_in:
-                step.swap_in, events = self._issue_in_staged(st, s, plan.swap_in,
-                                                             self.in_groups)
+                step.swap_in, events = staged.issue_in(st, s, plan.swap_in, self.in_groups)
             else:
                 events = [st.record(s)] * layers
             step.in_done = events[-1]
@@ -337,18 +375,33 @@ class KVSwapper(CopyPaths):
                           out_after_in: bool) -> None:
         """A step's copies its compute does not wait for: ``swap_in_ahead`` after its
         swap-ins on the in stream, then the background ``swap_out`` on the out stream."""
+        staged = self.staged
+        assert staged is not None
         if plan.swap_in_ahead:  # after the step's swap-ins; this step's compute never waits
             s = st.in_stream
             by_layer: list[Any] | None = None
             if self.ahead_waits == "layers":  # by groups, as the step's own swap-ins
-                refs, by_layer = self._issue_in_staged(st, s, plan.swap_in_ahead,
-                                                       self.in_groups)
+                refs, by_layer = staged.issue_in(st, s, plan.swap_in_ahead, self.in_groups)
             else:
-                refs = self._issue_in_staged(st, s, plan.swap_in_ahead)[0]
+                refs = staged.issue_in(st, s, plan.swap_in_ahead)[0]
             last_in = st.record(s)
             self._ahead.append((last_in, refs, by_layer))
         if plan.swap_out:
             self._issue_out(st, plan, compute_done, last_in if out_after_in else None)
+
+    def _issue_out(self, st: Streams, plan: SwapPlan, compute_done: Any, after: Any) -> None:
+        """Issue ``plan``'s background swap-outs on the out stream, after ``compute_done``
+        (the compute before the step) and ``after`` (an in-stream event, or None), and put
+        the batch in flight."""
+        assert self.staged is not None
+        s = st.out_stream
+        st.wait(s, compute_done)
+        if after is not None:
+            st.wait(s, after)
+        event, refs = self.staged.issue_out(st, plan.swap_out, s, st.dma_stream)
+        touches = InFlight(frozenset(c for _, c in plan.swap_out),
+                           frozenset(g for g, _ in plan.swap_out))
+        self._in_flight.append(OutBatch(event, refs, touches))
 
     def _drain(self) -> None:
         if self._in_flight:
@@ -364,15 +417,17 @@ class KVSwapper(CopyPaths):
         if obj is None or not layers:
             return
         if isinstance(obj, Batch):
+            assert self.dma is not None
             for layer in layers:
-                (self._copy_in if to_gpu else self._copy_out)(obj, layer)
+                (self.dma.copy_in if to_gpu else self.dma.copy_out)(obj, layer)
         elif isinstance(obj, Staged):  # every layer at once
+            assert self.staged is not None
             if to_gpu:
-                self._issue_in_staged(IMMEDIATE, None, obj.pairs)
+                self.staged.issue_in(IMMEDIATE, None, obj.pairs)
             else:
-                self._issue_out_staged(IMMEDIATE, obj.pairs, None, None)
+                self.staged.issue_out(IMMEDIATE, obj.pairs, None, None)
         else:
-            self._kernel(obj, to_gpu, layers.start, layers.stop)
+            self.kernels.launch(self._host_spans(to_gpu), obj, layers.start, layers.stop)
 
     def _sync_in(self, step: Step, upto: int) -> None:
         """Synchronous path: run the swap-ins of layers below ``upto`` not run yet (staged:
@@ -386,8 +441,8 @@ class KVSwapper(CopyPaths):
     def _finish_sync(self, step: Step | None) -> None:
         if step is None:
             return
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self.dma is not None and self.dma.stream is not None:
+            self.dma.stream.synchronize()
             return
         with torch.inference_mode():
             self._sync_in(step, self.num_layers)
@@ -407,6 +462,55 @@ class KVSwapper(CopyPaths):
     def _prepare(self, plan: SwapPlan) -> Step:
         """Synchronous and DMA paths: validate, then batch the three lists."""
         plan.check(self.num_gpu_blocks, self.num_cpu_blocks)
-        step = self._batch_plan(plan)
+        if self.dma is not None:
+            step = self.dma.batch_plan(plan)
+        else:  # staged, synchronous: the pairs, urgent swap-outs as a pair tensor
+            def staged(pairs: list[tuple[int, int]]) -> Staged | None:
+                return Staged(list(pairs)) if pairs else None
+
+            out_first = (torch.tensor(plan.swap_out_first, dtype=torch.int64)
+                         if plan.swap_out_first else None)
+            step = Step(out_first, staged(plan.swap_in), staged(plan.swap_out))
         self._count(plan)
         return step
+
+    def _start_dma_cuda(self, plan: SwapPlan) -> LayerReady | None:
+        """DMA on CUDA: the step's copies on the copy stream; layer i's compute waits for its
+        event."""
+        assert self.dma is not None
+        step = self.dma.issue_on_stream(lambda: self._prepare(plan))
+        self._step = step
+        events = step.events
+        if not events:
+            return None
+
+        def layer_ready(i: int) -> None:
+            self._check_layer(i)
+            torch.cuda.current_stream(self.device).wait_event(events[i])
+
+        return layer_ready
+
+    def _host_spans(self, to_gpu: bool) -> list[tuple[int, int, Any]]:
+        """The kernel's launches between the GPU caches and the host tier."""
+        return self.kernels.spans(("host", to_gpu), self._host_view, to_gpu, 0,
+                                  self.num_layers)
+
+    def _compile(self) -> None:
+        """Compile the kernel before serving (a first-use compile stalls a step ~1 s): GPU
+        block 0 to CPU block 0 (an urgent swap-out's launch), then through the staging buffers
+        out and back in, which changes no GPU byte (and allocates the buffers with one row)."""
+        st, staged = self._streams, self.staged
+        assert st is not None and staged is not None
+        pairs = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        s = st.in_stream
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self.kernels.launch(self._host_spans(False), pairs, 0, self.num_layers)
+            staged.grow_out(1)
+            for _ in range(2):  # both halves, by the swap-outs' groups of layers
+                staged.issue_out(st, [(0, 0)], s, s)
+            # CPU block 0 holds GPU block 0 now
+            staged.issue_in(st, s, [(0, 0)])
+            staged.issue_in(st, s, [(0, 0)], self.in_groups)
+        s.synchronize()
+        self.kernels.num_copies = staged.num_copies = 0

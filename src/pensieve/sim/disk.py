@@ -51,7 +51,7 @@ from pensieve.core.tiered_cache import TieredKVCache
 
 SIM_DISK_READ_GBPS = 6.0
 """Default read rate: the H200 host's disk as the engine reads it now (16 readers: 7.94 GB/s
-from the page cache; dd 6.1-7.0 GB/s; docs/performance.md, "Rerun on the H200 host after the
+from the page cache; dd 6.1-7.0 GB/s; docs/performance_history.md, "Rerun on the H200 host after the
 read-path change"). It was 1.6, the tier's reads before that change."""
 SIM_DISK_WRITE_GBPS = 1.2
 """Default write rate: the disk tier's writes on the H200 host (1.21-1.35 GB/s, same

@@ -96,7 +96,7 @@ class TransferModel:
     off, a CUDA-graph step) still waits for all of its urgent copies first."""
     ahead_layered: bool = False
     """The runner's ``ahead_waits="layers"`` (its default, chosen by an A/B:
-    docs/performance.md, "Host time of steps with prefill, and what the server's step log
+    docs/performance_history.md, "Host time of steps with prefill, and what the server's step log
     shows"; off here unless asked, as in the fits and validations before it): a step waits
     for the previous step's ``swap_in_ahead`` copies layer by layer, as for its own pipelined
     swap-ins, instead of before its compute; a step that waits for all of its swap-ins (a
