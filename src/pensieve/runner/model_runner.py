@@ -350,6 +350,19 @@ class ModelRunner:
         return tokens, logprobs
 
     @torch.inference_mode()
+    def _inputs(self, sched: SchedulerOutput, graphs: Any) -> tuple[Any, Any]:
+        """The step's inputs: a graph's filled bucket, or the eager step's prepared inputs.
+        Should preparing them raise, the step's copies run all the same (the cache planned
+        them, and a block's recorded place must stay true whatever the step's compute does)."""
+        try:
+            if graphs is not None:
+                return graphs.fill(sched), None
+            return None, self.prepare_inputs(sched)
+        except Exception:
+            self.swapper.start_step(sched.swaps)
+            self.swapper.finish_step()
+            raise
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step: the step's swaps (pipelined with the layers), the model, sampling.
 
@@ -368,17 +381,7 @@ class ModelRunner:
         # The step's inputs go up before its swaps are issued: copies on the compute stream
         # queue on the copy engines behind the swap copies issued before them, and layer 0
         # would wait for the last swap-in.
-        try:
-            if graphs is not None:
-                bucket = graphs.fill(sched)
-            else:
-                inp = self.prepare_inputs(sched)
-        except Exception:
-            # the step's copies run all the same: the cache planned them, and a block's
-            # recorded place must stay true whatever happens to the step's compute
-            self.swapper.start_step(sched.swaps)
-            self.swapper.finish_step()
-            raise
+        bucket, inp = self._inputs(sched, graphs)
         # a graph step issues its copies ahead and background swap-outs once its forward is
         # launched (defer_background): their host time then overlaps the forward
         layer_ready = self.swapper.start_step(

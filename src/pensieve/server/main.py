@@ -91,6 +91,26 @@ SERVER_ENGINE_OPTIONS = ("tenant_kv_share",)
 """Engine options that ``pensieve serve`` decides with flags of its own (``--tenant-kv-share``
 has an ``auto`` that counts the API keys)."""
 
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """``pensieve serve``'s bounds on requests: queue, body size, shutdown, retention hints."""
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for their first token beyond which new ones get "
+                        "429 with Retry-After (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body; a larger one gets 413 (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=seconds_arg, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
+                        "many seconds, then end them with an error (503 / an SSE error event, "
+                        "code shutting_down; their conversations stay as they were) and exit")
+    p.add_argument("--max-priority", type=positive_arg, default=DEFAULT_MAX_PRIORITY,
+                   metavar="P", help="largest retention priority a request may set; more is "
+                   f"a 400 (default {DEFAULT_MAX_PRIORITY:g})")
+    p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
+                   metavar="S", help="largest keep_alive_s a request may set; more is a "
+                   f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The options of ``pensieve serve``: the engine's (generated from the config,
     :func:`pensieve.options.add_engine_args`) and the server's own."""
@@ -126,21 +146,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="tokenizer directory (default: the model's own)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template text itself")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="requests waiting for their first token beyond which new ones get "
-                        "429 with Retry-After (default: no limit)")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
-                   help="largest request body; a larger one gets 413 (default 4 MiB)")
-    p.add_argument("--shutdown-timeout", type=seconds_arg, default=30.0,
-                   help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
-                        "many seconds, then end them with an error (503 / an SSE error event, "
-                        "code shutting_down; their conversations stay as they were) and exit")
-    p.add_argument("--max-priority", type=positive_arg, default=DEFAULT_MAX_PRIORITY,
-                   metavar="P", help="largest retention priority a request may set; more is "
-                   f"a 400 (default {DEFAULT_MAX_PRIORITY:g})")
-    p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
-                   metavar="S", help="largest keep_alive_s a request may set; more is a "
-                   f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
+    _add_limit_args(p)
     p.add_argument("--tenant-kv-share", type=share_arg, default="auto", metavar="FRACTION",
                    help="share of each KV tier a tenant's conversations with retention hints "
                    "may hold; past it their hints stop counting and they are evicted first, so "
