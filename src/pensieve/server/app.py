@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.server import engine_ops
+from pensieve.server.chat_run import answer_chat
 from pensieve.server.choices import run_choices
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
@@ -47,9 +48,8 @@ from pensieve.server.protocol import (
 from pensieve.server.respond import run_turn
 from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
-from pensieve.server.structured import compile_constraint, constraint
 from pensieve.server.token_routes import add_token_routes
-from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
+from pensieve.server.turns import completion_turn, engine_call, off_loop, owned
 
 log = logging.getLogger("pensieve.server")
 
@@ -286,24 +286,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_request(state, body)
         check_message_fields(body.messages)
         cid = _conversation_id(body, request)
-        if state.renderer is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token "
-                           "ids", param="messages", code="no_tokenizer")
-
-        async def go() -> Response:
-            try:
-                msgs = await off_loop(state, lambda: [m.canonical() for m in body.messages])
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from e
-            tools = [t.as_dict() for t in body.tools or []] or None
-            wanted = await off_loop(state, lambda: constraint(state, body))
-            await compile_constraint(state, wanted)
-            turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            return await run_turn(state, body, turn, max_tokens, request, chat=True,
-                                  choices=run_choices, constraint=wanted)
-
-        return await _admitted(state, go)
+        return await _admitted(state, lambda: answer_chat(state, body, tenant, cid, request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
