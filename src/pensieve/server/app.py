@@ -46,6 +46,7 @@ from pensieve.server.protocol import (
     _Sampling,
 )
 from pensieve.server.respond import run_turn
+from pensieve.server.responses import add_response_routes
 from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
 from pensieve.server.token_routes import add_token_routes
@@ -132,6 +133,8 @@ def create_app(state: ServerState) -> FastAPI:
     add_token_routes(app, state, lambda m: _check_model(state, m), _tenant)
     _add_conversation_routes(app, state)
     _add_generation_routes(app, state)
+    add_response_routes(app, state, lambda r: _tenant(state, r),
+                        lambda b: _check_request(state, b), lambda fn: _admitted(state, fn))
     document_errors(app)
     return app
 
