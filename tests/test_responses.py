@@ -77,8 +77,7 @@ def test_stream_gives_same_text_and_continues(server):
 def test_function_tool_loop_through_items(server):
     client = server.client()
     r1 = _ask(client, input="What's the weather in Paris?", tools=[TOOL],
-              tool_choice="required", max_output_tokens=96)
-    print(r1)
+              tool_choice="required", max_output_tokens=96, parallel_tool_calls=False)
     calls = [o for o in r1.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
@@ -89,7 +88,8 @@ def test_function_tool_loop_through_items(server):
     assert r2.usage.input_tokens_details.cached_tokens >= 32
     # streamed, the call comes as a function_call item with its arguments
     events = list(_ask(client, input="What's the weather in Rome?", tools=[TOOL],
-                       tool_choice="required", stream=True, max_output_tokens=96))
+                       tool_choice="required", stream=True, max_output_tokens=96,
+                       parallel_tool_calls=False))
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [i.type for i in done] == ["function_call"] and done[0].name == "get_weather"
     args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
@@ -114,3 +114,38 @@ def test_store_false_and_errors(server):
     with pytest.raises(openai.BadRequestError) as e:
         _ask(client, input="Hi", tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools.0.type"
+
+
+def test_agents_sdk_tool_loop_reuses_kv(server):
+    """The OpenAI Agents SDK, its default model set-up (the Responses API) pointed at the
+    server: a one-tool agent loop completes, and its second model call continues the first
+    response (``previous_response_id``) with the first call's KV."""
+    agents = pytest.importorskip("agents")
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        seen.append(city)
+        return f"It is sunny and 21 C in {city}."
+
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.url + "/v1",
+                                                        api_key="none", max_retries=0))
+    agents.set_default_openai_api("responses")
+    agent = agents.Agent(name="weather", instructions="Use the tool to answer.", model=MODEL,
+                         tools=[get_weather], tool_use_behavior="run_llm_again",
+                         model_settings=agents.ModelSettings(
+                             temperature=0, max_tokens=96, tool_choice="required",
+                             parallel_tool_calls=False, reset_tool_choice=True))
+    result = agents.Runner.run_sync(agent, "What's the weather in Paris?", max_turns=4,
+                                    auto_previous_response_id=True)
+    assert seen and result.final_output
+    first, last = result.raw_responses[0], result.raw_responses[-1]
+    assert len(result.raw_responses) >= 2
+    cached = last.usage.input_tokens_details.cached_tokens
+    assert cached >= first.usage.input_tokens - first.usage.input_tokens % 32 > 0
+    stored = [httpx.get(f"{server.url}/v1/responses/{r.response_id}").json()
+              for r in (first, last)]
+    assert stored[1]["previous_response_id"] is not None  # chained, not re-sent
+    assert stored[1]["conversation_id"] == stored[0]["conversation_id"]
