@@ -67,6 +67,10 @@ class SamplingParams:
     """Return each sampled token's log-probability and this many most likely alternatives
     (0..20; None: no log-probabilities). They are the model's: a log-softmax of the logits
     before temperature, top-k and top-p, as vLLM returns them by default."""
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's log-probability (after the first) and this many most
+    likely alternatives (0..20; None: none), from the prefill that computes the prompt's KV.
+    Only positions this turn computes get one (a cached prefix has none)."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already in the output ([-2, 2])."""
     frequency_penalty: float = 0.0
@@ -104,6 +108,10 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
                              f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
         try:
             stops = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError as e:

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.server import engine_ops
 from pensieve.server.chat_run import answer_chat
-from pensieve.server.choices import run_choices
+from pensieve.server.completions_run import answer_completion
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
@@ -45,12 +45,11 @@ from pensieve.server.protocol import (
     CompletionRequest,
     _Sampling,
 )
-from pensieve.server.respond import run_turn
 from pensieve.server.responses import add_response_routes
 from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
 from pensieve.server.token_routes import add_token_routes
-from pensieve.server.turns import completion_turn, engine_call, off_loop, owned
+from pensieve.server.turns import engine_call, off_loop, owned
 
 log = logging.getLogger("pensieve.server")
 
@@ -296,14 +295,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         tenant = _tenant(state, request)
         _check_request(state, body)
         cid = _conversation_id(body, request)
-
-        async def go() -> Response:
-            turn = await completion_turn(state, tenant, cid, body.prompt,
-                                         body.create_conversation)
-            return await run_turn(state, body, turn, body.max_tokens, request, chat=False,
-                                  choices=run_choices)
-
-        return await _admitted(state, go)
+        return await _admitted(state, lambda: answer_completion(state, body, tenant, cid,
+                                                                request))
 
 
 class _TooLarge(StarletteHTTPException):

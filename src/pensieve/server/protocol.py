@@ -193,6 +193,10 @@ class _Sampling(BaseModel):
         """Alternatives per token asked for (None: no log-probabilities)."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token asked for (None: no prompt log-probabilities)."""
+        return None
+
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with int keys; ValueError for a key that is not a token id."""
         out: dict[int, float] = {}
@@ -235,21 +239,50 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
 
+def is_batched(prompt: Any) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def _one_prompt(p: Any, where: str) -> str | list[int]:
+    if isinstance(p, str):
+        if not p:
+            raise ValueError(f"{where} must not be empty")
+        return p
+    if (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in p)):
+        return p
+    raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: Any
+    """A string, a list of token ids, or a batch: a list of strings or of token-id lists."""
     create_conversation: bool = False
     """Pensieve: without ``conversation_id``, start a new conversation whose first turn is this
     prompt; the response carries its id, and later turns send it with only their new tokens.
     (With ``conversation_id`` this is ignored: the named conversation continues.)"""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Return each token's log-probability and this many most likely alternatives."""
+    echo: bool = False
+    """Return the prompt before the answer; with ``logprobs``, its tokens' log-probabilities
+    too (:mod:`.completions_echo`)."""
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
-        if len(v) == 0:
+    def _prompts(cls, v: Any) -> Any:
+        """One prompt or a batch of them; else a 400 naming ``prompt``."""
+        if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        return v
+        if is_batched(v):
+            if len({isinstance(p, str) for p in v}) > 1:
+                raise ValueError("a batched prompt is a list of strings or a list of token-id "
+                                 "lists, not both")
+            return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(v)]
+        return _one_prompt(v, "prompt")

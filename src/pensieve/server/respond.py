@@ -34,6 +34,7 @@ from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
+from pensieve.server.completions_echo import echo_choice, scoring_salt
 from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
@@ -59,6 +60,8 @@ class Result:
     text: str
     finish_reason: str
     cache: dict[str, int]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """One per context token when the request asked for prompt log-probabilities."""
 
 
 async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
@@ -82,7 +85,7 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     if body.n > 1:
         return await choices(state, body, turn, params, request, chat, stop_texts, rid)
     first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.kv_id,
-                                turn.full_context, body.cache_salt)
+                                turn.full_context, scoring_salt(params, body.cache_salt))
     state.metrics.ttft.observe(time.monotonic() - t0)
     out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
@@ -244,7 +247,7 @@ class TurnOutput:
                 text += self.stops.flush()
                 finish = "stop" if self.stops.stopped else out.finish_reason
                 result = Result(out.prompt_token_ids, out.output_token_ids, self.stops.text,
-                                finish, out.cache_stats)
+                                finish, out.cache_stats, out.prompt_logprobs or None)
                 await self._finish(result)
                 yield text, result
                 return
@@ -336,6 +339,8 @@ class TurnOutput:
             choice["message"] = self._api_message(result)
         else:
             choice["text"] = result.text
+            if getattr(self.body, "echo", False):
+                echo_choice(self, result, choice)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self._model(), "choices": [choice],
                 "usage": self.usage(result), "conversation_id": self.turn.cid,
