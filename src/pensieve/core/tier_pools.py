@@ -57,14 +57,15 @@ class TierPools:
         swap_out_threshold: float,
         decode_reserve: float,
         swap_out_batch: float,
-        tenant_kv_share: float | None = None,
-        share_prefixes: bool = False,
+        tenant_kv_share: float | None,
+        share_prefixes: bool,
+        disk: DiskIndex | None,
     ) -> None:
         """``index``: the eviction index over the same conversations (shared with the
         cache). No CPU pool when the index's policy keeps no CPU tier or ``num_cpu_blocks`` is
         0. ``tenant_kv_share``: see :class:`~pensieve.core.tenant_share.TenantShare`.
         ``share_prefixes``: GPU blocks of equal full chunks are shared
-        (:mod:`pensieve.core.prefix_share`)."""
+        (:mod:`pensieve.core.prefix_share`). ``disk``: the disk tier's index (None: none)."""
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
         self.index = index
@@ -82,7 +83,7 @@ class TierPools:
         self.stats = CacheStats()
         self.tenant_share: TenantShare | None = None if tenant_kv_share is None else (
             TenantShare(tenant_kv_share, num_gpu_blocks, self.cpu.num_blocks if self.cpu else 0))
-        self.disk: DiskIndex | None = None
+        self.disk = disk
         """The disk tier below the CPU tier (:mod:`pensieve.core.disk_index`); None: none."""
         self._hints_due: set[Conversation] = set()
         """Conversations whose tenant crossed its share in an eviction, re-keyed once the
