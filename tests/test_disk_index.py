@@ -201,7 +201,7 @@ class World:
             if conv is None or not conv.chunks:
                 continue
             for i in entries:
-                assert i < len(conv.chunks) and conv.chunks[i].tier is Tier.DROPPED, (cid, i)
+                assert i < len(conv.chunks) and conv.chunks[i].tier is Tier.DISK, (cid, i)
         assert set(index.files) == set(self.files), (set(index.files) ^ set(self.files))
         for e in index.files.values():  # one tenant's (salt's) holders per file
             assert len({index.salts.get(c) for c in e.holders}) <= 1, e

@@ -115,6 +115,9 @@ class TieredKVCache:
         order is exact whatever its value (see :mod:`pensieve.core.eviction_index`).
         ``disk``: the disk tier's index below the CPU tier (None: none)."""
         policy = config.policy if policy is None else policy
+        self.conversations: dict[str, Conversation] = {}
+        if disk is not None:
+            disk.bind(self.conversations)
         chunk_size, swap_out_threshold = config.chunk_size, config.swap_out_threshold
         decode_reserve, tenant_kv_share = config.decode_reserve, config.tenant_kv_share
         defer_admission, share_prefixes = config.defer_admission, config.share_prefixes
@@ -124,7 +127,6 @@ class TieredKVCache:
         if isinstance(defer_admission, bool) or defer_admission < 0:
             raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "
                              f"{defer_admission!r}")
-        self.conversations: dict[str, Conversation] = {}
         self.index = self.index_class(self.conversations, chunk_size, policy, chunk_cost,
                                       key_refresh_s)
         self.pools = self.pools_class(num_gpu_blocks, num_cpu_blocks, self.index,
@@ -388,7 +390,7 @@ class TieredKVCache:
         other = self.step_overlap_s
         cost_of = self.index.cost
         for i, ch in enumerate(chunks):
-            if ch.tier is Tier.DROPPED:
+            if ch.tier is Tier.DROPPED or ch.tier is Tier.DISK:  # read back or recomputed
                 recompute_s += cost_of(min((i + 1) * c, conv.kv_end))
         queued = self.pools.queued_copies()
         spare = math.inf if spare_tokens is None else spare_tokens
@@ -505,8 +507,16 @@ class TieredKVCache:
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
                 assert not conv.block_table and not conv.pinned_shared, conv.conversation_id
-            for ch in conv.chunks:
-                assert (ch.block >= 0) == (ch.tier is not Tier.DROPPED), ch
+            disk = self.disk
+            for i, ch in enumerate(conv.chunks):
+                assert (ch.block >= 0) == (ch.tier is Tier.GPU or ch.tier is Tier.CPU), ch
+                if ch.tier is Tier.DISK:  # its copy is the disk index's hold
+                    assert disk is not None and disk.get(conv.conversation_id, i), (
+                        conv.conversation_id, i)
+            if self.disk is not None:
+                for i in self.disk.entries.get(conv.conversation_id, {}):
+                    assert i >= len(conv.chunks) or conv.chunks[i].tier is Tier.DISK, (
+                        conv.conversation_id, i, conv.chunks[i])
         assert len(pinned) == self.pools.pinned_gpu, (
             f"pinned GPU blocks {self.pools.pinned_gpu} != {len(pinned)}")
         self.index.check()
