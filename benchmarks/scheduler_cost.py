@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
@@ -118,9 +119,11 @@ class Bench:
         self.max_num_seqs = max(1, min(args.max_num_seqs, n // 2))
         gpu = int((args.gpu_frac * n + args.gpu_batch * self.max_num_seqs) * mean_chunks)
         cpu = int(args.cpu_frac * n * mean_chunks)
-        self.cache = TieredKVCache(gpu, cpu, CHUNK, get_policy(args.policy),
-                                   _cost_model().chunk_cost, key_refresh_s=args.key_refresh_s,
-                                   share_prefixes=args.share_prefixes)
+        self.cache = TieredKVCache(gpu, cpu, _cost_model().chunk_cost,
+                                   CacheConfig(chunk_size=CHUNK, share_prefixes=args.share_prefixes,
+                                               defer_admission=0),
+                                   policy=get_policy(args.policy),
+                                   key_refresh_s=args.key_refresh_s)
         cfg = SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=self.max_num_seqs,
                               max_model_len=args.max_model_len)
         self.sched = Scheduler(cfg, self.cache)

@@ -132,7 +132,8 @@ def engine(job: dict[str, Any]) -> tuple[Any, Any, dict[str, float | None] | Non
                     int(job["cpu_gb"] * 2**30 // block_bytes),
                     StepCostModel.from_dict(job["cost"]), clock,
                     CostModel.analytic(**SHAPE, chunk_size=CHUNK), chunk_size=CHUNK,
-                    cache_policy=policy, block_bytes=block_bytes, transfer=transfer)
+                    cache_policy=policy, block_bytes=block_bytes, transfer=transfer,
+                    share_prefixes=False)  # as the studies in the docs ran
     return eng, clock, next_think_s
 
 

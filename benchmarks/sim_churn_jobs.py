@@ -132,6 +132,7 @@ def make_sim(job: dict[str, Any], cost: StepCostModel, clock: VirtualClock,
                     gpu, cpu, cost, clock,
                     chunk_cost if chunk_cost is not None else CostModel.load(PROFILE),
                     chunk_size=CHUNK, cache_policy=job["system"], block_bytes=block_bytes,
+                    share_prefixes=bool(job.get("share_prefixes", False)),
                     transfer=transfer if transfer is not None else transfer_model(
                         job.get("swap_gbps"), bool(job.get("graph_swap_in_rule")),
                         float(job.get("eager_launch_s") or 0.0),

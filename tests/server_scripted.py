@@ -16,6 +16,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.core.scheduler import Scheduler
@@ -159,8 +160,10 @@ def scripted_engine(vocab_size: int, eos_token_ids: tuple[int, ...], num_gpu_blo
     """The real scheduler and two-tier cache over a :class:`ScriptedExecutor` (``wrap``: an
     executor around it, e.g. one that raises on some requests)."""
     ex = ScriptedExecutor(num_gpu_blocks, num_cpu_blocks)
-    cache = TieredKVCache(num_gpu_blocks, num_cpu_blocks, CHUNK, get_policy("pensieve"),
-                          lambda n: float(n), tenant_kv_share=tenant_kv_share)
+    cache = TieredKVCache(num_gpu_blocks, num_cpu_blocks, lambda n: float(n),
+                          CacheConfig(chunk_size=CHUNK, tenant_kv_share=tenant_kv_share,
+                                      share_prefixes=False, defer_admission=0),
+                          policy=get_policy("pensieve"))
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len)
     executor: Executor = wrap(ex) if wrap is not None else ex
     return EngineCore(Scheduler(cfg, cache), executor, clock=time.monotonic,

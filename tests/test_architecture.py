@@ -120,6 +120,8 @@ def test_no_import_cycle_under_src() -> None:
 
 ENGINE_CONFIG_READERS = {
     "pensieve.config": "defines it",
+    "pensieve.core.tiered_cache": "the cache (and its store) is built from CacheConfig whole: "
+                                  "each option's one default is there",
     "pensieve.engine.llm_engine": "the engine: LLMEngine is assembled from it",
     "pensieve.engine.llm": "the engine's front end: LLM builds it from flat keyword options "
                            "(build_engine_config) and hands it to LLMEngine",

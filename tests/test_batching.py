@@ -22,6 +22,7 @@ from test_stateful_invariant import (
     workloads,
 )
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.eviction import POLICIES, get_policy
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pensieve.core.request import Request, RequestStatus
@@ -75,7 +76,9 @@ def test_separate_suspended_and_swapped_request_resumes_in_a_decode_step() -> No
     with a swap-in in a decode step (as vLLM swaps in), not in a prefill step."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
                           batching="separate")
-    cache = TieredKVCache(4, 8, 4, get_policy("pensieve"), lambda _: 1.0, decode_reserve=0.0)
+    cache = TieredKVCache(4, 8, lambda _: 1.0,
+                          CacheConfig(chunk_size=4, decode_reserve=0.0, share_prefixes=False,
+                                      defer_admission=0), policy=get_policy("pensieve"))
     s = Scheduler(cfg, cache)
     a, b = _req("a", 7, max_tokens=4), _req("b", 7, max_tokens=4)
     s.add_request(a)
@@ -156,9 +159,11 @@ def drive(batching: str, convs: Turns, starts: list[int], setup: dict[str, int |
           ) -> tuple[list[list[list[int]]], list[set[str]]]:
     """Run every conversation's turns (each turn ``wait`` steps after the previous ended) with
     ``fake_token``; returns outputs per conversation and turn, and each step's kinds."""
-    cache = TieredKVCache(int(setup["gpu_blocks"]), int(setup["cpu_blocks"]), CHUNK,
-                          get_policy(str(setup["policy"])), lambda n: float(n),
-                          decode_reserve=int(setup["decode_reserve"]) / 100)
+    cache = TieredKVCache(int(setup["gpu_blocks"]), int(setup["cpu_blocks"]), lambda n: float(n),
+                          CacheConfig(chunk_size=CHUNK,
+                                      decode_reserve=int(setup["decode_reserve"]) / 100,
+                                      share_prefixes=False, defer_admission=0),
+                          policy=get_policy(str(setup["policy"])))
     cfg = SchedulerConfig(max_num_batched_tokens=int(setup["budget"]),
                           max_num_seqs=int(setup["max_seqs"]), max_model_len=256,
                           batching=batching)

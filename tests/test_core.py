@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pensieve.core.block_pool import BlockPool, OutOfBlocksError
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request, RequestStatus
@@ -19,8 +20,10 @@ from pensieve.core.tiered_cache import TieredKVCache
 
 def stateless_cache(num_blocks: int, chunk_size: int, watermark: float = 0.0) -> TieredKVCache:
     """A stateless GPU-only cache: what the engine is for one-off requests."""
-    return TieredKVCache(num_blocks, 0, chunk_size, get_policy("stateless"), lambda _: 1.0,
-                         decode_reserve=watermark)
+    return TieredKVCache(num_blocks, 0, lambda _: 1.0,
+                         CacheConfig(chunk_size=chunk_size, decode_reserve=watermark,
+                                     share_prefixes=False, defer_admission=0),
+                         policy=get_policy("stateless"))
 
 
 def test_core_imports_no_torch() -> None:

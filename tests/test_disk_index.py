@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.conversation import Tier
 from pensieve.core.disk_index import (
     DiskEntry,
@@ -98,8 +99,6 @@ class FakeDisk:
         self.index.read_chunk_s = None
         self.loaded: dict[str, list[str | None]] = {}
         self.done: list[tuple[DiskEntry, bool]] = []
-        self.worth: Callable[[DiskEntry], bool] | None = None
-        """As ``DiskTier.worth``: which files a turn reads (None: every one)."""
         self.reads: list[tuple[str, int]] = []
         """Every file read, in order: (conversation whose turn read it, chunk)."""
         self.writes: dict[str, int] = writes
@@ -113,12 +112,15 @@ class FakeDisk:
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None,
-                 hashes: list[bytes] | None = None) -> None:
+                 hashes: list[bytes] | None = None,
+                 cache: TieredKVCache | None = None) -> None:
+        """As ``DiskTier.prefetch``: which files a turn reads, by ``cache``'s costs."""
         entries = (self.index.of(conversation_id) if tokens is None else
                    self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1, dropped,
                                      hashes))
         for e in entries:
-            if e.ready or (self.worth is not None and not self.worth(e)):
+            if e.ready or (cache is not None
+                           and not worth_reading(cache, e, self.index.read_chunk_s)):
                 continue
             self.reads.append((conversation_id, e.index))
             f = self.files.get(e.name)
@@ -170,19 +172,19 @@ class World:
         self.start()
 
     def start(self) -> None:
-        cache = TieredKVCache(GPU, CPU, C, get_policy("pensieve"), lambda n: 1.0 + 0.01 * n,
-                              swap_out_threshold=0.3, decode_reserve=0.0,
-                              share_across_tenants=self.across_tenants)
         self.ex = FakeExecutor(lambda: self.eng)
         self.disk = FakeDisk(self.files, self.corrupt, self.ex, self.capacity, self.writes)
-        cache.disk = self.disk.index
-        self.disk.worth = lambda e: worth_reading(cache, e, self.disk.index.read_chunk_s)
+        cache = TieredKVCache(GPU, CPU, lambda n: 1.0 + 0.01 * n,
+                              CacheConfig(chunk_size=C, swap_out_threshold=0.3,
+                                          decode_reserve=0.0, share_prefixes=False,
+                                          defer_admission=0,
+                                          share_prefixes_across_tenants=self.across_tenants),
+                              policy=get_policy("pensieve"), disk=self.disk.index)
         self.clock = 0.0
         self.eng = EngineCore(Scheduler(SchedulerConfig(max_num_batched_tokens=32,
                                                         max_num_seqs=3, max_model_len=80), cache),
-                              self.ex, clock=lambda: self.clock)
+                              self.ex, clock=lambda: self.clock, disk=self.disk)
         self.eng.audit = True
-        self.eng.disk = self.disk
         for cid, hist in self.histories.items():
             self.eng.restore_conversation(cid, hist)
 
@@ -199,7 +201,7 @@ class World:
             if conv is None or not conv.chunks:
                 continue
             for i in entries:
-                assert i < len(conv.chunks) and conv.chunks[i].tier is Tier.DROPPED, (cid, i)
+                assert i < len(conv.chunks) and conv.chunks[i].tier is Tier.DISK, (cid, i)
         assert set(index.files) == set(self.files), (set(index.files) ^ set(self.files))
         for e in index.files.values():  # one tenant's (salt's) holders per file
             assert len({index.salts.get(c) for c in e.holders}) <= 1, e

@@ -10,6 +10,7 @@ from pensieve.bench.engine_api import VirtualClock
 from pensieve.bench.loadgen import run_load
 from pensieve.bench.workload import Conversation as WorkloadConversation
 from pensieve.bench.workload import Turn
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.conversation import Conversation
 from pensieve.core.eviction import POLICIES, OraclePolicy, get_policy
 from pensieve.core.scheduling_config import SchedulerConfig
@@ -55,8 +56,10 @@ def test_cache_evicts_the_ended_session_before_the_soon_returning_one() -> None:
     for name, policy in (("oracle", OraclePolicy(next_think_s=nxt)),
                          ("pensieve", get_policy("pensieve")),
                          ("prefix-lru", get_policy("prefix-lru"))):
-        cache = TieredKVCache(7, 0, C, policy, cost, swap_out_threshold=0.0,
-                              decode_reserve=0.0, key_refresh_s=5.0)
+        cache = TieredKVCache(7, 0, cost, CacheConfig(chunk_size=C, swap_out_threshold=0.0,
+                                                      decode_reserve=0.0, share_prefixes=False,
+                                                      defer_admission=0),
+                              policy=policy, key_refresh_s=5.0)
         turn(cache, "soon", 11, now=0.0)  # 12 tokens: 3 chunks
         turn(cache, "ended", 15, now=9.0)  # 4 chunks: the GPU tier is full
         turn(cache, "new", 7, now=10.0)  # 2 chunks: 2 evicted

@@ -80,10 +80,10 @@ def test_sim_tiers_and_cache() -> None:
         sim_tiers(CacheConfig(num_gpu_blocks=3, cpu_kv_gb=1.0), None)
     with pytest.raises(ValueError):
         gib_blocks(1.0, 0)
-    kw = dict(chunk_size=16, swap_out_threshold=0.25, decode_reserve=0.1, swap_chunk_s=None)
+    cc = CacheConfig(chunk_size=16)
     tiers = TierSizes(10, 20, BB)
-    assert build_cache(tiers, float, policy=POLICIES["pensieve"], **kw).cpu.num_blocks == 20
-    assert build_cache(tiers, float, policy=POLICIES["gpu-only"], **kw).cpu is None
+    assert build_cache(tiers, float, cc, policy=POLICIES["pensieve"]).cpu.num_blocks == 20
+    assert build_cache(tiers, float, cc, policy=POLICIES["gpu-only"]).cpu is None
 
 
 class _Echo:
@@ -106,8 +106,8 @@ class _Echo:
 
 
 def test_engine_core_over_any_executor() -> None:
-    kw = dict(chunk_size=4, swap_out_threshold=0.25, decode_reserve=0.0, swap_chunk_s=None)
-    cache = build_cache(TierSizes(16, 8, 0), float, policy=POLICIES["pensieve"], **kw)
+    cc = CacheConfig(chunk_size=4, decode_reserve=0.0, share_prefixes=False, defer_admission=0)
+    cache = build_cache(TierSizes(16, 8, 0), float, cc)
     ex = _Echo(TierSizes(16, 8, 0))
     seen: list[int] = []
     eng = EngineCore(Scheduler(SchedulerConfig(max_model_len=64), cache), ex,
@@ -123,7 +123,7 @@ def test_engine_core_over_any_executor() -> None:
     eng.shutdown()
     assert ex.stopped
     # A cache larger than the executor's tiers is refused.
-    big = build_cache(TierSizes(32, 8, 0), float, policy=POLICIES["pensieve"], **kw)
+    big = build_cache(TierSizes(32, 8, 0), float, cc)
     with pytest.raises(ValueError, match="does not fit"):
         EngineCore(Scheduler(SchedulerConfig(), big), ex)
     with pytest.raises(ValueError, match="does not fit"):

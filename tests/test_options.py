@@ -171,8 +171,7 @@ def test_policy_object_is_passed_down() -> None:
     """The cache takes the policy object it is given: no second lookup by name (a policy
     that is in no registry still works), and the tier sizing asks the config's object."""
     custom = EvictionPolicy(name="custom-not-registered", uses_cpu_tier=False)
-    kw = dict(chunk_size=16, swap_out_threshold=0.25, decode_reserve=0.1, swap_chunk_s=None)
-    cache = build_cache(TierSizes(10, 20, 64), float, policy=custom, **kw)
+    cache = build_cache(TierSizes(10, 20, 64), float, CacheConfig(chunk_size=16), policy=custom)
     assert cache.policy is custom and cache.cpu is None
     assert CacheConfig(cache_policy="gpu-only").policy is POLICIES["gpu-only"]
     assert cpu_tier_blocks(CacheConfig(cache_policy="gpu-only", num_cpu_blocks=5), 64,
@@ -183,12 +182,17 @@ def test_policy_object_is_passed_down() -> None:
     assert CacheConfig(cache_policy="lru") == CacheConfig(cache_policy="lru")
 
 
-def test_defer_admission_is_a_constructor_argument() -> None:
-    kw = dict(chunk_size=16, swap_out_threshold=0.25, decode_reserve=0.1, swap_chunk_s=None)
-    cache = build_cache(TierSizes(10, 20, 64), float, policy=POLICIES["pensieve"],
-                        defer_admission=5, **kw)
+def test_the_cache_is_built_from_its_config_whole() -> None:
+    """Every option of the cache has one default, the config's: a cache built from a default
+    ``CacheConfig`` has it, and one built from another config has that one's."""
+    cache = build_cache(TierSizes(10, 20, 64), float, CacheConfig(chunk_size=16,
+                                                                   defer_admission=5))
     assert cache.defer_admission == 5
-    assert TieredKVCache(8, 4, 16, POLICIES["pensieve"], float).defer_admission == 0
+    default = TieredKVCache(8, 4, float, CacheConfig())
+    assert default.defer_admission == CacheConfig().defer_admission
+    assert (default.pools.share is not None) == CacheConfig().share_prefixes
+    assert default.share_across_tenants == CacheConfig().share_prefixes_across_tenants
+    assert default.chunk_size == CacheConfig().chunk_size
 
 
 def test_command_lines_settle_max_model_len_from_the_model() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.eviction import get_policy
 from pensieve.core.outputs import RunnerOutput
@@ -18,7 +19,10 @@ from pensieve.core.tiered_cache import TieredKVCache
 
 def _scheduler(cfg: SchedulerConfig, blocks: int = 5000) -> Scheduler:
     cost = CostModel.analytic(32, 32, 8, 128, 4096, 14336)
-    cache = TieredKVCache(blocks, 0, 32, get_policy("gpu-only"), cost.chunk_cost, 0.25, 0.0)
+    cache = TieredKVCache(blocks, 0, cost.chunk_cost,
+                          CacheConfig(chunk_size=32, swap_out_threshold=0.25, decode_reserve=0.0,
+                                      share_prefixes=False, defer_admission=0),
+                          policy=get_policy("gpu-only"))
     return Scheduler(cfg, cache)
 
 

@@ -18,15 +18,17 @@ from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.share_admission import pinned_by_others
 from pensieve.core.tiered_cache import TieredKVCache
-from tests.test_tiered_cache import IDS, KINDS, Driver, cost
+from tests.test_tiered_cache import CACHE_OPTIONS, IDS, KINDS, Driver, cost, unshared
 
 C = 4
 SYSTEM = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # two full chunks and a partial one
 
 
 def make(policy: str = "pensieve", gpu: int = 16, cpu: int = 8, **kw: object) -> TieredKVCache:
-    return TieredKVCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=0.0,
-                         decode_reserve=0.0, share_prefixes=True, **kw)  # type: ignore[arg-type]
+    opts = {k: kw.pop(k) for k in list(kw) if k in CACHE_OPTIONS}
+    return TieredKVCache(gpu, cpu, cost, unshared(C, swap_out_threshold=0.0, decode_reserve=0.0,
+                                                  share_prefixes=True, **opts),
+                         policy=get_policy(policy), **kw)  # type: ignore[arg-type]
 
 
 def run_turn(cache: TieredKVCache, cid: str, ids: list[int], now: float,
@@ -343,10 +345,11 @@ def test_random_workloads_keep_references_exact(
     global _ACROSS
     _ACROSS = [across]
     try:
-        cache = TieredKVCache(gpu, cpu, C, get_policy(policy), cost,
-                              swap_out_threshold=threshold, decode_reserve=0.0,
-                              swap_chunk_s=swap_chunk_s, defer_admission=defer,
-                              share_prefixes=True, share_across_tenants=across)
+        cache = TieredKVCache(gpu, cpu, cost,
+                              unshared(C, swap_out_threshold=threshold, decode_reserve=0.0,
+                                       defer_admission=defer, share_prefixes=True,
+                                       share_prefixes_across_tenants=across),
+                              policy=get_policy(policy), swap_chunk_s=swap_chunk_s)
         rng = random.Random(seed)
         d = ShareDriver(cache, across)
         kinds = KINDS + ["branch", "branch"]
@@ -379,8 +382,9 @@ def _guard_workload(policy: str, gpu: int, seed: int, cpu: int = 4) -> TieredKVC
     global _ACROSS
     _ACROSS = [False]
     try:
-        cache = TieredKVCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=0.25,
-                              decode_reserve=0.0, share_prefixes=True)
+        cache = TieredKVCache(gpu, cpu, cost, unshared(C, swap_out_threshold=0.25,
+                                                       decode_reserve=0.0, share_prefixes=True),
+                              policy=get_policy(policy))
         rng = random.Random(seed)
         d = ShareDriver(cache, False)
         for _ in range(120):

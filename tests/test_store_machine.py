@@ -199,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
             salt = w.disk.index.salts.get(cid)
             tokens = conv.token_ids
             for i, ch in enumerate(conv.chunks):
-                if ch.tier is Tier.DROPPED or salt is None:
+                if ch.tier not in (Tier.GPU, Tier.CPU) or salt is None:
                     continue
                 slots = (ex.gpu if ch.tier is Tier.GPU else ex.cpu)[ch.block]
                 for p in range(i * C, min((i + 1) * C, conv.kv_end)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionPolicy, OraclePolicy, get_policy
 from pensieve.core.eviction_index import EvictionIndex
@@ -23,6 +25,14 @@ from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 
 C = 4
+CACHE_OPTIONS = {f.name for f in dataclasses.fields(CacheConfig)}
+
+
+def unshared(chunk_size: int, **kw: Any) -> CacheConfig:
+    """A cache config as these tests ran before the cache took one: no prefix sharing, no
+    admission deferral unless asked."""
+    return CacheConfig(chunk_size=chunk_size, **{"share_prefixes": False,
+                                                  "defer_admission": 0, **kw})
 
 
 def cost(context_len: int) -> float:
@@ -31,8 +41,10 @@ def cost(context_len: int) -> float:
 
 def make(policy: str, gpu: int = 8, cpu: int = 4, threshold: float = 0.5,
          **kw: Any) -> TieredKVCache:
-    return TieredKVCache(gpu, cpu, C, get_policy(policy), cost, swap_out_threshold=threshold,
-                         decode_reserve=0.0, **kw)
+    opts = {k: kw.pop(k) for k in list(kw) if k in CACHE_OPTIONS}
+    return TieredKVCache(gpu, cpu, cost, unshared(C, swap_out_threshold=threshold,
+                                                  decode_reserve=0.0, **opts),
+                         policy=get_policy(policy), **kw)
 
 
 def new_turn(cache: TieredKVCache, cid: str, new: int, now: float
@@ -417,9 +429,10 @@ def test_index_evicts_as_brute_force_and_stays_consistent(
     after every operation. Admissions may wait for background swap-outs (``defer``). The
     ``oracle``'s keys grow while idle: its index is exact only because it re-keys at every
     eviction time whatever ``refresh`` says."""
-    cache = CheckedCache(gpu, cpu, C, policy_named(policy), cost, swap_out_threshold=threshold,
-                         decode_reserve=reserve, key_refresh_s=refresh,
-                         swap_chunk_s=swap_chunk_s, defer_admission=defer)
+    cache = CheckedCache(gpu, cpu, cost, unshared(C, swap_out_threshold=threshold,
+                                                  decode_reserve=reserve, defer_admission=defer),
+                         policy=policy_named(policy), key_refresh_s=refresh,
+                         swap_chunk_s=swap_chunk_s)
     d = Driver(cache)
     for op in ops:
         d.do(*op)
@@ -428,8 +441,8 @@ def test_index_evicts_as_brute_force_and_stays_consistent(
 def test_many_evictions_at_one_now_keep_the_exact_list_bounded() -> None:
     """Evictions that all happen at the same now (a clock that does not move) turn the
     entries they keyed at now back into bounds once the list grows: still exact, bounded."""
-    cache = CheckedCache(40, 0, C, get_policy("gpu-only"), cost, swap_out_threshold=0.0,
-                         decode_reserve=0.0, key_refresh_s=5.0)
+    cache = CheckedCache(40, 0, cost, unshared(C, swap_out_threshold=0.0, decode_reserve=0.0),
+                         policy=get_policy("gpu-only"), key_refresh_s=5.0)
     cache.index.exact_max = 0
     d = Driver(cache)
     rng = random.Random(5)
@@ -442,8 +455,8 @@ def test_many_evictions_at_one_now_keep_the_exact_list_bounded() -> None:
 
 def test_brute_force_check_sees_evictions() -> None:
     """The property test's checker runs (a fixed sequence that evicts in both tiers)."""
-    cache = CheckedCache(8, 2, C, get_policy("pensieve"), cost, swap_out_threshold=0.75,
-                         decode_reserve=0.0, key_refresh_s=0.0)
+    cache = CheckedCache(8, 2, cost, unshared(C, swap_out_threshold=0.75, decode_reserve=0.0),
+                         policy=get_policy("pensieve"), key_refresh_s=0.0)
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=10.0)
     cache.plan_background(now=20.0)
@@ -610,8 +623,8 @@ def _CopyingEngine(cache: TieredKVCache, finish_every: int):  # noqa: ANN202, N8
 def test_engine_runs_an_empty_step_to_reclaim_instead_of_stalling() -> None:
     """Every free GPU block is pending reclaim and the next turn needs them: the engine runs a
     step without requests (the runner waits for the copies, reports 0) instead of raising."""
-    cache = TieredKVCache(16, 16, 4, get_policy("pensieve"), cost, swap_out_threshold=0.5,
-                          decode_reserve=0.0)
+    cache = TieredKVCache(16, 16, cost, unshared(4, swap_out_threshold=0.5,
+                                                 decode_reserve=0.0))
     eng, ex = _CopyingEngine(cache, finish_every=10**9)  # copies never finish on their own
     eng.add_request("a", [1] * 39, SamplingParams(max_tokens=1), conversation_id="A")
     while eng.has_unfinished():
@@ -629,8 +642,8 @@ def test_engine_runs_an_empty_step_to_reclaim_instead_of_stalling() -> None:
 
 def test_engine_reclaims_exactly_as_reported() -> None:
     """Copies that finish two steps after they start: blocks come back exactly then."""
-    cache = TieredKVCache(32, 32, 4, get_policy("pensieve"), cost, swap_out_threshold=0.5,
-                          decode_reserve=0.0)
+    cache = TieredKVCache(32, 32, cost, unshared(4, swap_out_threshold=0.5,
+                                                 decode_reserve=0.0))
     eng, ex = _CopyingEngine(cache, finish_every=2)
     for k in range(6):
         eng.add_request(f"r{k}", [k + 1] * 17, SamplingParams(max_tokens=3),

@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 
 
 class Tier(enum.Enum):
+    """Where a chunk's KV is, in the retention order GPU -> CPU -> DISK -> DROPPED. A chunk
+    on disk has no block: the disk index holds its file for the conversation
+    (:mod:`pensieve.core.disk_index`); a dropped one has no copy anywhere."""
+
     GPU = "gpu"
     CPU = "cpu"
+    DISK = "disk"
     DROPPED = "dropped"
 
 
@@ -80,10 +85,11 @@ class Conversation:
         return max(0, min(chunk_size, self.kv_end - index * chunk_size))
 
     def dropped_chunks(self, tiers: list[Tier] | None = None) -> list[int]:
-        """Indices of the chunks on no tier (ascending; one pass at C speed when there are
-        none, the common case). ``tiers``: each chunk's tier, if the caller has them."""
+        """Indices of the chunks in no block (dropped, or on disk: a turn reads them back or
+        recomputes them; ascending; one pass at C speed when there are none, the common
+        case). ``tiers``: each chunk's tier, if the caller has them."""
         if tiers is None:
             tiers = [ch.tier for ch in self.chunks]
-        if Tier.DROPPED not in tiers:
+        if Tier.DROPPED not in tiers and Tier.DISK not in tiers:
             return []
-        return [i for i, t in enumerate(tiers) if t is Tier.DROPPED]
+        return [i for i, t in enumerate(tiers) if t is Tier.DROPPED or t is Tier.DISK]

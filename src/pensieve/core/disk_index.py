@@ -114,8 +114,8 @@ def spill_idle(disk: DiskIndex, conversations: Iterable[Conversation], chunk_siz
         if conv.running or conv.ephemeral:
             continue
         for i, ch in enumerate(conv.chunks):
-            if ch.tier is not Tier.DROPPED and spill_chunk(disk, conv, i, chunk_size, key_now) \
-                    and disk.plan:
+            if (ch.tier is Tier.GPU or ch.tier is Tier.CPU) \
+                    and spill_chunk(disk, conv, i, chunk_size, key_now) and disk.plan:
                 apply()  # its write, and deletes of entries it pushed out
 
 
@@ -215,6 +215,9 @@ class DiskIndex:
         """Seconds to read one chunk at the measured (or configured) disk rate; the restore
         recomputes a chunk when that is sooner. None: always read."""
         self.evicted_tokens = 0
+        self._conversations: dict[str, Conversation] = {}
+        """The cache's conversations (:meth:`bind`): a chunk whose copy the index lets go
+        goes from ``Tier.DISK`` to ``Tier.DROPPED``."""
         self._hash_memo: dict[str, tuple[list[int], int, bytes, list[bytes]]] = {}
 
     @property
@@ -357,6 +360,7 @@ class DiskIndex:
         entry = entries.pop(index)
         if not entries:
             del self.entries[conversation_id]
+        self._off_disk(conversation_id, index)
         entry.holders.discard(conversation_id)
         if entry.holders:
             return
@@ -391,6 +395,7 @@ class DiskIndex:
             entries = self.entries[cid]
             for i in [i for i, e in entries.items() if e is entry]:
                 del entries[i]
+                self._off_disk(cid, i)
             if not entries:
                 del self.entries[cid]
         entry.holders.clear()
@@ -407,6 +412,19 @@ class DiskIndex:
             entry.ready = True
         else:
             self.forget(entry)
+
+    def bind(self, conversations: dict[str, Conversation]) -> None:
+        """The cache's conversations by id (the cache built over this index calls it once):
+        their chunks on disk are this index's holds."""
+        self._conversations = conversations
+
+    def _off_disk(self, conversation_id: str, index: int) -> None:
+        """The conversation's chunk ``index`` has no copy on disk any more: dropped."""
+        conv = self._conversations.get(conversation_id)
+        if conv is not None and index < len(conv.chunks):
+            ch = conv.chunks[index]
+            if ch.tier is Tier.DISK:
+                ch.tier = Tier.DROPPED
 
     def set_salt(self, conversation_id: str, salt: bytes) -> None:
         """The salt of the conversation's admitted turn: names its full chunks on disk."""

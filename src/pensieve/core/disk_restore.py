@@ -121,8 +121,8 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
             entry = disk.files.get(shared_name(full[i].hex()))
         if entry is None or not entry.ready:
             break
-        end += entry.tokens
-        conv.chunks.append(Chunk(Tier.DROPPED, -1))
+        end += entry.tokens  # on disk if its copy is the conversation's hold, else found
+        conv.chunks.append(Chunk(Tier.DISK if disk.get(cid, i) is entry else Tier.DROPPED, -1))
         if entry.tokens < c:
             break
     conv.kv_end = end

@@ -40,7 +40,7 @@ class TenantShare:
         whose effective hints may have changed."""
         counts = {Tier.GPU: 0, Tier.CPU: 0}
         for ch in conv.chunks:
-            if ch.tier is not Tier.DROPPED:
+            if ch.tier is Tier.GPU or ch.tier is Tier.CPU:
                 counts[ch.tier] += 1
         old = self.counted.get(conv)
         self.counted[conv] = counts
@@ -68,7 +68,7 @@ class TenantShare:
         held = self.held[conv.tenant]
         counts[src] -= 1
         held[src] -= 1
-        if dst is not Tier.DROPPED:
+        if dst is Tier.GPU or dst is Tier.CPU:
             counts[dst] += 1
             held[dst] += 1
         return self._settle(conv.tenant)

@@ -57,14 +57,15 @@ class TierPools:
         swap_out_threshold: float,
         decode_reserve: float,
         swap_out_batch: float,
-        tenant_kv_share: float | None = None,
-        share_prefixes: bool = False,
+        tenant_kv_share: float | None,
+        share_prefixes: bool,
+        disk: DiskIndex | None,
     ) -> None:
         """``index``: the eviction index over the same conversations (shared with the
         cache). No CPU pool when the index's policy keeps no CPU tier or ``num_cpu_blocks`` is
         0. ``tenant_kv_share``: see :class:`~pensieve.core.tenant_share.TenantShare`.
         ``share_prefixes``: GPU blocks of equal full chunks are shared
-        (:mod:`pensieve.core.prefix_share`)."""
+        (:mod:`pensieve.core.prefix_share`). ``disk``: the disk tier's index (None: none)."""
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
         self.index = index
@@ -82,7 +83,7 @@ class TierPools:
         self.stats = CacheStats()
         self.tenant_share: TenantShare | None = None if tenant_kv_share is None else (
             TenantShare(tenant_kv_share, num_gpu_blocks, self.cpu.num_blocks if self.cpu else 0))
-        self.disk: DiskIndex | None = None
+        self.disk = disk
         """The disk tier below the CPU tier (:mod:`pensieve.core.disk_index`); None: none."""
         self._hints_due: set[Conversation] = set()
         """Conversations whose tenant crossed its share in an eviction, re-keyed once the
@@ -411,13 +412,13 @@ class TierPools:
             else:
                 cpu_block = self.take_cpu_block(self.index.key_now(conv, i) if key is None
                                                 else key)
-        if cpu_block < 0:
-            if self.disk is not None:  # dropped from the GPU: to the disk tier instead
-                self._spill_to_disk(conv, i)
+        if cpu_block < 0:  # dropped from the GPU: to the disk tier, if it takes it
+            to = Tier.DISK if self.disk is not None and self._spill_to_disk(conv, i) \
+                else Tier.DROPPED
             self.gpu.free_one(ch.block)
-            ch.tier, ch.block = Tier.DROPPED, -1
+            ch.tier, ch.block = to, -1
             stats.dropped_tokens += tokens
-            return Tier.DROPPED
+            return to
         if urgent:
             self._plan.swap_out_first[cpu_block] = ch.block
             self.gpu.free_one(ch.block)
@@ -455,22 +456,27 @@ class TierPools:
         """Drop an idle CPU chunk (the caller keeps the CPU index right)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
         cs = self.cpu_share
-        if self.disk is not None and (cs is None or cs.refs[conv.chunks[i].block] < 2):
-            self._spill_to_disk(conv, i)  # to the disk tier instead (the block's last holder)
+        on_disk = (self.disk is not None and (cs is None or cs.refs[conv.chunks[i].block] < 2)
+                   and self._spill_to_disk(conv, i))  # the block's last holder: to disk
         self.drop_cpu_chunk(conv, i)
+        if on_disk:
+            conv.chunks[i].tier = Tier.DISK
         if self.tenant_share is not None and conv in self.tenant_share.counted:
             self._hints_due |= self.tenant_share.moved(conv, Tier.CPU, Tier.DROPPED)
 
-    def _spill_to_disk(self, conv: Conversation, i: int) -> None:
+    def _spill_to_disk(self, conv: Conversation, i: int) -> bool:
         """Chunk ``i`` of an idle ``conv`` (on the CPU, or on the GPU) leaves the cache by the
         retention order: :func:`spill_chunk`, unless it is a CPU chunk still to be copied into
-        its block in this step. Call it before the block is freed."""
+        its block in this step. Call it before the block is freed. True: the disk holds its
+        copy for the conversation (the chunk goes to ``Tier.DISK``)."""
         assert self.disk is not None
         b = conv.chunks[i].block
         if conv.chunks[i].tier is Tier.GPU or not (b in self._plan.swap_out
                                                    or b in self._plan.swap_out_first):
-            self.stats.disk_written_tokens += spill_chunk(self.disk, conv, i, self.chunk_size,
-                                                          self.index.key_now)
+            held = spill_chunk(self.disk, conv, i, self.chunk_size, self.index.key_now)
+            self.stats.disk_written_tokens += held
+            return held > 0
+        return False
 
     def drop_cpu_chunk(self, conv: Conversation, i: int) -> None:
         """Chunk ``i`` leaves the CPU tier without a copy (its KV is to be recomputed). The

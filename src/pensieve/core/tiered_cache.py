@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 
+from pensieve.core.cache_config import CacheConfig
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.cpu_share import drop_read_twice
 from pensieve.core.disk_index import DiskIndex
@@ -93,41 +94,44 @@ class TieredKVCache:
         self,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
-        chunk_size: int,
-        policy: EvictionPolicy,
         chunk_cost: ChunkCost,
-        swap_out_threshold: float = 0.25,
-        decode_reserve: float = 0.10,
+        config: CacheConfig,
+        *,
+        policy: EvictionPolicy | None = None,
+        swap_chunk_s: float | None = None,
         swap_out_batch: float = 0.05,
         key_refresh_s: float = 0.5,
-        swap_chunk_s: float | None = None,
-        tenant_kv_share: float | None = None,
-        defer_admission: int = 0,
-        share_prefixes: bool = False,
-        share_across_tenants: bool = False,
+        disk: DiskIndex | None = None,
     ) -> None:
-        """``key_refresh_s``: how far ahead (seconds) time-dependent eviction keys are
-        evaluated, i.e. how often at most the whole index is re-keyed; the eviction order is
-        exact whatever its value (see :mod:`pensieve.core.eviction_index`). ``swap_chunk_s``:
-        seconds to move one chunk (all layers) one way between the tiers at the measured rate;
-        with it, admission recomputes a CPU chunk instead of swapping it in when that is
-        expected to be sooner (see the module docstring); None: always swap in.
-        ``tenant_kv_share``: the share of each tier a tenant's hinted conversations may hold
-        before their hints stop counting (:mod:`pensieve.core.tenant_share`); None: no bound.
-        ``defer_admission``: see :attr:`defer_admission`. ``share_prefixes``: equal full
-        chunks share one GPU block (:mod:`pensieve.core.prefix_share`); ``share_across_tenants``:
-        :attr:`share_across_tenants`."""
+        """A cache of ``num_gpu_blocks`` and ``num_cpu_blocks`` chunks built from ``config``
+        whole (:class:`~pensieve.core.cache_config.CacheConfig`: its chunk size, thresholds,
+        sharing, tenant share and admission deferral, each option's one default there).
+        ``policy``: another policy than ``config.policy`` (an engine reset, or one that has
+        no name). ``swap_chunk_s``: seconds to move one chunk (all layers) one way between
+        the tiers at the measured rate; with it, admission recomputes a CPU chunk instead of
+        swapping it in when that is expected to be sooner (see the module docstring); None:
+        always swap in. ``key_refresh_s``: how far ahead (seconds) time-dependent eviction
+        keys are evaluated, i.e. how often at most the whole index is re-keyed; the eviction
+        order is exact whatever its value (see :mod:`pensieve.core.eviction_index`).
+        ``disk``: the disk tier's index below the CPU tier (None: none)."""
+        policy = config.policy if policy is None else policy
+        self.conversations: dict[str, Conversation] = {}
+        if disk is not None:
+            disk.bind(self.conversations)
+        chunk_size, swap_out_threshold = config.chunk_size, config.swap_out_threshold
+        decode_reserve, tenant_kv_share = config.decode_reserve, config.tenant_kv_share
+        defer_admission, share_prefixes = config.defer_admission, config.share_prefixes
+        share_across_tenants = config.share_prefixes_across_tenants
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
         if isinstance(defer_admission, bool) or defer_admission < 0:
             raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "
                              f"{defer_admission!r}")
-        self.conversations: dict[str, Conversation] = {}
         self.index = self.index_class(self.conversations, chunk_size, policy, chunk_cost,
                                       key_refresh_s)
         self.pools = self.pools_class(num_gpu_blocks, num_cpu_blocks, self.index,
                                       swap_out_threshold, decode_reserve, swap_out_batch,
-                                      tenant_kv_share, share_prefixes)
+                                      tenant_kv_share, share_prefixes, disk)
         self.chunk_size = chunk_size
         self.policy = policy
         self.chunk_cost = chunk_cost
@@ -226,12 +230,8 @@ class TieredKVCache:
     @property
     def disk(self) -> DiskIndex | None:
         """The disk tier below the CPU tier (:class:`~pensieve.core.disk_index.DiskIndex`),
-        held by the pools; None: none. The engine gives it after building the cache."""
+        held by the pools; None: none (given at construction)."""
         return self.pools.disk
-
-    @disk.setter
-    def disk(self, index: DiskIndex | None) -> None:
-        self.pools.disk = index
 
     @property
     def num_planned_swap_ins(self) -> int:
@@ -390,7 +390,7 @@ class TieredKVCache:
         other = self.step_overlap_s
         cost_of = self.index.cost
         for i, ch in enumerate(chunks):
-            if ch.tier is Tier.DROPPED:
+            if ch.tier is Tier.DROPPED or ch.tier is Tier.DISK:  # read back or recomputed
                 recompute_s += cost_of(min((i + 1) * c, conv.kv_end))
         queued = self.pools.queued_copies()
         spare = math.inf if spare_tokens is None else spare_tokens
@@ -507,8 +507,16 @@ class TieredKVCache:
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
                 assert not conv.block_table and not conv.pinned_shared, conv.conversation_id
-            for ch in conv.chunks:
-                assert (ch.block >= 0) == (ch.tier is not Tier.DROPPED), ch
+            disk = self.disk
+            for i, ch in enumerate(conv.chunks):
+                assert (ch.block >= 0) == (ch.tier is Tier.GPU or ch.tier is Tier.CPU), ch
+                if ch.tier is Tier.DISK:  # its copy is the disk index's hold
+                    assert disk is not None and disk.get(conv.conversation_id, i), (
+                        conv.conversation_id, i)
+            if self.disk is not None:
+                for i in self.disk.entries.get(conv.conversation_id, {}):
+                    assert i >= len(conv.chunks) or conv.chunks[i].tier is Tier.DISK, (
+                        conv.conversation_id, i, conv.chunks[i])
         assert len(pinned) == self.pools.pinned_gpu, (
             f"pinned GPU blocks {self.pools.pinned_gpu} != {len(pinned)}")
         self.index.check()

@@ -57,6 +57,7 @@ from pensieve.core.disk_index import (
     require_cpu_tier,
     spill_idle,
 )
+from pensieve.core.disk_restore import worth_reading
 from pensieve.core.outputs import DiskPlan
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
@@ -133,9 +134,6 @@ class DiskTier:
         self._spare_max = max(4 * read_threads, SPARE_BYTES // self.block_bytes)
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
-        self.worth: Callable[[DiskEntry], bool] | None = None
-        """Whether a file is worth reading back (the engine sets it:
-        :func:`~pensieve.core.disk_restore.worth_reading` over its cache); None: every one."""
         self.reads_skipped = 0
         self.writes_skipped = 0
         """Chunks dropped instead of written: the writer was WRITE_BACKLOG_BYTES behind."""
@@ -187,27 +185,31 @@ class DiskTier:
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None,
-                 hashes: list[bytes] | None = None) -> None:
+                 hashes: list[bytes] | None = None,
+                 cache: TieredKVCache | None = None) -> None:
         """Start reading the files a turn may restore that are not ready yet and worth
         reading (:attr:`worth`; a slower read than recomputation is not started: the step
         would wait for it and the admission recompute the chunk anyway): the conversation's
         own and, given the turn's ``tokens`` and ``salt``, those of its leading full chunks
         by hash (:meth:`DiskIndex.wanted`; ``dropped``: the conversation's dropped chunks
-        when it has KV; ``hashes``: the turn's chunk hashes, ``Request.share_hashes``)."""
+        when it has KV; ``hashes``: the turn's chunk hashes, ``Request.share_hashes``;
+        ``cache``: the cache whose recompute costs decide what is worth reading,
+        :func:`~pensieve.core.disk_restore.worth_reading`; None: every file)."""
         self.start_reads(self.index.of(conversation_id) if tokens is None else
                          self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
-                                           dropped, hashes), conversation_id)
+                                           dropped, hashes), conversation_id, cache)
 
-    def start_reads(self, entries: list[DiskEntry], waiter: str | None = None) -> None:
-        """Start reading those of ``entries`` not ready nor being read, and worth reading;
-        conversation ``waiter``'s turn waits for these and for those already being read
-        (``DiskIndex.reading``)."""
-        worth = self.worth
+    def start_reads(self, entries: list[DiskEntry], waiter: str | None = None,
+                    cache: TieredKVCache | None = None) -> None:
+        """Start reading those of ``entries`` not ready nor being read, and worth reading
+        (by ``cache``'s costs; None: all); conversation ``waiter``'s turn waits for these
+        and for those already being read (``DiskIndex.reading``)."""
+        read_s = self.index.read_chunk_s
         for entry in entries:
             if entry.ready:
                 continue
             if entry.name not in self._reads:
-                if worth is not None and not worth(entry):
+                if cache is not None and not worth_reading(cache, entry, read_s):
                     self.reads_skipped += 1
                     continue
                 self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))

@@ -48,7 +48,8 @@ class DiskHooks(Protocol):
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None,
-                 hashes: list[bytes] | None = None) -> None: ...
+                 hashes: list[bytes] | None = None,
+                 cache: TieredKVCache | None = None) -> None: ...
     def collect(self, wait: bool = True) -> None: ...
     def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None: ...
     def close(self, cache: TieredKVCache | None) -> None: ...
@@ -61,10 +62,13 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, *,
                  clock: Callable[[], float] = time.monotonic,
                  eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None,
-                 observers: Iterable[StepObserver] = ()) -> None:
+                 observers: Iterable[StepObserver] = (), disk: DiskHooks | None = None,
+                 disk_sync: Callable[[], None] | None = None) -> None:
         """``clock``: seconds for arrivals, idle times and token timestamps (a benchmark's
         virtual or wall clock). ``vocab_size``: if given, prompt token ids are checked
-        against it. ``observers``: called with every step's :class:`StepRecord`."""
+        against it. ``observers``: called with every step's :class:`StepRecord`. ``disk``:
+        the disk tier's I/O, whose index the cache was built with (None: none);
+        ``disk_sync``: waits for copies in flight into the CPU tier before it touches them."""
         _check_fits(scheduler, executor)
         self.executor = executor
         self.now = clock
@@ -88,9 +92,9 @@ class EngineCore:
         self.track_step_overlap = True
         """Keep the cache's ``step_overlap_s`` at the recent decode-only step time (off: it
         stays where it is, 0 unless set; the swap-or-recompute rule before it was counted)."""
-        self.disk: DiskHooks | None = None
+        self.disk = disk
         """The disk tier's I/O (None: no disk tier); its index is the cache's ``disk``."""
-        self.disk_sync: Callable[[], None] | None = None
+        self.disk_sync = disk_sync
         """Waits for copies in flight into the CPU tier before disk I/O touches it (CUDA)."""
         self.step_observers: list[StepObserver] = list(observers)
         """Called with a :class:`StepRecord` after every executed step (metrics, benchmarks)."""
@@ -158,7 +162,7 @@ class EngineCore:
             conv = self.cache.conversations.get(conversation_id)
             dropped = conv.dropped_chunks() if conv is not None and conv.chunks else None
             self.disk.prefetch(conversation_id, req.all_token_ids, req.share_salt,
-                               dropped, req.share_hashes)  # read back while the turn waits
+                               dropped, req.share_hashes, self.cache)  # read while it waits
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id, self.now())

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from pensieve.config import EngineConfig, swap_chunk_seconds
-from pensieve.core.disk_restore import worth_reading
 from pensieve.core.eviction import EvictionPolicy, get_policy
 from pensieve.core.outputs import SchedulerOutput
 from pensieve.core.scheduler import Scheduler
@@ -92,16 +91,12 @@ class LLMEngine(EngineCore):
         self.disk_tier = build_disk_tier(cc, config.model.model, executor, self.model, self.dtype)
         """The disk tier below the CPU tier (``CacheConfig.disk_kv_gb``); None: none."""
         scheduler = Scheduler(config.scheduler, self._make_cache(executor, cc.policy))
+        device = self.device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         super().__init__(scheduler, executor, clock=clock, eos_token_ids=eos_ids,
-                         vocab_size=int(self.hf_config.vocab_size), observers=observers)
-        if self.disk_tier is not None:
-            self.disk = self.disk_tier
-            index = self.disk_tier.index
-            self.disk_tier.worth = lambda e: worth_reading(self.scheduler.cache, e,
-                                                           index.read_chunk_s)
-            if self.device.type == "cuda":
-                device = self.device
-                self.disk_sync = lambda: torch.cuda.synchronize(device)
+                         vocab_size=int(self.hf_config.vocab_size), observers=observers,
+                         disk=self.disk_tier,
+                         disk_sync=sync if self.disk_tier is not None else None)
 
     @property
     def runner(self) -> Any:
@@ -116,17 +111,9 @@ class LLMEngine(EngineCore):
         return runner.kv_caches if runner is not None else []
 
     def _make_cache(self, executor: Executor, policy: EvictionPolicy) -> TieredKVCache:
-        cc = self.config.cache
-        cache = build_cache(executor.tiers, self.cost_model, policy=policy,
-                           chunk_size=cc.chunk_size, swap_out_threshold=cc.swap_out_threshold,
-                           decode_reserve=cc.decode_reserve, swap_chunk_s=self.swap_chunk_s,
-                           defer_admission=cc.defer_admission,
-                           tenant_kv_share=cc.tenant_kv_share,
-                           share_prefixes=cc.share_prefixes,
-                           share_across_tenants=cc.share_prefixes_across_tenants)
-        if self.disk_tier is not None:
-            cache.disk = self.disk_tier.index
-        return cache
+        return build_cache(executor.tiers, self.cost_model, self.config.cache, policy=policy,
+                           swap_chunk_s=self.swap_chunk_s,
+                           disk=self.disk_tier.index if self.disk_tier is not None else None)
 
     def reset(self, cache_policy: str | EvictionPolicy | None = None,
               scheduler_config: SchedulerConfig | None = None) -> None:

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pensieve.config import (
     CPU_RUN_GPU_KV_GB,
     DEFAULT_CPU_KV_GB,
-    DEFAULT_DEFER_ADMISSION,
     FP8_SCRATCH_BYTES,
     CacheConfig,
     EngineConfig,
 )
 from pensieve.core.cost_model import CostModel
+from pensieve.core.disk_index import DiskIndex
 from pensieve.core.eviction import EvictionPolicy
 from pensieve.core.tiered_cache import TieredKVCache, cdiv
 from pensieve.engine.executor import TierSizes
@@ -124,23 +124,21 @@ def check_fits(max_model_len: int, chunk_size: int, tiers: TierSizes) -> str | N
     return None
 
 
-def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float], *,
-                policy: EvictionPolicy, chunk_size: int, swap_out_threshold: float,
-                decode_reserve: float, swap_chunk_s: float | None,
-                defer_admission: int = DEFAULT_DEFER_ADMISSION,
-                tenant_kv_share: float | None = None, share_prefixes: bool = False,
-                share_across_tenants: bool = False) -> TieredKVCache:
-    """The tiered cache over ``tiers`` under ``policy`` (no CPU tier if it keeps none):
-    :attr:`CacheConfig.policy`, resolved from its name once when the config was built.
+def build_cache(tiers: TierSizes, chunk_cost: CostModel | Callable[[int], float],
+                config: CacheConfig, *, policy: EvictionPolicy | None = None,
+                swap_chunk_s: float | None = None,
+                disk: DiskIndex | None = None) -> TieredKVCache:
+    """The tiered cache over ``tiers`` built from ``config`` whole (no CPU tier if its policy
+    keeps none); ``policy``: another than ``config.policy`` (an engine reset).
     ``chunk_cost``: a :class:`CostModel` for this chunk size, or any function of the context
-    length."""
+    length. ``swap_chunk_s``: the measured seconds per chunk copy (``swap_chunk_seconds``).
+    ``disk``: the disk tier's index below the CPU tier (None: none)."""
     if isinstance(chunk_cost, CostModel):
-        if chunk_cost.chunk_size != chunk_size:
+        if chunk_cost.chunk_size != config.chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
-                             f"cache uses {chunk_size}")
+                             f"cache uses {config.chunk_size}")
         chunk_cost = chunk_cost.chunk_cost
+    policy = config.policy if policy is None else policy
     cpu = tiers.num_cpu_blocks if policy.uses_cpu_tier else 0
-    return TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_size, policy, chunk_cost,
-                         swap_out_threshold, decode_reserve, swap_chunk_s=swap_chunk_s,
-                         tenant_kv_share=tenant_kv_share, defer_admission=defer_admission,
-                         share_prefixes=share_prefixes, share_across_tenants=share_across_tenants)
+    return TieredKVCache(tiers.num_gpu_blocks, cpu, chunk_cost, config, policy=policy,
+                         swap_chunk_s=swap_chunk_s, disk=disk)

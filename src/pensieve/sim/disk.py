@@ -79,24 +79,19 @@ class SimDiskTier:
 
     def __init__(self, capacity_chunks: int, chunk_size: int, block_bytes: int, clock: _Clock,
                  read_gbps: float = SIM_DISK_READ_GBPS,
-                 write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str | None = None,
-                 cache: TieredKVCache | None = None, wait: str = "running") -> None:
+                 write_gbps: float = SIM_DISK_WRITE_GBPS, prefetch: str = "worth-reading",
+                 wait: str = "running") -> None:
         """``read_gbps`` also sets the index's ``read_chunk_s``, with which the cache reads a
         chunk back or recomputes it (GB/s: 1e9 bytes a second). ``prefetch``:
-        ``"worth-reading"`` (as the engine; it needs the ``cache`` whose costs decide) or the
-        what-if ``"all"`` (module docstring); None: ``"worth-reading"`` with a ``cache``,
-        else ``"all"``. ``wait``: one of :data:`WAIT` (module docstring)."""
+        ``"worth-reading"`` (as the engine: by the costs of the cache a prefetch is given;
+        every file when given none) or the what-if ``"all"`` (module docstring). ``wait``:
+        one of :data:`WAIT` (module docstring)."""
         if wait not in WAIT:
             raise ValueError(f"wait must be one of {', '.join(WAIT)}, got {wait!r}")
         self.wait = wait
-        if prefetch is None:
-            prefetch = "all" if cache is None else "worth-reading"
         if prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH)}, got {prefetch!r}")
-        if prefetch == "worth-reading" and cache is None:
-            raise ValueError("prefetch='worth-reading' needs the cache")
         self.prefetch_mode = prefetch
-        self.cache = cache
         if block_bytes <= 0:
             raise ValueError("a simulated disk tier needs block_bytes > 0")
         if not (read_gbps > 0 and write_gbps > 0):
@@ -136,9 +131,10 @@ class SimDiskTier:
     # ------------------------------------------------------------------ reads
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None,
-                 hashes: list[bytes] | None = None) -> None:
+                 hashes: list[bytes] | None = None,
+                 cache: TieredKVCache | None = None) -> None:
         """Queue reads of the files the turn may restore that are not ready yet (as
-        ``DiskTier.prefetch``)."""
+        ``DiskTier.prefetch``; ``cache``: whose costs decide what is worth reading)."""
         now = self.clock.now()
         entries = (self.index.of(conversation_id) if tokens is None else
                    self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
@@ -147,7 +143,8 @@ class SimDiskTier:
             if entry.ready:
                 continue
             if entry.name not in self._reads:
-                if self.prefetch_mode == "worth-reading" and not self._worth_reading(entry):
+                if self.prefetch_mode == "worth-reading" and cache is not None \
+                        and not worth_reading(cache, entry, self.read_chunk_s):
                     self.reads_skipped += 1
                     continue
                 queued = self._writing.get(entry.name)
@@ -160,11 +157,6 @@ class SimDiskTier:
                     self.bytes_read += self.block_bytes
                 self._reads[entry.name] = (entry, done)
             self.index.await_read(entry.name, conversation_id)  # as DiskTier.start_reads
-
-    def _worth_reading(self, entry: DiskEntry) -> bool:
-        """Whether the core's rule could read the entry back (as the engine decides)."""
-        assert self.cache is not None
-        return worth_reading(self.cache, entry, self.read_chunk_s)
 
     def collect(self, wait: bool = True) -> None:
         """The reads done by now become ready (their turns may be admitted); with ``wait``

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from pensieve.config import DEFAULT_DEFER_ADMISSION, EngineConfig
+from pensieve.config import CacheConfig, EngineConfig
 from pensieve.core.cost_model import CostModel
 from pensieve.core.disk_index import require_cpu_tier
 from pensieve.core.eviction import EvictionPolicy, get_policy
@@ -246,18 +246,18 @@ class SimEngine(EngineCore):
         step_cost: StepCostModel,
         clock: SimClock,
         chunk_cost: CostModel | Callable[[int], float],
-        chunk_size: int = 32,
+        chunk_size: int = CacheConfig.chunk_size,
         cache_policy: str | EvictionPolicy = "pensieve",
-        swap_out_threshold: float = 0.25,
-        decode_reserve: float = 0.10,
+        swap_out_threshold: float = CacheConfig.swap_out_threshold,
+        decode_reserve: float = CacheConfig.decode_reserve,
         block_bytes: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         sample_token_id: int = 0,
         vocab_size: int | None = None,
         transfer: TransferModel | None = DEFAULT_TRANSFER,
         swap_bandwidth_gbps: float | str | None = "auto",
-        defer_admission: int = DEFAULT_DEFER_ADMISSION,
-        share_prefixes: bool = False,
+        defer_admission: int = CacheConfig.defer_admission,
+        share_prefixes: bool = CacheConfig.share_prefixes,
         disk_kv_gb: float | None = None,
         disk_read_gbps: float | None = None,
         disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
@@ -296,21 +296,22 @@ class SimEngine(EngineCore):
         always swap in), as ``LLMEngine.swap_chunk_s``."""
         policy = (cache_policy if isinstance(cache_policy, EvictionPolicy)
                   else get_policy(cache_policy))
-        cache = build_cache(tiers, chunk_cost, policy=policy, chunk_size=chunk_size,
-                            swap_out_threshold=swap_out_threshold,
-                            decode_reserve=decode_reserve, swap_chunk_s=self.swap_chunk_s,
-                            defer_admission=defer_admission, share_prefixes=share_prefixes)
+        self.sim_disk = (_sim_disk(disk_kv_gb, disk_read_gbps, disk_write_gbps, tiers,
+                                   chunk_size, clock, disk_prefetch, disk_wait)
+                         if disk_kv_gb else None)
+        """The simulated disk tier (None: none); also the engine's ``disk``."""
+        cc = CacheConfig(chunk_size=chunk_size, swap_out_threshold=swap_out_threshold,
+                         decode_reserve=decode_reserve, defer_admission=defer_admission,
+                         share_prefixes=share_prefixes,
+                         cache_policy=cache_policy if isinstance(cache_policy, str)
+                         else "pensieve")
+        cache = build_cache(tiers, chunk_cost, cc, policy=policy, swap_chunk_s=self.swap_chunk_s,
+                            disk=self.sim_disk.index if self.sim_disk is not None else None)
         executor = SimExecutor(tiers, step_cost, clock, sample_token_id, transfer)
         executor.cache = cache
         super().__init__(Scheduler(scheduler_config, cache), executor, clock=clock.now,
-                         eos_token_ids=tuple(eos_token_ids), vocab_size=vocab_size)
-        self.sim_disk: SimDiskTier | None = None
-        """The simulated disk tier (None: none); also the engine's ``disk``."""
-        if disk_kv_gb:
-            self.sim_disk = _sim_disk(disk_kv_gb, disk_read_gbps, disk_write_gbps, tiers,
-                                      chunk_size, clock, disk_prefetch, cache, disk_wait)
-            self.disk = self.sim_disk
-            cache.disk = self.sim_disk.index
+                         eos_token_ids=tuple(eos_token_ids), vocab_size=vocab_size,
+                         disk=self.sim_disk)
 
     @classmethod
     def from_config(
@@ -360,8 +361,7 @@ class SimEngine(EngineCore):
 
 
 def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: TierSizes,
-              chunk_size: int, clock: SimClock, prefetch: str,
-              cache: TieredKVCache, wait: str) -> SimDiskTier:
+              chunk_size: int, clock: SimClock, prefetch: str, wait: str) -> SimDiskTier:
     """The simulated disk tier of ``gib`` GiB over ``tiers``' chunks (the engine's checks:
     a CPU tier below which it lies, chunks of known bytes)."""
     require_cpu_tier(tiers.num_cpu_blocks)
@@ -370,7 +370,7 @@ def _sim_disk(gib: float, read_gbps: float | None, write_gbps: float, tiers: Tie
     capacity = int(gib * 2**30 // tiers.block_bytes)
     return SimDiskTier(capacity, chunk_size, tiers.block_bytes, clock,
                        read_gbps=read_gbps if read_gbps is not None else SIM_DISK_READ_GBPS,
-                       write_gbps=write_gbps, prefetch=prefetch, cache=cache, wait=wait)
+                       write_gbps=write_gbps, prefetch=prefetch, wait=wait)
 
 
 def _swap_chunk_s(bandwidth: float | str | None, transfer: TransferModel | None,
