@@ -71,6 +71,10 @@ class SamplingParams:
     """Also return each prompt token's log-probability (after the first) and this many most
     likely alternatives (0..20; None: none), from the prefill that computes the prompt's KV.
     Only positions this turn computes get one (a cached prefix has none)."""
+    priority: int = 0
+    """vLLM's scheduling priority: a waiting turn is admitted before every waiting turn of a
+    larger value (lower first; equal values in arrival order). It orders admission only: a
+    running turn is not preempted for a waiting one of a lower value."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already in the output ([-2, 2])."""
     frequency_penalty: float = 0.0
@@ -112,6 +116,9 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
                              f"got {self.prompt_logprobs!r}")
+        if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                or not -_INT63_MAX <= self.priority <= _INT63_MAX):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         try:
             stops = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError as e:

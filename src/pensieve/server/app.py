@@ -39,6 +39,7 @@ from pensieve.server.completions_run import answer_completion
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
+from pensieve.server.priority import settle_priorities
 from pensieve.server.protocol import (
     INVALID_UNICODE,
     ChatCompletionRequest,
@@ -76,7 +77,9 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
     """400 on a field asking for what is not implemented (:mod:`.fields`) or a retention
     hint past the server's bounds; 404 on an unknown model."""
     check_fields(body)
-    for name, value, bound in (("priority", body.priority, state.max_priority),
+    settle_priorities(state, body)
+    for name, value, bound in (("retention_priority", body.retention_priority,
+                                state.max_priority),
                                ("keep_alive_s", body.keep_alive_s, state.max_keep_alive_s)):
         if value is not None and value > bound:
             raise APIError(400, f"{name} must be at most {bound:g} on this server, got "
@@ -262,7 +265,8 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
     async def get_conversation(cid: str, request: Request) -> dict[str, Any]:
         conv = owned(state, cid, _tenant(state, request))
         return {"id": conv.id, "object": "conversation", "messages": conv.messages,
-                "token_ids": conv.token_ids, "turns": conv.turns, "priority": conv.priority,
+                "token_ids": conv.token_ids, "turns": conv.turns,
+                "retention_priority": conv.priority, "priority": conv.priority,
                 "keep_alive_s": conv.keep_alive_s, "created": conv.created,
                 "updated": conv.updated}
 

@@ -174,9 +174,11 @@ class _Sampling(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=256)
     """vLLM: only requests with the same salt (and, unless the server shares prefixes across
     tenants, of the same tenant) share prefix KV."""
-    priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    priority: float = Field(default=0, allow_inf_nan=False)
+    """vLLM: scheduling priority, an integer (lower first; :mod:`.priority`)."""
+    retention_priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """Pensieve: retention weight of the conversation's KV (default 1; finite, at most the
-    server's ``--max-priority``)."""
+    server's ``--max-retention-priority``); called ``priority`` before (:mod:`.priority`)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -77,8 +77,9 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     stop_texts, stop_ids = await off_loop(state, lambda: stop_lists(state, body))
     max_tokens = turn_max_tokens(state, len(turn.context_ids), max_tokens)
     params = sampling_params(state, body, max_tokens, stop_ids, constraint.grammar)
-    if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
-        await engine_call(state, engine_ops.set_hints, turn.kv_id, body.priority,
+    if turn.cid is not None and (body.keep_alive_s is not None
+                                 or body.retention_priority is not None):
+        await engine_call(state, engine_ops.set_hints, turn.kv_id, body.retention_priority,
                           body.keep_alive_s, turn.tenant)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     t0 = time.monotonic()
@@ -289,8 +290,8 @@ class TurnOutput:
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
         conv.token_ids = result.prompt_ids + result.output_ids
-        if self.body.priority is not None:
-            conv.priority = self.body.priority
+        if self.body.retention_priority is not None:
+            conv.priority = self.body.retention_priority
         if self.body.keep_alive_s is not None:
             conv.keep_alive_s = self.body.keep_alive_s
         conv.turns = conv.turns + [{"context_len": len(result.prompt_ids),
