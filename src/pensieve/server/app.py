@@ -78,6 +78,7 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
     hint past the server's bounds; 404 on an unknown model."""
     check_fields(body)
     settle_priorities(state, body)
+    state.metrics.recorded.record(body)
     for name, value, bound in (("retention_priority", body.retention_priority,
                                 state.max_priority),
                                ("keep_alive_s", body.keep_alive_s, state.max_keep_alive_s)):

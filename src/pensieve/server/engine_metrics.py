@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pensieve.server.async_engine import EngineClient
+from pensieve.server.vllm_fields import RecordedFields
 
 _SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
             "disk_hit": "disk_hit_tokens", "shared_hit": "shared_hit_tokens",
@@ -146,3 +147,4 @@ class Metrics:
                             "produced their first token", registry=self.registry)
         self.rejected = Counter("pensieve_requests_rejected", "Requests refused with a 429 "
                                 "(--max-queued-requests)", registry=self.registry)
+        self.recorded = RecordedFields(self.registry)

@@ -174,6 +174,22 @@ class _Sampling(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=256)
     """vLLM: only requests with the same salt (and, unless the server shares prefixes across
     tenants, of the same tenant) share prefix KV."""
+    skip_special_tokens: bool = True
+    """vLLM: leave special tokens out of the answer's text (:mod:`.vllm_fields`)."""
+    spaces_between_special_tokens: bool = True
+    """vLLM: decoding's spaces between special tokens (slow tokenizers only)."""
+    include_stop_str_in_output: bool = False
+    """vLLM: keep the stop string (or stop token's text) that ended the answer in its text."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    """vLLM: feed only the last this many tokens of the context."""
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM: the response's id."""
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    """OpenAI: recorded, not acted on (:mod:`.vllm_fields`)."""
+    verbosity: Literal["low", "medium", "high"] | None = None
+    """OpenAI: recorded, not acted on."""
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    """OpenAI: recorded, not acted on (a key's requests share prefix KV already)."""
     priority: float = Field(default=0, allow_inf_nan=False)
     """vLLM: scheduling priority, an integer (lower first; :mod:`.priority`)."""
     retention_priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
