@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pensieve.server import engine_ops
 from pensieve.server.chat_run import answer_chat
 from pensieve.server.completions_run import answer_completion
+from pensieve.server.conversation_names import stored_id
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
@@ -89,19 +90,23 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
 
 
 def _conversation_id(body: _Sampling, request: Request) -> str | None:
-    """The conversation a request names, by its body's ``conversation_id`` or its
-    ``X-Conversation-Id`` header: a 400 when it is empty (it used to start a new conversation
-    silently) or when the two disagree (the body's used to win silently)."""
-    in_body, in_header = body.conversation_id, request.headers.get("x-conversation-id")
-    for where, value in (("conversation_id", in_body), ("X-Conversation-Id", in_header)):
-        if value is not None and not value.strip():
+    """The conversation a request names, by its body's ``conversation_id``, its
+    ``X-Conversation-Id`` header or its ``X-Session-ID`` header (:mod:`.conversation_names`):
+    a 400 when one is empty (it used to start a new conversation silently) or when they
+    disagree (the body's used to win silently)."""
+    given = [(where, value) for where, value in (
+        ("conversation_id", body.conversation_id),
+        ("X-Conversation-Id", request.headers.get("x-conversation-id")),
+        ("X-Session-ID", request.headers.get("x-session-id"))) if value is not None]
+    for where, value in given:
+        if not value.strip():
             raise APIError(400, f"{where} is empty: name a conversation, or leave it out to "
                            "start one", param="conversation_id", code="invalid_conversation_id")
-    if in_body is not None and in_header is not None and in_body != in_header:
-        raise APIError(400, f"the body's conversation_id {in_body!r} and the "
-                       f"X-Conversation-Id header {in_header!r} disagree",
-                       param="conversation_id", code="conversation_id_mismatch")
-    return in_body if in_body is not None else in_header
+    for (w1, v1), (w2, v2) in zip(given, given[1:]):
+        if v1 != v2:
+            raise APIError(400, f"{w1} {v1!r} and {w2} {v2!r} disagree",
+                           param="conversation_id", code="conversation_id_mismatch")
+    return given[0][1] if given else None
 
 
 async def _admitted(state: ServerState, fn: Callable[[], Awaitable[Response]]) -> Response:
@@ -264,7 +269,8 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/conversations/{cid}")
     async def get_conversation(cid: str, request: Request) -> dict[str, Any]:
-        conv = owned(state, cid, _tenant(state, request))
+        tenant = _tenant(state, request)
+        conv = owned(state, stored_id(tenant, cid), tenant)
         return {"id": conv.id, "object": "conversation", "messages": conv.messages,
                 "token_ids": conv.token_ids, "turns": conv.turns,
                 "retention_priority": conv.priority, "priority": conv.priority,
@@ -273,8 +279,10 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.delete("/v1/conversations/{cid}")
     async def delete_conversation(cid: str, request: Request) -> dict[str, Any]:
+        tenant = _tenant(state, request)
+        cid = stored_id(tenant, cid)
         try:
-            owned(state, cid, _tenant(state, request))
+            owned(state, cid, tenant)
         except CorruptConversationError:
             pass  # its owner (or anyone, when the row is unreadable) may delete it
 

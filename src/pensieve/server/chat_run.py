@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pensieve.server.choices import run_choices
+from pensieve.server.conversation_names import resolve
 from pensieve.server.errors import APIError
 from pensieve.server.protocol import ChatCompletionRequest
 from pensieve.server.respond import run_turn
@@ -31,7 +32,8 @@ async def answer_chat(state: ServerState, body: ChatCompletionRequest, tenant: s
     tools = [t.as_dict() for t in body.tools or []] or None
     wanted = await off_loop(state, lambda: constraint(state, body))
     await compile_constraint(state, wanted)
-    turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
+    cid, name = await resolve(state, tenant, cid)
+    turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs, name)
     max_tokens = body.max_completion_tokens or body.max_tokens
     return await run_turn(state, body, turn, max_tokens, request, chat=True,
                           choices=run_choices, constraint=wanted)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pensieve.server.choices import run_choices
 from pensieve.server.completions_echo import check_echo
+from pensieve.server.conversation_names import resolve
 from pensieve.server.errors import APIError
 from pensieve.server.protocol import CompletionRequest, is_batched
 from pensieve.server.respond import run_turn
@@ -36,7 +37,9 @@ async def answer_completion(state: ServerState, body: CompletionRequest, tenant:
     check_echo(body)
     if is_batched(body.prompt):
         return await _batch(state, body, tenant, cid, request)
-    turn = await completion_turn(state, tenant, cid, body.prompt, body.create_conversation)
+    cid, name = await resolve(state, tenant, cid)
+    turn = await completion_turn(state, tenant, cid, body.prompt, body.create_conversation,
+                                 name)
     return await run_turn(state, body, turn, body.max_tokens, request, chat=False,
                           choices=run_choices)
 
