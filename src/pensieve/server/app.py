@@ -52,6 +52,7 @@ from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
 from pensieve.server.token_routes import add_token_routes
 from pensieve.server.turns import engine_call, off_loop, owned
+from pensieve.server.vllm_compat import add_vllm_routes
 
 log = logging.getLogger("pensieve.server")
 
@@ -141,6 +142,7 @@ def create_app(state: ServerState) -> FastAPI:
     add_token_routes(app, state, lambda m: _check_model(state, m), _tenant)
     _add_conversation_routes(app, state)
     _add_generation_routes(app, state)
+    add_vllm_routes(app, state, lambda r: _tenant(state, r))
     add_response_routes(app, state, lambda r: _tenant(state, r),
                         lambda b: _check_request(state, b), lambda fn: _admitted(state, fn))
     document_errors(app)
@@ -151,11 +153,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI-shaped JSON: ours, validation (400), unhandled (500), routing."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        _log_refusal(request, e.status, e.code, e.param, e.message)
         return error_response(e.status, e.message, e.type, e.code, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
@@ -163,6 +166,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             loc = str((first.get("ctx") or {}).get("field")) or loc
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}"
                         for er in errs[:5])
+        _log_refusal(request, 400, first.get("type"), loc, msg)
         return error_response(400, msg or "invalid request", param=loc,
                               code=first.get("type") or None)
 
@@ -174,6 +178,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+
+def _log_refusal(request: Request, status: int, code: Any, param: Any, message: str) -> None:
+    """A 4xx's reason in the server's log (the client's body only told the client)."""
+    if 400 <= status < 500:
+        log.info("%s %s -> %d %s (param %s): %s", request.method, request.url.path, status,
+                 code, param, message[:300])
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -197,7 +208,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "engine_running": snap.running, "engine_waiting": snap.waiting,
                 "max_queued_requests": state.max_queued_requests, "store": store}
 
-    @app.get("/metrics", response_class=Response, responses={200: {
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
         """Server-wide counters (every tenant's together), for the operator: with API keys
