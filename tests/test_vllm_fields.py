@@ -96,3 +96,36 @@ def test_request_id_priority_and_recorded_fields(server):
     with pytest.raises(openai.BadRequestError) as e:
         _complete(client, "Hi", verbosity="loud")
     assert e.value.body["param"] == "verbosity"
+
+
+def test_template_fields_render_as_apply_chat_template(server):
+    import transformers
+
+    from pensieve.models.builtin import ensure_smollm2_checkpoint
+
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_smollm2_checkpoint(),
+                                                     local_files_only=True)
+    client = server.client()
+    msgs = [{"role": "user", "content": "Count to five."},
+            {"role": "assistant", "content": "One, two,"}]
+    docs = [{"title": "a", "text": "Numbers go up."}]
+    for extra, kw in (({"continue_final_message": True, "add_generation_prompt": False},
+                       {"continue_final_message": True, "add_generation_prompt": False}),
+                      ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+                      ({"documents": docs}, {"add_generation_prompt": True, "documents": docs})):
+        want = tok.apply_chat_template(msgs + ([] if "continue_final_message" in extra else
+                                               [{"role": "user", "content": "Go on."}]),
+                                       tokenize=True, return_dict=True, **kw)["input_ids"]
+        sent = msgs + ([] if "continue_final_message" in extra else
+                       [{"role": "user", "content": "Go on."}])
+        r = client.chat.completions.create(model=MODEL, messages=sent, max_tokens=4,
+                                           temperature=0, extra_body=extra)
+        assert r.usage.prompt_tokens == len(want), extra
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=2,
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert e.value.body["param"] == "chat_template"

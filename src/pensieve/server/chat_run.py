@@ -5,6 +5,8 @@ messages, :mod:`.responses`) both answer through here."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -33,7 +35,29 @@ async def answer_chat(state: ServerState, body: ChatCompletionRequest, tenant: s
     wanted = await off_loop(state, lambda: constraint(state, body))
     await compile_constraint(state, wanted)
     cid, name = await resolve(state, tenant, cid)
-    turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs, name)
+    turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs, name,
+                           template_options(body))
     max_tokens = body.max_completion_tokens or body.max_tokens
     return await run_turn(state, body, turn, max_tokens, request, chat=True,
                           choices=run_choices, constraint=wanted)
+
+
+def template_options(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """vLLM's rendering fields as ``apply_chat_template`` arguments (None: the defaults).
+    ``continue_final_message`` needs the last message to be an assistant's, and excludes
+    ``add_generation_prompt`` (as vLLM: a 400 naming the field)."""
+    if body.continue_final_message:
+        if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
+                           "be true", param="continue_final_message")
+        if body.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be an "
+                           "assistant's", param="continue_final_message")
+    opts: dict[str, Any] = {}
+    if not body.add_generation_prompt or body.continue_final_message:
+        opts["add_generation_prompt"] = False
+    if body.continue_final_message:
+        opts["continue_final_message"] = True
+    if body.documents is not None:
+        opts["documents"] = body.documents
+    return opts or None

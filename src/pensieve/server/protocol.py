@@ -240,6 +240,12 @@ class ChatCompletionRequest(_Sampling):
     """With ``logprobs``: this many most likely alternatives per token."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
+    add_generation_prompt: bool = True
+    """vLLM: end the rendering with the template's generation prompt (the assistant's turn)."""
+    continue_final_message: bool = False
+    """vLLM: render the last (assistant) message open, so the answer continues it."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM: documents for a retrieval-augmented template (``apply_chat_template``'s)."""
     tools: list[ToolParam] | None = None
     tool_choice: str | dict[str, Any] | None = None
     """``none``, ``auto`` (the default with tools), ``required`` or
