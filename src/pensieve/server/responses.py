@@ -117,6 +117,9 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCo
                          "response_format": chat_response_format(body.text)}
     if body.stream:
         d["stream_options"] = {"include_usage": True}
+    verbosity = (body.text or {}).get("verbosity")
+    if verbosity is not None:
+        d["verbosity"] = verbosity  # recorded, as on chat (:mod:`.vllm_fields`)
     for name in ("temperature", "top_p"):
         if getattr(body, name) is not None:
             d[name] = getattr(body, name)
