@@ -192,7 +192,7 @@ def test_every_policy_with_disk_tier_restart_and_branch_matches_hf(
     every token is HF's greedy token from the full context."""
     path, _, _ = smollm2
     kw: dict = {"dtype": "float32", "device": "cpu", "cache_policy": policy,
-                "num_gpu_blocks": 24, "max_num_batched_tokens": 64}
+                "num_gpu_blocks": 24, "max_num_batched_tokens": 512}
     if policy not in ("gpu-only", "stateless"):  # the disk tier lies below a CPU tier
         kw |= {"num_cpu_blocks": 4, "disk_kv_gb": 0.05, "disk_kv_path": str(tmp_path),
                "disk_read_gbps": 1e9}
