@@ -1,0 +1,67 @@
+"""Clients people already run, unmodified, against ``pensieve serve`` on the default model:
+LangChain's ``ChatOpenAI`` with ``bind_tools`` and ``with_structured_output``. Each drives a
+multi-turn exchange end to end, and the later turn finds the history in the cache (the usage's
+``cached_tokens``, which LangChain reports as ``input_token_details.cache_read``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import langchain_openai
+import pytest
+from server_util import Server
+
+from pensieve.config import DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: Path) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("peers") / "conv.db", smollm2_cache, "--max-model-len",
+                 "2048", model=DEFAULT_MODEL)
+    yield srv
+    srv.stop()
+
+
+def _chat(server: Server):  # type: ignore[no-untyped-def]
+    return langchain_openai.ChatOpenAI(model=DEFAULT_MODEL, base_url=server.url + "/v1",
+                                       api_key="none", max_tokens=48, max_retries=0)
+
+
+def test_langchain_bind_tools_round_trip_hits_the_cache(server):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"Sunny in {city}."
+
+    llm = _chat(server).bind_tools([get_weather], tool_choice="get_weather")
+    msgs = [HumanMessage("What is the weather in Paris?")]
+    first = llm.invoke(msgs)
+    assert len(first.tool_calls) == 1, first
+    call = first.tool_calls[0]
+    assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str), call
+    msgs += [first, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    second = _chat(server).bind_tools([get_weather]).invoke(msgs)
+    assert second.content or second.tool_calls, second
+    cached = second.usage_metadata["input_token_details"].get("cache_read", 0)
+    assert cached >= first.usage_metadata["input_tokens"] // 2, second.usage_metadata
+
+
+def test_langchain_structured_output_follows_the_schema_and_hits_the_cache(server):
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        city: str
+
+    llm = _chat(server).with_structured_output(Capital, include_raw=True)
+    question = "What is the capital of France? Answer as JSON."
+    first = llm.invoke(question)
+    assert isinstance(first["parsed"], Capital), first
+    again = llm.invoke(question)  # the same history again: all of it cached but the last token
+    assert isinstance(again["parsed"], Capital), again
+    usage = again["raw"].usage_metadata
+    assert usage["input_token_details"].get("cache_read", 0) >= usage["input_tokens"] // 2, usage
