@@ -1,7 +1,8 @@
 """Clients people already run, unmodified, against ``pensieve serve`` on the default model:
-LangChain's ``ChatOpenAI`` with ``bind_tools`` and ``with_structured_output``. Each drives a
-multi-turn exchange end to end, and the later turn finds the history in the cache (the usage's
-``cached_tokens``, which LangChain reports as ``input_token_details.cache_read``)."""
+LangChain's ``ChatOpenAI`` with ``bind_tools`` and ``with_structured_output``, and a one-tool
+agent of the OpenAI Agents SDK. Each drives a multi-turn exchange end to end, and the later
+turn finds the history in the cache (the usage's ``cached_tokens``, which LangChain reports as
+``input_token_details.cache_read``)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,44 @@ def test_langchain_structured_output_follows_the_schema_and_hits_the_cache(serve
     assert isinstance(again["parsed"], Capital), again
     usage = again["raw"].usage_metadata
     assert usage["input_token_details"].get("cache_read", 0) >= usage["input_tokens"] // 2, usage
+
+
+def test_openai_agents_one_tool_loop_hits_the_cache(server):
+    """The OpenAI Agents SDK: an agent with one tool runs its loop (the model calls the tool,
+    the SDK runs it and sends the result back, the model answers). The one setting it needs:
+    the Chat Completions API (``set_default_openai_api("chat_completions")``, or an
+    ``OpenAIChatCompletionsModel``), since pensieve serves no Responses API; tracing is off
+    because it would upload to OpenAI."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_api,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}."
+
+    set_tracing_disabled(True)
+    set_default_openai_api("chat_completions")
+    set_default_openai_client(AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
+                                          max_retries=0), use_for_tracing=False)
+    agent = Agent(name="weather", instructions="Answer with the weather tool.",
+                  tools=[get_weather], model=DEFAULT_MODEL,
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=48))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert calls, "the agent never called its tool"
+    assert isinstance(result.final_output, str) and result.final_output, result
+    second = result.raw_responses[1].usage
+    assert second.input_tokens_details.cached_tokens >= second.input_tokens // 2, second
