@@ -81,6 +81,21 @@ def smollm2_cache() -> Any:
     return Path(os.environ["PENSIEVE_CACHE_DIR"])
 
 
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_cache: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One ``pensieve serve`` of the default model (``--max-model-len 2048``, otherwise its
+    default settings) for every module of this test process that talks to it (tools, peer
+    clients, the default model's answers): started once instead of once per module."""
+    from server_util import Server
+
+    from pensieve.config import DEFAULT_MODEL
+
+    srv = Server(tmp_path_factory.mktemp("smollm2") / "conv.db", smollm2_cache,
+                 "--max-model-len", "2048", model=DEFAULT_MODEL)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def pensieve_server(tmp_path: Any) -> Any:
     """A factory of ``pensieve serve`` subprocesses (demo model, CPU, small tiers, a free port;
@@ -106,7 +121,7 @@ SLOW_MODULES = (
     "test_stateful_invariant.py",  # hypothesis workloads on a real engine under every policy
     "test_tensor_parallel.py",  # two-rank process groups
 )
-SLOW_FIXTURES = ("server", "pensieve_server", "cluster")
+SLOW_FIXTURES = ("server", "pensieve_server", "smollm2_server", "cluster")
 """Tests that start a ``pensieve serve`` subprocess through these fixtures, or (``cluster``,
 test_replicas.py) a local Ray cluster serving two engine replicas."""
 

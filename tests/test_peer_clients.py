@@ -6,9 +6,6 @@ turn finds the history in the cache (the usage's ``cached_tokens``, which LangCh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import langchain_openai
 import pytest
 from server_util import Server
@@ -17,11 +14,8 @@ from pensieve.config import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, smollm2_cache: Path) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("peers") / "conv.db", smollm2_cache, "--max-model-len",
-                 "2048", model=DEFAULT_MODEL)
-    yield srv
-    srv.stop()
+def server(smollm2_server: Server) -> Server:
+    return smollm2_server
 
 
 def _chat(server: Server):  # type: ignore[no-untyped-def]
