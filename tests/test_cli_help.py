@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from pensieve.bench.commands import MODULES, SCRIPTS
 from pensieve.cli import build_parser
 from pensieve.help_text import PlainHelpFormatter, plain_text, subparsers
 
@@ -117,3 +118,22 @@ def test_plot_without_matplotlib_names_the_extra_before_running(monkeypatch, cap
     assert err == ("pensieve: error: --plot needs matplotlib, which is not installed: "
                    "pip install 'pensieve[bench]' (or pip install matplotlib)"), err
     assert not ran
+
+
+@pytest.mark.parametrize("name", sorted({**SCRIPTS, **MODULES}))
+def test_benchmark_scripts_help_is_plain_text(name, capsys):
+    """``pensieve bench multiturn --help`` and the others whose parser their module builds:
+    rendered through the same plain formatter (their usage lines hold metavars, so only the
+    markup and dotted names are looked for here)."""
+    from pensieve.cli import main
+
+    try:
+        code = main(["bench", name, "--help"])  # a script's exit is its return code
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None)
+    text = capsys.readouterr().out
+    assert "usage:" in text
+    assert not MARKUP.search(text), MARKUP.search(text).group(0)
+    dotted = re.compile(r"\b[A-Z][a-z]+[A-Z]\w*\.\w+|\bpensieve\.[a-z_]+\.[a-z_]+")
+    assert not dotted.search(text), dotted.search(text).group(0)

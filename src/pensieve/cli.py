@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from pensieve.help_text import plain_help
+from pensieve.help_text import plain_help, plain_help_everywhere
 from pensieve.options import (
     COMMAND_HELP,
     add_engine_args,
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pensieve: error: {msg}", file=sys.stderr)
             return 2
 
-    code = script_command(argv)
+    with plain_help_everywhere():  # the benchmark scripts' own parsers
+        code = script_command(argv)
     if code is not None:
         return code
     args = build_parser().parse_args(argv)
