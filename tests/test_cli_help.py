@@ -25,7 +25,8 @@ INTERNAL = re.compile(
     r"|\b(?!PENSIEVE_|OMP_)[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")  # a constant (not an env variable)
 """Names from the source: ``SwapPlan.swap_in_ahead``, ``pensieve.core.eviction``,
 ``DEFAULT_CPU_KV_GB``."""
-HEAVY = ("torch", "transformers", "pydantic", "fastapi", "xgrammar")
+HEAVY = ("torch", "transformers", "pydantic", "fastapi", "xgrammar", "pensieve.core.scheduler",
+         "asyncio")
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -76,6 +77,16 @@ def test_serve_help_states_defaults_and_gguf():
     assert "135M" in help_of["model"] or "SmolLM2" in help_of["model"]
 
 
+def test_bench_entry_is_the_same_without_the_benchmarks_built():
+    """``pensieve serve ...`` builds no benchmark parser; the ``bench`` line of ``pensieve
+    --help`` reads the same either way."""
+    def bench_line(p: argparse.ArgumentParser) -> str:
+        (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        return next(a.help for a in sub._choices_actions if a.dest == "bench")
+
+    assert bench_line(build_parser("serve")) == bench_line(build_parser())
+
+
 def test_bench_help_names_every_subcommand():
     bench = _parsers()["pensieve bench"]
     (sub,) = [a for a in bench._actions if isinstance(a, argparse._SubParsersAction)]
@@ -86,10 +97,11 @@ def test_bench_help_names_every_subcommand():
         assert re.search(rf"^    {re.escape(name)}\b", text, re.M), name
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"]])
 def test_help_imports_neither_torch_nor_the_server(argv):
     """What made ``pensieve --help`` take ~5 s: importing torch, transformers and the server's
-    request models to build the parser. Checked in a fresh interpreter."""
+    request models to build the parser (and, for all but ``bench``, the benchmarks and the
+    scheduler they import). Checked in a fresh interpreter."""
     code = textwrap.dedent(f"""
         import json, sys
         from pensieve.cli import main
