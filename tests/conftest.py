@@ -75,9 +75,12 @@ def smollm2_cache() -> Any:
     import os
     from pathlib import Path
 
+    from server_util import run_cache_lock
+
     from pensieve.models.builtin import ensure_smollm2_checkpoint
 
-    ensure_smollm2_checkpoint()
+    with run_cache_lock():
+        ensure_smollm2_checkpoint()
     return Path(os.environ["PENSIEVE_CACHE_DIR"])
 
 
