@@ -61,14 +61,9 @@ def smollm2(smollm2_cache):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
-    """``pensieve serve`` with no model argument (the default) and its default settings."""
-    from server_util import Server
-
-    srv = Server(tmp_path_factory.mktemp("store") / "conv.db",
-                 Path(os.environ["PENSIEVE_CACHE_DIR"]), model=DEFAULT_MODEL)
-    yield srv
-    srv.stop()
+def server(smollm2, smollm2_server):
+    """``pensieve serve`` of the default model (conftest.py), at its default sampling."""
+    return smollm2_server
 
 
 def _chat_ids(tok, text: str) -> list[int]:
