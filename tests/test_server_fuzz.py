@@ -476,6 +476,14 @@ def _engine_process(srv: Server) -> Any:
     return kids[0]
 
 
+def _health(srv: Server) -> httpx.Response | None:
+    """``/health``'s answer; None once the server no longer accepts connections."""
+    try:
+        return httpx.get(srv.url + "/health", timeout=10)
+    except httpx.ConnectError:
+        return None
+
+
 def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
         tmp_path: Path) -> None:
     """``kill -STOP`` on the engine: requests used to hang and ``/health`` to answer 200
@@ -496,16 +504,20 @@ def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
             events.append(next(lines))
             engine.suspend()  # SIGSTOP
             t0 = time.monotonic()
-            while (h := httpx.get(srv.url + "/health", timeout=10)).status_code == 200:
+            while (h := _health(srv)) is not None and h.status_code == 200:
                 assert time.monotonic() - t0 < watchdog + 30, "/health still answers 200"
                 time.sleep(0.05)
             failed_after = time.monotonic() - t0
             events += list(lines)
-        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_hung", h.text
+        # a 503 naming the hang, unless the server's own check saw it first and it already
+        # stopped listening (it shuts down at once)
+        assert h is None or (h.status_code == 503
+                             and h.json()["error"]["code"] == "engine_hung"), h.text
         print(f"\nengine stopped: /health failed after {failed_after:.2f} s "
               f"(watchdog {watchdog:g} s)")
-        # the engine's last progress was at most a step before the stop
-        assert failed_after <= watchdog + 1.5
+        # the engine's last progress was at most a step before the stop (generous: a step
+        # on a loaded 2-core machine)
+        assert failed_after <= watchdog + 3.0
         data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
         assert data[-1] == "[DONE]"
         assert "no progress" in json.loads(data[-2])["error"]["message"], data[-2]
