@@ -108,6 +108,21 @@ def test_running_cap_and_fcfs() -> None:
     assert [r[0] for r in _run_step(s)[0]] == ["c"]
 
 
+def test_priority_orders_admission_lower_first() -> None:
+    """vLLM's scheduling priority: lower first, equal ones in arrival order; a later turn of a
+    lower value passes the waiting ones, not the running one."""
+    cfg = SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=1, max_model_len=64)
+    s = Scheduler(cfg, stateless_cache(64, 4, watermark=0.0))
+    for rid, p in (("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", 5)):
+        s.add_request(_req(rid, 3, max_tokens=1, priority=p))
+    order = [_run_step(s)[0][0][0] for _ in range(2)]
+    s.add_request(_req("f", 3, max_tokens=1, priority=-2))
+    order += [_run_step(s)[0][0][0] for _ in range(4)]
+    assert order == ["c", "a", "f", "d", "b", "e"]
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=1.5)  # type: ignore[arg-type]
+
+
 def test_preemption_of_newest_and_recompute() -> None:
     # 4 blocks of 4 tokens; two requests of 7 prompt tokens each take 2 blocks each.
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)

@@ -123,7 +123,7 @@ def test_explicit_conversation_id_sends_only_new_messages(server: Server, offlin
         model="pensieve-demo", messages=[{"role": "user", "content": "Hello"}], **GREEDY)
     cid = _extra(r1, "conversation_id")
     for i, stream in enumerate([False, True, False]):
-        body = {"conversation_id": cid, "keep_alive_s": 30.0, "priority": 2.0}
+        body = {"conversation_id": cid, "keep_alive_s": 30.0, "retention_priority": 2.0}
         new = [{"role": "user", "content": f"Question {i}?"}]
         if stream:
             chunks = list(client.chat.completions.create(
@@ -138,7 +138,8 @@ def test_explicit_conversation_id_sends_only_new_messages(server: Server, offlin
     assert len(turns) == 4
     conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant"] * 4
-    assert conv["priority"] == 2.0 and conv["keep_alive_s"] == 30.0
+    assert conv["retention_priority"] == conv["priority"] == 2.0
+    assert conv["keep_alive_s"] == 30.0
 
 
 def test_completions_endpoint_and_models(server: Server) -> None:

@@ -82,7 +82,7 @@ def test_bounds_are_400_naming_the_field(served: Any, field: str, value: Any) ->
 
 def test_unknown_fields_are_400_and_labels_accepted(tok: Any, served: Any) -> None:
     http, ex, client = served
-    for body in ({"include_stop_str_in_output": True}, {"foo": 1}):
+    for body in ({"use_beam_search": True}, {"foo": 1}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="scripted", messages=MSGS, extra_body=body)
         name = next(iter(body))

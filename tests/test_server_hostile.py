@@ -86,8 +86,10 @@ def test_conversation_path_with_invalid_utf8_is_not_a_500(http: TestClient) -> N
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize(("field", "value"), [
-    ("priority", float("inf")), ("priority", float("nan")), ("priority", 1e300),
-    ("priority", 101), ("keep_alive_s", float("inf")), ("keep_alive_s", 1e9),
+    ("retention_priority", float("inf")), ("retention_priority", float("nan")),
+    ("retention_priority", 1e300), ("retention_priority", 101), ("priority", float("inf")),
+    ("priority", float("nan")), ("priority", 1e300), ("priority", 0.5),
+    ("keep_alive_s", float("inf")), ("keep_alive_s", 1e9),
     ("keep_alive_s", 3601), ("temperature", float("nan")), ("top_p", float("nan")),
 ])
 def test_non_finite_or_unbounded_hints_are_a_400(http: TestClient, path: str, field: str,
@@ -99,7 +101,8 @@ def test_non_finite_or_unbounded_hints_are_a_400(http: TestClient, path: str, fi
 
 
 def test_hints_within_the_bounds_are_accepted(http: TestClient) -> None:
-    r = _post(http, "/v1/chat/completions", {**CHAT, "priority": 100, "keep_alive_s": 3600})
+    r = _post(http, "/v1/chat/completions", {**CHAT, "retention_priority": 100,
+                                             "keep_alive_s": 3600, "priority": -3})
     assert r.status_code == 200, r.text
 
 
@@ -108,8 +111,10 @@ def test_bounds_are_server_flags(tok: Any, tmp_path: Path) -> None:
     ex.script = [tok.eos_token_id]
     try:
         with TestClient(app) as client:
-            assert _post(client, "/v1/completions", {**COMP, "priority": 2}).status_code == 200
-            assert _post(client, "/v1/completions", {**COMP, "priority": 3}).status_code == 400
+            r = _post(client, "/v1/completions", {**COMP, "retention_priority": 2})
+            assert r.status_code == 200
+            r = _post(client, "/v1/completions", {**COMP, "retention_priority": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "retention_priority"
             r = _post(client, "/v1/completions", {**COMP, "keep_alive_s": 6})
             assert r.status_code == 400 and "keep_alive_s" in r.json()["error"]["message"]
     finally:

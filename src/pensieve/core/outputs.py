@@ -221,3 +221,7 @@ class RunnerOutput:
     """For each sampled request whose ``SamplingParams.logprobs`` is set: the sampled token's
     log-probability and the top alternatives, computed from the very logits it was sampled
     from. An executor that computes no logits (the simulator) leaves this empty."""
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    """For each request whose ``SamplingParams.prompt_logprobs`` is set: (position, the
+    log-probability of the token there given those before it) for the prompt positions this
+    step scored (:mod:`pensieve.runner.prompt_logprobs`)."""

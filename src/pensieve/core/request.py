@@ -48,6 +48,9 @@ class Request:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """With ``sampling_params.logprobs`` set: one entry per output token (None where the
     executor computed none, e.g. the simulator). Appended by the engine."""
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    """With ``sampling_params.prompt_logprobs`` set: by position, the prompt tokens'
+    log-probabilities the executor computed. Filled by the engine."""
     pending: list[tuple[int, int]] = field(default_factory=list)
     cache_stats: CacheStats = field(default_factory=CacheStats)
     status: RequestStatus = RequestStatus.WAITING

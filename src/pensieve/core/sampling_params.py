@@ -67,6 +67,14 @@ class SamplingParams:
     """Return each sampled token's log-probability and this many most likely alternatives
     (0..20; None: no log-probabilities). They are the model's: a log-softmax of the logits
     before temperature, top-k and top-p, as vLLM returns them by default."""
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's log-probability (after the first) and this many most
+    likely alternatives (0..20; None: none), from the prefill that computes the prompt's KV.
+    Only positions this turn computes get one (a cached prefix has none)."""
+    priority: int = 0
+    """vLLM's scheduling priority: a waiting turn is admitted before every waiting turn of a
+    larger value (lower first; equal values in arrival order). It orders admission only: a
+    running turn is not preempted for a waiting one of a lower value."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already in the output ([-2, 2])."""
     frequency_penalty: float = 0.0
@@ -104,6 +112,13 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
                              f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs!r}")
+        if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                or not -_INT63_MAX <= self.priority <= _INT63_MAX):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         try:
             stops = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError as e:

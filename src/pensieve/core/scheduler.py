@@ -126,7 +126,16 @@ class Scheduler:
             self.cache.set_queued(self.cache.conversation(cid), request.arrival_time)
         self.cache.hash_turn(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        """Into the waiting queue behind every turn of its priority or a lower one
+        (``SamplingParams.priority``): a scan from the tail, so O(1) while all are equal."""
+        p, waiting = request.sampling_params.priority, self.waiting
+        at = len(waiting)
+        while at and waiting[at - 1].sampling_params.priority > p:
+            at -= 1
+        waiting.insert(at, request)
 
     def _conversation_of(self, req: Request) -> Conversation:
         cid = req.conversation_id

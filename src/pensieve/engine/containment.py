@@ -70,9 +70,11 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
             raise first from None  # the executor is broken: its first error says why
     sampled: dict[str, int] = {}
     logprobs: dict[str, TokenLogprobs] = {}
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = {}
     for out in outputs:
         sampled.update(out.sampled_token_ids)
         logprobs.update(out.logprobs)
+        prompt_logprobs.update(out.prompt_logprobs)
     step.output = RunnerOutput(sampled_token_ids=sampled,
                                step_time_s=sum(o.step_time_s for o in outputs),
                                host_prepare_s=sum(o.host_prepare_s for o in outputs),
@@ -80,7 +82,7 @@ def execute_contained(execute: Execute, sched: SchedulerOutput) -> ContainedStep
                                swap_outs_in_flight=outputs[-1].swap_outs_in_flight,
                                decode_split_span=any(o.decode_split_span for o in outputs),
                                graph_replay=all(o.graph_replay for o in outputs),
-                               logprobs=logprobs)
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     for rid, why in step.failed.items():
         log.error("request %s failed in a step and is aborted: %s", rid, why)
     return step

@@ -283,6 +283,10 @@ class EngineCore:
                 if (req is not None and req.status is RequestStatus.RUNNING
                         and s.request_id in result.sampled_token_ids):
                     req.logprobs.append(result.logprobs.get(s.request_id))
+        for rid, scored in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.prompt_logprobs.update(p for p in scored if p[0] < len(req.prompt_token_ids))
 
     def _fail(self, scheduled: Iterable[ScheduledRequest], errors: dict[str, str],
               swaps: SwapPlan | None = None) -> list[RequestOutput]:
@@ -334,7 +338,10 @@ def _output(r: Request) -> RequestOutput:
     return RequestOutput(r.request_id, r.prompt_token_ids, r.output_token_ids, r.finish_reason,
                          arrival_time=r.arrival_time, first_token_time=r.first_token_time,
                          finish_time=r.finish_time, conversation_id=r.conversation_id,
-                         cache_stats=r.cache_stats.as_dict(), logprobs=list(r.logprobs))
+                         cache_stats=r.cache_stats.as_dict(), logprobs=list(r.logprobs),
+                         prompt_logprobs=[r.prompt_logprobs.get(p) for p in
+                                          range(len(r.prompt_token_ids))]
+                         if r.sampling_params.prompt_logprobs is not None else [])
 
 
 def _check_fits(scheduler: Scheduler, executor: Executor) -> None:

@@ -29,6 +29,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """With ``SamplingParams.logprobs`` set: one entry per output token (None where the
     executor computed none); empty otherwise."""
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """With ``SamplingParams.prompt_logprobs`` set: one entry per prompt token (None for the
+    first, and where this turn computed none: a cached prefix); empty otherwise."""
 
 
 __all__ = ["RequestOutput"]

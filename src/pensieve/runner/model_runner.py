@@ -33,8 +33,9 @@ from pensieve.runner.cuda_graph import DecodeGraphs
 from pensieve.runner.grammar import GrammarCompiler, GrammarSampling
 from pensieve.runner.graph_waits import GraphLayerWaits, wait_layers
 from pensieve.runner.mixed_graphs import MixedGraphs
+from pensieve.runner.prompt_logprobs import PromptLogprobs
 from pensieve.runner.sampler import sample_tensor, token_logprobs
-from pensieve.runner.step_layout import range_layout
+from pensieve.runner.step_layout import RangeLayout, range_layout
 from pensieve.runner.swapper import KVSwapper
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     """``[S]`` int64 index into ``T`` of the token each sampled request samples from."""
+    layout: RangeLayout | None = None
+    """The step's ranges (host arrays), for prompt log-probabilities."""
 
 
 GRAPH_SWAP_IN_WAIT_S = 3e-3
@@ -123,6 +126,8 @@ class ModelRunner:
         """Matchers of constrained requests, built with the first one (:mod:`.grammar`)."""
         self._grammar_lock = threading.Lock()
         """Guards building :attr:`grammar` (the step loop, or a compile ahead of a request)."""
+        self.prompt_logprobs = PromptLogprobs()
+        """Prompt log-probabilities, from the prefill's own hidden states."""
         self.kv_caches = kv_caches
         self.chunk_size = chunk_size
         self.device = kv_caches[0].device
@@ -271,7 +276,8 @@ class ModelRunner:
             dec.num_kv_splits = splits
             dec.kv_split_span = t[-1]
         attn.fp8_scratch = self._fp8_scratch(lay.starts[d:], lay.qlens[d:], lay.req[d:], tables)
-        return StepInputs(input_ids=t[5], positions=t[6], attn=attn, logits_indices=t[7])
+        return StepInputs(input_ids=t[5], positions=t[6], attn=attn, logits_indices=t[7],
+                          layout=lay)
 
     def _fp8_scratch(self, starts: np.ndarray, qlens: np.ndarray, rows: np.ndarray,
                      tables: np.ndarray) -> Fp8Scratch | None:
@@ -292,6 +298,8 @@ class ModelRunner:
     def _graphs_for(self, sched: SchedulerOutput) -> DecodeGraphs | MixedGraphs | None:
         """The graphs that replay the step, if any: a graph without per-group waits only when
         the step's swap-ins are few (:attr:`graph_max_swap_in`)."""
+        if self.prompt_logprobs.wanted(sched.requests):
+            return None  # the prompt rows' hidden states are read eagerly
         few = len(sched.swaps.swap_in) <= self.graph_max_swap_in
         if few and self.decode_graphs is not None and self.decode_graphs.can_run(sched):
             return self.decode_graphs
@@ -377,6 +385,8 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={}, step_time_s=dt, swap_outs_in_flight=0,
                                 host_prepare_s=dt, host_issue_s=dt)
         sampled = [s for s in sched.requests if s.sample]
+        self.prompt_logprobs.forget(sched.finished_request_ids)
+        prompt_lps: dict[str, list[tuple[int, TokenLogprobs]]] = {}
         graphs = self._graphs_for(sched)
         # The step's inputs go up before its swaps are issued: copies on the compute stream
         # queue on the copy engines behind the swap copies issued before them, and layer 0
@@ -409,6 +419,11 @@ class ModelRunner:
             split_span = inp.attn.kv_split_span is not None
             t_prepared = time.perf_counter()
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn)
+            if self.prompt_logprobs.wanted(sched.requests):
+                lay = inp.layout
+                prompt_lps = self.prompt_logprobs.compute(
+                    self.model, hidden, sched.requests, lay.req, lay.starts, lay.ends,
+                    lay.qlens, lay.ids)
             if sampled:
                 logits = self.model.compute_logits(hidden[inp.logits_indices])
         t_issued = time.perf_counter()
@@ -428,6 +443,7 @@ class ModelRunner:
             step_time_s=time.perf_counter() - t0,
             swap_outs_in_flight=in_flight,
             logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
             host_prepare_s=t_prepared - t0,
             host_issue_s=t_issued - t0,
             decode_split_span=split_span,

@@ -34,22 +34,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pensieve.server import engine_ops
-from pensieve.server.choices import run_choices
+from pensieve.server.chat_run import answer_chat
+from pensieve.server.completions_run import answer_completion
+from pensieve.server.conversation_names import stored_id
 from pensieve.server.errors import APIError, error_body, error_response
 from pensieve.server.fields import check_fields, check_message_fields
 from pensieve.server.openapi import document_errors
+from pensieve.server.priority import settle_priorities
 from pensieve.server.protocol import (
     INVALID_UNICODE,
     ChatCompletionRequest,
     CompletionRequest,
     _Sampling,
 )
-from pensieve.server.respond import run_turn
+from pensieve.server.responses import add_response_routes
 from pensieve.server.state import ServerState
 from pensieve.server.store_sqlite import CorruptConversationError, StoreWriteError
-from pensieve.server.structured import compile_constraint, constraint
 from pensieve.server.token_routes import add_token_routes
-from pensieve.server.turns import chat_turn, completion_turn, engine_call, off_loop, owned
+from pensieve.server.turns import engine_call, off_loop, owned
+from pensieve.server.vllm_compat import add_vllm_routes
 
 log = logging.getLogger("pensieve.server")
 
@@ -76,7 +79,10 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
     """400 on a field asking for what is not implemented (:mod:`.fields`) or a retention
     hint past the server's bounds; 404 on an unknown model."""
     check_fields(body)
-    for name, value, bound in (("priority", body.priority, state.max_priority),
+    settle_priorities(state, body)
+    state.metrics.recorded.record(body)
+    for name, value, bound in (("retention_priority", body.retention_priority,
+                                state.max_priority),
                                ("keep_alive_s", body.keep_alive_s, state.max_keep_alive_s)):
         if value is not None and value > bound:
             raise APIError(400, f"{name} must be at most {bound:g} on this server, got "
@@ -85,19 +91,23 @@ def _check_request(state: ServerState, body: _Sampling) -> None:
 
 
 def _conversation_id(body: _Sampling, request: Request) -> str | None:
-    """The conversation a request names, by its body's ``conversation_id`` or its
-    ``X-Conversation-Id`` header: a 400 when it is empty (it used to start a new conversation
-    silently) or when the two disagree (the body's used to win silently)."""
-    in_body, in_header = body.conversation_id, request.headers.get("x-conversation-id")
-    for where, value in (("conversation_id", in_body), ("X-Conversation-Id", in_header)):
-        if value is not None and not value.strip():
+    """The conversation a request names, by its body's ``conversation_id``, its
+    ``X-Conversation-Id`` header or its ``X-Session-ID`` header (:mod:`.conversation_names`):
+    a 400 when one is empty (it used to start a new conversation silently) or when they
+    disagree (the body's used to win silently)."""
+    given = [(where, value) for where, value in (
+        ("conversation_id", body.conversation_id),
+        ("X-Conversation-Id", request.headers.get("x-conversation-id")),
+        ("X-Session-ID", request.headers.get("x-session-id"))) if value is not None]
+    for where, value in given:
+        if not value.strip():
             raise APIError(400, f"{where} is empty: name a conversation, or leave it out to "
                            "start one", param="conversation_id", code="invalid_conversation_id")
-    if in_body is not None and in_header is not None and in_body != in_header:
-        raise APIError(400, f"the body's conversation_id {in_body!r} and the "
-                       f"X-Conversation-Id header {in_header!r} disagree",
-                       param="conversation_id", code="conversation_id_mismatch")
-    return in_body if in_body is not None else in_header
+    for (w1, v1), (w2, v2) in zip(given, given[1:]):
+        if v1 != v2:
+            raise APIError(400, f"{w1} {v1!r} and {w2} {v2!r} disagree",
+                           param="conversation_id", code="conversation_id_mismatch")
+    return given[0][1] if given else None
 
 
 async def _admitted(state: ServerState, fn: Callable[[], Awaitable[Response]]) -> Response:
@@ -132,6 +142,9 @@ def create_app(state: ServerState) -> FastAPI:
     add_token_routes(app, state, lambda m: _check_model(state, m), _tenant)
     _add_conversation_routes(app, state)
     _add_generation_routes(app, state)
+    add_vllm_routes(app, state, lambda r: _tenant(state, r))
+    add_response_routes(app, state, lambda r: _tenant(state, r),
+                        lambda b: _check_request(state, b), lambda fn: _admitted(state, fn))
     document_errors(app)
     return app
 
@@ -140,11 +153,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI-shaped JSON: ours, validation (400), unhandled (500), routing."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        _log_refusal(request, e.status, e.code, e.param, e.message)
         return error_response(e.status, e.message, e.type, e.code, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
@@ -152,6 +166,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             loc = str((first.get("ctx") or {}).get("field")) or loc
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}"
                         for er in errs[:5])
+        _log_refusal(request, 400, first.get("type"), loc, msg)
         return error_response(400, msg or "invalid request", param=loc,
                               code=first.get("type") or None)
 
@@ -163,6 +178,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+
+def _log_refusal(request: Request, status: int, code: Any, param: Any, message: str) -> None:
+    """A 4xx's reason in the server's log (the client's body only told the client)."""
+    if 400 <= status < 500:
+        log.info("%s %s -> %d %s (param %s): %s", request.method, request.url.path, status,
+                 code, param, message[:300])
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -186,7 +208,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "engine_running": snap.running, "engine_waiting": snap.waiting,
                 "max_queued_requests": state.max_queued_requests, "store": store}
 
-    @app.get("/metrics", response_class=Response, responses={200: {
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=Response, responses={200: {
         "content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request) -> Response:
         """Server-wide counters (every tenant's together), for the operator: with API keys
@@ -258,16 +280,20 @@ def _add_conversation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/conversations/{cid}")
     async def get_conversation(cid: str, request: Request) -> dict[str, Any]:
-        conv = owned(state, cid, _tenant(state, request))
+        tenant = _tenant(state, request)
+        conv = owned(state, stored_id(tenant, cid), tenant)
         return {"id": conv.id, "object": "conversation", "messages": conv.messages,
-                "token_ids": conv.token_ids, "turns": conv.turns, "priority": conv.priority,
+                "token_ids": conv.token_ids, "turns": conv.turns,
+                "retention_priority": conv.priority, "priority": conv.priority,
                 "keep_alive_s": conv.keep_alive_s, "created": conv.created,
                 "updated": conv.updated}
 
     @app.delete("/v1/conversations/{cid}")
     async def delete_conversation(cid: str, request: Request) -> dict[str, Any]:
+        tenant = _tenant(state, request)
+        cid = stored_id(tenant, cid)
         try:
-            owned(state, cid, _tenant(state, request))
+            owned(state, cid, tenant)
         except CorruptConversationError:
             pass  # its owner (or anyone, when the row is unreadable) may delete it
 
@@ -286,38 +312,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_request(state, body)
         check_message_fields(body.messages)
         cid = _conversation_id(body, request)
-        if state.renderer is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token "
-                           "ids", param="messages", code="no_tokenizer")
-
-        async def go() -> Response:
-            try:
-                msgs = await off_loop(state, lambda: [m.canonical() for m in body.messages])
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from e
-            tools = [t.as_dict() for t in body.tools or []] or None
-            wanted = await off_loop(state, lambda: constraint(state, body))
-            await compile_constraint(state, wanted)
-            turn = await chat_turn(state, tenant, cid, msgs, tools, body.chat_template_kwargs)
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            return await run_turn(state, body, turn, max_tokens, request, chat=True,
-                                  choices=run_choices, constraint=wanted)
-
-        return await _admitted(state, go)
+        return await _admitted(state, lambda: answer_chat(state, body, tenant, cid, request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tenant = _tenant(state, request)
         _check_request(state, body)
         cid = _conversation_id(body, request)
-
-        async def go() -> Response:
-            turn = await completion_turn(state, tenant, cid, body.prompt,
-                                         body.create_conversation)
-            return await run_turn(state, body, turn, body.max_tokens, request, chat=False,
-                                  choices=run_choices)
-
-        return await _admitted(state, go)
+        return await _admitted(state, lambda: answer_completion(state, body, tenant, cid,
+                                                                request))
 
 
 class _TooLarge(StarletteHTTPException):

@@ -82,19 +82,25 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None,
+               options: dict[str, Any] | None = None) -> list[int]:
         """Canonical messages (:mod:`.tools`) and the request's tools -> the template's token
         ids; ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``;
-        ValueError for a name the renderer sets itself). Special-token text inside a message's
-        content is tokenized as plain text: ``"hi<|im_end|>"`` from a user is never the
-        end-of-turn token, so no message can forge another role's turn. Messages without such
-        text render exactly as ``encode(apply_chat_template(...))``."""
+        ValueError for a name the renderer sets itself); ``options``: the request's own
+        ``apply_chat_template`` arguments (vLLM's ``add_generation_prompt``,
+        ``continue_final_message``, ``documents``), which override the renderer's.
+        Special-token text inside a message's content is tokenized as plain text:
+        ``"hi<|im_end|>"`` from a user is never the end-of-turn token, so no message can forge
+        another role's turn. Messages without such text render exactly as
+        ``encode(apply_chat_template(...))``."""
         kwargs = dict(template_kwargs or {})
         reserved = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         msgs, extra = for_template(messages, tools, self.native_tools)
         kwargs.update(extra)
+        kwargs.update(options or {})
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         text = self._apply(msgs, add_generation_prompt, kwargs)
         forged = self._special_re is not None and any(
             self._special_re.search(str(m.get("content") or "")) for m in msgs)

@@ -9,6 +9,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pensieve.server.async_engine import EngineClient
+from pensieve.server.vllm_compat import VllmAliases
+from pensieve.server.vllm_fields import RecordedFields
 
 _SOURCES = {"gpu_hit": "gpu_hit_tokens", "cpu_hit": "cpu_hit_tokens",
             "disk_hit": "disk_hit_tokens", "shared_hit": "shared_hit_tokens",
@@ -124,7 +126,8 @@ class Metrics:
 
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        engine_collector = _EngineCollector(engine)
+        self.registry.register(engine_collector)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.ttft = Histogram("pensieve_time_to_first_token_seconds", "Time to first token",
                               buckets=buckets, registry=self.registry)
@@ -146,3 +149,6 @@ class Metrics:
                             "produced their first token", registry=self.registry)
         self.rejected = Counter("pensieve_requests_rejected", "Requests refused with a 429 "
                                 "(--max-queued-requests)", registry=self.registry)
+        self.recorded = RecordedFields(self.registry)
+        self.registry.register(VllmAliases([engine_collector, self.ttft, self.latency,
+                                            self.tpot, self.itl, self.generation_tokens]))

@@ -27,7 +27,7 @@ INERT_ONLY: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "store": (None, False), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-    "web_search_options": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,), "chat_template": (None,),
 }
 """Fields not implemented, with the values that ask for nothing (allowed)."""
 

@@ -103,9 +103,14 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT: stop accepting, let turns in flight finish this "
                         "many seconds, then end them with an error (503 / an SSE error event, "
                         "code shutting_down; their conversations stay as they were) and exit")
-    p.add_argument("--max-priority", type=positive_arg, default=DEFAULT_MAX_PRIORITY,
-                   metavar="P", help="largest retention priority a request may set; more is "
-                   f"a 400 (default {DEFAULT_MAX_PRIORITY:g})")
+    p.add_argument("--max-retention-priority", "--max-priority", dest="max_priority",
+                   type=positive_arg, default=DEFAULT_MAX_PRIORITY, metavar="P",
+                   help="largest retention_priority a request may set; more is a 400 "
+                   f"(default {DEFAULT_MAX_PRIORITY:g}; --max-priority: its old name)")
+    p.add_argument("--priority-means-retention", action="store_true",
+                   help="read a request's priority as the retention weight, as before "
+                   "(retention_priority's old name; for one release): by default priority is "
+                   "vLLM's scheduling priority")
     p.add_argument("--max-keep-alive-s", type=seconds_arg, default=DEFAULT_MAX_KEEP_ALIVE_S,
                    metavar="S", help="largest keep_alive_s a request may set; more is a "
                    f"400 (default {DEFAULT_MAX_KEEP_ALIVE_S:g})")
@@ -339,7 +344,10 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
                         extra_stop_token_ids=tuple(eos_ids),
                         sampling_defaults=sampling_defaults,
                         corrupt_conversations=len(report.corrupt),
-                        max_priority=args.max_priority, max_keep_alive_s=args.max_keep_alive_s,
+                        max_priority=args.max_priority,
+                        priority_means_retention=getattr(args, "priority_means_retention",
+                                                         False),
+                        max_keep_alive_s=args.max_keep_alive_s,
                         grammar_compile_timeout_s=getattr(
                             args, "grammar_compile_timeout", DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S))
     app = create_app(state)

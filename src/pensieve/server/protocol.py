@@ -174,9 +174,27 @@ class _Sampling(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=256)
     """vLLM: only requests with the same salt (and, unless the server shares prefixes across
     tenants, of the same tenant) share prefix KV."""
-    priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    skip_special_tokens: bool = True
+    """vLLM: leave special tokens out of the answer's text (:mod:`.vllm_fields`)."""
+    spaces_between_special_tokens: bool = True
+    """vLLM: decoding's spaces between special tokens (slow tokenizers only)."""
+    include_stop_str_in_output: bool = False
+    """vLLM: keep the stop string (or stop token's text) that ended the answer in its text."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    """vLLM: feed only the last this many tokens of the context."""
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM: the response's id."""
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    """OpenAI: recorded, not acted on (:mod:`.vllm_fields`)."""
+    verbosity: Literal["low", "medium", "high"] | None = None
+    """OpenAI: recorded, not acted on."""
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    """OpenAI: recorded, not acted on (a key's requests share prefix KV already)."""
+    priority: float = Field(default=0, allow_inf_nan=False)
+    """vLLM: scheduling priority, an integer (lower first; :mod:`.priority`)."""
+    retention_priority: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     """Pensieve: retention weight of the conversation's KV (default 1; finite, at most the
-    server's ``--max-priority``)."""
+    server's ``--max-retention-priority``); called ``priority`` before (:mod:`.priority`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -191,6 +209,10 @@ class _Sampling(BaseModel):
 
     def num_logprobs(self) -> int | None:
         """Alternatives per token asked for (None: no log-probabilities)."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token asked for (None: no prompt log-probabilities)."""
         return None
 
     def logit_bias_ids(self) -> dict[int, float]:
@@ -218,6 +240,12 @@ class ChatCompletionRequest(_Sampling):
     """With ``logprobs``: this many most likely alternatives per token."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``)."""
+    add_generation_prompt: bool = True
+    """vLLM: end the rendering with the template's generation prompt (the assistant's turn)."""
+    continue_final_message: bool = False
+    """vLLM: render the last (assistant) message open, so the answer continues it."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM: documents for a retrieval-augmented template (``apply_chat_template``'s)."""
     tools: list[ToolParam] | None = None
     tool_choice: str | dict[str, Any] | None = None
     """``none``, ``auto`` (the default with tools), ``required`` or
@@ -235,21 +263,50 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
 
+def is_batched(prompt: Any) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def _one_prompt(p: Any, where: str) -> str | list[int]:
+    if isinstance(p, str):
+        if not p:
+            raise ValueError(f"{where} must not be empty")
+        return p
+    if (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in p)):
+        return p
+    raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: Any
+    """A string, a list of token ids, or a batch: a list of strings or of token-id lists."""
     create_conversation: bool = False
     """Pensieve: without ``conversation_id``, start a new conversation whose first turn is this
     prompt; the response carries its id, and later turns send it with only their new tokens.
     (With ``conversation_id`` this is ignored: the named conversation continues.)"""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Return each token's log-probability and this many most likely alternatives."""
+    echo: bool = False
+    """Return the prompt before the answer; with ``logprobs``, its tokens' log-probabilities
+    too (:mod:`.completions_echo`)."""
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
-        if len(v) == 0:
+    def _prompts(cls, v: Any) -> Any:
+        """One prompt or a batch of them; else a 400 naming ``prompt``."""
+        if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        return v
+        if is_batched(v):
+            if len({isinstance(p, str) for p in v}) > 1:
+                raise ValueError("a batched prompt is a list of strings or a list of token-id "
+                                 "lists, not both")
+            return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(v)]
+        return _one_prompt(v, "prompt")

@@ -34,6 +34,7 @@ from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.server import engine_ops
+from pensieve.server.completions_echo import echo_choice, scoring_salt
 from pensieve.server.engine_loop import EngineRequestError, ServerStoppingError
 from pensieve.server.errors import APIError, error_response
 from pensieve.server.logprobs import LogprobsFormatter
@@ -46,6 +47,7 @@ from pensieve.server.text import IncrementalDetokenizer, StopStrings
 from pensieve.server.tool_answer import ToolAnswer
 from pensieve.server.turn_params import sampling_params, stop_lists, turn_max_tokens
 from pensieve.server.turns import Turn, engine_call, off_loop
+from pensieve.server.vllm_fields import response_id, silent_stop_ids, truncated
 
 log = logging.getLogger("pensieve.server")
 
@@ -59,6 +61,8 @@ class Result:
     text: str
     finish_reason: str
     cache: dict[str, int]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """One per context token when the request asked for prompt log-probabilities."""
 
 
 async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: int | None,
@@ -71,20 +75,26 @@ async def run_turn(state: ServerState, body: _Sampling, turn: Turn, max_tokens: 
     if body.n > 1 and constraint.tool_format:
         await forget_new(state, turn)
         raise APIError(400, "n > 1 is not supported with tools", param="n")
+    stored = turn.stored
+    turn.prompt_ids = truncated(body, turn.prompt_ids, not turn.full_context
+                                and stored is not None and bool(stored.token_ids))
     stop_texts, stop_ids = await off_loop(state, lambda: stop_lists(state, body))
     max_tokens = turn_max_tokens(state, len(turn.context_ids), max_tokens)
     params = sampling_params(state, body, max_tokens, stop_ids, constraint.grammar)
-    if turn.cid is not None and (body.keep_alive_s is not None or body.priority is not None):
-        await engine_call(state, engine_ops.set_hints, turn.kv_id, body.priority,
+    if turn.cid is not None and (body.keep_alive_s is not None
+                                 or body.retention_priority is not None):
+        await engine_call(state, engine_ops.set_hints, turn.kv_id, body.retention_priority,
                           body.keep_alive_s, turn.tenant)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    shown = response_id(body, "chatcmpl-" if chat else "cmpl-", rid)
     t0 = time.monotonic()
     if body.n > 1:
         return await choices(state, body, turn, params, request, chat, stop_texts, rid)
     first, stream = await start(state, turn, rid, turn.prompt_ids, params, turn.kv_id,
-                                turn.full_context, body.cache_salt)
+                                turn.full_context, scoring_salt(params, body.cache_salt))
     state.metrics.ttft.observe(time.monotonic() - t0)
-    out = TurnOutput(state, body, turn, rid, chat, t0, stop_texts, constraint.tool_format)
+    out = TurnOutput(state, body, turn, shown, chat, t0, stop_texts, constraint.tool_format)
+    out.engine_rid = rid
     headers = {"x-conversation-id": turn.cid} if turn.cid else {}
     if body.stream:
         return StreamingResponse(out.sse(first, stream), media_type="text/event-stream",
@@ -207,8 +217,12 @@ class TurnOutput:
         tok = state.renderer.tokenizer if state.renderer is not None else None
         self.logprobs_fmt = (LogprobsFormatter(tok, chat) if body.num_logprobs() is not None
                              else None)
-        self.detok = IncrementalDetokenizer(tok) if tok is not None else None
-        self.stops = StopStrings(stops)
+        self.detok = (IncrementalDetokenizer(tok, body.skip_special_tokens,
+                                             body.spaces_between_special_tokens)
+                      if tok is not None else None)
+        self.stops = StopStrings(stops, body.include_stop_str_in_output)
+        self.silent_ids = silent_stop_ids(state, body, tok)
+        """Stop tokens whose text the answer leaves out (:mod:`.vllm_fields`)."""
         self.result: Result | None = None
         thinks = chat and state.renderer is not None and state.renderer.thinks
         self.reasoning = ReasoningStream() if thinks else None
@@ -227,7 +241,9 @@ class TurnOutput:
             self.first_token_t = now
         self.last_token_t = now
         armed = len(self.tokens) >= self.body.min_tokens  # no stop string before min_tokens
-        return self.stops.feed(self.detok.add(token), armed) if self.detok else ""
+        if self.detok is None or token in self.silent_ids:
+            return ""
+        return self.stops.feed(self.detok.add(token), armed)
 
     async def updates(self, first: Any, stream: Any) -> AsyncIterator[tuple[str, Result | None]]:
         """(new text, None) per token, then (last text, the finished turn)."""
@@ -244,7 +260,7 @@ class TurnOutput:
                 text += self.stops.flush()
                 finish = "stop" if self.stops.stopped else out.finish_reason
                 result = Result(out.prompt_token_ids, out.output_token_ids, self.stops.text,
-                                finish, out.cache_stats)
+                                finish, out.cache_stats, out.prompt_logprobs or None)
                 await self._finish(result)
                 yield text, result
                 return
@@ -286,8 +302,8 @@ class TurnOutput:
         else:
             conv.messages = conv.messages + [{"role": "completion", "content": result.text}]
         conv.token_ids = result.prompt_ids + result.output_ids
-        if self.body.priority is not None:
-            conv.priority = self.body.priority
+        if self.body.retention_priority is not None:
+            conv.priority = self.body.retention_priority
         if self.body.keep_alive_s is not None:
             conv.keep_alive_s = self.body.keep_alive_s
         conv.turns = conv.turns + [{"context_len": len(result.prompt_ids),
@@ -336,6 +352,8 @@ class TurnOutput:
             choice["message"] = self._api_message(result)
         else:
             choice["text"] = result.text
+            if getattr(self.body, "echo", False):
+                echo_choice(self, result, choice)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self._model(), "choices": [choice],
                 "usage": self.usage(result), "conversation_id": self.turn.cid,

@@ -62,7 +62,10 @@ class ServerState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """``temperature``/``top_p``/``top_k`` of requests that leave them out."""
     max_priority: float = DEFAULT_MAX_PRIORITY
-    """Largest retention ``priority`` a request may set (400 past it)."""
+    """Largest ``retention_priority`` a request may set (400 past it)."""
+    priority_means_retention: bool = False
+    """A request's ``priority`` is the retention weight, as before vLLM's scheduling
+    ``priority`` was accepted (one release; :mod:`.priority`)."""
     max_keep_alive_s: float = DEFAULT_MAX_KEEP_ALIVE_S
     """Largest ``keep_alive_s`` a request may set (400 past it)."""
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(

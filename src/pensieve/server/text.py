@@ -24,8 +24,13 @@ from typing import Any
 class IncrementalDetokenizer:
     """Text added by each new token of one answer."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.options = {"skip_special_tokens": skip_special_tokens}
+        """``decode``'s arguments (vLLM's fields of the same names)."""
+        if not spaces_between_special_tokens:
+            self.options["spaces_between_special_tokens"] = False
         self.ids: list[int] = []
         self.prefix = 0
         """First token of the decode window."""
@@ -33,7 +38,7 @@ class IncrementalDetokenizer:
         """Tokens whose text was emitted."""
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, **self.options))
 
     def add(self, token: int) -> str:
         """The text ``token`` completes (possibly empty)."""
@@ -58,8 +63,11 @@ class IncrementalDetokenizer:
 class StopStrings:
     """Stop-string matching over streamed text; :meth:`feed` returns the text safe to emit."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
+        """Keep the stop string that matched in :attr:`text` (vLLM's
+        ``include_stop_str_in_output``)."""
         self.first_chars = {s[0] for s in self.stops}
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
@@ -79,14 +87,14 @@ class StopStrings:
             return delta
         start = max(0, len(self.text) - self.longest + 1)
         self.text += delta
-        hit = -1
+        hit, length = -1, 0
         for s in self.stops:
             i = self.text.find(s, start)
             if i >= 0 and (hit < 0 or i < hit):
-                hit = i
+                hit, length = i, len(s)
         if hit >= 0:
             self.stopped = True
-            self.text = self.text[:hit]
+            self.text = self.text[:hit + (length if self.include else 0)]
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held())
 

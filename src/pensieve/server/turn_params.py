@@ -11,7 +11,7 @@ from pensieve.server.state import ServerState
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                     "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "min_tokens", "min_p", "logit_bias"}
+                    "min_tokens", "min_p", "logit_bias", "priority"}
 MAX_STOP_STRINGS = 64
 
 
@@ -58,7 +58,10 @@ def sampling_params(state: ServerState, body: _Sampling, max_tokens: int,
                               top_p=d.get("top_p", body.top_p), top_k=d.get("top_k", body.top_k),
                               seed=body.seed,
                               stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
-                              logprobs=num_logprobs, presence_penalty=body.presence_penalty,
+                              logprobs=num_logprobs,
+                              prompt_logprobs=body.num_prompt_logprobs(),
+                              priority=int(body.priority),
+                              presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty,
                               repetition_penalty=body.repetition_penalty,
                               min_tokens=body.min_tokens, min_p=body.min_p,

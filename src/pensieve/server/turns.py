@@ -184,18 +184,22 @@ def _chat_history(state: ServerState, tenant: str, cid: str | None,
 
 async def chat_turn(state: ServerState, tenant: str, cid: str | None,
                     msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> Turn:
+                    template_kwargs: dict[str, Any] | None = None,
+                    name: str | None = None, options: dict[str, Any] | None = None) -> Turn:
     """The turn of a chat request: the conversation it names or whose history it re-sends
     (the longest prefix of its messages that ends with an answer and equals a stored
     conversation of the tenant: a new conversation over that one's KV, :mod:`.engine_ids`),
     or a new one; a retry of a stored turn redoes it. ``tools`` (OpenAI's function tools) go
-    into the rendering (:mod:`.tools`)."""
+    into the rendering (:mod:`.tools`). ``name``: the id a new conversation gets (a client's
+    name for its first turn, :mod:`.conversation_names`), instead of a fresh one; ``options``:
+    the request's own ``apply_chat_template`` arguments (:func:`.chat_run.template_options`)."""
     found = _chat_retry(state, tenant, cid, msgs)
     matched = found is None and cid is None  # a history found is a cache hit, not an identity
     found = found or _chat_history(state, tenant, cid, msgs)
     if found is None:
-        ids = await off_loop(state, lambda: render(state, msgs, tools, template_kwargs))
-        cid = new_conversation_id()
+        ids = await off_loop(state, lambda: render(state, msgs, tools, template_kwargs,
+                                                   options))
+        cid = name or new_conversation_id()
         return Turn(tenant, cid, _new(cid, tenant), [], msgs, ids, new_conversation=True,
                     full_context=True)
     stored, prev, new = found
@@ -206,20 +210,21 @@ async def chat_turn(state: ServerState, tenant: str, cid: str | None,
     if any(m.get("role") == "completion" for m in prev):
         raise APIError(400, f"conversation {stored.id!r} was started on /v1/completions: "
                        "continue it there", param="conversation_id")
-    ids = await off_loop(state, lambda: render(state, prev + new, tools, template_kwargs))
+    ids = await off_loop(state, lambda: render(state, prev + new, tools, template_kwargs,
+                                               options))
     if matched:
-        return await _take_over(state, tenant, stored, prev, new, ids)
+        return await _take_over(state, tenant, stored, prev, new, ids, name)
     await restore(state, stored)
     return Turn(tenant, stored.id, stored, prev, new, ids, new_conversation=False,
                 full_context=True, engine_cid=state.engine_ids.of(stored.id))
 
 
 async def _take_over(state: ServerState, tenant: str, matched: StoredConversation,
-                     prev: list[dict[str, Any]], new: list[dict[str, Any]], ids: list[int]
-                     ) -> Turn:
+                     prev: list[dict[str, Any]], new: list[dict[str, Any]], ids: list[int],
+                     name: str | None = None) -> Turn:
     """A new conversation whose history is ``matched``'s, over its engine conversation (its
     KV) unless a turn of that one runs: then over an engine conversation of its own."""
-    cid = new_conversation_id()
+    cid = name or new_conversation_id()
     conv = dataclasses.replace(matched, id=cid, tenant=tenant, created=0.0, updated=0.0,
                                request_key=request_key.get(), version=0)
     eid = state.engine_ids.take_over(matched.id, cid)
@@ -236,7 +241,7 @@ async def _take_over(state: ServerState, tenant: str, matched: StoredConversatio
 
 
 async def completion_turn(state: ServerState, tenant: str, cid: str | None, prompt: Any,
-                          create_conversation: bool) -> Turn:
+                          create_conversation: bool, name: str | None = None) -> Turn:
     if isinstance(prompt, str):
         renderer = state.renderer
         if renderer is None:
@@ -258,8 +263,8 @@ async def completion_turn(state: ServerState, tenant: str, cid: str | None, prom
         await restore(state, stored)
         return Turn(tenant, stored.id, stored, [], [], ids, new_conversation=False,
                     engine_cid=state.engine_ids.of(stored.id))
-    if create_conversation:
-        cid = new_conversation_id()
+    if create_conversation or name:
+        cid = name or new_conversation_id()
         return Turn(tenant, cid, _new(cid, tenant), [], [], ids, new_conversation=True)
     return Turn(tenant, None, None, [], [], ids, new_conversation=False)
 
@@ -284,13 +289,14 @@ def _completion_retry(state: ServerState, tenant: str, cid: str | None, ids: lis
 
 def render(state: ServerState, messages: list[dict[str, Any]],
            tools: list[dict[str, Any]] | None = None,
-           template_kwargs: dict[str, Any] | None = None) -> list[int]:
+           template_kwargs: dict[str, Any] | None = None,
+           options: dict[str, Any] | None = None) -> list[int]:
     """The chat template's tokens for ``messages`` and the generation prompt: exactly what
     the model is fed (the engine keeps only the history's common prefix with it)."""
     assert state.renderer is not None
     try:
         return state.renderer.render(messages, add_generation_prompt=True, tools=tools,
-                                     template_kwargs=template_kwargs)
+                                     template_kwargs=template_kwargs, options=options)
     except TemplateError as e:  # e.g. a template that demands alternating roles
         raise APIError(400, f"the chat template refused the messages: {e}",
                        param="messages") from e
