@@ -27,6 +27,7 @@ the TTFT spike (the highest P90 of ``--bin`` s bins of sends after the loss) and
 
     python benchmarks/replicas_routing.py --out docs/results/replicas_routing
     python benchmarks/replicas_routing.py --tiny --out /tmp/rr          # a smoke test
+    python benchmarks/replicas_routing.py --merge A/replicas_routing.json B/... --out DIR
 
 Writes ``<out>/replicas_routing.json`` and ``<out>/replicas_routing.png``.
 """
@@ -254,15 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, short turns")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: the points of these outputs, summarized together")
     args = ap.parse_args(argv)
-    jobs = jobs_of(args)
     targets = [float(x) for x in args.ttft_targets.split(",")]
     from tqdm import tqdm
 
     t0 = time.time()
-    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as ex:
-        points = list(tqdm(ex.map(point, jobs), total=len(jobs), desc="points",
-                           file=sys.stderr))
+    if args.merge:
+        points = [p for f in args.merge for p in json.loads(Path(f).read_text())["points"]]
+    else:
+        points = []
+        with ProcessPoolExecutor(max_workers=max(1, args.workers)) as ex:
+            for p in tqdm(ex.map(point, jobs_of(args)), total=len(jobs_of(args)),
+                          desc="points", file=sys.stderr):
+                points.append(p)
+                tqdm.write(f"{p['load']} N={p['replicas']} {p['routing']} {p['gbps']} "
+                           f"fail={p['fail_at']} {p['conv_rate']:.3g}: TTFT P90 "
+                           f"{p['ttft_s_p90']} s, {p['throughput_rps']:.2f} req/s",
+                           file=sys.stderr)
     print(f"{'load':>12} {'N':>2} {'routing':>11} {'Gb/s':>4} {'fail':>4} {'sess/s':>6} "
           f"{'req/s':>6} {'TTFT P50':>8} {'P90':>7} {'moved':>6} {'read Mtok':>9} "
           f"{'recomp Mtok':>11} {'rx use':>6}")
