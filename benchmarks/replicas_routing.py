@@ -15,8 +15,8 @@ per-replica session rate. Routings: ``affinity`` (today's default; a turn away f
 recomputes its history), ``spill@BOUND`` (the owner unless its waiting prompt tokens pass
 BOUND, then the least-loaded; the KV read from the shared tier) and ``least`` (least waiting
 tokens, the KV from the shared tier), each shared-tier routing at every ``--gbps`` (one link
-per replica, each way). With ``--fail``, every point is run again with replica 0 lost at
-``--fail-at`` s.
+per replica, each way). With ``--fail both`` (or ``yes``), every point is run (only) with
+replica 0 lost at ``--fail-at`` s too.
 
 Per point: the window's throughput and TTFT percentiles, the turns moved, the context tokens
 read from the tier against those recomputed, and the busiest replica's link use. Per (load,
@@ -98,7 +98,7 @@ def point(job: dict[str, Any]) -> dict[str, Any]:
     from shared_tier_sim import RoutedCluster
 
     from pensieve.bench.engine_api import VirtualClock
-    from pensieve.bench.loadgen import run_load
+    from pensieve.bench.loadgen import run_load, warm_start_from
     from pensieve.bench.run_metrics import summarize
 
     t0 = time.time()
@@ -109,7 +109,7 @@ def point(job: dict[str, Any]) -> dict[str, Any]:
                         bound=float(bound or 0), fail_at=job["fail_at"])
     res = run_load(eng, clock, _conversations(job), job["rate"], job["think"],
                    job["duration"], 32000, seed=job["seed"], drain_s=job["drain"],
-                   sample_interval_s=5.0)
+                   sample_interval_s=5.0, warm_start=warm_start_from(job["warm_start"]))
     p: dict[str, Any] = {k: job[k] for k in ("load", "replicas", "routing", "gbps", "fail_at")}
     p.update(conv_rate=job["rate"], rate_per_replica=round(job["rate"] / job["replicas"], 4),
              unfinished=res.unfinished)
@@ -176,7 +176,7 @@ def jobs_of(args: argparse.Namespace) -> list[dict[str, Any]]:
     routings = ["affinity"] + [f"spill@{b}" for b in args.bounds.split(",") if b] + (
         ["least"] if args.least else [])
     gbps = [float(g) for g in args.gbps.split(",")]
-    fails = [None] + ([args.fail_at] if args.fail else [])
+    fails = {"no": [None], "yes": [args.fail_at], "both": [None, args.fail_at]}[args.fail]
     tiny = args.tiny
     jobs = []
     for load in args.loads.split(","):
@@ -194,6 +194,7 @@ def jobs_of(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 "drain": 10.0 if tiny else args.drain,
                                 "fail_at": (40.0 if tiny else f) if f else None,
                                 "seed": args.seed, "scale": 0.05 if tiny else 1.0,
+                                "warm_start": None if tiny else args.warm_start or None,
                                 "bin": args.bin})
     jobs.sort(key=lambda j: -j["replicas"] * (5 if j["load"] == "coding-agent" else 1))
     return jobs
@@ -245,11 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-least", dest="least", action="store_false",
                     help="leave the least-loaded routing out")
     ap.add_argument("--gbps", default="25,100", help="network rates, Gb/s per link each way")
-    ap.add_argument("--fail", action="store_true", help="also run each point with a loss")
+    ap.add_argument("--fail", choices=["no", "yes", "both"], default="both",
+                    help="run each point with all replicas up, with one lost, or both")
     ap.add_argument("--fail-at", type=float, default=200.0, help="when replica 0 is lost (s)")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=150.0)
     ap.add_argument("--drain", type=float, default=60.0)
+    ap.add_argument("--warm-start", type=float, default=0.03, metavar="S_PER_TOKEN",
+                    help="start at a steady state: the sessions that would be under way at "
+                         "time 0 are (loadgen.WarmStart; 0 turns it off)")
     ap.add_argument("--bin", type=float, default=10.0, help="TTFT bins after a loss (s)")
     ap.add_argument("--ttft-targets", default="2,5", help="P90 TTFT targets (s)")
     ap.add_argument("--workers", type=int, default=2)
