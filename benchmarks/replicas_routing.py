@@ -200,6 +200,41 @@ def jobs_of(args: argparse.Namespace) -> list[dict[str, Any]]:
     return jobs
 
 
+def markdown(rows: list[dict[str, Any]], points: list[dict[str, Any]], targets: list[float]
+             ) -> str:
+    """The docs' table: per (load, N, routing, Gb/s), capacity at each target with all
+    replicas up; at the highest rate run, the turns moved, the tier's reads and the busiest
+    link's read use (mean / peak 10 s); with a replica lost (the rate of that run), the
+    window's P90 TTFT, the spike and how long the bins stayed over the first target."""
+    head = ("| load | N | routing | Gb/s | " + " | ".join(
+        f"sessions/s at P90 TTFT {t:g} s" for t in targets)
+        + " | moved turns, reads (GB), read link use mean / peak | one lost @ sessions/s: "
+          "window P90, spike, over target |")
+    lines = [head, "| --- | ---: | --- | ---: | " + "---: | " * len(targets) + "--- | --- |"]
+    up = [r for r in rows if not r["fail_at"]]
+    for r in up:
+        same = [p for p in points if (p["load"], p["replicas"], p["routing"], p["gbps"] or 0)
+                == (r["load"], r["replicas"], r["routing"], r["gbps"] or 0)]
+        top = max((p for p in same if not p["fail_at"]), key=lambda p: p["conv_rate"])
+        net = top["network"]
+        use = (f", {net['read_gb']:.0f} GB, {net['read_util_mean_max']:.2f} / "
+               f"{net['read_util_peak']:.2f}" if net else "")
+        lost = [p for p in same if p["fail_at"]]
+        loss = "; ".join(
+            f"@{p['conv_rate']:.3g}: {_s(p['ttft_s_p90'])}, {_s(e['spike_p90_s'])}, "
+            f"{e['over_target_s']:.0f} s{'+' if e['until_end'] else ''}"
+            for p in lost for e in [loss_effect(p, targets[0], p.get("bin", 10.0))])
+        lines.append(
+            f"| {r['load']} | {r['replicas']} | {r['routing']} | {r['gbps'] or '-'} | "
+            + " | ".join(f"{r[f'sessions_per_s@{t:g}s']:.3f}" for t in targets)
+            + f" | {top['moved_turns']} @{top['conv_rate']:.3g}{use} | {loss or '-'} |")
+    return "\n".join(lines)
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s" if v < 1e5 else "unbounded"
+
+
 def plot(rows: list[dict[str, Any]], targets: list[float], path: Path) -> None:
     """Capacity at the first target against N, per load and routing; solid: all replicas
     up, dashed: one lost."""
@@ -296,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'one lost' if r['fail_at'] else ''}: " + ", ".join(
                   f"{r[f'sessions_per_s@{t:g}s']:.3f} sess/s at {t:g} s" for t in targets)
               + (f"; loss {r['loss']}" if r.get("loss") else ""))
+    print(markdown(rows, points, targets))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"args": vars(args), "capacity": rows, "points": points,
