@@ -235,36 +235,56 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} s" if v < 1e5 else "unbounded"
 
 
-def plot(rows: list[dict[str, Any]], targets: list[float], path: Path) -> None:
-    """Capacity at the first target against N, per load and routing; solid: all replicas
-    up, dashed: one lost."""
+def plot(rows: list[dict[str, Any]], points: list[dict[str, Any]], targets: list[float],
+         path: Path) -> None:
+    """Per load, capacity at the first target against N (all replicas up); then the P90 TTFT
+    of the turns sent in each bin around a replica's loss, per routing and N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     loads = sorted({r["load"] for r in rows})
-    fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.2), squeeze=False)
+    lost = [p for p in points if p["fail_at"]]
+    fig, axes = plt.subplots(1, len(loads) + bool(lost), figsize=(5.2 * (len(loads) + 1), 4),
+                             squeeze=False)
     t = targets[0]
+    names = sorted({(r["routing"], r["gbps"] or 0) for r in rows})
+    color = {k: f"C{i}" for i, k in enumerate(names)}
     for ax, load in zip(axes[0], loads):
-        for k, (routing, gbps) in enumerate(sorted(
-                {(r["routing"], r["gbps"] or 0) for r in rows if r["load"] == load})):
-            label = routing + (f" {gbps:g} Gb/s" if gbps else "")
-            for fail, ls in ((False, "o-"), (True, "x--")):
-                rs = sorted((r for r in rows if r["load"] == load and r["routing"] == routing
-                             and (r["gbps"] or 0) == gbps and bool(r["fail_at"]) == fail),
-                            key=lambda r: r["replicas"])
-                if rs:
-                    ax.plot([r["replicas"] for r in rs],
-                            [r[f"sessions_per_s@{t:g}s"] for r in rs], ls, color=f"C{k}",
-                            label=label + (", one lost" if fail else ""))
+        for routing, gbps in names:
+            rs = sorted((r for r in rows if r["load"] == load and r["routing"] == routing
+                         and (r["gbps"] or 0) == gbps and not r["fail_at"]),
+                        key=lambda r: r["replicas"])
+            if rs:
+                ax.plot([r["replicas"] for r in rs], [r[f"sessions_per_s@{t:g}s"] for r in rs],
+                        "o-", color=color[routing, gbps],
+                        label=routing + (f" {gbps:g} Gb/s" if gbps else ""))
         ax.set_xlabel("replicas")
         ax.set_ylabel(f"sessions/s at P90 TTFT <= {t:g} s")
-        ax.set_title(f"{load} (simulated)", fontsize=9)
+        ax.set_title(f"{load}, all replicas up (simulated)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+    if lost:
+        ax = axes[0][-1]
+        styles = {n: ls for n, ls in zip(sorted({p["replicas"] for p in lost}),
+                                          ("-", "--", ":", "-."))}
+        for p in sorted(lost, key=lambda p: (p["routing"], p["replicas"])):
+            bins = p["ttft_p90_bins"]
+            xs = [10.0 * (i + 0.5) for i, v in enumerate(bins) if v is not None]
+            ax.plot(xs, [min(v, 1e3) for v in bins if v is not None],
+                    styles[p["replicas"]], color=color[p["routing"], p["gbps"] or 0], lw=1,
+                    label=f"{p['routing']} N={p['replicas']}")
+            ax.axvline(p["fail_at"], color="grey", lw=0.8)
+        ax.axhline(t, color="grey", ls=":", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("time of send (s); the line: replica 0 lost")
+        ax.set_ylabel("P90 TTFT of the 10 s bin (s)")
+        ax.set_title(f"{lost[0]['load']}, one replica lost (simulated)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=5, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
 
 
@@ -339,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "replicas_routing.json").write_text(json.dumps(
         doc, default=lambda o: None if isinstance(o, float) else str(o),
         separators=(",", ":")) + "\n")
-    plot(rows, targets, out / "replicas_routing.png")
+    plot(rows, points, targets, out / "replicas_routing.png")
     print(f"wrote {out}/replicas_routing.json, .png; {time.time() - t0:.0f} s")
     return 0
 
