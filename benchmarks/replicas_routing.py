@@ -203,7 +203,7 @@ def jobs_of(args: argparse.Namespace) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], points: list[dict[str, Any]], targets: list[float]
              ) -> str:
     """The docs' table: per (load, N, routing, Gb/s), capacity at each target with all
-    replicas up; at the highest rate run, the turns moved, the tier's reads and the busiest
+    replicas up ("≥": the highest rate run meets the target); at the highest rate run, the turns moved, the tier's reads and the busiest
     link's read use (mean / peak 10 s); with a replica lost (the rate of that run), the
     window's P90 TTFT, the spike and how long the bins stayed over the first target."""
     head = ("| load | N | routing | Gb/s | " + " | ".join(
@@ -226,9 +226,15 @@ def markdown(rows: list[dict[str, Any]], points: list[dict[str, Any]], targets: 
             for p in lost for e in [loss_effect(p, targets[0], p.get("bin", 10.0))])
         lines.append(
             f"| {r['load']} | {r['replicas']} | {r['routing']} | {r['gbps'] or '-'} | "
-            + " | ".join(f"{r[f'sessions_per_s@{t:g}s']:.3f}" for t in targets)
+            + " | ".join(("≥ " if _passes(top, t) else "")
+                         + f"{r[f'sessions_per_s@{t:g}s']:.3f}" for t in targets)
             + f" | {top['moved_turns']} @{top['conv_rate']:.3g}{use} | {loss or '-'} |")
     return "\n".join(lines)
+
+
+def _passes(p: dict[str, Any], target: float) -> bool:
+    """Whether a point's P90 TTFT meets ``target`` (the highest rate run: capacity is more)."""
+    return p["ttft_s_p90"] is not None and p["ttft_s_p90"] <= target
 
 
 def _s(v: float | None) -> str:
