@@ -203,9 +203,10 @@ def jobs_of(args: argparse.Namespace) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]], points: list[dict[str, Any]], targets: list[float]
              ) -> str:
     """The docs' table: per (load, N, routing, Gb/s), capacity at each target with all
-    replicas up ("≥": the highest rate run meets the target); at the highest rate run, the turns moved, the tier's reads and the busiest
-    link's read use (mean / peak 10 s); with a replica lost (the rate of that run), the
-    window's P90 TTFT, the spike and how long the bins stayed over the first target."""
+    replicas up ("≥": the highest rate run meets the target); at the highest rate run, the
+    turns moved, the tier's reads and the busiest link's read use (mean / peak 10 s); with a
+    replica lost (the rate of that run), the window's P90 TTFT, the spike and how long the
+    bins stayed over the first target."""
     head = ("| load | N | routing | Gb/s | " + " | ".join(
         f"sessions/s at P90 TTFT {t:g} s" for t in targets)
         + " | moved turns, reads (GB), read link use mean / peak | one lost @ sessions/s: "
