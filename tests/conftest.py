@@ -75,10 +75,28 @@ def smollm2_cache() -> Any:
     import os
     from pathlib import Path
 
+    from server_util import run_cache_lock
+
     from pensieve.models.builtin import ensure_smollm2_checkpoint
 
-    ensure_smollm2_checkpoint()
+    with run_cache_lock():
+        ensure_smollm2_checkpoint()
     return Path(os.environ["PENSIEVE_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_cache: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One ``pensieve serve`` of the default model (``--max-model-len 2048``, otherwise its
+    default settings) for every module of this test process that talks to it (tools, peer
+    clients, the default model's answers): started once instead of once per module."""
+    from server_util import Server
+
+    from pensieve.config import DEFAULT_MODEL
+
+    srv = Server(tmp_path_factory.mktemp("smollm2") / "conv.db", smollm2_cache,
+                 "--max-model-len", "2048", model=DEFAULT_MODEL)
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture
@@ -106,7 +124,7 @@ SLOW_MODULES = (
     "test_stateful_invariant.py",  # hypothesis workloads on a real engine under every policy
     "test_tensor_parallel.py",  # two-rank process groups
 )
-SLOW_FIXTURES = ("server", "pensieve_server", "cluster")
+SLOW_FIXTURES = ("server", "pensieve_server", "smollm2_server", "cluster")
 """Tests that start a ``pensieve serve`` subprocess through these fixtures, or (``cluster``,
 test_replicas.py) a local Ray cluster serving two engine replicas."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -9,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,6 +27,26 @@ def run_cache() -> Path:
     return Path(os.environ["PENSIEVE_CACHE_DIR"])
 
 
+@contextlib.contextmanager
+def run_cache_lock() -> Iterator[None]:
+    """Held while a built-in model is made in the run's cache directory, so that xdist's
+    workers make each one once (the second finds it made) instead of all at once."""
+    with open(run_cache() / ".build-lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_demo() -> None:
+    """The demo checkpoint in the run's cache directory, made once per run."""
+    from pensieve.models.demo import ensure_demo_checkpoint
+
+    with run_cache_lock():
+        ensure_demo_checkpoint()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,6 +59,8 @@ class Server:
                  env: dict[str, str] | None = None) -> None:
         """``budget``: ``--max-num-batched-tokens`` (None: the server's default); ``env``: more
         environment variables for the server (e.g. ``PENSIEVE_STEP_LOG``)."""
+        if model == "demo" and Path(cache_dir) == run_cache():
+            ensure_demo()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from pensieve.bench.commands import MODULES, SCRIPTS
 from pensieve.cli import build_parser
 from pensieve.help_text import PlainHelpFormatter, plain_text, subparsers
 
@@ -24,7 +25,8 @@ INTERNAL = re.compile(
     r"|\b(?!PENSIEVE_|OMP_)[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")  # a constant (not an env variable)
 """Names from the source: ``SwapPlan.swap_in_ahead``, ``pensieve.core.eviction``,
 ``DEFAULT_CPU_KV_GB``."""
-HEAVY = ("torch", "transformers", "pydantic", "fastapi", "xgrammar")
+HEAVY = ("torch", "transformers", "pydantic", "fastapi", "xgrammar", "pensieve.core.scheduler",
+         "asyncio")
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -75,6 +77,16 @@ def test_serve_help_states_defaults_and_gguf():
     assert "135M" in help_of["model"] or "SmolLM2" in help_of["model"]
 
 
+def test_bench_entry_is_the_same_without_the_benchmarks_built():
+    """``pensieve serve ...`` builds no benchmark parser; the ``bench`` line of ``pensieve
+    --help`` reads the same either way."""
+    def bench_line(p: argparse.ArgumentParser) -> str:
+        (sub,) = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        return next(a.help for a in sub._choices_actions if a.dest == "bench")
+
+    assert bench_line(build_parser("serve")) == bench_line(build_parser())
+
+
 def test_bench_help_names_every_subcommand():
     bench = _parsers()["pensieve bench"]
     (sub,) = [a for a in bench._actions if isinstance(a, argparse._SubParsersAction)]
@@ -85,10 +97,11 @@ def test_bench_help_names_every_subcommand():
         assert re.search(rf"^    {re.escape(name)}\b", text, re.M), name
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"]])
 def test_help_imports_neither_torch_nor_the_server(argv):
     """What made ``pensieve --help`` take ~5 s: importing torch, transformers and the server's
-    request models to build the parser. Checked in a fresh interpreter."""
+    request models to build the parser (and, for all but ``bench``, the benchmarks and the
+    scheduler they import). Checked in a fresh interpreter."""
     code = textwrap.dedent(f"""
         import json, sys
         from pensieve.cli import main
@@ -117,3 +130,22 @@ def test_plot_without_matplotlib_names_the_extra_before_running(monkeypatch, cap
     assert err == ("pensieve: error: --plot needs matplotlib, which is not installed: "
                    "pip install 'pensieve[bench]' (or pip install matplotlib)"), err
     assert not ran
+
+
+@pytest.mark.parametrize("name", sorted({**SCRIPTS, **MODULES}))
+def test_benchmark_scripts_help_is_plain_text(name, capsys):
+    """``pensieve bench multiturn --help`` and the others whose parser their module builds:
+    rendered through the same plain formatter (their usage lines hold metavars, so only the
+    markup and dotted names are looked for here)."""
+    from pensieve.cli import main
+
+    try:
+        code = main(["bench", name, "--help"])  # a script's exit is its return code
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None)
+    text = capsys.readouterr().out
+    assert "usage:" in text
+    assert not MARKUP.search(text), MARKUP.search(text).group(0)
+    dotted = re.compile(r"\b[A-Z][a-z]+[A-Z]\w*\.\w+|\bpensieve\.[a-z_]+\.[a-z_]+")
+    assert not dotted.search(text), dotted.search(text).group(0)

@@ -61,14 +61,9 @@ def smollm2(smollm2_cache):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
-    """``pensieve serve`` with no model argument (the default) and its default settings."""
-    from server_util import Server
-
-    srv = Server(tmp_path_factory.mktemp("store") / "conv.db",
-                 Path(os.environ["PENSIEVE_CACHE_DIR"]), model=DEFAULT_MODEL)
-    yield srv
-    srv.stop()
+def server(smollm2, smollm2_server):
+    """``pensieve serve`` of the default model (conftest.py), at its default sampling."""
+    return smollm2_server
 
 
 def _chat_ids(tok, text: str) -> list[int]:
@@ -192,7 +187,7 @@ def test_every_policy_with_disk_tier_restart_and_branch_matches_hf(
     every token is HF's greedy token from the full context."""
     path, _, _ = smollm2
     kw: dict = {"dtype": "float32", "device": "cpu", "cache_policy": policy,
-                "num_gpu_blocks": 24, "max_num_batched_tokens": 64}
+                "num_gpu_blocks": 24, "max_num_batched_tokens": 512}
     if policy not in ("gpu-only", "stateless"):  # the disk tier lies below a CPU tier
         kw |= {"num_cpu_blocks": 4, "disk_kv_gb": 0.05, "disk_kv_path": str(tmp_path),
                "disk_read_gbps": 1e9}

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pensieve.core.routing import AffinityRouter, RandomRouter, conversation_key, preference
+from pensieve.core.routing import (
+    AffinityRouter,
+    RandomRouter,
+    conversation_key,
+    least_loaded,
+    preference,
+    spill_route,
+)
 
 NAMES = [f"replica-{i}" for i in range(8)]
 
@@ -89,3 +96,17 @@ def test_bad_arguments() -> None:
         AffinityRouter(["a", "b"]).route("k", [0])
     rnd = RandomRouter(NAMES[:3], seed=1)
     assert set(rnd.route("same", [0, 0, 0]) for _ in range(200)) == {0, 1, 2}
+
+
+def test_least_loaded_and_spill() -> None:
+    waiting = [500.0, 100.0, 300.0]
+    assert least_loaded(waiting) == 1
+    assert least_loaded(waiting, alive=[True, False, True]) == 2
+    assert spill_route(0, waiting, bound=600) == 0  # under the bound: stays
+    assert spill_route(0, waiting, bound=400) == 1  # over: the least loaded
+    assert spill_route(1, waiting, bound=50) == 1  # over, but no one waits on less
+    assert spill_route(0, waiting, bound=600, alive=[False, True, True]) == 1  # owner gone
+    with pytest.raises(ValueError):
+        spill_route(0, waiting, bound=-1)
+    with pytest.raises(ValueError):
+        least_loaded(waiting, alive=[False, False, False])

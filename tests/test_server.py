@@ -32,6 +32,16 @@ def server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterato
 
 
 @pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with two API keys (tenants key-a and key-b), shared by the tests of auth,
+    tenant isolation and prefix sharing (one start instead of three)."""
+    srv = Server(tmp_path_factory.mktemp("keyed") / "auth.db", run_cache(), "--api-key",
+                 "key-a", "--api-key", "key-b", "--metrics-key", "ops", "--max-model-len", "1024")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def offline(server: Server, cache_dir: Path) -> LLM:
     os.environ["PENSIEVE_CACHE_DIR"] = str(cache_dir)
     return LLM(model="demo", device="cpu", num_gpu_blocks=96, max_num_batched_tokens=256,
@@ -300,7 +310,7 @@ class _CtrlC(io.StringIO):
 
 
 def test_chat_client_ctrl_c_cancels_the_answer_and_401_is_explained(server: Server,
-                                                                     tmp_path: Path) -> None:
+                                                                     keyed: Server) -> None:
     from pensieve.chat_client import chat, sse_lines
     from pensieve.cli import build_parser
 
@@ -315,48 +325,41 @@ def test_chat_client_ctrl_c_cancels_the_answer_and_401_is_explained(server: Serv
     cid = text.split("> ")[-2].strip()  # /id printed the conversation of the second answer
     conv = httpx.get(f"{server.url}/v1/conversations/{cid}").json()
     assert [m["content"] for m in conv["messages"] if m["role"] == "user"] == ["second"]
-    srv = Server(tmp_path / "auth.db", run_cache(), "--api-key", "sekret")
-    try:
-        args = build_parser().parse_args(["chat", "--url", srv.url, "--api-key", "wrong"])
-        out2 = io.StringIO()
-        assert chat(args, stdin=io.StringIO(""), out=out2) == 1
-        assert "bad or missing API key" in out2.getvalue()
-    finally:
-        srv.stop()
+    args = build_parser().parse_args(["chat", "--url", keyed.url, "--api-key", "wrong"])
+    out2 = io.StringIO()
+    assert chat(args, stdin=io.StringIO(""), out=out2) == 1
+    assert "bad or missing API key" in out2.getvalue()
 
 
-def test_auth_and_tenant_isolation(tmp_path: Path, cache_dir: Path) -> None:
-    srv = Server(tmp_path / "auth.db", cache_dir, "--api-key", "key-a", "--api-key", "key-b")
-    try:
-        assert httpx.get(srv.url + "/health").status_code == 200
-        _assert_error(httpx.get(srv.url + "/v1/models"), 401)
-        _assert_error(httpx.get(srv.url + "/metrics",
-                                headers={"Authorization": "Bearer wrong"}), 401)
-        with pytest.raises(openai.AuthenticationError):
-            srv.client("wrong").models.list()
-        a, b = srv.client("key-a"), srv.client("key-b")
-        msgs = [{"role": "user", "content": "secret plans " * 20}]
-        ra = a.chat.completions.create(model="pensieve-demo", messages=msgs, **GREEDY)
-        cid = _extra(ra, "conversation_id")
-        hdr_b = {"Authorization": "Bearer key-b"}
-        _assert_error(httpx.get(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
-        _assert_error(httpx.delete(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
-        with pytest.raises(openai.NotFoundError):
-            b.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
-                                      extra_body={"conversation_id": cid}, **GREEDY)
-        # B re-sends A's exact history: a new conversation of B's, with no hit on A's KV
-        follow = msgs + [{"role": "assistant", "content": ra.choices[0].message.content},
-                         {"role": "user", "content": "go on"}]
-        rb = b.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
-        assert _extra(rb, "conversation_id") != cid
-        assert _extra(rb, "pensieve")["cache"]["gpu_hit_tokens"] == 0
-        assert _extra(rb, "pensieve")["cache"]["shared_hit_tokens"] == 0  # salted per tenant
-        # while A doing the same continues its own conversation from cache
-        ra2 = a.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
-        assert _extra(ra2, "conversation_id") == cid
-        assert _extra(ra2, "pensieve")["cache"]["gpu_hit_tokens"] > 0
-    finally:
-        srv.stop()
+def test_auth_and_tenant_isolation(keyed: Server) -> None:
+    srv = keyed
+    assert httpx.get(srv.url + "/health").status_code == 200
+    _assert_error(httpx.get(srv.url + "/v1/models"), 401)
+    _assert_error(httpx.get(srv.url + "/metrics",
+                            headers={"Authorization": "Bearer wrong"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        srv.client("wrong").models.list()
+    a, b = srv.client("key-a"), srv.client("key-b")
+    msgs = [{"role": "user", "content": "secret plans " * 20}]
+    ra = a.chat.completions.create(model="pensieve-demo", messages=msgs, **GREEDY)
+    cid = _extra(ra, "conversation_id")
+    hdr_b = {"Authorization": "Bearer key-b"}
+    _assert_error(httpx.get(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
+    _assert_error(httpx.delete(f"{srv.url}/v1/conversations/{cid}", headers=hdr_b), 404)
+    with pytest.raises(openai.NotFoundError):
+        b.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}],
+                                  extra_body={"conversation_id": cid}, **GREEDY)
+    # B re-sends A's exact history: a new conversation of B's, with no hit on A's KV
+    follow = msgs + [{"role": "assistant", "content": ra.choices[0].message.content},
+                     {"role": "user", "content": "go on"}]
+    rb = b.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
+    assert _extra(rb, "conversation_id") != cid
+    assert _extra(rb, "pensieve")["cache"]["gpu_hit_tokens"] == 0
+    assert _extra(rb, "pensieve")["cache"]["shared_hit_tokens"] == 0  # salted per tenant
+    # while A doing the same continues its own conversation from cache
+    ra2 = a.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
+    assert _extra(ra2, "conversation_id") == cid
+    assert _extra(ra2, "pensieve")["cache"]["gpu_hit_tokens"] > 0
 
 
 def test_conversation_survives_sigkill(tmp_path: Path, cache_dir: Path, offline: LLM) -> None:
@@ -525,36 +528,32 @@ def test_lone_surrogate_is_a_400(server: Server) -> None:
     assert "Unicode" in err["message"] and err["param"] == "messages.0.content"
 
 
-def test_shared_system_prompt_is_cached_from_the_second_conversation(
-        tmp_path: Path, cache_dir: Path) -> None:
+def test_shared_system_prompt_is_cached_from_the_second_conversation(keyed: Server) -> None:
     """Issue 45's repro: six conversations of one tenant open with the same ~700-token system
     prompt and a question each; from the second on, the prompt's full chunks are another
     conversation's KV (``cached_tokens`` > 0, counted as ``shared_hit``). Another tenant, or a
     request with its own ``cache_salt``, shares nothing."""
-    srv = Server(tmp_path / "share.db", cache_dir, "--api-key", "key-a", "--api-key", "key-b",
-                 "--metrics-key", "ops", "--max-model-len", "1024")
-    try:
-        a, b = srv.client("key-a"), srv.client("key-b")
-        system = {"role": "system", "content": "You are a careful librarian. " * 100}
-        cached = []
-        for k in range(6):
-            r = a.chat.completions.create(
-                model=M, messages=[system, {"role": "user", "content": f"Question {k}: which?"}],
-                **GREEDY)
-            assert r.usage.prompt_tokens > 600
-            cached.append(r.usage.prompt_tokens_details.cached_tokens)
-            assert _extra(r, "pensieve")["cache"]["shared_hit_tokens"] == cached[-1]
-        assert cached[0] == 0 and all(c >= 600 for c in cached[1:]), cached
-        shared = srv.metric('pensieve_prompt_tokens_total{source="shared_hit"}', "ops")
-        assert shared == sum(cached[1:])
-        assert srv.metric("pensieve_prefix_sharing_ratio", "ops") > 1.0
-        rb = b.chat.completions.create(
-            model=M, messages=[system, {"role": "user", "content": "Question 0: which?"}],
+    srv = keyed  # shared with other tests: its counters are read as differences
+    shared_before = srv.metric('pensieve_prompt_tokens_total{source="shared_hit"}', "ops")
+    a, b = srv.client("key-a"), srv.client("key-b")
+    system = {"role": "system", "content": "You are a careful librarian. " * 100}
+    cached = []
+    for k in range(6):
+        r = a.chat.completions.create(
+            model=M, messages=[system, {"role": "user", "content": f"Question {k}: which?"}],
             **GREEDY)
-        assert rb.usage.prompt_tokens_details.cached_tokens == 0  # another tenant
-        salted = a.chat.completions.create(
-            model=M, messages=[system, {"role": "user", "content": "Question 9: which?"}],
-            extra_body={"cache_salt": "mine"}, **GREEDY)
-        assert salted.usage.prompt_tokens_details.cached_tokens == 0
-    finally:
-        srv.stop()
+        assert r.usage.prompt_tokens > 600
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        assert _extra(r, "pensieve")["cache"]["shared_hit_tokens"] == cached[-1]
+    assert cached[0] == 0 and all(c >= 600 for c in cached[1:]), cached
+    shared = srv.metric('pensieve_prompt_tokens_total{source="shared_hit"}', "ops")
+    assert shared - shared_before == sum(cached[1:])
+    assert srv.metric("pensieve_prefix_sharing_ratio", "ops") > 1.0
+    rb = b.chat.completions.create(
+        model=M, messages=[system, {"role": "user", "content": "Question 0: which?"}],
+        **GREEDY)
+    assert rb.usage.prompt_tokens_details.cached_tokens == 0  # another tenant
+    salted = a.chat.completions.create(
+        model=M, messages=[system, {"role": "user", "content": "Question 9: which?"}],
+        extra_body={"cache_salt": "mine"}, **GREEDY)
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0

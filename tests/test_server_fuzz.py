@@ -310,71 +310,76 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_overload_gets_429_and_admitted_requests_finish(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "conv.db", run_cache(), "--max-queued-requests", "32")
-    try:
-        rss0 = _rss_kib(srv.proc.pid)
-        prompt = "Please summarise the history of memory palaces in detail. " * 6
-
-        async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
-            return await client.post(CHAT, json={
-                "messages": [{"role": "user", "content": f"{i}: {prompt}"}],
-                "max_tokens": 4, "ignore_eos": True})
-
-        async def burst() -> list[httpx.Response]:
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
-            async with httpx.AsyncClient(base_url=srv.url, timeout=300, limits=limits) as c:
-                return await asyncio.gather(*(one(c, i) for i in range(200)))
-
-        rs = asyncio.run(burst())
-        codes = [r.status_code for r in rs]
-        ok, busy = codes.count(200), codes.count(429)
-        rss1 = _rss_kib(srv.proc.pid)
-        print(f"\noverload: {ok} admitted and finished, {busy} got 429; server RSS "
-              f"{rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB")
-        assert ok + busy == 200 and ok >= 32 and busy > 0
-        for r in rs:
-            if r.status_code == 429:
-                assert r.headers["retry-after"].isdigit()
-                assert r.json()["error"]["type"] == "rate_limit_error"
-            else:
-                assert r.json()["choices"][0]["finish_reason"] == "length"
-        assert rss1 - rss0 < 1024 * 1024  # generous bound: under 1 GiB of growth
-        assert httpx.get(srv.url + "/health").json()["queued"] == 0
-        assert srv.metric("pensieve_requests_rejected_total") == busy
-    finally:
-        srv.stop()
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with the default request size limit and at most 32 queued requests, shared by
+    the overload test and the huge-request test (one start instead of two)."""
+    srv = Server(tmp_path_factory.mktemp("bounded") / "conv.db", run_cache(),
+                 "--max-queued-requests", "32")
+    yield srv
+    srv.stop()
 
 
-def test_health_answers_while_a_huge_request_is_prepared(tmp_path: Path) -> None:
-    srv = Server(tmp_path / "conv.db", run_cache())  # default --max-request-bytes
-    try:
-        words = " ".join(f"w{i}ord" for i in range(300_000))  # ~3.3 MB of text to tokenize
-        result: dict[str, Any] = {}
+def test_overload_gets_429_and_admitted_requests_finish(bounded: Server) -> None:
+    srv = bounded
+    rejected0 = srv.metric("pensieve_requests_rejected_total")
+    rss0 = _rss_kib(srv.proc.pid)
+    prompt = "Please summarise the history of memory palaces in detail. " * 6
 
-        def big() -> None:
-            t = time.monotonic()
-            result["r"] = httpx.post(srv.url + CHAT, timeout=300, json={
-                "messages": [{"role": "user", "content": words}], "max_tokens": 1})
-            result["s"] = time.monotonic() - t
+    async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await client.post(CHAT, json={
+            "messages": [{"role": "user", "content": f"{i}: {prompt}"}],
+            "max_tokens": 4, "ignore_eos": True})
 
-        th = threading.Thread(target=big)
-        th.start()
-        worst = 0.0
-        n = 0
-        while th.is_alive():
-            t = time.monotonic()
-            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
-            worst = max(worst, time.monotonic() - t)
-            n += 1
-            time.sleep(0.02)
-        th.join()
-        print(f"\nhuge request prepared in {result['s']:.2f} s; /health x{n}, slowest "
-              f"{worst * 1000:.0f} ms")
-        assert result["r"].status_code == 400  # longer than max_model_len
-        assert worst < 2.0  # a hang guard; the loop is never blocked for the preparation
-    finally:
-        srv.stop()
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(200)))
+
+    rs = asyncio.run(burst())
+    codes = [r.status_code for r in rs]
+    ok, busy = codes.count(200), codes.count(429)
+    rss1 = _rss_kib(srv.proc.pid)
+    print(f"\noverload: {ok} admitted and finished, {busy} got 429; server RSS "
+          f"{rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB")
+    assert ok + busy == 200 and ok >= 32 and busy > 0
+    for r in rs:
+        if r.status_code == 429:
+            assert r.headers["retry-after"].isdigit()
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert rss1 - rss0 < 1024 * 1024  # generous bound: under 1 GiB of growth
+    assert httpx.get(srv.url + "/health").json()["queued"] == 0
+    assert srv.metric("pensieve_requests_rejected_total") - rejected0 == busy
+
+
+def test_health_answers_while_a_huge_request_is_prepared(bounded: Server) -> None:
+    srv = bounded  # the default --max-request-bytes
+    words = " ".join(f"w{i}ord" for i in range(300_000))  # ~3.3 MB of text to tokenize
+    result: dict[str, Any] = {}
+
+    def big() -> None:
+        t = time.monotonic()
+        result["r"] = httpx.post(srv.url + CHAT, timeout=300, json={
+            "messages": [{"role": "user", "content": words}], "max_tokens": 1})
+        result["s"] = time.monotonic() - t
+
+    th = threading.Thread(target=big)
+    th.start()
+    worst = 0.0
+    n = 0
+    while th.is_alive():
+        t = time.monotonic()
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        worst = max(worst, time.monotonic() - t)
+        n += 1
+        time.sleep(0.02)
+    th.join()
+    print(f"\nhuge request prepared in {result['s']:.2f} s; /health x{n}, slowest "
+          f"{worst * 1000:.0f} ms")
+    assert result["r"].status_code == 400  # longer than max_model_len
+    assert worst < 2.0  # a hang guard; the loop is never blocked for the preparation
 
 
 def test_sigterm_with_a_long_stream_exits_within_the_timeout(tmp_path: Path) -> None:
@@ -472,6 +477,14 @@ def _engine_process(srv: Server) -> Any:
     return kids[0]
 
 
+def _health(srv: Server) -> httpx.Response | None:
+    """``/health``'s answer; None once the server no longer accepts connections."""
+    try:
+        return httpx.get(srv.url + "/health", timeout=10)
+    except httpx.ConnectError:
+        return None
+
+
 def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
         tmp_path: Path) -> None:
     """``kill -STOP`` on the engine: requests used to hang and ``/health`` to answer 200
@@ -492,16 +505,20 @@ def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
             events.append(next(lines))
             engine.suspend()  # SIGSTOP
             t0 = time.monotonic()
-            while (h := httpx.get(srv.url + "/health", timeout=10)).status_code == 200:
+            while (h := _health(srv)) is not None and h.status_code == 200:
                 assert time.monotonic() - t0 < watchdog + 30, "/health still answers 200"
                 time.sleep(0.05)
             failed_after = time.monotonic() - t0
             events += list(lines)
-        assert h.status_code == 503 and h.json()["error"]["code"] == "engine_hung", h.text
+        # a 503 naming the hang, unless the server's own check saw it first and it already
+        # stopped listening (it shuts down at once)
+        assert h is None or (h.status_code == 503
+                             and h.json()["error"]["code"] == "engine_hung"), h.text
         print(f"\nengine stopped: /health failed after {failed_after:.2f} s "
               f"(watchdog {watchdog:g} s)")
-        # the engine's last progress was at most a step before the stop
-        assert failed_after <= watchdog + 1.5
+        # the engine's last progress was at most a step before the stop (generous: a step
+        # on a loaded 2-core machine)
+        assert failed_after <= watchdog + 3.0
         data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
         assert data[-1] == "[DONE]"
         assert "no progress" in json.loads(data[-2])["error"]["message"], data[-2]

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-from server_util import Server
 
 MODEL = "smollm2-135m-instruct"
 TOOLS = [
@@ -47,11 +46,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_cache):
-    s = Server(tmp_path_factory.mktemp("store") / "store.db", smollm2_cache, "--max-model-len",
-               "2048", model=MODEL)
-    yield s
-    s.stop()
+def server(smollm2_server):
+    return smollm2_server
 
 
 def _ask(client: openai.OpenAI, messages, **kw):

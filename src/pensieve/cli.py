@@ -15,7 +15,7 @@ import random
 import sys
 import time
 
-from pensieve.help_text import plain_help
+from pensieve.help_text import plain_help, plain_help_everywhere
 from pensieve.options import (
     COMMAND_HELP,
     add_engine_args,
@@ -80,7 +80,13 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+BENCH_HELP = "the benchmark suite (serve, multiturn, swaps, ...)"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``pensieve`` parser. ``command``: the subcommand the command line names, if known;
+    the benchmarks' parsers (whose modules import the scheduler) are then built only for
+    ``bench``, a one-line entry standing in for them otherwise."""
     p = argparse.ArgumentParser(prog="pensieve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="offline batch generation on random or given prompts")
@@ -105,9 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(s)
     s.set_defaults(func=_serve)
 
-    from pensieve.bench.commands import add_bench_parser
+    if command in (None, "bench"):
+        from pensieve.bench.commands import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
+    else:
+        sub.add_parser("bench", help=BENCH_HELP)
 
     from pensieve.chat_client import add_chat_args, chat
 
@@ -139,8 +148,6 @@ def missing_extra(package: str, what: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pensieve.bench.commands import script_command
-
     set_thread_env()  # before torch loads (pensieve.threads)
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a == "--plot" or a.startswith("--plot=") for a in argv):  # before a long run
@@ -149,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pensieve: error: {msg}", file=sys.stderr)
             return 2
 
-    code = script_command(argv)
-    if code is not None:
-        return code
-    args = build_parser().parse_args(argv)
+    if argv[:1] == ["bench"]:
+        from pensieve.bench.commands import script_command
+
+        with plain_help_everywhere():  # the benchmark scripts' own parsers
+            code = script_command(argv)
+        if code is not None:
+            return code
+    args = build_parser(argv[0] if argv and not argv[0].startswith("-") else "").parse_args(argv)
     try:
         return int(args.func(args))
     except (ValueError, TypeError, FileNotFoundError) as e:

@@ -21,7 +21,6 @@ from pensieve.core.cache_config import (
     CacheConfig as CacheConfig,
 )
 from pensieve.core.scheduling_config import SchedulerConfig
-from pensieve.core.tiered_cache import cdiv
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """The model of ``pensieve serve``, ``pensieve generate`` and ``LLM()`` when none is named:
@@ -121,7 +120,7 @@ class EngineConfig:
         if device_type != "cuda" or self.model.enforce_eager:
             return None
         sc = self.scheduler
-        max_blocks = cdiv(sc.max_model_len, self.cache.chunk_size)
+        max_blocks = -(-sc.max_model_len // self.cache.chunk_size)  # rounded up
         return min(self.model.cuda_graph_max_batch, sc.max_num_seqs), max_blocks
 
     def mixed_graph_shape(self, device_type: str) -> tuple[int, int, int] | None:

@@ -11,7 +11,10 @@ of the source and the docs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Iterator
+from typing import Any
 
 _ROLE = re.compile(r":[a-z]+:`~?(?:[^`<]*<)?([^`>]*)>?`")
 _LITERAL = re.compile(r"``([^`]*)``|`([^`]+)`")
@@ -56,3 +59,21 @@ def plain_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for sub in subparsers(parser):
         plain_help(sub)
     return parser
+
+
+@contextlib.contextmanager
+def plain_help_everywhere() -> Iterator[None]:
+    """Within: every parser gets :func:`plain_help` when it parses. For the subcommands that
+    build a parser of their own when they run (``pensieve bench multiturn`` and the other
+    benchmark scripts), whose help would otherwise show their module docstrings as written."""
+    original = argparse.ArgumentParser.parse_known_args
+
+    def parse_known_args(self: argparse.ArgumentParser, *args: Any, **kw: Any) -> Any:
+        plain_help(self)
+        return original(self, *args, **kw)
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_known_args = original  # type: ignore[method-assign]

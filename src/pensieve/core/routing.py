@@ -17,7 +17,16 @@ simulator:
   spills loses its KV (the next replica recomputes the history), so below ``min_load``
   requests in flight a replica is never counted hot: an engine batches that many anyway.
 
-:class:`RandomRouter` ignores the key (the contrast in the benchmarks). Pure Python, no torch.
+:class:`RandomRouter` ignores the key (the contrast in the benchmarks).
+
+Routing with a shared KV tier (a moved conversation's KV is read from the tier, not
+recomputed), measured in the simulator (``benchmarks/replicas_routing.py``):
+
+* :func:`spill_route`: the conversation's owner (the replica of its last turn) unless the
+  owner's waiting tokens pass a bound; then the replica with the fewest waiting tokens.
+* :func:`least_loaded`: the replica with the fewest waiting tokens, wherever the KV is.
+
+Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -110,3 +119,28 @@ class RandomRouter:
 
     def route(self, key: str, loads: Sequence[int]) -> int:
         return self._rng.randrange(len(self.replicas))
+
+
+def least_loaded(waiting: Sequence[float], alive: Sequence[bool] | None = None) -> int:
+    """Index of the live replica with the fewest waiting tokens (the lowest index on ties);
+    ``waiting[i]``: tokens queued on replica ``i`` to compute (prefill not yet done)."""
+    live = [i for i in range(len(waiting)) if alive is None or alive[i]]
+    if not live:
+        raise ValueError("no live replica")
+    return min(live, key=lambda i: (waiting[i], i))
+
+
+def spill_route(owner: int, waiting: Sequence[float], bound: float,
+                alive: Sequence[bool] | None = None) -> int:
+    """Replica for a turn whose conversation ``owner`` holds: the owner while its waiting
+    tokens are at most ``bound`` (and it is alive), else :func:`least_loaded` when that one
+    waits on fewer tokens than the owner (a spill: the turn's KV comes from a shared tier)."""
+    if not bound >= 0:
+        raise ValueError(f"bound must be >= 0, got {bound}")
+    owner_up = alive is None or alive[owner]
+    if owner_up and waiting[owner] <= bound:
+        return owner
+    best = least_loaded(waiting, alive)
+    if owner_up and waiting[best] >= waiting[owner]:
+        return owner
+    return best

@@ -6,9 +6,18 @@ routing key travels as the ``routing_key`` keyword argument of the call (the ing
 it with :func:`pensieve.core.routing.conversation_key`); the replicas are ranked by
 :class:`pensieve.core.routing.AffinityRouter` over their ids, with the ongoing requests Ray
 Serve's queue-length cache reports for each as the loads. The first rank is the replica the
-bounded-load rule picks; the others follow in the key's rendezvous order, so Ray Serve falls
-back to the key's next choice when the first rejects the request (queue full) and, when a
-replica dies, its keys move to their next choice while every other key stays put.
+bounded-load rule picks; the others follow in the key's rendezvous order.
+
+Ray Serve tries the ranks in order and moves to the next one when the replica of a rank does not
+answer its queue-length probe within the probe's deadline (0.1 s at first). A replica busy
+with a step on a loaded host can miss that deadline while alive and well, and the turn then goes
+to the key's next choice, away from its KV (the likely cause of the one continued turn in 16
+that missed the cache on a busy 2-core machine with both replicas up). So for
+:data:`PATIENCE_S` after a request is queued only its first rank is offered (Ray Serve probes
+it again, with a longer deadline and a backoff, until it answers); after that, every rank, so a
+replica that is alive but hung still gives its keys to their next choice. A replica that died
+leaves the candidates at once (a probe that finds the actor dead drops it), and its keys move
+to their next choice while every other key stays put.
 
 A request with a ``replica_rank`` keyword argument instead goes to the replica of that rank in
 the order of replica ids (``/metrics`` asks each replica this way).
@@ -16,9 +25,14 @@ the order of replica ids (``/metrics`` asks each replica this way).
 
 from __future__ import annotations
 
+import time
+
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pensieve.core.routing import AffinityRouter, preference
+
+PATIENCE_S = 10.0
+"""Seconds a request waits for its first-ranked replica before the others are offered."""
 
 
 def rank_replicas(key: str, ids: list[str], loads: list[int], load_factor: float = 1.25,
@@ -28,6 +42,15 @@ def rank_replicas(key: str, ids: list[str], loads: list[int], load_factor: float
     router = AffinityRouter(ids, load_factor, min_load)
     first = router.route(key, loads)
     return [first] + [i for i in preference(key, ids) if i != first]
+
+
+def ranks_to_offer(ranked: list[int], waited_s: float, patience_s: float = PATIENCE_S
+                   ) -> list[list[int]]:
+    """The ranks offered to Ray Serve for a request queued ``waited_s`` ago: the first alone
+    while ``waited_s < patience_s``, then each in ``ranked``'s order (module docstring)."""
+    if waited_s < patience_s:
+        return [ranked[:1]]
+    return [[i] for i in ranked]
 
 
 class AffinityRequestRouter(RequestRouter):
@@ -56,5 +79,10 @@ class AffinityRequestRouter(RequestRouter):
         key = str(kwargs.get("routing_key") or "")
         ids = [r.replica_id.unique_id for r in replicas]
         loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in replicas]
-        return [[replicas[i]] for i in rank_replicas(key, ids, loads, self.load_factor,
-                                                            self.min_load)]
+        ranked = rank_replicas(key, ids, loads, self.load_factor, self.min_load)
+        waited = 0.0
+        if pending_request is not None:
+            waited = time.time() - pending_request.created_at  # Ray Serve's own clock
+            # back off between attempts (Ray Serve retries at once otherwise)
+            pending_request.routing_context.should_backoff = True
+        return [[replicas[i] for i in rank] for rank in ranks_to_offer(ranked, waited)]

@@ -16,15 +16,17 @@ Lm-evaluation-harness's loglikelihood requests are of this kind: ``echo``, ``log
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pensieve.core.outputs import TokenLogprobs
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.server.errors import APIError
 from pensieve.server.logprobs import LogprobsFormatter
 
-if TYPE_CHECKING:
-    from pensieve.server.respond import Result, TurnOutput
+# ``respond`` calls this module: its ``TurnOutput`` and ``Result`` are taken as Any here (an
+# import of them, even for type checking only, would close an import cycle)
+TurnOutput = Any
+Result = Any
 
 
 def scoring_salt(params: SamplingParams, salt: str | None) -> str | None:

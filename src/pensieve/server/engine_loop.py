@@ -28,6 +28,8 @@ from pensieve.server.step_profile import StepProfile
 log = logging.getLogger("pensieve.server")
 
 
+COMPILE_NICE = 10
+"""The grammar compile threads' nice value (Linux sets it per thread)."""
 MAX_ABANDONED_COMPILES = 2
 """Grammar compiles past their time (they cannot be interrupted) left running beside the one
 thread that compiles the others; past this many, new grammars wait behind them."""
@@ -35,10 +37,15 @@ thread that compiles the others; past this many, new grammars wait behind them."
 
 def _compile_thread() -> queue.SimpleQueue[tuple[Future[Any], Any] | None]:
     """A daemon thread that runs the compiles put on the queue it returns, one at a time,
-    until it gets None (a daemon: a compile that will not end never holds the process up)."""
+    until it gets None (a daemon: a compile that will not end never holds the process up),
+    at a lower priority than the step loop's."""
     work: queue.SimpleQueue[tuple[Future[Any], Any] | None] = queue.SimpleQueue()
 
     def run() -> None:
+        try:  # below the step loop: on a busy machine the steps get the CPU first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        except (AttributeError, OSError):
+            pass
         while (item := work.get()) is not None:
             fut, fn = item
             if not fut.set_running_or_notify_cancel():

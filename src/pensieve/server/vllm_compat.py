@@ -18,15 +18,16 @@ Aliases (each the same series as its ``pensieve_`` metric, renamed)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from prometheus_client import Metric
 
 from pensieve.server.errors import APIError
 
-if TYPE_CHECKING:
-    from pensieve.server.state import ServerState
+ServerState = Any
+"""``server.state.ServerState``, which imports this module through its metrics (an import
+of it, even for type checking only, would close an import cycle)."""
 
 ALIASES = {
     "pensieve_requests_running": "vllm:num_requests_running",

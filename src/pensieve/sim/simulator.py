@@ -171,6 +171,22 @@ class SimExecutor:
         """Total simulated time steps waited for copies beyond their compute."""
         self._sources_of: object = None
         self._sources_last: dict[str, int] = {}
+        self._loaded: dict[str, tuple[int, int]] = {}
+        """request id -> context positions ``[lo, hi)`` whose KV a shared tier delivers."""
+
+    def load_from_shared(self, request_id: str, lo: int, hi: int) -> None:
+        """Positions ``[lo, hi)`` of ``request_id``'s context arrive from a shared tier (a
+        transfer the caller timed): its steps do not compute them (:func:`features_of`)."""
+        if hi > lo:
+            self._loaded[request_id] = (lo, hi)
+
+    def loaded_span(self, request_id: str) -> tuple[int, int] | None:
+        """The :meth:`load_from_shared` range of ``request_id`` (None: none)."""
+        return self._loaded.get(request_id)
+
+    def forget_loaded(self, request_id: str) -> None:
+        """``request_id`` is done: drop its :meth:`load_from_shared` range."""
+        self._loaded.pop(request_id, None)
 
     @property
     def tiers(self) -> TierSizes:
@@ -188,7 +204,7 @@ class SimExecutor:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Advance the clock by the predicted step time; one token per sampling request."""
         start = self.clock.now()
-        feats = features_of(sched)
+        feats = features_of(sched, self._loaded)
         compute = self.step_cost.compute_time(feats)
         in_flight = 0
         done_at: float | None = None

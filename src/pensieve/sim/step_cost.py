@@ -129,19 +129,28 @@ class StepFeatures:
         return cls(**vals)
 
 
-def features_of(sched: SchedulerOutput) -> StepFeatures:
-    """Count the features of one step (pure Python; no tensors)."""
+def features_of(sched: SchedulerOutput,
+                loaded: Mapping[str, tuple[int, int]] | None = None) -> StepFeatures:
+    """Count the features of one step (pure Python; no tensors). ``loaded``: request id ->
+    positions ``[lo, hi)`` of its context whose KV is read from elsewhere (a shared tier)
+    rather than computed; the step computes only the rest of its ranges::
+
+        range      [start_pos ........................ end_pos)
+        loaded          [lo ........ hi)
+        computed   [....)               [.............)      (each part counted as a range)
+    """
     prefill = decode = kv_read = 0
     pairs = 0.0
     for s in sched.requests:
-        for r in s.ranges:
-            q = r.query_len
+        span = loaded.get(s.request_id) if loaded else None
+        for start, q in _computed(s.ranges, span):
+            end = start + q
             if q > 1:
                 prefill += q
             elif q == 1:
                 decode += 1
-            pairs += q * (r.start_pos + (q + 1) / 2)
-            kv_read += r.end_pos
+            pairs += q * (start + (q + 1) / 2)
+            kv_read += end
     sw = sched.swaps
     return StepFeatures(
         num_prefill_tokens=prefill,
@@ -153,6 +162,22 @@ def features_of(sched: SchedulerOutput) -> StepFeatures:
         swap_out_chunks=len(sw.swap_out_first) + len(sw.swap_out),
         urgent_swap_out_chunks=len(sw.swap_out_first),
     )
+
+
+def _computed(ranges: Sequence[Any], span: tuple[int, int] | None
+              ) -> list[tuple[int, int]]:
+    """``(start_pos, query_len)`` of the parts of ``ranges`` outside ``span`` (all of them
+    when ``span`` is None)."""
+    if span is None:
+        return [(r.start_pos, r.query_len) for r in ranges]
+    lo, hi = span
+    out = []
+    for r in ranges:
+        a, b = r.start_pos, r.end_pos
+        for x, y in ((a, min(b, lo)), (max(a, hi), b)):
+            if y > x:
+                out.append((x, y - x))
+    return out
 
 
 # --------------------------------------------------------------------------------- the model
