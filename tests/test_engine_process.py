@@ -162,9 +162,14 @@ class _BusyCore:
     """An engine loop with work left: every step has an update to report."""
 
     busy = True
+    compiling: dict[int, object] = {}
+    """No grammar compiles in flight (``EngineLoop.compiling``)."""
 
     def __init__(self) -> None:
         self.steps = 0
+
+    def reply_compiled(self) -> None:
+        pass
 
     def step(self) -> None:
         self.steps += 1

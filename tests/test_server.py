@@ -356,8 +356,7 @@ def test_auth_and_tenant_isolation(keyed: Server) -> None:
     assert _extra(rb, "conversation_id") != cid
     assert _extra(rb, "pensieve")["cache"]["gpu_hit_tokens"] == 0
     assert _extra(rb, "pensieve")["cache"]["shared_hit_tokens"] == 0  # salted per tenant
-    # while A doing the same gets a new conversation over its own one's KV (a history matched
-    # is a cache hit, not an identity: docs/api.md, "Conversations")
+    # while A doing the same finds its own history's KV (a new conversation over it)
     ra2 = a.chat.completions.create(model="pensieve-demo", messages=follow, **GREEDY)
     assert _extra(ra2, "conversation_id") not in (cid, _extra(rb, "conversation_id"))
     assert _extra(ra2, "pensieve")["cache"]["gpu_hit_tokens"] > 0
