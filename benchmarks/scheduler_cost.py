@@ -404,7 +404,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="benchmarks/scheduler_cost.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if args.plot:  # before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.exit(2, "benchmarks/scheduler_cost.py: error: --plot needs matplotlib, which is "
+                       "not installed: pip install 'pensieve[bench]' (or pip install "
+                       "matplotlib)\n")
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-BENCH_HELP = "the benchmark suite (serve, multiturn, swaps, ...)"
+BENCH_HELP = "the benchmark suite (serve, multiturn, workload-stats)"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
