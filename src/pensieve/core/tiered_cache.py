@@ -124,9 +124,6 @@ class TieredKVCache:
         share_across_tenants = config.share_prefixes_across_tenants
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
-        if isinstance(defer_admission, bool) or defer_admission < 0:
-            raise ValueError(f"defer_admission must be a whole number of steps >= 0, got "
-                             f"{defer_admission!r}")
         self.index = self.index_class(self.conversations, chunk_size, policy, chunk_cost,
                                       key_refresh_s)
         self.pools = self.pools_class(num_gpu_blocks, num_cpu_blocks, self.index,
