@@ -37,6 +37,7 @@ from pensieve.core.scheduling_config import (
     DEFAULT_MAX_MODEL_LEN,
     SchedulerConfig,
     budget_help,
+    step_time_help,
 )
 from pensieve.help_text import plain_text
 
@@ -102,6 +103,7 @@ FLAG_SPECS: dict[str, dict[str, Any]] = {
     "defer_admission": {"type": steps_arg, "metavar": "STEPS"},
     "prefill_attention_pairs": {"metavar": "PAIRS"},
     "max_num_batched_tokens": {"help": budget_help()},
+    "step_time_target_s": {"help": step_time_help(), "metavar": "SECONDS"},
 }
 """What a field's annotation does not say about its flag."""
 

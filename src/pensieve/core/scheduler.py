@@ -44,6 +44,10 @@ from pensieve.core.request import Request, RequestStatus
 from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 
+MIN_PROMPT_TOKENS = 32
+"""The least token budget a step time target leaves a step, beyond one token per running
+decode: a long prompt always makes progress."""
+
 
 def is_decode(req: Request, num_pending: int) -> bool:
     """Whether computing ``num_pending`` tokens of ``req`` is a decode: the turn has sampled a
@@ -68,6 +72,11 @@ class Scheduler:
         self._attention_pairs = config.attention_pairs()
         """A step's prefill attention budget (``SchedulerConfig.prefill_attention_pairs``)."""
         self._pairs_left = self._attention_pairs
+        self.token_budget = config.max_num_batched_tokens
+        """This step's token budget: ``max_num_batched_tokens``, or less while steps run slower
+        than ``step_time_target_s`` allows (:meth:`observe_step`)."""
+        self._seconds_per_token = 0.0
+        self._fixed_step_s = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -279,7 +288,9 @@ class Scheduler:
                       scheduled: list[ScheduledRequest]) -> int:
         """1. Running requests, oldest first, onto ``scheduled``; the newest are suspended when
         blocks run out. Returns the token budget left."""
-        cache, budget = self.cache, self.config.max_num_batched_tokens
+        cache, budget = self.cache, self.token_budget
+        if budget < len(self.running) + MIN_PROMPT_TOKENS:  # every decode, and some progress
+            budget = min(self.config.max_num_batched_tokens, len(self.running) + MIN_PROMPT_TOKENS)
         chunk_size, conversations, i = cache.chunk_size, cache.conversations, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -327,6 +338,32 @@ class Scheduler:
         """Conversations whose queued turn waits for disk reads still running."""
         disk = self.cache.disk
         return disk.reading if disk is not None else _NONE_READING
+
+    def observe_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """A step of ``prefill_tokens`` prompt tokens and ``decode_tokens`` decodes took
+        ``seconds``. With a ``step_time_target_s``, a step's time is taken as a fixed part (a
+        step of decodes only, measured) plus a time per prompt token (measured on the steps
+        with prompt work, less the fixed part), each averaged over the last steps; the next
+        steps' token budget is what the target leaves for prompt tokens beside the running
+        decodes, within ``max_num_batched_tokens`` (and at least ``MIN_PROMPT_TOKENS``: where
+        the fixed part alone takes the target, a smaller piece would only slow the prompt)."""
+        target = self.config.step_time_target_s
+        if not target or seconds <= 0:
+            return
+        if not prefill_tokens:
+            fixed = self._fixed_step_s
+            self._fixed_step_s = seconds if not fixed else 0.5 * (fixed + seconds)
+            return
+        per_token = max(seconds - self._fixed_step_s, 0.0) / prefill_tokens
+        if self._seconds_per_token:
+            per_token = 0.5 * (per_token + self._seconds_per_token)
+        self._seconds_per_token = per_token
+        room = target - self._fixed_step_s
+        cap = self.config.max_num_batched_tokens
+        if per_token <= 0 or room <= 0:
+            self.token_budget = cap
+            return
+        self.token_budget = min(cap, max(MIN_PROMPT_TOKENS, decode_tokens + int(room / per_token)))
 
     def _attention_cap(self, start: int, n: int) -> int:
         """The most of ``n`` prompt tokens from position ``start`` that the step's attention

@@ -21,6 +21,19 @@ attention is cheap next to the rest up to ~16k; on the CPU a 256-token piece at 
 took 1.5 s against 0.43 s at the start (docs/performance.md), so pieces shrink past 2k."""
 
 
+STEP_TIME_TARGETS = {"cuda": 0.0, "cpu": 2.0}
+"""Default ``step_time_target_s`` per device type (other types take the CPU's). On CUDA a
+full-budget step takes tens to hundreds of ms whatever else the host runs: no target. On the
+CPU a 256-token piece took 0.43-1.5 s on a quiet 2-core machine and 2.5-3 s beside other
+processes (docs/performance.md): the target keeps a running stream's wait for its next token
+near 2 s there on a busy host, and leaves a quiet one's pieces whole."""
+
+
+def default_step_time_target(device_type: str) -> float:
+    """The step time target for ``device_type`` when none is given (0.0: none)."""
+    return STEP_TIME_TARGETS.get(device_type, STEP_TIME_TARGETS["cpu"])
+
+
 def default_prefill_attention_pairs(device_type: str, max_num_batched_tokens: int) -> int:
     """The step's prefill attention budget for ``device_type`` when none is given."""
     span = STEP_ATTENTION_SPANS.get(device_type, STEP_ATTENTION_SPANS["cpu"])
@@ -31,6 +44,15 @@ def default_max_num_batched_tokens(device_type: str) -> int:
     """The step token budget for ``device_type`` (``cuda``, ``cpu``, ...) when none is given:
     the one place the engine's entry points settle it."""
     return STEP_TOKEN_BUDGETS.get(device_type, STEP_TOKEN_BUDGETS["cpu"])
+
+
+def step_time_help() -> str:
+    """The ``--step-time-target-s`` help text of the command lines."""
+    per_device = ", ".join(f"{t:g} s on {d}" if t else f"none on {d}"
+                           for d, t in STEP_TIME_TARGETS.items())
+    return ("longest a step with prompt work should take, in seconds; on a slow or busy host "
+            f"a long prompt then goes in smaller pieces (0: none; default: the device's; "
+            f"{per_device})")
 
 
 def budget_help() -> str:
@@ -83,6 +105,16 @@ class SchedulerConfig:
     None here is ``max_num_batched_tokens * 16384``; the engine's entry points give each
     device its own (:data:`STEP_ATTENTION_SPANS`)."""
 
+    step_time_target_s: float = 0.0
+    """Longest a step with prompt work should take, in seconds (0: no target). Every running
+    stream waits for the whole step: on a slow or busy host a long prompt then goes in
+    smaller pieces, so the others keep streaming.
+
+    After each step the scheduler sets the next step's token budget to what this time allows
+    at the measured time of a step and of a prompt token, within max_num_batched_tokens
+    (:meth:`~pensieve.core.scheduler.Scheduler.observe_step`). The engine's entry points
+    give each device its own (:data:`STEP_TIME_TARGETS`: the CPU 2 s, CUDA none)."""
+
     def attention_pairs(self) -> int:
         """:attr:`prefill_attention_pairs`, or its default."""
         if self.prefill_attention_pairs is not None:
@@ -95,6 +127,8 @@ class SchedulerConfig:
                              f"{self.prefill_attention_pairs}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(f"scheduler limits must be positive: {self}")
+        if not self.step_time_target_s >= 0.0:  # NaN too
+            raise ValueError(f"step_time_target_s must be >= 0, got {self.step_time_target_s}")
         if self.swap_in_ahead_chunks < 0:
             raise ValueError(
                 f"swap_in_ahead_chunks must be >= 0, got {self.swap_in_ahead_chunks}")

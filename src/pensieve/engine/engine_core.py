@@ -247,6 +247,7 @@ class EngineCore:
         result = step.output
         t3 = time.perf_counter()
         self._observe_step_time(sched, self.now() - c2)
+        self.scheduler.observe_step(t3 - t2, *prefill_decode_tokens(sched))
         failed = self._fail(sched.requests, step.failed, sched.swaps) if step.failed else []
         self.last_sampled = result.sampled_token_ids
         self.last_logprobs = result.logprobs

@@ -14,6 +14,7 @@ from pensieve.core.scheduling_config import (
     SchedulerConfig,
     default_max_num_batched_tokens,
     default_prefill_attention_pairs,
+    default_step_time_target,
 )
 from pensieve.engine.llm_engine import LLMEngine, resolve_device
 from pensieve.engine.request_output import RequestOutput
@@ -27,11 +28,14 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
     Without a ``max_num_batched_tokens`` (None), chunked prefill takes the device's default
     step budget (:func:`pensieve.core.scheduling_config.default_max_num_batched_tokens`); without a
     ``prefill_attention_pairs``, the device's (:func:`~pensieve.core.scheduling_config.
-    default_prefill_attention_pairs`)."""
+    default_prefill_attention_pairs`); without a ``step_time_target_s``, the device's
+    (:func:`~pensieve.core.scheduling_config.default_step_time_target`)."""
     device = resolve_device(kwargs.get("device") or ModelConfig.device)
     if kwargs.get("max_num_batched_tokens") is None and kwargs.get("enable_chunked_prefill",
                                                                   True) is not False:
         kwargs["max_num_batched_tokens"] = default_max_num_batched_tokens(device.type)
+    if kwargs.get("step_time_target_s") is None:
+        kwargs["step_time_target_s"] = default_step_time_target(device.type)
     if kwargs.get("prefill_attention_pairs") is None:
         budget = kwargs.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens
         kwargs["prefill_attention_pairs"] = default_prefill_attention_pairs(device.type, budget)
