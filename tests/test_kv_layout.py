@@ -1,0 +1,105 @@
+"""Tier sizes pinned: the GPU- and CPU-tier block counts and the bytes per chunk for a few
+models, KV dtypes, devices and tensor-parallel sizes. The numbers were computed by the sizing
+code as it was before the KV layout had one home (three copies of the bytes per chunk: the
+local executor, the TP driver, the TP rank), so a change of the layout code that moves any of
+them is a change of behaviour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pensieve.config import CacheConfig, EngineConfig, ModelConfig
+from pensieve.core.scheduling_config import SchedulerConfig
+from pensieve.engine.local import resolve_kv_dtype
+from pensieve.engine.tiers import (
+    GIB,
+    DeviceMemory,
+    activation_bytes,
+    cpu_tier_blocks,
+    gpu_tier_blocks,
+)
+from pensieve.models.loader import build_model, resolve_config
+from pensieve.parallel.tp import local_kv_heads
+from pensieve.runner.model_runner import kv_bytes_per_block
+
+H100 = (70 * GIB, 80 * GIB)
+"""(free, total) bytes of an 80 GB GPU after the weights."""
+
+
+def _sizes(model: str, world: int, device: str, memory: tuple[int, int] | None,
+           **cache: Any) -> tuple[int, int, int]:
+    """(GPU-tier blocks, CPU-tier blocks, bytes per chunk) of one rank, as the executors size
+    them: the model's shape from a meta-device build, its dtype bf16 on CUDA and fp32 on the
+    CPU, the activation estimate over the full (unsharded) model."""
+    hf, _ = resolve_config(model)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    m: Any = build_model(hf, dtype, "meta")
+    config = EngineConfig(model=ModelConfig(model=model, tensor_parallel_size=world),
+                          cache=CacheConfig(**cache),
+                          scheduler=SchedulerConfig(max_num_seqs=64, max_model_len=8192))
+    cc = config.cache
+    block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size,
+                                     local_kv_heads(m.num_kv_heads, world), m.head_dim,
+                                     resolve_kv_dtype(cc.kv_cache_dtype, dtype))
+    mem = None
+    if memory is not None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        mem = DeviceMemory(*memory, activation_bytes(config, hf.hidden_size,
+                                                     hf.intermediate_size, hf.vocab_size,
+                                                     elem))
+    return (gpu_tier_blocks(config, block_bytes, mem),
+            cpu_tier_blocks(cc, block_bytes, device, ranks=world), block_bytes)
+
+
+CASES = [
+    # the default model (30 layers, 3 KV heads of 64), on a GPU and on the CPU
+    (("smollm2-135m-instruct", 1, "cuda", H100), {}, (86869, 46603, 737280)),
+    (("smollm2-135m-instruct", 1, "cuda", H100), {"kv_cache_dtype": "fp8_e4m3"},
+     (170825, 93206, 368640)),
+    (("smollm2-135m-instruct", 1, "cpu", None), {}, (1456, 728, 1474560)),
+    (("smollm2-135m-instruct", 1, "cpu", None), {"kv_cache_dtype": "fp8"}, (5825, 2912, 368640)),
+    (("smollm2-135m-instruct", 1, "cuda", H100), {"gpu_kv_gb": 3.5, "cpu_kv_gb": 10.0},
+     (5097, 14563, 737280)),
+    (("smollm2-135m-instruct", 3, "cuda", H100), {}, (260608, 46603, 245760)),
+    # llama3.1-8b: 32 layers, 8 KV heads of 128
+    (("llama3.1-8b", 1, "cuda", H100), {}, (14721, 8192, 4194304)),
+    (("llama3.1-8b", 1, "cuda", H100), {"kv_cache_dtype": "fp8_e4m3"}, (28930, 16384, 2097152)),
+    (("llama3.1-8b", 2, "cuda", H100), {}, (29442, 8192, 2097152)),
+    (("llama3.1-8b", 4, "cuda", H100), {"kv_cache_dtype": "fp8_e4m3"}, (115720, 16384, 524288)),
+    (("llama3.1-8b", 2, "cuda", H100), {"num_gpu_blocks": 100, "num_cpu_blocks": 7},
+     (100, 7, 2097152)),
+    (("llama3.1-8b", 1, "cuda", H100), {"cache_policy": "gpu-only"}, (14721, 0, 4194304)),
+    # fewer KV heads than ranks: one replicated head per rank
+    (("llama-tiny", 4, "cpu", None), {"cpu_kv_gb": 0.25}, (16384, 8192, 8192)),
+]
+
+
+@pytest.mark.parametrize(("where", "cache", "want"), CASES)
+def test_tier_sizes_are_pinned(where: tuple[Any, ...], cache: dict[str, Any],
+                               want: tuple[int, int, int]) -> None:
+    assert _sizes(*where, **cache) == want
+
+
+def _sim_sizes(block_bytes: int | None, **cache: Any) -> tuple[int, int, int]:
+    """(GPU-tier blocks, CPU-tier blocks, bytes per chunk) as the simulator sizes them."""
+    from pensieve.engine.tiers import sim_tiers
+
+    t = sim_tiers(CacheConfig(**cache), block_bytes)
+    return t.num_gpu_blocks, t.num_cpu_blocks, t.block_bytes
+
+
+SIM_CASES = [
+    ((737280,), {"gpu_kv_gb": 3.5, "cpu_kv_gb": 10.0}, (5097, 14563, 737280)),
+    ((368640,), {"gpu_kv_gb": 3.5, "cpu_kv_gb": 10.0, "cache_policy": "gpu-only"},
+     (10194, 29127, 368640)),
+    ((None,), {"num_gpu_blocks": 9, "num_cpu_blocks": 0}, (9, 0, 0)),
+]
+
+
+@pytest.mark.parametrize(("where", "cache", "want"), SIM_CASES)
+def test_simulated_tier_sizes_are_pinned(where: tuple[Any, ...], cache: dict[str, Any],
+                                         want: tuple[int, int, int]) -> None:
+    assert _sim_sizes(*where, **cache) == want
