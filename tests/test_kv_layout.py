@@ -13,17 +13,9 @@ import torch
 
 from pensieve.config import CacheConfig, EngineConfig, ModelConfig
 from pensieve.core.scheduling_config import SchedulerConfig
-from pensieve.engine.local import resolve_kv_dtype
-from pensieve.engine.tiers import (
-    GIB,
-    DeviceMemory,
-    activation_bytes,
-    cpu_tier_blocks,
-    gpu_tier_blocks,
-)
+from pensieve.engine.kv_layout import KVLayout
+from pensieve.engine.tiers import GIB, SIM, DeviceMemory, activation_bytes, tier_sizes
 from pensieve.models.loader import build_model, resolve_config
-from pensieve.parallel.tp import local_kv_heads
-from pensieve.runner.model_runner import kv_bytes_per_block
 
 H100 = (70 * GIB, 80 * GIB)
 """(free, total) bytes of an 80 GB GPU after the weights."""
@@ -40,18 +32,15 @@ def _sizes(model: str, world: int, device: str, memory: tuple[int, int] | None,
     config = EngineConfig(model=ModelConfig(model=model, tensor_parallel_size=world),
                           cache=CacheConfig(**cache),
                           scheduler=SchedulerConfig(max_num_seqs=64, max_model_len=8192))
-    cc = config.cache
-    block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size,
-                                     local_kv_heads(m.num_kv_heads, world), m.head_dim,
-                                     resolve_kv_dtype(cc.kv_cache_dtype, dtype))
+    layout = KVLayout.of(m, config.cache, dtype, world)
     mem = None
     if memory is not None:
         elem = torch.empty((), dtype=dtype).element_size()
         mem = DeviceMemory(*memory, activation_bytes(config, hf.hidden_size,
                                                      hf.intermediate_size, hf.vocab_size,
                                                      elem))
-    return (gpu_tier_blocks(config, block_bytes, mem),
-            cpu_tier_blocks(cc, block_bytes, device, ranks=world), block_bytes)
+    t = tier_sizes(config, layout.block_bytes, device, mem, ranks=world)
+    return t.num_gpu_blocks, t.num_cpu_blocks, t.block_bytes
 
 
 CASES = [
@@ -85,9 +74,7 @@ def test_tier_sizes_are_pinned(where: tuple[Any, ...], cache: dict[str, Any],
 
 def _sim_sizes(block_bytes: int | None, **cache: Any) -> tuple[int, int, int]:
     """(GPU-tier blocks, CPU-tier blocks, bytes per chunk) as the simulator sizes them."""
-    from pensieve.engine.tiers import sim_tiers
-
-    t = sim_tiers(CacheConfig(**cache), block_bytes)
+    t = tier_sizes(EngineConfig(cache=CacheConfig(**cache)), block_bytes, SIM)
     return t.num_gpu_blocks, t.num_cpu_blocks, t.block_bytes
 
 

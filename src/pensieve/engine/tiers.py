@@ -1,6 +1,8 @@
-"""Tier sizes: config, block bytes and free device memory in, blocks per tier out; the cache
-over them. One module for the three executors (local, tensor-parallel, simulated). No torch:
-the callers measure the device (``torch.cuda.mem_get_info``) and the block bytes.
+"""Tier sizes: config, bytes per chunk and free device memory in, blocks per tier out; the
+cache over them. One pure function, :func:`tier_sizes`, for the three executors (local, each
+tensor-parallel rank, simulated). No torch: the callers measure the device
+(``torch.cuda.mem_get_info``) and take the bytes per chunk from their
+:class:`~pensieve.engine.kv_layout.KVLayout` (the simulator is given them).
 
 - GPU tier: ``num_gpu_blocks``, else ``gpu_kv_gb``, else on a GPU what is free after the
   weights, minus ``1 - gpu_memory_utilization`` of the device and an activation estimate; on
@@ -10,6 +12,8 @@ the callers measure the device (``torch.cuda.mem_get_info``) and the block bytes
   GPU, 1 GiB on a CPU run); none when the cache policy keeps no CPU tier.
 - Under tensor parallelism the block bytes are one rank's slice; ``gpu_kv_gb`` applies to each
   rank's device and ``cpu_kv_gb`` is the host's total (:func:`cpu_tier_blocks`'s ``ranks``).
+- The simulator (``device_type`` :data:`SIM`): exact counts, or GiB over the block bytes; no
+  device's defaults (memory left after the weights has to be given as ``num_gpu_blocks``).
 """
 
 from __future__ import annotations
@@ -93,9 +97,26 @@ def cpu_tier_blocks(cache: CacheConfig, block_bytes: int, device_type: str,
     return gib_blocks(gib, block_bytes * ranks)
 
 
-def sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
-    """Tiers without a device (the simulator): exact counts, or GiB sizes over
-    ``block_bytes``. Memory left after the weights has to be given as ``num_gpu_blocks``."""
+SIM = "sim"
+"""``device_type`` of the simulator: no device (:func:`tier_sizes`)."""
+
+
+def tier_sizes(config: EngineConfig, block_bytes: int | None, device_type: str,
+               memory: DeviceMemory | None = None, ranks: int = 1) -> TierSizes:
+    """Blocks per tier of ``block_bytes`` (one rank's bytes per chunk) on a ``device_type``
+    (``cuda``, ``cpu``, or :data:`SIM`) with ``memory`` free after the weights (None: on the
+    CPU, or not measured), for one of ``ranks`` tensor-parallel ranks (module docstring).
+    Every executor sizes its tiers here and nowhere else."""
+    if device_type == SIM:
+        return _sim_tiers(config.cache, block_bytes)
+    if not block_bytes:
+        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+    return TierSizes(gpu_tier_blocks(config, block_bytes, memory),
+                     cpu_tier_blocks(config.cache, block_bytes, device_type, ranks), block_bytes)
+
+
+def _sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
+    """The simulator's tiers: exact counts, or GiB sizes over ``block_bytes``."""
     counts = []
     for tier, n, gib in (("gpu", cache.num_gpu_blocks, cache.gpu_kv_gb),
                          ("cpu", cache.num_cpu_blocks, cache.cpu_kv_gb)):
