@@ -1,8 +1,10 @@
-"""Tier sizes pinned: the GPU- and CPU-tier block counts and the bytes per chunk for a few
+"""The KV layout (``engine/kv_layout.py``) and the tier sizes over it.
+
+Tier sizes pinned: the GPU- and CPU-tier block counts and the bytes per chunk for a few
 models, KV dtypes, devices and tensor-parallel sizes. The numbers were computed by the sizing
 code as it was before the KV layout had one home (three copies of the bytes per chunk: the
-local executor, the TP driver, the TP rank), so a change of the layout code that moves any of
-them is a change of behaviour."""
+local executor, the TP driver, the TP rank; commit 1f9b8b4 ran this file on that code), so a
+change of the layout code that moves any of them is a change of behaviour."""
 
 from __future__ import annotations
 
@@ -90,3 +92,21 @@ SIM_CASES = [
 def test_simulated_tier_sizes_are_pinned(where: tuple[Any, ...], cache: dict[str, Any],
                                          want: tuple[int, int, int]) -> None:
     assert _sim_sizes(*where, **cache) == want
+
+
+def test_layout_allocates_its_bytes_per_chunk_and_resolves_each_dtype() -> None:
+    hf, _ = resolve_config("llama-tiny")  # 2 layers, 2 KV heads of 16
+    m: Any = build_model(hf, torch.float32, "meta")
+    for name, dtype in (("auto", torch.float32), ("bf16", torch.bfloat16),
+                        ("fp16", torch.float16), ("fp32", torch.float32),
+                        ("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn)):
+        layout = KVLayout.of(m, CacheConfig(chunk_size=16, kv_cache_dtype=name), torch.float32)
+        assert layout.dtype == dtype and layout.fp8 == (dtype == torch.float8_e4m3fn)
+        caches = layout.allocate(3, torch.device("cpu"))
+        assert len(caches) == layout.num_layers
+        assert caches[0].shape == (2, 3, 16, layout.num_kv_heads, layout.head_dim)
+        assert sum(c.numel() * c.element_size() for c in caches) == 3 * layout.block_bytes
+    # fewer KV heads than ranks: each rank keeps one (replicated)
+    assert KVLayout.of(m, CacheConfig(), torch.float32, world=4).num_kv_heads == 1
+    assert KVLayout.of(m, CacheConfig(), torch.float32, world=2).num_kv_heads == 1
+    assert KVLayout.of(m, CacheConfig(), torch.float32).num_kv_heads == 2

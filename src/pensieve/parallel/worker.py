@@ -33,9 +33,12 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pensieve.engine.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class WorkerSpec:
     """The engine's :class:`~pensieve.config.EngineConfig`."""
     model_source: Any
     """Checkpoint directory, or the HF config for dummy weights."""
-    layout: Any
+    layout: KVLayout
     """This rank's :class:`~pensieve.engine.kv_layout.KVLayout` (the driver resolved it)."""
     dtype: torch.dtype
     load_format: str
