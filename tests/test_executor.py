@@ -52,14 +52,13 @@ def test_gpu_tier_sizes() -> None:
 def test_activation_estimate_doubles_with_mixed_graphs() -> None:
     eager = EngineConfig(model=ModelConfig(enforce_eager=True))
     graphs = EngineConfig()
-    one = activation_bytes(eager, 4096, 11008, 32000, 2)
+    one = activation_bytes(eager, 4096, 11008, 32000, 2, False)
     sc = eager.scheduler
     assert one == (sc.max_num_batched_tokens * (8 * 4096 + 3 * 11008) * 2
                    + sc.max_num_seqs * 32000 * 12 + GIB)
-    assert activation_bytes(graphs, 4096, 11008, 32000, 2) == 2 * one
-    fp8 = EngineConfig(model=ModelConfig(enforce_eager=True),
-                       cache=CacheConfig(kv_cache_dtype="fp8_e4m3"))
-    assert activation_bytes(fp8, 4096, 11008, 32000, 2) == one + FP8_SCRATCH_BYTES  # scratch
+    assert activation_bytes(graphs, 4096, 11008, 32000, 2, False) == 2 * one
+    # an FP8 KV cache (KVLayout.fp8): the prefill scratch
+    assert activation_bytes(eager, 4096, 11008, 32000, 2, True) == one + FP8_SCRATCH_BYTES
 
 
 def test_cpu_tier_sizes() -> None:

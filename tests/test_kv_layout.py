@@ -40,7 +40,7 @@ def _sizes(model: str, world: int, device: str, memory: tuple[int, int] | None,
         elem = torch.empty((), dtype=dtype).element_size()
         mem = DeviceMemory(*memory, activation_bytes(config, hf.hidden_size,
                                                      hf.intermediate_size, hf.vocab_size,
-                                                     elem))
+                                                     elem, layout.fp8))
     t = tier_sizes(config, layout.block_bytes, device, mem, ranks=world)
     return t.num_gpu_blocks, t.num_cpu_blocks, t.block_bytes
 

@@ -59,9 +59,10 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.
 
 
 def device_memory(config: EngineConfig, device: torch.device, hf_config: Any,
-                  dtype: torch.dtype) -> DeviceMemory | None:
-    """The GPU's free and total memory now and the step's activation estimate (None on the
-    CPU). Call it after the weights are loaded."""
+                  dtype: torch.dtype, layout: KVLayout) -> DeviceMemory | None:
+    """The GPU's free and total memory now and the step's activation estimate for a model of
+    ``dtype`` with a KV cache of ``layout`` (None on the CPU). Call it after the weights are
+    loaded."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
@@ -70,7 +71,8 @@ def device_memory(config: EngineConfig, device: torch.device, hf_config: Any,
                 or getattr(hf_config, "ffn_dim", 4 * hidden))
     elem = torch.empty((), dtype=dtype).element_size()
     return DeviceMemory(free, total, activation_bytes(config, hidden, inter,
-                                                      int(hf_config.vocab_size), elem))
+                                                      int(hf_config.vocab_size), elem,
+                                                      layout.fp8))
 
 
 def start_runner(config: EngineConfig, model: Any, layout: KVLayout, device: torch.device,
@@ -102,7 +104,7 @@ class LocalExecutor:
         dtype = next(model.parameters()).dtype
         layout = KVLayout.of(model, cc, dtype)
         tiers = tier_sizes(config, layout.block_bytes, device.type,
-                           device_memory(config, device, hf_config, dtype))
+                           device_memory(config, device, hf_config, dtype, layout))
         num_gpu, num_cpu, block_bytes = (tiers.num_gpu_blocks, tiers.num_cpu_blocks,
                                           tiers.block_bytes)
         log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks "

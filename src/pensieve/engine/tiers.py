@@ -55,17 +55,18 @@ class DeviceMemory:
 
 
 def activation_bytes(config: EngineConfig, hidden: int, intermediate: int, vocab: int,
-                     elem_bytes: int) -> int:
+                     elem_bytes: int, fp8_kv: bool) -> int:
     """Estimated peak activations of one step of ``max_num_batched_tokens`` tokens, logits of
     ``max_num_seqs`` rows (three float32 copies) and 1 GiB of slack; doubled when mixed-step
     CUDA graphs keep their own pool beside the eager allocator's; plus ``FP8_SCRATCH_BYTES``
-    with an FP8 KV cache (eager prefill steps dequantize into a scratch)."""
+    with an FP8 KV cache (``fp8_kv``, ``KVLayout.fp8``: eager prefill steps dequantize into a
+    scratch)."""
     sc = config.scheduler
     act = sc.max_num_batched_tokens * (8 * hidden + 3 * intermediate) * elem_bytes
     act += sc.max_num_seqs * vocab * 4 * 3 + GIB
     if config.mixed_graph_shape("cuda") is not None:
         act *= 2
-    if config.cache.kv_cache_dtype.startswith("fp8"):
+    if fp8_kv:
         act += FP8_SCRATCH_BYTES
     return act
 

@@ -132,7 +132,7 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
         raise RuntimeError(f"rank {rank}: the shard has (layers, KV heads, head_dim) {shard}, "
                            f"the driver's KV layout {layout}")
     conn.send(("ready", tier_sizes(cfg, layout.block_bytes, device.type,
-                                   device_memory(cfg, device, hf_config, spec.dtype),
+                                   device_memory(cfg, device, hf_config, spec.dtype, layout),
                                    ranks=world)))
     _, num_gpu_blocks, num_cpu_blocks = conn.recv()
     # every rank captures the same CUDA graphs: the all-reduces are in them
