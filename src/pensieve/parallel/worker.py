@@ -5,9 +5,11 @@ ordinary loader (same checkpoint, or the same dummy seed), shards it with
 :func:`~pensieve.parallel.tp.shard_model`, allocates its slice of the GPU tier and its own CPU
 tier (:class:`~pensieve.runner.swapper.KVSwapper`) with the block counts the driver sends, and
 then runs the unchanged :class:`~pensieve.runner.model_runner.ModelRunner` on every plan it
-receives. Sizing, allocation and capture are the local executor's own functions
-(:mod:`pensieve.engine.local`). All ranks run the same plans in the same order, so their
-collectives pair up.
+receives. Its KV layout (:class:`~pensieve.engine.kv_layout.KVLayout`) comes from the driver
+and is checked against the shard; sizing is :func:`pensieve.engine.tiers.tier_sizes`, as for
+every executor; measuring the device, allocation and capture are the local executor's own
+functions (:mod:`pensieve.engine.local`). All ranks run the same plans in the same order, so
+their collectives pair up.
 
 Protocol, over one ``multiprocessing`` pipe per rank (driver <-> rank; pickled tuples):
 
