@@ -30,8 +30,9 @@ from tqdm import tqdm
 from pensieve.config import EngineConfig, ModelConfig
 from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput, SwapPlan
 from pensieve.core.sampling_params import SamplingParams
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.models.loader import load_model, resolve_config
-from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from pensieve.runner.model_runner import ModelRunner
 
 HBM_TBPS = 4.3
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -88,11 +89,10 @@ def setup(model_name: str, dtype: torch.dtype, kv_gb: float, device: torch.devic
     hf_config, path = resolve_config(model_name)
     model, hf_config = load_model(path or hf_config, dtype=dtype, device=device,
                                   load_format="dummy", seed=0)
-    block_bytes = kv_bytes_per_block(model.num_layers, chunk, model.num_kv_heads, model.head_dim,
-                                     dtype)
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, chunk, dtype)
+    block_bytes = layout.block_bytes
     num_blocks = int(kv_gb * 2**30 // block_bytes)
-    kv = allocate_kv_caches(model.num_layers, num_blocks, chunk, model.num_kv_heads,
-                            model.head_dim, dtype, device)
+    kv = layout.allocate(num_blocks, device)
     for t in kv:
         t.normal_(0, 0.5)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

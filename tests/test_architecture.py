@@ -128,6 +128,8 @@ ENGINE_CONFIG_READERS = {
     "pensieve.engine.local": "the local executor and the load / size / allocate / capture "
                              "steps the tensor-parallel ranks share",
     "pensieve.engine.tiers": "the sizing module: config, block bytes and free memory -> tiers",
+    "pensieve.engine.kv_layout": "the KV layout: chunk size and KV dtype from CacheConfig, "
+                                 "resolved once with the model's shape",
     "pensieve.engine.disk_tier": "the disk tier below the CPU tier, sized and placed by the "
                                  "cache config (disk_kv_gb, disk_kv_path, disk_read_gbps)",
     "pensieve.parallel.tp_executor": "an executor: TPExecutor",

@@ -24,7 +24,7 @@ from pensieve.engine.tiers import (
     cpu_tier_blocks,
     gib_blocks,
     gpu_tier_blocks,
-    sim_tiers,
+    tier_sizes,
 )
 
 BB = 1 << 20  # 1 MiB blocks
@@ -52,14 +52,13 @@ def test_gpu_tier_sizes() -> None:
 def test_activation_estimate_doubles_with_mixed_graphs() -> None:
     eager = EngineConfig(model=ModelConfig(enforce_eager=True))
     graphs = EngineConfig()
-    one = activation_bytes(eager, 4096, 11008, 32000, 2)
+    one = activation_bytes(eager, 4096, 11008, 32000, 2, False)
     sc = eager.scheduler
     assert one == (sc.max_num_batched_tokens * (8 * 4096 + 3 * 11008) * 2
                    + sc.max_num_seqs * 32000 * 12 + GIB)
-    assert activation_bytes(graphs, 4096, 11008, 32000, 2) == 2 * one
-    fp8 = EngineConfig(model=ModelConfig(enforce_eager=True),
-                       cache=CacheConfig(kv_cache_dtype="fp8_e4m3"))
-    assert activation_bytes(fp8, 4096, 11008, 32000, 2) == one + FP8_SCRATCH_BYTES  # scratch
+    assert activation_bytes(graphs, 4096, 11008, 32000, 2, False) == 2 * one
+    # an FP8 KV cache (KVLayout.fp8): the prefill scratch
+    assert activation_bytes(eager, 4096, 11008, 32000, 2, True) == one + FP8_SCRATCH_BYTES
 
 
 def test_cpu_tier_sizes() -> None:
@@ -74,10 +73,13 @@ def test_cpu_tier_sizes() -> None:
 
 
 def test_sim_tiers_and_cache() -> None:
-    assert sim_tiers(CacheConfig(gpu_kv_gb=1.0, cpu_kv_gb=0.5), BB) == TierSizes(1024, 512, BB)
-    assert sim_tiers(CacheConfig(num_gpu_blocks=3, num_cpu_blocks=4), None) == TierSizes(3, 4, 0)
+    def sim(**cache: object) -> EngineConfig:
+        return EngineConfig(cache=CacheConfig(**cache))
+
+    assert tier_sizes(sim(gpu_kv_gb=1.0, cpu_kv_gb=0.5), BB, "sim") == TierSizes(1024, 512, BB)
+    assert tier_sizes(sim(num_gpu_blocks=3, num_cpu_blocks=4), None, "sim") == TierSizes(3, 4, 0)
     with pytest.raises(ValueError, match="num_cpu_blocks, or cpu_kv_gb and block_bytes"):
-        sim_tiers(CacheConfig(num_gpu_blocks=3, cpu_kv_gb=1.0), None)
+        tier_sizes(sim(num_gpu_blocks=3, cpu_kv_gb=1.0), None, "sim")
     with pytest.raises(ValueError):
         gib_blocks(1.0, 0)
     cc = CacheConfig(chunk_size=16)

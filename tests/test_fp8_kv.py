@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pensieve import LLM, SamplingParams
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.kernels.launch import paged_attention_triton, store_kv_triton
 from pensieve.kernels.reference import paged_attention_ref, store_kv_ref
-from pensieve.runner.model_runner import kv_bytes_per_block
 
 F8 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,8 +51,10 @@ def test_store_ref_scales_and_saturates() -> None:
 
 def test_fp8_bytes_per_chunk_are_half_of_bf16() -> None:
     # llama3.1-8b: 32 layers, 8 KV heads, head_dim 128
-    bf16 = kv_bytes_per_block(32, 32, 8, 128, torch.bfloat16)
-    assert bf16 == 4 * 2**20 and kv_bytes_per_block(32, 32, 8, 128, F8) * 2 == bf16
+    bf16 = KVLayout(32, 8, 128, 32, torch.bfloat16)
+    f8 = KVLayout(32, 8, 128, 32, F8)
+    assert bf16.block_bytes == 4 * 2**20 and f8.block_bytes * 2 == bf16.block_bytes
+    assert f8.fp8 and not bf16.fp8
 
 
 def _ranges(lens: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:

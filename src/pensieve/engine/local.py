@@ -2,12 +2,15 @@
 runner is built with (size, allocate, capture), shared with the tensor-parallel ranks.
 
 A runner is made in three steps, the same for :class:`LocalExecutor` and for each rank of
-:mod:`pensieve.parallel.worker` (which shards the model first and agrees on the block counts
-with the other ranks between the second and the third):
+:mod:`pensieve.parallel.worker` (which shards the model first, is given its
+:class:`~pensieve.engine.kv_layout.KVLayout` by the driver, and agrees on the block counts with
+the other ranks between the second and the third):
 
 1. the model is loaded (``pensieve.models.loader.load_model``);
-2. :func:`fit_gpu_blocks`: how many blocks of its KV fit on its device (``engine.tiers``);
-3. :func:`start_runner`: the KV tensors, the runner with its CPU tier, the CUDA graphs.
+2. :func:`device_memory` measures the device and ``engine.tiers.tier_sizes`` turns it, the
+   config and the layout's bytes per chunk into blocks per tier;
+3. :func:`start_runner`: the KV tensors (:meth:`KVLayout.allocate`), the runner with its CPU
+   tier, the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,14 +24,10 @@ import torch
 from pensieve.config import EngineConfig
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.engine.executor import TierSizes
-from pensieve.engine.tiers import (
-    DeviceMemory,
-    activation_bytes,
-    cpu_tier_blocks,
-    gpu_tier_blocks,
-)
+from pensieve.engine.kv_layout import KVLayout
+from pensieve.engine.tiers import DeviceMemory, activation_bytes, tier_sizes
 from pensieve.layers.attention import init_kv_scales
-from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches, kv_bytes_per_block
+from pensieve.runner.model_runner import ModelRunner
 
 log = logging.getLogger("pensieve")
 
@@ -59,30 +58,11 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: object) -> torch.
     return _DTYPES[dtype]
 
 
-_KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-              "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
-
-
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's torch dtype for ``CacheConfig.kv_cache_dtype`` (``auto``: the
-    model's)."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in _KV_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
-    return _KV_DTYPES[kv_cache_dtype]
-
-
-def block_bytes_of(model: Any, chunk_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of one chunk over all layers of ``model`` (a shard: its heads)."""
-    return kv_bytes_per_block(model.num_layers, chunk_size, model.num_kv_heads, model.head_dim,
-                              dtype)
-
-
 def device_memory(config: EngineConfig, device: torch.device, hf_config: Any,
-                  dtype: torch.dtype) -> DeviceMemory | None:
-    """The GPU's free and total memory now and the step's activation estimate (None on the
-    CPU). Call it after the weights are loaded."""
+                  dtype: torch.dtype, layout: KVLayout) -> DeviceMemory | None:
+    """The GPU's free and total memory now and the step's activation estimate for a model of
+    ``dtype`` with a KV cache of ``layout`` (None on the CPU). Call it after the weights are
+    loaded."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
@@ -91,25 +71,18 @@ def device_memory(config: EngineConfig, device: torch.device, hf_config: Any,
                 or getattr(hf_config, "ffn_dim", 4 * hidden))
     elem = torch.empty((), dtype=dtype).element_size()
     return DeviceMemory(free, total, activation_bytes(config, hidden, inter,
-                                                      int(hf_config.vocab_size), elem))
+                                                      int(hf_config.vocab_size), elem,
+                                                      layout.fp8))
 
 
-def fit_gpu_blocks(config: EngineConfig, device: torch.device, hf_config: Any,
-                   dtype: torch.dtype, block_bytes: int) -> int:
-    """GPU-tier blocks of ``block_bytes`` on ``device`` (:func:`~pensieve.engine.tiers.
-    gpu_tier_blocks` over its free memory)."""
-    return gpu_tier_blocks(config, block_bytes, device_memory(config, device, hf_config, dtype))
-
-
-def start_runner(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,
+def start_runner(config: EngineConfig, model: Any, layout: KVLayout, device: torch.device,
                  num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
-    """Allocate ``model``'s KV tiers, build its runner and capture its CUDA graphs."""
+    """Allocate ``model``'s KV tiers as ``layout`` has them, build its runner and capture its
+    CUDA graphs."""
     cc = config.cache
     t0 = time.perf_counter()
-    kv_dtype = resolve_kv_dtype(cc.kv_cache_dtype, dtype)
-    kv_caches = allocate_kv_caches(model.num_layers, num_gpu_blocks, cc.chunk_size,
-                                   model.num_kv_heads, model.head_dim, kv_dtype, device)
-    if kv_dtype == torch.float8_e4m3fn:  # a checkpoint's calibrated scales, else 1
+    kv_caches = layout.allocate(num_gpu_blocks, device)
+    if layout.fp8:  # a checkpoint's calibrated scales, else 1
         init_kv_scales(model, device, getattr(model, "checkpoint_kv_scales", None))
     t1 = time.perf_counter()
     runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks,
@@ -129,16 +102,17 @@ class LocalExecutor:
                  device: torch.device) -> None:
         cc = config.cache
         dtype = next(model.parameters()).dtype
-        block_bytes = block_bytes_of(model, cc.chunk_size,
-                                     resolve_kv_dtype(cc.kv_cache_dtype, dtype))
-        num_gpu = fit_gpu_blocks(config, device, hf_config, dtype, block_bytes)
-        num_cpu = cpu_tier_blocks(cc, block_bytes, device.type)
+        layout = KVLayout.of(model, cc, dtype)
+        tiers = tier_sizes(config, layout.block_bytes, device.type,
+                           device_memory(config, device, hf_config, dtype, layout))
+        num_gpu, num_cpu, block_bytes = (tiers.num_gpu_blocks, tiers.num_cpu_blocks,
+                                          tiers.block_bytes)
         log.info("KV cache: %d GPU-tier blocks (%.2f GiB) on %s, %d CPU-tier blocks "
-                 "(%.2f GiB), chunk %d, policy %s", num_gpu, num_gpu * block_bytes / 2**30,
-                 device, num_cpu, num_cpu * block_bytes / 2**30, cc.chunk_size,
+                 "(%.2f GiB), chunk %d, %s, policy %s", num_gpu, num_gpu * block_bytes / 2**30,
+                 device, num_cpu, num_cpu * block_bytes / 2**30, cc.chunk_size, layout.dtype,
                  cc.cache_policy)
-        self.runner = start_runner(config, model, dtype, device, num_gpu, num_cpu)
-        self._tiers = TierSizes(num_gpu, num_cpu, block_bytes)
+        self.runner = start_runner(config, model, layout, device, num_gpu, num_cpu)
+        self._tiers = tiers
 
     @property
     def tiers(self) -> TierSizes:

@@ -1,6 +1,8 @@
-"""Tier sizes: config, block bytes and free device memory in, blocks per tier out; the cache
-over them. One module for the three executors (local, tensor-parallel, simulated). No torch:
-the callers measure the device (``torch.cuda.mem_get_info``) and the block bytes.
+"""Tier sizes: config, bytes per chunk and free device memory in, blocks per tier out; the
+cache over them. One pure function, :func:`tier_sizes`, for the three executors (local, each
+tensor-parallel rank, simulated). No torch: the callers measure the device
+(``torch.cuda.mem_get_info``) and take the bytes per chunk from their
+:class:`~pensieve.engine.kv_layout.KVLayout` (the simulator is given them).
 
 - GPU tier: ``num_gpu_blocks``, else ``gpu_kv_gb``, else on a GPU what is free after the
   weights, minus ``1 - gpu_memory_utilization`` of the device and an activation estimate; on
@@ -10,6 +12,8 @@ the callers measure the device (``torch.cuda.mem_get_info``) and the block bytes
   GPU, 1 GiB on a CPU run); none when the cache policy keeps no CPU tier.
 - Under tensor parallelism the block bytes are one rank's slice; ``gpu_kv_gb`` applies to each
   rank's device and ``cpu_kv_gb`` is the host's total (:func:`cpu_tier_blocks`'s ``ranks``).
+- The simulator (``device_type`` :data:`SIM`): exact counts, or GiB over the block bytes; no
+  device's defaults (memory left after the weights has to be given as ``num_gpu_blocks``).
 """
 
 from __future__ import annotations
@@ -51,17 +55,18 @@ class DeviceMemory:
 
 
 def activation_bytes(config: EngineConfig, hidden: int, intermediate: int, vocab: int,
-                     elem_bytes: int) -> int:
+                     elem_bytes: int, fp8_kv: bool) -> int:
     """Estimated peak activations of one step of ``max_num_batched_tokens`` tokens, logits of
     ``max_num_seqs`` rows (three float32 copies) and 1 GiB of slack; doubled when mixed-step
     CUDA graphs keep their own pool beside the eager allocator's; plus ``FP8_SCRATCH_BYTES``
-    with an FP8 KV cache (eager prefill steps dequantize into a scratch)."""
+    with an FP8 KV cache (``fp8_kv``, ``KVLayout.fp8``: eager prefill steps dequantize into a
+    scratch)."""
     sc = config.scheduler
     act = sc.max_num_batched_tokens * (8 * hidden + 3 * intermediate) * elem_bytes
     act += sc.max_num_seqs * vocab * 4 * 3 + GIB
     if config.mixed_graph_shape("cuda") is not None:
         act *= 2
-    if config.cache.kv_cache_dtype.startswith("fp8"):
+    if fp8_kv:
         act += FP8_SCRATCH_BYTES
     return act
 
@@ -93,9 +98,26 @@ def cpu_tier_blocks(cache: CacheConfig, block_bytes: int, device_type: str,
     return gib_blocks(gib, block_bytes * ranks)
 
 
-def sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
-    """Tiers without a device (the simulator): exact counts, or GiB sizes over
-    ``block_bytes``. Memory left after the weights has to be given as ``num_gpu_blocks``."""
+SIM = "sim"
+"""``device_type`` of the simulator: no device (:func:`tier_sizes`)."""
+
+
+def tier_sizes(config: EngineConfig, block_bytes: int | None, device_type: str,
+               memory: DeviceMemory | None = None, ranks: int = 1) -> TierSizes:
+    """Blocks per tier of ``block_bytes`` (one rank's bytes per chunk) on a ``device_type``
+    (``cuda``, ``cpu``, or :data:`SIM`) with ``memory`` free after the weights (None: on the
+    CPU, or not measured), for one of ``ranks`` tensor-parallel ranks (module docstring).
+    Every executor sizes its tiers here and nowhere else."""
+    if device_type == SIM:
+        return _sim_tiers(config.cache, block_bytes)
+    if not block_bytes:
+        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+    return TierSizes(gpu_tier_blocks(config, block_bytes, memory),
+                     cpu_tier_blocks(config.cache, block_bytes, device_type, ranks), block_bytes)
+
+
+def _sim_tiers(cache: CacheConfig, block_bytes: int | None) -> TierSizes:
+    """The simulator's tiers: exact counts, or GiB sizes over ``block_bytes``."""
     counts = []
     for tier, n, gib in (("gpu", cache.num_gpu_blocks, cache.gpu_kv_gb),
                          ("cpu", cache.num_cpu_blocks, cache.cpu_kv_gb)):

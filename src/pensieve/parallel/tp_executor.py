@@ -40,12 +40,10 @@ import torch
 from pensieve.config import EngineConfig
 from pensieve.core.outputs import RunnerOutput, SchedulerOutput
 from pensieve.engine.executor import TierSizes
-from pensieve.engine.local import resolve_kv_dtype
-from pensieve.engine.tiers import cpu_tier_blocks
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.models.loader import build_model
-from pensieve.parallel.tp import check_shardable, local_kv_heads
+from pensieve.parallel.tp import check_shardable
 from pensieve.parallel.worker import WorkerSpec, worker_main
-from pensieve.runner.model_runner import kv_bytes_per_block
 
 log = logging.getLogger("pensieve")
 
@@ -83,20 +81,15 @@ class TPExecutor:
         check_shardable(self.model, world)
         devices, backend = rank_devices(device, world)
         cc = config.cache
-        m: Any = self.model
-        kv_heads = local_kv_heads(m.num_kv_heads, world)
-        block_bytes = kv_bytes_per_block(m.num_layers, cc.chunk_size, kv_heads, m.head_dim,
-                                         resolve_kv_dtype(cc.kv_cache_dtype, dtype))
-        # cpu_kv_gb is the host's total (all ranks' tiers share its memory); gpu_kv_gb and
-        # gpu_memory_utilization apply to each rank's own device.
-        num_cpu_blocks = cpu_tier_blocks(cc, block_bytes, device.type, ranks=world)
+        layout = KVLayout.of(self.model, cc, dtype, world)  # one rank's: resolved once, here
         self.step_timeout_s = STEP_TIMEOUT_S
         start_timeout_s = START_TIMEOUT_S
 
         tmpdir = tempfile.mkdtemp(prefix="pensieve-tp-")
         spec = WorkerSpec(
             config=config, model_source=model_source, dtype=dtype, load_format=load_format,
-            devices=devices, backend=backend, init_method=f"file://{tmpdir}/rendezvous",
+            layout=layout, devices=devices, backend=backend,
+            init_method=f"file://{tmpdir}/rendezvous",
             timeout_s=max(self.step_timeout_s, start_timeout_s),
             num_threads=max(1, (os.cpu_count() or 1) // world),
         )
@@ -115,19 +108,24 @@ class TPExecutor:
                 child.close()
                 self._procs.append(proc)
                 self._conns.append(parent)
-            ready = self._recv(range(world), start_timeout_s)
-            num_gpu_blocks = min(msg[1] for msg in ready)
+            # each rank's tier_sizes over its own device: gpu_kv_gb and gpu_memory_utilization
+            # apply to each rank's device (all take the fewest blocks), cpu_kv_gb is the host's
+            # total (the same count on every rank)
+            fits: list[TierSizes] = [msg[1] for msg in self._recv(range(world), start_timeout_s)]
+            num_gpu_blocks = min(t.num_gpu_blocks for t in fits)
+            num_cpu_blocks = fits[0].num_cpu_blocks
             for conn in self._conns:
                 conn.send(("alloc", num_gpu_blocks, num_cpu_blocks))
             self._recv(range(world), start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+        block_bytes = layout.block_bytes
         self._tiers = TierSizes(num_gpu_blocks, num_cpu_blocks, block_bytes)
         self._bytes_in = self._bytes_out = 0
         log.info("tensor parallel x%d (%s, %s): per rank %d KV heads, %d GPU-tier blocks "
                  "(%.2f GiB), %d CPU-tier blocks (%.2f GiB), chunk %d", world, backend,
-                 ", ".join(devices), kv_heads, num_gpu_blocks,
+                 ", ".join(devices), layout.num_kv_heads, num_gpu_blocks,
                  num_gpu_blocks * block_bytes / 2**30, num_cpu_blocks,
                  num_cpu_blocks * block_bytes / 2**30, cc.chunk_size)
 

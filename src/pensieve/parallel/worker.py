@@ -5,16 +5,18 @@ ordinary loader (same checkpoint, or the same dummy seed), shards it with
 :func:`~pensieve.parallel.tp.shard_model`, allocates its slice of the GPU tier and its own CPU
 tier (:class:`~pensieve.runner.swapper.KVSwapper`) with the block counts the driver sends, and
 then runs the unchanged :class:`~pensieve.runner.model_runner.ModelRunner` on every plan it
-receives. Sizing, allocation and capture are the local executor's own functions
-(:mod:`pensieve.engine.local`). All ranks run the same plans in the same order, so their
-collectives pair up.
+receives. Its KV layout (:class:`~pensieve.engine.kv_layout.KVLayout`) comes from the driver
+and is checked against the shard; sizing is :func:`pensieve.engine.tiers.tier_sizes`, as for
+every executor; measuring the device, allocation and capture are the local executor's own
+functions (:mod:`pensieve.engine.local`). All ranks run the same plans in the same order, so
+their collectives pair up.
 
 Protocol, over one ``multiprocessing`` pipe per rank (driver <-> rank; pickled tuples):
 
 ====================================  =========================================================
 driver -> rank                        rank -> driver
 ====================================  =========================================================
-(process start: :class:`WorkerSpec`)  ``("ready", gpu_blocks_that_fit)``
+(process start: :class:`WorkerSpec`)  ``("ready", TierSizes)``: ``tier_sizes`` on this rank
 ``("alloc", num_gpu, num_cpu)``       ``("ok", None)``
 ``("step", SchedulerOutput)``         rank 0 only: ``("out", RunnerOutput, bytes_in, bytes_out)``
 ``("stop",)``                         (the rank leaves the group and exits)
@@ -33,9 +35,12 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pensieve.engine.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class WorkerSpec:
     """The engine's :class:`~pensieve.config.EngineConfig`."""
     model_source: Any
     """Checkpoint directory, or the HF config for dummy weights."""
+    layout: KVLayout
+    """This rank's :class:`~pensieve.engine.kv_layout.KVLayout` (the driver resolved it)."""
     dtype: torch.dtype
     load_format: str
     devices: tuple[str, ...]
@@ -86,12 +93,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -
 def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> None:
     import torch.distributed as dist
 
-    from pensieve.engine.local import (
-        block_bytes_of,
-        fit_gpu_blocks,
-        resolve_kv_dtype,
-        start_runner,
-    )
+    from pensieve.engine.local import device_memory, start_runner
+    from pensieve.engine.tiers import tier_sizes
     from pensieve.models.loader import load_model
     from pensieve.parallel.tp import shard_model
 
@@ -125,12 +128,17 @@ def _serve(rank: int, spec: WorkerSpec, conn: Connection, load_lock: Any) -> Non
 
             gc.collect()
             torch.cuda.empty_cache()
-    block_bytes = block_bytes_of(model, cfg.cache.chunk_size,
-                                 resolve_kv_dtype(cfg.cache.kv_cache_dtype, spec.dtype))
-    conn.send(("ready", fit_gpu_blocks(cfg, device, hf_config, spec.dtype, block_bytes)))
+    layout = spec.layout
+    shard = (model.num_layers, model.num_kv_heads, model.head_dim)
+    if shard != (layout.num_layers, layout.num_kv_heads, layout.head_dim):
+        raise RuntimeError(f"rank {rank}: the shard has (layers, KV heads, head_dim) {shard}, "
+                           f"the driver's KV layout {layout}")
+    conn.send(("ready", tier_sizes(cfg, layout.block_bytes, device.type,
+                                   device_memory(cfg, device, hf_config, spec.dtype, layout),
+                                   ranks=world)))
     _, num_gpu_blocks, num_cpu_blocks = conn.recv()
     # every rank captures the same CUDA graphs: the all-reduces are in them
-    runner = start_runner(cfg, model, spec.dtype, device, num_gpu_blocks, num_cpu_blocks)
+    runner = start_runner(cfg, model, layout, device, num_gpu_blocks, num_cpu_blocks)
     conn.send(("ok", None))
     while True:
         msg = conn.recv()

@@ -91,14 +91,6 @@ def allocate_kv_caches(
     return list(torch.empty(shape, dtype=dtype, device=device).unbind(0))
 
 
-def kv_bytes_per_block(
-    num_layers: int, chunk_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes of K and V for one chunk across all layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * chunk_size * num_kv_heads * head_dim * elem
-
-
 class ModelRunner:
     """Owns the model and its KV caches on one device."""
 

@@ -63,7 +63,7 @@ from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
 from pensieve.engine.step_record import prefill_decode_tokens
-from pensieve.engine.tiers import build_cache, sim_tiers
+from pensieve.engine.tiers import SIM, build_cache, tier_sizes
 from pensieve.sim.disk import (
     SIM_DISK_PATH,
     SIM_DISK_READ_GBPS,
@@ -340,11 +340,11 @@ class SimEngine(EngineCore):
         **kw: Any,
     ) -> SimEngine:
         """Tiers sized as the engine would from an :class:`~pensieve.config.EngineConfig`
-        (:func:`~pensieve.engine.tiers.sim_tiers`: exact block counts, or GiB sizes divided by
+        (:func:`~pensieve.engine.tiers.tier_sizes`: exact block counts, or GiB sizes divided by
         ``block_bytes``; memory left after the weights has to be given as ``num_gpu_blocks``).
         """
         cc = config.cache
-        tiers = sim_tiers(cc, block_bytes)
+        tiers = tier_sizes(config, block_bytes, SIM)
         kw.setdefault("swap_bandwidth_gbps", cc.swap_bandwidth_gbps)
         kw.setdefault("defer_admission", cc.defer_admission)
         kw.setdefault("share_prefixes", cc.share_prefixes)
