@@ -64,10 +64,10 @@ def test_langchain_structured_output_follows_the_schema_and_hits_the_cache(serve
 
 def test_openai_agents_one_tool_loop_hits_the_cache(server):
     """The OpenAI Agents SDK: an agent with one tool runs its loop (the model calls the tool,
-    the SDK runs it and sends the result back, the model answers). The one setting it needs:
-    the Chat Completions API (``set_default_openai_api("chat_completions")``, or an
-    ``OpenAIChatCompletionsModel``), since pensieve serves no Responses API; tracing is off
-    because it would upload to OpenAI."""
+    the SDK runs it and sends the result back, the model answers), here through the Chat
+    Completions API (``set_default_openai_api("chat_completions")``); its default, the
+    Responses API, is tests/test_responses.py's. Tracing is off because it would upload to
+    OpenAI."""
     import asyncio
 
     from agents import (
