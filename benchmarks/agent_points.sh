@@ -10,17 +10,20 @@
 # e.g. OUT=results bash benchmarks/agent_points.sh coding-agent "pensieve 0.07" \
 #        "pensieve 0.07 fp8 --kv-cache-dtype fp8_e4m3"
 # Env: POINT_S (285: each point's BUDGET_S), WARMUP (45), WINDOW (100), DRAIN (15), THINK (6),
-# WARM_START (0.05 s per answer token), and churn_points.sh's own.
+# WARM_START (0.05 s per answer token), MODEL (llama3.1-8b; demo for a CPU smoke test),
+# MAX_MODEL_LEN (131072), CLIENT_ARGS (more multiturn.py args, e.g. "--length-scale 0.05"),
+# and churn_points.sh's own.
+# shellcheck disable=SC2086  # CLIENT_ARGS is a list of words
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-results_tmp}; workload=$1; shift
 for point in "$@"; do
   read -r sys rate name serve <<< "$point"
   name=${name:-$sys}
-  OUT="$out/${workload}_${name}_$rate" BUDGET_S=${POINT_S:-285} MODEL=llama3.1-8b \
-    MODEL_SET="max_position_embeddings=131072" THINK=${THINK:-6} WARMUP=${WARMUP:-45} \
+  OUT="$out/${workload}_${name}_$rate" BUDGET_S=${POINT_S:-285} MODEL=${MODEL:-llama3.1-8b} \
+    MODEL_SET="max_position_embeddings=${MAX_MODEL_LEN:-131072}" THINK=${THINK:-6} WARMUP=${WARMUP:-45} \
     WINDOW=${WINDOW:-100} DRAIN=${DRAIN:-15} TAG="$name" SERVE_ARGS="${serve:-}" \
     bash benchmarks/churn_points.sh "$sys" "$rate" --workload "$workload" \
-    --max-model-len 131072 --warm-start "${WARM_START:-0.05}" \
-    | tail -n 45
+    --max-model-len "${MAX_MODEL_LEN:-131072}" --warm-start "${WARM_START:-0.05}" \
+    ${CLIENT_ARGS:-} | tail -n 45
 done

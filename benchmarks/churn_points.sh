@@ -31,7 +31,8 @@
 # SERVE_ARGS (more flags for both servers), SERVE_ARGS_A / SERVE_ARGS_B (one server),
 # SERVE_ENV_A / SERVE_ENV_B (NAME=VALUE words for one server's environment, e.g.
 # PENSIEVE_STEP_LOG=steps.jsonl),
-# BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left),
+# BUDGET_S (560: the whole call; once the servers are up the window is cut to what is left,
+# to MIN_WINDOW s at least, default 60, the warm-up giving way),
 # HEALTH_TIMEOUT (240), PORT (8321 for A, PORT+1 for B), MAX_CONN (1024), LOG_LEVEL (info: the log keeps the start-up timings),
 # PROFILE_STEPS (START:COUNT: each server's steps START.. as a profiler trace, trace.json.gz),
 # TOKENIZER (words | demo: chat_model_dir.py --tokenizer), WORKLOAD (agentic | sharegpt: the
@@ -78,6 +79,7 @@ for ((i = 1; i < $#; i++)); do  # a --workload among the extra multiturn.py args
   [ "${!i}" = --workload ] && { j=$((i + 1)); workload=${!j}; }
 done
 think=${THINK:-5}; warmup=${WARMUP:-210}; window=${WINDOW:-210}; drain=${DRAIN:-25}
+min_window=${MIN_WINDOW:-60}  # the shortest window a cut to BUDGET_S leaves
 budget=${BUDGET_S:-560}
 port=${PORT:-8321}
 model_args=(--load-format "${LOAD_FORMAT:-dummy}" --dtype "${DTYPE:-bfloat16}"
@@ -243,8 +245,8 @@ elapsed=$(( $(date +%s) - t_start ))
 left=$(( budget - elapsed - 45 ))  # 45 s: client start, /metrics, stopping, plot, tar
 if [ $(( warmup + window + drain )) -gt "$left" ]; then
   window=$(( left - warmup - drain ))
-  if [ "$window" -lt 60 ]; then  # keep a 60 s window; the warm-up gives way (say so)
-    window=60; warmup=$(( left - drain - window )); [ "$warmup" -lt 10 ] && warmup=10
+  if [ "$window" -lt "$min_window" ]; then  # keep a 60 s window; the warm-up gives way
+    window=$min_window; warmup=$(( left - drain - window )); [ "$warmup" -lt 10 ] && warmup=10
     say "warm-up cut to $warmup s: the window is unlikely to be at steady state"
   fi
   say "window cut to $window s to fit BUDGET_S=$budget"

@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="+", help="metrics_end.txt, steps.jsonl(.gz), churn.tgz or "
                     "http://host:port")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write {name: costs} as JSON (the acceptance docs read it)")
     args = ap.parse_args(argv)
     keys = ("us_per_prefill_token", "us_per_prefill_token_net", "prefill_step_ms",
             "decode_step_ms", "scheduler_ms_per_step", "disk_wait_ms_per_step",
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, c in found:
             print(f"{name[-48:]:48} " + " ".join(f"{c[k]:26.3f}" for k in cols))
         print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({name: c for name, c in found}, f, indent=1)
     return 0
 
 
