@@ -230,13 +230,38 @@ def work_items_for(query_lens: Sequence[int] | np.ndarray, group: int, block_m: 
     return items.astype(np.int32)
 
 
+def attention_warmup_plan(num_heads: int, num_kv_heads: int, head_dim: int, is_cuda: bool,
+                          spans: bool = True) -> list[tuple[tuple[int, int, int, int], int, bool]]:
+    """``(tiles, num_kv_splits, by span)`` of each attention variant an eager step can launch
+    for this shape (what :func:`compile_attention_kernels` compiles):
+
+    - a decode launch (``max_query_len`` 1: ``group`` rows) takes the decode tiles, short or
+      long context, unsplit, split, or split by span (the only launches outside the CUDA
+      graphs' work items that split by span, ``_check_span``);
+    - a launch with a prefill range (``max_query_len`` >= 2: more rows, never long context,
+      which is a decode launch's class) takes the tiles of its rows, unsplit or split.
+
+    Tiles no launch of this shape picks (e.g. long-context tiles of 32 or 64 rows where a
+    decode has 4) are left out. ``spans`` False: no span variants (a 16-bit scratch of an FP8
+    cache serves no decode launch)."""
+    group = num_heads // num_kv_heads
+    decode = {_attention_tiles(group, group, head_dim, is_cuda, long) for long in (False, True)}
+    rows = sorted({q * group for q in range(2, 65)} | {2**i for i in range(17) if 2**i > group})
+    other = {_attention_tiles(r, m, head_dim, is_cuda) for r in rows
+             for m in (group, 64, 128, r) if group <= m <= r}
+    plan = [(t, s, False) for t in sorted(decode | other) for s in (1, 2)]
+    return plan + [(t, 2, True) for t in sorted(decode)] if spans else plan
+
+
 def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
                               chunk_size: int, dtype: torch.dtype,
-                              device: torch.device, kv_dtype: torch.dtype | None = None) -> int:
-    """Compile, before serving, every attention kernel variant the launcher can choose (each
-    tile shape, split and unsplit, split by span, and the split combiners) by running each
-    once on a one-token problem. Otherwise Triton compiles a variant the first time a step
-    needs it, stalling that step for about a second. Returns the number of variants run."""
+                              device: torch.device, kv_dtype: torch.dtype | None = None,
+                              is_cuda: bool | None = None, spans: bool = True) -> int:
+    """Compile, before serving, the attention kernel variants a step of this shape can launch
+    (:func:`attention_warmup_plan`; the split combiners with them) by running each once on a
+    one-token problem. Otherwise Triton compiles a variant the first time a step needs it,
+    stalling that step for about a second. ``is_cuda``: whose tile choices (None: the
+    device's). Returns the number of variants run."""
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype,
                         device=device)
@@ -247,13 +272,14 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     args = (q, cache, cache, zero.view(1, 1), qsl, zero, zero, head_dim**-0.5)
     span = torch.full((1,), chunk_size, dtype=torch.int32, device=device)
-    n = 0
-    for tiles in sorted(attention_tile_choices(head_dim, device.type == "cuda")):
-        for splits, kv_split_span in ((1, None), (2, None), (2, span)):
-            paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
-                                   kv_split_span=kv_split_span, k_scale=one, v_scale=one)
-            n += 1
-    return n
+    if is_cuda is None:
+        is_cuda = device.type == "cuda"
+    plan = attention_warmup_plan(num_heads, num_kv_heads, head_dim, is_cuda, spans)
+    for tiles, splits, by_span in plan:
+        paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
+                               kv_split_span=span if by_span else None, k_scale=one,
+                               v_scale=one)
+    return len(plan)
 
 
 def attention_choice(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
