@@ -34,7 +34,8 @@ Per load and system: capacity at each ``--ttft-targets`` P90 (interpolated betwe
 ideal; also against the better ideal), and where a turn's simulated GPU time goes at each
 point (``breakdown``: new-token prefill, recomputed prefill, decode and the rest of compute,
 copy waits, host time per request). Writes ``<out>/sim_ideal.json``, ``<out>/sim_ideal.png``
-(capacity / ideal per load and target) and ``<out>/sim_ideal.md`` (the tables).
+(capacity / ideal per load and target) and ``<out>/sim_ideal.md`` (the tables); each point
+also as it finishes to ``<out>/points.jsonl``, from which a stopped run resumes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import argparse
 import dataclasses
 import json
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,15 @@ SYSTEMS = {"prefix-lru": ("prefix-lru", "bf16"), "pensieve": ("pensieve", "bf16"
            "pensieve-fp8": ("pensieve", "fp8_e4m3"), "ideal": ("ideal", "bf16"),
            "ideal-fp8": ("ideal", "fp8_e4m3")}
 """Name -> (cache policy or ``ideal``, KV dtype)."""
-RATES = {"agentic": "0.8,1.2,1.6,2.2,3",
-         "coding-agent": "0.04,0.06,0.09,0.13,0.18",
-         "agent-mix": "0.1,0.15,0.22,0.32,0.45",
-         "sharegpt": "0.8,1.2,1.6,2.2,3"}
+RATES = {"agentic": "0.8,1.3,2,3",
+         "coding-agent": "0.04,0.07,0.1,0.14",
+         "agent-mix": "0.1,0.16,0.24,0.34",
+         "sharegpt": "0.8,1.3,2,3"}
 """Sessions/s of the configurations' sweeps."""
-IDEAL_RATES = {"agentic": "2.2,3,4.2,6",
-               "coding-agent": "0.13,0.18,0.25,0.32,0.4",
-               "agent-mix": "0.32,0.45,0.6,0.8,1.1",
-               "sharegpt": "2.2,3,4.2,6"}
+IDEAL_RATES = {"agentic": "1.3,2,3,4.5,6.5",
+               "coding-agent": "0.07,0.14,0.2,0.28,0.4",
+               "agent-mix": "0.16,0.34,0.48,0.65,0.9",
+               "sharegpt": "1.3,2,3,4.5,6.5"}
 """Sessions/s of the ideals' sweeps (``WORKLOAD:ideal=...`` in ``--rates``)."""
 
 
@@ -131,6 +132,37 @@ def breakdown(p: dict[str, Any], cost: dict[str, float] | None) -> dict[str, flo
     return out
 
 
+def _point_id(p: dict[str, Any]) -> tuple[str, str, float]:
+    return (p["workload"], p["system"], float(p["conv_rate"]))
+
+
+def run_points(jobs: list[dict[str, Any]], cache: Path, workers: int) -> list[dict[str, Any]]:
+    """Each job's point, simulated unless ``cache`` (JSON lines, appended as points finish,
+    so that a stopped run resumes) has it; the points of ``jobs`` in their order."""
+    done: dict[tuple[str, str, float], dict[str, Any]] = {}
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            if line.strip():
+                p = json.loads(line)
+                done[_point_id(p)] = p
+    todo = [j for j in jobs if (j["workload"], j["name"], j["rate"]) not in done]
+    todo.sort(key=lambda j: -j["rate"] * (10 if j["workload"] in ("coding-agent", "agent-mix")
+                                          else 1))  # the longest first
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as ex:
+        futures = {ex.submit(sim_agent.sim_point, j): j for j in todo}
+        for f in as_completed(futures):
+            j = futures[f]
+            p = f.result()
+            p["system"] = j["name"]
+            p["breakdown"] = breakdown(p, None if j["system"] == "ideal" else j["cost"])
+            done[_point_id(p)] = p
+            with cache.open("a") as fh:
+                fh.write(json.dumps(p, default=lambda o: None) + "\n")
+            print(f"{j['workload']} {j['name']} {j['rate']}: P90 TTFT {p['ttft_s_p90']:.2f} s, "
+                  f"{p['sim_wall_s']} s", flush=True)
+    return [done[(j["workload"], j["name"], j["rate"])] for j in jobs]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/sim_ideal")
@@ -149,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="smoke test: short runs, short turns")
+    ap.add_argument("--report-only", action="store_true",
+                    help="simulate nothing: the tables and plot of every point of "
+                         "<out>/points.jsonl of the --workloads and --systems")
     args = ap.parse_args(argv)
     rates = dict(RATES) | {f"{k}:ideal": v for k, v in IDEAL_RATES.items()}
     for part in (args.rates or "").split(";"):
@@ -172,20 +207,20 @@ def main(argv: list[str] | None = None) -> int:
                              "warm_start": args.warm_start,
                              "ideal_rates": dataclasses.asdict(ideal_rates(m, kv))})
     t0 = time.time()
-    jobs.sort(key=lambda j: -j["rate"] * (10 if j["workload"] in ("coding-agent", "agent-mix")
-                                          else 1))  # the longest first
-    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as ex:
-        points = list(ex.map(sim_agent.sim_point, jobs))
-    for p, j in zip(points, jobs):
-        p["system"] = j["name"]
-        p["breakdown"] = breakdown(p, None if j["system"] == "ideal" else j["cost"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        wls, names = set(args.workloads.split(",")), set(args.systems.split(","))
+        points = [p for p in (json.loads(ln) for ln in
+                              (out / "points.jsonl").read_text().splitlines() if ln.strip())
+                  if p["workload"] in wls and p["system"] in names]
+    else:
+        points = run_points(jobs, out / "points.jsonl", args.workers)
     targets = [float(x) for x in args.ttft_targets.split(",")]
     caps = sim_agent.capacities(points, targets)
     from sim_ideal_report import markdown, plot, ratios
 
     rat = ratios(caps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     doc = {"args": vars(args), "measured": m, "step_cost": costs, "points": points,
            "capacity_at_p90_ttft": caps, "capacity_over_ideal": rat,
            "wall_s": round(time.time() - t0, 1)}

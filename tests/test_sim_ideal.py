@@ -116,3 +116,22 @@ def test_ideal_carries_at_least_every_policy(small_points: dict[str, dict]) -> N
     caps = capacities(list(small_points.values()), [small_points["pensieve"]["ttft_s_p90"]])
     row = next(iter(caps.values()))
     assert all(row["ideal"]["sessions_per_s"] >= row[s]["sessions_per_s"] for s in row)
+
+
+def test_ratios_take_each_kv_dtype_against_its_own_ideal() -> None:
+    from sim_ideal_report import markdown, ratios
+
+    caps = {"coding-agent@2s": {s: {"sessions_per_s": v} for s, v in (
+        ("prefix-lru", 0.05), ("pensieve", 0.06), ("pensieve-fp8", 0.12), ("ideal", 0.2),
+        ("ideal-fp8", 0.24))}}
+    r = ratios(caps)["coding-agent@2s"]
+    assert r["pensieve"] == pytest.approx(0.3) and r["pensieve-fp8"] == pytest.approx(0.5)
+    assert r["pensieve/best"] == pytest.approx(0.25) and r["prefix-lru"] == pytest.approx(0.25)
+    # a system whose highest simulated rate met the target is marked as a lower bound
+    zero = dict.fromkeys(("busy", "prefill", "recompute", "other", "host", "copy_wait"), 0.0)
+    pts = [{"workload": "coding-agent", "system": s, "conv_rate": rate, "ttft_s_p90": p90,
+            "breakdown": zero}
+           for s, rate, p90 in (("pensieve", 0.06, 3.0), ("ideal", 0.2, 1.5))]
+    md = markdown({"capacity_at_p90_ttft": caps, "points": pts})
+    assert "| coding-agent@2s | 0.050 | 0.060 | 0.120 | >= 0.200 | 0.240 | 0.25 | 0.30 | 0.50 |" \
+        in md
