@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import sim_agent
+
 from pensieve.core.cost_model import H200_HBM_BYTES_PER_S
 from pensieve.sim.ideal import (
     ForwardRates,

@@ -113,7 +113,7 @@ def plot(rat: dict[str, dict[str, float | None]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     loads = sorted({k.split("@")[0] for k in rat})
-    fig, axes = plt.subplots(1, len(loads), figsize=(2.6 * len(loads), 2.8), dpi=80,
+    fig, axes = plt.subplots(1, len(loads), figsize=(2.6 * len(loads), 2.8), dpi=64,
                              squeeze=False, sharey=True)
     for ax, wl in zip(axes[0], loads):
         keys = sorted((k for k in rat if k.split("@")[0] == wl),

@@ -57,7 +57,7 @@ def test_fp8_dot_matches_the_reference(lens: list[tuple[int, int]], splits: int 
                               v_scale=vs)
     # the reference over the very e4m3 queries the kernel multiplies (row scales applied):
     # what is left is the probabilities' e4m3 rounding, and the kernel's fp32 sums
-    q8, qs = _fp8_queries(q)
+    q8, qs = _fp8_queries(q, F8)
     ref8 = paged_attention_ref(q8.float() * qs[..., None], kc, vc, bt, qsl, rsp, rt, D**-0.5,
                                k_scale=ks, v_scale=vs)
     err8 = ((got.float() - ref8).norm() / ref8.norm()).item()

@@ -439,10 +439,12 @@ def _exact_dots(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
 
 
-def _fp8_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_queries(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_dot``'s queries: ``q`` ``[T, H, D]`` as e4m3 ``[T, H, D]``, each (token, head)
     row divided by its scale ``[T, H]`` float32 (its largest magnitude over 448, so that the
-    row spans e4m3's range)."""
+    row spans e4m3's range). Raises ValueError unless the cache is FP8."""
+    if cache_dtype != FP8_KV:
+        raise ValueError(f"fp8_dot is for an FP8 cache, not {cache_dtype}")
     q32 = q.float()
     scale = (q32.abs().amax(-1) / 448.0).clamp_min(1e-30)
     return (q32 / scale[..., None]).to(FP8_KV), scale.contiguous()
@@ -465,10 +467,8 @@ def paged_attention_triton(
     work_items: torch.Tensor | None = None,
     num_work_items: torch.Tensor | None = None,
     kv_split_span: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    long_context: bool = False,
-    fp8_dot: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    long_context: bool = False, fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -492,17 +492,14 @@ def paged_attention_triton(
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
     split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
     float32 scales. long_context: ``launch_policy.is_long_decode`` of the step: short ranges
-    take 128-position KV tiles, automatic splits go up to 128. fp8_dot: an FP8 cache's
-    products take e4m3 operands (the query tile rounded to e4m3, scaled by its largest
-    magnitude), no upcast (``triton_attention``'s ``FP8_DOT``). Returns out.
+    take 128-position KV tiles, automatic splits go up to 128. fp8_dot: an FP8 cache's two
+    products take e4m3 operands (:func:`_fp8_queries`; ``FP8_DOT``). Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
                                 num_kv_splits, work_items is not None)
     fp8, ks, vs = _kv_scales(k_cache, k_scale, v_scale)
-    if fp8_dot and not fp8:
-        raise ValueError(f"fp8_dot is for an FP8 cache, not {k_cache.dtype}")
-    q_in, q_scale = _fp8_queries(q) if fp8_dot else (q, query_start_loc)
+    q_in, q_scale = _fp8_queries(q, k_cache.dtype) if fp8_dot else (q, query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
     chunk_size, num_kv_heads, num_ranges = k_cache.shape[1], k_cache.shape[2], len(range_start_pos)
     if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
@@ -525,9 +522,8 @@ def paged_attention_triton(
         *v_cache.stride()[:3], block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32=_exact_dots(q),
-        SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8, FP8_DOT=fp8_dot,
-        num_warps=num_warps, num_stages=num_stages,
+        FP32=_exact_dots(q), SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
+        FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine(out, (ws_acc, ws_m, ws_l), query_start_loc, range_start_pos, span_t,
