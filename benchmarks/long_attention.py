@@ -1,7 +1,7 @@
 """Attention at long contexts: our paged kernel against the fastest torch SDPA backend.
 
     python benchmarks/long_attention.py [--contexts 32768,65536,131072]
-        [--kv-dtypes bf16,fp8[,fp8direct]] [--decode-batches 1,8,32 (empty: none)]
+        [--kv-dtypes bf16,fp8[,fp8direct][,fp8dot]] [--decode-batches 1,8,32 (empty: none)]
         [--out long_attention.json] [--plot long_attention.png]
 
 Llama-3.1-8B's attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 queries). Two
@@ -22,7 +22,8 @@ scales). FP8 launches take the path the runner would give them
 runner plans once per step): a prefill dequantizes the blocks it reads into a bf16 scratch
 (timed with it, as every layer pays it) and runs the 16-bit kernel; decodes read FP8
 directly. ``ours_fp8_path`` says which (``scratch`` or ``direct``). ``fp8direct`` in
-``--kv-dtypes`` times the FP8 cache through the direct kernel whatever the rule says.
+``--kv-dtypes`` times the FP8 cache through the direct kernel whatever the rule says;
+``fp8dot`` through the direct kernel with e4m3 operands in both products (``fp8_dot``).
 ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over contiguous bf16
 KV (the ideal layout, no gather counted), with a bottom-right causal mask for the chunk; each
 of the flash, cuDNN and memory-efficient backends is tried (GQA native where it runs, else KV
@@ -203,9 +204,10 @@ def _fp8_plan(ctx: int, q_len: int, tables: Any, elem_bytes: int) -> Any:
 
 
 def _ours(args: tuple[Any, ...], q_len: int, long: bool, scales: dict[str, Any],
-          plan: Any) -> Any:
-    """The timed call of our kernel: over the scratch of ``plan``, else directly. ``args``:
-    ``(q, k_cache, v_cache, block_tables, query_start_loc, range_start_pos, range_table)``."""
+          plan: Any, fp8_dot: bool = False) -> Any:
+    """The timed call of our kernel: over the scratch of ``plan``, else directly (``fp8_dot``:
+    e4m3 operands in both products). ``args``: ``(q, k_cache, v_cache, block_tables,
+    query_start_loc, range_start_pos, range_table)``."""
     from pensieve.kernels.fp8_scratch import paged_attention_fp8_scratch
     from pensieve.kernels.launch import paged_attention_triton
 
@@ -216,7 +218,8 @@ def _ours(args: tuple[Any, ...], q_len: int, long: bool, scales: dict[str, Any],
             return paged_attention_fp8_scratch(q, kc, vc, plan, qsl, start, D**-0.5, q_len,
                                                **scales)
         return paged_attention_triton(q, kc, vc, tables, qsl, start, rows, D**-0.5,
-                                      max_query_len=q_len, long_context=long, **scales)
+                                      max_query_len=q_len, long_context=long,
+                                      fp8_dot=fp8_dot, **scales)
     return ours
 
 
@@ -274,7 +277,7 @@ def case(ctx: int, q_len: int, batch: int, kv_dtypes: list[str], warmup: int,
                      scales.get("k_scale"), scales.get("v_scale"))
 
         ours = _ours((q, kc, vc, tables, qsl, start, rows), q_len, long, scales,
-                     plan if kv == "fp8" else None)
+                     plan if kv == "fp8" else None, fp8_dot=kv == "fp8dot")
         out = ours()
         err = (out.view(batch, q_len, H, D).permute(0, 2, 1, 3).float() - ref.float()).abs()
         res[f"ours_{kv}_s"] = _time(ours, warmup, iters)
@@ -344,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="query tokens of the prefill case")
     p.add_argument("--decode-batches", default="1,8,32", help="empty: no decode cases")
     p.add_argument("--kv-dtypes", default="bf16,fp8",
-                   help="bf16, fp8 (the runner's path), fp8direct (the direct FP8 kernel)")
+                   help="bf16, fp8 (the runner's path), fp8direct (the direct FP8 kernel), "
+                        "fp8dot (the direct kernel with e4m3 operands in both products)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true",

@@ -66,6 +66,9 @@ KV_BYTES_PER_TOKEN = 2 * SHAPE["num_layers"] * SHAPE["num_kv_heads"] * SHAPE["he
 """bf16 K+V of one token over all layers."""
 KV_DTYPE_BYTES = {"bf16": 2, "fp8_e4m3": 1}
 MAX_MODEL_LEN = 131072
+IDEAL_GPU_BLOCKS = 1_000_000
+"""The ideal's GPU tier (32M tokens): more than every conversation of a run holds, so no
+chunk is ever evicted, swapped or recomputed (``sim_ideal.py`` checks none was)."""
 RATES = {"coding-agent": "0.02,0.04,0.06,0.08,0.1",
          "agent-mix": "0.1,0.2,0.3,0.4,0.5"}
 
@@ -125,29 +128,38 @@ def engine(job: dict[str, Any]) -> tuple[Any, Any, dict[str, float | None] | Non
     if job["copy_gbps"]:
         transfer = dataclasses.replace(transfer, swap_in_gbps=job["copy_gbps"],
                                        swap_out_gbps=job["copy_gbps"])
+    gpu_blocks = int(job["gpu_gb"] * 2**30 // block_bytes)
+    cpu_blocks = int(job["cpu_gb"] * 2**30 // block_bytes)
+    step_time = None
+    if policy == "ideal":  # the bound (pensieve.sim.ideal): a GPU tier nothing leaves
+        from pensieve.sim.ideal import ForwardRates, IdealStepTime
+
+        step_time = IdealStepTime(ForwardRates(**job["ideal_rates"]))
+        gpu_blocks, cpu_blocks, policy, transfer = IDEAL_GPU_BLOCKS, 0, "gpu-only", None
     clock = VirtualClock()
     eng = SimEngine(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256,
                                     max_model_len=MAX_MODEL_LEN),
-                    int(job["gpu_gb"] * 2**30 // block_bytes),
-                    int(job["cpu_gb"] * 2**30 // block_bytes),
+                    gpu_blocks, cpu_blocks,
                     StepCostModel.from_dict(job["cost"]), clock,
                     CostModel.analytic(**SHAPE, chunk_size=CHUNK), chunk_size=CHUNK,
                     cache_policy=policy, block_bytes=block_bytes, transfer=transfer,
-                    share_prefixes=False)  # as the studies in the docs ran
+                    share_prefixes=False,  # as the studies in the docs ran
+                    step_time=step_time)
     return eng, clock, next_think_s
 
 
 def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     """One simulated point: the window's summary plus the run's recomputation totals."""
-    from pensieve.bench.loadgen import run_load
+    from pensieve.bench.loadgen import WarmStart, run_load
     from pensieve.bench.run_metrics import summarize, window
 
     t0 = time.time()
     eng, clock, next_think_s = engine(job)
     convs = conversations(job["workload"], job["seed"], job["scale"])
+    warm = WarmStart(s_per_output_token=job["warm_start"]) if job.get("warm_start") else None
     res = run_load(eng, clock, convs, job["rate"], job["think"], job["duration"], 32000,
                    seed=job["seed"], drain_s=job["drain"], sample_interval_s=1.0,
-                   next_think_s=next_think_s)
+                   next_think_s=next_think_s, warm_start=warm)
     p = {"workload": job["workload"], "system": job["system"], "conv_rate": job["rate"],
          "kv_dtype": job["kv_dtype"],
          "unfinished": res.unfinished, **summarize(res, job["warmup"])}
@@ -164,8 +176,26 @@ def sim_point(job: dict[str, Any]) -> dict[str, Any]:
     p["new_prompt_tokens"] = sum(r.cache.get("new_prompt_tokens", 0) for r in done)
     p["swap_in_chunks"] = eng.executor.swap_in_chunks
     p["swap_out_chunks"] = eng.executor.swap_out_chunks
+    p["steps"] = step_totals(eng.executor, res)
     p["sim_wall_s"] = round(time.time() - t0, 1)
     return p
+
+
+def step_totals(executor: Any, res: Any) -> dict[str, float]:
+    """The whole run's steps summed (warm-up and drain included): simulated busy seconds,
+    of which copy waits, and each step feature (``StepFeatures``), with the turns finished,
+    so that a report can split a turn's GPU time by what it went to."""
+    out: dict[str, float] = {"num_steps": len(executor.step_log),
+                             "busy_s": executor.busy_time_s,
+                             "exposed_copy_s": executor.exposed_copy_s,
+                             "turns_finished": sum(1 for r in res.records
+                                                   if r.finished is not None)}
+    for f, _dt in executor.step_log:
+        for k in ("num_prefill_tokens", "num_decode_tokens", "num_requests", "attn_pairs",
+                  "kv_read_tokens"):
+            out[k] = out.get(k, 0.0) + getattr(f, k)
+        out["prefill_steps"] = out.get("prefill_steps", 0) + (f.num_prefill_tokens > 0)
+    return out
 
 
 def capacities(points: list[dict[str, Any]], targets: list[float]) -> dict[str, Any]:

@@ -6,7 +6,8 @@
 #              TRITON_CACHE_DIR (the llama3.1-8b shape, bf16 and FP8 KV), so the servers of the
 #              agent stage start without compiling them;
 #   attention  benchmarks/long_attention.py at 32k / 64k / 128k, bf16 and FP8 KV, prefill and
-#              decode (ATTN_BATCHES), eager and as CUDA-graph replays;
+#              decode (ATTN_BATCHES), eager and as CUDA-graph replays, one run per context,
+#              then the FP8 prefill with e4m3 operands in both products (fp8dot) apart;
 #   agent      two serving points, coding-agent over HTTP with --warm-start
 #              (benchmarks/agent_points.sh): pensieve FP8 KV at FP8_RATE and pensieve bf16 at
 #              BF16_RATE sessions/s, each cut to its share of the time left;
@@ -18,14 +19,14 @@
 # .triton_cache too when there is one):
 #   bash scripts/gpu_acceptance.sh
 # Env: STAGES ("tests attention agent steps"), BUDGET_S (540: the whole script; each stage's
-# cap is cut to what is left), TESTS_S (200), ATTN_S (90), ATTN_CONTEXTS
+# cap is cut to what is left), TESTS_S (200), ATTN_S (120: shared by the runs), ATTN_CONTEXTS
 # (32768,65536,131072), ATTN_BATCHES (1,32), ATTN_ITERS (5), FP8_RATE (0.14), BF16_RATE
 # (0.07), WARMUP (30), WINDOW (120), DRAIN (10), MIN_WINDOW (30), WARM_START (0.05), MODEL (llama3.1-8b),
 # MAX_MODEL_LEN (131072), DEVICE (auto; cpu for a dry run), TRITON_BACK (0; 1: bring the Triton
 # cache back as triton_cache.tgz), and agent_points.sh's / churn_points.sh's.
-# At the defaults the agent points get what the tests and the sweep leave (~120 s each,
-# windows of ~40-60 s): enough to see P90 TTFT, short of the 200-300 s windows of a point
-# alone. STAGES=agent alone gives each point ~260 s.
+# At the defaults the agent points get what the tests and the sweep leave (~100 s each,
+# windows of ~30-60 s): enough to see P90 TTFT, short of the 200-300 s windows of a point
+# alone. STAGES="agent steps" alone gives each point ~260 s.
 # CPU dry run (no GPU: the tests deselect, the sweep refuses, a demo server serves):
 #   OUT=/tmp/acc DEVICE=cpu MODEL=demo DTYPE=auto GPU_KV_GB=0.004 CPU_KV_GB=0.008 \
 #   MAX_MODEL_LEN=2048 THINK=1 WARMUP=10 WINDOW=20 FP8_RATE=0.3 BF16_RATE=0.3 BUDGET_S=240 \
@@ -59,7 +60,7 @@ stage() {
   local l; l=$(left)
   [ "$cap" -gt "$l" ] && cap=$l
   if [ "$cap" -lt "$min" ]; then
-    say "stage $name skipped: ${l} s left, it needs ${min} s"
+    say "stage $name skipped: a cap of ${cap} s (${l} s left), it needs ${min} s"
     echo "stage $name rc=skipped s=0" | tee -a "$log" >&3; return 0
   fi
   say "stage $name: up to $cap s"
@@ -122,13 +123,25 @@ fi
 
 # ------------------------------------------------------------------ attention
 if [[ $stages == *" attention "* ]]; then
-  a_log=$(mktemp)  # its rows into acceptance.txt, not tqdm's progress bar
-  stage attention "${ATTN_S:-90}" 30 "$py" benchmarks/long_attention.py \
-    --contexts "${ATTN_CONTEXTS:-32768,65536,131072}" --kv-dtypes bf16,fp8 \
-    --decode-batches "${ATTN_BATCHES:-1,32}" --cuda-graphs --warmup 2 \
-    --iters "${ATTN_ITERS:-5}" --out "$out/long_attention.json" > "$a_log" 2>&1
-  tr '\r' '\n' < "$a_log" | grep -v -e "^long-attention:" -e '^\s*$' | tee -a "$log"
-  rm -f "$a_log"
+  # one run per context (a hang or a crash costs that context only), then the FP8 prefill
+  # with e4m3 operands in both products (fp8dot) apart, merged into long_attention.json
+  a_dir=$(mktemp -d)
+  contexts=${ATTN_CONTEXTS:-32768,65536,131072}
+  a_s=${ATTN_S:-120}; n_runs=$(( $(wc -w <<< "${contexts//,/ }") + 1 ))
+  for ctx in ${contexts//,/ } fp8dot; do
+    if [ "$ctx" = fp8dot ]; then
+      run=(--contexts "$contexts" --kv-dtypes fp8dot --decode-batches "")
+    else
+      run=(--contexts "$ctx" --kv-dtypes bf16,fp8 --decode-batches "${ATTN_BATCHES:-1,32}")
+    fi
+    stage "attention $ctx" $(( a_s / n_runs )) 15 "$py" benchmarks/long_attention.py \
+      "${run[@]}" --cuda-graphs --warmup 2 --iters "${ATTN_ITERS:-5}" \
+      --out "$a_dir/la_$ctx.json" > "$a_dir/log" 2>&1
+    tr '\r' '\n' < "$a_dir/log" | grep -v -e "^long-attention:" -e '^\s*$' | tee -a "$log"
+  done
+  "$py" scripts/gpu_acceptance_docs.py --merge-attention "$out/long_attention.json" \
+    "$a_dir"/la_*.json 2>&1 | tee -a "$log"
+  rm -rf "$a_dir"
 fi
 
 # ------------------------------------------------------------------ agent

@@ -2,6 +2,7 @@
 
     python scripts/gpu_acceptance_docs.py OUT_DIR [--plot docs/results/acceptance/NAME.png]
         [--md PATH] [--update-doc docs/benchmarks.md]
+    python scripts/gpu_acceptance_docs.py --merge-attention OUT.json IN.json ...
 
 Reads what the script leaves in ``OUT_DIR`` (each file optional; a stage that did not run has
 no section):
@@ -73,20 +74,48 @@ def _x(v: Any) -> str:
     return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
 
 
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
 def attention_table(rows: list[dict[str, Any]], card: str) -> list[str]:
     """One markdown row per case: SDPA and ours in ms (graph replays where timed, else eager),
-    ours / SDPA for bf16 and FP8, and FP8 / bf16."""
+    ours / SDPA for bf16 and FP8, FP8 / bf16, and the FP8 prefill with e4m3 operands in both
+    products (``fp8dot``) over bf16 where it was timed."""
     out = [f"Attention, llama3.1-8b shape, {card} (ms; CUDA-graph replays where timed):", "",
            "| context | case | SDPA | ours bf16 | ours FP8 | bf16 / SDPA | FP8 / SDPA "
-           "| FP8 / bf16 |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| FP8 / bf16 | FP8 e4m3 dots / bf16 |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         g = "_graph" if "sdpa_graph_s" in r else ""
         sdpa, bf, fp = r.get(f"sdpa{g}_s"), r.get(f"ours_bf16{g}_s"), r.get(f"ours_fp8{g}_s")
+        dot = r.get(f"ours_fp8dot{g}_s")
         case = (f"prefill {r['query_len']}" if r["query_len"] > 1 else f"decode x{r['batch']}")
-        ratio = (lambda a, b: a / b if isinstance(a, (int, float)) and b else None)
         out.append(f"| {r['context'] // 1024}k | {case} | {_ms(sdpa)} | {_ms(bf)} | {_ms(fp)} | "
-                   f"{_x(ratio(bf, sdpa))} | {_x(ratio(fp, sdpa))} | {_x(ratio(fp, bf))} |")
+                   f"{_x(_ratio(bf, sdpa))} | {_x(_ratio(fp, sdpa))} | {_x(_ratio(fp, bf))} | "
+                   f"{_x(_ratio(dot, bf))} |")
     return out
+
+
+def merge_attention(paths: list[Path]) -> dict[str, Any] | None:
+    """``long_attention.py`` JSONs of separate runs as one (the first one's header): rows in
+    order, the ``fp8dot`` fields of a run of that alone folded into the matching row
+    (context, query_len, batch) of another. None without any."""
+    docs = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not docs:
+        return None
+    rows = [r for d in docs for r in d["rows"] if "ours_bf16_s" in r or "ours_fp8_s" in r]
+    for d in docs:
+        for r in d["rows"]:
+            if r in rows:
+                continue
+            key = (r["context"], r["query_len"], r["batch"])
+            same = [x for x in rows if (x["context"], x["query_len"], x["batch"]) == key]
+            if same:
+                same[0].update({k: v for k, v in r.items() if "fp8dot" in k})
+            else:
+                rows.append(r)
+    return {**docs[0], "rows": rows}
 
 
 def point_label(p: dict[str, Any]) -> str:
@@ -122,12 +151,16 @@ def agent_table(points: list[dict[str, Any]], card: str) -> list[str]:
 
 
 def steps_table(totals: dict[str, dict[str, float]], card: str) -> list[str]:
-    """The servers' own step accounting (benchmarks/step_totals.py), one row per server."""
+    """The servers' own step accounting (benchmarks/step_totals.py), one row per server (its
+    ``/metrics`` counters where it saved them, else its step log)."""
     out = [f"Server step totals, {card} (`benchmarks/step_totals.py`, whole runs):", "",
            "| server | us / prefill token (net of decodes) | prefill step ms (host prepare) "
            "| decode step ms (host prepare) | scheduler ms / step | prefill graph share |",
            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    servers = {n.rsplit("/", 1)[0] for n in totals if n.endswith("metrics_end.txt")}
     for name, c in totals.items():
+        if name.rsplit("/", 1)[0] in servers and not name.endswith("metrics_end.txt"):
+            continue  # the server's own counters stand for its step log
         out.append(
             f"| {name} | {c['us_per_prefill_token']:.1f} ({c['us_per_prefill_token_net']:.1f}) "
             f"| {c['prefill_step_ms']:.1f} ({c.get('prefill_host_prepare_ms', 0.0):.1f}) "
@@ -231,6 +264,16 @@ def update_doc(doc: Path, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--merge-attention"]:  # the acceptance script's: OUT.json IN.json...
+        if len(argv) < 2:
+            raise SystemExit("--merge-attention OUT.json IN.json ...")
+        merged = merge_attention([Path(p) for p in argv[2:]])
+        if merged is not None:
+            Path(argv[1]).write_text(json.dumps(merged, indent=1))
+            print(f"long_attention.json: {len(merged['rows'])} rows")
+        return 0
     ap = argparse.ArgumentParser(prog="scripts/gpu_acceptance_docs.py",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path, help="scripts/gpu_acceptance.sh's $OUT")

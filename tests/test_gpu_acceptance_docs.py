@@ -117,3 +117,27 @@ def test_acceptance_script_parses_and_runs_every_stage() -> None:
     for part in ("gpu_tests.sh", "long_attention.py", "agent_points.sh", "step_totals.py",
                  "nvidia-smi", "TRITON_CACHE_DIR", ".whl", "timeout"):
         assert part in text
+
+
+def test_merge_attention_folds_the_fp8dot_run_in(tmp_path: Path) -> None:
+    """The acceptance script runs each context apart and the FP8 e4m3-dot prefill apart; the
+    merge keeps every row once and puts the fp8dot fields into the matching prefill row."""
+    mod = _docs()
+    rows = json.loads((ROOT / "docs/results/long_context/long_attention_graphs.json")
+                      .read_text())["rows"]
+    a = {"device": "x", "rows": [rows[0], rows[3]]}  # 32k: prefill, decode x1
+    dot = {"device": "x", "rows": [{"context": 32768, "query_len": 2048, "batch": 1,
+                                    "sdpa_graph_s": 0.003, "ours_fp8dot_s": 0.0031,
+                                    "ours_fp8dot_graph_s": 0.0030}]}
+    for name, d in (("la_32768.json", a), ("la_fp8dot.json", dot)):
+        (tmp_path / name).write_text(json.dumps(d))
+    out = tmp_path / "long_attention.json"
+    assert mod.main(["--merge-attention", str(out), str(tmp_path / "la_32768.json"),
+                     str(tmp_path / "la_fp8dot.json")]) == 0
+    merged = json.loads(out.read_text())["rows"]
+    assert len(merged) == 2 and merged[0]["ours_fp8dot_graph_s"] == 0.0030
+    assert "ours_fp8dot_s" not in merged[1]
+    table = "\n".join(mod.attention_table(merged, "H100"))
+    # 3.0 ms over ours bf16's 3.397 ms (graph replays)
+    assert "| 32k | prefill 2048 | 3.091 | 3.397 | 4.156 | 1.10x | 1.34x | 1.22x | 0.88x |" in table
+    assert "| 32k | decode x1 |" in table and table.rstrip().endswith("| - |")

@@ -536,13 +536,16 @@ def test_dispatch_through_pensieve_kernels(monkeypatch: pytest.MonkeyPatch) -> N
     assert_close(got.view_as(b.q), ref, BF16)
 
 
-def test_compile_attention_kernels_runs_every_tile_choice() -> None:
-    """The serving warm-up runs each tile shape the launcher can pick, split and unsplit."""
+def test_compile_attention_kernels_runs_its_plan() -> None:
+    """The serving warm-up runs each variant of its plan: tiles the launcher can pick, split
+    and unsplit, decode tiles also split by span."""
     tiles = launch.attention_tile_choices(32, HAS_CUDA)
-    assert launch._attention_tiles(1, 1, 32, HAS_CUDA) in tiles
-    assert launch._attention_tiles(4096, 4096, 32, HAS_CUDA) in tiles
+    plan = launch.attention_warmup_plan(4, 2, 32, HAS_CUDA)
+    assert {t for t, _, _ in plan} <= tiles
+    assert (launch._attention_tiles(2, 2, 32, HAS_CUDA), 2, True) in plan  # a decode's
+    assert (launch._attention_tiles(4096, 4096, 32, HAS_CUDA), 2, False) in plan
     n = launch.compile_attention_kernels(4, 2, 32, 16, F32, torch.device(DEVICE))
-    assert n == 3 * len(tiles)
+    assert n == len(plan)
 
 
 def test_split_count_beyond_the_combiner_raises() -> None:

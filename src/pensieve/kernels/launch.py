@@ -230,13 +230,38 @@ def work_items_for(query_lens: Sequence[int] | np.ndarray, group: int, block_m: 
     return items.astype(np.int32)
 
 
+def attention_warmup_plan(num_heads: int, num_kv_heads: int, head_dim: int, is_cuda: bool,
+                          spans: bool = True) -> list[tuple[tuple[int, int, int, int], int, bool]]:
+    """``(tiles, num_kv_splits, by span)`` of each attention variant an eager step can launch
+    for this shape (what :func:`compile_attention_kernels` compiles):
+
+    - a decode launch (``max_query_len`` 1: ``group`` rows) takes the decode tiles, short or
+      long context, unsplit, split, or split by span (the only launches outside the CUDA
+      graphs' work items that split by span, ``_check_span``);
+    - a launch with a prefill range (``max_query_len`` >= 2: more rows, never long context,
+      which is a decode launch's class) takes the tiles of its rows, unsplit or split.
+
+    Tiles no launch of this shape picks (e.g. long-context tiles of 32 or 64 rows where a
+    decode has 4) are left out. ``spans`` False: no span variants (a 16-bit scratch of an FP8
+    cache serves no decode launch)."""
+    group = num_heads // num_kv_heads
+    decode = {_attention_tiles(group, group, head_dim, is_cuda, long) for long in (False, True)}
+    rows = sorted({q * group for q in range(2, 65)} | {2**i for i in range(17) if 2**i > group})
+    other = {_attention_tiles(r, m, head_dim, is_cuda) for r in rows
+             for m in (group, 64, 128, r) if group <= m <= r}
+    plan = [(t, s, False) for t in sorted(decode | other) for s in (1, 2)]
+    return plan + [(t, 2, True) for t in sorted(decode)] if spans else plan
+
+
 def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
                               chunk_size: int, dtype: torch.dtype,
-                              device: torch.device, kv_dtype: torch.dtype | None = None) -> int:
-    """Compile, before serving, every attention kernel variant the launcher can choose (each
-    tile shape, split and unsplit, split by span, and the split combiners) by running each
-    once on a one-token problem. Otherwise Triton compiles a variant the first time a step
-    needs it, stalling that step for about a second. Returns the number of variants run."""
+                              device: torch.device, kv_dtype: torch.dtype | None = None,
+                              is_cuda: bool | None = None, spans: bool = True) -> int:
+    """Compile, before serving, the attention kernel variants a step of this shape can launch
+    (:func:`attention_warmup_plan`; the split combiners with them) by running each once on a
+    one-token problem. Otherwise Triton compiles a variant the first time a step needs it,
+    stalling that step for about a second. ``is_cuda``: whose tile choices (None: the
+    device's). Returns the number of variants run."""
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, chunk_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype,
                         device=device)
@@ -247,13 +272,14 @@ def compile_attention_kernels(num_heads: int, num_kv_heads: int, head_dim: int,
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     args = (q, cache, cache, zero.view(1, 1), qsl, zero, zero, head_dim**-0.5)
     span = torch.full((1,), chunk_size, dtype=torch.int32, device=device)
-    n = 0
-    for tiles in sorted(attention_tile_choices(head_dim, device.type == "cuda")):
-        for splits, kv_split_span in ((1, None), (2, None), (2, span)):
-            paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
-                                   kv_split_span=kv_split_span, k_scale=one, v_scale=one)
-            n += 1
-    return n
+    if is_cuda is None:
+        is_cuda = device.type == "cuda"
+    plan = attention_warmup_plan(num_heads, num_kv_heads, head_dim, is_cuda, spans)
+    for tiles, splits, by_span in plan:
+        paged_attention_triton(*args, max_query_len=1, num_kv_splits=splits, tiles=tiles,
+                               kv_split_span=span if by_span else None, k_scale=one,
+                               v_scale=one)
+    return len(plan)
 
 
 def attention_choice(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -413,6 +439,17 @@ def _exact_dots(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
 
 
+def _fp8_queries(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_dot``'s queries: ``q`` ``[T, H, D]`` as e4m3 ``[T, H, D]``, each (token, head)
+    row divided by its scale ``[T, H]`` float32 (its largest magnitude over 448, so that the
+    row spans e4m3's range). Raises ValueError unless the cache is FP8."""
+    if cache_dtype != FP8_KV:
+        raise ValueError(f"fp8_dot is for an FP8 cache, not {cache_dtype}")
+    q32 = q.float()
+    scale = (q32.abs().amax(-1) / 448.0).clamp_min(1e-30)
+    return (q32 / scale[..., None]).to(FP8_KV), scale.contiguous()
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -430,9 +467,8 @@ def paged_attention_triton(
     work_items: torch.Tensor | None = None,
     num_work_items: torch.Tensor | None = None,
     kv_split_span: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    long_context: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    long_context: bool = False, fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged query ranges over the paged KV cache.
 
@@ -456,12 +492,14 @@ def paged_attention_triton(
     kv_split_span: decode or work items, with splits: ``[1]`` int32, the fewest positions a
     split covers (``launch_policy``). k_scale, v_scale: an FP8 cache's ``[num_kv_heads]``
     float32 scales. long_context: ``launch_policy.is_long_decode`` of the step: short ranges
-    take 128-position KV tiles, automatic splits go up to 128. Returns out.
+    take 128-position KV tiles, automatic splits go up to 128. fp8_dot: an FP8 cache's two
+    products take e4m3 operands (:func:`_fp8_queries`; ``FP8_DOT``). Returns out.
     """
     out = _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc,
                                 range_start_pos, range_table, scale, max_query_len, out,
                                 num_kv_splits, work_items is not None)
     fp8, ks, vs = _kv_scales(k_cache, k_scale, v_scale)
+    q_in, q_scale = _fp8_queries(q, k_cache.dtype) if fp8_dot else (q, query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
     chunk_size, num_kv_heads, num_ranges = k_cache.shape[1], k_cache.shape[2], len(range_start_pos)
     if num_tokens == 0 or num_ranges == 0 or max_query_len == 0:
@@ -478,15 +516,14 @@ def paged_attention_triton(
     work, num_work = (work_items, num_work_items) if worklist else (unused, unused)
     span_t = kv_split_span if span else unused
     _k._paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos, range_table,
-        ks, vs, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+        q_in, k_cache, v_cache, out, block_tables, query_start_loc, range_start_pos,
+        range_table, ks, vs, q_scale, float(scale) * _LOG2E,
+        q_in.stride(0), q_in.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], block_tables.stride(0),
         ws_acc, ws_m, ws_l, num_heads, splits, work, num_work, span_t,
         GROUP=group, CHUNK_SIZE=chunk_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32=_exact_dots(q),
-        SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        FP32=_exact_dots(q), SPLIT=splits > 1, WORKLIST=worklist, SPAN=span, KV_FP8=fp8,
+        FP8_DOT=fp8_dot, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine(out, (ws_acc, ws_m, ws_l), query_start_loc, range_start_pos, span_t,

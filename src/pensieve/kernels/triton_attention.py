@@ -43,6 +43,9 @@ import triton.language as tl
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)
 """Largest finite float8 e4m3fn value: FP8 KV is saturated to it."""
+P_SCALE: tl.constexpr = tl.constexpr(256.0)
+"""``FP8_DOT``: the probabilities (in [0, 1]) times this before their e4m3 rounding, so that
+small ones keep their mantissa instead of falling among e4m3's subnormals."""
 
 
 @triton.jit
@@ -112,6 +115,7 @@ def _attn_kv_tile(
     m_i,
     l_i,
     q,
+    q_row_scale,
     q_pos,
     start_n,
     kv_len,
@@ -131,8 +135,12 @@ def _attn_kv_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     FP32: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
-    """Fold KV positions ``start_n .. start_n + BLOCK_N - 1`` into the running softmax."""
+    """Fold KV positions ``start_n .. start_n + BLOCK_N - 1`` into the running softmax.
+    ``FP8_DOT``: ``q`` and the cache's tiles are e4m3 and both products take them as they
+    are (``q_row_scale`` ``[BLOCK_M]`` scales each row's scores back; ``P_SCALE`` times the
+    probabilities rounded to e4m3 for the second product)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -150,7 +158,10 @@ def _attn_kv_tile(
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :])
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :])
 
-    if FP32:
+    if FP8_DOT:
+        # e4m3 x e4m3 -> fp32 (Hopper: wgmma with FP8 inputs)
+        s = tl.dot(q, tl.trans(k)) * q_row_scale[:, None]
+    elif FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -168,7 +179,9 @@ def _attn_kv_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if FP32:
+    if FP8_DOT:  # p in [0, 1] scaled up so that small probabilities keep e4m3's mantissa
+        acc += tl.dot((p * P_SCALE).to(v.dtype), v) * (1.0 / P_SCALE)
+    elif FP32:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -187,6 +200,7 @@ def _paged_attention_kernel(
     range_table_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    q_scale_ptr,
     scale_log2,
     stride_q_t,
     stride_q_h,
@@ -217,12 +231,16 @@ def _paged_attention_kernel(
     WORKLIST: tl.constexpr,
     SPAN: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr = False,
 ):
     """Causal attention of one (range, row tile, KV head); rows = query tokens x group heads.
 
     With ``KV_FP8`` the cache holds float8 e4m3 values of ``K / k_scale``, ``V / v_scale``
     per KV head: the K scale folds into the softmax scale and the V scale multiplies the
-    (partial) output, so the tiles are only upcast.
+    (partial) output, so the tiles are only upcast. With ``FP8_DOT`` they are not even
+    upcast: ``q_ptr`` holds e4m3 queries, each (token, head) row divided by its scale
+    ``q_scale_ptr[token * num_heads + head]`` (float32), and both products take e4m3
+    operands, the probabilities times ``P_SCALE`` for the second (issue 59's prefill path).
 
     With ``SPLIT`` program ``(r, tile * num_splits + split, kv_head)`` covers only the
     ``split``-th of ``num_splits`` equal, ``BLOCK_N``-aligned parts of the tile's KV range
@@ -300,7 +318,10 @@ def _paged_attention_kernel(
         mask=row_valid[:, None],
         other=0.0,
     )
-    if FP32:
+    q_row_scale = tl.zeros([BLOCK_M], dtype=tl.float32)  # read only with FP8_DOT
+    if FP8_DOT:  # q is e4m3 already, each (token, head) row over its own scale
+        q_row_scale = tl.load(q_scale_ptr + tok * num_heads + head, mask=row_valid, other=0.0)
+    elif FP32:
         q = q.to(tl.float32)
     elif KV_FP8:
         # e4m3 -> fp16 is one conversion per two elements on Hopper (bf16 takes several), so
@@ -318,15 +339,15 @@ def _paged_attention_kernel(
 
     for start_n in range(kv_lo, tl.minimum(full_end, kv_hi), BLOCK_N):
         acc, m_i, l_i = _attn_kv_tile(
-            acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
-            kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
-            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32,
+            acc, m_i, l_i, q, q_row_scale, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr,
+            table_ptr, kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
+            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, False, FP32, FP8_DOT,
         )
     for start_n in range(tl.maximum(full_end, kv_lo), kv_hi, BLOCK_N):
         acc, m_i, l_i = _attn_kv_tile(
-            acc, m_i, l_i, q, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr, table_ptr,
-            kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
-            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32,
+            acc, m_i, l_i, q, q_row_scale, q_pos, start_n, kv_len, k_cache_ptr, v_cache_ptr,
+            table_ptr, kv_head, stride_kc_b, stride_kc_c, stride_kc_h, stride_vc_b, stride_vc_c,
+            stride_vc_h, scale_log2, CHUNK_SIZE, HEAD_DIM, BLOCK_N, True, FP32, FP8_DOT,
         )
 
     o_ptrs = (out_ptr + tok[:, None] * stride_o_t + head[:, None].to(tl.int64) * stride_o_h

@@ -178,7 +178,7 @@ class ModelRunner:
             n += compile_fp8_scratch(attn.num_kv_heads, attn.head_dim, self.chunk_size, dtype,
                                      self.device)
             n += compile_attention_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                           self.chunk_size, dtype, self.device)
+                                           self.chunk_size, dtype, self.device, spans=False)
         log.info("compiled %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     def capture_graphs(self, decode_shape: tuple[int, int] | None,

@@ -145,8 +145,12 @@ class SimExecutor:
 
     def __init__(self, tiers: TierSizes, step_cost: StepCostModel, clock: SimClock,
                  sample_token_id: int = 0,
-                 transfer: TransferModel | None = DEFAULT_TRANSFER) -> None:
+                 transfer: TransferModel | None = DEFAULT_TRANSFER,
+                 step_time: Callable[[SchedulerOutput], float] | None = None) -> None:
         self._tiers = tiers
+        self.step_time = step_time
+        """Seconds of a step from its schedule, in place of ``step_cost`` and the copies (the
+        ideal bound, :class:`~pensieve.sim.ideal.IdealStepTime`; None: the step-cost model)."""
         self.clock = clock
         self.step_cost = step_cost
         self.sample_token_id = sample_token_id
@@ -208,7 +212,9 @@ class SimExecutor:
         compute = self.step_cost.compute_time(feats)
         in_flight = 0
         done_at: float | None = None
-        if self.transfers is None:
+        if self.step_time is not None:  # the ideal: no copy waits, no host time
+            compute = dt = self.step_time(sched)
+        elif self.transfers is None:
             dt = self.step_cost.predict(feats)
         else:
             n = sched.num_scheduled_tokens
@@ -279,6 +285,7 @@ class SimEngine(EngineCore):
         disk_write_gbps: float = SIM_DISK_WRITE_GBPS,
         disk_prefetch: str = "worth-reading",
         disk_wait: str = "running",
+        step_time: Callable[[SchedulerOutput], float] | None = None,
     ) -> None:
         """``chunk_cost``: the retention value's Cost(l) (a :class:`CostModel`, whose chunk
         size must match, or any function of the context length). ``cache_policy``: a policy
@@ -298,7 +305,9 @@ class SimEngine(EngineCore):
         :data:`~pensieve.sim.disk.SIM_DISK_READ_GBPS`, and ``disk_write_gbps``;
         ``disk_prefetch``: which files a turn reads, ``"worth-reading"`` as the engine, or
         the what-if ``"all"``; ``disk_wait``: when a step waits for reads, ``"running"`` as
-        the engine, or the what-if ``"always"``)."""
+        the engine, or the what-if ``"always"``). ``step_time``: seconds of a step from its
+        schedule, replacing ``step_cost`` and the copy model (the ideal bound,
+        :mod:`pensieve.sim.ideal`)."""
         if isinstance(chunk_cost, CostModel) and chunk_cost.chunk_size != chunk_size:
             raise ValueError(f"cost model is for chunk_size {chunk_cost.chunk_size}, the "
                              f"simulator uses {chunk_size}")
@@ -323,7 +332,7 @@ class SimEngine(EngineCore):
                          else "pensieve")
         cache = build_cache(tiers, chunk_cost, cc, policy=policy, swap_chunk_s=self.swap_chunk_s,
                             disk=self.sim_disk.index if self.sim_disk is not None else None)
-        executor = SimExecutor(tiers, step_cost, clock, sample_token_id, transfer)
+        executor = SimExecutor(tiers, step_cost, clock, sample_token_id, transfer, step_time)
         executor.cache = cache
         super().__init__(Scheduler(scheduler_config, cache), executor, clock=clock.now,
                          eos_token_ids=tuple(eos_token_ids), vocab_size=vocab_size,
