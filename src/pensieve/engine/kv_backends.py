@@ -95,14 +95,14 @@ class LocalDirBackend:
         out: list[OSError | None] = []
         for name, head, payload in values:
             try:
-                disk_files.write_atomic(self.file(name), head, payload, self._tmp_suffix())
+                self._write(self.file(name), head, payload)
                 out.append(None)
             except OSError as e:
                 out.append(e)
         return out
 
-    def _tmp_suffix(self) -> str:
-        return disk_files.TMP_SUFFIX
+    def _write(self, path: str, head: bytes, payload: memoryview) -> None:
+        disk_files.write_atomic(path, head, payload)
 
     def contains(self, names: list[str]) -> list[bool]:
         return [os.path.exists(self.file(n)) for n in names]
@@ -153,5 +153,7 @@ class SharedDirBackend(LocalDirBackend):
         except ValueError:
             self.writable = False
 
-    def _tmp_suffix(self) -> str:
-        return f".{os.getpid()}.{threading.get_ident()}{disk_files.TMP_SUFFIX}"
+    def _write(self, path: str, head: bytes, payload: memoryview) -> None:
+        """Through a temporary name of this writer's own (pid and thread)."""
+        disk_files.write_atomic(path, head, payload,
+                                f".{os.getpid()}.{threading.get_ident()}{disk_files.TMP_SUFFIX}")
