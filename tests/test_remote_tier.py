@@ -46,9 +46,14 @@ def cached(cache: dict) -> int:
     return cache["gpu_hit_tokens"] + cache["cpu_hit_tokens"] + cache["disk_hit_tokens"]
 
 
-def openings(n: int, tag: str) -> list[list[dict]]:
-    return [[{"role": "system", "content": f"You are assistant {tag}-{i}. Answer at length "
-              "about lighthouses, islands, storms, ships and the people who keep the lights."}]
+LORE = ("Answer at length about lighthouses, islands, storms, ships and the people who keep "
+        "the lights. ")
+
+
+def openings(n: int, tag: str, repeat: int = 1) -> list[list[dict]]:
+    """``n`` conversations' opening (a system prompt of its own each, ``repeat`` times the
+    lore after its tag)."""
+    return [[{"role": "system", "content": f"You are assistant {tag}-{i}. " + LORE * repeat}]
             for i in range(n)]
 
 
