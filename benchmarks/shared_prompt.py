@@ -4,8 +4,9 @@ without the shared KV tier (``--kv-remote``).
 Starts ``--servers`` plain ``pensieve serve`` processes on this host (no Ray; the demo model on
 the CPU unless ``--model``/``--device`` say otherwise), each with a conversation store of its
 own, then sends ``--conversations`` new conversations, the i-th to server ``i % servers``,
-``--concurrency`` at a time: each is the one shared system prompt of about
-``--prompt-tokens`` tokens and a question of its own (one turn, ``--max-tokens`` answered).
+``--concurrency`` at a time (after the first ``--first-alone``, one by one): each is the one
+shared system prompt of about ``--prompt-tokens`` tokens and a question of its own (one turn,
+``--max-tokens`` answered).
 Reported per mode: the prefill tokens each server computed (``/metrics``,
 ``pensieve_computed_tokens_total{kind="prefill"}``), their total, the prompt's share of it
 (the total less the questions' own tokens, over the prompt's length: how many times the
@@ -124,9 +125,11 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path) -> dict[str, Any]:
             return int(r.json()["usage"]["prompt_tokens"])
 
         t0 = time.perf_counter()
+        first = [one(i) for i in range(args.first_alone)]  # before the others start
         with ThreadPoolExecutor(args.concurrency) as pool:
-            prompt_tokens = list(tqdm(pool.map(one, range(args.conversations)),
-                                      total=args.conversations, desc=mode))
+            prompt_tokens = first + list(tqdm(
+                pool.map(one, range(args.first_alone, args.conversations)),
+                total=args.conversations - args.first_alone, desc=mode))
         wall = time.perf_counter() - t0
         per = [s.metric('pensieve_computed_tokens_total{kind="prefill"}') - b
                for s, b in zip(servers, before)]
@@ -159,6 +162,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--first-alone", type=int, default=0,
+                   help="conversations answered one by one before the others start (1: the "
+                        "prompt is computed by one server before any other needs it)")
     p.add_argument("--modes", nargs="+", default=["none", "file", "redis"],
                    choices=["none", "file", "redis"])
     p.add_argument("--out", default=None, help="write the JSON result here")
@@ -169,6 +175,7 @@ def main() -> None:
             results.append(run_mode(args, mode, Path(d)))
     emit_result({"servers": args.servers, "conversations": args.conversations,
                  "prompt_tokens": args.prompt_tokens, "concurrency": args.concurrency,
+                 "first_alone": args.first_alone,
                  "max_tokens": args.max_tokens, "modes": results}, args.out)
 
 

@@ -148,9 +148,12 @@ class SharedDirBackend(LocalDirBackend):
             raise ValueError(f"--kv-remote {self.url}: {self.path} is not a readable "
                              "directory")
         self.writable = True
-        try:
-            disk_files.check_writable(self.path)
-        except ValueError:
+        probe = os.path.join(self.path, f".probe.{os.getpid()}{disk_files.TMP_SUFFIX}")
+        try:  # a name of this process's own: servers starting at once probe side by side
+            with open(probe, "wb") as f:
+                f.write(b"probe")
+            os.remove(probe)
+        except OSError:
             self.writable = False
 
     def _write(self, path: str, head: bytes, payload: memoryview) -> None:
