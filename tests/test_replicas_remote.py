@@ -3,7 +3,11 @@
 (history re-sent). After turn 1 the replica holding conversation 0 is killed: the
 conversations it held go on elsewhere, and their next turn has >= 90% of its context cached
 (read from Redis), its tokens those of an undisturbed run (a plain server, no Ray, no shared
-tier) turn for turn."""
+tier) turn for turn.
+
+Chunks of 16 and a system prompt of ~500 tokens: what the taking-over replica must compute
+(the history's last chunk, re-rendered with its end-of-turn text; the partial chunk, never
+written through; the new message) fits in 10% of the context."""
 
 from __future__ import annotations
 
@@ -26,9 +30,9 @@ from pensieve.replicas.serve import REPLICA_HEADER, build_application  # noqa: E
 from pensieve.server.main import add_serve_args  # noqa: E402
 
 CONVS, TURNS = 16, 4
-ENGINE = ["--chunk-size", "16", "--num-gpu-blocks", "256", "--num-cpu-blocks", "128",
+ENGINE = ["--chunk-size", "16", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "256",
           "--max-model-len", "1024", "--max-num-batched-tokens", "512"]
-LORE = "Speak of lighthouses, islands, storms, ships and keepers of the lights. " * 6
+LORE = "Speak of lighthouses, islands, storms, ships and keepers of the lights. " * 30
 
 
 def _args(store: str, remote: str) -> argparse.Namespace:
@@ -41,7 +45,9 @@ def _args(store: str, remote: str) -> argparse.Namespace:
 
 def _turns(url: str, histories: dict[int, list[dict]], turn: int) -> dict[int, tuple]:
     """Turn ``turn`` of each conversation (4 client threads): (answer, replica, cached
-    tokens, prompt tokens) by conversation; the histories grow by it."""
+    tokens, prompt tokens) by conversation; the histories grow by it. Cached: the usage's
+    ``pensieve.cache`` GPU, CPU and disk hits (chunks read from the shared tier count as disk
+    hits; the OpenAI ``cached_tokens`` counts GPU and CPU hits only)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
     def one(i: int) -> tuple:
@@ -52,8 +58,10 @@ def _turns(url: str, histories: dict[int, list[dict]], turn: int) -> dict[int, t
         r = raw.parse()
         text = r.choices[0].message.content
         msgs.append({"role": "assistant", "content": text})
+        c = (r.model_extra or {})["pensieve"]["cache"]
         return (text, raw.headers.get(REPLICA_HEADER, ""),
-                r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens)
+                c["gpu_hit_tokens"] + c["cpu_hit_tokens"] + c["disk_hit_tokens"],
+                r.usage.prompt_tokens)
 
     with ThreadPoolExecutor(4) as pool:
         return dict(zip(histories, pool.map(one, histories)))
@@ -88,6 +96,7 @@ def test_failover_reads_the_moved_conversations_kv_from_redis(tmp_path: Path) ->
         wait_for_replicas(url, 2)
         hist = _openings()
         got = [_turns(url, hist, t) for t in range(2)]
+        assert r.keys()  # the turns' chunks were written through
         victim = got[1][0][1]
         moved = [i for i in range(CONVS) if got[1][i][1] == victim]
         assert moved
