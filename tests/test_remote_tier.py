@@ -50,10 +50,12 @@ LORE = ("Answer at length about lighthouses, islands, storms, ships and the peop
         "the lights. ")
 
 
-def openings(n: int, tag: str, repeat: int = 1) -> list[list[dict]]:
-    """``n`` conversations' opening (a system prompt of its own each, ``repeat`` times the
-    lore after its tag)."""
-    return [[{"role": "system", "content": f"You are assistant {tag}-{i}. " + LORE * repeat}]
+def openings(n: int, tag: str, repeat: int = 1, shared: bool = False) -> list[list[dict]]:
+    """``n`` conversations' opening: a system prompt of its own each, ``repeat`` times the
+    lore after its tag (``shared``: the lore first, so its leading chunks are the same in
+    every conversation, as a common system prompt's)."""
+    return [[{"role": "system", "content": LORE * repeat + f"You are assistant {tag}-{i}."
+              if shared else f"You are assistant {tag}-{i}. " + LORE * repeat}]
             for i in range(n)]
 
 
@@ -73,12 +75,15 @@ def expected(fresh: Server, histories: list[list[dict]], question: str) -> list[
 
 
 def continue_on_second(tmp_path: Path, fresh: Server, remote: str) -> Server:
-    """Two turns of 3 conversations on server 1, the third on server 2 (both with ``remote``):
-    >= 90% cached, the fresh server's tokens; returns server 2 (running)."""
+    """Two turns of 3 conversations (a common system prompt) on server 1, the third on
+    server 2 (both with ``remote``): >= 90% cached, the fresh server's tokens; returns
+    server 2 (running)."""
     s1 = Server(tmp_path / "s1.db", run_cache(), *CHUNK, "--kv-remote", remote)
     s2 = Server(tmp_path / "s2.db", run_cache(), *CHUNK, "--kv-remote", remote)
     try:
-        hist = openings(3, "x")
+        # a common prompt: server 2 has it on the GPU once the first conversation is read
+        # back; the others' own history comes from the tier, their prompt from the GPU
+        hist = openings(3, "x", repeat=3, shared=True)
         chat(s1, hist, "Tell me about the lighthouse on the northern island.")
         chat(s1, hist, "Go on, what happened in the storm that winter?")
         s1.wait_idle()
