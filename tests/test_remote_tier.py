@@ -81,8 +81,11 @@ def continue_on_second(tmp_path: Path, fresh: Server, remote: str) -> Server:
     s1 = Server(tmp_path / "s1.db", run_cache(), *CHUNK, "--kv-remote", remote)
     s2 = Server(tmp_path / "s2.db", run_cache(), *CHUNK, "--kv-remote", remote)
     try:
-        # a common prompt: server 2 has it on the GPU once the first conversation is read
-        # back; the others' own history comes from the tier, their prompt from the GPU
+        # a common prompt, which server 2 computes first for a conversation of its own (no
+        # copy of it anywhere yet): when it takes server 1's conversations over, their
+        # prompt comes from its GPU, their own history from the tier
+        chat(s2, openings(1, "w", repeat=3, shared=True), "Hello, who are you?")
+        s2.wait_idle()
         hist = openings(3, "x", repeat=3, shared=True)
         chat(s1, hist, "Tell me about the lighthouse on the northern island.")
         chat(s1, hist, "Go on, what happened in the storm that winter?")
