@@ -30,6 +30,15 @@ are not on disk yet (a chunk shared by several conversations, or already on disk
 hash, is written once) and waits for the writer, so a restarted server with the same path and
 conversation store resumes them from disk. A write that fails (disk full, path gone) is
 logged and its chunk is simply dropped, as without a disk tier.
+
+Where the files lie is a :class:`~pensieve.engine.kv_backends.KVBackend`: the local
+directory (``--disk-kv-path``), and below it, with ``--kv-remote``, a store several servers
+share (:class:`~pensieve.engine.remote_tier.RemoteTier`: Redis / Valkey, or a shared
+directory). Its copies join the same index (``DiskEntry.remote``): a turn's remote lookup
+starts with its local reads (``prefetch``; the turn waits for it as for them) and its
+verified values are added, ready, by ``collect``; ``publish`` (after each step) writes the
+ended turns' full chunks through to the store. Without a local directory the spills go to
+the store.
 """
 
 from __future__ import annotations
