@@ -99,6 +99,9 @@ def continue_on_second(tmp_path: Path, fresh: Server, remote: str) -> Server:
         assert s2.metric("pensieve_remote_hit_tokens_total") == sum(c["disk_hit_tokens"]
                                                               for c in caches)
         assert s1.metric('pensieve_remote_chunks_total{direction="write"}') > 0
+    except BaseException:
+        s2.stop()
+        raise
     finally:
         s1.stop()
     return s2
