@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -56,9 +56,11 @@ def _free_port() -> int:
 class Server:
     def __init__(self, store: Path, cache_dir: Path, *extra: str, model: str = "demo",
                  new_session: bool = False, budget: int | None = 256,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None) -> None:
         """``budget``: ``--max-num-batched-tokens`` (None: the server's default); ``env``: more
-        environment variables for the server (e.g. ``PENSIEVE_STEP_LOG``)."""
+        environment variables for the server (e.g. ``PENSIEVE_STEP_LOG``); ``preexec``: run
+        in the server's process before it starts (e.g. a resource limit)."""
         if model == "demo" and Path(cache_dir) == run_cache():
             ensure_demo()
         self.port = _free_port()
@@ -72,7 +74,8 @@ class Server:
              "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
              "--log-level", "warning",
              *(() if budget is None else ("--max-num-batched-tokens", str(budget))), *extra],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session,
+            preexec_fn=preexec)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, Path(self.log.name).read_text()

@@ -130,8 +130,9 @@ ENGINE_CONFIG_READERS = {
     "pensieve.engine.tiers": "the sizing module: config, block bytes and free memory -> tiers",
     "pensieve.engine.kv_layout": "the KV layout: chunk size and KV dtype from CacheConfig, "
                                  "resolved once with the model's shape",
-    "pensieve.engine.disk_tier": "the disk tier below the CPU tier, sized and placed by the "
-                                 "cache config (disk_kv_gb, disk_kv_path, disk_read_gbps)",
+    "pensieve.engine.disk_build": "the tiers below the CPU tier, sized and placed by the "
+                                  "cache config (disk_kv_gb, disk_kv_path, disk_read_gbps, "
+                                  "kv_remote)",
     "pensieve.parallel.tp_executor": "an executor: TPExecutor",
     "pensieve.parallel.worker": "an executor: the tensor-parallel ranks behind TPExecutor",
     "pensieve.sim.simulator": "an executor: SimEngine.from_config sizes the simulated tiers "

@@ -151,6 +151,9 @@ class FakeDisk:
             self.files[e.name] = ((e.conversation_id, e.index, e.tokens, e.prefix_hash), tags)
             self.corrupt.discard(e.name)
 
+    def publish(self, cache: TieredKVCache, finished: object) -> None:
+        pass  # no shared store
+
     def close(self, cache: TieredKVCache | None) -> None:
         self.apply()
         if cache is not None:  # as DiskTier.close: every idle chunk not on disk yet

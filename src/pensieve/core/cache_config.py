@@ -96,6 +96,15 @@ class CacheConfig:
     disk_kv_path: str | None = None
     """Directory of the disk tier's files; kept across restarts (a restarted engine with the
     same path, model and layout resumes conversations from it)."""
+    kv_remote: str | None = None
+    """A KV store shared by several servers, below the local tiers: ``redis://host:port/db``
+    (Redis or Valkey) or ``file:///path`` (a directory they all read and write); none: no
+    shared tier. Each turn's full chunks are written through to it when the turn ends, and
+    a turn looks its chunks up there when added, so a server taking a conversation over (or a
+    prefix many conversations share) reads them instead of recomputing. A store that cannot
+    be reached is a logged warning: the server runs without it.
+
+    The I/O: :mod:`pensieve.engine.remote_tier`; the deployment: docs/remote_tier.md."""
     disk_read_gbps: float | None = None
     """The disk's read rate (GB/s) for reading a chunk back or recomputing it, whichever is
     sooner; none: measured on the reads on CUDA, always read on the CPU."""
@@ -129,6 +138,14 @@ class CacheConfig:
                              f"{self.defer_admission!r}")
         if self.disk_kv_gb is not None and self.disk_kv_gb > 0 and not self.disk_kv_path:
             raise ValueError("disk_kv_gb needs disk_kv_path (the directory of the disk tier)")
+        if self.kv_remote and not self.policy.uses_cpu_tier:
+            raise ValueError(f"the shared KV tier (kv_remote) lies below the CPU tier, and "
+                             f"cache_policy {self.cache_policy!r} keeps none: choose a policy "
+                             f"with a CPU tier or leave kv_remote out")
+        if self.kv_remote and not self.kv_remote.startswith(
+                ("redis://", "rediss://", "unix://", "valkey://", "file:///")):
+            raise ValueError(f"kv_remote must be redis://host:port/db or file:///path, got "
+                             f"{self.kv_remote!r}")
         if self.disk_kv_gb and not self.policy.uses_cpu_tier:
             raise ValueError(f"the disk tier lies below the CPU tier, and cache_policy "
                              f"{self.cache_policy!r} keeps none: choose a policy with a CPU "

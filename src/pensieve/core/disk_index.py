@@ -155,6 +155,9 @@ class DiskEntry:
     """Read and verified by the engine (its bytes wait in memory for the restore)."""
     holders: set[str] = field(default_factory=set)
     """Conversations whose dropped chunk ``index`` this copy is."""
+    remote: bool = False
+    """The copy lies in the shared store below the local disk (``--kv-remote``), found there
+    by a turn's lookup: read from there, and never deleted by this server (others use it)."""
 
     @property
     def name(self) -> str:

@@ -17,9 +17,12 @@ turn waited, or its bytes let go from memory since), or when no CPU block can be
 copy restored stays ready while the engine keeps its bytes (other turns of its salt may
 restore it too). The conversation then lets go of its copies (:meth:`DiskIndex.release`).
 
-A conversation that has no KV in the cache (a new one, or one after a restart: the history
-came back from the conversation store) first gets dropped chunks for the leading run of
-matching copies, so they are read back the same way::
+A conversation that has no KV in the cache (a new one, or one after a restart or on a server
+that takes it over: the history came back from the conversation store) first gets dropped
+chunks for the leading run of matching copies, so they are read back the same way; a chunk of
+the run that is not on disk but whose hash has a shared block on the GPU (a system prompt
+other conversations hold) continues the run, and admission takes it from the GPU
+(``find_shared``)::
 
     positions  0 ............. k*C | ........... num_tokens
                [on disk: read back ][computed: range from kv_end]
@@ -110,7 +113,8 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
     salt = req.share_salt
     disk.set_salt(cid, salt)
     full = request_hashes(req, conv, c, limit // c)[:limit // c]  # before the last token
-    end = 0
+    on_gpu = cache.share.by_hash if cache.share is not None else {}
+    end = kept = kept_end = 0
     for i in range(-(-limit // c)):
         entry = disk.get(cid, i)  # its partial last chunk (full in this turn's tokens)
         if entry is not None and entry.conversation_id:
@@ -119,13 +123,19 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
                 entry = None
         elif i < len(full):
             entry = disk.files.get(shared_name(full[i].hex()))
+            if (entry is None or not entry.ready) and full[i] in on_gpu:
+                end += c  # a shared block on the GPU (a common prompt): taken from there
+                conv.chunks.append(Chunk(Tier.DROPPED, -1))
+                continue
         if entry is None or not entry.ready:
             break
         end += entry.tokens  # on disk if its copy is the conversation's hold, else found
         conv.chunks.append(Chunk(Tier.DISK if disk.get(cid, i) is entry else Tier.DROPPED, -1))
+        kept, kept_end = len(conv.chunks), end
         if entry.tokens < c:
             break
-    conv.kv_end = end
+    del conv.chunks[kept:]  # GPU blocks after the last copy: shared as for any new turn
+    conv.kv_end = kept_end
     disk.release_from(cid, len(conv.chunks))  # computed by this turn
 
 

@@ -38,7 +38,7 @@ MAX_HEADER = 1 << 16
 def fingerprint(model: str, dtype: str, kv_dtype: str, chunk_size: int, num_layers: int,
                 num_kv_heads: int, head_dim: int, weights: str = "") -> str:
     """What must be equal for a file's KV to be usable by this engine: ``weights`` is a
-    digest of the weights and the model's config (``disk_tier.model_digest``), so that new
+    digest of the weights and the model's config (``disk_build.model_digest``), so that new
     weights under the same path never read the old KV."""
     return (f"model={model};dtype={dtype};kv_dtype={kv_dtype};chunk={chunk_size};"
             f"layers={num_layers};kv_heads={num_kv_heads};head_dim={head_dim};layout=L2CHD;"
@@ -145,10 +145,12 @@ def read_file(path: str, spare: ReadBuffer | None = None) -> memoryview:
     return view[:got]
 
 
-def write_atomic(path: str, head: bytes, payload: memoryview) -> None:
-    """Write ``head`` and ``payload`` to ``path`` through a temporary file and a rename (a
-    crash leaves the old file or none, never half of one under the name)."""
-    tmp = path + TMP_SUFFIX
+def write_atomic(path: str, head: bytes, payload: memoryview,
+                 tmp_suffix: str = ".tmp") -> None:
+    """Write ``head`` and ``payload`` to ``path`` through a temporary file (``path +
+    tmp_suffix``: a name of the writer's own where several write one directory) and a rename
+    (a crash leaves the old file or none, never half of one under the name)."""
+    tmp = path + tmp_suffix
     try:
         with open(tmp, "wb", buffering=0) as f:
             _write_all(f, memoryview(head))

@@ -30,38 +30,47 @@ are not on disk yet (a chunk shared by several conversations, or already on disk
 hash, is written once) and waits for the writer, so a restarted server with the same path and
 conversation store resumes them from disk. A write that fails (disk full, path gone) is
 logged and its chunk is simply dropped, as without a disk tier.
+
+Where the files lie is a :class:`~pensieve.engine.kv_backends.KVBackend`: the local
+directory (``--disk-kv-path``), and below it, with ``--kv-remote``, a store several servers
+share (:class:`~pensieve.engine.remote_tier.RemoteTier`: Redis / Valkey, or a shared
+directory). Its copies join the same index (``DiskEntry.remote``): a turn's remote lookup
+starts with its local reads (``prefetch``; the turn waits for it as for them) and its
+verified values are added, ready, by ``collect``; ``publish`` (after each step) writes the
+ended turns' full chunks through to the store. Without a local directory the spills go to
+the store.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
 import queue
-import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from pensieve.config import CacheConfig
 from pensieve.core.disk_index import (
     DiskEntry,
     DiskIndex,
     found_key,
-    require_cpu_tier,
+    shared_name,
     spill_idle,
 )
 from pensieve.core.disk_restore import worth_reading
 from pensieve.core.outputs import DiskPlan
+from pensieve.core.request import Request
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
 from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_out
+from pensieve.engine.kv_backends import KVBackend, LocalDirBackend
+from pensieve.engine.remote_tier import Found, RemoteTier
 
 log = logging.getLogger("pensieve")
 
@@ -84,22 +93,45 @@ READ_THREADS = 16
 readers against 3.63 GB/s with 4 (docs/performance.md, "Rerun on the H200 host after the
 read-path change"); a step's prefetches overlap, so their aggregate rate is what turns see."""
 
+PROBE_WAIT_S = 3.0
+"""Seconds a step with nothing else to run waits for a turn's remote lookup before the turn
+goes on without it (its chunks recomputed): a store that hangs costs this much, once."""
+
+REMOTE_INDEX_CHUNKS = 1 << 18
+"""Entries of the index when the shared store is the only tier below the CPU tier (no
+--disk-kv-path): chunks this server spilled there or found there that it keeps track of."""
+
+
+def is_shared_name(name: str) -> bool:
+    """Whether file ``name`` is a full chunk's (named by its hash, anyone's), not a partial
+    chunk's (named by conversation and index)."""
+    return "-" not in name
+
+
 SPARE_BYTES = 1 << 30
 """At most this many bytes of read buffers are kept for reuse (and at least 4 per reader)."""
 
 
 class DiskTier:
-    """Files of one directory, read into and written from the CPU tier's blocks."""
+    """Chunk files below the CPU tier: a local directory's, and a shared store's
+    (:mod:`pensieve.engine.remote_tier`), read into and written from the CPU tier's blocks."""
 
-    def __init__(self, path: str, capacity_chunks: int, chunk_size: int, fingerprint: str,
-                 cpu_caches: list[torch.Tensor], gpu_caches: list[torch.Tensor],
-                 read_gbps: float | None = None, measure: bool = True,
-                 read_threads: int = READ_THREADS) -> None:
-        """``cpu_caches`` / ``gpu_caches``: per layer ``[2, num_blocks, C, Hkv, D]`` (the CPU
+    def __init__(self, path: str | None, capacity_chunks: int, chunk_size: int,
+                 fingerprint: str, cpu_caches: list[torch.Tensor],
+                 gpu_caches: list[torch.Tensor], read_gbps: float | None = None,
+                 measure: bool = True, read_threads: int = READ_THREADS,
+                 remote: RemoteTier | None = None) -> None:
+        """``path``: the local directory (None: none; ``remote`` then takes the spills).
+        ``cpu_caches`` / ``gpu_caches``: per layer ``[2, num_blocks, C, Hkv, D]`` (the CPU
         tier and the device cache). ``read_gbps``: the disk's read rate for the
         read-or-recompute choice; None: measured on the reads if ``measure`` (until the first
-        one, always read), else always read."""
-        disk_files.check_writable(path)
+        one, always read), else always read. ``remote``: the shared store below (None:
+        none)."""
+        if path is None and remote is None:
+            raise ValueError("a disk tier needs a local directory or a remote store")
+        self.local = LocalDirBackend(path) if path is not None else None
+        """The local directory; None: spills go to the remote store."""
+        self.remote = remote
         self.path = path
         self.fingerprint = fingerprint
         self.cpu_caches = cpu_caches
@@ -147,21 +179,26 @@ class DiskTier:
         self._reading = 0
         self._busy_since = 0.0
         self._read_lock = threading.Lock()
-        self.found = self._scan()
+        self._probes: dict[str, tuple[Future[list[Found]], list[str]]] = {}
+        """Remote lookups running, by their key (``DiskIndex.await_read``'s name): the
+        future and the names it looks up."""
+        self._probing: dict[str, str] = {}
+        """Name -> the key of the lookup running for it (a turn of the same chunks waits for
+        that one instead of reading them again)."""
+        self._probe_seq = 0
+        self.found = self._scan() if self.local is not None else 0
 
     # ------------------------------------------------------------------ start
     def _scan(self) -> int:
         """Register the directory's files of this fingerprint (not ready: each is read and
         checked when its conversation's next turn comes); returns how many."""
+        assert self.local is not None
         found = foreign = 0
-        for name in sorted(os.listdir(self.path)):
-            if name.endswith(disk_files.TMP_SUFFIX):  # a write cut off by a crash or a stop
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(self.path, name))
-                continue
+        self.local.clean_temporaries()  # writes cut off by a crash or a stop
+        for name in sorted(os.listdir(self.local.path)):
             if not name.endswith(".kv"):
                 continue
-            h = disk_files.read_header(os.path.join(self.path, name))
+            h = disk_files.read_header(self.local.file(name))
             if h is None or h.fingerprint != self.fingerprint or h.nbytes != self.block_bytes:
                 foreign += 1
                 continue
@@ -176,7 +213,7 @@ class DiskTier:
                 if not full:  # a partial chunk: its conversation's own
                     self.index.hold(h.conversation_id, h.index, entry)
             else:  # beyond the capacity (a smaller --disk-kv-gb than before)
-                os.remove(os.path.join(self.path, name))
+                self.local.delete([name])
         if found or foreign:
             log.info("disk tier %s: %d chunk files kept from before, %d of another model, "
                      "layout or version ignored", self.path, found, foreign)
@@ -195,9 +232,69 @@ class DiskTier:
         when it has KV; ``hashes``: the turn's chunk hashes, ``Request.share_hashes``;
         ``cache``: the cache whose recompute costs decide what is worth reading,
         :func:`~pensieve.core.disk_restore.worth_reading`; None: every file)."""
+        if hashes is None and tokens is not None:
+            hashes = []  # shared by the local and the remote lookups
         self.start_reads(self.index.of(conversation_id) if tokens is None else
                          self.index.wanted(conversation_id, tokens, salt, len(tokens) - 1,
                                            dropped, hashes), conversation_id, cache)
+        if self.remote is not None and tokens is not None and hashes is not None:
+            self._probe_remote(conversation_id, tokens, salt, dropped, hashes, cache)
+
+    def _probe_remote(self, conversation_id: str, tokens: list[int], salt: bytes,
+                      dropped: list[int] | None, hashes: list[bytes],
+                      cache: TieredKVCache | None) -> None:
+        """Start looking up in the shared store the turn's full chunks (before its last
+        token; the dropped ones of a conversation with KV, else the leading ones) that are
+        neither known to the index nor on the GPU by hash; the turn waits for the lookup
+        as for a read (``DiskIndex.await_read``), and for those another turn's lookup is
+        reading already."""
+        remote = self.remote
+        assert remote is not None
+        share = cache.pools.share if cache is not None else None
+        wanted = remote.wanted(tokens, salt, dropped, hashes, self.index.files,
+                               share.by_hash if share is not None else {})
+        chunks = [w for w in wanted if w[1] not in self._probing]
+        waits = {self._probing[w[1]] for w in wanted if w[1] in self._probing}
+        if chunks:
+            self._probe_seq += 1
+            key = f"remote:{self._probe_seq}"
+            self._probes[key] = (remote.probe(chunks), [name for _, name, _ in chunks])
+            for _, name, _ in chunks:
+                self._probing[name] = key
+            waits.add(key)
+        for key in waits:
+            self.index.await_read(key, conversation_id)
+
+    def _collect_probes(self, wait: bool) -> None:
+        """Add the verified values of the remote lookups that are done to the index, ready
+        (``wait``: every lookup, each for at most PROBE_WAIT_S more; one still running then
+        is left to finish unheard, and its turns recompute)."""
+        index, c = self.index, self.index.chunk_size
+        deadline = time.monotonic() + PROBE_WAIT_S
+        for key, (fut, names) in list(self._probes.items()):
+            if not fut.done():
+                if not wait:
+                    continue
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    pass
+            found = fut.result() if fut.done() else []
+            del self._probes[key]
+            for name in names:
+                if self._probing.get(name) == key:
+                    del self._probing[name]
+            index.read_done(key)
+            for f in found:
+                name = shared_name(f.prefix_hash)
+                if name in index.files:
+                    continue  # known meanwhile
+                entry = DiskEntry("", f.index, c, f.prefix_hash, found_key(time.time()),
+                                  remote=True)
+                if not index.add(entry):
+                    break
+                entry.ready = True
+                self._loaded[name] = f.payload
 
     def start_reads(self, entries: list[DiskEntry], waiter: str | None = None,
                     cache: TieredKVCache | None = None) -> None:
@@ -230,9 +327,9 @@ class DiskTier:
             spare = None
         data = None
         try:
-            data = disk_files.read_file(os.path.join(self.path, entry.name), spare)
-        except OSError:
-            return None
+            data = self._backend(entry).get([entry.name], [spare])[0]
+            if data is None:
+                return None
         finally:
             with self._read_lock:
                 self._reading -= 1
@@ -250,6 +347,8 @@ class DiskTier:
         whose reads still run is not admitted (``DiskIndex.reading``) and the running
         requests' step goes on without waiting for them."""
         index = self.index
+        if self._probes:
+            self._collect_probes(wait)
         for name, (entry, fut) in list(self._reads.items()):
             if not wait and not fut.done():
                 continue
@@ -294,8 +393,12 @@ class DiskTier:
             return
         if sync is not None and (plan.writes or plan.reads):
             sync()
+        spills = plan.writes
+        if self.local is None and self.remote is not None:  # the store holds some already
+            known = self.remote.known
+            spills = [w for w in spills if not known(w[2].name)]
         # bytes out of the spilled blocks first: a restored chunk may reuse one of them
-        writes = self._spilled_bytes(plan.writes)
+        writes = self._spilled_bytes(spills)
         for entry, block in plan.reads:
             payload = self._loaded.get(entry.name)  # kept: other turns may restore it
             if payload is not None:
@@ -306,6 +409,8 @@ class DiskTier:
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
             self._restore(payload, block)
+            if entry.remote and self.remote is not None:
+                self.remote.count_hit(entry.tokens, self.block_bytes)
         if plan.reads:
             self._bound_loaded()
         for name in plan.deletes:  # before the writes: a name may be written anew
@@ -367,9 +472,13 @@ class DiskTier:
         header = disk_files.make_header(self.fingerprint, entry.conversation_id, entry.index,
                                         entry.tokens, entry.prefix_hash, payload, time.time())
         try:
-            disk_files.write_atomic(os.path.join(self.path, entry.name),
-                                    disk_files.encode_head(header), payload)
+            err = self._backend(entry).put([(entry.name, disk_files.encode_head(header),
+                                             payload)])[0]
+            if err is not None:
+                raise err
             self.bytes_written += payload.nbytes
+            if self.local is None and self.remote is not None:
+                self.remote.remember([entry.name])
         except OSError as e:
             self.write_errors += 1
             if self.write_errors == 1 or self.write_errors % 1000 == 0:
@@ -386,10 +495,18 @@ class DiskTier:
     def _delete(self, name: str) -> None:
         if self._writes.writing(name):
             return  # written again since: that write is the file now
-        try:
-            os.remove(os.path.join(self.path, name))
-        except OSError:
-            pass
+        if self.local is not None:
+            self.local.delete([name])  # none there for a remote copy's name: a no-op
+        elif self.remote is not None and not is_shared_name(name):
+            with contextlib.suppress(OSError):  # a partial chunk: this conversation's own
+                self.remote.backend.delete([name])
+
+    def _backend(self, entry: DiskEntry) -> KVBackend:
+        """Where ``entry``'s copy lies."""
+        if self.local is not None and not entry.remote:
+            return self.local
+        assert self.remote is not None
+        return self.remote.backend
 
     # ------------------------------------------------------------------ the end
     def close(self, cache: TieredKVCache | None) -> None:
@@ -401,6 +518,22 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self._writes.clear()
+        if self.remote is not None:
+            self.remote.close()
+
+    def publish(self, cache: TieredKVCache, finished: Iterable[Request]) -> None:
+        """Write-through to the shared store (:meth:`RemoteTier.publish`): the full chunks,
+        in a GPU or CPU block, of the conversations whose turn just ended, that the store is
+        not known to hold. Their bytes are copied out now (the blocks are the turn's, final),
+        written by the store's writer thread."""
+        remote = self.remote
+        if remote is None:
+            return
+        spills = remote.to_publish(cache.conversations, finished, self.index)
+        if spills:
+            bufs = remote.buffers.take(len(spills))
+            copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks)
+            remote.publish([e for _, _, e in spills], bufs)
 
     def _flush(self, cache: TieredKVCache) -> None:
         """Spill every idle conversation's chunks still in a tier
@@ -409,7 +542,8 @@ class DiskTier:
                    cache.index.key_now, lambda: self.apply(cache.take_disk_plan()))
 
     def stats(self) -> dict[str, int]:
-        return {"disk_blocks_total": self.index.capacity,
+        remote = self.remote.stats() if self.remote is not None else {}
+        return {**remote, "disk_blocks_total": self.index.capacity,
                 "disk_blocks_free": self.index.capacity - self.index.size,
                 "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
                 "disk_write_errors": self.write_errors,
@@ -437,75 +571,3 @@ def chunk_major_blocks(cpu_caches: list[torch.Tensor]) -> torch.Tensor | None:
                 or c.data_ptr() != first.data_ptr() + layer * per_layer * c.element_size()):
             return None
     return first.as_strided((num_blocks, block), (block, 1))
-
-
-def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
-                    model_dtype: torch.dtype) -> DiskTier | None:
-    """The disk tier of ``cc`` for the model ``model_name`` over a local executor's tiers (None:
-    none asked for). Raises ValueError when the path is not writable or the engine is
-    tensor parallel. The read rate is measured on CUDA only: on the CPU the cost model's
-    recompute times are a GPU's (as for ``swap_bandwidth_gbps``, whose ``auto`` is off
-    there), so without ``disk_read_gbps`` chunks on disk are always read back."""
-    if not cc.disk_kv_gb or not cc.disk_kv_path:
-        return None
-    runner = getattr(executor, "runner", None)
-    if runner is None:
-        raise ValueError("the disk tier needs a local executor (not tensor parallel)")
-    require_cpu_tier(executor.tiers.num_cpu_blocks)
-    try:
-        disk_files.check_writable(cc.disk_kv_path)
-    except ValueError as e:  # a full or read-only disk: serve without the tier
-        log.warning("disk tier off: %s", e)
-        return None
-    kv_dtype = runner.kv_caches[0].dtype
-    fp = disk_files.fingerprint(model_name, str(model_dtype), str(kv_dtype),
-                                cc.chunk_size, model.num_layers, model.num_kv_heads,
-                                model.head_dim, model_digest(model, model_name))
-    block_bytes = executor.tiers.block_bytes
-    capacity = int(cc.disk_kv_gb * 2**30 // block_bytes)
-    tier = DiskTier(cc.disk_kv_path, capacity, cc.chunk_size, fp, runner.swapper.cpu_caches,
-                    runner.kv_caches,
-                    read_gbps=cc.disk_read_gbps,
-                    measure=runner.kv_caches[0].device.type == "cuda")
-    log.info("disk tier: %d chunks (%.2f GiB) in %s", capacity,
-             capacity * block_bytes / 2**30, cc.disk_kv_path)
-    room = shutil.disk_usage(cc.disk_kv_path).free + tier.index.size * block_bytes
-    if room < capacity * block_bytes:
-        log.warning("disk tier: %s has room for %.2f GiB of the %.2f GiB asked; writes that "
-                    "fail once it is full drop their chunks", cc.disk_kv_path, room / 2**30,
-                    capacity * block_bytes / 2**30)
-    return tier
-
-
-DIGEST_SLICE = 1 << 24
-"""Elements summed at once by :func:`model_digest` (bounds its temporary memory)."""
-
-
-def model_digest(model: torch.nn.Module, model_path: str) -> str:
-    """A digest of the model's weights and config, for the disk tier's fingerprint: the
-    ``config.json`` beside the weights (rotary and norm settings change the KV too) and, per
-    tensor of the state dict, its name, shape, dtype, the exact integer sum of its elements'
-    bits and 64 evenly spaced elements. Weights changed in place under the same path change it
-    (any changed element changes the sum unless other changes cancel it exactly); integer sums
-    make it the same whatever the device's reduction order. One read of the weights."""
-    h = hashlib.blake2b(digest_size=12)
-    cfg = os.path.join(model_path, "config.json")
-    if os.path.isfile(cfg):
-        with open(cfg, "rb") as f:
-            h.update(f.read())
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    with torch.no_grad():
-        for name, t in sorted(model.state_dict().items()):
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-            flat = t.detach().contiguous().reshape(-1)
-            if flat.numel() == 0 or flat.element_size() not in bits:
-                continue
-            ints = flat.view(bits[flat.element_size()])
-            total = sum(int(ints[i:i + DIGEST_SLICE].sum(dtype=torch.int64))
-                        for i in range(0, ints.numel(), DIGEST_SLICE))
-            # evenly spaced, in integers (a float32 linspace rounds 28,311,551 up to
-            # 28,311,552: past the end of SmolLM2's embedding)
-            k = min(64, ints.numel())
-            at = torch.arange(k, device=ints.device) * (ints.numel() - 1) // max(k - 1, 1)
-            h.update(f"{total};".encode() + ints[at].cpu().numpy().tobytes())
-    return h.hexdigest()

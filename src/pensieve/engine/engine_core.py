@@ -44,7 +44,8 @@ StepObserver = Callable[[StepRecord], None]
 class DiskHooks(Protocol):
     """The disk tier's I/O as the engine drives it (:class:`pensieve.engine.disk_tier.
     DiskTier`): reads started when a turn is added, collected before scheduling, the step's
-    plan carried out before execution, everything written at shutdown."""
+    plan carried out before execution, ended turns' chunks written through to a shared store
+    (``--kv-remote``) after it, everything written at shutdown."""
 
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None,
@@ -52,6 +53,7 @@ class DiskHooks(Protocol):
                  cache: TieredKVCache | None = None) -> None: ...
     def collect(self, wait: bool = True) -> None: ...
     def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None: ...
+    def publish(self, cache: TieredKVCache, finished: Iterable[Request]) -> None: ...
     def close(self, cache: TieredKVCache | None) -> None: ...
     def stats(self) -> dict[str, int]: ...
 
@@ -253,6 +255,8 @@ class EngineCore:
         self.last_logprobs = result.logprobs
         self._append_logprobs(sched.requests, result)
         finished = self.scheduler.update_from_output(sched, result, self.now())
+        if self.disk is not None and finished:  # write-through to a shared store, if any
+            self.disk.publish(self.cache, finished)
         if self.step_observers:
             rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3,
                                 failed_requests=len(failed), disk_wait_s=ts - t0,

@@ -23,7 +23,7 @@ from pensieve.core.scheduler import Scheduler
 from pensieve.core.scheduling_config import SchedulerConfig
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.costs import load_cost_model
-from pensieve.engine.disk_tier import build_disk_tier
+from pensieve.engine.disk_build import build_disk_tier
 from pensieve.engine.engine_core import EngineCore, StepObserver
 from pensieve.engine.executor import Executor
 from pensieve.engine.local import LocalExecutor, resolve_device, resolve_dtype

@@ -82,11 +82,38 @@ class _EngineCollector(Collector):
         yield _by_label("pensieve_disk_bytes", "Bytes written to and read from the disk tier's "
                         "files", "direction", {"write": st.get("disk_write_bytes", 0),
                                                "read": st.get("disk_read_bytes", 0)})
+        yield from _remote_metrics(st)
         g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
                               "GPU blocks may wait for background swap-outs (--defer-admission)")
         g.add_metric([], st.get("defer_admission", 0))
         yield g
         yield from _step_metrics(snap.steps or {})
+
+
+def _remote_metrics(st: Mapping[str, float]) -> Iterator[Metric]:
+    """The shared KV tier's counters (``--kv-remote``; zeros without one): its hits (context
+    tokens and bytes restored from it, also counted as ``disk_hit`` above), and values and
+    bytes read and written (``rate()`` of these is the read and write rate)."""
+    yield CounterMetricFamily("pensieve_remote_hit_tokens", "Context tokens of admitted "
+                              "turns whose KV came from the shared KV tier",
+                              value=st.get("remote_hit_tokens", 0))
+    yield CounterMetricFamily("pensieve_remote_hit_bytes", "Bytes of KV restored from the "
+                              "shared KV tier", value=st.get("remote_hit_bytes", 0))
+    yield _by_label("pensieve_remote_bytes", "Bytes read from and written to the shared KV "
+                    "tier", "direction", {"read": st.get("remote_read_bytes", 0),
+                                          "write": st.get("remote_write_bytes", 0)})
+    yield _by_label("pensieve_remote_chunks", "Chunk values read from and written to the "
+                    "shared KV tier", "direction", {"read": st.get("remote_reads", 0),
+                                                    "write": st.get("remote_writes", 0)})
+    yield _by_label("pensieve_remote_errors", "Shared KV tier failures: values that failed "
+                    "their check or calls the store failed (read), writes that failed "
+                    "(write); each a chunk recomputed or not shared", "direction",
+                    {"read": st.get("remote_read_errors", 0),
+                     "write": st.get("remote_write_errors", 0)})
+    g = GaugeMetricFamily("pensieve_remote_up", "1 while the shared KV tier is in use, 0 "
+                          "while it is left alone after an error (or there is none)")
+    g.add_metric([], st.get("remote_up", 0))
+    yield g
 
 
 def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:

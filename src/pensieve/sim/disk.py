@@ -41,12 +41,13 @@ Pure Python (no torch): the simulator's import stays light.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from pensieve.core.disk_index import DiskEntry, DiskIndex
 from pensieve.core.disk_restore import worth_reading
 from pensieve.core.outputs import DiskPlan
+from pensieve.core.request import Request
 from pensieve.core.tiered_cache import TieredKVCache
 
 SIM_DISK_READ_GBPS = 6.0
@@ -204,6 +205,9 @@ class SimDiskTier:
         for entry, _ in plan.reads:  # its bytes let go, as the engine's once it has restored
             entry.ready = False  # RESTORED_LOADED_BYTES more (the simulator keeps none)
         self.deleted_files += len(plan.deletes)
+
+    def publish(self, cache: TieredKVCache, finished: Iterable[Request]) -> None:
+        """No shared store in the simulator: nothing written through."""
 
     def close(self, cache: TieredKVCache | None) -> None:
         """The last plan; nothing is written at shutdown (the simulator has no restart)."""
