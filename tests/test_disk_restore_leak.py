@@ -97,7 +97,9 @@ def _resend(srv: Server, histories: list[list[dict]],
             model="pensieve-demo", messages=[*msgs, {"role": "user", "content": question}],
             **GREEDY)
         answers.append(r.choices[0].message.content)
-        caches.append(((r.model_extra or {}).get("pensieve") or {})["cache"])
+        cache = dict(((r.model_extra or {}).get("pensieve") or {})["cache"])
+        cache["openai_cached_tokens"] = r.usage.prompt_tokens_details.cached_tokens
+        caches.append(cache)
     return answers, caches
 
 
@@ -142,3 +144,5 @@ def test_restart_without_ids_history_resent_reads_back_from_disk(tmp_path: Path)
         assert cc["disk_hit_tokens"] == 0 and context > 0
         cached = c["disk_hit_tokens"] + c["gpu_hit_tokens"] + c["cpu_hit_tokens"]
         assert cached >= 0.9 * context, (c, cc)
+        # OpenAI's cached_tokens counts the KV read back from disk too (nothing computed)
+        assert c["openai_cached_tokens"] == cached + c.get("shared_hit_tokens", 0), c

@@ -47,7 +47,7 @@ def _turns(url: str, histories: dict[int, list[dict]], turn: int) -> dict[int, t
     """Turn ``turn`` of each conversation (4 client threads): (answer, replica, cached
     tokens, prompt tokens) by conversation; the histories grow by it. Cached: the usage's
     ``pensieve.cache`` GPU, CPU and disk hits (chunks read from the shared tier count as disk
-    hits; the OpenAI ``cached_tokens`` counts GPU and CPU hits only)."""
+    hits; the OpenAI ``cached_tokens`` counts them all too)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
     def one(i: int) -> tuple:

@@ -52,6 +52,12 @@ from pensieve.server.vllm_fields import response_id, silent_stop_ids, truncated
 log = logging.getLogger("pensieve.server")
 
 
+CACHED_SOURCES = ("gpu_hit_tokens", "cpu_hit_tokens", "shared_hit_tokens", "disk_hit_tokens")
+"""The turn's cache statistics whose tokens OpenAI's ``cached_tokens`` counts: every context
+token whose KV was not computed (read from the GPU or CPU tier, shared, or read back from the
+disk tier or the shared KV tier)."""
+
+
 @dataclass
 class Result:
     """A finished turn, from the engine's output or from a stop string."""
@@ -339,8 +345,7 @@ class TurnOutput:
 
     def usage(self, result: Result) -> dict[str, Any]:
         n_in, n_out = len(result.prompt_ids), len(result.output_ids)
-        cached = sum(result.cache.get(k, 0) for k in ("gpu_hit_tokens", "cpu_hit_tokens",
-                                                      "shared_hit_tokens"))
+        cached = sum(result.cache.get(k, 0) for k in CACHED_SOURCES)
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
