@@ -105,10 +105,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--show", type=int, default=4, help="outputs to print")
     g.set_defaults(func=_generate)
 
+    from pensieve.replicas.options import add_replica_args
     from pensieve.server.main import add_serve_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible server with stateful conversations")
     add_serve_args(s)
+    add_replica_args(s)
     s.set_defaults(func=_serve)
 
     if command in (None, "bench"):

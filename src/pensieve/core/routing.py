@@ -24,6 +24,8 @@ recomputed), measured in the simulator (``benchmarks/replicas_routing.py``):
 
 * :func:`spill_route`: the conversation's owner (the replica of its last turn) unless the
   owner's waiting tokens pass a bound; then the replica with the fewest waiting tokens.
+  :func:`spill_ranking` orders all the replicas for a key by it (the real replicas' router,
+  ``pensieve.replicas.router``, with :data:`DEFAULT_SPILL_TOKENS`).
 * :func:`least_loaded`: the replica with the fewest waiting tokens, wherever the KV is.
 
 Pure Python, no torch.
@@ -37,6 +39,13 @@ import math
 import random
 from collections.abc import Sequence
 from typing import Any
+
+DEFAULT_SPILL_TOKENS = 16384
+"""Waiting prompt tokens on a conversation's replica past which its turn spills (with a shared
+KV tier): the best bound the simulator found at 4 and 8 replicas (docs/benchmarks.md,
+"Routing across replicas with a shared KV tier"). That many waiting tokens are ~0.9 s of
+prefill (llama3.1-8b shape), and reading a mean ~30k-token coding-agent history over 25 Gb/s
+takes ~1.3 s: below that queue, waiting for the owner costs less than moving."""
 
 
 def conversation_key(messages: Sequence[Any], conversation_id: str | None = None) -> str:
@@ -144,3 +153,16 @@ def spill_route(owner: int, waiting: Sequence[float], bound: float,
     if owner_up and waiting[best] >= waiting[owner]:
         return owner
     return best
+
+
+def spill_ranking(key: str, replicas: Sequence[str], waiting: Sequence[float], bound: float,
+                  owner: int | None = None) -> list[int]:
+    """Indices of ``replicas`` in the order to try for a turn with routing key ``key``:
+    :func:`spill_route`'s choice first, then the rest in the key's rendezvous order.
+    ``owner``: the replica of the key's last turn, when known; else the key's rendezvous
+    first choice owns it. ``waiting[i]``: prompt tokens replica ``i`` has still to compute."""
+    if len(waiting) != len(replicas):
+        raise ValueError(f"{len(waiting)} waiting counts for {len(replicas)} replicas")
+    order = preference(key, replicas)
+    first = spill_route(order[0] if owner is None else owner, waiting, bound)
+    return [first] + [i for i in order if i != first]

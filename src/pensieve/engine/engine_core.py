@@ -188,6 +188,23 @@ class EngineCore:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens the engine's turns still have to compute: the running turns' pending
+        positions, and each queued turn's positions past its conversation's KV here. An
+        estimate for a queued turn: positions its admission will take from a lower tier, the
+        shared tier or a shared prefix count, its dropped chunks do not. The load the
+        replicas' router spills on with a shared KV tier
+        (:func:`pensieve.core.routing.spill_route`)."""
+        sched = self.scheduler
+        n = sum(r.num_pending for r in sched.running)
+        convs = self.cache.conversations
+        for req in sched.waiting:
+            conv = convs.get(req.conversation_id) if req.conversation_id is not None else None
+            kv = conv.kv_end if conv is not None else 0
+            n += req.num_tokens - min(kv, req.num_tokens - 1)
+        return n
+
     # ---------------------------------------------------------------- conversations
     def conversation_history(self, conversation_id: str) -> list[int]:
         """Every token of the conversation's completed turns (empty if unknown)."""
@@ -318,8 +335,9 @@ class EngineCore:
 
     def cache_stats(self) -> dict[str, int]:
         """Totals since start: token sources, swaps (bytes, all ranks), drops, suspensions,
-        failed requests, blocks in use; and ``defer_admission``, the setting (so that a run's
-        saved metrics say what it ran with)."""
+        failed requests, blocks in use; ``defer_admission``, the setting (so that a run's
+        saved metrics say what it ran with); and ``waiting_tokens``, now
+        (:attr:`num_waiting_tokens`)."""
         out = self.cache.stats.as_dict()
         out["split_range_requests"] = self.split_range_requests
         out["failed_requests"] = self.failed_requests
@@ -336,6 +354,7 @@ class EngineCore:
         out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
         out["kv_block_bytes"] = self.executor.tiers.block_bytes
         out["defer_admission"] = self.cache.defer_admission  # a setting, for the record
+        out["waiting_tokens"] = self.num_waiting_tokens  # a gauge: the replicas' router reads it
         return out
 
 

@@ -19,6 +19,18 @@ replica that is alive but hung still gives its keys to their next choice. A repl
 leaves the candidates at once (a probe that finds the actor dead drops it), and its keys move
 to their next choice while every other key stays put.
 
+With a shared KV tier (``--kv-remote``) a turn that moves reads its history's KV from the tier
+instead of recomputing it, and the router balances on **waiting prompt tokens** instead
+(``spill_tokens`` set, ``--route-spill-tokens``, default
+:data:`~pensieve.core.routing.DEFAULT_SPILL_TOKENS`): the first rank is
+:func:`~pensieve.core.routing.spill_ranking`'s choice, the key's owner (the replica this router
+last sent the key to, else the key's rendezvous first choice) unless the owner has more than
+``spill_tokens`` prompt tokens waiting, then the replica with the fewest (when it has fewer).
+Each replica reports its waiting tokens (:data:`WAITING_TOKENS`, the engine's
+``num_waiting_tokens``) in its Ray Serve routing stats (``record_routing_stats``, polled by the
+controller every ``request_routing_stats_period_s``), so the router sees them up to about a
+period late. The rest follow in the key's rendezvous order; :data:`PATIENCE_S` holds as above.
+
 A request with a ``replica_rank`` keyword argument instead goes to the replica of that rank in
 the order of replica ids (``/metrics`` asks each replica this way).
 """
@@ -26,13 +38,30 @@ the order of replica ids (``/metrics`` asks each replica this way).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from pensieve.core.routing import AffinityRouter, preference
+from pensieve.core.routing import AffinityRouter, preference, spill_ranking
 
 PATIENCE_S = 10.0
 """Seconds a request waits for its first-ranked replica before the others are offered."""
+
+WAITING_TOKENS = "waiting_tokens"
+"""The routing stat a replica reports: prompt tokens its engine has still to compute."""
+
+OWNERS_KEPT = 1 << 17
+"""Routing keys whose last replica the router remembers (the least recently routed go)."""
+
+
+def waiting_tokens(stats: Mapping[str, Any] | None) -> int:
+    """A replica's waiting prompt tokens from its routing stats (0 before its first report)."""
+    try:
+        return max(0, int((stats or {}).get(WAITING_TOKENS, 0)))
+    except (TypeError, ValueError):
+        return 0
 
 
 def rank_replicas(key: str, ids: list[str], loads: list[int], load_factor: float = 1.25,
@@ -59,12 +88,34 @@ class AffinityRequestRouter(RequestRouter):
 
     load_factor: float = 1.25
     min_load: int = 16
+    spill_tokens: int | None = None
+    """Spill bound in waiting prompt tokens (a shared KV tier); None: bounded load."""
 
     def initialize_state(self, load_factor: float = 1.25, min_load: int = 16,
-                         **kwargs: object) -> None:
+                         spill_tokens: int | None = None, **kwargs: object) -> None:
         """Called by Ray Serve with ``RequestRouterConfig.request_router_kwargs``."""
         self.load_factor = float(load_factor)
         self.min_load = int(min_load)
+        self.spill_tokens = None if spill_tokens is None else int(spill_tokens)
+        self.owners: OrderedDict[str, str] = OrderedDict()
+        """Routing key -> the replica id its last turn was sent to (spill mode)."""
+
+    def rank(self, key: str, replicas: list[RunningReplica]) -> list[int]:
+        """Indices of ``replicas`` (sorted by id) in the order to try for ``key``."""
+        ids = [r.replica_id.unique_id for r in replicas]
+        if self.spill_tokens is None:
+            loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in replicas]
+            return rank_replicas(key, ids, loads, self.load_factor, self.min_load)
+        waiting = [waiting_tokens(r.routing_stats) for r in replicas]
+        last = self.owners.get(key)
+        owner = ids.index(last) if last in ids else None
+        ranked = spill_ranking(key, ids, waiting, self.spill_tokens, owner)
+        if key:
+            self.owners[key] = ids[ranked[0]]
+            self.owners.move_to_end(key)
+            if len(self.owners) > OWNERS_KEPT:
+                self.owners.popitem(last=False)
+        return ranked
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica],
@@ -76,10 +127,7 @@ class AffinityRequestRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         if "replica_rank" in kwargs:
             return [[replicas[int(kwargs["replica_rank"]) % len(replicas)]]]
-        key = str(kwargs.get("routing_key") or "")
-        ids = [r.replica_id.unique_id for r in replicas]
-        loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in replicas]
-        ranked = rank_replicas(key, ids, loads, self.load_factor, self.min_load)
+        ranked = self.rank(str(kwargs.get("routing_key") or ""), replicas)
         waited = 0.0
         if pending_request is not None:
             waited = time.time() - pending_request.created_at  # Ray Serve's own clock

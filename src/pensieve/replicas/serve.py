@@ -41,10 +41,11 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
-from pensieve.core.routing import conversation_key
+from pensieve.core.routing import DEFAULT_SPILL_TOKENS, conversation_key
 from pensieve.options import default_of, engine_options
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
 from pensieve.replicas.replica_metrics import merge_pages
+from pensieve.replicas.router import WAITING_TOKENS
 from pensieve.server.errors import error_response
 
 log = logging.getLogger("pensieve.replicas")
@@ -54,6 +55,9 @@ REPLICA_HEADER = "x-pensieve-replica"
 NODE_HEADER = "x-pensieve-node"
 ATTEMPTS_HEADER = "x-pensieve-attempts"
 _RETRIES = 5
+ROUTING_STATS_PERIOD_S = 1.0
+"""How often Ray Serve's controller asks each replica for its waiting tokens (with a shared KV
+tier: the router's load; its own default is 10 s)."""
 
 
 def routing_key(path: str, headers: dict[str, str], body: bytes) -> str:
@@ -93,6 +97,7 @@ class EngineReplica:
 
             torch.set_num_threads(max(1, int(getattr(args, "replica_cpus", 1))))
         app, self._close = build_server(args)
+        self._engine = app.state.pensieve.engine
         self.app = with_request_key(app)
         self.replica = serve.get_replica_context().replica_id.unique_id
         import ray
@@ -108,6 +113,13 @@ class EngineReplica:
                  (NODE_HEADER.encode(), self.node.encode())]
         async for item in call_asgi(self.app, method, path, query, headers, body, extra):
             yield item
+
+    async def record_routing_stats(self) -> dict[str, int]:
+        """Ray Serve's routing stats of this replica (the router's
+        ``RunningReplica.routing_stats``): its engine's waiting prompt tokens after its last
+        step (the engine's ``num_waiting_tokens``)."""
+        stats = self._engine.snapshot.stats or {}
+        return {WAITING_TOKENS: int(stats.get("waiting_tokens", 0))}
 
     def __del__(self) -> None:
         close = getattr(self, "_close", None)
@@ -217,12 +229,24 @@ class Ingress:
         return resp
 
 
+def router_kwargs(args: argparse.Namespace, load_factor: float = 1.25, min_load: int = 16
+                  ) -> dict[str, Any]:
+    """The router's ``request_router_kwargs``: with a shared KV tier (``--kv-remote``) the
+    spill bound ``--route-spill-tokens`` (None: ``off``), else bounded load alone."""
+    spill = None
+    if engine_options(args).get("kv_remote"):
+        spill = getattr(args, "route_spill_tokens", DEFAULT_SPILL_TOKENS)
+    return {"load_factor": load_factor, "min_load": min_load, "spill_tokens": spill}
+
+
 def build_application(args: argparse.Namespace, load_factor: float = 1.25,
                       min_load: int = 16, replica_cpus: float = 1.0,
                       max_replicas_per_node: int | None = None,
-                      ingress_actor_options: dict[str, Any] | None = None) -> Any:
+                      ingress_actor_options: dict[str, Any] | None = None,
+                      routing_stats_period_s: float = ROUTING_STATS_PERIOD_S) -> Any:
     """The Ray Serve application of ``args.data_parallel_size`` replicas: one GPU each on
-    CUDA, else ``replica_cpus`` CPUs each (at most ``max_replicas_per_node`` on a node)."""
+    CUDA, else ``replica_cpus`` CPUs each (at most ``max_replicas_per_node`` on a node);
+    the replicas report their waiting tokens every ``routing_stats_period_s``."""
     import torch
 
     n = max(1, int(args.data_parallel_size))
@@ -239,7 +263,9 @@ def build_application(args: argparse.Namespace, load_factor: float = 1.25,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER,
-            request_router_kwargs={"load_factor": load_factor, "min_load": min_load}),
+            request_router_kwargs=router_kwargs(args, load_factor, min_load),
+            request_routing_stats_period_s=routing_stats_period_s,
+            request_routing_stats_timeout_s=max(10.0, 5 * routing_stats_period_s)),
     ).bind(args)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, ray_actor_options=ingress_actor_options or {"num_cpus": 0},
