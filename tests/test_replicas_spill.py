@@ -145,6 +145,8 @@ def test_a_turn_spills_past_the_bound_and_reads_its_kv_from_redis(tmp_path: Path
     assert all(got[2][i][1] == home[i] for i in range(CONVS) if i != x), (home, got[2])
     # past it, X's turn moved, with its history's KV from the shared tier
     answer, replica, cached, prompt = got[2][x]
+    print(f"moved turn: {cached} of {prompt} prompt tokens cached; the turn after it: "
+          f"{got[3][x][2]} of {got[3][x][3]}")
     assert replica == other, (replica, loaded)
     assert cached >= 0.9 * prompt, (cached, prompt)
     # and its next turn stays where its KV now is

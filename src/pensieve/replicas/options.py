@@ -27,8 +27,9 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     """The routing options of ``pensieve serve --data-parallel-size N``."""
     p.add_argument("--route-spill-tokens", type=spill_tokens_arg, default=DEFAULT_SPILL_TOKENS,
                    metavar="N",
-                   help="with a shared KV tier (--kv-remote), a turn leaves its conversation's "
-                        "replica for the replica with the fewest waiting prompt tokens when "
-                        "its own has more than N waiting (its history's KV is read from the "
+                   help="replicas (--data-parallel-size) with a shared KV tier (--kv-remote): "
+                        "a turn leaves its conversation's replica for the replica with the "
+                        "fewest waiting prompt tokens when its own has more than N waiting "
+                        "(its history's KV is read from the "
                         "tier); 'off': balance on requests in flight as without a shared tier "
                         f"(default {DEFAULT_SPILL_TOKENS}, the bound the simulator chose)")
