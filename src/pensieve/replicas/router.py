@@ -1,4 +1,5 @@
-"""Ray Serve request router for the engine replicas: conversation affinity, bounded load.
+"""Ray Serve request router for the engine replicas: conversation affinity, with bounded load
+or, over a shared KV tier, a spill on waiting prompt tokens.
 
 Ray Serve calls :meth:`AffinityRequestRouter.choose_replicas` in the process that holds the
 deployment handle (the ingress) for every request to the engine deployment. The request's
@@ -23,9 +24,10 @@ With a shared KV tier (``--kv-remote``) a turn that moves reads its history's KV
 instead of recomputing it, and the router balances on **waiting prompt tokens** instead
 (``spill_tokens`` set, ``--route-spill-tokens``, default
 :data:`~pensieve.core.routing.DEFAULT_SPILL_TOKENS`): the first rank is
-:func:`~pensieve.core.routing.spill_ranking`'s choice, the key's owner (the replica this router
-last sent the key to, else the key's rendezvous first choice) unless the owner has more than
-``spill_tokens`` prompt tokens waiting, then the replica with the fewest (when it has fewer).
+:func:`~pensieve.core.routing.spill_ranking`'s choice: the key's owner (the replica this
+router last ranked first for the key, else the key's rendezvous first choice) unless the owner
+has more than ``spill_tokens`` prompt tokens waiting, then the replica with the fewest (when it
+has fewer).
 Each replica reports its waiting tokens (:data:`WAITING_TOKENS`, the engine's
 ``num_waiting_tokens``) in its Ray Serve routing stats (``record_routing_stats``, polled by the
 controller every ``request_routing_stats_period_s``), so the router sees them up to about a
@@ -52,7 +54,7 @@ PATIENCE_S = 10.0
 WAITING_TOKENS = "waiting_tokens"
 """The routing stat a replica reports: prompt tokens its engine has still to compute."""
 
-OWNERS_KEPT = 1 << 17
+OWNERS_KEPT = 1 << 16
 """Routing keys whose last replica the router remembers (the least recently routed go)."""
 
 
@@ -98,7 +100,7 @@ class AffinityRequestRouter(RequestRouter):
         self.min_load = int(min_load)
         self.spill_tokens = None if spill_tokens is None else int(spill_tokens)
         self.owners: OrderedDict[str, str] = OrderedDict()
-        """Routing key -> the replica id its last turn was sent to (spill mode)."""
+        """Routing key -> the replica id last ranked first for it (spill mode)."""
 
     def rank(self, key: str, replicas: list[RunningReplica]) -> list[int]:
         """Indices of ``replicas`` (sorted by id) in the order to try for ``key``."""
