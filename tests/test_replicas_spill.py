@@ -117,7 +117,7 @@ def test_a_turn_spills_past_the_bound_and_reads_its_kv_from_redis(tmp_path: Path
         loaded = home[x]
         other = next(i for i in ids if i != loaded)
         # load X's replica: a long answer running, two long prompts queued behind it
-        threads = [_send(url, _owned_by(loaded, ids, "a long answer"), 500, fillers)]
+        threads = [_send(url, _owned_by(loaded, ids, "a long answer"), 800, fillers)]
         deadline = time.monotonic() + 60
         while _running(url).get(loaded, 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
