@@ -14,7 +14,7 @@ missing), torch held by a constraint. The client imports ``sglang.srt`` (for two
 which imports torchvision unconditionally (``sglang/srt/multimodal/internvl_utils.py``), and
 PyPI's torchvision does not load beside the CPU torch 2.13.0 on this disk ("operator
 torchvision::nms does not exist"), so the venv takes torch 2.14.1 with torchvision 0.29.1, which
-pip also takes from this disk on Python 3.11 (a CUDA build; about 8 GB in the venv, 5-10
+pip also takes from this disk on Python 3.11 (a CUDA build; 6.3 GB in the venv, 5-10
 minutes to install on a 2-core machine). Too big for CI: run by hand.
 
 Flags: the endpoint (``--base-url``), ``--model`` and ``--tokenizer`` (the default model's
