@@ -250,9 +250,9 @@ class DiskTier:
         reading already."""
         remote = self.remote
         assert remote is not None
-        share = cache.pools.share if cache is not None else None
+        blocks = cache.blocks if cache is not None else None
         wanted = remote.wanted(tokens, salt, dropped, hashes, self.index.files,
-                               share.by_hash if share is not None else {})
+                               blocks.on_gpu if blocks is not None else ())
         chunks = [w for w in wanted if w[1] not in self._probing]
         waits = {self._probing[w[1]] for w in wanted if w[1] in self._probing}
         if chunks:
