@@ -133,6 +133,27 @@ class BlockMap:
         """Registered CPU slots this step's swap-ins read: a step reads a CPU block once (the
         runner's copy batches cut disjoint runs), so admission takes none of these."""
         self.on_gpu = OnGpu(self.by_hash)
+        self._spare: list[Block] = []
+        """Records out of the map, reused: a step registers and unregisters many blocks, and
+        allocating a record each time would set off the garbage collector's passes over
+        everything the cache holds (they cost more than the bookkeeping itself)."""
+
+    def _record(self, h: bytes) -> Block:
+        """The record of hash ``h``, new (from the spare ones) if it has none."""
+        rec = self.by_hash.get(h)
+        if rec is None:
+            if self._spare:
+                rec = self._spare.pop()
+                rec.hash = h
+            else:
+                rec = Block(h)
+            self.by_hash[h] = rec
+        return rec
+
+    def _forget(self, rec: Block) -> None:
+        """``rec`` has no slot left: out of the map, kept for reuse (its counts are 0)."""
+        del self.by_hash[rec.hash]
+        self._spare.append(rec)
 
     # ------------------------------------------------------------------ the GPU tier
     def gpu_block(self, h: bytes) -> int:
@@ -160,10 +181,8 @@ class BlockMap:
         """An unregistered GPU ``block`` whose chunk hashes to ``h``: registered with its one
         reference, unless ``h`` has a GPU slot already; returns ``h``'s slot (the other: the
         caller's chunk takes a reference to it and lets its own go)."""
-        rec = self.by_hash.get(h)
-        if rec is None:
-            rec = self.by_hash[h] = Block(h)
-        elif rec.gpu >= 0:
+        rec = self._record(h)
+        if rec.gpu >= 0:
             self._ref_gpu(rec)
             return rec.gpu
         rec.gpu, rec.gpu_refs = block, 1
@@ -190,7 +209,7 @@ class BlockMap:
                 rec.pins = 0
                 self.num_pinned -= 1
             if rec.cpu < 0:
-                del self.by_hash[rec.hash]
+                self._forget(rec)
         return n, rec.hash
 
     def unref_gpu(self, block: int) -> bool:
@@ -273,9 +292,19 @@ class BlockMap:
     def register_cpu(self, block: int, h: bytes) -> None:
         """The chunk holding the private CPU ``block`` of hash ``h`` (no CPU slot yet)
         registers it."""
-        rec = self.by_hash.get(h)
-        if rec is None:
-            rec = self.by_hash[h] = Block(h)
+        rec = self._record(h)
+        rec.cpu, rec.cpu_refs = block, 1
+        self.at_cpu[block] = rec
+        self.num_cpu += 1
+        self.cpu_refs += 1
+
+    def move_to_cpu(self, rec: Block, block: int) -> None:
+        """The one holder of ``rec``'s GPU slot (``rec`` has no CPU slot) moves to the CPU
+        ``block``: the record keeps its place in the map, its slot changes tier."""
+        self.at_gpu[rec.gpu] = None
+        rec.gpu, rec.gpu_refs = -1, 0
+        self.num_gpu -= 1
+        self.gpu_refs -= 1
         rec.cpu, rec.cpu_refs = block, 1
         self.at_cpu[block] = rec
         self.num_cpu += 1
@@ -297,7 +326,7 @@ class BlockMap:
         if rec.reads:
             self.orphans[block], rec.reads = rec.reads, 0
         if rec.gpu < 0:
-            del self.by_hash[rec.hash]
+            self._forget(rec)
         return True
 
     def read_cpu(self, block: int) -> None:

@@ -384,13 +384,16 @@ class KVStore:
         key is not higher, else it is dropped; returns the tier it went to. An urgent copy
         frees its GPU block at once, a background one when it is reclaimed. A block other
         chunks share stays: the chunk drops its reference (None: dropped), or goes to the
-        block's CPU copy with ``move_shared`` (:meth:`_to_cpu_copy`). The caller keeps the
-        conversation's index entries (of both tiers) right."""
+        block's CPU copy with ``move_shared`` (:meth:`_to_cpu_copy`). A registered block's
+        last holder takes its record along (:meth:`BlockMap.move_to_cpu`). The caller keeps
+        the conversation's index entries (of both tiers) right."""
         ch = conv.chunks[i]
         blocks = self.blocks
+        rec = blocks.at_gpu[ch.block] if blocks is not None else None
         h = b""
-        if blocks is not None and blocks.at_gpu[ch.block] is not None:
-            b = ch.block
+        if rec is not None and (rec.gpu_refs > 1 or rec.cpu >= 0):
+            assert blocks is not None
+            b, rec = ch.block, None
             n, h = blocks.leave_gpu(b)  # an idle chunk: not pinned
             if n > 1:
                 if move_shared and self._to_cpu_copy(conv, i, h, key):
@@ -412,6 +415,8 @@ class KVStore:
                 cpu_block = self.take_cpu_block(self.index.key_now(conv, i) if key is None
                                                 else key)
         if cpu_block < 0:  # dropped from the GPU: to the disk tier, if it takes it
+            if rec is not None:
+                blocks.leave_gpu(ch.block)  # type: ignore[union-attr]  # its last holder
             to = Tier.DISK if self.disk is not None and self._spill_to_disk(conv, i) \
                 else Tier.DROPPED
             self.gpu.free_one(ch.block)
@@ -425,8 +430,12 @@ class KVStore:
             self._plan.swap_out[cpu_block] = ch.block
         ch.tier, ch.block = Tier.CPU, cpu_block
         stats.swapped_out_tokens += tokens
-        if h and self.share_cpu and blocks.cpu_block(h) < 0:  # type: ignore[union-attr]
-            blocks.register_cpu(cpu_block, h)  # type: ignore[union-attr]
+        if blocks is None:
+            return Tier.CPU
+        if rec is not None:
+            blocks.move_to_cpu(rec, cpu_block)
+        elif h and blocks.cpu_block(h) < 0:
+            blocks.register_cpu(cpu_block, h)
         return Tier.CPU
 
     def lookup_cpu(self, h: bytes) -> int:
