@@ -177,20 +177,6 @@ class BlockMap:
         if rec.gpu_refs == 2:
             self.shared_gpu.add(rec.gpu)
 
-    def register_gpu(self, block: int, h: bytes) -> int:
-        """An unregistered GPU ``block`` whose chunk hashes to ``h``: registered with its one
-        reference, unless ``h`` has a GPU slot already; returns ``h``'s slot (the other: the
-        caller's chunk takes a reference to it and lets its own go)."""
-        rec = self._record(h)
-        if rec.gpu >= 0:
-            self._ref_gpu(rec)
-            return rec.gpu
-        rec.gpu, rec.gpu_refs = block, 1
-        self.at_gpu[block] = rec
-        self.num_gpu += 1
-        self.gpu_refs += 1
-        return block
-
     def leave_gpu(self, block: int) -> tuple[int, bytes]:
         """A chunk lets the registered GPU ``block`` go: its references before, and its hash.
         The last reference unregisters the slot (the caller keeps or frees the block)."""
@@ -331,9 +317,14 @@ class BlockMap:
 
     def read_cpu(self, block: int) -> None:
         """A planned swap-in reads the registered CPU ``block`` for a chunk that leaves the
-        CPU (its reference goes; the block is freed once read if it was the last)."""
+        CPU (its reference goes; the block is freed once read if it was the last). The last
+        reference's read, with no other read pending, leaves the block as a private one read
+        by a swap-in (freed at reclaim, nothing to count)."""
         rec = self.at_cpu[block]
         assert rec is not None
+        if rec.cpu_refs == 1 and not rec.reads:
+            self._unref_cpu(rec)
+            return
         rec.reads += 1
         self.num_reads += 1
         self.step_reads.add(block)
@@ -467,15 +458,17 @@ class BlockMap:
         ``Conversation.share_upto`` and those its admissions brought back to the GPU,
         ``share_back``: work in proportion to what the turn changed), and keep their hashes
         on the conversation. Returns the GPU blocks to free: a chunk whose hash has a GPU slot
-        already (computed by a turn beside this one) takes a reference to it instead."""
+        already (computed by a turn beside this one) takes a reference to it instead (its
+        chunk holds that block from then on)."""
         c = chunk_size
         n = min(conv.kv_end, len(conv.token_ids)) // c
         hashes = request_hashes(req, conv, c, n)
-        at = self.at_gpu
+        at, record = self.at_gpu, self._record
         back, conv.share_back = conv.share_back, []
         new = range(min(conv.share_upto, n), n)
         chunks, gpu_tier = conv.chunks, Tier.GPU
         freed: list[int] = []
+        registered = 0
         for i in [*back, *new] if back else new:
             if i >= n:
                 continue
@@ -483,10 +476,17 @@ class BlockMap:
             b = ch.block
             if ch.tier is not gpu_tier or at[b] is not None:
                 continue
-            other = self.register_gpu(b, hashes[i])
-            if other != b:  # its own block is private and the turn's writes to it are done
+            rec = record(hashes[i])
+            if rec.gpu >= 0:  # computed beside this turn: its block is private, written
+                self._ref_gpu(rec)
                 freed.append(b)
-                ch.block = other
+                ch.block = rec.gpu
+            else:
+                rec.gpu, rec.gpu_refs = b, 1
+                at[b] = rec
+                registered += 1
+        self.num_gpu += registered
+        self.gpu_refs += registered
         conv.share_hashes, conv.share_salt = hashes, req.share_salt
         conv.share_upto = max(conv.share_upto, n)
         return freed

@@ -195,10 +195,10 @@ class EvictionIndex:
         own lookup, which the eviction calls once per chunk it keys."""
         self.blocks = blocks
         """The block map (None: no sharing); read, never written."""
-        self.shared: dict[Tier, set[int]] = (
-            {Tier.GPU: blocks.shared_gpu, Tier.CPU: blocks.shared_cpu} if blocks is not None
-            else {Tier.GPU: set(), Tier.CPU: set()})
-        """Each tier's slots that two chunks or more hold (the block map's sets)."""
+        self.shared_gpu: set[int] = blocks.shared_gpu if blocks is not None else set()
+        """GPU slots that two chunks or more hold (the block map's set; empty: no sharing)."""
+        self.shared_cpu: set[int] = blocks.shared_cpu if blocks is not None else set()
+        """CPU slots likewise."""
 
     def rekey(self, conv: Conversation) -> None:
         """The inputs of ``conv``'s keys changed: its index entries follow."""
@@ -252,7 +252,7 @@ class EvictionIndex:
         """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order (on the
         GPU or CPU with shared prefixes, the first whose block no other chunk shares)."""
         chunks = conv.chunks
-        shared = self.shared[tier]
+        shared = self.shared_gpu if tier is Tier.GPU else self.shared_cpu
         if 0 <= start < len(chunks):  # the common answer first: ``start`` itself
             ch = chunks[start]
             if ch.tier is tier and ch.block not in shared:
@@ -308,7 +308,7 @@ class EvictionIndex:
         key at :attr:`now` (during an eviction), which the entry then holds; else it is keyed
         at ``t_e``."""
         cpu = self.cpu
-        if conv.chunks[i].block in self.shared[Tier.CPU]:
+        if conv.chunks[i].block in self.shared_cpu:
             return  # shared: no candidate
         entry = cpu.live.get(conv)
         if entry is None or (i - entry[0]) * self.step < 0:
