@@ -286,9 +286,11 @@ class ShareDriver(Driver):
             for i in range(n):
                 ch = conv.chunks[i]
                 if ch.tier is Tier.GPU and share.gpu_refs_of(ch.block):
-                    assert share.at_gpu[ch.block].hash == hashes[i], (conv.conversation_id, i)  # type: ignore[union-attr]
+                    assert share.hash_of[share.at_gpu[ch.block]] == hashes[i], (
+                        conv.conversation_id, i)
                 if ch.tier is Tier.CPU and cpu_share is not None and cpu_refs[ch.block]:
-                    assert cpu_share.at_cpu[ch.block].hash == hashes[i], (conv.conversation_id, i)  # type: ignore[union-attr]
+                    assert cpu_share.hash_of[cpu_share.at_cpu[ch.block]] == hashes[i], (
+                        conv.conversation_id, i)
         for conv in cache.conversations.values():  # the admission's count of pinned blocks
             if not conv.running:
                 tiers = [ch.tier for ch in conv.chunks]

@@ -2,15 +2,16 @@
 
 A full chunk is named by its content hash (:func:`pensieve.core.prefix_share.extend_hashes`:
 chained from its parent's and salted by tenant and ``cache_salt``). When prefixes are shared,
-every full chunk whose KV is final is *registered*: its hash has one :class:`Block` record,
-which says where that content lives (a GPU slot, a CPU slot, or both at once), how many
-chunks hold each slot (its references), how many running turns pin its GPU slot, and how many
-planned swap-ins still read its CPU slot. Conversations' chunks hold slots; nothing else keeps
-that state::
+every full chunk whose KV is final is *registered*: its hash has one record (a row of the map,
+:class:`BlockMap`), which says where that content lives (a GPU slot, a CPU slot, or both at
+once), how many chunks hold each slot (its references), how many running turns pin its GPU
+slot, and how many planned swap-ins still read its CPU slot. Conversations' chunks hold slots;
+nothing else keeps that state::
 
-    by_hash: {hash -> Block(hash, gpu=12, cpu=-1, gpu_refs=3, cpu_refs=0, pins=1, reads=0)}
-    at_gpu:  [..., Block@12, ...]      at_cpu: [..., None, ...]      (slot -> its record)
-    shared_gpu: {12}                   shared_cpu: {}                (slots held twice or more)
+    by_hash: {hash -> 7}        record 7: hash_of h, gpu_of 12, cpu_of -1, refs_gpu 3,
+                                          refs_cpu 0, pins 1, reads 0
+    at_gpu:  [..., 7 @ slot 12, ...]      at_cpu: [..., -1, ...]        (slot -> its record)
+    shared_gpu: {12}                      shared_cpu: {}                (held twice or more)
 
 Which chunks share (``TieredKVCache``, :class:`~pensieve.core.kv_store.KVStore`). An ended
 turn registers its full GPU chunks (:meth:`BlockMap.register_turn`); admission makes a turn's
@@ -41,33 +42,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
 from pensieve.core.prefix_share import extend_hashes
 from pensieve.core.request import Request
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    """One registered block: its content hash and, per tier, its slot and holders. Written
-    only by :class:`BlockMap`."""
-
-    hash: bytes
-    gpu: int = -1
-    """Its GPU slot (-1: none)."""
-    cpu: int = -1
-    """Its CPU slot (-1: none)."""
-    gpu_refs: int = 0
-    """Chunks holding the GPU slot."""
-    cpu_refs: int = 0
-    """Chunks holding the CPU slot."""
-    pins: int = 0
-    """Running conversations holding the GPU slot."""
-    reads: int = 0
-    """Planned swap-ins reading the CPU slot, not reclaimed yet."""
-
 
 Found = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]
 """:meth:`BlockMap.find`'s answer: ``(found, ext, cpu)``."""
@@ -97,24 +76,48 @@ def request_hashes(req: Request, conv: Conversation | None, chunk_size: int,
 class OnGpu:
     """The hashes with a GPU slot, as a container (``h in blocks.on_gpu``)."""
 
-    __slots__ = ("by_hash",)
+    __slots__ = ("by_hash", "gpu_of")
 
-    def __init__(self, by_hash: dict[bytes, Block]) -> None:
-        self.by_hash = by_hash
+    def __init__(self, by_hash: dict[bytes, int], gpu_of: list[int]) -> None:
+        self.by_hash, self.gpu_of = by_hash, gpu_of
 
     def __contains__(self, h: object) -> bool:
-        rec = self.by_hash.get(h)  # type: ignore[call-overload]
-        return rec is not None and rec.gpu >= 0
+        r = self.by_hash.get(h)  # type: ignore[call-overload]
+        return r is not None and self.gpu_of[r] >= 0
 
 
 class BlockMap:
     """Every registered block's record by hash, and each tier's slots' records (module
-    docstring). Pure bookkeeping: the store allocates and frees the slots."""
+    docstring). Pure bookkeeping: the store allocates and frees the slots.
+
+    A record is a row: its id indexes one list per field (``hash_of``, ``gpu_of``,
+    ``cpu_of``, ``refs_gpu``, ``refs_cpu``, ``pins``, ``reads``). Rows of ints and bytes,
+    not an object per block: the cache holds a record for nearly every full chunk, and
+    objects that many (the garbage collector tracks each) made every collection pass longer,
+    which cost more host time per step than the bookkeeping itself. Ids of rows out of the
+    map are reused."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.by_hash: dict[bytes, Block] = {}
-        self.at_gpu: list[Block | None] = [None] * num_gpu_blocks
-        self.at_cpu: list[Block | None] = [None] * num_cpu_blocks
+        self.by_hash: dict[bytes, int] = {}
+        """Hash -> its record's id."""
+        self.hash_of: list[bytes] = []
+        """Each record's hash (b"": a free row)."""
+        self.gpu_of: list[int] = []
+        """Each record's GPU slot (-1: none)."""
+        self.cpu_of: list[int] = []
+        """Each record's CPU slot (-1: none)."""
+        self.refs_gpu: list[int] = []
+        """Chunks holding each record's GPU slot."""
+        self.refs_cpu: list[int] = []
+        """Chunks holding each record's CPU slot."""
+        self.pins: list[int] = []
+        """Running conversations holding each record's GPU slot."""
+        self.reads: list[int] = []
+        """Planned swap-ins reading each record's CPU slot, not reclaimed yet."""
+        self.at_gpu: list[int] = [-1] * num_gpu_blocks
+        """GPU slot -> its record's id (-1: private or free)."""
+        self.at_cpu: list[int] = [-1] * num_cpu_blocks
+        """CPU slot -> its record's id (-1: private or free)."""
         self.shared_gpu: set[int] = set()
         """GPU slots two or more chunks hold (no eviction candidates)."""
         self.shared_cpu: set[int] = set()
@@ -132,112 +135,115 @@ class BlockMap:
         self.step_reads: set[int] = set()
         """Registered CPU slots this step's swap-ins read: a step reads a CPU block once (the
         runner's copy batches cut disjoint runs), so admission takes none of these."""
-        self.on_gpu = OnGpu(self.by_hash)
-        self._spare: list[Block] = []
-        """Records out of the map, reused: a step registers and unregisters many blocks, and
-        allocating a record each time would set off the garbage collector's passes over
-        everything the cache holds (they cost more than the bookkeeping itself)."""
+        self.on_gpu = OnGpu(self.by_hash, self.gpu_of)
+        self._free_ids: list[int] = []
 
-    def _record(self, h: bytes) -> Block:
-        """The record of hash ``h``, new (from the spare ones) if it has none."""
-        rec = self.by_hash.get(h)
-        if rec is None:
-            if self._spare:
-                rec = self._spare.pop()
-                rec.hash = h
+    def _record(self, h: bytes) -> int:
+        """The id of hash ``h``'s record, a new row (a free one reused) if it has none."""
+        r = self.by_hash.get(h)
+        if r is None:
+            if self._free_ids:
+                r = self._free_ids.pop()
+                self.hash_of[r] = h
             else:
-                rec = Block(h)
-            self.by_hash[h] = rec
-        return rec
+                r = len(self.hash_of)
+                self.hash_of.append(h)
+                for col in (self.gpu_of, self.cpu_of):
+                    col.append(-1)
+                for col in (self.refs_gpu, self.refs_cpu, self.pins, self.reads):
+                    col.append(0)
+            self.by_hash[h] = r
+        return r
 
-    def _forget(self, rec: Block) -> None:
-        """``rec`` has no slot left: out of the map, kept for reuse (its counts are 0)."""
-        del self.by_hash[rec.hash]
-        self._spare.append(rec)
+    def _forget(self, r: int) -> None:
+        """Record ``r`` has no slot left: out of the map, its row free (its counts are 0)."""
+        del self.by_hash[self.hash_of[r]]
+        self.hash_of[r] = b""
+        self._free_ids.append(r)
 
     # ------------------------------------------------------------------ the GPU tier
     def gpu_block(self, h: bytes) -> int:
         """The GPU slot of hash ``h``, or -1."""
-        rec = self.by_hash.get(h)
-        return -1 if rec is None else rec.gpu
+        r = self.by_hash.get(h)
+        return -1 if r is None else self.gpu_of[r]
 
     def gpu_refs_of(self, block: int) -> int:
         """Chunks holding the GPU ``block`` if registered (0: unregistered)."""
-        rec = self.at_gpu[block]
-        return 0 if rec is None else rec.gpu_refs
+        r = self.at_gpu[block]
+        return 0 if r < 0 else self.refs_gpu[r]
 
     def is_pinned(self, block: int) -> bool:
         """A running conversation pins the registered GPU ``block``."""
-        rec = self.at_gpu[block]
-        return rec is not None and rec.pins > 0
+        r = self.at_gpu[block]
+        return r >= 0 and self.pins[r] > 0
 
-    def _ref_gpu(self, rec: Block) -> None:
-        rec.gpu_refs += 1
+    def _ref_gpu(self, r: int) -> None:
+        n = self.refs_gpu[r] = self.refs_gpu[r] + 1
         self.gpu_refs += 1
-        if rec.gpu_refs == 2:
-            self.shared_gpu.add(rec.gpu)
+        if n == 2:
+            self.shared_gpu.add(self.gpu_of[r])
 
     def leave_gpu(self, block: int) -> tuple[int, bytes]:
         """A chunk lets the registered GPU ``block`` go: its references before, and its hash.
         The last reference unregisters the slot (the caller keeps or frees the block)."""
-        rec = self.at_gpu[block]
-        assert rec is not None
-        n = rec.gpu_refs
-        rec.gpu_refs = n - 1
+        r = self.at_gpu[block]
+        assert r >= 0
+        n = self.refs_gpu[r]
+        self.refs_gpu[r] = n - 1
         self.gpu_refs -= 1
+        h = self.hash_of[r]
         if n == 2:
             self.shared_gpu.discard(block)
         elif n == 1:
-            self.at_gpu[block] = None
-            rec.gpu = -1
+            self.at_gpu[block] = -1
+            self.gpu_of[r] = -1
             self.num_gpu -= 1
-            if rec.pins:
-                rec.pins = 0
+            if self.pins[r]:
+                self.pins[r] = 0
                 self.num_pinned -= 1
-            if rec.cpu < 0:
-                self._forget(rec)
-        return n, rec.hash
+            if self.cpu_of[r] < 0:
+                self._forget(r)
+        return n, h
 
     def unref_gpu(self, block: int) -> bool:
         """A chunk lets GPU ``block`` go; True when the block itself must leave (private, or
         this was its last reference: it is unregistered)."""
-        return self.at_gpu[block] is None or self.leave_gpu(block)[0] == 1
+        return self.at_gpu[block] < 0 or self.leave_gpu(block)[0] == 1
 
     def make_private(self, block: int) -> bool:
         """The chunk holding GPU ``block`` is to be written (it became partial): unregister the
         block if that chunk is its only holder; False if others hold it (the chunk must let it
         go instead)."""
-        rec = self.at_gpu[block]
-        if rec is None:
+        r = self.at_gpu[block]
+        if r < 0:
             return True
-        return rec.gpu_refs == 1 and self.unref_gpu(block)
+        return self.refs_gpu[r] == 1 and self.unref_gpu(block)
 
     def pin_gpu(self, blocks: Sequence[int]) -> int:
         """A conversation whose turn starts pins these registered GPU ``blocks``; returns how
         many other running conversations pinned already."""
-        at, already = self.at_gpu, 0
+        at, pins, already = self.at_gpu, self.pins, 0
         for b in blocks:
-            rec = at[b]
-            assert rec is not None
-            if rec.pins:
+            r = at[b]
+            if pins[r]:
                 already += 1
             else:
                 self.num_pinned += 1
-            rec.pins += 1
+            pins[r] += 1
         return already
 
     def unpin_gpu(self, blocks: Sequence[int]) -> int:
         """A running conversation that pinned these GPU ``blocks`` stops running: each loses
         a pin; returns how many are no longer pinned by anyone."""
-        at, unpinned = self.at_gpu, 0
+        at, pins, unpinned = self.at_gpu, self.pins, 0
         for b in blocks:
-            rec = at[b]
-            if rec is None or not rec.pins:
+            r = at[b]
+            if r < 0 or not pins[r]:
                 unpinned += 1
-            elif rec.pins > 1:
-                rec.pins -= 1
+            elif pins[r] > 1:
+                pins[r] -= 1
             else:
-                rec.pins = 0
+                pins[r] = 0
                 self.num_pinned -= 1
                 unpinned += 1
         return unpinned
@@ -258,61 +264,68 @@ class BlockMap:
     # ------------------------------------------------------------------ the CPU tier
     def cpu_block(self, h: bytes) -> int:
         """The CPU slot of hash ``h``, or -1."""
-        rec = self.by_hash.get(h)
-        return -1 if rec is None else rec.cpu
+        r = self.by_hash.get(h)
+        return -1 if r is None else self.cpu_of[r]
 
     def cpu_refs_of(self, block: int) -> int:
         """Chunks holding the CPU ``block`` if registered (0: unregistered)."""
-        rec = self.at_cpu[block]
-        return 0 if rec is None else rec.cpu_refs
+        r = self.at_cpu[block]
+        return 0 if r < 0 else self.refs_cpu[r]
 
     def ref_cpu(self, block: int) -> None:
         """One more chunk holds the registered CPU ``block``."""
-        rec = self.at_cpu[block]
-        assert rec is not None
-        rec.cpu_refs += 1
+        r = self.at_cpu[block]
+        assert r >= 0
+        n = self.refs_cpu[r] = self.refs_cpu[r] + 1
         self.cpu_refs += 1
-        if rec.cpu_refs == 2:
+        if n == 2:
             self.shared_cpu.add(block)
 
     def register_cpu(self, block: int, h: bytes) -> None:
         """The chunk holding the private CPU ``block`` of hash ``h`` (no CPU slot yet)
         registers it."""
-        rec = self._record(h)
-        rec.cpu, rec.cpu_refs = block, 1
-        self.at_cpu[block] = rec
+        r = self._record(h)
+        self.cpu_of[r], self.refs_cpu[r] = block, 1
+        self.at_cpu[block] = r
         self.num_cpu += 1
         self.cpu_refs += 1
 
-    def move_to_cpu(self, rec: Block, block: int) -> None:
-        """The one holder of ``rec``'s GPU slot (``rec`` has no CPU slot) moves to the CPU
-        ``block``: the record keeps its place in the map, its slot changes tier."""
-        self.at_gpu[rec.gpu] = None
-        rec.gpu, rec.gpu_refs = -1, 0
+    def moves_alone(self, block: int) -> bool:
+        """The registered GPU ``block`` has one holder and its hash no CPU slot: when that
+        chunk goes to the CPU, the record goes along (:meth:`move_to_cpu`)."""
+        r = self.at_gpu[block]
+        return r >= 0 and self.refs_gpu[r] == 1 and self.cpu_of[r] < 0
+
+    def move_to_cpu(self, gpu_block: int, cpu_block: int) -> None:
+        """The one holder of the registered ``gpu_block`` (:meth:`moves_alone`) moves to
+        ``cpu_block``: the record keeps its place in the map, its slot changes tier."""
+        r = self.at_gpu[gpu_block]
+        self.at_gpu[gpu_block] = -1
+        self.gpu_of[r], self.refs_gpu[r] = -1, 0
         self.num_gpu -= 1
         self.gpu_refs -= 1
-        rec.cpu, rec.cpu_refs = block, 1
-        self.at_cpu[block] = rec
+        self.cpu_of[r], self.refs_cpu[r] = cpu_block, 1
+        self.at_cpu[cpu_block] = r
         self.num_cpu += 1
         self.cpu_refs += 1
 
-    def _unref_cpu(self, rec: Block) -> bool:
-        """One reference to ``rec``'s CPU slot goes; True if it was the last (the slot is
-        unregistered: an orphan if reads are pending)."""
-        block, n = rec.cpu, rec.cpu_refs
-        rec.cpu_refs = n - 1
+    def _unref_cpu(self, r: int) -> bool:
+        """One reference to record ``r``'s CPU slot goes; True if it was the last (the slot
+        is unregistered: an orphan if reads are pending)."""
+        block, n = self.cpu_of[r], self.refs_cpu[r]
+        self.refs_cpu[r] = n - 1
         self.cpu_refs -= 1
         if n == 2:
             self.shared_cpu.discard(block)
         if n > 1:
             return False
-        self.at_cpu[block] = None
-        rec.cpu = -1
+        self.at_cpu[block] = -1
+        self.cpu_of[r] = -1
         self.num_cpu -= 1
-        if rec.reads:
-            self.orphans[block], rec.reads = rec.reads, 0
-        if rec.gpu < 0:
-            self._forget(rec)
+        if self.reads[r]:
+            self.orphans[block], self.reads[r] = self.reads[r], 0
+        if self.gpu_of[r] < 0:
+            self._forget(r)
         return True
 
     def read_cpu(self, block: int) -> None:
@@ -320,24 +333,24 @@ class BlockMap:
         CPU (its reference goes; the block is freed once read if it was the last). The last
         reference's read, with no other read pending, leaves the block as a private one read
         by a swap-in (freed at reclaim, nothing to count)."""
-        rec = self.at_cpu[block]
-        assert rec is not None
-        if rec.cpu_refs == 1 and not rec.reads:
-            self._unref_cpu(rec)
+        r = self.at_cpu[block]
+        assert r >= 0
+        if self.refs_cpu[r] == 1 and not self.reads[r]:
+            self._unref_cpu(r)
             return
-        rec.reads += 1
+        self.reads[r] += 1
         self.num_reads += 1
         self.step_reads.add(block)
-        self._unref_cpu(rec)
+        self._unref_cpu(r)
 
     def release_cpu(self, block: int) -> bool:
         """A chunk lets its CPU ``block`` go: False if other chunks still hold it (or a planned
         swap-in still reads it: then it is freed when reclaimed); True if the caller frees
         it."""
-        rec = self.at_cpu[block]
-        if rec is None:
+        r = self.at_cpu[block]
+        if r < 0:
             return True
-        return self._unref_cpu(rec) and block not in self.orphans
+        return self._unref_cpu(r) and block not in self.orphans
 
     def end_reads(self, pool: BlockPool, blocks: list[int]) -> None:
         """A step starts; the swap-ins reading ``blocks`` are done: free the private ones, and
@@ -346,11 +359,11 @@ class BlockMap:
         if not self.num_reads:
             pool.free(blocks)
             return
-        at, orphans = self.at_cpu, self.orphans
+        at, reads, orphans = self.at_cpu, self.reads, self.orphans
         for b in blocks:
-            rec = at[b]
-            if rec is not None and rec.reads:
-                rec.reads -= 1
+            r = at[b]
+            if r >= 0 and reads[r]:
+                reads[r] -= 1
                 self.num_reads -= 1
             elif b in orphans:
                 self.num_reads -= 1
@@ -385,20 +398,21 @@ class BlockMap:
         found: list[tuple[int, int]] = []
         ext: list[int] = []
         cpu: list[tuple[int, int]] = []
-        reads = self.step_reads
+        reads, gpu_of, cpu_of = self.step_reads, self.gpu_of, self.cpu_of
         if not chunks and conv.kv_end == 0:
             hashes = request_hashes(req, conv, c, limit)
             for i in range(limit):
-                rec = by_hash.get(hashes[i])
-                if rec is None or rec.gpu < 0:
+                r = by_hash.get(hashes[i])
+                if r is None or gpu_of[r] < 0:
                     break
-                ext.append(rec.gpu)
+                ext.append(gpu_of[r])
             if cpu_taken is not None:
                 for i in range(len(ext), limit):
-                    rec = by_hash.get(hashes[i])
-                    if rec is None or rec.cpu < 0 or rec.cpu in cpu_taken or rec.cpu in reads:
+                    r = by_hash.get(hashes[i])
+                    cb = -1 if r is None else cpu_of[r]
+                    if cb < 0 or cb in cpu_taken or cb in reads:
                         break
-                    cpu.append((i, rec.cpu))
+                    cpu.append((i, cb))
             return found, ext, cpu
         limit = min(limit, conv.kv_end // c)
         if dropped and dropped[-1] >= limit:
@@ -406,14 +420,14 @@ class BlockMap:
         if dropped:
             hashes = request_hashes(req, conv, c, dropped[-1] + 1)
             for i in dropped:
-                rec = by_hash.get(hashes[i])
-                if rec is None:
+                r = by_hash.get(hashes[i])
+                if r is None:
                     continue
-                if rec.gpu >= 0:
-                    found.append((i, rec.gpu))
-                elif cpu_taken is not None and rec.cpu >= 0 and rec.cpu not in cpu_taken \
-                        and rec.cpu not in reads:
-                    cpu.append((i, rec.cpu))
+                if gpu_of[r] >= 0:
+                    found.append((i, gpu_of[r]))
+                elif cpu_taken is not None and (cb := cpu_of[r]) >= 0 and cb not in cpu_taken \
+                        and cb not in reads:
+                    cpu.append((i, cb))
         return found, ext, cpu
 
     def pinned_by_others(self, chunks: list[Chunk], tiers: list[Tier],
@@ -438,10 +452,10 @@ class BlockMap:
         n = len(chunks)
         for i, b in found:
             chunks[i].tier, chunks[i].block = Tier.GPU, b
-            self._ref_gpu(at[b])  # type: ignore[arg-type]
+            self._ref_gpu(at[b])
         for b in ext:
             chunks.append(Chunk(Tier.GPU, b))
-            self._ref_gpu(at[b])  # type: ignore[arg-type]
+            self._ref_gpu(at[b])
         for i, b in cpu:
             if i < n:
                 chunks[i].tier, chunks[i].block = Tier.CPU, b
@@ -463,7 +477,7 @@ class BlockMap:
         c = chunk_size
         n = min(conv.kv_end, len(conv.token_ids)) // c
         hashes = request_hashes(req, conv, c, n)
-        at, record = self.at_gpu, self._record
+        at, gpu_of, refs, record = self.at_gpu, self.gpu_of, self.refs_gpu, self._record
         back, conv.share_back = conv.share_back, []
         new = range(min(conv.share_upto, n), n)
         chunks, gpu_tier = conv.chunks, Tier.GPU
@@ -474,16 +488,16 @@ class BlockMap:
                 continue
             ch = chunks[i]
             b = ch.block
-            if ch.tier is not gpu_tier or at[b] is not None:
+            if ch.tier is not gpu_tier or at[b] >= 0:
                 continue
-            rec = record(hashes[i])
-            if rec.gpu >= 0:  # computed beside this turn: its block is private, written
-                self._ref_gpu(rec)
+            r = record(hashes[i])
+            if gpu_of[r] >= 0:  # computed beside this turn: its block is private, written
+                self._ref_gpu(r)
                 freed.append(b)
-                ch.block = rec.gpu
+                ch.block = gpu_of[r]
             else:
-                rec.gpu, rec.gpu_refs = b, 1
-                at[b] = rec
+                gpu_of[r], refs[r] = b, 1
+                at[b] = r
                 registered += 1
         self.num_gpu += registered
         self.gpu_refs += registered
@@ -496,36 +510,39 @@ class BlockMap:
         """Raise AssertionError unless the GPU slots agree with ``holders`` (GPU block ->
         chunks holding it) and ``running_holders`` (-> running conversations holding it)."""
         self._check_records()
-        recs = [rec for rec in self.at_gpu if rec is not None]
-        assert len(recs) == self.num_gpu, "GPU record count"
-        assert self.gpu_refs == sum(rec.gpu_refs for rec in recs), "GPU refs total"
-        assert self.shared_gpu == {rec.gpu for rec in recs if rec.gpu_refs > 1}, "shared GPU"
+        live = [r for r in self.by_hash.values() if self.gpu_of[r] >= 0]
+        assert len(live) == self.num_gpu, "GPU record count"
+        assert sum(1 for r in self.at_gpu if r >= 0) == self.num_gpu, "GPU slot count"
+        assert self.gpu_refs == sum(self.refs_gpu[r] for r in live), "GPU refs total"
+        assert self.shared_gpu == {self.gpu_of[r] for r in live if self.refs_gpu[r] > 1}, (
+            "shared GPU")
         for b, n in holders.items():
             assert n == (self.gpu_refs_of(b) or 1), f"GPU block {b}: {n} holders"
-        for rec in recs:
-            b = rec.gpu
-            assert self.at_gpu[b] is rec and b in holders, f"GPU block {b} record"
-            assert rec.pins == running_holders.get(b, 0), f"GPU block {b}: pins {rec.pins}"
-        assert self.num_pinned == sum(1 for rec in recs if rec.pins), "pinned count"
+        for r in live:
+            b = self.gpu_of[r]
+            assert b in holders, f"registered GPU block {b} held by no chunk"
+            assert self.pins[r] == running_holders.get(b, 0), f"GPU block {b}: pins"
+        assert self.num_pinned == sum(1 for r in live if self.pins[r]), "pinned count"
 
     def check_cpu(self, holders: Counter[int], reclaim: list[int]) -> None:
         """Raise AssertionError unless the CPU slots agree with ``holders`` (CPU block ->
         chunks holding it) and ``reclaim`` (the CPU blocks swap-ins read, pending)."""
-        at = self.at_cpu
-        recs = [rec for rec in at if rec is not None]
-        assert len(recs) == self.num_cpu, "CPU record count"
-        assert self.cpu_refs == sum(rec.cpu_refs for rec in recs), "CPU refs total"
-        assert self.shared_cpu == {rec.cpu for rec in recs if rec.cpu_refs > 1}, "shared CPU"
+        live = [r for r in self.by_hash.values() if self.cpu_of[r] >= 0]
+        assert len(live) == self.num_cpu, "CPU record count"
+        assert sum(1 for r in self.at_cpu if r >= 0) == self.num_cpu, "CPU slot count"
+        assert self.cpu_refs == sum(self.refs_cpu[r] for r in live), "CPU refs total"
+        assert self.shared_cpu == {self.cpu_of[r] for r in live if self.refs_cpu[r] > 1}, (
+            "shared CPU")
         for b, n in holders.items():
             assert n == (self.cpu_refs_of(b) or 1), f"CPU block {b}: {n} holders"
-        for rec in recs:
-            assert at[rec.cpu] is rec and rec.cpu in holders, f"CPU block {rec.cpu} record"
+        for r in live:
+            assert self.cpu_of[r] in holders, f"registered CPU block {self.cpu_of[r]} unheld"
         pending = Counter(reclaim)
         reads = 0
         for b, n in pending.items():
-            read = at[b]
-            if read is not None and read.reads:
-                assert read.reads == n, f"CPU block {b}: reads {read.reads}, reclaims {n}"
+            r = self.at_cpu[b]
+            if r >= 0 and self.reads[r]:
+                assert self.reads[r] == n, f"CPU block {b}: reads {self.reads[r]}, reclaims {n}"
                 reads += n
             elif b in self.orphans:
                 assert self.orphans[b] == n and b not in holders, f"orphan {b}"
@@ -536,8 +553,13 @@ class BlockMap:
         assert all(b in pending for b in self.orphans), "an orphan with no reclaim"
 
     def _check_records(self) -> None:
-        for h, rec in self.by_hash.items():
-            assert rec.hash == h and (rec.gpu >= 0 or rec.cpu >= 0), f"record {h.hex()}"
-            assert rec.gpu < 0 or self.at_gpu[rec.gpu] is rec, f"record {h.hex()}: GPU slot"
-            assert rec.cpu < 0 or self.at_cpu[rec.cpu] is rec, f"record {h.hex()}: CPU slot"
-            assert rec.cpu >= 0 or not rec.reads, f"record {h.hex()}: reads, no CPU slot"
+        assert len(self.by_hash) + len(self._free_ids) == len(self.hash_of), "record rows"
+        for h, r in self.by_hash.items():
+            g, c = self.gpu_of[r], self.cpu_of[r]
+            assert self.hash_of[r] == h and (g >= 0 or c >= 0), f"record {h.hex()}"
+            assert g < 0 or self.at_gpu[g] == r, f"record {h.hex()}: GPU slot"
+            assert c < 0 or self.at_cpu[c] == r, f"record {h.hex()}: CPU slot"
+            assert c >= 0 or not self.reads[r], f"record {h.hex()}: reads, no CPU slot"
+            assert g >= 0 or not (self.refs_gpu[r] or self.pins[r]), f"record {h.hex()}"
+        for r in self._free_ids:
+            assert not self.hash_of[r] and self.gpu_of[r] < 0 and self.cpu_of[r] < 0, r

@@ -191,21 +191,21 @@ class KVStore:
         hit = swapped = recomputed = 0
         blocks = self.blocks
         at_gpu = blocks.at_gpu if blocks is not None else ()
-        at_cpu = blocks.at_cpu if blocks is not None and self.share_cpu else ()
+        at_cpu = blocks.at_cpu if blocks is not None and self.share_cpu else ()  # -1: private
         registered = conv.pinned_shared
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
             tier = ch.tier
             if tier is gpu_tier:
                 hit += tokens
-                if at_gpu and at_gpu[ch.block] is not None:  # registered: pinned once
+                if at_gpu and at_gpu[ch.block] >= 0:  # registered: pinned once
                     registered.append(ch.block)
             else:
                 block = gpu.allocate_one()
                 if blocks is not None and i < conv.share_upto:
                     conv.share_back.append(i)
                 if tier is cpu_tier:
-                    if at_cpu and at_cpu[ch.block] is not None:  # a read, no reference
+                    if at_cpu and at_cpu[ch.block] >= 0:  # a read, no reference
                         blocks.read_cpu(ch.block)  # type: ignore[union-attr]
                     swap_in.append((ch.block, block))
                     reclaim_cpu.append(ch.block)
@@ -389,11 +389,10 @@ class KVStore:
         the conversation's index entries (of both tiers) right."""
         ch = conv.chunks[i]
         blocks = self.blocks
-        rec = blocks.at_gpu[ch.block] if blocks is not None else None
         h = b""
-        if rec is not None and (rec.gpu_refs > 1 or rec.cpu >= 0):
-            assert blocks is not None
-            b, rec = ch.block, None
+        along = blocks is not None and blocks.moves_alone(ch.block)  # its record goes along
+        if blocks is not None and not along and blocks.at_gpu[ch.block] >= 0:
+            b = ch.block
             n, h = blocks.leave_gpu(b)  # an idle chunk: not pinned
             if n > 1:
                 if move_shared and self._to_cpu_copy(conv, i, h, key):
@@ -415,7 +414,7 @@ class KVStore:
                 cpu_block = self.take_cpu_block(self.index.key_now(conv, i) if key is None
                                                 else key)
         if cpu_block < 0:  # dropped from the GPU: to the disk tier, if it takes it
-            if rec is not None:
+            if along:
                 blocks.leave_gpu(ch.block)  # type: ignore[union-attr]  # its last holder
             to = Tier.DISK if self.disk is not None and self._spill_to_disk(conv, i) \
                 else Tier.DROPPED
@@ -423,18 +422,17 @@ class KVStore:
             ch.tier, ch.block = to, -1
             stats.dropped_tokens += tokens
             return to
+        gpu_block = ch.block
         if urgent:
-            self._plan.swap_out_first[cpu_block] = ch.block
-            self.gpu.free_one(ch.block)
+            self._plan.swap_out_first[cpu_block] = gpu_block
+            self.gpu.free_one(gpu_block)
         else:
-            self._plan.swap_out[cpu_block] = ch.block
+            self._plan.swap_out[cpu_block] = gpu_block
         ch.tier, ch.block = Tier.CPU, cpu_block
         stats.swapped_out_tokens += tokens
-        if blocks is None:
-            return Tier.CPU
-        if rec is not None:
-            blocks.move_to_cpu(rec, cpu_block)
-        elif h and blocks.cpu_block(h) < 0:
+        if along:
+            blocks.move_to_cpu(gpu_block, cpu_block)  # type: ignore[union-attr]
+        elif h and blocks is not None and blocks.cpu_block(h) < 0:
             blocks.register_cpu(cpu_block, h)
         return Tier.CPU
 

@@ -49,7 +49,7 @@ def shared_holders(conversations: dict[str, Conversation], blocks: BlockMap
         if conv.running:
             continue
         for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.GPU and at[ch.block] is not None:
+            if ch.tier is Tier.GPU and at[ch.block] >= 0:
                 holders.setdefault(ch.block, []).append((conv, i))
     return {b: h for b, h in holders.items() if len(h) == blocks.gpu_refs_of(b)}
 
@@ -64,7 +64,7 @@ def shared_cpu_victims(index: EvictionIndex, blocks: BlockMap, key: EvictionKey 
     at = blocks.at_cpu
     for conv in index.conversations.values():
         for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.CPU and at[ch.block] is not None:
+            if ch.tier is Tier.CPU and at[ch.block] >= 0:
                 holders.setdefault(ch.block, []).append((conv, i))
                 if conv.running:  # references taken by a turn being admitted
                     running.add(ch.block)
