@@ -140,19 +140,19 @@ class BlockMap:
 
     def _record(self, h: bytes) -> int:
         """The id of hash ``h``'s record, a new row (a free one reused) if it has none."""
-        r = self.by_hash.get(h)
-        if r is None:
-            if self._free_ids:
-                r = self._free_ids.pop()
+        free = self._free_ids
+        fresh = free[-1] if free else len(self.hash_of)
+        r = self.by_hash.setdefault(h, fresh)  # one lookup whether it has one or not
+        if r == fresh:
+            if free:
+                free.pop()
                 self.hash_of[r] = h
             else:
-                r = len(self.hash_of)
                 self.hash_of.append(h)
                 for col in (self.gpu_of, self.cpu_of):
                     col.append(-1)
                 for col in (self.refs_gpu, self.refs_cpu, self.pins, self.reads):
                     col.append(0)
-            self.by_hash[h] = r
         return r
 
     def _forget(self, r: int) -> None:
