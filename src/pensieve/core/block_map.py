@@ -97,7 +97,8 @@ class BlockMap:
     which cost more host time per step than the bookkeeping itself. Ids of rows out of the
     map are reused."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
         self.by_hash: dict[bytes, int] = {}
         """Hash -> its record's id."""
         self.hash_of: list[bytes] = []
@@ -137,6 +138,60 @@ class BlockMap:
         runner's copy batches cut disjoint runs), so admission takes none of these."""
         self.on_gpu = OnGpu(self.by_hash, self.gpu_of)
         self._free_ids: list[int] = []
+        self.alone: dict[bytes, Conversation] = {}
+        """First-chunk hash -> the one conversation with it, whose registration is owed
+        (lazy registration, :meth:`register_turn`)."""
+        self.owed: dict[Conversation, bytes] = {}
+        """Conversations owing registration -> their key in :attr:`alone`."""
+        self.crowded: set[bytes] = set()
+        """First-chunk hashes two conversations (or a conversation and a turn looking its
+        chunks up) have had: their conversations register at once."""
+
+    # ------------------------------------------------------------------ lazy registration
+    def ready_for(self, h0: bytes, conv: Conversation | None = None) -> None:
+        """Chunks whose first chunk hashes to ``h0`` are about to be looked up (by a turn of
+        ``conv``): the conversation that owes their registration, if another, registers now,
+        and conversations with that first hash register at once from now on."""
+        owner = self.alone.get(h0)
+        if owner is not None and owner is not conv:
+            self.crowded.add(h0)
+            self.pay(owner)
+
+    def pay(self, conv: Conversation) -> None:
+        """Register what ``conv`` owes (:meth:`register_turn`): its full GPU and CPU chunks
+        below ``share_upto`` that its admission did not bring back (``share_back``), as an
+        eager registration would hold them now; a running turn pins its GPU ones."""
+        key = self.owed.pop(conv, None)
+        if key is None:
+            return
+        if self.alone.get(key) is conv:
+            del self.alone[key]
+        c, hashes, chunks = self.chunk_size, conv.share_hashes, conv.chunks
+        back = set(conv.share_back)
+        for i in range(min(conv.share_upto, conv.kv_end // c, len(hashes), len(chunks))):
+            ch = chunks[i]
+            if i in back:
+                continue
+            if ch.tier is Tier.GPU:
+                r = self._record(hashes[i])
+                assert self.gpu_of[r] < 0, "an owed chunk's hash has a GPU slot"
+                self.gpu_of[r], self.refs_gpu[r] = ch.block, 1
+                self.at_gpu[ch.block] = r
+                self.num_gpu += 1
+                self.gpu_refs += 1
+                if conv.running:
+                    self.pins[r] = 1
+                    self.num_pinned += 1
+            elif ch.tier is Tier.CPU:
+                self.register_cpu(ch.block, hashes[i])
+        if conv.running:
+            conv.pinned_shared = [b for b in conv.block_table if self.at_gpu[b] >= 0]
+
+    def forget(self, conv: Conversation) -> None:
+        """``conv`` is deleted: it owes nothing."""
+        key = self.owed.pop(conv, None)
+        if key is not None and self.alone.get(key) is conv:
+            del self.alone[key]
 
     def _record(self, h: bytes) -> int:
         """The id of hash ``h``'s record, a new row (a free one reused) if it has none."""
@@ -386,15 +441,18 @@ class BlockMap:
         miss: indices past its chunks), to be swapped in. ``cpu_taken``: CPU slots not to be
         taken now (a background copy of this step writes them; None: no CPU tier). Only
         chunks wholly before the turn's last token (always computed) qualify. ``dropped``:
-        the conversation's dropped chunks, ascending. Changes nothing."""
-        by_hash = self.by_hash
-        if not by_hash:
-            return [], [], []
+        the conversation's dropped chunks, ascending. Changes nothing but the registration
+        another conversation owed under the turn's first hash (:meth:`ready_for`)."""
         chunks = conv.chunks
         if chunks and not dropped:  # KV and nothing dropped: nothing to take
             return [], [], []
         c = chunk_size
         limit = (req.num_tokens - 1) // c  # full chunks before the last token
+        if self.alone and limit:
+            self.ready_for(request_hashes(req, conv, c, 1)[0], conv)
+        by_hash = self.by_hash
+        if not by_hash:
+            return [], [], []
         found: list[tuple[int, int]] = []
         ext: list[int] = []
         cpu: list[tuple[int, int]] = []
@@ -468,7 +526,14 @@ class BlockMap:
 
     def register_turn(self, req: Request, conv: Conversation, chunk_size: int) -> list[int]:
         """The turn ended (its conversation is idle, its history set): register its full GPU
-        chunks within the history that are not registered yet (those past
+        chunks within the history that are not registered yet, or owe their registration.
+
+        Lazily: chained hashes mean a chunk can be shared only by a turn whose first chunk has
+        the same hash. While no other conversation has had the conversation's first hash, it
+        only owes its registration (:attr:`alone`): nothing is written per chunk, and the
+        registration is made, as it would stand then, by :meth:`pay` once another turn looks
+        that first hash up (:meth:`ready_for`, from :meth:`find` and the disk tier's lookups)
+        or another conversation's turn ends with it. Otherwise eagerly: those past
         ``Conversation.share_upto`` and those its admissions brought back to the GPU,
         ``share_back``: work in proportion to what the turn changed), and keep their hashes
         on the conversation. Returns the GPU blocks to free: a chunk whose hash has a GPU slot
@@ -477,6 +542,19 @@ class BlockMap:
         c = chunk_size
         n = min(conv.kv_end, len(conv.token_ids)) // c
         hashes = request_hashes(req, conv, c, n)
+        if n and hashes[0] not in self.crowded:
+            owner = self.alone.get(hashes[0])
+            if owner is None or owner is conv:  # alone with its first hash: owed, lazily
+                self.forget(conv)
+                self.alone[hashes[0]] = conv
+                self.owed[conv] = hashes[0]
+                conv.share_back = []
+                conv.share_hashes, conv.share_salt = hashes, req.share_salt
+                conv.share_upto = max(conv.share_upto, n)
+                return []
+            self.crowded.add(hashes[0])
+            self.pay(owner)
+        self.pay(conv)  # what it owed under its first hash, before this turn's chunks
         at, gpu_of, refs, record = self.at_gpu, self.gpu_of, self.refs_gpu, self._record
         back, conv.share_back = conv.share_back, []
         new = range(min(conv.share_upto, n), n)

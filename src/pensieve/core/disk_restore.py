@@ -113,6 +113,8 @@ def extend_from_disk(cache: KVStore, req: Request, conv: Conversation) -> None:
     salt = req.share_salt
     disk.set_salt(cid, salt)
     full = request_hashes(req, conv, c, limit // c)[:limit // c]  # before the last token
+    if cache.blocks is not None and full:
+        cache.blocks.ready_for(full[0], conv)  # its chunks looked up by hash below
     on_gpu = cache.blocks.on_gpu if cache.blocks is not None else ()
     end = kept = kept_end = 0
     for i in range(-(-limit // c)):

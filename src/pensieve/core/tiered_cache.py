@@ -140,7 +140,7 @@ class TieredKVCache:
         share_across_tenants = config.share_prefixes_across_tenants
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
-        blocks = BlockMap(num_gpu_blocks, num_cpu_blocks) if share_prefixes else None
+        blocks = BlockMap(num_gpu_blocks, num_cpu_blocks, chunk_size) if share_prefixes else None
         self.index = self.index_class(self.conversations, chunk_size, policy, chunk_cost,
                                       key_refresh_s, blocks)
         self.store = self.store_class(num_gpu_blocks, num_cpu_blocks, self.index,
@@ -186,6 +186,8 @@ class TieredKVCache:
         if conv.running:
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
         self.index.remove(conv)
+        if self.blocks is not None:
+            self.blocks.forget(conv)
         self.store.free_chunks(conv, 0)
         if self.disk is not None:
             self.disk.forget_from(conversation_id, 0)

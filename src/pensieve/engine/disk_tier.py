@@ -251,6 +251,8 @@ class DiskTier:
         remote = self.remote
         assert remote is not None
         blocks = cache.blocks if cache is not None else None
+        if cache is not None and blocks is not None and hashes:  # looked up by hash below
+            blocks.ready_for(hashes[0], cache.conversations.get(conversation_id))
         wanted = remote.wanted(tokens, salt, dropped, hashes, self.index.files,
                                blocks.on_gpu if blocks is not None else ())
         chunks = [w for w in wanted if w[1] not in self._probing]
