@@ -31,7 +31,7 @@ The eviction index (:mod:`pensieve.core.eviction_index`) reads :attr:`BlockMap.s
 and :attr:`BlockMap.shared_cpu`: a chunk whose slot others hold too is no eviction
 candidate (its block is worth what all its sharers would lose).
 
-Invariants (:meth:`BlockMap.check_gpu`, :meth:`BlockMap.check_cpu`): each record in
+Invariants (:func:`pensieve.core.pool_audit.check_gpu` and ``check_cpu``): each record in
 ``by_hash`` has a slot, and ``at_gpu``/``at_cpu`` point back at it; each slot's references
 equal the chunks holding it; ``shared_*`` is the set of slots with two references or more;
 pins equal the running conversations holding the slot; reads equal the slot's pending
@@ -40,7 +40,6 @@ reclaims; the counters equal their sums.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Container, Sequence
 
 from pensieve.core.block_pool import BlockPool
@@ -137,7 +136,8 @@ class BlockMap:
         """Registered CPU slots this step's swap-ins read: a step reads a CPU block once (the
         runner's copy batches cut disjoint runs), so admission takes none of these."""
         self.on_gpu = OnGpu(self.by_hash, self.gpu_of)
-        self._free_ids: list[int] = []
+        self.free_ids: list[int] = []
+        """Rows out of the map, reused."""
         self.alone: dict[bytes, Conversation] = {}
         """First-chunk hash -> the one conversation with it, whose registration is owed
         (lazy registration, :meth:`register_turn`)."""
@@ -195,7 +195,7 @@ class BlockMap:
 
     def _record(self, h: bytes) -> int:
         """The id of hash ``h``'s record, a new row (a free one reused) if it has none."""
-        free = self._free_ids
+        free = self.free_ids
         fresh = free[-1] if free else len(self.hash_of)
         r = self.by_hash.setdefault(h, fresh)  # one lookup whether it has one or not
         if r == fresh:
@@ -214,7 +214,7 @@ class BlockMap:
         """Record ``r`` has no slot left: out of the map, its row free (its counts are 0)."""
         del self.by_hash[self.hash_of[r]]
         self.hash_of[r] = b""
-        self._free_ids.append(r)
+        self.free_ids.append(r)
 
     # ------------------------------------------------------------------ the GPU tier
     def gpu_block(self, h: bytes) -> int:
@@ -582,62 +582,3 @@ class BlockMap:
         conv.share_hashes, conv.share_salt = hashes, req.share_salt
         conv.share_upto = max(conv.share_upto, n)
         return freed
-
-    # ------------------------------------------------------------------ audit
-    def check_gpu(self, holders: dict[int, int], running_holders: dict[int, int]) -> None:
-        """Raise AssertionError unless the GPU slots agree with ``holders`` (GPU block ->
-        chunks holding it) and ``running_holders`` (-> running conversations holding it)."""
-        self._check_records()
-        live = [r for r in self.by_hash.values() if self.gpu_of[r] >= 0]
-        assert len(live) == self.num_gpu, "GPU record count"
-        assert sum(1 for r in self.at_gpu if r >= 0) == self.num_gpu, "GPU slot count"
-        assert self.gpu_refs == sum(self.refs_gpu[r] for r in live), "GPU refs total"
-        assert self.shared_gpu == {self.gpu_of[r] for r in live if self.refs_gpu[r] > 1}, (
-            "shared GPU")
-        for b, n in holders.items():
-            assert n == (self.gpu_refs_of(b) or 1), f"GPU block {b}: {n} holders"
-        for r in live:
-            b = self.gpu_of[r]
-            assert b in holders, f"registered GPU block {b} held by no chunk"
-            assert self.pins[r] == running_holders.get(b, 0), f"GPU block {b}: pins"
-        assert self.num_pinned == sum(1 for r in live if self.pins[r]), "pinned count"
-
-    def check_cpu(self, holders: Counter[int], reclaim: list[int]) -> None:
-        """Raise AssertionError unless the CPU slots agree with ``holders`` (CPU block ->
-        chunks holding it) and ``reclaim`` (the CPU blocks swap-ins read, pending)."""
-        live = [r for r in self.by_hash.values() if self.cpu_of[r] >= 0]
-        assert len(live) == self.num_cpu, "CPU record count"
-        assert sum(1 for r in self.at_cpu if r >= 0) == self.num_cpu, "CPU slot count"
-        assert self.cpu_refs == sum(self.refs_cpu[r] for r in live), "CPU refs total"
-        assert self.shared_cpu == {self.cpu_of[r] for r in live if self.refs_cpu[r] > 1}, (
-            "shared CPU")
-        for b, n in holders.items():
-            assert n == (self.cpu_refs_of(b) or 1), f"CPU block {b}: {n} holders"
-        for r in live:
-            assert self.cpu_of[r] in holders, f"registered CPU block {self.cpu_of[r]} unheld"
-        pending = Counter(reclaim)
-        reads = 0
-        for b, n in pending.items():
-            r = self.at_cpu[b]
-            if r >= 0 and self.reads[r]:
-                assert self.reads[r] == n, f"CPU block {b}: reads {self.reads[r]}, reclaims {n}"
-                reads += n
-            elif b in self.orphans:
-                assert self.orphans[b] == n and b not in holders, f"orphan {b}"
-                reads += n
-            else:
-                assert n == 1 and b not in holders, f"CPU block {b} reclaim clash"
-        assert reads == self.num_reads, f"pending reads {self.num_reads} != {reads}"
-        assert all(b in pending for b in self.orphans), "an orphan with no reclaim"
-
-    def _check_records(self) -> None:
-        assert len(self.by_hash) + len(self._free_ids) == len(self.hash_of), "record rows"
-        for h, r in self.by_hash.items():
-            g, c = self.gpu_of[r], self.cpu_of[r]
-            assert self.hash_of[r] == h and (g >= 0 or c >= 0), f"record {h.hex()}"
-            assert g < 0 or self.at_gpu[g] == r, f"record {h.hex()}: GPU slot"
-            assert c < 0 or self.at_cpu[c] == r, f"record {h.hex()}: CPU slot"
-            assert c >= 0 or not self.reads[r], f"record {h.hex()}: reads, no CPU slot"
-            assert g >= 0 or not (self.refs_gpu[r] or self.pins[r]), f"record {h.hex()}"
-        for r in self._free_ids:
-            assert not self.hash_of[r] and self.gpu_of[r] < 0 and self.cpu_of[r] < 0, r
