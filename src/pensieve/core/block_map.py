@@ -14,7 +14,9 @@ nothing else keeps that state::
     shared_gpu: {12}                      shared_cpu: {}                (held twice or more)
 
 Which chunks share (``TieredKVCache``, :class:`~pensieve.core.kv_store.KVStore`). An ended
-turn registers its full GPU chunks (:meth:`BlockMap.register_turn`); admission makes a turn's
+turn registers its full GPU chunks (:meth:`BlockMap.register_turn`; lazily while its
+conversation is the only one with its first chunk's hash: it owes them until another turn
+looks that hash up, :meth:`BlockMap.ready_for`); admission makes a turn's
 dropped or leading chunks references to registered slots (:meth:`BlockMap.find` and
 :meth:`BlockMap.take`); a registered GPU block whose last reference leaves for the CPU
 registers its CPU slot (the record keeps its place in the map); a shared GPU block moved by
