@@ -190,7 +190,7 @@ def test_the_cache_is_built_from_its_config_whole() -> None:
     assert cache.defer_admission == 5
     default = TieredKVCache(8, 4, float, CacheConfig())
     assert default.defer_admission == CacheConfig().defer_admission
-    assert (default.pools.share is not None) == CacheConfig().share_prefixes
+    assert (default.blocks is not None) == CacheConfig().share_prefixes
     assert default.share_across_tenants == CacheConfig().share_prefixes_across_tenants
     assert default.chunk_size == CacheConfig().chunk_size
 

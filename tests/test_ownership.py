@@ -1,6 +1,6 @@
 """No module of the pure-Python core changes another module's object state, as
 ``test_architecture.py`` checks imports: the state of an owner (a class of ``pensieve.core``
-that is not a plain record: the cache, its pools, the prefix-share maps, the disk index, the
+that is not a plain record: the cache, its store, the block map, the disk index, the
 eviction index, the block pools, the scheduler) is written only by the module that defines
 its class, through its methods elsewhere. Records (dataclasses, named tuples, enums: a
 conversation, a chunk, a request, a plan, counters) are data that their holders fill in.
@@ -148,7 +148,7 @@ def test_the_checker_finds_a_foreign_write(tmp_path: Path) -> None:
     base, names = _chain(ast.parse("pools.share.refs[b]").body[0].value)  # type: ignore[attr-defined]
     assert isinstance(base, ast.Name) and base.id == "pools" and names == ["share", "refs"]
     owned = owned_attributes()
-    assert {"refs", "by_hash"} <= owned["prefix_share"] and "salts" in owned["disk_index"]
+    assert {"by_hash", "at_gpu"} <= owned["block_map"] and "salts" in owned["disk_index"]
     assert "conversations" in owned["tiered_cache"]
     assert "chunks" not in set().union(*owned.values())  # Conversation is a record
 

@@ -16,7 +16,6 @@ from pensieve.core.eviction import get_policy
 from pensieve.core.prefix_share import extend_hashes, share_salt
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.share_admission import pinned_by_others
 from pensieve.core.tiered_cache import TieredKVCache
 from tests.test_tiered_cache import CACHE_OPTIONS, IDS, KINDS, Driver, cost, unshared
 
@@ -58,13 +57,14 @@ def test_second_conversation_takes_the_first_ones_full_chunks() -> None:
     ca, cb = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     assert [ch.block for ch in cb[:2]] == [ch.block for ch in ca[:2]]
     assert cb[2].block != ca[2].block  # other tokens: B's own
-    share = cache.pools.share
+    share = cache.blocks
     assert share is not None
-    assert [share.refs[ch.block] for ch in ca] == [2, 2, 1]
-    assert share.refs[cb[2].block] == 1 and not share.refs[cb[3].block]  # partial: private
+    assert [share.gpu_refs_of(ch.block) for ch in ca] == [2, 2, 1]
+    assert share.gpu_refs_of(cb[2].block) == 1
+    assert not share.gpu_refs_of(cb[3].block)  # partial: private
     # A: 3 chunks (12 tokens), B: 4 (13), two of them A's blocks: 5 GPU blocks taken
     assert cache.gpu.num_blocks - cache.gpu.num_free_blocks == 5
-    assert share.num_refs == 6
+    assert share.gpu_refs == 6
 
 
 def test_tenants_do_not_share_unless_salts_agree() -> None:
@@ -84,32 +84,32 @@ def test_evicting_a_shared_chunk_moves_it_to_the_cpu_once() -> None:
     cache = make(cpu=8)
     run_turn(cache, "a", SYSTEM + [20], 0.0)
     run_turn(cache, "b", SYSTEM + [30], 1.0)
-    share, cpu_share = cache.pools.share, cache.pools.cpu_share
+    share = cpu_share = cache.blocks
     assert share is not None and cpu_share is not None
     shared = cache.conversations["a"].chunks[0].block
     cache.take_swap_plan()
     # evict everything idle: chunks held alone first, then (no candidate left) each shared
     # block, copied once to one CPU block that both sharers hold
-    cache.pools.evict_gpu(100, 2.0, urgent=True)
+    cache.store.evict_gpu(100, 2.0, urgent=True)
     cache.check_integrity()
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     assert all(ch.tier is Tier.CPU for ch in a + b)
     for i in range(2):
-        assert a[i].block == b[i].block and cpu_share.refs[a[i].block] == 2
-    assert a[2].block != b[2].block and not cpu_share.refs[a[2].block]  # partial: private
-    assert not share.refs[shared] and len(share) == 0 and len(cpu_share) == 2
-    assert cpu_share.num_refs == 4
+        assert a[i].block == b[i].block and cpu_share.cpu_refs_of(a[i].block) == 2
+    assert a[2].block != b[2].block and not cpu_share.cpu_refs_of(a[2].block)  # partial: private
+    assert not share.gpu_refs_of(shared) and share.num_gpu == 0 and cpu_share.num_cpu == 2
+    assert cpu_share.cpu_refs == 4
     plan = cache.take_swap_plan()  # one copy per CPU block: 2 shared + 2 private chunks
     assert sorted(c for _, c in plan.swap_out_first) == sorted({ch.block for ch in a + b})
     cache.begin_step()
     # A's next turn swaps its chunks in; B still holds the CPU copies of the shared ones
     req = run_turn(cache, "a", [40], 3.0)
     assert req.cache_stats.cpu_hit_tokens == 11 and req.cache_stats.recomputed_tokens == 0
-    assert [cpu_share.refs[ch.block] for ch in b[:2]] == [1, 1]
+    assert [cpu_share.cpu_refs_of(ch.block) for ch in b[:2]] == [1, 1]
     cache.begin_step()
     cache.check_integrity()
     # a new conversation takes references to them (not registered on the GPU any more)
-    assert share.by_hash  # A's turn registered its GPU blocks again
+    assert share.num_gpu  # A's turn registered its GPU blocks again
     run_turn(cache, "a2", [1, 2, 3], 4.0)  # unrelated
 
 
@@ -117,9 +117,9 @@ def test_cpu_copy_is_shared_at_admission_and_read_before_freed() -> None:
     cache = make(gpu=16, cpu=8)
     run_turn(cache, "a", SYSTEM + [20], 0.0)
     run_turn(cache, "b", SYSTEM + [30], 1.0)
-    cpu_share = cache.pools.cpu_share
+    cpu_share = cache.blocks
     assert cpu_share is not None
-    cache.pools.evict_gpu(100, 2.0, urgent=True)  # everything to the CPU, shared blocks once
+    cache.store.evict_gpu(100, 2.0, urgent=True)  # everything to the CPU, shared blocks once
     cache.take_swap_plan()
     cache.begin_step()
     copies = [ch.block for ch in cache.conversations["a"].chunks[:2]]
@@ -127,17 +127,17 @@ def test_cpu_copy_is_shared_at_admission_and_read_before_freed() -> None:
     c = run_turn(cache, "c", SYSTEM + [50], 3.0)
     assert c.cache_stats.cpu_shared_tokens == 8 and c.cache_stats.cpu_hit_tokens == 8
     assert c.cache_stats.shared_hit_tokens == 0
-    assert [cpu_share.refs[b] for b in copies] == [2, 2]  # A and B still hold them
+    assert [cpu_share.cpu_refs_of(b) for b in copies] == [2, 2]  # A and B still hold them
     plan = cache.take_swap_plan()
     assert sorted(cb for cb, _ in plan.swap_in) == sorted(copies)
     # A and B let them go in the same step: the blocks are read, so freed only at the next
     for cid in ("a", "b"):
         cache.delete(cid)
     cache.check_integrity()
-    assert all(not cache.cpu.is_free(b) for b in copies) and cpu_share.orphans == set(copies)
+    assert all(not cache.cpu.is_free(b) for b in copies) and set(cpu_share.orphans) == set(copies)
     cache.begin_step()
     cache.check_integrity()
-    assert all(cache.cpu.is_free(b) for b in copies) and not cpu_share.reads
+    assert all(cache.cpu.is_free(b) for b in copies) and not cpu_share.num_reads
 
 
 def test_shared_cpu_blocks_go_last_and_with_all_their_holders() -> None:
@@ -147,19 +147,19 @@ def test_shared_cpu_blocks_go_last_and_with_all_their_holders() -> None:
     cache = make(cpu=8)
     run_turn(cache, "a", SYSTEM + [20], 0.0)
     run_turn(cache, "b", SYSTEM + [30], 1.0)
-    cache.pools.evict_gpu(100, 2.0, urgent=True)
+    cache.store.evict_gpu(100, 2.0, urgent=True)
     cache.take_swap_plan()
     cache.begin_step()
     cache.check_integrity()
-    cpu_share = cache.pools.cpu_share
-    assert cpu_share is not None and len(cpu_share) == 2
+    cpu_share = cache.blocks
+    assert cpu_share is not None and cpu_share.num_cpu == 2
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     held = cache.cpu.allocate(cache.cpu.num_free_blocks)  # the tier full
-    taken = [cache.pools.take_cpu_block(None) for _ in range(3)]
+    taken = [cache.store.take_cpu_block(None) for _ in range(3)]
     assert a[2].tier is Tier.DROPPED and b[2].tier is Tier.DROPPED  # private ones first
     gone = [i for i in range(2) if a[i].tier is Tier.DROPPED]
     assert len(gone) == 1 and b[gone[0]].tier is Tier.DROPPED  # both holders let it go
-    assert len(cpu_share) == 1 and cpu_share.num_refs == 2
+    assert cpu_share.num_cpu == 1 and cpu_share.cpu_refs == 2
     cache.cpu.free(held + taken)
     cache.check_integrity()
 
@@ -168,7 +168,7 @@ def test_no_cpu_tier_drops_a_shared_chunk() -> None:
     cache = make(cpu=0)
     run_turn(cache, "a", SYSTEM + [20], 0.0)
     run_turn(cache, "b", SYSTEM + [30], 1.0)
-    cache.pools.evict_gpu(100, 2.0, urgent=True)
+    cache.store.evict_gpu(100, 2.0, urgent=True)
     cache.check_integrity()
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     assert all(ch.tier is Tier.DROPPED for ch in a + b)
@@ -185,7 +185,7 @@ def test_running_reader_keeps_a_shared_block() -> None:
     assert cache.admit(req, conv, req.num_tokens, 1.0)
     assert req.cache_stats.shared_hit_tokens == 8
     blocks = conv.block_table[:2]
-    freed = cache.pools.evict_gpu(100, 2.0, urgent=True)  # dropped: no CPU tier
+    freed = cache.store.evict_gpu(100, 2.0, urgent=True)  # dropped: no CPU tier
     cache.check_integrity()
     # a's chunks that b reads are no candidates (a reference dropped would free nothing, nor
     # could the block go): only a's own chunk leaves
@@ -193,8 +193,8 @@ def test_running_reader_keeps_a_shared_block() -> None:
     assert freed == 1
     assert [ch.tier for ch in a_chunks] == [Tier.GPU, Tier.GPU, Tier.DROPPED]
     assert all(not cache.gpu.is_free(b) for b in blocks)  # b still reads them
-    share = cache.pools.share
-    assert share is not None and [share.refs[b] for b in blocks] == [2, 2]
+    share = cache.blocks
+    assert share is not None and [share.gpu_refs_of(b) for b in blocks] == [2, 2]
     # a's next turn finds them on the GPU (b still running)
     req_a = Request("a2", cache.conversations["a"].token_ids + [1],
                     SamplingParams(max_tokens=1), conversation_id="a")
@@ -204,7 +204,7 @@ def test_running_reader_keeps_a_shared_block() -> None:
     assert req_a.cache_stats.gpu_hit_tokens == 8
     assert req_a.cache_stats.shared_hit_tokens == 0
     assert conv_a.block_table[:2] == blocks
-    assert cache.pools.pinned_gpu == len(set(conv.block_table) | set(conv_a.block_table))
+    assert cache.store.pinned_gpu == len(set(conv.block_table) | set(conv_a.block_table))
     cache.check_integrity()
 
 
@@ -263,15 +263,15 @@ class ShareDriver(Driver):
 
     def check(self) -> None:
         cache = self.cache
-        share = cache.pools.share
+        share = cache.blocks
         assert share is not None
-        cpu_share = cache.pools.cpu_share
-        assert (cpu_share is None) == (cache.cpu is None)
-        cpu_refs = cpu_share.refs if cpu_share is not None else []
+        cpu_share = cache.blocks if cache.cpu is not None else None
+        cpu_refs = [cpu_share.cpu_refs_of(b) for b in range(len(cpu_share.at_cpu))] \
+            if cpu_share is not None else []
         salts: dict[tuple[Tier, int], set[bytes]] = {}
         for conv in cache.conversations.values():
             for ch in conv.chunks:
-                if (ch.tier is Tier.GPU and share.refs[ch.block]) or (
+                if (ch.tier is Tier.GPU and share.gpu_refs_of(ch.block)) or (
                         ch.tier is Tier.CPU and cpu_refs[ch.block]):
                     salts.setdefault((ch.tier, ch.block), set()).add(
                         self.salt(conv.conversation_id))
@@ -285,24 +285,26 @@ class ShareDriver(Driver):
             extend_hashes(hashes, self.salt(conv.conversation_id), conv.token_ids[:n * C], C)
             for i in range(n):
                 ch = conv.chunks[i]
-                if ch.tier is Tier.GPU and share.refs[ch.block]:
-                    assert share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
+                if ch.tier is Tier.GPU and share.gpu_refs_of(ch.block):
+                    assert share.hash_of[share.at_gpu[ch.block]] == hashes[i], (
+                        conv.conversation_id, i)
                 if ch.tier is Tier.CPU and cpu_share is not None and cpu_refs[ch.block]:
-                    assert cpu_share.hash_of[ch.block] == hashes[i], (conv.conversation_id, i)
+                    assert cpu_share.hash_of[cpu_share.at_cpu[ch.block]] == hashes[i], (
+                        conv.conversation_id, i)
         for conv in cache.conversations.values():  # the admission's count of pinned blocks
             if not conv.running:
                 tiers = [ch.tier for ch in conv.chunks]
-                assert pinned_by_others(share, conv.chunks, tiers, [], []) == sum(
-                    1 for ch in conv.chunks if ch.tier is Tier.GPU and ch.block in share.pins)
+                assert share.pinned_by_others(conv.chunks, tiers, [], []) == sum(
+                    1 for ch in conv.chunks if ch.tier is Tier.GPU and share.is_pinned(ch.block))
         # background copies out read their GPU block until reclaimed (an urgent one's block
         # is free at once: the runner copies it before the step touches any KV)
-        leaving = set(cache.pools._plan.swap_out.values())
-        leaving |= {g for grp in cache.pools._reclaim_groups for g in grp}
+        leaving = set(cache.store._plan.swap_out.values())
+        leaving |= {g for grp in cache.store._reclaim_groups for g in grp}
         for cid in self.running:
             table = cache.conversations[cid].block_table
             assert not leaving & set(table), "a block a running turn reads is leaving"
         # a CPU block a planned swap-in reads is not free (so no copy out can take it)
-        plan = cache.pools._plan
+        plan = cache.store._plan
         for cb, _ in plan.swap_in + plan.swap_in_ahead:
             assert cache.cpu is not None and not cache.cpu.is_free(cb), cb
         for reads in (plan.swap_in, plan.swap_in_ahead):  # the runner's batches need this
@@ -403,7 +405,7 @@ def test_rewritten_history_is_hashed_again() -> None:
     run_turn(cache, "a", SYSTEM + [20, 21, 22, 23, 24, 25], 0.0)
     run_turn(cache, "b", [50] * 12, 1.0)
     conv = cache.conversations["a"]
-    cache.pools.free_chunks(conv, 0)  # the KV goes, as truncate_history's abort does
+    cache.store.free_chunks(conv, 0)  # the KV goes, as truncate_history's abort does
     cache.index.reindex(conv)
     conv.token_ids = [50] * 9  # the history is rewritten
     req = run_turn(cache, "a", [7], 2.0)
@@ -440,11 +442,11 @@ def test_chunks_brought_back_are_registered_again() -> None:
     swaps it back in (or recomputes it) and ends."""
     cache = make(cpu=8)
     run_turn(cache, "a", SYSTEM + [20], 0.0)
-    cache.pools.evict_gpu(100, 1.0, urgent=True)
+    cache.store.evict_gpu(100, 1.0, urgent=True)
     cache.take_swap_plan()
     cache.begin_step()
-    share = cache.pools.share
-    assert share is not None and len(share) == 0
+    share = cache.blocks
+    assert share is not None and share.num_gpu == 0
     back = run_turn(cache, "a", [21], 2.0)
     assert back.cache_stats.cpu_hit_tokens > 0
     c = run_turn(cache, "c", SYSTEM + [30], 3.0)
@@ -461,9 +463,9 @@ def test_rewritten_history_registers_its_own_hashes() -> None:
     conv = cache.conversations["a"]
     conv.token_ids = conv.token_ids[:4]  # truncate_history: keep one chunk
     cache.abort_turn(Request("x", [0], SamplingParams()), conv, 1.0)
-    cache.pools.evict_gpu(100, 1.0, urgent=True)  # nothing registered: find_shared returns
-    share = cache.pools.share
-    assert share is not None and len(share) == 0
+    cache.store.evict_gpu(100, 1.0, urgent=True)  # nothing registered: find_shared returns
+    share = cache.blocks
+    assert share is not None and share.num_gpu == 0
     conv.token_ids = old[:4] + [7] * 12  # set_history
     run_turn(cache, "a", [8], 2.0)
     other = run_turn(cache, "b", old + [9], 3.0)
@@ -476,7 +478,7 @@ def test_truncation_into_a_shared_chunk_lets_it_go() -> None:
     is recomputed); a block only it held becomes private instead."""
     cache = make()
     run_turn(cache, "a", [1] * 8, 0.0)
-    share = cache.pools.share
+    share = cache.blocks
     assert share is not None
     a0 = cache.conversations["a"].chunks[0].block
     conv = cache.conversation("b")
@@ -484,10 +486,10 @@ def test_truncation_into_a_shared_chunk_lets_it_go() -> None:
     req = Request("b1", [1] * 9, SamplingParams(max_tokens=1), conversation_id="b")
     req.pending = cache.pending_for(req, conv)
     assert cache.admit(req, conv, req.num_tokens, 1.0)
-    assert conv.block_table[0] == a0 and share.refs[a0] == 2
+    assert conv.block_table[0] == a0 and share.gpu_refs_of(a0) == 2
     cache.abort_turn(req, conv, 2.0)
     cache.check_integrity()
-    assert conv.kv_end == 1 and conv.chunks[0].tier is Tier.DROPPED and share.refs[a0] == 1
+    assert conv.kv_end == 1 and conv.chunks[0].tier is Tier.DROPPED and share.gpu_refs_of(a0) == 1
     run_turn(cache, "b", [6] * 7, 3.0)
     assert conv.chunks[0].block != a0
     # a's turn continues on its own block, still registered under its tokens
@@ -499,16 +501,16 @@ def test_random_workloads_reach_the_shared_eviction_fallback(
     """The random workloads free shared blocks through the fallback (``evict_shared``) too, so
     the property test checks the reference counts across it (a guard against a vacuous
     pass)."""
-    import pensieve.core.tier_pools as tier_pools
+    import pensieve.core.kv_store as kv_store
 
     freed: list[int] = []
-    orig = tier_pools.evict_shared
+    orig = kv_store.evict_shared
 
     def counting(*args: Any) -> int:
         freed.append(orig(*args))
         return freed[-1]
 
-    monkeypatch.setattr(tier_pools, "evict_shared", counting)
+    monkeypatch.setattr(kv_store, "evict_shared", counting)
     for policy in ["pensieve", "prefix-lru"]:
         for seed in range(15):
             _guard_workload(policy, 10, seed)

@@ -14,12 +14,12 @@ from pensieve.core.cache_config import CacheConfig
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionPolicy, OraclePolicy, get_policy
 from pensieve.core.eviction_index import EvictionIndex
+from pensieve.core.kv_store import KVStore
 from pensieve.core.outputs import RunnerOutput
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import Scheduler
 from pensieve.core.scheduling_config import SchedulerConfig
-from pensieve.core.tier_pools import TierPools
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine.engine_core import EngineCore
 from pensieve.engine.executor import TierSizes
@@ -228,17 +228,17 @@ def brute_victim(index: EvictionIndex, tier: Tier) -> tuple[object, str, int] | 
     return best
 
 
-def reference_pass(pools: TierPools, n: int, now: float) -> tuple[dict[str, list[Tier]], int]:
+def reference_pass(store: KVStore, n: int, now: float) -> tuple[dict[str, list[Tier]], int]:
     """What an eviction pass of ``n`` GPU chunks must do, by brute force over every chunk: the
     lowest GPU chunk leaves (with ``whole_conversation``, the rest of its conversation too); it
     goes to a free CPU block, or displaces the lowest CPU chunk if that one's key is not
     higher, or else is dropped. Returns every conversation's tiers after it, and the count."""
-    convs, policy = pools.index.conversations, pools.index.policy
+    convs, policy = store.index.conversations, store.index.policy
     tiers = {cid: [ch.tier for ch in conv.chunks] for cid, conv in convs.items()}
-    free = pools.cpu.num_free_blocks if pools.cpu is not None else 0
+    free = store.cpu.num_free_blocks if store.cpu is not None else 0
 
     def lowest(tier: Tier) -> tuple[object, str, int] | None:
-        return min(((policy.key(convs[cid], i, now, pools.index.chunk_cost, C), cid, i)
+        return min(((policy.key(convs[cid], i, now, store.index.chunk_cost, C), cid, i)
                     for cid, ts in tiers.items() if not convs[cid].running
                     for i, t in enumerate(ts) if t is tier), default=None)
 
@@ -247,7 +247,7 @@ def reference_pass(pools: TierPools, n: int, now: float) -> tuple[dict[str, list
         k, cid, i = top
         if done >= n and not (policy.whole_conversation and cid == last):
             break
-        if pools.cpu is None:
+        if store.cpu is None:
             tiers[cid][i] = Tier.DROPPED
         elif free:
             tiers[cid][i], free = Tier.CPU, free - 1
@@ -275,7 +275,7 @@ class CheckedIndex(EvictionIndex):
         return got
 
 
-class CheckedPools(TierPools):
+class CheckedStore(KVStore):
     """Checks every eviction pass against :func:`reference_pass`."""
 
     passes = 0
@@ -291,10 +291,10 @@ class CheckedPools(TierPools):
 
 
 class CheckedCache(TieredKVCache):
-    """A cache whose index and pools check every eviction choice and pass (above)."""
+    """A cache whose index and store check every eviction choice and pass (above)."""
 
     index_class = CheckedIndex
-    pools_class = CheckedPools
+    store_class = CheckedStore
 
     @property
     def choices(self) -> int:
@@ -303,8 +303,8 @@ class CheckedCache(TieredKVCache):
 
     @property
     def passes(self) -> int:
-        assert isinstance(self.pools, CheckedPools)
-        return self.pools.passes
+        assert isinstance(self.store, CheckedStore)
+        return self.store.passes
 
 
 class Driver:
@@ -385,7 +385,7 @@ class Driver:
         elif kind == "step":
             cache.plan_background(self.now)
             cache.take_swap_plan()
-            cache.reclaim_swap_outs(a % (len(cache.pools._reclaim_groups) + 1))
+            cache.reclaim_swap_outs(a % (len(cache.store._reclaim_groups) + 1))
             cache.begin_step()
         cache.check_integrity()
 
@@ -651,7 +651,7 @@ def test_engine_reclaims_exactly_as_reported() -> None:
     pending: list[int] = []
     while eng.has_unfinished():
         eng.step()
-        pending.append(len(cache.pools._reclaim_groups))
+        pending.append(len(cache.store._reclaim_groups))
         assert pending[-1] == ex.reports[-1]
     assert max(ex.reports) >= 1
 
@@ -662,7 +662,7 @@ def _with_cpu_chunks(swap_chunk_s: float | None) -> tuple[TieredKVCache, Request
     cache = make("pensieve", gpu=12, cpu=12, threshold=0.0, swap_chunk_s=swap_chunk_s)
     turn(cache, "A", 12, now=0.0)
     turn(cache, "B", 12, now=1.0)
-    cache.pools.evict_gpu(3, now=2.0, urgent=False)  # A's three chunks
+    cache.store.evict_gpu(3, now=2.0, urgent=False)  # A's three chunks
     cache.take_swap_plan()
     cache.reclaim_swap_outs(0)
     cache.begin_step()
@@ -702,8 +702,8 @@ def test_congested_link_pushes_toward_recompute() -> None:
     """The same chunks and rate as the 0.5 s case above, with 2 background swap-outs still in
     flight ahead of them on the copy stream: only the first is swapped in."""
     cache, req = _with_cpu_chunks(0.5)
-    cache.pools._reclaim_groups.append([])  # stand-ins for two blocks still copying out
-    cache.pools._reclaim_group_blocks = 2
+    cache.store._reclaim_groups.append([])  # stand-ins for two blocks still copying out
+    cache.store._reclaim_group_blocks = 2
     conv = cache.conversations["A"]
     assert cache.admit(req, conv, 15, now=3.0)
     # 1.04 < 0.5 * 3 = 1.5: recompute; then 1.04 + 1.08 > 1.5: swap; 2.12 > 2.0: swap
@@ -937,12 +937,12 @@ def test_deferred_admission_is_admitted_once_the_copies_are_done() -> None:
 # --------------------------------------------------------------------------- construction
 def test_settings_are_constructor_arguments_and_parts_are_composed() -> None:
     """``defer_admission`` is given when the cache is built (and checked there); the cache
-    holds its index and pools, which share one index and one conversations map."""
+    holds its index and store, which share one index and one conversations map."""
     cache = make("pensieve", defer_admission=3)
     assert cache.defer_admission == 3
-    assert cache.pools.index is cache.index
+    assert cache.store.index is cache.index
     assert cache.index.conversations is cache.conversations
-    assert cache.gpu is cache.pools.gpu and cache.stats is cache.pools.stats
+    assert cache.gpu is cache.store.gpu and cache.stats is cache.store.stats
     for bad in (-1, True):
         with pytest.raises(ValueError, match="defer_admission"):
             make("pensieve", defer_admission=bad)

@@ -22,7 +22,7 @@ that takes it over: the history came back from the conversation store) first get
 chunks for the leading run of matching copies, so they are read back the same way; a chunk of
 the run that is not on disk but whose hash has a shared block on the GPU (a system prompt
 other conversations hold) continues the run, and admission takes it from the GPU
-(``find_shared``)::
+(``BlockMap.find``)::
 
     positions  0 ............. k*C | ........... num_tokens
                [on disk: read back ][computed: range from kv_end]
@@ -35,14 +35,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from pensieve.core.block_map import request_hashes
 from pensieve.core.conversation import Chunk, Conversation, Tier
 from pensieve.core.disk_index import DiskEntry, DiskIndex, partial_hash, shared_name
 from pensieve.core.request import Request
-from pensieve.core.share_admission import request_hashes
 
 if TYPE_CHECKING:
     from pensieve.core.eviction_index import EvictionIndex
-    from pensieve.core.tier_pools import TierPools
+    from pensieve.core.kv_store import KVStore
 
 
 class _Cache(Protocol):
@@ -68,7 +68,7 @@ def _copy(disk: DiskIndex, cid: str, tokens: list[int], full: list[bytes], salt:
     return entry
 
 
-def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int:
+def restore_from_disk(cache: KVStore, req: Request, conv: Conversation) -> int:
     """Turn the admitted conversation's dropped chunks that are on disk into CPU chunks (a
     read planned into each block); returns their tokens."""
     disk = cache.disk
@@ -99,7 +99,7 @@ def restore_from_disk(cache: TierPools, req: Request, conv: Conversation) -> int
     return restored
 
 
-def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None:
+def extend_from_disk(cache: KVStore, req: Request, conv: Conversation) -> None:
     """Give an idle conversation without KV dropped chunks for the leading run of copies on
     disk that match the turn's tokens (called when its pending ranges are planned; the turn
     computes at least its last token)."""
@@ -113,7 +113,9 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
     salt = req.share_salt
     disk.set_salt(cid, salt)
     full = request_hashes(req, conv, c, limit // c)[:limit // c]  # before the last token
-    on_gpu = cache.share.by_hash if cache.share is not None else {}
+    if cache.blocks is not None and full:
+        cache.blocks.ready_for(full[0], conv)  # its chunks looked up by hash below
+    on_gpu = cache.blocks.on_gpu if cache.blocks is not None else ()
     end = kept = kept_end = 0
     for i in range(-(-limit // c)):
         entry = disk.get(cid, i)  # its partial last chunk (full in this turn's tokens)
@@ -139,7 +141,7 @@ def extend_from_disk(cache: TierPools, req: Request, conv: Conversation) -> None
     disk.release_from(cid, len(conv.chunks))  # computed by this turn
 
 
-def _cpu_block(cache: TierPools) -> int | None:
+def _cpu_block(cache: KVStore) -> int | None:
     """A free CPU block, or one freed by spilling the CPU tier's lowest idle chunk (tenants'
     hints that changed applied at once)."""
     block = cache.take_cpu_block(None, settle=True)

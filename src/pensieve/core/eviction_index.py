@@ -12,18 +12,18 @@ indexed again from scratch, one pass over its chunks), gets retention hints (or 
 crosses its ``tenant_kv_share``: :mod:`pensieve.core.tenant_share`), or a chunk of it
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
-Shared blocks (:mod:`pensieve.core.prefix_share`). A GPU chunk whose block other chunks hold
-too (``refs > 1``) is no candidate: evicting it would free nothing (the sharer only drops its
-reference), and the block is worth what all its sharers would lose, more than any one of them
-holds. :meth:`EvictionIndex.first` skips such chunks, so a conversation's GPU candidate is its
-first chunk in the policy's order that it holds alone. A chunk that becomes shared after it was
-indexed is skipped when it surfaces (``TierPools.evict_gpu``); one skipped while shared whose
-sharers have gone since stays out until its conversation is indexed again. Blocks out of the
-index leave only by the pools' fallback once an urgent pass finds no candidate left
+Shared blocks (:mod:`pensieve.core.block_map`). A GPU chunk whose block other chunks hold too
+(``BlockMap.shared_gpu``) is no candidate: evicting it would free nothing (the sharer only
+drops its reference), and the block is worth what all its sharers would lose, more than any one
+of them holds. :meth:`EvictionIndex.first` skips such chunks, so a conversation's GPU candidate
+is its first chunk in the policy's order that it holds alone. A chunk that becomes shared after
+it was indexed is skipped when it surfaces (``KVStore.evict_gpu``); one skipped while shared
+whose sharers have gone since stays out until its conversation is indexed again. Blocks out of
+the index leave only by the pools' fallback once an urgent pass finds no candidate left
 (:func:`pensieve.core.shared_eviction.evict_shared`). CPU chunks likewise
-(:mod:`pensieve.core.cpu_share`: the fallback is ``drop_shared_cpu``). Invariant: every GPU
-(CPU) chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one)
-holds a registered block.
+(``BlockMap.shared_cpu``; the fallback is ``shared_cpu_victims``). Invariant: every GPU (CPU)
+chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one) holds a
+registered block.
 
 Time-dependent keys (``key_refresh_s``, ``R``). The ``pensieve`` key ``priority * Cost(l) /
 idle time`` depends on ``now``, so conversations' order changes over time and no static
@@ -43,7 +43,7 @@ lower bounds (``EvictionPolicy.time_dependent``); one that says so (``key_may_gr
 simulator's ``oracle``) gets ``R = 0``, every candidate keyed exactly at each new ``now``.
 
 :class:`EvictionIndex` holds the index of both tiers and the key times. It changes no chunk:
-:class:`~pensieve.core.tier_pools.TierPools` holds it to pick victims as it moves chunks, and
+:class:`~pensieve.core.kv_store.KVStore` holds it to pick victims as it moves chunks, and
 :class:`~pensieve.core.tiered_cache.TieredKVCache` holds both and tells the index when a turn
 starts or ends.
 """
@@ -55,9 +55,9 @@ import math
 from collections.abc import Callable
 from functools import partial
 
+from pensieve.core.block_map import BlockMap
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import ChunkCost, EvictionKey, EvictionPolicy
-from pensieve.core.prefix_share import PrefixShare
 
 Victim = tuple[EvictionKey, Conversation, int]
 """(key, conversation, chunk index) of an eviction candidate."""
@@ -154,7 +154,7 @@ class EvictionIndex:
     """The eviction candidates of both tiers over the conversations, and the times their keys
     are evaluated at.
 
-    The owner of the chunks (:class:`~pensieve.core.tier_pools.TierPools`, and the cache for
+    The owner of the chunks (:class:`~pensieve.core.kv_store.KVStore`, and the cache for
     turns) calls it whenever a candidate may have changed (the module docstring lists when);
     during an eviction at ``now``, :meth:`peek_victim` gives each tier's lowest chunk."""
 
@@ -162,8 +162,11 @@ class EvictionIndex:
     """Entries keyed at one ``now`` kept listed before they are made bounds again anyway."""
 
     def __init__(self, conversations: dict[str, Conversation], chunk_size: int,
-                 policy: EvictionPolicy, chunk_cost: ChunkCost, key_refresh_s: float) -> None:
-        """``conversations``: the cache's (shared, not copied; read by :meth:`check`)."""
+                 policy: EvictionPolicy, chunk_cost: ChunkCost, key_refresh_s: float,
+                 blocks: BlockMap | None = None) -> None:
+        """``conversations``: the cache's (shared, not copied; read by :meth:`check`).
+        ``blocks``: the store's block map when prefixes are shared (read only: chunks whose
+        slot others hold too are no candidates, module docstring)."""
         if not key_refresh_s >= 0.0:
             raise ValueError(f"key_refresh_s must be >= 0, got {key_refresh_s}")
         self.conversations = conversations
@@ -190,11 +193,12 @@ class EvictionIndex:
         self.cost: Callable[[int], float] = _Memo(chunk_cost).__getitem__
         """``chunk_cost``, memoised (a pure function of the context length): a dictionary's
         own lookup, which the eviction calls once per chunk it keys."""
-        self.share: PrefixShare | None = None
-        """The GPU tier's registered blocks when prefixes are shared (set by the pools): GPU
-        chunks of blocks with more than one reference are no candidates (module docstring)."""
-        self.cpu_share: PrefixShare | None = None
-        """The CPU tier's (:mod:`pensieve.core.cpu_share`): the same for CPU chunks."""
+        self.blocks = blocks
+        """The block map (None: no sharing); read, never written."""
+        self.shared_gpu: set[int] = blocks.shared_gpu if blocks is not None else set()
+        """GPU slots that two chunks or more hold (the block map's set; empty: no sharing)."""
+        self.shared_cpu: set[int] = blocks.shared_cpu if blocks is not None else set()
+        """CPU slots likewise."""
 
     def rekey(self, conv: Conversation) -> None:
         """The inputs of ``conv``'s keys changed: its index entries follow."""
@@ -248,18 +252,17 @@ class EvictionIndex:
         """The first chunk in ``tier`` from ``start`` on, in the policy's chunk order (on the
         GPU or CPU with shared prefixes, the first whose block no other chunk shares)."""
         chunks = conv.chunks
-        share = self.share if tier is Tier.GPU else self.cpu_share
+        shared = self.shared_gpu if tier is Tier.GPU else self.shared_cpu
         if 0 <= start < len(chunks):  # the common answer first: ``start`` itself
             ch = chunks[start]
-            if ch.tier is tier and (share is None or share.refs[ch.block] < 2):
+            if ch.tier is tier and ch.block not in shared:
                 return start
-        if share is not None and share.by_hash:
-            refs = share.refs
+        if shared:
             order = (range(max(start, 0), len(chunks)) if self.step > 0
                      else range(min(start, len(chunks) - 1), -1, -1))
             for i in order:
                 ch = chunks[i]
-                if ch.tier is tier and refs[ch.block] < 2:
+                if ch.tier is tier and ch.block not in shared:
                     return i
             return None
         if self.step > 0:
@@ -304,8 +307,8 @@ class EvictionIndex:
         conversation's CPU candidate if it comes first in the policy's order. ``key_now``: its
         key at :attr:`now` (during an eviction), which the entry then holds; else it is keyed
         at ``t_e``."""
-        cpu, cs = self.cpu, self.cpu_share
-        if cs is not None and cs.refs[conv.chunks[i].block] > 1:
+        cpu = self.cpu
+        if conv.chunks[i].block in self.shared_cpu:
             return  # shared: no candidate
         entry = cpu.live.get(conv)
         if entry is None or (i - entry[0]) * self.step < 0:
@@ -354,9 +357,8 @@ class EvictionIndex:
 
     def _check_index(self, index: TierIndex, tier: Tier) -> None:
         got = {conv: i for conv, (i, _, _, _) in index.live.items()}
-        share = self.share if tier is Tier.GPU else self.cpu_share
-        if share is not None:
-            self._check_shared(got, share, tier)
+        if self.blocks is not None:
+            self._check_shared(got, self.blocks, tier)
         else:
             want: dict[Conversation, int] = {}
             for conv in self.conversations.values():
@@ -376,7 +378,7 @@ class EvictionIndex:
                 assert t == self.t_eval or (t == self.now and id(conv) in exact), (
                     tier, cid, t, "keyed at neither t_e nor now")
 
-    def _check_shared(self, got: dict[Conversation, int], share: PrefixShare, tier: Tier
+    def _check_shared(self, got: dict[Conversation, int], blocks: BlockMap, tier: Tier
                       ) -> None:
         """The candidates of ``tier`` with shared blocks (module docstring): each idle
         conversation's is a chunk there, and every chunk there before it in the policy's order
@@ -394,5 +396,6 @@ class EvictionIndex:
                 if j == i:
                     break
                 ch = chunks[j]
-                assert ch.tier is not tier or share.refs[ch.block], (
+                refs = blocks.gpu_refs_of if tier is Tier.GPU else blocks.cpu_refs_of
+                assert ch.tier is not tier or refs(ch.block), (
                     cid, j, tier, "unshared chunk before the candidate")

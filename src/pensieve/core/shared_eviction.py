@@ -15,7 +15,11 @@ passes (ahead-of-time swap-outs) never take them:
 - blocks go in the order of their *last* sharer's key (the highest of its holders' keys: the
   block stays while any sharer would keep it), lowest first; each holder lets it go in turn,
   the one of the highest key last, which moves the block to the CPU tier or drops it as a
-  private chunk would (``TierPools._leave_gpu``, through ``evict_chunk``).
+  private chunk would (``KVStore._leave_gpu``, through ``evict_chunk``).
+
+The CPU tier has the same fallback (:func:`shared_cpu_victims`): once its index is empty and
+the tier full, the registered CPU block of lowest last-sharer key is dropped, all its holders
+at once.
 
 Cost: one pass over the idle conversations' chunks per call, only when an urgent pass finds
 the index empty.
@@ -25,36 +29,65 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pensieve.core.block_map import BlockMap
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 
 EvictChunk = Callable[[Conversation, int, EvictionKey], object]
-"""Chunk ``i`` of an idle conversation (of key ``key`` now) leaves the GPU: the pools'
-``TierPools._evict_chunk`` (a shared block's holder drops its reference, the last moves it)."""
+"""Chunk ``i`` of an idle conversation (of key ``key`` now) leaves the GPU: the store's
+``KVStore._evict_chunk`` (a shared block's holder drops its reference, the last moves it)."""
 
 
-def shared_holders(conversations: dict[str, Conversation], refs: list[int]
+def shared_holders(conversations: dict[str, Conversation], blocks: BlockMap
                    ) -> dict[int, list[tuple[Conversation, int]]]:
-    """Registered GPU blocks (``refs``: ``PrefixShare.refs``, 0: unregistered) that only idle
-    conversations hold: block -> ``(conversation, chunk index)`` of every holder."""
+    """Registered GPU blocks that only idle conversations hold: block -> ``(conversation,
+    chunk index)`` of every holder."""
     holders: dict[int, list[tuple[Conversation, int]]] = {}
+    at = blocks.at_gpu
     for conv in conversations.values():
         if conv.running:
             continue
         for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.GPU and refs[ch.block]:
+            if ch.tier is Tier.GPU and at[ch.block] >= 0:
                 holders.setdefault(ch.block, []).append((conv, i))
-    return {b: h for b, h in holders.items() if len(h) == refs[b]}
+    return {b: h for b, h in holders.items() if len(h) == blocks.gpu_refs_of(b)}
 
 
-def evict_shared(index: EvictionIndex, refs: list[int], n: int,
+def shared_cpu_victims(index: EvictionIndex, blocks: BlockMap, key: EvictionKey | None
+                       ) -> list[tuple[Conversation, int]]:
+    """The holders of the registered CPU block of lowest last-sharer key that only idle
+    conversations hold, lowest key first (the last one's drop frees the block), unless ``key``
+    (None: any) is lower than that block's key; empty: none."""
+    holders: dict[int, list[tuple[Conversation, int]]] = {}
+    running: set[int] = set()
+    at = blocks.at_cpu
+    for conv in index.conversations.values():
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is Tier.CPU and at[ch.block] >= 0:
+                holders.setdefault(ch.block, []).append((conv, i))
+                if conv.running:  # references taken by a turn being admitted
+                    running.add(ch.block)
+    best: tuple[EvictionKey, list[tuple[EvictionKey, Conversation, int]]] | None = None
+    for b, hs in holders.items():
+        if b in running:
+            continue
+        keyed = sorted(((index.key_now(conv, i), conv, i) for conv, i in hs),
+                       key=lambda k: k[0])
+        if best is None or keyed[-1][0] < best[0]:
+            best = (keyed[-1][0], keyed)
+    if best is None or (key is not None and key < best[0]):
+        return []
+    return [(conv, i) for _, conv, i in best[1]]
+
+
+def evict_shared(index: EvictionIndex, blocks: BlockMap, n: int,
                  evict_chunk: EvictChunk) -> int:
     """Free up to ``n`` registered GPU blocks held only by idle conversations, in the order of
     their last sharer's key at the index's ``now`` (module docstring), each holder through
     ``evict_chunk``, the one of the highest key last; returns how many blocks left the GPU."""
     ranked: list[tuple[EvictionKey, list[tuple[EvictionKey, Conversation, int]]]] = []
-    for holders in shared_holders(index.conversations, refs).values():
+    for holders in shared_holders(index.conversations, blocks).values():
         keyed = sorted(((index.key_now(conv, i), conv, i) for conv, i in holders),
                        key=lambda k: k[0])
         ranked.append((keyed[-1][0], keyed))

@@ -9,16 +9,17 @@ conversations in the order of an :class:`~pensieve.core.eviction.EvictionPolicy`
 The cache is composed of two parts it holds and calls: :attr:`TieredKVCache.index`, an
 :class:`~pensieve.core.eviction_index.EvictionIndex` that keeps, per tier, the idle chunks in
 the policy's order (and explains how time-dependent keys stay exact), and
-:attr:`TieredKVCache.pools`, the :class:`~pensieve.core.tier_pools.TierPools` that hold the
-block pools, each step's copy plan, lazy reclaiming of background swap-outs and the eviction
-passes (they pick victims from the same index). The cache itself owns the conversations and
-their turns (admission, growth, suspension, the end of a turn) and the audit::
+:attr:`TieredKVCache.store`, the :class:`~pensieve.core.kv_store.KVStore`, every block's owner:
+the block pools, the block map of shared blocks, the disk tier's index, each step's copy
+plan, lazy reclaiming of background swap-outs and the eviction passes (they pick victims from
+the same index). The cache itself owns the conversations and their turns (admission, growth,
+suspension, the end of a turn) and the audit::
 
     TieredKVCache --- conversations: dict[str, Conversation]
        |    |
-       |    +-- pools: TierPools --- gpu, cpu: BlockPool; the step's plan; reclaim groups
-       |                   |
-       +-- index: EvictionIndex <-+  (one object; both parts hold it)
+       |    +-- store: KVStore --- gpu, cpu: BlockPool; blocks: BlockMap; disk: DiskIndex;
+       |                   |       the step's plan; reclaim groups
+       +-- index: EvictionIndex <-+  (one object; both parts hold it; it reads the block map)
 
 Swap or recompute (``swap_chunk_s``). A CPU chunk of an admitted turn is brought back by a
 swap-in, or, when that is expected to take longer, recomputed (its CPU block freed, its
@@ -39,8 +40,8 @@ simulator that was ~2.5x the prefill tokens on ShareGPT near saturation. Recompu
 only chosen for chunks that fit the step's token budget (the scheduler passes what is left), so
 it never delays a turn by a step; with ``swap_chunk_s = None`` every CPU chunk is swapped in.
 
-Shared prefixes (``share_prefixes``, :mod:`pensieve.core.prefix_share`): a turn's full chunks
-equal to a registered GPU block's take a reference to it at admission instead of being
+Shared prefixes (``share_prefixes``, :mod:`pensieve.core.block_map`): a turn's full chunks
+equal to a registered block's take a reference to it at admission instead of being
 computed (:meth:`pending_for` leaves them out), and an ended turn registers its own.
 
 Invariants (:meth:`check_integrity`): each GPU and CPU block is free, held by exactly one chunk
@@ -54,25 +55,17 @@ from __future__ import annotations
 
 import math
 
+from pensieve.core.block_map import BlockMap, Found, request_hashes
 from pensieve.core.cache_config import CacheConfig
 from pensieve.core.conversation import Conversation, Tier
-from pensieve.core.cpu_share import drop_read_twice
 from pensieve.core.disk_index import DiskIndex
 from pensieve.core.disk_restore import extend_from_disk, restore_from_disk
 from pensieve.core.eviction import ChunkCost, EvictionPolicy
 from pensieve.core.eviction_index import EvictionIndex
+from pensieve.core.kv_store import KVStore
 from pensieve.core.outputs import DiskPlan, SwapPlan
 from pensieve.core.request import Request
-from pensieve.core.share_admission import (
-    find_shared,
-    pending_ranges,
-    pinned_by_others,
-    register_chunks,
-    request_hashes,
-    take_shared,
-)
 from pensieve.core.stats import CacheStats
-from pensieve.core.tier_pools import TierPools
 
 Interval = tuple[int, int]
 
@@ -81,14 +74,37 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pending_ranges(req: Request, conv: Conversation, dropped: list[int], num_ext: int,
+                   chunk_size: int) -> list[tuple[int, int]]:
+    """The positions the turn must compute, ascending ``[lo, hi)`` ranges: the chunks
+    ``dropped`` (ascending; dropped ones not taken from shared blocks), then everything from
+    ``kv_end`` (or from ``num_ext`` leading chunks a conversation without KV takes from
+    shared blocks)."""
+    c = chunk_size
+    holes: list[tuple[int, int]] = []
+    for i in dropped:
+        lo, hi = i * c, min((i + 1) * c, conv.kv_end)
+        if holes and holes[-1][1] == lo:
+            holes[-1] = (holes[-1][0], hi)
+        else:
+            holes.append((lo, hi))
+    kv_end = num_ext * c if num_ext else conv.kv_end
+    tail = (min(kv_end, req.num_tokens - 1), req.num_tokens)
+    if holes and holes[-1][1] == tail[0]:
+        holes[-1] = (holes[-1][0], tail[1])
+    else:
+        holes.append(tail)
+    return holes
+
+
 class TieredKVCache:
     """Every conversation's chunk map over the GPU and CPU tiers, and its turns; the blocks are
-    its :attr:`pools`', the eviction order its :attr:`index`'s (module docstring)."""
+    its :attr:`store`'s, the eviction order its :attr:`index`'s (module docstring)."""
 
     index_class: type[EvictionIndex] = EvictionIndex
     """The index the cache builds (a test substitutes one that checks every choice)."""
-    pools_class: type[TierPools] = TierPools
-    """The pools the cache builds (likewise)."""
+    store_class: type[KVStore] = KVStore
+    """The store the cache builds (likewise)."""
 
     def __init__(
         self,
@@ -124,20 +140,23 @@ class TieredKVCache:
         share_across_tenants = config.share_prefixes_across_tenants
         if swap_chunk_s is not None and not (swap_chunk_s >= 0.0 and math.isfinite(swap_chunk_s)):
             raise ValueError(f"swap_chunk_s must be a finite time >= 0, got {swap_chunk_s}")
+        blocks = BlockMap(num_gpu_blocks, num_cpu_blocks, chunk_size) if share_prefixes else None
         self.index = self.index_class(self.conversations, chunk_size, policy, chunk_cost,
-                                      key_refresh_s)
-        self.pools = self.pools_class(num_gpu_blocks, num_cpu_blocks, self.index,
+                                      key_refresh_s, blocks)
+        self.store = self.store_class(num_gpu_blocks, num_cpu_blocks, self.index,
                                       swap_out_threshold, decode_reserve, swap_out_batch,
-                                      tenant_kv_share, share_prefixes, disk)
+                                      tenant_kv_share, blocks, disk)
         self.chunk_size = chunk_size
         self.policy = policy
         self.chunk_cost = chunk_cost
         # the parts' objects, named here for the scheduler, the engine and the tests
-        self.gpu = self.pools.gpu
-        self.cpu = self.pools.cpu
-        self.stats = self.pools.stats
-        self.tenant_share = self.pools.tenant_share
-        self.decode_reserve_blocks = self.pools.decode_reserve_blocks
+        self.gpu = self.store.gpu
+        self.cpu = self.store.cpu
+        self.blocks = blocks
+        """The store's block map of shared blocks (None: prefixes are not shared)."""
+        self.stats = self.store.stats
+        self.tenant_share = self.store.tenant_share
+        self.decode_reserve_blocks = self.store.decode_reserve_blocks
         self.swap_chunk_s = swap_chunk_s
         self.share_across_tenants = share_across_tenants
         """Requests' share salts leave out their tenant (``core.prefix_share.share_salt``)."""
@@ -167,11 +186,13 @@ class TieredKVCache:
         if conv.running:
             raise ValueError(f"conversation {conversation_id!r} has a turn running")
         self.index.remove(conv)
-        self.pools.free_chunks(conv, 0)
+        if self.blocks is not None:
+            self.blocks.forget(conv)
+        self.store.free_chunks(conv, 0)
         if self.disk is not None:
             self.disk.forget_from(conversation_id, 0)
         if self.tenant_share is not None:
-            self.pools.apply_hints(self.tenant_share.forget(conv))
+            self.store.apply_hints(self.tenant_share.forget(conv))
         del self.conversations[conversation_id]
 
     def set_queued(self, conv: Conversation, queued_at: float | None) -> None:
@@ -201,9 +222,9 @@ class TieredKVCache:
         if share is None:
             return
         if conv.hints == (1.0, 0.0) or not conv.tenant:
-            self.pools.apply_hints(share.forget(conv))
+            self.store.apply_hints(share.forget(conv))
         else:
-            self.pools.apply_hints(share.track(conv))
+            self.store.apply_hints(share.track(conv))
 
     def block_table(self, conv: Conversation) -> tuple[int, ...]:
         """GPU blocks of a running conversation, chunk by chunk."""
@@ -221,39 +242,39 @@ class TieredKVCache:
     def begin_step(self) -> None:
         """Reclaim CPU blocks whose chunks were swapped in by the previous step (those swapped
         in ahead by the previous step: at the next one)."""
-        self.pools.begin_step()
+        self.store.begin_step()
         self._step_recompute_s = 0.0
 
     @property
     def disk(self) -> DiskIndex | None:
         """The disk tier below the CPU tier (:class:`~pensieve.core.disk_index.DiskIndex`),
-        held by the pools; None: none (given at construction)."""
-        return self.pools.disk
+        held by the store; None: none (given at construction)."""
+        return self.store.disk
 
     @property
     def num_planned_swap_ins(self) -> int:
         """Chunks this step's plan swaps in so far (``SwapPlan.swap_in``)."""
-        return self.pools.num_planned_swap_ins
+        return self.store.num_planned_swap_ins
 
     def swap_in_ahead(self, since: int) -> int:
         """Move the swap-ins planned after the first ``since`` to ``SwapPlan.swap_in_ahead``
         (the turn that needs them computes from the next step on); returns how many."""
-        return self.pools.swap_in_ahead(since)
+        return self.store.swap_in_ahead(since)
 
     @property
     def has_pending_swap_outs(self) -> bool:
         """Background swap-outs whose GPU blocks are not reclaimed yet (copies may run)."""
-        return self.pools.has_pending_swap_outs
+        return self.store.has_pending_swap_outs
 
     def take_swap_plan(self) -> SwapPlan:
         """This step's copies; its background swap-outs become a reclaim group."""
-        return self.pools.take_swap_plan()
+        return self.store.take_swap_plan()
 
     def hash_turn(self, req: Request) -> None:
         """Compute a queued turn's chunk hashes (its full chunks before its last token) once,
         off the step path, onto ``req.share_hashes``: admission, the disk tier's prefetch and
         the end of the turn take them from there. Nothing without sharing or a disk tier."""
-        if self.pools.share is None and self.disk is None:
+        if self.blocks is None and self.disk is None:
             return
         cid = req.conversation_id
         conv = self.conversations.get(cid) if cid is not None else None
@@ -267,30 +288,30 @@ class TieredKVCache:
 
     def reclaim_swap_outs(self, in_flight: int) -> None:
         """The runner reports ``in_flight`` background swap-out batches still copying: free
-        the GPU blocks of every older one (:meth:`TierPools.reclaim_swap_outs`)."""
-        self.pools.reclaim_swap_outs(in_flight)
+        the GPU blocks of every older one (:meth:`KVStore.reclaim_swap_outs`)."""
+        self.store.reclaim_swap_outs(in_flight)
 
     def plan_background(self, now: float) -> None:
         """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
         under the threshold."""
-        pools = self.pools
-        if pools.cpu is None:
+        store = self.store
+        if store.cpu is None:
             return
-        short = (pools.swap_out_threshold_blocks - pools.gpu.num_free_blocks
-                 - pools.pending_reclaim_gpu())
+        short = (store.swap_out_threshold_blocks - store.gpu.num_free_blocks
+                 - store.pending_reclaim_gpu())
         if short > 0:
-            pools.evict_gpu(short + pools.swap_out_batch_blocks, now, urgent=False)
+            store.evict_gpu(short + store.swap_out_batch_blocks, now, urgent=False)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:
         """Positions the turn must compute: dropped chunks, then everything from kv_end
         (less the chunks it would take from shared blocks, were it admitted now)."""
         if self.disk is not None:
-            extend_from_disk(self.pools, req, conv)  # no KV here, copies on disk (a restart)
+            extend_from_disk(self.store, req, conv)  # no KV here, copies on disk (a restart)
         dropped = conv.dropped_chunks()
-        if self.pools.share is None:
+        if self.blocks is None:
             return pending_ranges(req, conv, dropped, 0, self.chunk_size)
-        found, ext, cpu = find_shared(self.pools, req, conv, dropped)
+        found, ext, cpu = self._find_shared(req, conv, dropped)
         if found or cpu:
             taken = {i for i, _ in found}.union(i for i, _ in cpu)
             dropped = [i for i in dropped if i not in taken]
@@ -312,20 +333,19 @@ class TieredKVCache:
         """
         c = self.chunk_size
         chunks = conv.chunks
-        pools = self.pools
-        share = pools.share
+        store, blocks = self.store, self.blocks
         tiers = [ch.tier for ch in chunks]
-        found, ext, cpu = (find_shared(pools, req, conv, conv.dropped_chunks(tiers))
-                           if share is not None else ([], [], []))
+        found, ext, cpu = (self._find_shared(req, conv, conv.dropped_chunks(tiers))
+                           if blocks is not None else ([], [], []))
         on_gpu = tiers.count(Tier.GPU) + len(found) + len(ext)
         n_chunks = len(chunks) + len(ext) + sum(1 for i, _ in cpu if i >= len(chunks))
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         held = on_gpu  # of the evictable blocks, those this turn would pin
-        if (shortfall > 0 and share is not None and share.pins  # pinned: not evictable
-                and pools.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
-            held -= pinned_by_others(share, chunks, tiers, found, ext)
-        if shortfall > 0 and pools.evictable_gpu_blocks() - held < shortfall:
+        if (shortfall > 0 and blocks is not None and blocks.num_pinned  # not evictable
+                and store.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
+            held -= blocks.pinned_by_others(chunks, tiers, found, ext)
+        if shortfall > 0 and store.evictable_gpu_blocks() - held < shortfall:
             return False
         if shortfall > 0 and may_defer and self._defer(req, conv, shortfall, now):
             return False
@@ -334,19 +354,20 @@ class TieredKVCache:
         conv.queued_at = None  # out of the index while running; ended turns re-index
         st = CacheStats()
         if found or ext or cpu:  # references before evicting: the blocks stay
-            st.shared_hit_tokens = take_shared(pools, conv, found, ext, cpu)
+            assert blocks is not None
+            st.shared_hit_tokens = blocks.take(conv, found, ext, cpu, c)
         if shortfall > 0:
-            pools.evict_gpu(shortfall, now, urgent=True)
+            store.evict_gpu(shortfall, now, urgent=True)
         if self.swap_chunk_s is not None and self.cpu is not None:
             st.cpu_recomputed_tokens = self._choose_recompute(conv, spare_tokens)
-        drop_read_twice(pools, conv)  # read by another swap-in of this step: recomputed
+        store.drop_read_twice(conv)  # read by another swap-in of this step: recomputed
         if cpu:  # those still to be swapped in (not chosen for recomputation)
             st.cpu_shared_tokens = sum(conv.chunk_tokens(i, c) for i, b in cpu
                                        if chunks[i].tier is Tier.CPU and chunks[i].block == b)
         if self.disk is not None:
-            st.disk_hit_tokens = restore_from_disk(self.pools, req, conv)  # dropped -> CPU chunks
+            st.disk_hit_tokens = restore_from_disk(self.store, req, conv)  # dropped -> CPU chunks
         req.pending = pending_ranges(req, conv, conv.dropped_chunks(), 0, c)
-        hit, swapped, recomputed = pools.pin(conv)
+        hit, swapped, recomputed = store.pin(conv)
         st.gpu_hit_tokens += hit - st.shared_hit_tokens
         st.cpu_hit_tokens += swapped - st.disk_hit_tokens
         st.swapped_in_tokens += swapped
@@ -358,6 +379,13 @@ class TieredKVCache:
         self._count(req, st)
         return True
 
+    def _find_shared(self, req: Request, conv: Conversation, dropped: list[int]) -> Found:
+        """Registered blocks the turn can take (:meth:`BlockMap.find`): CPU slots that a
+        background copy of this step writes are not taken."""
+        assert self.blocks is not None
+        return self.blocks.find(req, conv, dropped, self.chunk_size,
+                                self.store.plan.swap_out if self.store.share_cpu else None)
+
     def _defer(self, req: Request, conv: Conversation, shortfall: int, now: float) -> bool:
         """Whether the turn waits for background swap-outs rather than evicting urgently:
         with :attr:`defer_admission` and a CPU tier, at most :attr:`defer_admission` times per
@@ -367,11 +395,11 @@ class TieredKVCache:
         if self.cpu is None or req.deferrals >= self.defer_admission:
             return False
         req.deferrals += 1
-        short = shortfall - self.pools.pending_reclaim_gpu()
+        short = shortfall - self.store.pending_reclaim_gpu()
         if short > 0:
             self.index.remove(conv)
             conv.running = True  # out of the victims while the pass runs, as in admission
-            self.pools.evict_gpu(short, now, urgent=False)
+            self.store.evict_gpu(short, now, urgent=False)
             conv.running = False
             self.index.reindex(conv)
         return True
@@ -389,7 +417,7 @@ class TieredKVCache:
         for i, ch in enumerate(chunks):
             if ch.tier is Tier.DROPPED or ch.tier is Tier.DISK:  # read back or recomputed
                 recompute_s += cost_of(min((i + 1) * c, conv.kv_end))
-        queued = self.pools.queued_copies()
+        queued = self.store.queued_copies()
         spare = math.inf if spare_tokens is None else spare_tokens
         converted = 0
         for i, ch in enumerate(chunks):
@@ -398,7 +426,7 @@ class TieredKVCache:
             tokens = conv.chunk_tokens(i, c)
             cost = cost_of(min((i + 1) * c, conv.kv_end))
             if other + recompute_s + cost < swap_s * (1 + queued) and tokens <= spare:
-                self.pools.drop_cpu_chunk(conv, i)
+                self.store.drop_cpu_chunk(conv, i)
                 recompute_s += cost
                 spare -= tokens
                 converted += tokens
@@ -411,19 +439,19 @@ class TieredKVCache:
         """Give a running conversation blocks up to position ``end``; False if impossible."""
         need = cdiv(end, self.chunk_size) - len(conv.chunks)
         shortfall = need - self.gpu.num_free_blocks
-        if shortfall > 0 and self.pools.evict_gpu(shortfall, now, True) < shortfall:
+        if shortfall > 0 and self.store.evict_gpu(shortfall, now, True) < shortfall:
             return False
         self._extend(conv, end)
         return True
 
     def _extend(self, conv: Conversation, end: int) -> None:
         """More GPU chunks for a running conversation, up to position ``end``."""
-        self.pools.extend(conv, cdiv(end, self.chunk_size) - len(conv.chunks))
+        self.store.extend(conv, cdiv(end, self.chunk_size) - len(conv.chunks))
 
     # ------------------------------------------------------------------ ending a turn
     def end_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn finished: record it in the history; keep, or free, its KV."""
-        self.pools.release(conv)
+        self.store.release(conv)
         self._settle(conv, req.pending, req.num_tokens)
         conv.token_ids = req.all_token_ids
         conv.last_active = now
@@ -431,15 +459,16 @@ class TieredKVCache:
             self.delete(conv.conversation_id)
             return
         if not self.policy.keeps_kv:
-            self.pools.free_chunks(conv, 0)
-        register_chunks(self.pools, req, conv)
+            self.store.free_chunks(conv, 0)
+        if self.blocks is not None:
+            self.gpu.free(self.blocks.register_turn(req, conv, self.chunk_size))
         self.index.reindex(conv)
         self._count_share(conv)
 
     def abort_turn(self, req: Request, conv: Conversation, now: float) -> None:
         """The turn is abandoned: the conversation stays as it was before it."""
         if conv.running:
-            self.pools.release(conv)
+            self.store.release(conv)
             self._settle(conv, req.pending, req.num_tokens)
         self._truncate(conv, min(conv.kv_end, len(conv.token_ids)))
         if conv.ephemeral:
@@ -451,12 +480,12 @@ class TieredKVCache:
     def suspend(self, req: Request, conv: Conversation, now: float) -> None:
         """Take a running turn off the GPU: its chunks go to the CPU (or are dropped)."""
         self.index.refresh(now)
-        self.pools.release(conv)
+        self.store.release(conv)
         self._settle(conv, req.pending, req.num_tokens)
         conv.last_active = now
         req.pending = []
         self.index.reindex(conv)  # idle: its chunks that reach the CPU compete there too
-        self.pools.move_out(conv)
+        self.store.move_out(conv)
         self._count_share(conv)
         self.stats.suspended_requests += 1
         req.cache_stats.suspended_requests += 1
@@ -469,7 +498,7 @@ class TieredKVCache:
             for i in range(lo // c, cdiv(hi, c)):
                 ch = conv.chunks[i]
                 if ch.tier is Tier.GPU:
-                    self.pools.free_gpu_block(ch.block)
+                    self.store.free_gpu_block(ch.block)
                 ch.tier, ch.block = Tier.DROPPED, -1
         self._truncate(conv, kv_end)
 
@@ -479,7 +508,7 @@ class TieredKVCache:
         keep = cdiv(kv_end, self.chunk_size)
         if self.disk is not None and len(conv.chunks) > keep:  # copies of chunks cut off
             self.disk.forget_from(conv.conversation_id, keep)
-        self.pools.free_chunks(conv, keep)
+        self.store.free_chunks(conv, keep)
 
     def _count(self, req: Request, st: CacheStats) -> None:
         self.stats.add(st)
@@ -489,7 +518,7 @@ class TieredKVCache:
     def check_integrity(self) -> None:
         """Raise AssertionError if any block or chunk is accounted for twice or not at all, or
         if the eviction index or a running count differs from a full recomputation."""
-        self.pools.check()
+        self.store.check()
         pinned: set[int] = set()  # a shared block once
         for conv in self.conversations.values():
             n = len(conv.chunks)
@@ -498,9 +527,9 @@ class TieredKVCache:
                 assert conv.block_table == tuple(ch.block for ch in conv.chunks), (
                     conv.conversation_id)
                 pinned.update(conv.block_table)
-                refs = self.pools.share.refs if self.pools.share is not None else []
-                assert conv.pinned_shared == [b for b in conv.block_table if refs and refs[b]], (
-                    conv.conversation_id)
+                blocks = self.blocks
+                assert conv.pinned_shared == [b for b in conv.block_table if blocks is not None
+                                              and blocks.gpu_refs_of(b)], conv.conversation_id
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
                 assert not conv.block_table and not conv.pinned_shared, conv.conversation_id
@@ -514,6 +543,6 @@ class TieredKVCache:
                 for i in self.disk.entries.get(conv.conversation_id, {}):
                     assert i >= len(conv.chunks) or conv.chunks[i].tier is Tier.DISK, (
                         conv.conversation_id, i, conv.chunks[i])
-        assert len(pinned) == self.pools.pinned_gpu, (
-            f"pinned GPU blocks {self.pools.pinned_gpu} != {len(pinned)}")
+        assert len(pinned) == self.store.pinned_gpu, (
+            f"pinned GPU blocks {self.store.pinned_gpu} != {len(pinned)}")
         self.index.check()

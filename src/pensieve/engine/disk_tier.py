@@ -250,9 +250,11 @@ class DiskTier:
         reading already."""
         remote = self.remote
         assert remote is not None
-        share = cache.pools.share if cache is not None else None
+        blocks = cache.blocks if cache is not None else None
+        if cache is not None and blocks is not None and hashes:  # looked up by hash below
+            blocks.ready_for(hashes[0], cache.conversations.get(conversation_id))
         wanted = remote.wanted(tokens, salt, dropped, hashes, self.index.files,
-                               share.by_hash if share is not None else {})
+                               blocks.on_gpu if blocks is not None else ())
         chunks = [w for w in wanted if w[1] not in self._probing]
         waits = {self._probing[w[1]] for w in wanted if w[1] in self._probing}
         if chunks:

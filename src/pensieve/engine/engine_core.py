@@ -344,9 +344,9 @@ class EngineCore:
         out.update(self.executor.stats())
         if self.disk is not None:
             out.update(self.disk.stats())
-        share = self.cache.pools.share
-        out["shared_blocks"] = len(share) if share is not None else 0
-        out["shared_block_refs"] = share.num_refs if share is not None else 0
+        blocks = self.cache.blocks
+        out["shared_blocks"] = blocks.num_gpu if blocks is not None else 0
+        out["shared_block_refs"] = blocks.gpu_refs if blocks is not None else 0
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu

@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -166,7 +166,7 @@ class RemoteTier:
     # ------------------------------------------------------------------ lookups
     def wanted(self, tokens: list[int], salt: bytes, dropped: list[int] | None,
                hashes: list[bytes], files: Mapping[str, DiskEntry],
-               on_gpu: Mapping[bytes, int]) -> list[tuple[int, str, str]]:
+               on_gpu: Container[bytes]) -> list[tuple[int, str, str]]:
         """(index, name, prefix hash) of the turn's full chunks (before its last token) to
         look up: the ``dropped`` ones of a conversation with KV (None: it has none, its
         leading ones), less those the index knows (``files``: read by the local lookup) and

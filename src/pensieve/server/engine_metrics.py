@@ -75,8 +75,9 @@ class _EngineCollector(Collector):
         yield usage
         yield held
         blocks = st.get("shared_blocks", 0)
-        g = GaugeMetricFamily("pensieve_prefix_sharing_ratio", "Chunks holding a shareable GPU "
-                              "block per such block (1: no block shared; 0: none)")
+        g = GaugeMetricFamily("pensieve_prefix_sharing_ratio", "Chunks holding a registered GPU "
+                              "block per such block (registered: of conversations whose first "
+                              "chunk another turn has had too; 0: none)")
         g.add_metric([], st.get("shared_block_refs", 0) / blocks if blocks else 0.0)
         yield g
         yield _by_label("pensieve_disk_bytes", "Bytes written to and read from the disk tier's "

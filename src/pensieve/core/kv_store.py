@@ -1,4 +1,6 @@
-"""The two block pools, each step's copy plan, and the eviction passes that fill it.
+"""The KV store: every block's one owner. The GPU and CPU block pools, the block map of
+shared blocks (:mod:`pensieve.core.block_map`), the disk tier's index, each step's copy plan,
+and the eviction passes that fill it.
 
 Block life cycle, and why reclaiming is lazy. A GPU block sent to the CPU ahead of time
 (``SwapPlan.swap_out``, a *background* swap-out) stays taken until the runner reports its copy
@@ -10,10 +12,10 @@ the same step must not overwrite it before it is read). Urgent evictions (``swap
 free their GPU block at once: the runner copies them before the step touches any KV.
 
 Eviction passes take idle chunks in the order of the
-:class:`~pensieve.core.eviction_index.EvictionIndex` this class holds (the cache's, shared):
+:class:`~pensieve.core.eviction_index.EvictionIndex` the store holds (the cache's, shared):
 a GPU chunk goes to a free CPU block, or to one freed by dropping the CPU tier's lowest chunk
 if that one's key is lower, else it is dropped. An eviction pass and a suspension's moves take
-that one path (:meth:`TierPools._leave_gpu`); the pools keep the index right as chunks move.
+that one path (:meth:`KVStore._leave_gpu`); the store keeps the index right as chunks move.
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pensieve.core.block_map import BlockMap
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
-from pensieve.core.cpu_share import CpuShare, SwapInReads, drop_shared_cpu, release_cpu, to_cpu_copy
 from pensieve.core.disk_index import DiskIndex, spill_chunk
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
-from pensieve.core.pool_audit import check_pools
-from pensieve.core.prefix_share import PrefixShare
-from pensieve.core.shared_eviction import evict_shared
+from pensieve.core.pool_audit import check_pool
+from pensieve.core.shared_eviction import evict_shared, shared_cpu_victims
 from pensieve.core.stats import CacheStats
+from pensieve.core.swap_reads import SwapInReads
 from pensieve.core.tenant_share import TenantShare
 
 
@@ -45,9 +47,10 @@ class _StepPlan:
     """cpu_block -> gpu_block of background swap-outs, in plan order."""
 
 
-class TierPools:
-    """GPU and CPU block pools, the step's copy plan, the background swap-outs awaiting
-    reclaim, and the eviction passes (victims from the :class:`EvictionIndex` it holds)."""
+class KVStore:
+    """Every block's owner: the GPU and CPU block pools, the block map of shared blocks, the
+    disk tier's index, the step's copy plan, the background swap-outs awaiting reclaim, and
+    the eviction passes (victims from the :class:`EvictionIndex` it holds)."""
 
     def __init__(
         self,
@@ -58,14 +61,14 @@ class TierPools:
         decode_reserve: float,
         swap_out_batch: float,
         tenant_kv_share: float | None,
-        share_prefixes: bool,
+        blocks: BlockMap | None,
         disk: DiskIndex | None,
     ) -> None:
         """``index``: the eviction index over the same conversations (shared with the
         cache). No CPU pool when the index's policy keeps no CPU tier or ``num_cpu_blocks`` is
         0. ``tenant_kv_share``: see :class:`~pensieve.core.tenant_share.TenantShare`.
-        ``share_prefixes``: GPU blocks of equal full chunks are shared
-        (:mod:`pensieve.core.prefix_share`). ``disk``: the disk tier's index (None: none)."""
+        ``blocks``: the block map of shared blocks (the index's too; None: prefixes are not
+        shared). ``disk``: the disk tier's index (None: none)."""
         if not 0.0 <= swap_out_threshold < 1.0 or not 0.0 <= decode_reserve < 1.0:
             raise ValueError("swap_out_threshold and decode_reserve must be in [0, 1)")
         self.index = index
@@ -95,14 +98,13 @@ class TierPools:
         self.pinned_gpu = 0
         """GPU blocks held by running conversations (all of their chunks; a shared block
         once)."""
-        self.share: PrefixShare | None = (PrefixShare(num_gpu_blocks) if share_prefixes
-                                          else None)
-        """Registered (shareable) GPU blocks and their references; None: no sharing."""
-        self.cpu_share: CpuShare | None = (CpuShare(self.cpu.num_blocks) if share_prefixes
-                                           and self.cpu is not None else None)
-        """The CPU tier's (:mod:`pensieve.core.cpu_share`); None: no sharing or no CPU."""
-        self.reads = SwapInReads(self.cpu, self.cpu_share)  # CPU blocks swap-ins read
-        index.share, index.cpu_share = self.share, self.cpu_share
+        self.blocks = blocks
+        """One record per shared block, in both tiers (:mod:`pensieve.core.block_map`);
+        None: prefixes are not shared."""
+        self.share_cpu = blocks is not None and self.cpu is not None
+        """Shared blocks are held once in the CPU tier too."""
+        self.reads = SwapInReads(self.cpu, blocks if self.share_cpu else None)
+        """The CPU blocks swap-ins read, freed once read."""
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -187,29 +189,24 @@ class TierPools:
         kv_end, gpu_tier, cpu_tier = conv.kv_end, Tier.GPU, Tier.CPU
         table: list[int] = []
         hit = swapped = recomputed = 0
-        share = self.share
-        refs, pins = (share.refs, share.pins) if share is not None else ([], {})
+        blocks = self.blocks
+        at_gpu = blocks.at_gpu if blocks is not None else ()
+        at_cpu = blocks.at_cpu if blocks is not None and self.share_cpu else ()  # -1: private
         registered = conv.pinned_shared
-        pinned = len(chunks)
-        cpu_share, cpu_refs = self.cpu_share, self.cpu_share.refs if self.cpu_share else []
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
             tier = ch.tier
             if tier is gpu_tier:
                 hit += tokens
-                if refs and refs[ch.block]:  # registered: count the conversations pinning it
-                    n = pins.get(ch.block, 0)
-                    pins[ch.block] = n + 1
+                if at_gpu and at_gpu[ch.block] >= 0:  # registered: pinned once
                     registered.append(ch.block)
-                    if n:
-                        pinned -= 1  # another running conversation pins it already
             else:
                 block = gpu.allocate_one()
-                if share is not None and i < conv.share_upto:
+                if blocks is not None and i < conv.share_upto:
                     conv.share_back.append(i)
                 if tier is cpu_tier:
-                    if cpu_refs and cpu_refs[ch.block] and cpu_share:  # a read, no reference
-                        cpu_share.read(ch.block)
+                    if at_cpu and at_cpu[ch.block] >= 0:  # a read, no reference
+                        blocks.read_cpu(ch.block)  # type: ignore[union-attr]
                     swap_in.append((ch.block, block))
                     reclaim_cpu.append(ch.block)
                     swapped += tokens
@@ -220,7 +217,9 @@ class TierPools:
         if reclaim_cpu:
             self.reads.add(reclaim_cpu)
         conv.block_table = tuple(table)
-        self.pinned_gpu += pinned
+        self.pinned_gpu += len(chunks)
+        if registered and blocks is not None:  # pinned by others already: counted once
+            self.pinned_gpu -= blocks.pin_gpu(registered)
         return hit, swapped, recomputed
 
     def extend(self, conv: Conversation, num_chunks: int) -> None:
@@ -236,12 +235,12 @@ class TierPools:
         """A running conversation stops running (its chunks are all on the GPU). Only the
         registered blocks :meth:`pin` recorded lose a pin (registration happens at the end of
         a turn, unregistration when the last reference, an idle one, leaves)."""
-        share, registered = self.share, conv.pinned_shared
-        if share is None or not registered:
+        blocks, registered = self.blocks, conv.pinned_shared
+        if blocks is None or not registered:
             self.pinned_gpu -= len(conv.chunks)
         else:
             self.pinned_gpu -= (len(conv.chunks) - len(registered)
-                                + share.unpin_blocks(registered))
+                                + blocks.unpin_gpu(registered))
             conv.pinned_shared = []
         conv.running = False
         conv.block_table = ()
@@ -258,12 +257,12 @@ class TierPools:
         del conv.chunks[keep:]
         conv.kv_end = min(conv.kv_end, keep * self.chunk_size)
         conv.share_upto = min(conv.share_upto, keep)
-        if self.share is not None:
-            self.share.truncated(conv, self.chunk_size)
+        if self.blocks is not None:
+            self.blocks.truncated(conv, self.chunk_size)
 
     def free_gpu_block(self, block: int) -> None:
         """An idle chunk lets its GPU ``block`` go: freed unless another chunk shares it."""
-        if self.share is None or self.share.unref(block):
+        if self.blocks is None or self.blocks.unref_gpu(block):
             self.gpu.free_one(block)
 
     # ------------------------------------------------------------------ eviction
@@ -292,16 +291,16 @@ class TierPools:
         evict_chunk = self._evict_chunk
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = idx.keyed_now if idx.time_dependent else []
-        share = self.share
-        refs = share.refs if share is not None else []
+        blocks = self.blocks
+        shared = blocks.shared_gpu if blocks is not None else ()
         done = 0
         last: Conversation | None = None
         while True:
             top = peek_victim(gpu_tier)
             if top is None:
-                if done < n and share is not None and share.by_hash and urgent:
+                if done < n and blocks is not None and blocks.num_gpu and urgent:
                     # only shared blocks (or none) left
-                    done += evict_shared(idx, refs, n - done,
+                    done += evict_shared(idx, blocks, n - done,
                                          lambda c, j, k: self._evict_chunk(c, j, k, urgent,
                                                                            True))
                     if self._hints_due:
@@ -315,7 +314,7 @@ class TierPools:
                      else heap[1][1] if len(heap) == 2 else None)
             chunks = conv.chunks
             while True:
-                if refs and refs[chunks[i].block] > 1:
+                if shared and chunks[i].block in shared:
                     pass  # shared since it was indexed: no candidate (evict_shared's)
                 else:  # the block's one holder: it moves
                     evict_chunk(conv, i, key, urgent)
@@ -385,21 +384,23 @@ class TierPools:
         key is not higher, else it is dropped; returns the tier it went to. An urgent copy
         frees its GPU block at once, a background one when it is reclaimed. A block other
         chunks share stays: the chunk drops its reference (None: dropped), or goes to the
-        block's CPU copy with ``move_shared`` (:mod:`pensieve.core.cpu_share`). The caller
-        keeps the conversation's index entries (of both tiers) right."""
+        block's CPU copy with ``move_shared`` (:meth:`_to_cpu_copy`). A registered block's
+        last holder takes its record along (:meth:`BlockMap.move_to_cpu`). The caller keeps
+        the conversation's index entries (of both tiers) right."""
         ch = conv.chunks[i]
-        share = self.share
+        blocks = self.blocks
         h = b""
-        if share is not None and share.refs[ch.block]:
+        along = blocks is not None and blocks.moves_alone(ch.block)  # its record goes along
+        if blocks is not None and not along and blocks.at_gpu[ch.block] >= 0:
             b = ch.block
-            n, h = share.leave(b)  # an idle chunk: not pinned
+            n, h = blocks.leave_gpu(b)  # an idle chunk: not pinned
             if n > 1:
-                if move_shared and to_cpu_copy(self, conv, i, h, key):
+                if move_shared and self._to_cpu_copy(conv, i, h, key):
                     return Tier.CPU
                 ch.tier, ch.block = Tier.DROPPED, -1
                 return None
-            if self.cpu_share is not None and h in self.cpu_share.by_hash \
-                    and to_cpu_copy(self, conv, i, h, key):
+            if self.share_cpu and blocks.cpu_block(h) >= 0 \
+                    and self._to_cpu_copy(conv, i, h, key):
                 self.gpu.free_one(b)  # its copy is on the CPU already
                 return Tier.CPU
         c = self.chunk_size
@@ -413,22 +414,76 @@ class TierPools:
                 cpu_block = self.take_cpu_block(self.index.key_now(conv, i) if key is None
                                                 else key)
         if cpu_block < 0:  # dropped from the GPU: to the disk tier, if it takes it
+            if along:
+                blocks.leave_gpu(ch.block)  # type: ignore[union-attr]  # its last holder
             to = Tier.DISK if self.disk is not None and self._spill_to_disk(conv, i) \
                 else Tier.DROPPED
             self.gpu.free_one(ch.block)
             ch.tier, ch.block = to, -1
             stats.dropped_tokens += tokens
             return to
+        gpu_block = ch.block
         if urgent:
-            self._plan.swap_out_first[cpu_block] = ch.block
-            self.gpu.free_one(ch.block)
+            self._plan.swap_out_first[cpu_block] = gpu_block
+            self.gpu.free_one(gpu_block)
         else:
-            self._plan.swap_out[cpu_block] = ch.block
+            self._plan.swap_out[cpu_block] = gpu_block
         ch.tier, ch.block = Tier.CPU, cpu_block
         stats.swapped_out_tokens += tokens
-        if h and self.cpu_share is not None and h not in self.cpu_share.by_hash:
-            self.cpu_share.register(cpu_block, h)
+        if along:
+            blocks.move_to_cpu(gpu_block, cpu_block)  # type: ignore[union-attr]
+        elif h and blocks is not None and blocks.cpu_block(h) < 0:
+            blocks.register_cpu(cpu_block, h)
         return Tier.CPU
+
+    def lookup_cpu(self, h: bytes) -> int:
+        """The registered CPU block of hash ``h`` a chunk may take a reference to now, or -1
+        (none, or one that a background copy of this step writes or a swap-in reads)."""
+        blocks = self.blocks
+        if blocks is None or not self.share_cpu:
+            return -1
+        b = blocks.cpu_block(h)
+        return -1 if b in self._plan.swap_out or b in blocks.step_reads else b
+
+    def _to_cpu_copy(self, conv: Conversation, i: int, h: bytes,
+                     key: EvictionKey | None) -> bool:
+        """GPU chunk ``i`` of an idle ``conv``, of hash ``h``, whose block stays on the GPU
+        (other chunks hold it, or the caller frees it) takes a reference to the block's CPU
+        copy, made now (an urgent copy, registered) if there is none; False if it cannot (no
+        CPU block, or the copy is written in the background this step). The caller indexes
+        it."""
+        blocks = self.blocks
+        if blocks is None or not self.share_cpu:
+            return False
+        ch = conv.chunks[i]
+        cb = self.lookup_cpu(h)
+        if cb >= 0:
+            blocks.ref_cpu(cb)
+        elif blocks.cpu_block(h) >= 0:  # its copy is written in the background this step
+            return False
+        else:
+            cb = self.take_cpu_block(self.index.key_now(conv, i) if key is None else key)
+            if cb < 0:
+                return False
+            # urgent: the GPU block stays held (not freed)
+            self.copy_out_now(ch.block, cb, conv.chunk_tokens(i, self.chunk_size))
+            blocks.register_cpu(cb, h)
+        ch.tier, ch.block = Tier.CPU, cb
+        return True
+
+    def drop_read_twice(self, conv: Conversation) -> int:
+        """The CPU chunks of ``conv`` (being admitted) whose block another swap-in of this
+        step reads already are dropped, to be recomputed (:attr:`BlockMap.step_reads`);
+        returns their tokens."""
+        blocks = self.blocks
+        if blocks is None or not self.share_cpu or not blocks.step_reads:
+            return 0
+        tokens = 0
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is Tier.CPU and ch.block in blocks.step_reads:
+                tokens += conv.chunk_tokens(i, self.chunk_size)
+                self.drop_cpu_chunk(conv, i)
+        return tokens
 
     def take_cpu_block(self, key: EvictionKey | None, settle: bool = False) -> int:
         """A free CPU block, or one freed by dropping the CPU tier's lowest chunk (to disk, when
@@ -437,26 +492,40 @@ class TierPools:
         caller."""
         cpu = self.cpu
         assert cpu is not None
-        cs = self.cpu_share
+        blocks = self.blocks if self.share_cpu else None
         while not cpu.num_free_blocks:  # a drop may free no block (a read one): the next
             victim = self.index.peek_victim(Tier.CPU)
-            if victim is None and cs and drop_shared_cpu(self, key):  # only shared ones left
+            if victim is None and blocks is not None and blocks.num_cpu \
+                    and self._drop_shared_cpu(key):  # only shared ones left
                 continue
             if victim is None or (key is not None and key < victim[0]):
                 return -1
             _, conv, i = victim
-            if cs is None or cs.refs[conv.chunks[i].block] < 2:  # else shared since indexed
-                self.drop_cpu_victim(conv, i)
+            if blocks is None or conv.chunks[i].block not in blocks.shared_cpu:
+                self.drop_cpu_victim(conv, i)  # (else shared since indexed)
             self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
                 self.apply_hints()
         return cpu.allocate_one()
 
+    def _drop_shared_cpu(self, key: EvictionKey | None) -> bool:
+        """The CPU tier's fallback once its index has no candidate left: drop the registered
+        CPU block of lowest last-sharer key that only idle conversations hold, every holder
+        letting it go (the last spills it to disk, when there is a disk tier), unless ``key``
+        (None: any) is lower (:func:`shared_cpu_victims`). True if one went."""
+        assert self.blocks is not None
+        victims = shared_cpu_victims(self.index, self.blocks, key)
+        for conv, i in victims:
+            self.drop_cpu_victim(conv, i)
+            self.index.reindex_cpu(conv)
+        return bool(victims)
+
     def drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop an idle CPU chunk (the caller keeps the CPU index right)."""
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
-        cs = self.cpu_share
-        on_disk = (self.disk is not None and (cs is None or cs.refs[conv.chunks[i].block] < 2)
+        blocks = self.blocks if self.share_cpu else None
+        on_disk = (self.disk is not None
+                   and (blocks is None or blocks.cpu_refs_of(conv.chunks[i].block) < 2)
                    and self._spill_to_disk(conv, i))  # the block's last holder: to disk
         self.drop_cpu_chunk(conv, i)
         if on_disk:
@@ -487,8 +556,10 @@ class TierPools:
         ch.tier, ch.block = Tier.DROPPED, -1
 
     def _free_cpu_block(self, block: int, tokens: int) -> None:
-        """A chunk lets its CPU ``block`` go (freed unless :func:`release_cpu` keeps it)."""
-        if release_cpu(self, block) and self.cpu is not None:
+        """A chunk lets its CPU ``block`` go (freed unless other chunks hold it or a planned
+        swap-in still reads it: :meth:`BlockMap.release_cpu`)."""
+        blocks = self.blocks if self.share_cpu else None
+        if (blocks is None or blocks.release_cpu(block)) and self.cpu is not None:
             self._cancel_swap_out(block, tokens)
             self.cpu.free_one(block)
 
@@ -505,5 +576,15 @@ class TierPools:
 
     # ------------------------------------------------------------------ audit
     def check(self) -> None:
-        """Raise AssertionError unless both pools agree with their holders (:func:`check_pools`)."""
-        check_pools(self, [b for g in self._reclaim_groups for b in g])
+        """Raise AssertionError if a block of either pool is free and held, held twice (unless
+        shared), or neither (waiting to be reclaimed counts as held: the reclaim groups, and
+        the CPU blocks swap-ins read), or the pending background swap-outs are off; and check
+        the block map against the chunks holding its slots (:func:`check_pool`)."""
+        gpu_reclaim = [b for g in self._reclaim_groups for b in g]
+        pending = list(self._plan.swap_out.values())
+        assert self.pending_reclaim_gpu() == len(gpu_reclaim) + len(pending), "reclaim count"
+        convs, c = self.index.conversations.values(), self.chunk_size
+        check_pool(self.gpu, Tier.GPU, gpu_reclaim + pending, convs, c, self.blocks)
+        if self.cpu is not None:
+            check_pool(self.cpu, Tier.CPU, self.reads.now + self.reads.ahead, convs, c,
+                       self.blocks if self.share_cpu else None)
