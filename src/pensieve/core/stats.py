@@ -26,7 +26,7 @@ class CacheStats:
     shared prefix, ``core.prefix_share``; not in ``gpu_hit_tokens``)."""
     cpu_shared_tokens: int = 0
     """Of ``cpu_hit_tokens``: tokens whose KV was another conversation's CPU block of the same
-    tokens, taken at admission and swapped in (a shared prefix, ``core.cpu_share``)."""
+    tokens, taken at admission and swapped in (a shared prefix, ``core.block_map``)."""
     new_prompt_tokens: int = 0
     """Tokens with no KV computed before: the new input (and the last answer's final token)."""
     swapped_out_tokens: int = 0
