@@ -100,6 +100,18 @@ def smollm2_server(smollm2_cache: Any, tmp_path_factory: pytest.TempPathFactory)
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def fresh_chunk16(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A demo-model ``pensieve serve`` with ``--chunk-size 16`` and no shared tier: the greedy
+    answers that test_remote_tier.py and test_remote_faults.py compare with, one server for
+    both modules of a test process (they ask it about conversations of their own)."""
+    from server_util import Server, run_cache
+
+    srv = Server(tmp_path_factory.mktemp("fresh") / "conv.db", run_cache(), "--chunk-size", "16")
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def pensieve_server(tmp_path: Any) -> Any:
     """A factory of ``pensieve serve`` subprocesses (demo model, CPU, small tiers, a free port;
@@ -125,7 +137,7 @@ SLOW_MODULES = (
     "test_stateful_invariant.py",  # hypothesis workloads on a real engine under every policy
     "test_tensor_parallel.py",  # two-rank process groups
 )
-SLOW_FIXTURES = ("server", "pensieve_server", "smollm2_server", "cluster")
+SLOW_FIXTURES = ("server", "pensieve_server", "smollm2_server", "cluster", "fresh_chunk16")
 """Tests that start a ``pensieve serve`` subprocess through these fixtures, or (``cluster``,
 test_replicas.py) a local Ray cluster serving two engine replicas."""
 
@@ -144,11 +156,11 @@ LONG_GROUPS: tuple[tuple[tuple[str, ...], int], ...] = (
     (("test_default_model.py", "test_server_tools.py", "test_peer_clients.py"), 1250),
     (("test_server_fuzz.py",), 470),
     (("test_disk_restore_leak.py",), 220),
-    (("test_remote_faults.py",), 185),
+    # both use conftest's fresh_chunk16
+    (("test_remote_faults.py", "test_remote_tier.py"), 295),
     (("test_replicas.py",), 140),
     (("test_replicas_remote.py",), 120),
     (("test_server_faults.py",), 110),
-    (("test_remote_tier.py",), 110),
     (("test_replicas_cluster.py",), 105),
     (("test_disk_server.py",), 90),
     (("test_long_prompt.py",), 115),
