@@ -38,6 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="pensieve-test-cache-")
         config.stash[_OWNS_CACHE] = True
     os.environ["PENSIEVE_CACHE_DIR"] = os.environ[CACHE_ENV]
+    config.pluginmanager.register(_LongFirst(), "pensieve-long-first")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -99,6 +100,18 @@ def smollm2_server(smollm2_cache: Any, tmp_path_factory: pytest.TempPathFactory)
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def fresh_chunk16(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A demo-model ``pensieve serve`` with ``--chunk-size 16`` and no shared tier: the greedy
+    answers that test_remote_tier.py and test_remote_faults.py compare with, one server for
+    both modules of a test process (they ask it about conversations of their own)."""
+    from server_util import Server, run_cache
+
+    srv = Server(tmp_path_factory.mktemp("fresh") / "conv.db", run_cache(), "--chunk-size", "16")
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def pensieve_server(tmp_path: Any) -> Any:
     """A factory of ``pensieve serve`` subprocesses (demo model, CPU, small tiers, a free port;
@@ -124,7 +137,7 @@ SLOW_MODULES = (
     "test_stateful_invariant.py",  # hypothesis workloads on a real engine under every policy
     "test_tensor_parallel.py",  # two-rank process groups
 )
-SLOW_FIXTURES = ("server", "pensieve_server", "smollm2_server", "cluster")
+SLOW_FIXTURES = ("server", "pensieve_server", "smollm2_server", "cluster", "fresh_chunk16")
 """Tests that start a ``pensieve serve`` subprocess through these fixtures, or (``cluster``,
 test_replicas.py) a local Ray cluster serving two engine replicas."""
 
@@ -136,6 +149,67 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.name in SLOW_MODULES or any(
                 f in getattr(item, "fixturenames", ()) for f in SLOW_FIXTURES):
             item.add_marker(pytest.mark.slow)
+
+
+LONG_GROUPS: tuple[tuple[tuple[str, ...], int], ...] = (
+    # modules sharing conftest's smollm2_server: one worker, so one default-model server
+    (("test_default_model.py", "test_server_tools.py", "test_peer_clients.py"), 1250),
+    (("test_server_fuzz.py",), 470),
+    (("test_disk_restore_leak.py",), 220),
+    # both use conftest's fresh_chunk16
+    (("test_remote_faults.py", "test_remote_tier.py"), 295),
+    (("test_replicas.py",), 140),
+    (("test_replicas_remote.py",), 120),
+    (("test_server_faults.py",), 110),
+    (("test_replicas_cluster.py",), 105),
+    (("test_disk_server.py",), 90),
+    (("test_long_prompt.py",), 115),
+    (("test_server.py",), 90),
+    (("test_replicas_probe.py",), 70),
+    (("test_completions_echo.py",), 60),
+    (("test_grammar.py",), 60),
+    (("test_bench_serve.py",), 60),
+    (("test_lm_eval.py",), 45),
+)
+"""The longest modules of the CPU run, with their seconds (sum of ``--durations``, a full run
+on a loaded 2-core machine): they start first, on both workers."""
+
+
+class _LongFirst:
+    """A plugin of its own (registered by ``pytest_configure``): the conftest's own
+    ``pytest_collection_modifyitems`` marks tests slow, before ``-m`` deselects them; this one
+    runs last, on the items that will run."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        long_first(items)
+
+
+def long_first(items: list[pytest.Item]) -> None:
+    """Put the long modules first on both of xdist's workers. ``--dist worksteal`` hands the
+    first half of the collection to one worker and the second to the other, each runs its
+    share in order, and an idle worker steals from the end of the other's queue. In collection
+    order the long server modules came last or late, one after another on one worker, so the
+    run ended with one worker alone on them. Here the long modules are dealt to two halves,
+    longest first to the half with fewer seconds, each half begins with its long modules, and
+    the short tests (in collection order) fill the rest: what is stolen at the end is short.
+    A module's tests stay together (its module-scoped servers start once)."""
+    group_of = {m: g for g, (mods, _) in enumerate(LONG_GROUPS) for m in mods}
+    long_items: list[list[pytest.Item]] = [[] for _ in LONG_GROUPS]
+    short: list[pytest.Item] = []
+    for item in items:
+        g = group_of.get(item.path.name)
+        (short if g is None else long_items[g]).append(item)
+    halves: list[list[pytest.Item]] = [[], []]
+    seconds = [0, 0]
+    for g in sorted(range(len(LONG_GROUPS)), key=lambda g: -LONG_GROUPS[g][1]):
+        if long_items[g]:
+            h = seconds.index(min(seconds))
+            halves[h] += long_items[g]
+            seconds[h] += LONG_GROUPS[g][1]
+    # the first half is len(items) // 2 items long (xdist's first share)
+    fill = max(0, len(items) // 2 - len(halves[0]))
+    items[:] = halves[0] + short[:fill] + halves[1] + short[fill:]
 
 
 @pytest.fixture(scope="session")

@@ -105,10 +105,14 @@ def test_greedy_matches_hf_single_and_batched(smollm2):
     assert llm.engine.config.model.model == DEFAULT_MODEL
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     batched = [o.output_token_ids for o in llm.generate(prompts, params)]
-    single = [llm.generate([p], params)[0].output_token_ids for p in prompts]
     for i, q in enumerate(QUESTIONS):
         assert batched[i] == ref[i], f"batched, prompt {i} ({q!r})"
-        assert single[i] == ref[i], f"single, prompt {i} ({q!r})"
+    # alone (each a whole generate of NEW_TOKENS steps, the HF reference's cost again): the
+    # first question, the shortest prompt and the longest
+    by_len = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for i in sorted({0, by_len[0], by_len[-1]}):
+        single = llm.generate([prompts[i]], params)[0].output_token_ids
+        assert single == ref[i], f"single, prompt {i} ({QUESTIONS[i]!r})"
     assert "Paris" in tok.decode(ref[0])
 
 

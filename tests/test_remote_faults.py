@@ -30,11 +30,10 @@ GREEDY_CHUNK = ["--chunk-size", "16"]
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("fresh")
-    srv = Server(d / "conv.db", run_cache(), *GREEDY_CHUNK)
-    yield srv
-    srv.stop()
+def fresh(fresh_chunk16: Server) -> Server:
+    """The greedy answers to compare with (``GREEDY_CHUNK``; conftest's, shared with
+    test_remote_tier.py)."""
+    return fresh_chunk16
 
 
 def _spoil(r: object) -> int:

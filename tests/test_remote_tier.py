@@ -60,12 +60,10 @@ def openings(n: int, tag: str, repeat: int = 1, shared: bool = False) -> list[li
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory: pytest.TempPathFactory):
-    """A server without a shared tier: the greedy answers to compare with."""
-    d = tmp_path_factory.mktemp("fresh")
-    srv = Server(d / "conv.db", run_cache(), *CHUNK)
-    yield srv
-    srv.stop()
+def fresh(fresh_chunk16: Server) -> Server:
+    """A server without a shared tier (``CHUNK``; conftest's, shared with
+    test_remote_faults.py): the greedy answers to compare with."""
+    return fresh_chunk16
 
 
 def expected(fresh: Server, histories: list[list[dict]], question: str) -> list[str]:

@@ -38,11 +38,11 @@ PROMPTS = [
     "What's the weather in Paris?", "Add 2 and 3.", "Search for the tallest mountain.",
     "Is it raining in London?", "What is 17 plus 25?", "Find recipes for pancakes.",
     "Temperature in Tokyo in fahrenheit?", "Sum 100 and -7.", "Look up the Python release notes.",
-    "How cold is it in Oslo?", "Compute 9 + 10.", "Who won the 2018 World Cup?",
-    "Weather for Cairo please.", "Add forty and two.", "Search news about Mars rovers.",
-    "Do I need an umbrella in Seattle?", "What's 123 plus 456?", "Find the population of Peru.",
-    "Is it sunny in Madrid?", "Search for a good sci-fi book.",
+    "Who won the 2018 World Cup?",
 ]
+"""Three of each tool's kind (a unit, a negative number among them) and one that fits none:
+each forced answer is a grammar-constrained generation of up to 96 tokens on the default
+model, the module's main cost (20 prompts took 162 s of a loaded 2-core machine)."""
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def _calls(message) -> list[tuple[str, dict]]:
 
 
 def test_required_calls_name_a_tool_and_validate(server):
-    """20 prompts, ``tool_choice="required"``: each answer is calls of the given tools whose
+    """10 prompts, ``tool_choice="required"``: each answer is calls of the given tools whose
     arguments validate against their schemas."""
     client = server.client()
     with ThreadPoolExecutor(8) as pool:  # concurrent: they share batches
