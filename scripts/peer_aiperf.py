@@ -17,10 +17,12 @@ Exits 1 if a request failed or no turn hit the cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,21 @@ def prompt_tokens_by_source(url: str) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def default_model_server(name: str) -> Iterator[tuple[str, str, Path]]:
+    """``pensieve serve`` on the default model (its checkpoint made first if needed) in a
+    temporary directory: yields its URL, its model id and the directory; stopped after."""
+    ensure_smollm2_checkpoint()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        proc, url = start_server(name, {}, work, None, ["--max-model-len", "2048"])
+        try:
+            yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"], work
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
 def ensure_venv(venv: Path) -> Path:
     """The ``aiperf`` executable of ``venv``, installing it there first if needed."""
     exe = venv / "bin" / "aiperf"
@@ -55,26 +72,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="aiperf's artifact directory")
     args = ap.parse_args()
     exe = ensure_venv(args.venv)
-    ensure_smollm2_checkpoint()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        proc, url = start_server("aiperf", {}, work, None, ["--max-model-len", "2048"])
-        try:
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            art = args.out or work / "aiperf"
-            cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type",
-                   "chat", "--streaming", "--tokenizer", str(smollm2_dir()),
-                   "--conversation-num", "2", "--conversation-turn-mean", "3",
-                   "--request-count", "6", "--concurrency", "2",
-                   "--synthetic-input-tokens-mean", "100", "--output-tokens-mean", "16",
-                   "--artifact-dir", str(art)]
-            print(" ".join(cmd), flush=True)
-            rc = subprocess.run(cmd, capture_output=True, text=True, timeout=900).returncode
-            report = json.loads((art / "profile_export_aiperf.json").read_text())
-            sources = prompt_tokens_by_source(url)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    with default_model_server("aiperf") as (url, model, work):
+        art = args.out or work / "aiperf"
+        cmd = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type",
+               "chat", "--streaming", "--tokenizer", str(smollm2_dir()),
+               "--conversation-num", "2", "--conversation-turn-mean", "3",
+               "--request-count", "6", "--concurrency", "2",
+               "--synthetic-input-tokens-mean", "100", "--output-tokens-mean", "16",
+               "--artifact-dir", str(art)]
+        print(" ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, capture_output=True, text=True, timeout=900).returncode
+        report = json.loads((art / "profile_export_aiperf.json").read_text())
+        sources = prompt_tokens_by_source(url)
     count = report["request_count"]["avg"]
     errors = report["error_summary"]
     hit = sources.get("gpu_hit", 0) + sources.get("cpu_hit", 0)

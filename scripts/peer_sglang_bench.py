@@ -36,10 +36,9 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from cpu_contention import start_server
-from peer_aiperf import prompt_tokens_by_source
+from peer_aiperf import default_model_server, prompt_tokens_by_source
 
-from pensieve.models.builtin import ensure_smollm2_checkpoint, smollm2_dir
+from pensieve.models.builtin import smollm2_dir
 
 SGLANG = "sglang==0.5.23"
 TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
@@ -74,37 +73,29 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="SGLang's result file (JSON lines)")
     args = ap.parse_args()
     python = ensure_venv(args.venv)
-    ensure_smollm2_checkpoint()
     groups, per_group, turns = 2, 2, 2
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        proc, url = start_server("sglang-bench", {}, work, None, ["--max-model-len", "2048"])
-        try:
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            out = args.out or work / "sglang-bench.jsonl"
-            cmd = [str(python), "-m", "sglang.bench_serving", "--backend", "sglang-oai-chat",
-                   "--base-url", url, "--model", model, "--tokenizer", str(smollm2_dir()),
-                   "--dataset-name", "generated-shared-prefix",
-                   "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(per_group),
-                   "--gsp-system-prompt-len", "128", "--gsp-question-len", "32",
-                   "--gsp-output-len", "16", "--gsp-num-turns", str(turns),
-                   "--num-prompts", str(groups * per_group), "--max-concurrency", "2",
-                   "--output-file", str(out)]
-            print(" ".join(cmd), flush=True)
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            summary = [line for line in run.stdout.splitlines()
-                       if ":" in line and not line.startswith(("Namespace", "benchmark_args"))]
-            print("\n".join(summary[-45:]))
-            if run.returncode != 0:
-                print(run.stderr[-5000:])
-            report = (json.loads(out.read_text().splitlines()[-1])
-                      if run.returncode == 0 else {})
-            usage = httpx.get(url + "/v1/usage", timeout=10).json()
-            sources = prompt_tokens_by_source(url)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    with default_model_server("sglang-bench") as (url, model, work):
+        out = args.out or work / "sglang-bench.jsonl"
+        cmd = [str(python), "-m", "sglang.bench_serving", "--backend", "sglang-oai-chat",
+               "--base-url", url, "--model", model, "--tokenizer", str(smollm2_dir()),
+               "--dataset-name", "generated-shared-prefix",
+               "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(per_group),
+               "--gsp-system-prompt-len", "128", "--gsp-question-len", "32",
+               "--gsp-output-len", "16", "--gsp-num-turns", str(turns),
+               "--num-prompts", str(groups * per_group), "--max-concurrency", "2",
+               "--output-file", str(out)]
+        print(" ".join(cmd), flush=True)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        summary = [line for line in run.stdout.splitlines()
+                   if ":" in line and not line.startswith(("Namespace", "benchmark_args"))]
+        print("\n".join(summary[-45:]))
+        if run.returncode != 0:
+            print(run.stderr[-5000:])
+        report = (json.loads(out.read_text().splitlines()[-1])
+                  if run.returncode == 0 else {})
+        usage = httpx.get(url + "/v1/usage", timeout=10).json()
+        sources = prompt_tokens_by_source(url)
     requests = groups * per_group * turns
     completed = report.get("completed", 0)
     print(json.dumps({"sglang_rc": run.returncode, "completed": completed, "usage": usage,

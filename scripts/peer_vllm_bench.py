@@ -34,10 +34,9 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from cpu_contention import start_server
-from peer_aiperf import prompt_tokens_by_source
+from peer_aiperf import default_model_server, prompt_tokens_by_source
 
-from pensieve.models.builtin import ensure_smollm2_checkpoint, smollm2_dir
+from pensieve.models.builtin import smollm2_dir
 
 VLLM = "vllm==0.34.0"
 CLIENT_DEPS = [
@@ -72,35 +71,27 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="where vLLM saves its result JSON")
     args = ap.parse_args()
     exe = ensure_venv(args.venv)
-    ensure_smollm2_checkpoint()
     prompts = 8
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        proc, url = start_server("vllm-bench", {}, work, None, ["--max-model-len", "2048"])
-        try:
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            out = args.out or work / "vllm-bench"
-            cmd = [str(exe), "bench", "serve", "--backend", "openai-chat", "--base-url", url,
-                   "--endpoint", "/v1/chat/completions", "--model", model,
-                   "--tokenizer", str(smollm2_dir()), "--dataset-name", "random",
-                   "--num-prompts", str(prompts), "--random-input-len", "200",
-                   "--random-output-len", "16", "--random-prefix-len", "128",
-                   "--max-concurrency", "2", "--save-result", "--result-dir", str(out),
-                   "--result-filename", "result.json"]
-            print(" ".join(cmd), flush=True)
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            summary = [line for line in run.stdout.splitlines()
-                       if ":" in line and not line.startswith(("Namespace", " "))]
-            print("\n".join(summary[-30:]))
-            if run.returncode != 0:
-                print(run.stderr[-5000:])
-            report = json.loads((out / "result.json").read_text()) if run.returncode == 0 else {}
-            usage = httpx.get(url + "/v1/usage", timeout=10).json()
-            sources = prompt_tokens_by_source(url)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    with default_model_server("vllm-bench") as (url, model, work):
+        out = args.out or work / "vllm-bench"
+        cmd = [str(exe), "bench", "serve", "--backend", "openai-chat", "--base-url", url,
+               "--endpoint", "/v1/chat/completions", "--model", model,
+               "--tokenizer", str(smollm2_dir()), "--dataset-name", "random",
+               "--num-prompts", str(prompts), "--random-input-len", "200",
+               "--random-output-len", "16", "--random-prefix-len", "128",
+               "--max-concurrency", "2", "--save-result", "--result-dir", str(out),
+               "--result-filename", "result.json"]
+        print(" ".join(cmd), flush=True)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        summary = [line for line in run.stdout.splitlines()
+                   if ":" in line and not line.startswith(("Namespace", " "))]
+        print("\n".join(summary[-30:]))
+        if run.returncode != 0:
+            print(run.stderr[-5000:])
+        report = json.loads((out / "result.json").read_text()) if run.returncode == 0 else {}
+        usage = httpx.get(url + "/v1/usage", timeout=10).json()
+        sources = prompt_tokens_by_source(url)
     completed, failed = report.get("completed", 0), report.get("failed", prompts)
     print(json.dumps({"vllm_rc": run.returncode, "completed": completed, "failed": failed,
                       "usage": usage, "prompt_tokens": sources}))
