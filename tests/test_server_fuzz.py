@@ -502,7 +502,7 @@ def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
     import psutil
 
     watchdog = 3.0
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--watchdog-timeout", str(watchdog))
+    srv = Server(tmp_path / "conv.db", run_cache(), "--watchdog-timeout", str(watchdog))
     engine = _engine_process(srv)
     events: list[str] = []
     try:
@@ -548,12 +548,13 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
     import threading
 
     timeout = 3.0
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--grammar-compile-timeout",
+    srv = Server(tmp_path / "conv.db", run_cache(), "--grammar-compile-timeout",
                  str(timeout))
     try:
         times: list[float] = []
+        measured = threading.Event()
 
-        def stream() -> None:
+        def stream() -> None:  # until the window is measured (then the turn is aborted)
             with httpx.stream("POST", srv.url + CHAT, timeout=300, json={
                     "messages": [{"role": "user", "content": "a long story"}],
                     "max_tokens": 300, "ignore_eos": True, "temperature": 0,
@@ -561,6 +562,8 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"content"' in line:
                         times.append(time.monotonic())
+                    if measured.is_set():
+                        break
 
         streaming = threading.Thread(target=stream)
         streaming.start()
@@ -586,6 +589,11 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
                                 "json_schema": {"name": "n", "schema": small}}})
         assert r2.status_code == 200, r2.text[:500]
         t1 = time.monotonic()
+        deadline = time.monotonic() + 60  # a second past the window, or the stream's end
+        while streaming.is_alive() and (not times or times[-1] < t1 + 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        measured.set()
         streaming.join(300)
         window = [t for t in times if t0 - 1 <= t <= t1 + 1]
         gaps = [b - a for a, b in zip(window, window[1:])]
