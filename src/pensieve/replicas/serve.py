@@ -46,6 +46,7 @@ from pensieve.options import default_of, engine_options
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
 from pensieve.replicas.replica_metrics import merge_pages
 from pensieve.replicas.router import WAITING_TOKENS
+from pensieve.server import engine_ops
 from pensieve.server.errors import error_response
 
 log = logging.getLogger("pensieve.replicas")
@@ -120,10 +121,11 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, int]:
         """Ray Serve's routing stats of this replica (the router's
-        ``RunningReplica.routing_stats``): its engine's waiting prompt tokens after its last
-        step (the engine's ``num_waiting_tokens``)."""
-        stats = self._engine.snapshot.stats or {}
-        return {WAITING_TOKENS: int(stats.get("waiting_tokens", 0))}
+        ``RunningReplica.routing_stats``): its engine's waiting prompt tokens, counted when
+        asked (between two steps: :func:`pensieve.server.engine_ops.waiting_tokens`), not
+        after every step. An engine that is gone raises: the controller keeps the last
+        stats until the replica is replaced."""
+        return {WAITING_TOKENS: await self._engine.call(engine_ops.waiting_tokens)}
 
     def __del__(self) -> None:
         close = getattr(self, "_close", None)

@@ -139,7 +139,7 @@ class EngineLoop:
 
     def snapshot(self) -> Snapshot:
         eng = self.engine
-        return Snapshot(eng.num_running, eng.num_waiting, eng.cache_stats(),
+        return Snapshot(eng.num_running, eng.num_waiting, eng.counters(),
                         self.step_totals.as_dict())
 
     def take(self) -> list[tuple[str, Update]]:
