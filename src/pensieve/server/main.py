@@ -336,8 +336,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         if not fork:  # started now: it imports torch and the engine beside this process
             spawned = _spawn_engine(args)
         opts, path, cfg = _engine_config(args, keys)
-        if fork:
-            spawned = _spawn_engine(args, "fork")
+        if fork:  # unless settling the config started a thread here
+            spawned = _spawn_engine(args, "fork" if threading.active_count() == 1 else "spawn")
         if spawned is not None:
             spawned.configure(cfg)
         front = _front(args, opts["model"], path)  # while the engine builds
