@@ -97,12 +97,16 @@ class SharedOrder:
     def top(self) -> tuple[EvictionKey, int, Holders] | None:
         """The shared block of lowest combined key at the index's ``now`` (its key, the block,
         its holders lowest key first), or None: none, or no shared block in the tier."""
-        if not self.shared:
+        shared, gpu = self.shared, self.tier is Tier.GPU
+        if not shared:
             return None
         now = self.index.now
         if now != self.now:
+            if gpu and self.blocks.num_pinned >= len(shared) and all(
+                    map(self.blocks.is_pinned, shared)):
+                return None  # every one read by a running turn (a system prompt, busy)
             self._build(now)
-        heap, gpu = self.heap, self.tier is Tier.GPU
+        heap = self.heap
         refs = self.blocks.gpu_refs_of if gpu else self.blocks.cpu_refs_of
         while heap:
             _, key, b = heap[0]
