@@ -296,7 +296,7 @@ class KVStore:
         exact = idx.keyed_now if idx.time_dependent else []
         blocks = self.blocks
         shared = blocks.shared_gpu if blocks is not None else ()
-        order = self.shared_order[0] if urgent else None
+        order = self.shared_order[0] if urgent and shared else None  # none shared: none
         done = 0
         last: Conversation | None = None
         while True:
@@ -501,7 +501,7 @@ class KVStore:
         cpu = self.cpu
         assert cpu is not None
         blocks = self.blocks if self.share_cpu else None
-        order = self.shared_order[1]
+        order = self.shared_order[1] if blocks is not None and blocks.shared_cpu else None
         while not cpu.num_free_blocks:  # a drop may free no block (a read one): the next
             victim = self.index.peek_victim(Tier.CPU)
             s = order.top() if order is not None else None
