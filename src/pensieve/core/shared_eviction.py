@@ -112,8 +112,8 @@ class SharedOrder:
             _, key, b = heap[0]
             hs = self.holders[b]
             if len(hs) == refs(b) and all(
-                    not conv.running and conv.chunks[i].tier is self.tier
-                    and conv.chunks[i].block == b for _, conv, i in hs) \
+                    not conv.running and i < len(conv.chunks) and conv.chunks[i].tier is
+                    self.tier and conv.chunks[i].block == b for _, conv, i in hs) \
                     and not (gpu and self.blocks.is_pinned(b)) \
                     and (gpu or b not in self.blocks.step_reads):
                 return key, b, hs
