@@ -228,3 +228,24 @@ def test_admission_makes_room_from_shared_blocks() -> None:
     cache.check_integrity()
     assert cache.gpu.num_free_blocks == 0
     assert share.num_gpu == 1  # one shared block went (both sharers let it go), one stayed
+
+
+def test_a_ranked_block_whose_holders_changed_at_that_time_is_passed_over() -> None:
+    """The ranking is built once per eviction time: a block one of whose holders was deleted
+    since (same time) is passed over, not taken with a stale holder list or read past the
+    deleted conversation's chunks."""
+    cache = three_sharers("pensieve", gpu=24, cpu=0)
+    share = cache.blocks
+    assert share is not None
+    order = cache.store.shared_order[0]
+    assert order is not None
+    cache.index.refresh(10.0)
+    top = order.top()
+    assert top is not None and len(top[2]) == 3
+    cache.delete("b")  # between two passes at the same time
+    cache.check_integrity()
+    cache.index.refresh(10.0)
+    nxt = order.top()
+    assert nxt is None or all(conv.conversation_id != "b" for _, conv, _ in nxt[2])
+    assert cache.store.evict_gpu(100, 10.0, urgent=True) > 0
+    cache.check_integrity()
