@@ -89,7 +89,8 @@ def smollm2_cache() -> Any:
 def smollm2_server(smollm2_cache: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One ``pensieve serve`` of the default model (``--max-model-len 2048``, otherwise its
     default settings) for every module of this test process that talks to it (tools, peer
-    clients, the default model's answers): started once instead of once per module."""
+    clients, the default model's answers, the Responses API, vLLM's fields and clients,
+    lm-eval): started once instead of once per module."""
     from server_util import Server
 
     from pensieve.config import DEFAULT_MODEL
@@ -153,7 +154,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 LONG_GROUPS: tuple[tuple[tuple[str, ...], int], ...] = (
     # modules sharing conftest's smollm2_server: one worker, so one default-model server
-    (("test_default_model.py", "test_server_tools.py", "test_peer_clients.py"), 1250),
+    (("test_default_model.py", "test_server_tools.py", "test_peer_clients.py",
+      "test_responses.py", "test_vllm_fields.py", "test_vllm_multi_turn.py", "test_lm_eval.py"),
+     1250),
     (("test_server_fuzz.py",), 470),
     (("test_disk_restore_leak.py",), 220),
     # both use conftest's fresh_chunk16
@@ -169,7 +172,6 @@ LONG_GROUPS: tuple[tuple[tuple[str, ...], int], ...] = (
     (("test_completions_echo.py",), 60),
     (("test_grammar.py",), 60),
     (("test_bench_serve.py",), 60),
-    (("test_lm_eval.py",), 45),
 )
 """The longest modules of the CPU run, with their seconds (sum of ``--durations``, a full run
 on a loaded 2-core machine): they start first, on both workers."""

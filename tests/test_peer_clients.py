@@ -6,7 +6,6 @@ turn finds the history in the cache (the usage's ``cached_tokens``, which LangCh
 
 from __future__ import annotations
 
-import langchain_openai
 import pytest
 from server_util import Server
 
@@ -19,6 +18,8 @@ def server(smollm2_server: Server) -> Server:
 
 
 def _chat(server: Server):  # type: ignore[no-untyped-def]
+    import langchain_openai  # here, not when the tests are collected (~0.5 s of each worker's)
+
     return langchain_openai.ChatOpenAI(model=DEFAULT_MODEL, base_url=server.url + "/v1",
                                        api_key="none", max_tokens=48, max_retries=0)
 

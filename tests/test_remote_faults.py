@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from redis_util import stop_redis
 from server_util import Server, run_cache
 from test_remote_tier import cached, chat, expected, openings
 
@@ -93,7 +94,7 @@ def test_redis_faults(tmp_path: Path, fresh: Server) -> None:
         with ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(chat, s, [h], "And the storm?")
                     for s, h in zip((s2, s2, s1, s1), live)]  # each moves to the other
-            r.shutdown()
+            stop_redis(r)
             got = [f.result()[0][0] for f in futs]
         assert got == want
         want = expected(fresh, live, "And then?")
@@ -102,7 +103,7 @@ def test_redis_faults(tmp_path: Path, fresh: Server) -> None:
     finally:
         s1.stop()
         s2.stop()
-        r.shutdown()
+        stop_redis(r)
 
 
 FILE_LIMIT = 384 << 10

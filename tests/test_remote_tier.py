@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from redis_util import stop_redis
 from server_util import Server, run_cache
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
@@ -127,4 +128,4 @@ def test_redis_two_servers(tmp_path: Path, fresh: Server) -> None:
         s2.stop()
         assert any(k.startswith(b"pensieve:kv:") for k in r.keys())
     finally:
-        r.shutdown()
+        stop_redis(r)

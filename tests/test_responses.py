@@ -12,7 +12,6 @@ import json
 import httpx
 import openai
 import pytest
-from server_util import Server
 
 MODEL = "smollm2-135m-instruct"
 TOOL = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
@@ -21,11 +20,10 @@ TOOL = {"type": "function", "name": "get_weather", "description": "Current weath
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_cache):
-    s = Server(tmp_path_factory.mktemp("store") / "store.db", smollm2_cache, "--max-model-len",
-               "2048", model=MODEL)
-    yield s
-    s.stop()
+def server(smollm2_server):
+    """The default model's server of this test process (conftest.py's ``smollm2_server``:
+    ``--max-model-len 2048``, its defaults otherwise), shared with the other modules on it."""
+    return smollm2_server
 
 
 def _ask(client: openai.OpenAI, max_output_tokens: int = 24, **kw):

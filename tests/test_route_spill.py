@@ -151,3 +151,18 @@ def test_router_without_a_shared_tier_ignores_waiting_tokens() -> None:
     key = _key_owned_by(0, IDS[:2])
     busy = [_replica("r-a", 10**6), _replica("r-b", 0)]
     assert _choose(router, busy, key) == "r-a"
+
+
+def test_waiting_tokens_are_counted_when_asked_not_after_every_step() -> None:
+    """The count is a pass over the engine's turns: the server's snapshot after each step
+    carries the counters without it, and the replicas' routing stats ask for it (an engine
+    call, between two steps)."""
+    from pensieve.server import engine_ops
+    from pensieve.server.engine_loop import EngineLoop
+
+    sim = _sim()
+    sim.add_request("a1", list(range(1, 41)), SamplingParams(max_tokens=4), conversation_id="a")
+    snap = EngineLoop(sim, lambda *_: None).snapshot()
+    assert snap.stats is not None and "waiting_tokens" not in snap.stats
+    assert snap.stats["gpu_blocks_total"] == sim.cache_stats()["gpu_blocks_total"]
+    assert engine_ops.waiting_tokens(sim) == 40 == sim.cache_stats()["waiting_tokens"]

@@ -69,7 +69,11 @@ def _check(r: httpx.Response) -> None:
 
 
 def _handmade() -> list[tuple[str, dict[str, Any]]]:
-    """(path, httpx request kwargs) of requests a tester would try."""
+    """(path, httpx request kwargs) of requests a tester would try. The ones the server
+    accepts ask for a few tokens: without ``max_tokens`` an answer fills the rest of the
+    context (~500 tokens, 5-16 s each beside the good streams: eight such took 75 of the
+    test's 90 s), which these requests are not about (tests/test_server_api_fields.py
+    checks that default)."""
     u = [{"role": "user", "content": "hi"}]
     raw = lambda b: {"content": b, "headers": {"content-type": "application/json"}}  # noqa: E731
     bodies: list[Any] = [
@@ -80,21 +84,23 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
         {"messages": [{"role": "user", "content": {"a": 1}}]},
         {"messages": u, "top_k": 1180591620717411303424}, {"messages": u, "top_k": -5},
-        {"messages": u, "seed": -1}, {"messages": u, "seed": 2**70}, {"messages": u, "n": 2},
+        {"messages": u, "seed": -1}, {"messages": u, "seed": 2**70},
+        {"messages": u, "n": 2, "max_tokens": 4},
         {"messages": u, "temperature": "hot"}, {"messages": u, "temperature": 1e308},
         {"messages": u, "top_p": 2}, {"messages": u, "max_tokens": -1},
         {"messages": u, "max_tokens": 10**12}, {"messages": u, "max_tokens": 1.5},
         {"messages": u, "max_completion_tokens": 0}, {"messages": u, "stop": ["a"] * 1000},
         {"messages": u, "stop": 5}, {"messages": u, "stop": [None]},
         {"messages": u, "stop_token_ids": [-1]}, {"messages": u, "stop_token_ids": ["x"]},
-        {"messages": u, "stream": "yes"}, {"messages": u, "stream_options": 3},
+        {"messages": u, "stream": "yes", "max_tokens": 4}, {"messages": u, "stream_options": 3},
         {"messages": u, "conversation_id": "conv-nope"}, {"messages": u, "conversation_id": 7},
         {"messages": u, "retention_priority": 0}, {"messages": u, "retention_priority": -1},
         {"messages": u, "priority": 0.5}, {"messages": u, "priority": 10**30},
         {"messages": u, "keep_alive_s": -1}, {"messages": u, "model": "gpt-4"},
         {"messages": u, "model": 5}, {"messages": u, "tools": [{"type": "function"}]},
         {"messages": u, "response_format": {"type": "json_schema"}},
-        {"messages": u, "logprobs": True}, {"messages": u, "presence_penalty": 2},
+        {"messages": u, "logprobs": True, "max_tokens": 4},
+        {"messages": u, "presence_penalty": 2, "max_tokens": 4},
         {"messages": [{"role": "user", "content": "memory " * 2000}]},
         {"messages": u, "frequency_penalty": "x"}, {"messages": u, "repetition_penalty": -1},
         {"messages": u, "repetition_penalty": 1e308}, {"messages": u, "min_p": -0.1},
@@ -102,9 +108,9 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": u, "logit_bias": {"-1": 1}}, {"messages": u, "logit_bias": {"1": 1e9}},
         {"messages": u, "logit_bias": {str(2**70): 1}}, {"messages": u, "logit_bias": []},
         {"messages": u, "chat_template_kwargs": {"messages": []}},
-        {"messages": u, "chat_template_kwargs": {"bos_token": {"a": [1]}}},
+        {"messages": u, "chat_template_kwargs": {"bos_token": {"a": [1]}}, "max_tokens": 4},
         {"messages": u, "chat_template_kwargs": 5}, {"messages": u, "best_of": 4},
-        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}], "max_tokens": 4},
         {"messages": u, "made_up_field": 1}, {"messages": u, "n": 17},
         {"messages": u, "n": 3, "stream": True, "max_tokens": 3, "seed": 1},
         {"messages": u, "n": 2, "max_tokens": 2, "stop": ["e"], "min_tokens": 1},
@@ -142,7 +148,8 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
     reqs += [("/v1/completions", _json(b)) for b in (
         {"prompt": [1, 2], "n": 3, "max_tokens": 2}, {"prompt": []}, {"prompt": ""},
         {"prompt": [-1]}, {"prompt": [10**9]},
-        {"prompt": [1.5]}, {"prompt": "\ud800"}, {"prompt": [1, 2], "conversation_id": "c"},
+        {"prompt": [1.5]}, {"prompt": "\ud800"},
+        {"prompt": [1, 2], "conversation_id": "c", "max_tokens": 4},
         {"prompt": [1, 2], "max_tokens": 0}, {"prompt": None}, {"prompt": {"a": 1}},
         {"prompt": [1, 2], "create_conversation": "maybe"})]
     reqs += [("/v1/completions", raw(b'{"prompt": "\\udc00abc", "max_tokens": 2}'))]
@@ -152,7 +159,8 @@ def _handmade() -> list[tuple[str, dict[str, Any]]]:
         {"messages": u, "chat_template_kwargs": {"tokenize": 1}}, {"prompt": "x", "foo": 1})]
     reqs += [("/detokenize", _json(b)) for b in (
         {}, {"tokens": [-1]}, {"tokens": [2**70]}, {"tokens": "abc"}, {"tokens": [1.5]})]
-    reqs += [(CHAT, {"json": {"messages": u}, "headers": {"authorization": "Bearer \x7f"}}),
+    reqs += [(CHAT, {"json": {"messages": u, "max_tokens": 4},
+                    "headers": {"authorization": "Bearer \x7f"}}),
              (CHAT, {"content": b"messages=hi",
                      "headers": {"content-type": "application/x-www-form-urlencoded"}}),
              (CHAT, {"json": {"messages": u, "conversation_id": "conv-a"},
@@ -494,7 +502,7 @@ def test_an_engine_stopped_with_sigstop_fails_health_within_the_watchdog_time(
     import psutil
 
     watchdog = 3.0
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--watchdog-timeout", str(watchdog))
+    srv = Server(tmp_path / "conv.db", run_cache(), "--watchdog-timeout", str(watchdog))
     engine = _engine_process(srv)
     events: list[str] = []
     try:
@@ -540,12 +548,13 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
     import threading
 
     timeout = 3.0
-    srv = Server(tmp_path / "conv.db", tmp_path / "cache", "--grammar-compile-timeout",
+    srv = Server(tmp_path / "conv.db", run_cache(), "--grammar-compile-timeout",
                  str(timeout))
     try:
         times: list[float] = []
+        measured = threading.Event()
 
-        def stream() -> None:
+        def stream() -> None:  # until the window is measured (then the turn is aborted)
             with httpx.stream("POST", srv.url + CHAT, timeout=300, json={
                     "messages": [{"role": "user", "content": "a long story"}],
                     "max_tokens": 300, "ignore_eos": True, "temperature": 0,
@@ -553,6 +562,8 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"content"' in line:
                         times.append(time.monotonic())
+                    if measured.is_set():
+                        break
 
         streaming = threading.Thread(target=stream)
         streaming.start()
@@ -578,6 +589,11 @@ def test_a_hostile_schema_beside_running_streams(tmp_path: Path) -> None:
                                 "json_schema": {"name": "n", "schema": small}}})
         assert r2.status_code == 200, r2.text[:500]
         t1 = time.monotonic()
+        deadline = time.monotonic() + 60  # a second past the window, or the stream's end
+        while streaming.is_alive() and (not times or times[-1] < t1 + 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        measured.set()
         streaming.join(300)
         window = [t for t in times if t0 - 1 <= t <= t1 + 1]
         gaps = [b - a for a, b in zip(window, window[1:])]

@@ -120,3 +120,67 @@ def test_a_grammar_past_the_compile_time_is_a_400(tok: Any, tmp_path: Path) -> N
         assert r2.status_code == 400 and "refused again" in r2.json()["error"]["message"]
         assert not held.started.is_set()  # not compiled a second time
         held.release.set()
+
+
+class _SlowBuild:
+    """A runner whose grammar compiler takes a while to build (the tokenizer and its
+    xgrammar info, on a loaded host) until :attr:`release` is set, and compiles at once."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.building, self.release = threading.Event(), threading.Event()
+        self.compiled: list[Any] = []
+
+    def grammar_compiler(self) -> _SlowBuild:  # the runner's interface: built on first use
+        self.building.set()
+        assert self.release.wait(60)
+        return self
+
+    def compile(self, spec: Any) -> None:
+        self.compiled.append(spec)
+
+
+def test_the_compile_timeout_does_not_count_the_compilers_build(tok: Any,
+                                                                tmp_path: Path) -> None:
+    """The first constrained request used to build the compiler within its compile timeout
+    (in the compile thread, at nice 10) and got a 400 on a loaded host. The build is waited
+    for apart: here it outlasts the 0.5 s timeout twice over, and the request is answered."""
+    import threading
+    import time
+
+    for http, _, _ in _serve(tok, tmp_path, grammar_compile_timeout_s=0.5):
+        runner = _SlowBuild()
+        http.app.state.pensieve.engine.engine.runner = runner
+        answers: list[Any] = []
+        constrained = threading.Thread(target=_post_into, args=(http, {
+            "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 4,
+            "response_format": JSON_OBJECT}, answers))
+        constrained.start()
+        assert runner.building.wait(30)
+        time.sleep(1.0)  # the build outlasts the timeout
+        assert not answers and not runner.compiled
+        runner.release.set()
+        constrained.join(30)
+        assert answers[0].status_code == 200, answers[0].text
+        assert [s.kind for s in runner.compiled] == ["json_object"]
+
+
+def test_the_grammar_compiler_is_built_when_the_engine_starts() -> None:
+    """The engine loop starts building its runner's grammar compiler (a real tokenizer and
+    its xgrammar info, demo model) when it is made, before any constrained request."""
+    from server_util import ensure_demo
+
+    from pensieve import LLM
+    from pensieve.server.engine_loop import EngineLoop
+
+    ensure_demo()
+    llm = LLM("demo", device="cpu", num_gpu_blocks=16, num_cpu_blocks=0, max_model_len=256)
+    runner = llm.engine.runner
+    assert runner.grammar is None
+    loop = EngineLoop(llm.engine, lambda *_: None)
+    assert loop.grammar_compiler is not None
+    compiler = loop.grammar_compiler.result(timeout=120)
+    assert runner.grammar is not None and compiler is runner.grammar.compiler
+    assert compiler.vocab_size == 32000
+    llm.engine.shutdown()

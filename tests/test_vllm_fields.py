@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_util import Server
 
 MODEL = "smollm2-135m-instruct"
 IM_START = 1  # SmolLM2's <|im_start|>
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_cache):
-    s = Server(tmp_path_factory.mktemp("store") / "store.db", smollm2_cache, "--max-model-len",
-               "2048", model=MODEL)
-    yield s
-    s.stop()
+def server(smollm2_server):
+    """The default model's server of this test process (conftest.py's ``smollm2_server``:
+    ``--max-model-len 2048``, its defaults otherwise), shared with the other modules on it."""
+    return smollm2_server
 
 
 def _complete(client: openai.OpenAI, prompt, **extra):

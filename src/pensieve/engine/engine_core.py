@@ -334,10 +334,17 @@ class EngineCore:
         return outs
 
     def cache_stats(self) -> dict[str, int]:
+        """:meth:`counters`, and ``waiting_tokens`` now (:attr:`num_waiting_tokens`: a pass
+        over the running and queued turns, so not part of every step's snapshot)."""
+        out = self.counters()
+        out["waiting_tokens"] = self.num_waiting_tokens  # a gauge: the replicas' router reads it
+        return out
+
+    def counters(self) -> dict[str, int]:
         """Totals since start: token sources, swaps (bytes, all ranks), drops, suspensions,
         failed requests, blocks in use; ``defer_admission``, the setting (so that a run's
-        saved metrics say what it ran with); and ``waiting_tokens``, now
-        (:attr:`num_waiting_tokens`)."""
+        saved metrics say what it ran with). What the server's snapshot after every step
+        carries: none of it grows with the number of requests."""
         out = self.cache.stats.as_dict()
         out["split_range_requests"] = self.split_range_requests
         out["failed_requests"] = self.failed_requests
@@ -354,7 +361,6 @@ class EngineCore:
         out["cpu_blocks_free"] = cpu.num_free_blocks if cpu is not None else 0
         out["kv_block_bytes"] = self.executor.tiers.block_bytes
         out["defer_admission"] = self.cache.defer_admission  # a setting, for the record
-        out["waiting_tokens"] = self.num_waiting_tokens  # a gauge: the replicas' router reads it
         return out
 
 

@@ -13,6 +13,7 @@ randomly on the device; it works from a config alone (a preset name, a dict or a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -56,13 +57,31 @@ def resolve_config(model: str | os.PathLike | dict | PretrainedConfig) -> tuple[
                             f"model nor a preset {sorted(PRESETS)}")
 
 
+@contextlib.contextmanager
+def _no_normal_init_on_meta() -> Iterator[None]:
+    """``nn.init.normal_`` skips meta tensors meanwhile. ``nn.Embedding`` initialises its weight
+    with it, and on a meta tensor that runs torch's Python reference, whose first call imports
+    ``torch._dynamo`` (~1 s in each engine process); the weights are filled from the
+    checkpoint (or dummy values) once materialised, so nothing is lost."""
+    normal = nn.init.normal_
+
+    def normal_unless_meta(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor if tensor.is_meta else normal(tensor, *args, **kwargs)
+
+    nn.init.normal_ = normal_unless_meta  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        nn.init.normal_ = normal
+
+
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Construct the model class for ``hf_config`` with uninitialised parameters on ``device``."""
     cls = get_model_class(hf_config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_normal_init_on_meta():
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(prev)

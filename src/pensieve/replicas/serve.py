@@ -46,6 +46,7 @@ from pensieve.options import default_of, engine_options
 from pensieve.replicas.asgi import REQUEST_KEY_HEADER, call_asgi, with_request_key
 from pensieve.replicas.replica_metrics import merge_pages
 from pensieve.replicas.router import WAITING_TOKENS
+from pensieve.server import engine_ops
 from pensieve.server.errors import error_response
 
 log = logging.getLogger("pensieve.replicas")
@@ -58,6 +59,10 @@ _RETRIES = 5
 ROUTING_STATS_PERIOD_S = 1.0
 """How often Ray Serve's controller asks each replica for its waiting tokens (with a shared KV
 tier: the router's load; its own default is 10 s)."""
+DRAIN_POLL_S = 0.5
+"""How often a stopping replica (engine or ingress) looks whether its requests are done (Ray
+Serve's ``graceful_shutdown_wait_loop_s``; its default of 2 s made every stop of an idle
+application take ~4.5 s, the two deployments one after the other)."""
 
 
 def routing_key(path: str, headers: dict[str, str], body: bytes) -> str:
@@ -116,10 +121,11 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict[str, int]:
         """Ray Serve's routing stats of this replica (the router's
-        ``RunningReplica.routing_stats``): its engine's waiting prompt tokens after its last
-        step (the engine's ``num_waiting_tokens``)."""
-        stats = self._engine.snapshot.stats or {}
-        return {WAITING_TOKENS: int(stats.get("waiting_tokens", 0))}
+        ``RunningReplica.routing_stats``): its engine's waiting prompt tokens, counted when
+        asked (between two steps: :func:`pensieve.server.engine_ops.waiting_tokens`), not
+        after every step. An engine that is gone raises: the controller keeps the last
+        stats until the replica is replaced."""
+        return {WAITING_TOKENS: await self._engine.call(engine_ops.waiting_tokens)}
 
     def __del__(self) -> None:
         close = getattr(self, "_close", None)
@@ -261,6 +267,7 @@ def build_application(args: argparse.Namespace, load_factor: float = 1.25,
         num_replicas=n, ray_actor_options=resources, max_ongoing_requests=10_000,
         max_replicas_per_node=max_replicas_per_node,
         health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER,
             request_router_kwargs=router_kwargs(args, load_factor, min_load),
@@ -269,7 +276,7 @@ def build_application(args: argparse.Namespace, load_factor: float = 1.25,
     ).bind(args)
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, ray_actor_options=ingress_actor_options or {"num_cpus": 0},
-        max_ongoing_requests=10_000)
+        max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
     return ingress.bind(engine, n)
 
 

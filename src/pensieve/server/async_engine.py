@@ -109,7 +109,8 @@ class EngineClient:
         """Compile a request's grammar where the engine lives, off its step loop, before the
         request is added (so no step waits for it); raises the compiler's ``ValueError`` for
         one that cannot compile. False: the engine cannot compile ahead (its first step
-        will). Cancelled (a timeout), a compile still queued never runs."""
+        will). Cancelled (a timeout), a compile still queued never runs. ``spec`` None: only
+        wait until the engine's compiler is built (it starts building with the engine)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         token = next(self._call_ids)

@@ -59,6 +59,44 @@ def _compile_thread() -> queue.SimpleQueue[tuple[Future[Any], Any] | None]:
     return work
 
 
+def _build_compiler(engine: Any) -> Future[Any] | None:
+    """Build the runner's grammar compiler (its tokenizer, xgrammar's tokenizer info: about
+    0.4 s of CPU, many seconds on a loaded host) in a thread of its own at the engine's
+    start, at the step loop's priority: the first constrained request used to build it in
+    the compile thread (nice 10), within its compile timeout, and could get a 400. The
+    server waits for it before it times a compile. None: no runner that compiles ahead."""
+    build = getattr(getattr(engine, "runner", None), "grammar_compiler", None)
+    if build is None:
+        return None
+    fut: Future[Any] = Future()
+
+    def run() -> None:
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(build())
+        except BaseException as e:  # noqa: BLE001 - no tokenizer: each request is told
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="pensieve-grammar-init", daemon=True).start()
+    return fut
+
+
+def _follow(fut: Future[Any]) -> Future[Any]:
+    """A future resolved as ``fut`` is (True on success), cancelled without touching it."""
+    out: Future[Any] = Future()
+
+    def done(f: Future[Any]) -> None:
+        if out.set_running_or_notify_cancel():
+            err = f.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(True)
+
+    fut.add_done_callback(done)
+    return out
+
+
 class EngineRequestError(RuntimeError):
     """The engine failed this request: its execution raised (failure containment: the other
     requests of the step went on) or the whole step did. The turn's conversation is as it
@@ -136,10 +174,13 @@ class EngineLoop:
         """Grammars compiling ahead of their requests, by the token their reply carries."""
         self._abandoned: list[Future[Any]] = []
         """Compiles the server gave up on, still running in threads of their own."""
+        self.grammar_compiler: Future[Any] | None = _build_compiler(engine)
+        """The runner's grammar compiler, building since the engine started (None: a runner
+        that cannot compile ahead of a step)."""
 
     def snapshot(self) -> Snapshot:
         eng = self.engine
-        return Snapshot(eng.num_running, eng.num_waiting, eng.cache_stats(),
+        return Snapshot(eng.num_running, eng.num_waiting, eng.counters(),
                         self.step_totals.as_dict())
 
     def take(self) -> list[tuple[str, Update]]:
@@ -187,11 +228,18 @@ class EngineLoop:
         """Compile ``spec`` into the runner's grammar cache in a thread of its own, off the
         step loop (the request is added once :meth:`reply_compiled` answered ``token``, and
         its compile at its first step is then a cache hit). A runner that cannot (tensor
-        parallelism's executor) answers at once: its first step compiles."""
+        parallelism's executor) answers at once: its first step compiles. ``spec`` None:
+        answer once the compiler is built (:data:`grammar_compiler`), compiling nothing."""
         runner = getattr(self.engine, "runner", None)
         compiler = getattr(runner, "grammar_compiler", None)
         if compiler is None:
             self.reply(token, None, False)
+            return
+        if spec is None:  # a future of its own: a cancelled wait leaves the build alone
+            if self.grammar_compiler is None:  # a runner given since the start (tests)
+                self.grammar_compiler = _build_compiler(self.engine)
+            assert self.grammar_compiler is not None
+            self.compiling[token] = _follow(self.grammar_compiler)
             return
         if self._compile_queue is None:
             self._compile_queue = _compile_thread()

@@ -109,3 +109,10 @@ def drop_conversation(eng: Any, cid: str) -> None:
     if conv is not None and conv.running:
         raise ConversationBusyError(f"conversation {cid!r} has a turn running")
     eng.delete_conversation(cid)
+
+
+def waiting_tokens(eng: Any) -> int:
+    """The prompt tokens the engine's turns still have to compute
+    (:attr:`~pensieve.engine.engine_core.EngineCore.num_waiting_tokens`), counted now: the
+    replicas' routing stats ask about once a second, between two steps."""
+    return int(eng.num_waiting_tokens)

@@ -7,6 +7,8 @@ host time before each forward grew while the GPU idled (measured: docs/benchmark
 "Current engine: steady-state points ...", the item "The server's host time"). Here the
 engine runs in a child process (``spawn``: CUDA is initialised only there) with its own
 interpreter; the server process keeps the HTTP side, the tokenizer and the conversation store.
+The child starts before the server has settled the engine's config: it imports torch and the
+engine meanwhile, then waits for the config on its command pipe.
 
 Two pipes link them. Commands go down (``add``, ``abort``, ``call`` with a module-level
 function and its arguments, ``stop``); the child's :class:`~pensieve.server.engine_loop.
@@ -22,14 +24,18 @@ restart it (:mod:`pensieve.server.shutdown`).
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 from pensieve.server.async_engine import EngineClient
 from pensieve.server.engine_loop import EngineLoop, EngineRequestError, EngineStartError, Snapshot
@@ -44,24 +50,41 @@ COMPILE_POLL_S = 0.02
 
 
 class ProcessEngine(EngineClient):
-    """:class:`~pensieve.server.async_engine.AsyncEngine`'s interface over an engine built
-    from ``cfg`` in a child process. Blocks until the engine is built (or raises
-    ``RuntimeError`` with the child's error)."""
+    """:class:`~pensieve.server.async_engine.AsyncEngine`'s interface over an engine in a
+    child process. Given its config, it blocks until the engine is built (or raises
+    :class:`EngineStartError` with the child's error). Without one, the process starts at
+    once and imports the engine's modules while the caller settles the config
+    (``pensieve serve`` opens its store and loads its tokenizer meanwhile); :meth:`configure`
+    sends it, :meth:`wait_ready` blocks until the engine is built."""
 
-    def __init__(self, cfg: Any, log_level: str = "INFO",
+    def __init__(self, cfg: Any = None, log_level: str = "INFO",
                  watchdog_s: float | None = None) -> None:
         super().__init__(watchdog_s)
         set_thread_env()  # before the child starts: its OpenMP runtime reads them on load
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(cfg, cmd_r, out_w, log_level),
+        self._proc = ctx.Process(target=engine_main, args=(cmd_r, out_w, log_level),
                                  name="pensieve-engine", daemon=False)
         self._proc.start()
         cmd_r.close()
         out_w.close()
         self._lock = threading.Lock()
         self._closed = False
+        self._ready = False
+        if cfg is not None:
+            self.configure(cfg)
+            self.wait_ready()
+
+    def configure(self, cfg: Any) -> None:
+        """Send the engine's config: the process builds the engine from it."""
+        try:
+            self._cmd_w.send(cfg)
+        except OSError:  # the process is gone (it failed on import): wait_ready says so
+            pass
+
+    def wait_ready(self) -> None:
+        """Block until the engine is built; :class:`EngineStartError` if it failed."""
         try:
             kind, info = self._out_r.recv()
         except EOFError:
@@ -84,6 +107,7 @@ class ProcessEngine(EngineClient):
         self._writer = threading.Thread(target=self._write, name="pensieve-engine-writer",
                                         daemon=True)
         self._writer.start()
+        self._ready = True
 
     @property
     def alive(self) -> bool:
@@ -130,7 +154,16 @@ class ProcessEngine(EngineClient):
     def shutdown(self) -> None:
         """Stop the engine process: ask it, then terminate it, then kill it (a hung one at
         once: a stopped process never reads its pipe, and the server would wait on it at
-        exit)."""
+        exit). One not built yet (the server failed while settling its config) ends as its
+        pipe closes, or is killed: nothing ran on it."""
+        if not self._ready:
+            self._closed = True
+            self._cmd_w.close()
+            self._proc.join(timeout=5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(timeout=10)
+            return
         if not self.hung:
             try:
                 self._send("stop", None)
@@ -163,11 +196,10 @@ def _sendable(out: Connection, msg: tuple[Any, ...]) -> None:
                   msg[4]))
 
 
-def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> None:
-    """The child: build the engine, then apply commands and run steps until ``stop`` or until
-    the server's end of the pipe closes."""
-    from pensieve.engine.llm_engine import LLMEngine
-
+def engine_main(cmds: Connection, out: Connection, log_level: str) -> None:
+    """The child: import the engine's modules (the server settles the config meanwhile),
+    build the engine from the config the server sends, then apply commands and run steps
+    until ``stop`` or until the server's end of the pipe closes."""
     # The server stops it: Ctrl-C in a terminal and a service manager's SIGTERM reach the
     # whole process group, and the server's graceful shutdown lets turns in flight finish
     # first. If the server dies instead, the engine sees its pipe close and exits.
@@ -175,6 +207,12 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    from pensieve.engine.llm_engine import LLMEngine
+
+    try:
+        cfg = cmds.recv()
+    except (EOFError, OSError):  # the server stopped before it settled the config
+        return
     try:
         engine = LLMEngine(cfg)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises
@@ -191,11 +229,26 @@ def engine_main(cfg: Any, cmds: Connection, out: Connection, log_level: str) -> 
     out.send(("ready", {"kv_tokens": kv_tokens, "snapshot": core.snapshot(),
                         "max_turn_tokens": engine.scheduler.max_turn_tokens,
                         "device": engine.device.type, "threads": threads}))
+    gc.freeze()  # the engine lives as long as the process: no collections over its objects
     try:
         _serve(core, cmds, out)
     finally:
         core.close()
         engine.shutdown()
+    _exit_without_teardown()
+
+
+def _exit_without_teardown() -> NoReturn:
+    """End the engine process as its interpreter would (exit handlers run, output flushed)
+    but without tearing its modules down: with torch loaded that took ~1 s of every server's
+    stop, and on a frozen heap (:func:`gc.freeze`) extensions built on nanobind (triton) report
+    as leaks the objects that teardown no longer frees. Threads are not joined: the engine's
+    shutdown has waited for its writers (disk and remote tiers), and what is left are idle
+    pool workers (a grammar compile thread), which the interpreter would first have to wake."""
+    atexit._run_exitfuncs()  # multiprocessing's finalizers, logging's flush
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve(core: EngineLoop, cmds: Connection, out: Connection) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import logging
 import os
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,6 +224,10 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, close = build_server(args)
+    # What was built so far lives as long as the server: the collector leaves it alone from
+    # here (no full collections over torch's and the app's objects while serving, and none
+    # at exit: tearing them down took ~1 s of a server's stop)
+    gc.freeze()
     state = app.state.pensieve
     reason = ("the server is shutting down: the turn was not completed (its conversation is "
               "as it was before the turn)")
@@ -251,27 +257,55 @@ def model_aliases(model: str, path: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
-def _start_engine(cfg: Any, args: argparse.Namespace) -> tuple[LLMEngine | None, Any]:
-    """(the engine if it lives in this process, the client the server talks to)."""
-    watchdog = getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S) or None
-    if args.engine_process:
-        from pensieve.server.engine_process import ProcessEngine
+def _spawn_engine(args: argparse.Namespace) -> Any:
+    """With ``--engine-process``, the engine's process, started before anything else loads:
+    it imports torch and the engine while this process settles the config, opens the store
+    and loads the tokenizer (it waits for its config); None otherwise."""
+    if not args.engine_process:
+        return None
+    from pensieve.server.engine_process import ProcessEngine
+
+    return ProcessEngine(None, args.log_level,
+                         getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S) or None)
+
+
+def _start_engine(cfg: Any, args: argparse.Namespace, spawned: Any
+                  ) -> tuple[LLMEngine | None, Any]:
+    """(the engine if it lives in this process, the client the server talks to), once the
+    engine is built: in ``spawned`` (:func:`_spawn_engine`, its config already sent) or in
+    a thread of this process."""
+    if spawned is not None:
         from pensieve.threads import settle_server_threads
 
-        aengine = ProcessEngine(cfg, args.log_level, watchdog)
-        settle_server_threads(aengine.info["device"])  # after the engine took its CPUs
-        return None, aengine
+        spawned.wait_ready()
+        settle_server_threads(spawned.info["device"])  # after the engine took its CPUs
+        return None, spawned
     from pensieve.engine.llm_engine import LLMEngine
     from pensieve.server.async_engine import AsyncEngine
 
     engine = LLMEngine(cfg)
-    return engine, AsyncEngine(engine, watchdog)
+    return engine, AsyncEngine(engine, getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S)
+                               or None)
+
+
+def _engine_config(args: argparse.Namespace, keys: list[str]) -> tuple[dict[str, Any], Any, Any]:
+    """The engine's options settled from the model, the model's directory and the config."""
+    from pensieve.engine.llm import build_engine_config
+
+    share = tenant_kv_share(args.tenant_kv_share, len(keys))
+    # the server's --tenant-kv-share decides, over a config file's value too
+    opts = {**engine_options(args, exclude=SERVER_ENGINE_OPTIONS), "tenant_kv_share": share}
+    _, path = settle_model_options(opts)
+    if opts.get("max_num_batched_tokens") is not None:
+        opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], 1)
+    return opts, path, build_engine_config(**opts)
 
 
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
-    function that stops them (also what each replica of ``--data-parallel-size`` runs)."""
-    from pensieve.engine.llm import build_engine_config
+    function that stops them (also what each replica of ``--data-parallel-size`` runs). Once
+    the store is open the engine's process starts, and it imports torch and the engine while
+    this process settles the config and loads the tokenizer."""
     from pensieve.server.store_check import open_checked
 
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -279,23 +313,24 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
         args.store = str(default_store())
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
-    share = tenant_kv_share(args.tenant_kv_share, len(keys))
-    # the server's --tenant-kv-share decides, over a config file's value too
-    opts = {**engine_options(args, exclude=SERVER_ENGINE_OPTIONS), "tenant_kv_share": share}
-    _, path = settle_model_options(opts)
-    if opts.get("max_num_batched_tokens") is not None:
-        opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], 1)
-    cfg = build_engine_config(**opts)
-    # the store first: one that cannot be used stops the server before the engine is built
+    # the store first: one that cannot be used stops the server before the engine starts
     store, report = open_checked(args.store)
+    spawned = None
     try:
-        engine, aengine = _start_engine(cfg, args)
+        spawned = _spawn_engine(args)
+        opts, path, cfg = _engine_config(args, keys)
+        if spawned is not None:
+            spawned.configure(cfg)
+        front = _front(args, opts["model"], path)  # while the engine builds
+        engine, aengine = _start_engine(cfg, args, spawned)
     except BaseException:
+        if spawned is not None:
+            spawned.shutdown()
         store.close()
         raise
     try:
-        app, close = _assemble(args, opts["model"], opts["max_model_len"], path, engine,
-                               aengine, store, report, keys)
+        app, close = _assemble(args, front, opts["max_model_len"], engine, aengine, store,
+                               report, keys)
     except BaseException:
         aengine.shutdown()
         if engine is not None:
@@ -305,17 +340,25 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     return app, close
 
 
-def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
-              engine: LLMEngine | None, aengine: Any, store: Any, report: Any, keys: list[str]
-              ) -> tuple[Any, Callable[[], None]]:
-    """The app over a started engine and an open store, and the function that stops them."""
+@dataclass(frozen=True)
+class _Front:
+    """What the server needs of the model apart from the engine: its names, its chat
+    renderer (None without a tokenizer) and its generation defaults."""
+
+    model: str
+    path: Any
+    demo: bool
+    names: tuple[str, ...]
+    renderer: Any
+    eos_ids: tuple[int, ...]
+    sampling_defaults: dict[str, Any]
+
+
+def _front(args: argparse.Namespace, model: str, path: Any) -> _Front:
     from pensieve.models.demo import is_demo
     from pensieve.models.tokenizer import load_tokenizer
-    from pensieve.server.app import create_app
     from pensieve.server.chat import ChatRenderer
-    from pensieve.server.engine_metrics import Metrics
     from pensieve.server.model_defaults import generation_defaults
-    from pensieve.server.state import ServerState
 
     demo = is_demo(path)
     template = args.chat_template
@@ -331,9 +374,21 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
                   ["pensieve-demo" if demo else Path(model).name])
     if demo:
         log.warning("serving the built-in DEMO model: random weights, answers are noise")
+    return _Front(model, path, demo, names, renderer, tuple(eos_ids), sampling_defaults)
+
+
+def _assemble(args: argparse.Namespace, front: _Front, max_len: int, engine: LLMEngine | None,
+              aengine: Any, store: Any, report: Any, keys: list[str]
+              ) -> tuple[Any, Callable[[], None]]:
+    """The app over a started engine and an open store, and the function that stops them."""
+    from pensieve.server.app import create_app
+    from pensieve.server.engine_metrics import Metrics
+    from pensieve.server.state import ServerState
+
     turn_tokens = (aengine.info["max_turn_tokens"] if engine is None
                    else engine.scheduler.max_turn_tokens)
-    state = ServerState(aengine, store, renderer, names[0], demo, tuple(keys), max_len,
+    model, path, names = front.model, front.path, front.names
+    state = ServerState(aengine, store, front.renderer, names[0], front.demo, tuple(keys), max_len,
                         Metrics(aengine), served_model_names=names,
                         model_aliases=model_aliases(model, path),
                         max_turn_tokens=turn_tokens,
@@ -341,8 +396,8 @@ def _assemble(args: argparse.Namespace, model: str, max_len: int, path: Any,
                         metrics_public=args.metrics_public, metrics_key=args.metrics_key,
                         max_queued_requests=args.max_queued_requests,
                         max_request_bytes=args.max_request_bytes,
-                        extra_stop_token_ids=tuple(eos_ids),
-                        sampling_defaults=sampling_defaults,
+                        extra_stop_token_ids=front.eos_ids,
+                        sampling_defaults=front.sampling_defaults,
                         corrupt_conversations=len(report.corrupt),
                         max_priority=args.max_priority,
                         priority_means_retention=getattr(args, "priority_means_retention",

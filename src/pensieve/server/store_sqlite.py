@@ -257,6 +257,22 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+def _to_wal(db: sqlite3.Connection, timeout_s: float) -> None:
+    """Put the file in WAL mode. The switch needs the file to itself: while another process
+    opens a new store (replicas started together), SQLite answers "database is locked" at
+    once instead of waiting out ``busy_timeout`` (one replica of two failed to start that
+    way in 11 of 30 tries), so the switch is tried again until then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class ConversationStore:
     """The SQLite store: thread-safe access to one file (one connection, one lock per
     process; several processes may share the file). A write that fails raises
@@ -268,7 +284,7 @@ class ConversationStore:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-        self._db.execute("PRAGMA journal_mode=WAL")
+        _to_wal(self._db, busy_timeout_ms / 1e3)
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN IMMEDIATE")  # one process at a time migrates

@@ -12,10 +12,12 @@ other requests keep producing tokens while it compiles (a 20,000-property schema
 pause every stream for 45 s). The request is added once it compiled (its first step's compile
 is then a cache hit); a schema xgrammar cannot compile is a 400 (``invalid_schema``) naming
 the problem, and one that does not compile within ``--grammar-compile-timeout`` seconds a 400
-(``grammar_too_complex``). Such a schema is remembered and refused at once when sent again;
-its compile, which cannot be interrupted, goes on in its thread until it ends, and later
-grammars compile in a new thread (up to two such compiles run aside; past that, new grammars
-wait behind them, each for at most the timeout).
+(``grammar_too_complex``). The timeout counts the compile alone: the compiler (the tokenizer
+and its xgrammar info), built in the background when the engine starts, is waited for apart.
+Such a schema is remembered and refused at once when sent again; its compile, which cannot be
+interrupted, goes on in its thread until it ends, and later grammars compile in a new thread
+(up to two such compiles run aside; past that, new grammars wait behind them, each for at
+most the timeout).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ async def compile_constraint(state: ServerState, wanted: Constraint) -> None:
         slow.move_to_end(spec)
         raise _too_complex(state, spec, wanted.param, again=True)
     try:
+        await _compiler_ready(state)  # not timed: the timeout counts the compile alone
         await asyncio.wait_for(_compile(state, spec), state.grammar_compile_timeout_s)
     except TimeoutError:
         slow[spec] = None
@@ -103,6 +106,17 @@ async def compile_constraint(state: ServerState, wanted: Constraint) -> None:
         raise
     except ValueError as e:  # GrammarError: the compiler's reason
         raise APIError(400, str(e), param=wanted.param, code="invalid_schema") from e
+
+
+async def _compiler_ready(state: ServerState) -> None:
+    """Until the grammar compiler exists: the engine's, building since the engine started
+    (its tokenizer and xgrammar's tokenizer info), or where the engine cannot compile ahead,
+    the server's own."""
+    if await state.engine.compile_grammar(None):
+        return
+    renderer = state.renderer
+    assert renderer is not None
+    await off_loop(state, renderer.grammar_compiler)
 
 
 async def _compile(state: ServerState, spec: GrammarSpec) -> None:
