@@ -61,6 +61,8 @@ class Setup:
     num_blocks: int
     weight_bytes: int
     kv_per_token: int
+    layout: KVLayout
+    """The KV layout ``kv`` was allocated from."""
 
     def fits(self, batch: int, ctx: int) -> bool:
         """Whether ``batch`` requests of ``ctx`` tokens get distinct blocks."""
@@ -96,7 +98,7 @@ def setup(model_name: str, dtype: torch.dtype, kv_gb: float, device: torch.devic
     for t in kv:
         t.normal_(0, 0.5)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return Setup(model, kv, chunk, num_blocks, weight_bytes, block_bytes // chunk)
+    return Setup(model, kv, chunk, num_blocks, weight_bytes, block_bytes // chunk, layout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     max_blocks = su.graph_max_blocks(max(batches), max(contexts))
 
-    eager = ModelRunner(model, kv, chunk)
-    graphs = ModelRunner(model, kv, chunk)
+    eager = ModelRunner(model, su.layout, kv)
+    graphs = ModelRunner(model, su.layout, kv)
     t0 = time.perf_counter()
     graphs.enable_decode_graphs(max(batches), max_blocks)
     capture_s = time.perf_counter() - t0

@@ -43,13 +43,20 @@ from tqdm import tqdm
 
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_tier import DiskTier
+from pensieve.engine.kv_layout import KVLayout
 
 _FP = "bench"
 
 
 def _tier(path: str, args: argparse.Namespace, cpu: list[torch.Tensor]) -> DiskTier:
-    return DiskTier(path, args.chunks, args.chunk_size, _FP, cpu, cpu, read_gbps=None,
+    return DiskTier(path, args.chunks, layout_of(args), _FP, cpu, cpu, read_gbps=None,
                     measure=True, read_threads=args.read_threads)
+
+
+def layout_of(args: argparse.Namespace) -> KVLayout:
+    """The KV layout of the options: bf16 chunks of ``--layers`` x ``--kv-heads`` x
+    ``--head-dim`` x ``--chunk-size``."""
+    return KVLayout(args.layers, args.kv_heads, args.head_dim, args.chunk_size, torch.bfloat16)
 
 
 def cpu_tier(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -128,7 +135,7 @@ def spill_times(args: argparse.Namespace) -> dict[str, object]:
     n = args.spill_chunks
     path = os.path.join(args.path, "spill")
     shutil.rmtree(path, ignore_errors=True)
-    tier = DiskTier(path, n, args.chunk_size, _FP, cpu, cpu, read_gbps=None, measure=False)
+    tier = DiskTier(path, n, layout_of(args), _FP, cpu, cpu, read_gbps=None, measure=False)
     out: dict[str, list[float]] = {"spill_ms": [], "spill_busy_ms": []}
     calls = [("spill_ms", True)] * args.spill_repeat + [("spill_busy_ms", False)] * \
         args.spill_repeat

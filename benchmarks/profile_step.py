@@ -354,7 +354,7 @@ def build_runners(su: Setup, fitting: list[tuple[int, int]], no_graphs: bool,
                   on_device: bool) -> tuple[dict[str, ModelRunner], bool, float, list[int]]:
     """The eager runner and, unless ``no_graphs``, one replaying decode graphs of the profiled
     batch sizes (captured on CUDA): (runners by mode, captured, capture seconds, buckets)."""
-    runners: dict[str, ModelRunner] = {"eager": ModelRunner(su.model, su.kv, su.chunk)}
+    runners: dict[str, ModelRunner] = {"eager": ModelRunner(su.model, su.layout, su.kv)}
     captured, capture_s, buckets = False, 0.0, []
     if not no_graphs and fitting:
         buckets = sorted({b for b, _ in fitting})
@@ -372,7 +372,7 @@ def build_runners(su: Setup, fitting: list[tuple[int, int]], no_graphs: bool,
             capture_s = time.perf_counter() - t0
             captured = True
             print(f"captured {len(buckets)} graphs {buckets} in {capture_s:.1f} s")
-        runner = ModelRunner(su.model, su.kv, su.chunk)
+        runner = ModelRunner(su.model, su.layout, su.kv)
         runner.decode_graphs = graphs
         runners["graph"] = runner
     return runners, captured, capture_s, buckets

@@ -131,6 +131,8 @@ class Bench:
         self.idle: list[str] = []  # sessions with no turn in flight
         self.generation: dict[str, int] = {}  # session -> restarts (the conversation id suffix)
         self.num_requests = 0
+        self.prefix = [1] * args.shared_prefix_tokens
+        """What every session's first turn opens with (token 1: no session's own)."""
         self._seed_sessions(n)
 
     def cid(self, session: str) -> str:
@@ -144,7 +146,7 @@ class Bench:
             self.generation[s] = 0
             t = -600.0 + 600.0 * k / n
             conv = cache.conversation(self.cid(s))
-            ids = [self._token(s)] * self.rng.randint(*self.args.seed_tokens)
+            ids = self.prefix + [self._token(s)] * self.rng.randint(*self.args.seed_tokens)
             req = Request(f"seed{k}", ids, SamplingParams(max_tokens=1),
                           conversation_id=conv.conversation_id)
             cache.begin_step()
@@ -178,7 +180,7 @@ class Bench:
             if len(history) > self.args.restart_tokens:
                 cache.delete(self.cid(s))
                 self.generation[s] += 1
-                history = []
+                history = self.prefix  # a new conversation opens with the prefix too
             new = [self._token(s)] * self.rng.randint(*self.args.turn_tokens)
             self.num_requests += 1
             params = SamplingParams(max_tokens=self.rng.randint(*self.args.output_tokens),
@@ -368,6 +370,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--share-prefixes", action="store_true",
                     help="the cache shares prefixes; each session's tokens are its own, so "
                          "nothing is shared (the bookkeeping's cost alone)")
+    ap.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                    help="every session's first turn opens with the same N tokens (with "
+                         "--share-prefixes: a prompt all of them share)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each size this many times (same work) and report the run of "

@@ -4,7 +4,8 @@ directory's ``scheduler_cost.py``, is the same for both), builds alternating, th
 step's least thread CPU time over its runs and the median over steps.
 
     python benchmarks/scheduler_cost_ab.py --before /tmp/before/src --after src \\
-        --sessions 300 --runs 8 [--share-prefixes] [--preset pressure] [--out results.json]
+        --sessions 300 --runs 8 [--share-prefixes] [--shared-prefix-tokens N] \\
+        [--preset pressure] [--out results.json]
 
 On a shared machine other load comes and goes within seconds; alternating the builds gives
 both the same chances of a quiet run, and a step's least time over the runs (same work, step
@@ -53,10 +54,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=8, help="runs per build")
     ap.add_argument("--preset", default="pressure")
     ap.add_argument("--share-prefixes", action="store_true")
+    ap.add_argument("--shared-prefix-tokens", type=int, default=0,
+                    help="every session opens with the same N tokens (scheduler_cost.py's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    bench_args = ["--preset", args.preset] + (["--share-prefixes"] if args.share_prefixes
-                                              else [])
+    bench_args = (["--preset", args.preset, "--shared-prefix-tokens",
+                   str(args.shared_prefix_tokens)]
+                  + (["--share-prefixes"] if args.share_prefixes else []))
     runs: dict[str, list[list[float]]] = {"before": [], "after": []}
     for _ in range(args.runs):
         for name in runs:

@@ -57,8 +57,8 @@ from collections.abc import Callable
 import torch
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.kernels.launch_swap import DEFAULT_PROGRAMS, DEFAULT_TILE_BYTES
-from pensieve.runner.model_runner import allocate_kv_caches
 from pensieve.runner.swapper import DEFAULT_STAGING_CHUNKS, METHODS, KVSwapper
 
 REFERENCE_GBPS = 55.0  # measured on the H200: large pinned copies, one direction
@@ -411,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     biggest = max([*args.sizes, args.sweep_chunks if args.sweep_programs else 0])
     num_gpu = args.gpu_blocks or 2 * biggest + biggest // 2
     num_cpu = args.cpu_blocks or (4 if "scattered" in args.patterns else 2) * biggest
-    caches = allocate_kv_caches(args.layers, num_gpu, args.chunk, args.kv_heads, args.head_dim,
-                                dtype, torch.device("cuda"))
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.chunk, dtype)
+    caches = layout.allocate(num_gpu, torch.device("cuda"))
     for c in caches:
         c.normal_()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -424,18 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     header = ""
     for method in args.methods:
         t0 = time.perf_counter()
-        sw = KVSwapper(caches, num_cpu, method, num_programs=args.programs,
+        sw = KVSwapper(layout, caches, num_cpu, method, num_programs=args.programs,
                        staging_chunks=args.staging_chunks)
         pin_s[method] = time.perf_counter() - t0
-        step_bytes = sw.block_bytes * args.layers  # one chunk, all layers
+        step_bytes = sw.chunk_bytes  # one chunk, all layers
         if not header:
             header = (f"{torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  "
                       f"triton {triton.__version__}\n{args.layers} layers, "
-                      f"{sw.block_bytes / 1024:.0f} KB per chunk per layer (K+V); GPU tier "
+                      f"{sw.layer_bytes / 1024:.0f} KB per chunk per layer (K+V); GPU tier "
                       f"{num_gpu * step_bytes / gib:.1f} GiB ({num_gpu} blocks), CPU tier "
                       f"{num_cpu * step_bytes / gib:.1f} GiB ({num_cpu} blocks)")
             print(header + "\n\n" + HEADER, flush=True)
-            rows += raw_copies(sw, min(256 * 2**20, num_cpu * sw.block_bytes // 2), args.reps)
+            rows += raw_copies(sw, min(256 * 2**20, num_cpu * sw.layer_bytes // 2), args.reps)
         print(f"{method}: CPU tier ({sw.host_layout}) pinned and mapped (and kernel compiled) "
               f"in {pin_s[method]:.1f} s; kernel programs {sw.num_programs} of {sms} SMs"
               + (f"; staging {args.staging_chunks} chunks per piece, 2 halves"
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         del sw
         gc.collect()
     report(args, rows, sweep, {"sms": sms, "gpu_blocks": num_gpu, "cpu_blocks": num_cpu,
-                               "chunk_bytes_per_layer": step_bytes // args.layers,
+                               "chunk_bytes_per_layer": layout.layer_bytes,
                                "pin_s": pin_s})
     return 0
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.runner.swapper import (
     KVSwapper,
 )
@@ -38,11 +39,23 @@ def make_caches(
             for _ in range(layers)]
 
 
+def layout_of(caches: list[torch.Tensor]) -> KVLayout:
+    """The KV layout of per-layer ``[2, N, C, Hkv, D]`` caches (what the engine would have
+    resolved and allocated them from)."""
+    _, _, chunk, heads, dim = caches[0].shape
+    return KVLayout(len(caches), heads, dim, chunk, caches[0].dtype)
+
+
+def new_swapper(caches: list[torch.Tensor], *args: Any, **kw: Any) -> KVSwapper:
+    """``KVSwapper`` over ``caches`` and their layout (:func:`layout_of`)."""
+    return KVSwapper(layout_of(caches), caches, *args, **kw)
+
+
 def make_swapper(caches: list[torch.Tensor], cpu_blocks: int, method: str | None = None,
                  **kw: Any) -> KVSwapper:
     if method == "staged":
         kw.setdefault("staging_chunks", STAGING)
-    sw = KVSwapper(caches, cpu_blocks, method, **kw)
+    sw = new_swapper(caches, cpu_blocks, method, **kw)
     for c in sw.cpu_caches:
         c.copy_(torch.randn(c.shape).to(c.dtype))
     return sw

@@ -12,8 +12,11 @@ import torch
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_files import ReadBuffer
 from pensieve.engine.disk_tier import DiskTier, chunk_major_blocks
+from pensieve.engine.kv_layout import KVLayout
 
 LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
+LAYOUT = KVLayout(LAYERS, HEADS, DIM, CHUNK, torch.float32)
+"""The caches' layout (float32, as ``torch.randn`` makes them)."""
 
 
 def _entry(conv: str, i: int) -> DiskEntry:
@@ -53,7 +56,7 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa:
     torch.manual_seed(0)
     cpu = _cpu_tier(layout)
     path = str(tmp_path / "tier")
-    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
     assert (tier._cpu_blocks is not None) == (layout == "chunk-major")
     want = {}
     for n, (conv, i) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)]):
@@ -67,7 +70,7 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa:
 
     for c in cpu:
         c.zero_()
-    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    reader = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
     assert reader.found == 4
     restored = {}
     kept: set[int] = set()
@@ -132,7 +135,7 @@ def test_spilled_blocks_are_copied_out_in_plan_order(tmp_path, layout: str) -> N
     torch.manual_seed(1)
     cpu = _cpu_tier(layout)
     gpu = _cpu_tier("layer-major")  # the device cache's layout (here on the CPU)
-    tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, gpu, read_threads=1)
+    tier = DiskTier(str(tmp_path / "tier"), 16, LAYOUT, "fp", cpu, gpu, read_threads=1)
     spills = [(False, 5, _entry("a", 0)), (True, 2, _entry("a", 1)), (False, 1, _entry("b", 0)),
               (True, 7, _entry("b", 1)), (False, 6, _entry("c", 0))]
     got = tier._spilled_bytes(spills)
@@ -153,13 +156,13 @@ def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: 
     torch.manual_seed(2)
     cpu = _cpu_tier("chunk-major")
     path = str(tmp_path / "tier")
-    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     entry = _entry("a", 0)
     assert tier.index.spill("a", entry, 0, False)
     want = torch.stack([c[:, 0] for c in cpu]).clone()
     tier.apply(tier.index.take_plan())
     tier.close(None)
-    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    reader = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     found = reader.index.files[entry.name]
     reader.start_reads([found])
     reader.collect()
@@ -183,7 +186,7 @@ def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> 
 
     cpu = _cpu_tier("chunk-major")
     path = str(tmp_path / "tier")
-    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
     for n in (0, 1):
         entry = _entry("a", n)
         assert tier.index.spill("a", entry, n, False)
@@ -192,7 +195,7 @@ def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> 
         tier.apply(tier.index.take_plan())
     tier.close(None)
 
-    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=2)
+    reader = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
     gate = threading.Event()
     slow_name = _entry("a", 1).name
     read_file = disk_files.read_file

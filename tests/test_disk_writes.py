@@ -16,8 +16,11 @@ import pensieve.engine.disk_tier as disk_tier
 import pensieve.engine.disk_writes as disk_writes
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_tier import DiskTier
+from pensieve.engine.kv_layout import KVLayout
 
 LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
+LAYOUT = KVLayout(LAYERS, HEADS, DIM, CHUNK, torch.float32)
+"""The caches' layout (float32, as ``torch.randn`` makes them)."""
 
 
 def _entry(conv: str, i: int) -> DiskEntry:
@@ -69,7 +72,7 @@ def test_a_write_buffer_lent_to_a_read_is_never_reused(tmp_path, layout: str,  #
     overwrite it, and the chunk restored from it later is the chunk spilled."""
     torch.manual_seed(0)
     cpu = _cpu_tier(layout)
-    tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    tier = DiskTier(str(tmp_path / "tier"), 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     want = _kv(cpu, 0)
     gate.clear()
     a = _spill(tier, "a", 0)  # queued: the writer waits
@@ -101,7 +104,7 @@ def test_a_restore_from_a_queued_write_and_files_from_reused_buffers(
     torch.manual_seed(1)
     cpu = _cpu_tier("chunk-major")
     path = str(tmp_path / "tier")
-    tier = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     want = {conv: _kv(cpu, n) for n, conv in enumerate("abcd")}
     gate.clear()
     a = _spill(tier, "a", 0)
@@ -120,7 +123,7 @@ def test_a_restore_from_a_queued_write_and_files_from_reused_buffers(
     tier.close(None)
     for c in cpu:
         c.zero_()
-    reader = DiskTier(path, 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    reader = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     assert reader.found == 4
     entries = {conv: reader.index.files[_entry(conv, 0).name] for conv in "abcd"}
     reader.start_reads(list(entries.values()))
@@ -139,7 +142,7 @@ def test_the_pool_is_bounded_and_skipped_writes_return_their_buffers(
     cpu = _cpu_tier("chunk-major")
     block_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
     monkeypatch.setattr(disk_writes, "WRITE_SPARE_BYTES", 2 * block_bytes)
-    tier = DiskTier(str(tmp_path / "tier"), 16, CHUNK, "fp", cpu, cpu, read_threads=1)
+    tier = DiskTier(str(tmp_path / "tier"), 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     for n in range(4):
         assert tier.index.spill("a", _entry("a", n), n, False)
     tier.apply(tier.index.take_plan())

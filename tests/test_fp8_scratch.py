@@ -208,9 +208,10 @@ def test_runner_plans_the_scratch_for_its_prefill_launch(tmp_path, monkeypatch, 
 
     from pensieve.core.outputs import QueryRange, ScheduledRequest, SchedulerOutput
     from pensieve.core.sampling_params import SamplingParams
+    from pensieve.engine.kv_layout import KVLayout
     from pensieve.layers.attention import init_kv_scales
     from pensieve.models.loader import load_model
-    from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches
+    from pensieve.runner.model_runner import ModelRunner
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -220,11 +221,12 @@ def test_runner_plans_the_scratch_for_its_prefill_launch(tmp_path, monkeypatch, 
     dev = torch.device(DEV)
     model, _ = load_model(str(tmp_path), dtype=torch.float32, device=dev)
     init_kv_scales(model, dev)
-    kv = allocate_kv_caches(2, 32, 16, 2, 16, F8, dev)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=16, dtype=F8)
+    kv = layout.allocate(32, dev)
     for c in kv:
         c.copy_((torch.randn(c.shape, generator=torch.Generator().manual_seed(5))).to(F8)
                 .to(dev))
-    runner = ModelRunner(model, kv, 16)
+    runner = ModelRunner(model, layout, kv)
     runner.decode_span_mode = span_mode
     monkeypatch.setattr(kernels, "CHOICE", kernels.KernelChoice("triton"))
     rng = random.Random(0)

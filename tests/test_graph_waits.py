@@ -25,8 +25,9 @@ def test_wait_layers_are_the_first_of_each_staged_group(layers: int, groups: int
 def _tiny_runner(tmp_path, num_cpu_blocks: int = 16):  # noqa: ANN001, ANN202
     import transformers
 
+    from pensieve.engine.kv_layout import KVLayout
     from pensieve.models.loader import load_model
-    from pensieve.runner.model_runner import ModelRunner, allocate_kv_caches
+    from pensieve.runner.model_runner import ModelRunner
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -34,8 +35,10 @@ def _tiny_runner(tmp_path, num_cpu_blocks: int = 16):  # noqa: ANN001, ANN202
                                    num_key_value_heads=2, max_position_embeddings=256)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
     model, _ = load_model(str(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
-    kv = allocate_kv_caches(2, 32, 16, 2, 16, torch.float32, torch.device("cpu"))
-    return ModelRunner(model, kv, 16, num_cpu_blocks=num_cpu_blocks)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=16,
+                      dtype=torch.float32)
+    kv = layout.allocate(32, torch.device("cpu"))
+    return ModelRunner(model, layout, kv, num_cpu_blocks=num_cpu_blocks)
 
 
 def _step(swap_in: int) -> SchedulerOutput:

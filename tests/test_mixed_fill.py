@@ -23,9 +23,9 @@ CHUNK, BLOCKS, MAX_TOKENS, MAX_RANGES, MAX_BLOCKS = 16, 64, 128, 12, 16
 def graphs(tmp_path_factory):  # noqa: ANN001, ANN201
     import transformers
 
+    from pensieve.engine.kv_layout import KVLayout
     from pensieve.models.loader import load_model
     from pensieve.runner.mixed_graphs import MixedGraphs
-    from pensieve.runner.model_runner import allocate_kv_caches
 
     path = tmp_path_factory.mktemp("fill")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -33,7 +33,8 @@ def graphs(tmp_path_factory):  # noqa: ANN001, ANN201
                                    num_key_value_heads=2, max_position_embeddings=256)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     model, _ = load_model(str(path), dtype=torch.float32, device=torch.device("cpu"))
-    kv = allocate_kv_caches(1, BLOCKS, CHUNK, 2, 8, torch.float32, torch.device("cpu"))
+    kv = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, chunk_size=CHUNK,
+                  dtype=torch.float32).allocate(BLOCKS, torch.device("cpu"))
     return {(d, s): MixedGraphs(model, kv, CHUNK, MAX_TOKENS, MAX_RANGES, MAX_BLOCKS,
                                 capture=False, decodes=d, span_mode=s)
             for d in ("together", "split") for s in ("auto", "1")}

@@ -26,8 +26,8 @@ CHUNK, BLOCKS, MAX_BLOCKS = 16, 256, 80
 
 @pytest.fixture(scope="module")
 def model_and_cache(tmp_path_factory):  # noqa: ANN001, ANN201
+    from pensieve.engine.kv_layout import KVLayout
     from pensieve.models.loader import load_model
-    from pensieve.runner.model_runner import allocate_kv_caches
 
     path = tmp_path_factory.mktemp("splits")
     torch.manual_seed(0)
@@ -37,7 +37,8 @@ def model_and_cache(tmp_path_factory):  # noqa: ANN001, ANN201
                                    initializer_range=0.2)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     model, _ = load_model(str(path), dtype=torch.float32, device=DEVICE)
-    kv = allocate_kv_caches(1, BLOCKS, CHUNK, 1, 16, torch.float32, DEVICE)
+    kv = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, chunk_size=CHUNK,
+                  dtype=torch.float32).allocate(BLOCKS, DEVICE)
     kv[0].normal_()  # the histories' K and V
     return model, kv
 

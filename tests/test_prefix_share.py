@@ -496,25 +496,25 @@ def test_truncation_into_a_shared_chunk_lets_it_go() -> None:
     assert run_turn(cache, "c", [1] * 9, 4.0).cache_stats.shared_hit_tokens == 8
 
 
-def test_random_workloads_reach_the_shared_eviction_fallback(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The random workloads free shared blocks through the fallback (``evict_shared``) too, so
-    the property test checks the reference counts across it (a guard against a vacuous
-    pass)."""
-    import pensieve.core.kv_store as kv_store
+def test_random_workloads_free_shared_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random workloads free shared blocks whole through the retention order
+    (``SharedOrder``), so the property test checks the reference counts across it (a guard
+    against a vacuous pass). The fallback (``lowest_shared``: blocks whose sharers left) is
+    driven in ``test_shared_eviction``."""
+    from pensieve.core.shared_eviction import SharedOrder
 
-    freed: list[int] = []
-    orig = kv_store.evict_shared
+    taken: list[int] = []
+    orig_take = SharedOrder.take
 
-    def counting(*args: Any) -> int:
-        freed.append(orig(*args))
-        return freed[-1]
+    def take(self: SharedOrder) -> Any:
+        taken.append(1)
+        return orig_take(self)
 
-    monkeypatch.setattr(kv_store, "evict_shared", counting)
+    monkeypatch.setattr(SharedOrder, "take", take)
     for policy in ["pensieve", "prefix-lru"]:
         for seed in range(15):
             _guard_workload(policy, 10, seed)
-    assert sum(freed) > 0
+    assert len(taken) > 0
 
 
 def test_chunk_hashes_are_chained_blake2b_of_the_token_bytes() -> None:

@@ -101,3 +101,24 @@ def test_repeats_report_each_steps_least_time() -> None:
     assert len(r["repeat_median_ms"]) == 3
     assert 0 < r["min_step_median_ms"] <= min(r["repeat_median_ms"])
     assert "_times" not in r
+
+
+def test_a_shared_prefix_is_held_once_and_stepped_over() -> None:
+    """``--shared-prefix-tokens`` with ``--share-prefixes``: every session opens with the same
+    tokens, so the cache holds them once (shared GPU blocks after seeding) and the steps run
+    with the shared blocks in the retention order."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    scheduler_cost.add_arguments(ap)
+    a = scheduler_cost.resolve(ap.parse_args(
+        TINY + ["--share-prefixes", "--shared-prefix-tokens", "256",
+                "--seed-tokens", "100,200"]))
+    b = scheduler_cost.Bench(8, a, seed=0)
+    blocks = b.cache.blocks
+    assert blocks is not None
+    assert len(blocks.shared_gpu) + len(blocks.shared_cpu) >= 256 // 32 - 1
+    assert all(c.token_ids[:256] == [1] * 256 for c in b.cache.conversations.values())
+    for _ in range(30):
+        b.step()
+    b.cache.check_integrity()

@@ -1,16 +1,18 @@
 """Eviction with shared GPU blocks (``core.shared_eviction`` and the index's candidates): a block
-several conversations hold goes after every chunk held alone, whatever its sharers' own keys;
-a block a running turn reads never goes; the fallback frees shared blocks when nothing else is
-left, and the reference counts stay exact throughout."""
+several conversations hold is one unit of the retention order, keyed by its sharers' keys
+together (the sum of their retention values; the most recent sharer's for the LRU orders), and
+leaves whole; a block a running turn reads never goes; the fallback frees shared blocks whose
+sharers left, and the reference counts stay exact throughout."""
 
 from __future__ import annotations
 
 import pytest
 
 from pensieve.core.conversation import Tier
+from pensieve.core.eviction import EvictionKey
 from pensieve.core.request import Request
 from pensieve.core.sampling_params import SamplingParams
-from pensieve.core.shared_eviction import evict_shared, shared_holders
+from pensieve.core.shared_eviction import SharedOrder, lowest_shared
 from pensieve.core.tiered_cache import TieredKVCache
 from tests.test_prefix_share import SYSTEM, make, run_turn
 
@@ -34,46 +36,110 @@ def private_gpu_chunks(cache: TieredKVCache) -> int:
                or ch.tier is Tier.GPU and share.gpu_refs_of(ch.block) == 1)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_shared_blocks_go_after_every_chunk_held_alone(policy: str) -> None:
+def units(cache: TieredKVCache, now: float) -> list[tuple[EvictionKey, tuple[object, ...]]]:
+    """Every GPU eviction unit of the idle conversations with its key now, lowest first, by
+    brute force: a chunk held alone (its own key), a block two chunks or more hold (the
+    policy's ``combine`` of its holders' keys)."""
+    idx, share = cache.index, cache.blocks
+    assert share is not None
+    idx.refresh(now)
+    out: list[tuple[EvictionKey, tuple[object, ...]]] = []
+    by_block: dict[int, list[EvictionKey]] = {}
+    for conv in cache.conversations.values():
+        for i, ch in enumerate(conv.chunks):
+            if ch.tier is Tier.GPU and not conv.running:
+                if share.gpu_refs_of(ch.block) >= 2:
+                    by_block.setdefault(ch.block, []).append(idx.key_now(conv, i))
+                else:
+                    out.append((idx.key_now(conv, i), ("chunk", conv.conversation_id, i)))
+    out += [(idx.policy.combine(ks), ("block", b)) for b, ks in by_block.items()]
+    return sorted(out, key=lambda u: u[0])
+
+
+def gone(cache: TieredKVCache, unit: tuple[object, ...]) -> bool:
+    if unit[0] == "chunk":
+        return cache.conversations[str(unit[1])].chunks[int(unit[2])].tier is not Tier.GPU
+    return cache.gpu.is_free(int(unit[1]))  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("policy", ["pensieve", "gpu-only", "return", "prefix-lru"])
+@pytest.mark.parametrize("now", [2.5, 10.0, 400.0])
+def test_eviction_follows_one_order_of_chunks_and_whole_shared_blocks(policy: str,
+                                                                       now: float) -> None:
+    """An urgent pass takes, one unit at a time, the lowest of every chunk held alone and
+    every shared block keyed by its sharers' combined key (the sum of their retention
+    values; the most recent sharer's for prefix-lru); a shared block leaves whole."""
     cache = three_sharers(policy)
     share = cache.blocks
     assert share is not None
-    a = cache.conversations["a"]
-    shared = [ch.block for ch in a.chunks[:2]]
+    shared = [ch.block for ch in cache.conversations["a"].chunks[:2]]
     assert [share.gpu_refs_of(b) for b in shared] == [3, 3]
-    alone = private_gpu_chunks(cache)
-    if policy in ("pensieve", "gpu-only", "return"):
-        # each sharer's own key ranks its leading (shared) chunks below its other chunks
-        idx = cache.index
-        idx.refresh(10.0)
-        for conv in cache.conversations.values():
-            assert idx.key_now(conv, 0) < idx.key_now(conv, len(conv.chunks) - 1)
-    freed = cache.store.evict_gpu(alone, 10.0, urgent=True)
-    cache.check_integrity()
-    assert freed == alone
-    assert private_gpu_chunks(cache) == 0
-    for conv in cache.conversations.values():  # every sharer still holds the shared blocks
-        assert [ch.tier for ch in conv.chunks[:2]] == [Tier.GPU, Tier.GPU]
-        assert [ch.block for ch in conv.chunks[:2]] == shared
-    assert [share.gpu_refs_of(b) for b in shared] == [3, 3] and share.gpu_refs == 6
-    # nothing held alone is left: the fallback frees one shared block, all sharers let it go
-    assert cache.store.evict_gpu(1, 11.0, urgent=True) == 1
-    cache.check_integrity()
-    gone = [b for b in shared if not share.gpu_refs_of(b)]
-    assert len(gone) == 1
-    i = shared.index(gone[0])
-    tiers = sorted(conv.chunks[i].tier.value for conv in cache.conversations.values())
-    if cache.store.cpu is not None:  # the block moved once, to one CPU block all three hold
-        assert tiers == ["cpu", "cpu", "cpu"]
-        cpu_share = cache.blocks
-        assert cpu_share is not None
+    order = units(cache, now)
+    taken = []
+    while order:
+        want = order[0]
+        assert cache.store.evict_gpu(1, now, urgent=True) == 1
+        cache.check_integrity()
+        assert gone(cache, want[1]), (want, taken)
+        taken.append(want[1])
+        order = units(cache, now)
+    assert sum(1 for u in taken if u[0] == "block") == 2
+    for i, b in enumerate(shared):  # each block moved once: one CPU block all three hold
         held = {conv.chunks[i].block for conv in cache.conversations.values()}
-        assert len(held) == 1 and cpu_share.cpu_refs_of(held.pop()) == 3
-    else:
-        assert tiers == ["dropped"] * 3
-    assert cache.gpu.is_free(gone[0])
-    assert share.gpu_refs == 3
+        tiers = {conv.chunks[i].tier for conv in cache.conversations.values()}
+        if cache.store.cpu is not None and tiers == {Tier.CPU}:
+            assert len(held) == 1 and share.cpu_refs_of(held.pop()) == 3
+        else:
+            assert tiers <= {Tier.CPU, Tier.DROPPED}
+        assert cache.gpu.is_free(b)
+    assert share.gpu_refs == 0
+
+
+def test_the_sum_of_sharers_keeps_a_widely_shared_block_and_lets_a_lone_pair_go() -> None:
+    """Retention value: a block that many recent conversations share outranks the chunks any
+    one of them holds alone, and a block two long-idle ones share goes before a recent
+    conversation's own chunks."""
+    cache = make("pensieve", gpu=64, cpu=32)
+    for t, cid in enumerate(["old1", "old2"]):
+        run_turn(cache, cid, [9] * 8 + [50 + t] * 3, float(t))  # share chunk 0 of [9] * 8
+    for t, cid in enumerate(["n1", "n2", "n3", "n4", "n5", "n6"]):
+        run_turn(cache, cid, SYSTEM + [60 + t] * 9, 100.0 + t)
+    share = cache.blocks
+    assert share is not None
+    old_block = cache.conversations["old1"].chunks[0].block
+    system_block = cache.conversations["n1"].chunks[0].block
+    assert share.gpu_refs_of(old_block) == 2 and share.gpu_refs_of(system_block) == 6
+    now = 110.0
+    order = units(cache, now)
+    # the long-idle pair's block comes before the recent conversations' own chunks (chunk 2
+    # on), the system prompt's after all of them
+    pos = {u[1]: n for n, u in enumerate(order)}
+    recent = ["n1", "n2", "n3", "n4", "n5", "n6"]
+    recent_own = [pos[("chunk", c, 2)] for c in recent]
+    assert pos[("block", old_block)] < min(recent_own)
+    assert pos[("block", system_block)] > max(recent_own)
+    n = pos[("block", old_block)] + 1
+    assert cache.store.evict_gpu(n, now, urgent=True) == n
+    cache.check_integrity()
+    assert cache.gpu.is_free(old_block)
+    assert all(cache.conversations[c].chunks[0].tier is not Tier.GPU for c in ["old1", "old2"])
+    assert not cache.gpu.is_free(system_block)
+    assert all(cache.conversations[c].chunks[2].tier is Tier.GPU for c in recent)
+
+
+def test_lru_keys_a_shared_block_by_its_most_recent_sharer() -> None:
+    cache = three_sharers("lru")
+    idx = cache.index
+    idx.refresh(5.0)
+    keys = [idx.key_now(conv, 0) for conv in cache.conversations.values()]
+    assert idx.policy.combine(keys) == max(keys)
+    # a and b go whole first (least recently used), the shared blocks with c, the last user
+    assert cache.store.evict_gpu(1, 5.0, urgent=True) >= 1
+    cache.check_integrity()
+    a, c = cache.conversations["a"], cache.conversations["c"]
+    assert all(ch.tier is Tier.GPU for ch in a.chunks[:2])
+    assert all(ch.tier is not Tier.GPU for ch in a.chunks[2:])
+    assert all(ch.tier is Tier.GPU for ch in c.chunks)
 
 
 def test_a_chunk_shared_after_it_was_indexed_is_passed_over() -> None:
@@ -118,8 +184,9 @@ def test_a_running_turns_chunks_are_never_chosen(policy: str) -> None:
     assert all(ch.tier is not Tier.GPU for ch in x.chunks[2:])
     assert [share.gpu_refs_of(b) for b in table[:2]] == [2, 2]
     # r holds them: none the fallback may take
-    assert not shared_holders(cache.conversations, share)
-    assert evict_shared(cache.index, share, 10, lambda c, i, k: None) == 0
+    assert lowest_shared(cache.index, share, Tier.GPU) is None
+    order = SharedOrder(cache.index, share, Tier.GPU)
+    assert order.top() is None
     cache.check_integrity()
 
 
@@ -161,3 +228,24 @@ def test_admission_makes_room_from_shared_blocks() -> None:
     cache.check_integrity()
     assert cache.gpu.num_free_blocks == 0
     assert share.num_gpu == 1  # one shared block went (both sharers let it go), one stayed
+
+
+def test_a_ranked_block_whose_holders_changed_at_that_time_is_passed_over() -> None:
+    """The ranking is built once per eviction time: a block one of whose holders was deleted
+    since (same time) is passed over, not taken with a stale holder list or read past the
+    deleted conversation's chunks."""
+    cache = three_sharers("pensieve", gpu=24, cpu=0)
+    share = cache.blocks
+    assert share is not None
+    order = cache.store.shared_order[0]
+    assert order is not None
+    cache.index.refresh(10.0)
+    top = order.top()
+    assert top is not None and len(top[2]) == 3
+    cache.delete("b")  # between two passes at the same time
+    cache.check_integrity()
+    cache.index.refresh(10.0)
+    nxt = order.top()
+    assert nxt is None or all(conv.conversation_id != "b" for _, conv, _ in nxt[2])
+    assert cache.store.evict_gpu(100, 10.0, urgent=True) > 0
+    cache.check_integrity()

@@ -50,4 +50,4 @@ def test_steps_back_to_back_move_the_reference_bytes(seed: int) -> None:
     assert sw.swap_outs_in_flight == 0  # finish_step waited for every copy
     sw._streams.drain()
     assert_tiers(sw, gpu, cpu)
-    assert sw.bytes_in == sw.bytes_out == 5 * 3 * sw.block_bytes * sw.num_layers
+    assert sw.bytes_in == sw.bytes_out == 5 * 3 * sw.chunk_bytes

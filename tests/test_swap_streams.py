@@ -30,6 +30,7 @@ from swap_util import (
     assert_tiers,
     make_caches,
     make_swapper,
+    new_swapper,
     run_step,
     snapshot,
 )
@@ -361,7 +362,7 @@ def test_swap_ins_ahead_counted_and_validated_on_streams(method: str) -> None:
     sw = make_swapper(make_caches(2, 8, 2, 1, 4, torch.float32), 8, method, streams=sim)
     sw.kernels.triton = False
     sw.start_step(SwapPlan(swap_in=[(0, 1)], swap_in_ahead=[(2, 3), (4, 5)]))
-    assert sw.bytes_in == 3 * sw.num_layers * sw.block_bytes
+    assert sw.bytes_in == 3 * sw.chunk_bytes
     sw.finish_step()
     with pytest.raises(ValueError):
         sw.start_step(SwapPlan(swap_in_ahead=[(0, 99)]))
@@ -463,9 +464,9 @@ def test_simulated_background_false_waits_at_end_step(method: str) -> None:
 def stacked_swapper(layers: int = 4, blocks: int = 256, method: str | None = None,
                     **kw: Any) -> KVSwapper:
     """The engine's layout: per-layer views of one allocation (one launch for all layers)."""
-    from pensieve.runner.model_runner import allocate_kv_caches
+    from pensieve.engine.kv_layout import KVLayout
 
-    caches = allocate_kv_caches(layers, blocks, 32, 8, 128, torch.float16, torch.device("cuda"))
+    caches = KVLayout(layers, 8, 128, 32, torch.float16).allocate(blocks, torch.device("cuda"))
     for c in caches:
         c.copy_(torch.randn(c.shape, device="cuda").half())
     if method != "dma":  # staged, the default on CUDA
@@ -496,7 +497,7 @@ def test_cuda_default_is_staged_on_one_allocation() -> None:
     of layers); the engine's caches are views of one allocation."""
     sw = stacked_swapper(layers=2, blocks=8)
     assert sw.method == "staged" and sw.kernels.gpu_stack is not None
-    assert KVSwapper(make_caches(device="cuda"), 4).method == "staged"
+    assert new_swapper(make_caches(device="cuda"), 4).method == "staged"
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -30,11 +30,13 @@ from swap_util import (  # noqa: F401  (_seed: the autouse fixture)
     cuda,
     make_caches,
     make_swapper,
+    new_swapper,
     run_step,
     snapshot,
 )
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.runner import swap_copies, swap_streams
 from pensieve.runner.swapper import (
     InFlight,
@@ -197,7 +199,7 @@ def test_counters_and_staging_growth() -> None:
     layers, chunk, heads, dim = 3, 4, 2, 8
     sw = make_swapper(make_caches(layers, 64, chunk, heads, dim), 48)
     per_block = layers * 2 * chunk * heads * dim * 2  # bf16
-    assert sw.block_bytes * layers == per_block
+    assert sw.chunk_bytes == sw.layer_bytes * layers == per_block
     gpu, cpu = snapshot(sw)
     rng = random.Random(0)
     total_in = total_out = 0
@@ -239,7 +241,7 @@ def test_copies_per_run_not_per_chunk() -> None:
 
 def test_no_cpu_tier() -> None:
     caches = make_caches()
-    sw = KVSwapper(caches, 0)
+    sw = new_swapper(caches, 0)
     assert [tuple(c.shape) for c in sw.cpu_caches] == [(2, 0, 4, 2, 8)] * 3
     assert sw.start_step(SwapPlan()) is None
     sw.finish_step()
@@ -268,12 +270,21 @@ def test_invalid_plans_are_rejected(plan: SwapPlan, method: str) -> None:
 
 
 def test_cache_validation() -> None:
+    one = KVLayout(1, 2, 8, 4, torch.float32)
+    two = KVLayout(2, 2, 8, 4, torch.float32)
     with pytest.raises(ValueError):
-        KVSwapper([], 4)
+        KVSwapper(one, [], 4)
     with pytest.raises(ValueError):
-        KVSwapper([torch.zeros(2, 4, 4, 2)], 4)
+        KVSwapper(one, [torch.zeros(2, 4, 4, 2)], 4)
     with pytest.raises(ValueError):
-        KVSwapper([torch.zeros(2, 4, 4, 2, 8), torch.zeros(2, 5, 4, 2, 8)], 4)
+        KVSwapper(two, [torch.zeros(2, 4, 4, 2, 8), torch.zeros(2, 5, 4, 2, 8)], 4)
+    # caches that are not the layout's: layers, chunk shape, dtype
+    caches = [torch.zeros(2, 4, 4, 2, 8), torch.zeros(2, 4, 4, 2, 8)]
+    KVSwapper(two, caches, 4)
+    for wrong in (one, KVLayout(2, 2, 8, 8, torch.float32), KVLayout(2, 1, 8, 4, torch.float32),
+                  KVLayout(2, 2, 8, 4, torch.bfloat16)):
+        with pytest.raises(ValueError, match="KV layout"):
+            KVSwapper(wrong, caches, 4)
 
 
 # ---------------------------------------------------------------- CUDA: stream ordering
@@ -405,9 +416,7 @@ def test_pop_completed_stops_at_the_first_running_batch() -> None:
 
 
 def test_stacked_layer_views() -> None:
-    from pensieve.runner.model_runner import allocate_kv_caches
-
-    caches = allocate_kv_caches(3, 5, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    caches = KVLayout(3, 2, 8, 4, torch.bfloat16).allocate(5, torch.device("cpu"))
     stack = swap_copies.stacked_layers(caches)
     assert stack is not None and stack.shape == (3, 2, 5, 4, 2, 8)
     assert all(stack[i].data_ptr() == c.data_ptr() for i, c in enumerate(caches))
@@ -419,12 +428,12 @@ def test_stacked_layer_views() -> None:
 
 def test_method_choice() -> None:
     assert make_swapper(make_caches(), 4).method == "dma"  # CPU default
-    assert KVSwapper(make_caches(), 4, "staged").method == "staged"
+    assert new_swapper(make_caches(), 4, "staged").method == "staged"
     for removed in ("memcpy", "kernel", "hybrid"):
         with pytest.raises(ValueError):
-            KVSwapper(make_caches(), 4, removed)
+            new_swapper(make_caches(), 4, removed)
     with pytest.raises(ValueError):
-        KVSwapper(make_caches(), 4, "staged", staging_chunks=0)
+        new_swapper(make_caches(), 4, "staged", staging_chunks=0)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -432,7 +441,7 @@ def test_host_layout_and_cpu_cache_views(method: str) -> None:
     """cpu_caches are per-layer [2, N, C, Hkv, D] views of host_tier in either layout;
     chunk-major: one chunk of every layer is one contiguous piece."""
     layers, n = 3, 6
-    sw = KVSwapper(make_caches(layers), n, method)
+    sw = new_swapper(make_caches(layers), n, method)
     host = sw.host_tier
     assert host.is_contiguous()
     for c in sw.cpu_caches:

@@ -55,6 +55,7 @@ from pensieve.bench.engine_api import Clock, WallClock
 from pensieve.core.sampling_params import SamplingParams
 from pensieve.core.scheduler import ConversationBusyError
 from pensieve.core.stats import CacheStats
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.engine.llm_engine import resolve_device, resolve_dtype
 from pensieve.engine.request_output import RequestOutput
 
@@ -147,14 +148,15 @@ def _cb_config_fields() -> set[str]:
     return set(inspect.signature(ContinuousBatchingConfig.__init__).parameters) - {"self"}
 
 
-def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token over all layers."""
+def kv_layout(hf_config: Any, dtype: torch.dtype, page: int) -> KVLayout:
+    """The KV layout of the transformers engine's cache for ``hf_config``: pages of ``page``
+    tokens of K and V over all layers, of ``dtype`` (its bytes per page:
+    :attr:`KVLayout.block_bytes`)."""
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * elem
+    return KVLayout(int(cfg.num_hidden_layers), kv_heads, head_dim, page, dtype)
 
 
 def _cb_options(cb_options: dict[str, Any] | None, block_size: int | None,
@@ -182,7 +184,7 @@ def _cb_options(cb_options: dict[str, Any] | None, block_size: int | None,
     if kv_cache_gb is not None:
         page = int(opts.get(size_field) or getattr(ContinuousBatchingConfig(), size_field)
                    or 256)
-        per_block = page * kv_bytes_per_token(hf_config, dtype)
+        per_block = kv_layout(hf_config, dtype, page).block_bytes
         num_blocks = max(1, int(kv_cache_gb * 2**30 // per_block))
     if num_blocks is not None:
         opts["num_blocks"] = int(num_blocks)

@@ -91,6 +91,13 @@ class EvictionPolicy:
         value = conv.priority * cost(context_len) / (idle if idle > 1e-3 else 1e-3)
         return (value, conv.last_active, conv.conversation_id, float(index))
 
+    def combine(self, keys: list[EvictionKey]) -> EvictionKey:
+        """The key of a block that several idle chunks share (``keys``: theirs, one or more):
+        the sum of their retention values, since evicting it costs every sharer its chunk;
+        ties broken as the highest sharer's key."""
+        top = max(keys)
+        return (math.fsum(k[0] for k in keys), top[1], top[2], top[3])
+
 
 @dataclass(frozen=True)
 class LRUPolicy(EvictionPolicy):
@@ -105,6 +112,11 @@ class LRUPolicy(EvictionPolicy):
     ) -> EvictionKey:
         return (conv.last_active, 0.0, conv.conversation_id, float(index))
 
+    def combine(self, keys: list[EvictionKey]) -> EvictionKey:
+        """A shared block was used last when its most recent sharer was: the highest key (a
+        radix cache's last access time of a node)."""
+        return max(keys)
+
 
 @dataclass(frozen=True)
 class PrefixLRUPolicy(EvictionPolicy):
@@ -118,6 +130,10 @@ class PrefixLRUPolicy(EvictionPolicy):
         self, conv: Conversation, index: int, now: float, cost: ChunkCost, chunk_size: int
     ) -> EvictionKey:
         return (conv.last_active, 0.0, conv.conversation_id, float(-index))
+
+    def combine(self, keys: list[EvictionKey]) -> EvictionKey:
+        """The most recent sharer's key, as :meth:`LRUPolicy.combine`."""
+        return max(keys)
 
 
 @dataclass(frozen=True)

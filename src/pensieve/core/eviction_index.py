@@ -14,14 +14,15 @@ enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a r
 
 Shared blocks (:mod:`pensieve.core.block_map`). A GPU chunk whose block other chunks hold too
 (``BlockMap.shared_gpu``) is no candidate: evicting it would free nothing (the sharer only
-drops its reference), and the block is worth what all its sharers would lose, more than any one
-of them holds. :meth:`EvictionIndex.first` skips such chunks, so a conversation's GPU candidate
-is its first chunk in the policy's order that it holds alone. A chunk that becomes shared after
-it was indexed is skipped when it surfaces (``KVStore.evict_gpu``); one skipped while shared
-whose sharers have gone since stays out until its conversation is indexed again. Blocks out of
-the index leave only by the pools' fallback once an urgent pass finds no candidate left
-(:func:`pensieve.core.shared_eviction.evict_shared`). CPU chunks likewise
-(``BlockMap.shared_cpu``; the fallback is ``shared_cpu_victims``). Invariant: every GPU (CPU)
+drops its reference). The block is one unit of the retention order, keyed by its sharers
+together (:class:`pensieve.core.shared_eviction.SharedOrder`), which an urgent pass compares
+with this index's lowest chunk. :meth:`EvictionIndex.first` skips such chunks, so a
+conversation's GPU candidate is its first chunk in the policy's order that it holds alone. A
+chunk that becomes shared after it was indexed is skipped when it surfaces
+(``KVStore.evict_gpu``); one skipped while shared whose sharers have gone since stays out until
+its conversation is indexed again, and leaves by the fallback once an urgent pass finds no
+candidate left (:func:`pensieve.core.shared_eviction.lowest_shared`). CPU chunks likewise
+(``BlockMap.shared_cpu``). Invariant: every GPU (CPU)
 chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one) holds a
 registered block.
 

@@ -31,7 +31,7 @@ from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 from pensieve.core.outputs import SwapPlan
 from pensieve.core.pool_audit import check_pool
-from pensieve.core.shared_eviction import evict_shared, shared_cpu_victims
+from pensieve.core.shared_eviction import SharedOrder, lowest_shared
 from pensieve.core.stats import CacheStats
 from pensieve.core.swap_reads import SwapInReads
 from pensieve.core.tenant_share import TenantShare
@@ -105,6 +105,8 @@ class KVStore:
         """Shared blocks are held once in the CPU tier too."""
         self.reads = SwapInReads(self.cpu, blocks if self.share_cpu else None)
         """The CPU blocks swap-ins read, freed once read."""
+        self.shared_order = SharedOrder.pair(index, blocks, self.share_cpu)
+        """The GPU and CPU tiers' shared blocks by their sharers' combined key (None: none)."""
 
     @property
     def has_pending_swap_outs(self) -> bool:
@@ -278,8 +280,9 @@ class KVStore:
         key stays below every other entry of the GPU heap (the top's children bound all
         others from below, lower bounds included), so the heap is touched once per run, not
         once per chunk; the order is the one a pass chunk by chunk would take. A victim shared
-        since it was indexed is passed over; an urgent pass left with no candidate takes shared
-        blocks (:func:`evict_shared`)."""
+        since it was indexed is passed over. An urgent pass takes a shared block whole when its
+        sharers' combined key is the lowest (:class:`SharedOrder`), and, left with no
+        candidate, the rest (:func:`lowest_shared`)."""
         idx = self.index
         idx.refresh(now)
         whole = idx.policy.whole_conversation
@@ -293,18 +296,26 @@ class KVStore:
         exact = idx.keyed_now if idx.time_dependent else []
         blocks = self.blocks
         shared = blocks.shared_gpu if blocks is not None else ()
+        order = self.shared_order[0] if urgent and shared else None  # none shared: none
         done = 0
         last: Conversation | None = None
         while True:
             top = peek_victim(gpu_tier)
+            s = order.top() if order is not None and done < n else None
+            ranked = s is not None
+            if top is None and s is None and done < n and urgent and blocks is not None \
+                    and blocks.num_gpu:
+                s = lowest_shared(idx, blocks, gpu_tier)  # only shared ones left: fallback
+            if s is not None and (top is None or s[0] < top[0]):  # a shared block, whole
+                if ranked and order is not None:
+                    order.take()
+                for hkey, holder, hi in s[2]:  # every holder lets it go, the last moves it
+                    evict_chunk(holder, hi, hkey, urgent, True)
+                done += 1
+                if self._hints_due:
+                    self.apply_hints()
+                continue
             if top is None:
-                if done < n and blocks is not None and blocks.num_gpu and urgent:
-                    # only shared blocks (or none) left
-                    done += evict_shared(idx, blocks, n - done,
-                                         lambda c, j, k: self._evict_chunk(c, j, k, urgent,
-                                                                           True))
-                    if self._hints_due:
-                        self.apply_hints()
                 break
             key, conv, i = top
             if done >= n and not (whole and conv is last):
@@ -312,10 +323,12 @@ class KVStore:
             heap = gpu_index.heap
             bound = (min(heap[1][1], heap[2][1]) if len(heap) > 2
                      else heap[1][1] if len(heap) == 2 else None)
+            if s is not None and (bound is None or s[0] < bound):
+                bound = s[0]  # the run stops where the shared block comes first
             chunks = conv.chunks
             while True:
                 if shared and chunks[i].block in shared:
-                    pass  # shared since it was indexed: no candidate (evict_shared's)
+                    pass  # shared since it was indexed: no candidate (SharedOrder's)
                 else:  # the block's one holder: it moves
                     evict_chunk(conv, i, key, urgent)
                     done += 1
@@ -367,15 +380,10 @@ class KVStore:
     def apply_hints(self, convs: set[Conversation] | None = None) -> None:
         """The policy reads each conversation's hints as its tenant's share allows
         (``convs``, else those whose tenant crossed its share since the last call)."""
-        share = self.tenant_share
-        assert share is not None
+        assert self.tenant_share is not None
         if convs is None:
             convs, self._hints_due = self._hints_due, set()
-        for conv in convs:
-            effective = share.effective(conv)
-            if effective != (conv.priority, conv.keep_alive_s):
-                conv.priority, conv.keep_alive_s = effective
-                self.index.rekey(conv)
+        self.tenant_share.apply(convs, self.index.rekey)
 
     def _leave_gpu(self, conv: Conversation, i: int, key: EvictionKey | None,
                    urgent: bool, move_shared: bool = False) -> Tier | None:
@@ -486,39 +494,38 @@ class KVStore:
         return tokens
 
     def take_cpu_block(self, key: EvictionKey | None, settle: bool = False) -> int:
-        """A free CPU block, or one freed by dropping the CPU tier's lowest chunk (to disk, when
-        there is one) unless its key is higher than ``key`` (None: whatever its key); -1 if
-        neither. Tenants' hints the drop changes are applied now with ``settle``, else by the
-        caller."""
+        """A free CPU block, or one freed by dropping the CPU tier's lowest chunk or shared block
+        (whole: :class:`SharedOrder`; to disk, when there is one) unless its key is higher than
+        ``key`` (None: whatever its key); -1 if neither. Tenants' hints the drop changes are
+        applied now with ``settle``, else by the caller."""
         cpu = self.cpu
         assert cpu is not None
         blocks = self.blocks if self.share_cpu else None
+        order = self.shared_order[1] if blocks is not None and blocks.shared_cpu else None
         while not cpu.num_free_blocks:  # a drop may free no block (a read one): the next
             victim = self.index.peek_victim(Tier.CPU)
-            if victim is None and blocks is not None and blocks.num_cpu \
-                    and self._drop_shared_cpu(key):  # only shared ones left
-                continue
-            if victim is None or (key is not None and key < victim[0]):
+            s = order.top() if order is not None else None
+            ranked = s is not None
+            if victim is None and s is None and blocks is not None and blocks.num_cpu:
+                s = lowest_shared(self.index, blocks, Tier.CPU)  # only shared ones: fallback
+            if s is not None and (victim is None or s[0] < victim[0]):  # a shared block
+                if key is not None and key < s[0]:
+                    return -1
+                if ranked and order is not None:
+                    order.take()
+                for _, holder, hi in s[2]:  # every holder lets it go, the last frees it
+                    self.drop_cpu_victim(holder, hi)
+                    self.index.reindex_cpu(holder)
+            elif victim is None or (key is not None and key < victim[0]):
                 return -1
-            _, conv, i = victim
-            if blocks is None or conv.chunks[i].block not in blocks.shared_cpu:
-                self.drop_cpu_victim(conv, i)  # (else shared since indexed)
-            self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
+            else:
+                _, conv, i = victim
+                if blocks is None or conv.chunks[i].block not in blocks.shared_cpu:
+                    self.drop_cpu_victim(conv, i)  # (else shared since indexed)
+                self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
                 self.apply_hints()
         return cpu.allocate_one()
-
-    def _drop_shared_cpu(self, key: EvictionKey | None) -> bool:
-        """The CPU tier's fallback once its index has no candidate left: drop the registered
-        CPU block of lowest last-sharer key that only idle conversations hold, every holder
-        letting it go (the last spills it to disk, when there is a disk tier), unless ``key``
-        (None: any) is lower (:func:`shared_cpu_victims`). True if one went."""
-        assert self.blocks is not None
-        victims = shared_cpu_victims(self.index, self.blocks, key)
-        for conv, i in victims:
-            self.drop_cpu_victim(conv, i)
-            self.index.reindex_cpu(conv)
-        return bool(victims)
 
     def drop_cpu_victim(self, conv: Conversation, i: int) -> None:
         """Drop an idle CPU chunk (the caller keeps the CPU index right)."""

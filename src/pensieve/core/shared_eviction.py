@@ -1,98 +1,159 @@
-"""Eviction of shared GPU blocks: the fallback once the eviction index has no candidate left.
+"""Eviction of shared blocks: a block several idle chunks hold leaves a tier as a whole, when
+the retention order says so for the block.
 
-A GPU block that several chunks hold (a shared system prompt, ``refs > 1``) is worth what all
-of its sharers would lose: evicting it for one sharer frees nothing, and freeing it makes every
-sharer (and every new conversation that would have taken it) compute the prefix again. So
-such chunks are no eviction candidates (:mod:`pensieve.core.eviction_index`): every chunk an
-idle conversation holds alone goes first, whatever its key. Chunks left out of the index that
-way (and those whose sharers have gone since, refs back to 1, until their conversation is
-indexed again) leave only here, when an urgent eviction pass (an admission short of blocks)
-still needs blocks and the index is empty, so that eviction can always make room; background
-passes (ahead-of-time swap-outs) never take them:
+A registered block that two chunks or more hold (a shared system prompt, ``refs > 1``) is no
+candidate of the eviction index (:mod:`pensieve.core.eviction_index`): evicting it for one
+sharer frees nothing. Its key is its sharers' together, ``EvictionPolicy.combine`` of their
+keys: for the retention value the *sum* (freeing it costs every sharer its chunk), for the LRU
+orders the most recent sharer's. :class:`SharedOrder` ranks, per tier, the shared blocks that
+only idle conversations hold by that key, and an urgent eviction pass takes whichever is lower,
+the index's lowest chunk or the lowest shared block (:meth:`SharedOrder.top`). A block goes
+whole: every holder lets it go, lowest key first, the last moving it (to the CPU tier, or
+dropped; from the CPU tier, to disk or dropped) as a private chunk would
+(``KVStore._leave_gpu`` through ``evict_chunk``, ``KVStore.drop_cpu_victim``). Background
+passes (ahead-of-time swap-outs) never take shared blocks: moving one makes an urgent copy.
 
-- a block goes only if idle conversations hold all of its references (no running turn reads
-  it, nor one being admitted: it holds a reference already);
-- blocks go in the order of their *last* sharer's key (the highest of its holders' keys: the
-  block stays while any sharer would keep it), lowest first; each holder lets it go in turn,
-  the one of the highest key last, which moves the block to the CPU tier or drops it as a
-  private chunk would (``KVStore._leave_gpu``, through ``evict_chunk``).
+A block no running turn reads, nor one being admitted: every holder idle (a running holder
+pins it), and, in the CPU tier, no planned swap-in reading it. The ranking is built once per
+eviction time ``now`` (one pass over the conversations' chunks, only when the tier has shared
+blocks and an urgent pass asks), its keys exact at ``now``; within that time a
+block whose holders changed since (a turn admitted, a chunk gone) is passed over, and blocks
+shared since wait for the next eviction time.
 
-The CPU tier has the same fallback (:func:`shared_cpu_victims`): once its index is empty and
-the tier full, the registered CPU block of lowest last-sharer key is dropped, all its holders
-at once.
-
-Cost: one pass over the idle conversations' chunks per call, only when an urgent pass finds
-the index empty.
+Fallback (:func:`lowest_shared`): registered blocks out of the
+index whose sharers have gone since (one reference left, until their conversation is indexed
+again) leave once an urgent pass finds no candidate left, by the same combined key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+import math
 
 from pensieve.core.block_map import BlockMap
 from pensieve.core.conversation import Conversation, Tier
 from pensieve.core.eviction import EvictionKey
 from pensieve.core.eviction_index import EvictionIndex
 
-EvictChunk = Callable[[Conversation, int, EvictionKey], object]
-"""Chunk ``i`` of an idle conversation (of key ``key`` now) leaves the GPU: the store's
-``KVStore._evict_chunk`` (a shared block's holder drops its reference, the last moves it)."""
+Holders = list[tuple[EvictionKey, Conversation, int]]
+"""A block's holders, ``(key now, conversation, chunk index)``, lowest key first."""
 
 
-def shared_holders(conversations: dict[str, Conversation], blocks: BlockMap
-                   ) -> dict[int, list[tuple[Conversation, int]]]:
-    """Registered GPU blocks that only idle conversations hold: block -> ``(conversation,
-    chunk index)`` of every holder."""
+def _holders(conversations: dict[str, Conversation], blocks: BlockMap, tier: Tier,
+             min_refs: int) -> dict[int, list[tuple[Conversation, int]]]:
+    """Registered blocks of ``tier`` with ``min_refs`` references or more that only idle
+    conversations hold: block -> its holders. With ``min_refs`` 2 (the ranking), no CPU block
+    a planned swap-in reads either."""
+    gpu = tier is Tier.GPU
+    at = blocks.at_gpu if gpu else blocks.at_cpu
+    refs = blocks.gpu_refs_of if gpu else blocks.cpu_refs_of
     holders: dict[int, list[tuple[Conversation, int]]] = {}
-    at = blocks.at_gpu
+    busy: set[int] = set() if gpu or min_refs < 2 else set(blocks.step_reads)
     for conv in conversations.values():
-        if conv.running:
-            continue
         for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.GPU and at[ch.block] >= 0:
-                holders.setdefault(ch.block, []).append((conv, i))
-    return {b: h for b, h in holders.items() if len(h) == blocks.gpu_refs_of(b)}
+            if ch.tier is tier and at[ch.block] >= 0:
+                if conv.running:
+                    busy.add(ch.block)
+                else:
+                    holders.setdefault(ch.block, []).append((conv, i))
+    return {b: h for b, h in holders.items()
+            if b not in busy and len(h) == refs(b) >= min_refs
+            and not (gpu and blocks.is_pinned(b))}
 
 
-def shared_cpu_victims(index: EvictionIndex, blocks: BlockMap, key: EvictionKey | None
-                       ) -> list[tuple[Conversation, int]]:
-    """The holders of the registered CPU block of lowest last-sharer key that only idle
-    conversations hold, lowest key first (the last one's drop frees the block), unless ``key``
-    (None: any) is lower than that block's key; empty: none."""
-    holders: dict[int, list[tuple[Conversation, int]]] = {}
-    running: set[int] = set()
-    at = blocks.at_cpu
-    for conv in index.conversations.values():
-        for i, ch in enumerate(conv.chunks):
-            if ch.tier is Tier.CPU and at[ch.block] >= 0:
-                holders.setdefault(ch.block, []).append((conv, i))
-                if conv.running:  # references taken by a turn being admitted
-                    running.add(ch.block)
-    best: tuple[EvictionKey, list[tuple[EvictionKey, Conversation, int]]] | None = None
-    for b, hs in holders.items():
-        if b in running:
-            continue
-        keyed = sorted(((index.key_now(conv, i), conv, i) for conv, i in hs),
-                       key=lambda k: k[0])
-        if best is None or keyed[-1][0] < best[0]:
-            best = (keyed[-1][0], keyed)
-    if best is None or (key is not None and key < best[0]):
-        return []
-    return [(conv, i) for _, conv, i in best[1]]
+def _ranked(index: EvictionIndex, hs: list[tuple[Conversation, int]]
+            ) -> tuple[EvictionKey, Holders]:
+    keyed = sorted(((index.key_now(conv, i), conv, i) for conv, i in hs), key=lambda k: k[0])
+    return index.policy.combine([k for k, _, _ in keyed]), keyed
 
 
-def evict_shared(index: EvictionIndex, blocks: BlockMap, n: int,
-                 evict_chunk: EvictChunk) -> int:
-    """Free up to ``n`` registered GPU blocks held only by idle conversations, in the order of
-    their last sharer's key at the index's ``now`` (module docstring), each holder through
-    ``evict_chunk``, the one of the highest key last; returns how many blocks left the GPU."""
-    ranked: list[tuple[EvictionKey, list[tuple[EvictionKey, Conversation, int]]]] = []
-    for holders in shared_holders(index.conversations, blocks).values():
-        keyed = sorted(((index.key_now(conv, i), conv, i) for conv, i in holders),
-                       key=lambda k: k[0])
-        ranked.append((keyed[-1][0], keyed))
-    ranked.sort(key=lambda r: r[0])
-    for _, keyed in ranked[:n]:
-        for key, conv, i in keyed:
-            evict_chunk(conv, i, key)
-    return min(n, len(ranked))
+class SharedOrder:
+    """One tier's shared blocks held only by idle conversations, lowest combined key first
+    (module docstring)."""
+
+    def __init__(self, index: EvictionIndex, blocks: BlockMap, tier: Tier) -> None:
+        self.index, self.blocks, self.tier = index, blocks, tier
+        self.shared = blocks.shared_gpu if tier is Tier.GPU else blocks.shared_cpu
+        self.now = -math.inf
+        """The eviction time the ranking was built at."""
+        self.heap: list[tuple[float, EvictionKey, int]] = []
+        """(key[0], key, block)."""
+        self.holders: dict[int, Holders] = {}
+        self.builds = 0
+        """Rankings built (passes over the conversations)."""
+        self.taken = 0
+        """Blocks that left the tier whole by this order."""
+
+    @staticmethod
+    def pair(index: EvictionIndex, blocks: BlockMap | None, cpu: bool
+             ) -> tuple[SharedOrder | None, SharedOrder | None]:
+        """The GPU tier's order and the CPU tier's (with ``cpu``: shared there too); None:
+        no sharing (``blocks`` None)."""
+        if blocks is None:
+            return None, None
+        return (SharedOrder(index, blocks, Tier.GPU),
+                SharedOrder(index, blocks, Tier.CPU) if cpu else None)
+
+    def top(self) -> tuple[EvictionKey, int, Holders] | None:
+        """The shared block of lowest combined key at the index's ``now`` (its key, the block,
+        its holders lowest key first), or None: none, or no shared block in the tier."""
+        shared, gpu = self.shared, self.tier is Tier.GPU
+        if not shared:
+            return None
+        now = self.index.now
+        if now != self.now:
+            if gpu and self.blocks.num_pinned >= len(shared) and all(
+                    map(self.blocks.is_pinned, shared)):
+                return None  # every one read by a running turn (a system prompt, busy)
+            self._build(now)
+        heap = self.heap
+        refs = self.blocks.gpu_refs_of if gpu else self.blocks.cpu_refs_of
+        while heap:
+            _, key, b = heap[0]
+            hs = self.holders[b]
+            if len(hs) == refs(b) and all(
+                    not conv.running and i < len(conv.chunks) and conv.chunks[i].tier is
+                    self.tier and conv.chunks[i].block == b for _, conv, i in hs) \
+                    and not (gpu and self.blocks.is_pinned(b)) \
+                    and (gpu or b not in self.blocks.step_reads):
+                return key, b, hs
+            self.pop()  # its holders changed at this time: passed over until the next
+        return None
+
+    def pop(self) -> None:
+        """The top block is passed over (its holders changed at this time)."""
+        _, _, b = heapq.heappop(self.heap)
+        del self.holders[b]
+
+    def take(self) -> Holders:
+        """The top block leaves the tier whole: its holders, lowest key first, for the caller
+        to move or drop (the last one frees it)."""
+        hs = self.holders[self.heap[0][2]]
+        self.pop()
+        self.taken += 1
+        return hs
+
+    def _build(self, now: float) -> None:
+        self.now = now
+        self.builds += 1
+        heap: list[tuple[float, EvictionKey, int]] = []
+        self.holders = {}
+        for b, hs in _holders(self.index.conversations, self.blocks, self.tier, 2).items():
+            key, keyed = _ranked(self.index, hs)
+            self.holders[b] = keyed
+            heap.append((key[0], key, b))
+        heapq.heapify(heap)
+        self.heap = heap
+
+
+def lowest_shared(index: EvictionIndex, blocks: BlockMap, tier: Tier
+                  ) -> tuple[EvictionKey, int, Holders] | None:
+    """The fallback: the registered block of ``tier`` of lowest combined key that only idle
+    conversations hold, whatever its references (its key, the block, its holders lowest key
+    first: the last one's move or drop frees it); None: none."""
+    best: tuple[EvictionKey, int, Holders] | None = None
+    for b, hs in _holders(index.conversations, blocks, tier, 1).items():
+        key, keyed = _ranked(index, hs)
+        if best is None or key < best[0]:
+            best = (key, b, keyed)
+    return best

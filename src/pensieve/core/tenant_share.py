@@ -15,6 +15,8 @@ of a tenant's state touches its hinted conversations only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from pensieve.core.conversation import Conversation, Tier
 
 DEMOTED = 1e-6
@@ -83,6 +85,16 @@ class TenantShare:
         else:
             self.over.discard(tenant)
         return set(self.members[tenant])
+
+    def apply(self, convs: Iterable[Conversation], rekey: Callable[[Conversation], None]
+              ) -> None:
+        """The policy reads each of ``convs``' hints as its tenant's share allows; those whose
+        hints it reads change are keyed again (``rekey``)."""
+        for conv in convs:
+            effective = self.effective(conv)
+            if effective != (conv.priority, conv.keep_alive_s):
+                conv.priority, conv.keep_alive_s = effective
+                rekey(conv)
 
     def effective(self, conv: Conversation) -> tuple[float, float]:
         """(priority, keep_alive_s) the policy should read for ``conv``."""

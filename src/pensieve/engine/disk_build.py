@@ -46,23 +46,23 @@ def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,
         except ValueError as e:  # a full or read-only disk: serve without the tier
             log.warning("disk tier off: %s", e)
             local = False
-    kv_dtype = runner.kv_caches[0].dtype
-    fp = disk_files.fingerprint(model_name, str(model_dtype), str(kv_dtype),
-                                cc.chunk_size, model.num_layers, model.num_kv_heads,
-                                model.head_dim, model_digest(model, model_name))
-    block_bytes = executor.tiers.block_bytes
+    layout = runner.layout  # one device: the model's KV heads, all of them
+    fp = disk_files.fingerprint(model_name, str(model_dtype), str(layout.dtype),
+                                layout.chunk_size, layout.num_layers, layout.num_kv_heads,
+                                layout.head_dim, model_digest(model, model_name))
+    block_bytes = layout.block_bytes
     cuda = runner.kv_caches[0].device.type == "cuda"
     remote = None
     if cc.kv_remote:
         backend = open_remote(cc.kv_remote, fp)
         if backend is not None:
-            remote = RemoteTier(backend, fp, cc.chunk_size, block_bytes, pin=cuda)
+            remote = RemoteTier(backend, fp, layout.chunk_size, block_bytes, pin=cuda)
             log.info("remote KV tier: %s", backend.url)
     if not local and remote is None:
         return None
     capacity = int(cc.disk_kv_gb * 2**30 // block_bytes) if local and cc.disk_kv_gb \
         else REMOTE_INDEX_CHUNKS
-    tier = DiskTier(cc.disk_kv_path if local else None, capacity, cc.chunk_size, fp,
+    tier = DiskTier(cc.disk_kv_path if local else None, capacity, layout, fp,
                     runner.swapper.cpu_caches, runner.kv_caches,
                     read_gbps=cc.disk_read_gbps, measure=cuda, remote=remote)
     if local:

@@ -70,6 +70,7 @@ from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
 from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_out
 from pensieve.engine.kv_backends import KVBackend, LocalDirBackend
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.engine.remote_tier import Found, RemoteTier
 
 log = logging.getLogger("pensieve")
@@ -116,17 +117,19 @@ class DiskTier:
     """Chunk files below the CPU tier: a local directory's, and a shared store's
     (:mod:`pensieve.engine.remote_tier`), read into and written from the CPU tier's blocks."""
 
-    def __init__(self, path: str | None, capacity_chunks: int, chunk_size: int,
+    def __init__(self, path: str | None, capacity_chunks: int, layout: KVLayout,
                  fingerprint: str, cpu_caches: list[torch.Tensor],
                  gpu_caches: list[torch.Tensor], read_gbps: float | None = None,
                  measure: bool = True, read_threads: int = READ_THREADS,
                  remote: RemoteTier | None = None) -> None:
         """``path``: the local directory (None: none; ``remote`` then takes the spills).
+        ``layout``: the engine's KV layout: a file's payload is one chunk of it
+        (:attr:`shape`, :attr:`dtype`, :attr:`block_bytes`), its chunk size the index's.
         ``cpu_caches`` / ``gpu_caches``: per layer ``[2, num_blocks, C, Hkv, D]`` (the CPU
-        tier and the device cache). ``read_gbps``: the disk's read rate for the
-        read-or-recompute choice; None: measured on the reads if ``measure`` (until the first
-        one, always read), else always read. ``remote``: the shared store below (None:
-        none)."""
+        tier and the device cache), checked against ``layout``. ``read_gbps``: the disk's read
+        rate for the read-or-recompute choice; None: measured on the reads if ``measure``
+        (until the first one, always read), else always read. ``remote``: the shared store
+        below (None: none)."""
         if path is None and remote is None:
             raise ValueError("a disk tier needs a local directory or a remote store")
         self.local = LocalDirBackend(path) if path is not None else None
@@ -134,13 +137,17 @@ class DiskTier:
         self.remote = remote
         self.path = path
         self.fingerprint = fingerprint
+        for caches, what in ((cpu_caches, "CPU tier"), (gpu_caches, "GPU KV caches")):
+            if caches:
+                layout.check(caches, what)
         self.cpu_caches = cpu_caches
         self.gpu_caches = gpu_caches
-        layer = cpu_caches[0][:, 0] if cpu_caches else gpu_caches[0][:, 0]
-        self.shape = (len(cpu_caches or gpu_caches), *layer.shape)
-        self.dtype = layer.dtype
-        self.block_bytes = layer.numel() * layer.element_size() * self.shape[0]
-        self.index = DiskIndex(capacity_chunks, chunk_size)
+        self.shape = layout.chunk_shape
+        """A file's payload: one chunk, ``[L, 2, C, Hkv, D]``."""
+        self.dtype = layout.dtype
+        self.block_bytes = layout.block_bytes
+        """Bytes of a file's payload: the layout's bytes per chunk."""
+        self.index = DiskIndex(capacity_chunks, layout.chunk_size)
         self._measure = measure and read_gbps is None
         if read_gbps is not None:
             self.index.read_chunk_s = self.block_bytes / (read_gbps * 1e9)

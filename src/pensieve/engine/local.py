@@ -79,13 +79,12 @@ def start_runner(config: EngineConfig, model: Any, layout: KVLayout, device: tor
                  num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
     """Allocate ``model``'s KV tiers as ``layout`` has them, build its runner and capture its
     CUDA graphs."""
-    cc = config.cache
     t0 = time.perf_counter()
     kv_caches = layout.allocate(num_gpu_blocks, device)
     if layout.fp8:  # a checkpoint's calibrated scales, else 1
         init_kv_scales(model, device, getattr(model, "checkpoint_kv_scales", None))
     t1 = time.perf_counter()
-    runner = ModelRunner(model, kv_caches, cc.chunk_size, num_cpu_blocks,
+    runner = ModelRunner(model, layout, kv_caches, num_cpu_blocks,
                          tokenizer=config.model.model)
     t2 = time.perf_counter()
     runner.capture_graphs(config.decode_graph_shape(device.type),

@@ -204,13 +204,15 @@ class BlockCopy:
         self.num_programs = num_programs
         self.num_warps = num_warps
         esize = s_t.element_size()
-        block_bytes = math.prod(s_t.shape[3:]) * esize
+        # the unit copied: one K or V block of one layer of the tensors given (the GPU cache,
+        # the host tier, a staging buffer), for the word size; not the bytes per chunk
+        row_bytes = math.prod(s_t.shape[3:]) * esize
         addrs = [x.device_ptr if isinstance(x, MappedHost) else x.data_ptr() for x in (src, dst)]
-        w = _word_size([block_bytes, *addrs,
+        w = _word_size([row_bytes, *addrs,
                         *(st * esize for t in (s_t, d_t) for st in t.stride()[:3])])
         self.word = _WORDS[w]
         self.word_bytes = w
-        self.block_words = block_bytes // w
+        self.block_words = row_bytes // w
         self.tile_bytes = tile_bytes
         self._strides = [st * esize // w for t in (s_t, d_t) for st in t.stride()[:3]]
         self._addrs = addrs

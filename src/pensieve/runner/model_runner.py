@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pensieve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.kernels import triton_on
 from pensieve.kernels.launch_policy import (
     DECODE_SPAN_MODE,
@@ -75,37 +76,23 @@ def graph_max_swap_in(chunk_bytes: int) -> int:
     return max(1, int(GRAPH_SWAP_IN_WAIT_S * SWAP_GBPS * 1e9 / max(1, chunk_bytes)))
 
 
-def allocate_kv_caches(
-    num_layers: int,
-    num_blocks: int,
-    chunk_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per layer: the views
-    (``unbind(0)``) of one ``[num_layers, 2, num_blocks, ...]`` allocation, so that one swap
-    kernel reaches every layer from one base pointer and a layer stride."""
-    shape = (num_layers, 2, num_blocks, chunk_size, num_kv_heads, head_dim)
-    return list(torch.empty(shape, dtype=dtype, device=device).unbind(0))
-
-
 class ModelRunner:
     """Owns the model and its KV caches on one device."""
 
     def __init__(
         self,
         model: torch.nn.Module,
+        layout: KVLayout,
         kv_caches: list[torch.Tensor],
-        chunk_size: int,
         num_cpu_blocks: int = 0,
         swap_method: str | None = None,
         background_swap_out: bool | None = None,
         tokenizer: str | None = None,
     ) -> None:
-        """``swap_method``: the swapper's (``"staged"``, ``"dma"``;
-        None: its default, staged on CUDA).
+        """``layout``: the engine's KV layout; ``kv_caches``: its tensors on the device
+        (:meth:`KVLayout.allocate`), checked against it by the swapper, which takes its
+        shapes, dtype and bytes per chunk from it. ``swap_method``: the swapper's
+        (``"staged"``, ``"dma"``; None: its default, staged on CUDA).
         ``background_swap_out``: let background swap-outs outlive their step (reported in
         :attr:`RunnerOutput.swap_outs_in_flight`); None: yes, except under a multi-rank
         ``torch.distributed`` group (tensor parallelism), where only rank 0's count reaches
@@ -120,8 +107,10 @@ class ModelRunner:
         """Guards building :attr:`grammar` (the step loop, or a compile ahead of a request)."""
         self.prompt_logprobs = PromptLogprobs()
         """Prompt log-probabilities, from the prefill's own hidden states."""
+        self.layout = layout
+        """The KV layout (chunk shape, dtype, bytes per chunk), resolved once per engine."""
         self.kv_caches = kv_caches
-        self.chunk_size = chunk_size
+        self.chunk_size = layout.chunk_size
         self.device = kv_caches[0].device
         self._pin = self.device.type == "cuda"
         if background_swap_out is None:
@@ -133,7 +122,7 @@ class ModelRunner:
             pool = ThreadPoolExecutor(1)
             compiling = pool.submit(self._compile_attention)
             pool.shutdown(wait=False)
-        self.swapper = KVSwapper(kv_caches, num_cpu_blocks, swap_method,
+        self.swapper = KVSwapper(layout, kv_caches, num_cpu_blocks, swap_method,
                                  background=background_swap_out)
         if compiling is not None:
             compiling.result()
@@ -148,8 +137,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         """Replays the other steps that fit from CUDA graphs once :meth:`enable_mixed_graphs`
         ran."""
-        self.graph_max_swap_in = graph_max_swap_in(self.swapper.num_layers
-                                                   * self.swapper.block_bytes)
+        self.graph_max_swap_in = graph_max_swap_in(layout.block_bytes)
         """Steps with more swap-ins than this replay no graph without per-group waits (the
         decode graphs; mixed-step graphs captured on CUDA have them): such a replay waits for
         every layer's swap-ins before its first layer (about ``GRAPH_SWAP_IN_WAIT_S`` at the

@@ -12,11 +12,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pensieve.core.outputs import SwapPlan
+
+if TYPE_CHECKING:
+    from pensieve.engine.kv_layout import KVLayout
 
 LayerReady = Callable[[int], None]
 METHODS = ("staged", "dma")
@@ -95,9 +98,9 @@ class Staged:
     pairs: list[tuple[int, int]]
 
 
-def check_caches(gpu_caches: list[torch.Tensor], num_cpu_blocks: int) -> None:
+def check_caches(layout: KVLayout, gpu_caches: list[torch.Tensor], num_cpu_blocks: int) -> None:
     """Raise ValueError unless the per-layer GPU caches are alike ``[2, N, C, Hkv, D]``
-    contiguous tensors and ``num_cpu_blocks >= 0``."""
+    contiguous tensors of ``layout`` (:meth:`KVLayout.check`) and ``num_cpu_blocks >= 0``."""
     if not gpu_caches:
         raise ValueError("no KV caches")
     first = gpu_caches[0]
@@ -108,6 +111,7 @@ def check_caches(gpu_caches: list[torch.Tensor], num_cpu_blocks: int) -> None:
             raise ValueError("KV caches differ in shape, dtype or device across layers")
         if not c.is_contiguous():
             raise ValueError("KV caches must be contiguous")
+    layout.check(gpu_caches, "GPU KV caches")
     if num_cpu_blocks < 0:
         raise ValueError(f"num_cpu_blocks {num_cpu_blocks} < 0")
 
@@ -396,7 +400,7 @@ class RefCopy:
 
 def stacked_layers(caches: list[torch.Tensor]) -> torch.Tensor | None:
     """``[L, 2, N, C, Hkv, D]`` view of per-layer caches that are evenly spaced views of one
-    storage (``allocate_kv_caches``), else None."""
+    storage (:meth:`~pensieve.engine.kv_layout.KVLayout.allocate`), else None."""
     first = caches[0]
     if len(caches) == 1:
         return first.unsqueeze(0)

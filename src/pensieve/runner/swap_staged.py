@@ -24,6 +24,7 @@ from pensieve.runner.copy_engine import CopyEngine, pieces, run_pieces
 from pensieve.runner.swap_streams import Streams, runs_of
 
 if TYPE_CHECKING:
+    from pensieve.engine.kv_layout import KVLayout
     from pensieve.runner.swap_copies import SwapKernels
 
 DEFAULT_IN_GROUPS = 8
@@ -83,24 +84,24 @@ class StagedCopies:
     ``kernels``, the swap kernel's launches) and ``host``, the chunk-major host tier
     (``[num_cpu_blocks, L, 2, C, Hkv, D]``), through the copy engines.
 
+    ``layout``: the engine's KV layout (the chunk's shape, dtype and bytes: the swapper's).
     ``staging_chunks``: chunks per staging piece and half (the device staging memory is at
     most 2 x this (out) + this (in) chunks of all layers). ``out_groups``: the groups of layers
     background swap-outs are gathered and copied to the host by (at most one per layer; may be
     changed between steps). ``num_copies``: host<->device copies issued (per run, or per chunk
     per group of layers)."""
 
-    def __init__(self, kernels: SwapKernels, host: torch.Tensor, block_bytes: int,
+    def __init__(self, kernels: SwapKernels, host: torch.Tensor, layout: KVLayout,
                  staging_chunks: int, out_groups: int | None = None) -> None:
-        gpu = kernels.gpu_caches[0]
         self.kernels = kernels
         self.host = host
-        self.num_layers = kernels.num_layers
-        self.block_shape = tuple(gpu.shape[2:])  # (chunk_size, num_kv_heads, head_dim)
-        self.block_bytes = block_bytes
+        self.num_layers = layout.num_layers
+        self.block_shape = layout.block_shape  # (chunk_size, num_kv_heads, head_dim)
+        self.layer_bytes = layout.layer_bytes
         """Bytes of K and V of one block in one layer."""
-        self.chunk_bytes = self.num_layers * block_bytes
+        self.chunk_bytes = layout.block_bytes
         """Bytes of one chunk of every layer (a row of the chunk-major tiers)."""
-        self.dtype, self.device = gpu.dtype, gpu.device
+        self.dtype, self.device = layout.dtype, kernels.gpu_caches[0].device
         self.staging_chunks = staging_chunks
         self.out_groups = groups_of(out_groups, "out_groups", DEFAULT_OUT_GROUPS,
                                     self.num_layers)
@@ -166,7 +167,7 @@ class StagedCopies:
         if start == 0 and stop == self.num_layers:
             self._dma_rows(stage, runs_of(cpu.tolist()), False)
             return
-        lb = self.block_bytes
+        lb = self.layer_bytes
         descs = pieces(stage.data_ptr(), np.arange(len(cpu), dtype=np.uint64),
                        (stop - start) * lb, self.host.data_ptr() + start * lb, cpu,
                        self.chunk_bytes, (stop - start) * lb)
@@ -248,7 +249,7 @@ class StagedCopies:
         """Copy layers ``[a, b)`` of the first ``len(cpu)`` rows of out-staging half ``h``
         (packed by group, :meth:`_out_group_spans`) to the CPU blocks ``cpu``: one copy per
         chunk, one call."""
-        lb = self.block_bytes
+        lb = self.layer_bytes
         stage = self.out_stage[h].data_ptr() + rows * a * lb
         descs = pieces(self.host.data_ptr() + a * lb, cpu, self.chunk_bytes, stage,
                        np.arange(len(cpu), dtype=np.uint64), (b - a) * lb, (b - a) * lb)

@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from pensieve.core.outputs import SwapPlan
+from pensieve.engine.kv_layout import KVLayout
 from pensieve.runner.swap_copies import (
     DEFAULT_STAGING_CHUNKS,
     METHODS,
@@ -101,8 +102,11 @@ __all__ = ["DEFAULT_STAGING_CHUNKS", "METHODS", "InFlight", "KVSwapper", "StepWa
 class KVSwapper:
     """The CPU tier plus the step's swap copies (see the module docstring for the rules).
 
+    ``layout``: the engine's :class:`~pensieve.engine.kv_layout.KVLayout`; the CPU tier's
+    shape and dtype and the bytes of a chunk (:attr:`layer_bytes`, :attr:`chunk_bytes`) are
+    its, and ``gpu_caches`` must match it (ValueError otherwise).
     ``gpu_caches``: one ``[2, num_gpu_blocks, chunk_size, num_kv_heads, head_dim]`` tensor per
-    layer (K then V), as ``allocate_kv_caches`` makes them: views of one
+    layer (K then V), as :meth:`KVLayout.allocate` makes them: views of one
     ``[num_layers, 2, ...]`` tensor let one kernel launch cover every layer (separate tensors
     work too, one launch per layer). ``num_cpu_blocks`` may be 0 (no CPU tier; only empty
     plans then).
@@ -124,6 +128,7 @@ class KVSwapper:
 
     def __init__(
         self,
+        layout: KVLayout,
         gpu_caches: list[torch.Tensor],
         num_cpu_blocks: int,
         method: str | None = None,
@@ -136,16 +141,17 @@ class KVSwapper:
         out_groups: int | None = None,
         ahead_waits: str | None = None,
     ) -> None:
-        check_caches(gpu_caches, num_cpu_blocks)
+        check_caches(layout, gpu_caches, num_cpu_blocks)
         first = gpu_caches[0]
+        self.layout = layout
         self.gpu_caches = gpu_caches
         self.device = first.device
-        self.num_layers = len(gpu_caches)
+        self.num_layers = layout.num_layers
         self.num_gpu_blocks = first.shape[1]
         self.num_cpu_blocks = num_cpu_blocks
-        self.block_shape = tuple(first.shape[2:])  # (chunk_size, num_kv_heads, head_dim)
-        self.block_bytes = 2 * first[0, 0].numel() * first.element_size()
-        """Bytes of K and V of one block in one layer."""
+        self.block_shape = layout.block_shape  # (chunk_size, num_kv_heads, head_dim)
+        self.layer_bytes = layout.layer_bytes  # K and V of one block in one layer
+        self.chunk_bytes = layout.block_bytes  # of one block over all layers: bytes per chunk
         self._cuda = self.device.type == "cuda"
         method = method or ("staged" if self._cuda else "dma")
         if method not in METHODS:
@@ -164,7 +170,7 @@ class KVSwapper:
         """``"layer-major"``: :attr:`host_tier` is ``[L, 2, num_cpu_blocks, C, Hkv, D]``;
         ``"chunk-major"``: ``[num_cpu_blocks, L, 2, C, Hkv, D]``."""
         self._host, layers, self._host_view, self.pinned = allocate_host_tier(
-            num_cpu_blocks, self.num_layers, self.block_shape, first.dtype, chunk_major,
+            num_cpu_blocks, self.num_layers, self.block_shape, layout.dtype, chunk_major,
             self.device, self)
         """``_host_view``: what the kernel gets for the CPU tier, ``[L, 2, num_cpu_blocks,
         ...]`` (strided when chunk-major): a MappedHost on CUDA, else the tensor. ``pinned``:
@@ -180,8 +186,8 @@ class KVSwapper:
         self.staged: StagedCopies | None = None  # the staged method's copies, or
         self.dma: DmaCopies | None = None  # the DMA method's
         if method == "staged":
-            self.staged = StagedCopies(self.kernels, self._host, self.block_bytes,
-                                       self.staging_chunks, out_groups)
+            self.staged = StagedCopies(self.kernels, self._host, layout, self.staging_chunks,
+                                       out_groups)
         else:
             self.dma = DmaCopies(gpu_caches, self.cpu_caches, num_cpu_blocks)
         self._streams: Streams | None = streams
@@ -456,8 +462,8 @@ class KVSwapper:
 
     def _count(self, plan: SwapPlan) -> None:
         n_out = len(plan.swap_out_first) + len(plan.swap_out)
-        self.bytes_out += n_out * self.num_layers * self.block_bytes
-        self.bytes_in += plan.num_swap_in_chunks * self.num_layers * self.block_bytes
+        self.bytes_out += n_out * self.chunk_bytes
+        self.bytes_in += plan.num_swap_in_chunks * self.chunk_bytes
 
     def _prepare(self, plan: SwapPlan) -> Step:
         """Synchronous and DMA paths: validate, then batch the three lists."""
