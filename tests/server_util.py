@@ -63,6 +63,12 @@ def forks_servers() -> bool:
     return hasattr(os, "fork") and os.environ.get(FORK_ENV, "1") != "0"
 
 
+_BASE_ENV = dict(os.environ)
+"""This process's environment when the tests were collected (before any test changed it): the
+template process's, whatever the test that starts it has set meanwhile (torch, OpenMP and
+transformers read some variables once, at import; each server gets its own environment)."""
+
+
 class _Zygote:
     """This test process's ``server_zygote.py`` (started on first use, one per process: an
     xdist worker's servers come from its own), over a socket pair; it exits when this process
@@ -83,7 +89,7 @@ class _Zygote:
                     [sys.executable, str(Path(__file__).with_name("server_zygote.py")),
                      str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                    env={**_BASE_ENV, "PYTHONUNBUFFERED": "1"})
                 theirs.close()
                 log.close()
                 cls._chan, cls._reader, cls._owner = ours, ours.makefile("r"), os.getpid()
