@@ -196,9 +196,9 @@ class EvictionIndex:
         own lookup, which the eviction calls once per chunk it keys."""
         self.blocks = blocks
         """The block map (None: no sharing); read, never written."""
-        self.shared_gpu: set[int] = blocks.shared_gpu if blocks is not None else set()
+        self.shared_gpu: set[int] = blocks.gpu.shared if blocks is not None else set()
         """GPU slots that two chunks or more hold (the block map's set; empty: no sharing)."""
-        self.shared_cpu: set[int] = blocks.shared_cpu if blocks is not None else set()
+        self.shared_cpu: set[int] = blocks.cpu.shared if blocks is not None else set()
         """CPU slots likewise."""
 
     def rekey(self, conv: Conversation) -> None:
@@ -397,6 +397,6 @@ class EvictionIndex:
                 if j == i:
                     break
                 ch = chunks[j]
-                refs = blocks.gpu_refs_of if tier is Tier.GPU else blocks.cpu_refs_of
+                refs = blocks.gpu.refs_of if tier is Tier.GPU else blocks.cpu.refs_of
                 assert ch.tier is not tier or refs(ch.block), (
                     cid, j, tier, "unshared chunk before the candidate")
