@@ -61,7 +61,7 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa:
     want = {}
     for n, (conv, i) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)]):
         entry = _entry(conv, i)
-        assert tier.index.spill(conv, entry, n, False)
+        assert tier.index.store(conv, entry, n, False)
         tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         want[(conv, i)] = torch.stack([c[:, n] for c in cpu]).clone()
@@ -158,7 +158,7 @@ def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: 
     path = str(tmp_path / "tier")
     tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     entry = _entry("a", 0)
-    assert tier.index.spill("a", entry, 0, False)
+    assert tier.index.store("a", entry, 0, False)
     want = torch.stack([c[:, 0] for c in cpu]).clone()
     tier.apply(tier.index.take_plan())
     tier.close(None)
@@ -189,7 +189,7 @@ def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> 
     tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
     for n in (0, 1):
         entry = _entry("a", n)
-        assert tier.index.spill("a", entry, n, False)
+        assert tier.index.store("a", entry, n, False)
         tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         tier.apply(tier.index.take_plan())

@@ -187,7 +187,7 @@ class DiskTier:
         self._busy_since = 0.0
         self._read_lock = threading.Lock()
         self._probes: dict[str, tuple[Future[list[Found]], list[str]]] = {}
-        """Remote lookups running, by their key (``DiskIndex.await_read``'s name): the
+        """Remote lookups running, by their key (``DiskIndex.pin``'s name): the
         future and the names it looks up."""
         self._probing: dict[str, str] = {}
         """Name -> the key of the lookup running for it (a turn of the same chunks waits for
@@ -253,7 +253,7 @@ class DiskTier:
         """Start looking up in the shared store the turn's full chunks (before its last
         token; the dropped ones of a conversation with KV, else the leading ones) that are
         neither known to the index nor on the GPU by hash; the turn waits for the lookup
-        as for a read (``DiskIndex.await_read``), and for those another turn's lookup is
+        as for a read (``DiskIndex.pin``), and for those another turn's lookup is
         reading already."""
         remote = self.remote
         assert remote is not None
@@ -272,7 +272,7 @@ class DiskTier:
                 self._probing[name] = key
             waits.add(key)
         for key in waits:
-            self.index.await_read(key, conversation_id)
+            self.index.pin(key, conversation_id)
 
     def _collect_probes(self, wait: bool) -> None:
         """Add the verified values of the remote lookups that are done to the index, ready
@@ -293,7 +293,7 @@ class DiskTier:
             for name in names:
                 if self._probing.get(name) == key:
                     del self._probing[name]
-            index.read_done(key)
+            index.unpin(key)
             for f in found:
                 name = shared_name(f.prefix_hash)
                 if name in index.files:
@@ -320,7 +320,7 @@ class DiskTier:
                     continue
                 self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
             if waiter is not None:
-                self.index.await_read(entry.name, waiter)
+                self.index.pin(entry.name, waiter)
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
         queued = self._writes.lend(entry)  # its buffer is ours now: never pooled again
@@ -363,7 +363,7 @@ class DiskTier:
                 continue
             payload = fut.result()
             del self._reads[name]
-            index.read_done(name)
+            index.unpin(name)
             if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:
@@ -372,7 +372,7 @@ class DiskTier:
         self._bound_loaded()
         while not self._failed.empty():
             entry = self._failed.get()
-            index.forget(entry)  # no-op if dropped meanwhile
+            index.free(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
 
