@@ -13,7 +13,7 @@ crosses its ``tenant_kv_share``: :mod:`pensieve.core.tenant_share`), or a chunk 
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
 Shared blocks (:mod:`pensieve.core.block_map`). A GPU chunk whose block other chunks hold too
-(``BlockMap.shared_gpu``) is no candidate: evicting it would free nothing (the sharer only
+(``BlockMap.gpu.shared``) is no candidate: evicting it would free nothing (the sharer only
 drops its reference). The block is one unit of the retention order, keyed by its sharers
 together (:class:`pensieve.core.shared_eviction.SharedOrder`), which an urgent pass compares
 with this index's lowest chunk. :meth:`EvictionIndex.first` skips such chunks, so a
@@ -22,7 +22,7 @@ chunk that becomes shared after it was indexed is skipped when it surfaces
 (``KVStore.evict_gpu``); one skipped while shared whose sharers have gone since stays out until
 its conversation is indexed again, and leaves by the fallback once an urgent pass finds no
 candidate left (:func:`pensieve.core.shared_eviction.lowest_shared`). CPU chunks likewise
-(``BlockMap.shared_cpu``). Invariant: every GPU (CPU)
+(``BlockMap.cpu.shared``). Invariant: every GPU (CPU)
 chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one) holds a
 registered block.
 
