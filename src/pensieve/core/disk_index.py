@@ -251,15 +251,18 @@ class DiskIndex:
             waiting.add(conversation_id)
             self.reading[conversation_id] = self.reading.get(conversation_id, 0) + 1
 
-    def unpin(self, name: str) -> None:
-        """The read of file ``name`` was collected: its waiters wait for one read less."""
-        reading = self.reading
+    def unpin(self, name: str) -> list[str]:
+        """The read of file ``name`` was collected: its waiters wait for one read less;
+        returns those that wait for none now."""
+        reading, done = self.reading, []
         for waiter in self._awaiting.pop(name, ()):
             n = reading.get(waiter, 0)
             if n > 1:
                 reading[waiter] = n - 1
             else:
                 reading.pop(waiter, None)
+                done.append(waiter)
+        return done
 
     def live(self, entry: DiskEntry) -> bool:
         """Whether ``entry`` is still the index's entry of its file."""

@@ -185,6 +185,12 @@ class DiskTier:
         rate: with 16 readers sharing the disk, a sixteenth of what they read together)."""
         self._reading = 0
         self._busy_since = 0.0
+        self._wait_since: dict[str, float] = {}
+        """Conversation id -> when its queued turn began to wait for reads."""
+        self.read_wait_s = 0.0
+        """Time queued turns waited for their reads, summed over the turns (``read_waits``):
+        from the first read a turn waits for to the collection of its last."""
+        self.read_waits = 0
         self._read_lock = threading.Lock()
         self._probes: dict[str, tuple[Future[list[Found]], list[str]]] = {}
         """Remote lookups running, by their key (``DiskIndex.pin``'s name): the
@@ -271,6 +277,8 @@ class DiskTier:
             for _, name, _ in chunks:
                 self._probing[name] = key
             waits.add(key)
+        if waits and conversation_id not in self.index.reading:
+            self._wait_since.setdefault(conversation_id, time.perf_counter())
         for key in waits:
             self.index.pin(key, conversation_id)
 
@@ -293,7 +301,8 @@ class DiskTier:
             for name in names:
                 if self._probing.get(name) == key:
                     del self._probing[name]
-            index.unpin(key)
+            for waiter in index.unpin(key):
+                self._waited(waiter)
             for f in found:
                 name = shared_name(f.prefix_hash)
                 if name in index.files:
@@ -320,6 +329,8 @@ class DiskTier:
                     continue
                 self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
             if waiter is not None:
+                if waiter not in self.index.reading:
+                    self._wait_since.setdefault(waiter, time.perf_counter())
                 self.index.pin(entry.name, waiter)
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
@@ -363,7 +374,8 @@ class DiskTier:
                 continue
             payload = fut.result()
             del self._reads[name]
-            index.unpin(name)
+            for waiter in index.unpin(name):
+                self._waited(waiter)
             if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:
@@ -375,6 +387,13 @@ class DiskTier:
             index.free(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
+
+    def _waited(self, conversation_id: str) -> None:
+        """The conversation's queued turn waits for no read now: count its wait."""
+        since = self._wait_since.pop(conversation_id, None)
+        if since is not None:
+            self.read_wait_s += time.perf_counter() - since
+            self.read_waits += 1
 
     def _bound_loaded(self) -> None:
         """Let go of payloads (their entries are no longer ready) past RESTORED_LOADED_BYTES
@@ -557,7 +576,10 @@ class DiskTier:
                 "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
                 "disk_write_errors": self.write_errors,
                 "disk_writes_skipped": self.writes_skipped,
-                "disk_reads_skipped": self.reads_skipped}
+                "disk_reads_skipped": self.reads_skipped,
+                "disk_read_busy_us": int(self._read_s * 1e6),
+                "disk_read_wait_us": int(self.read_wait_s * 1e6),
+                "disk_read_waits": self.read_waits}
 
 
 def chunk_major_blocks(cpu_caches: list[torch.Tensor]) -> torch.Tensor | None:
