@@ -326,9 +326,8 @@ class EvictionIndex:
         j = self.first(conv, tier, i + self.step)
         if j is None:
             index.pop_top(conv)
-        else:  # keyed now (key_now, inline)
-            index.replace_top(conv, j, self.policy.key(conv, j, self.now, self.cost,
-                                                       self.chunk_size), self.now)
+        else:
+            index.replace_top(conv, j, self.key_now(conv, j), self.now)
             if self.time_dependent:
                 self.keyed_now.append((index, conv))
 

@@ -290,7 +290,7 @@ class KVStore:
         step = idx.step
         gpu_tier = Tier.GPU
         peek_victim, first = idx.peek_victim, idx.first
-        policy_key, cost, c = idx.policy.key, idx.cost, self.chunk_size  # key_now, inline
+        key_now = idx.key_now
         evict_chunk = self._evict_chunk
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = idx.keyed_now if idx.time_dependent else []
@@ -337,7 +337,7 @@ class KVStore:
                 if j is None:
                     gpu_index.pop_top(conv)
                     break
-                i, key = j, policy_key(conv, j, now, cost, c)
+                i, key = j, key_now(conv, j)
                 if (done >= n and not whole) or (bound is not None and not key < bound):
                     # keyed now (exact, for this eviction); at t_e again when time moves
                     gpu_index.replace_top(conv, j, key, now)
