@@ -1,18 +1,23 @@
-"""A `pensieve serve` subprocess for the tests (demo model, CPU, small tiers, free port)."""
+"""A `pensieve serve` process for the tests (demo model, CPU, small tiers, free port): forked
+from a template process that imported the server once (server_zygote.py), or started as
+`python -m pensieve.cli serve` (a ``preexec`` given, or PENSIEVE_TEST_FORK_SERVERS=0)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -47,6 +52,89 @@ def ensure_demo() -> None:
         ensure_demo_checkpoint()
 
 
+FORK_ENV = "PENSIEVE_TEST_FORK_SERVERS"
+"""``0``: every test server is a ``python -m pensieve.cli serve`` of its own (as before
+``server_zygote.py``), not a fork of the template process."""
+
+
+def forks_servers() -> bool:
+    """Whether test servers are forked from ``server_zygote.py`` (where ``os.fork`` exists
+    and :data:`FORK_ENV` is not ``0``)."""
+    return hasattr(os, "fork") and os.environ.get(FORK_ENV, "1") != "0"
+
+
+class _Zygote:
+    """This test process's ``server_zygote.py`` (started on first use, one per process: an
+    xdist worker's servers come from its own), over a socket pair; it exits when this process
+    does (its end of the pair closes)."""
+
+    _lock = threading.Lock()
+    _chan: socket.socket | None = None
+    _reader: Any = None
+    _owner = 0
+
+    @classmethod
+    def ask(cls, req: dict[str, Any]) -> dict[str, Any]:
+        with cls._lock:
+            if cls._chan is None or cls._owner != os.getpid():
+                ours, theirs = socket.socketpair()
+                log = open(run_cache() / f"zygote-{os.getpid()}.log", "w")  # noqa: SIM115
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("server_zygote.py")),
+                     str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                theirs.close()
+                log.close()
+                cls._chan, cls._reader, cls._owner = ours, ours.makefile("r"), os.getpid()
+            cls._chan.sendall((json.dumps(req) + "\n").encode())
+            line = cls._reader.readline()
+            if not line:
+                log_text = (run_cache() / f"zygote-{os.getpid()}.log").read_text()
+                cls._chan = None
+                raise RuntimeError(f"the server template process ended:\n{log_text}")
+            return dict(json.loads(line))
+
+
+class ForkedServer:
+    """A ``pensieve serve`` forked from ``server_zygote.py``: the part of ``subprocess.Popen``
+    the tests use (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``). Its
+    parent is the template process, which reaps it and keeps its status for :meth:`poll`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: str,
+                 new_session: bool) -> None:
+        self.args = argv
+        self.returncode: int | None = None
+        self.pid = int(_Zygote.ask({"op": "start", "argv": argv, "env": env, "log": log,
+                                    "cwd": os.getcwd(), "new_session": new_session})["pid"])
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _Zygote.ask({"op": "status", "pid": self.pid})["rc"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,14 +156,17 @@ class Server:
         env = {**os.environ, "PENSIEVE_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1",
                **(env or {})}
         self.log = open(store.with_suffix(f".{self.port}.log"), "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pensieve.cli", "serve", model, "--port", str(self.port),
-             "--store", str(store), "--device", "cpu", "--num-gpu-blocks", "96",
-             "--num-cpu-blocks", "64", "--max-model-len", str(MAX_LEN),
-             "--log-level", "warning",
-             *(() if budget is None else ("--max-num-batched-tokens", str(budget))), *extra],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session,
-            preexec_fn=preexec)
+        argv = ["serve", model, "--port", str(self.port), "--store", str(store), "--device",
+                "cpu", "--num-gpu-blocks", "96", "--num-cpu-blocks", "64", "--max-model-len",
+                str(MAX_LEN), "--log-level", "warning",
+                *(() if budget is None else ("--max-num-batched-tokens", str(budget))), *extra]
+        self.proc: subprocess.Popen | ForkedServer
+        if preexec is None and forks_servers():
+            self.proc = ForkedServer(argv, env, self.log.name, new_session)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pensieve.cli", *argv], env=env, stdout=self.log,
+                stderr=subprocess.STDOUT, start_new_session=new_session, preexec_fn=preexec)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, Path(self.log.name).read_text()

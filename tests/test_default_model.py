@@ -73,13 +73,6 @@ def _chat_ids(tok, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])  # an explicit mask: <|im_end|> is also the pad id
-    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
-
-
-@torch.no_grad()
 def _hf_greedy_batch(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
     """HF's greedy tokens for several prompts in one ``generate`` (left-padded, masked):
     on the 8 questions the same 64 tokens each as one ``generate`` per prompt, in 11 s
@@ -131,26 +124,29 @@ def test_greedy_matches_hf_single_and_batched(smollm2):
 @pytest.fixture(scope="module")
 def conversation_reference(smollm2):
     """Two 4-turn conversations (different system prompts), greedy by HF on the full context
-    each turn: ``(per conversation: per turn (prompt ids, output ids))``."""
+    each turn: ``(per conversation: per turn (prompt ids, output ids))``. Each turn of the two
+    is one left-padded, masked ``generate`` (the same tokens as one ``generate`` per
+    conversation, in 11.8 s instead of 15.8 s)."""
     _, hf, tok = smollm2
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    convs = []
-    for system in ("You are a helpful assistant.", "You answer tersely."):
-        history: list[int] = []
-        turns = []
-        for i, text in enumerate(TURNS):
+    systems = ("You are a helpful assistant.", "You answer tersely.")
+    histories: list[list[int]] = [[] for _ in systems]
+    convs: list[list[tuple[list[int], list[int]]]] = [[] for _ in systems]
+    for i, text in enumerate(TURNS):
+        prompts = []
+        for system, history in zip(systems, histories):
             if i == 0:
-                prompt = list(tok.apply_chat_template(
+                prompts.append(list(tok.apply_chat_template(
                     [{"role": "system", "content": system}, {"role": "user", "content": text}],
-                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
             else:
                 closing = "\n" if history[-1] == eos else "<|im_end|>\n"
-                prompt = tok.encode(f"{closing}<|im_start|>user\n{text}<|im_end|>\n"
-                                    "<|im_start|>assistant\n")
-            out = _hf_greedy(hf, history + prompt, TURN_TOKENS)
+                prompts.append(tok.encode(f"{closing}<|im_start|>user\n{text}<|im_end|>\n"
+                                          "<|im_start|>assistant\n"))
+        outs = _hf_greedy_batch(hf, [h + p for h, p in zip(histories, prompts)], TURN_TOKENS)
+        for turns, history, prompt, out in zip(convs, histories, prompts, outs):
             turns.append((prompt, out))
             history += prompt + out
-        convs.append(turns)
     return convs
 
 

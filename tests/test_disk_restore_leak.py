@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import Server
+from server_util import Server, run_cache
 
 GREEDY = {"temperature": 0.0, "max_tokens": 40}
 NOTE = "PRIVATE-NOTE: the vault code is 7319 and the password is swordfish-tango"
@@ -42,7 +42,7 @@ def _chat(srv: Server, key: str, messages: list[dict], **extra: object) -> tuple
 @pytest.mark.slow  # three server starts on the demo model
 def test_restored_history_longer_than_budget_serves_own_tokens(tmp_path: Path) -> None:
     disk = ["--disk-kv-gb", "0.05", "--disk-kv-path", str(tmp_path / "kv")]
-    store, cache = tmp_path / "conv.db", tmp_path / "cache"
+    store, cache = tmp_path / "conv.db", run_cache()
     srv = Server(store, cache, *KEYS, *disk, budget=BUDGET)  # a budget far under the history
     try:
         msgs: list[dict] = []
@@ -111,7 +111,7 @@ def test_restart_without_ids_history_resent_reads_back_from_disk(tmp_path: Path)
     # chunks of 16: an answer cut by max_tokens is re-rendered with its end-of-turn text, so
     # the history's last chunk differs from the re-sent one (at most one chunk recomputed)
     disk = ["--chunk-size", "16", "--disk-kv-gb", "0.05", "--disk-kv-path", str(tmp_path / "kv")]
-    store, cache = tmp_path / "conv.db", tmp_path / "cache"
+    store, cache = tmp_path / "conv.db", run_cache()
     srv = Server(store, cache, *KEYS, *disk)
     histories: list[list[dict]] = []
     try:

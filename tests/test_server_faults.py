@@ -91,8 +91,10 @@ def test_sigterm_and_sigint_shut_down_the_same_way(sig: int, tmp_path: Path) -> 
 
 
 def _engine_child(server_pid: int) -> psutil.Process:
+    """The server's engine process (spawned, or forked for a CPU engine: then its command
+    line is the server's)."""
     kids = [p for p in psutil.Process(server_pid).children()
-            if "spawn_main" in " ".join(p.cmdline())]
+            if "resource_tracker" not in " ".join(p.cmdline())]
     assert len(kids) == 1, [p.cmdline() for p in kids]
     return kids[0]
 

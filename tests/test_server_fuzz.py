@@ -476,7 +476,7 @@ def test_sigterm_to_the_process_group_lets_a_turn_finish(tmp_path: Path) -> None
 
 
 def _engine_process(srv: Server) -> Any:
-    """The server's engine process (a ``multiprocessing`` spawn child)."""
+    """The server's engine process (a ``multiprocessing`` child, spawned or forked)."""
     import psutil
 
     kids = [p for p in psutil.Process(srv.proc.pid).children()

@@ -78,25 +78,50 @@ def test_required_calls_name_a_tool_and_validate(server):
     assert len(names) >= 2  # the model picks among the tools, not always the first
 
 
+def _streamed(stream) -> tuple[str, list[tuple[int, str | None, str | None]], str | None]:
+    """A streamed answer: its content, its tool-call deltas (index, name, arguments text) in
+    order and its finish reason."""
+    content, deltas, finish = "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        deltas += [(tc.index, tc.function.name, tc.function.arguments)
+                   for tc in delta.tool_calls or []]
+        finish = chunk.choices[0].finish_reason or finish
+    return content, deltas, finish
+
+
+def _plain_and_streamed(client, asks: list[tuple[list, dict]]) -> list[tuple]:
+    """Each ``(messages, kw)`` asked plainly and streamed, all at once (they share the
+    engine's steps, as the sequential requests did not): ``(plain choice, streamed content,
+    tool-call deltas, finish)`` each."""
+    def plain(ask):
+        return _ask(client, ask[0], **ask[1]).choices[0]
+
+    def streamed(ask):
+        return _streamed(_ask(client, ask[0], stream=True, **ask[1]))
+
+    with ThreadPoolExecutor(2 * len(asks)) as pool:
+        plains = [pool.submit(plain, a) for a in asks]
+        streams = [pool.submit(streamed, a) for a in asks]
+        return [(p.result(), *s.result()) for p, s in zip(plains, streams)]
+
+
 def test_named_choice_and_streaming_give_the_same_calls(server):
-    client = server.client()
     named = {"type": "function", "function": {"name": "search"}}
-    for prompt, choice in [(PROMPTS[0], "required"), (PROMPTS[1], named)]:
-        plain = _ask(client, [{"role": "user", "content": prompt}], tool_choice=choice)
-        stream = _ask(client, [{"role": "user", "content": prompt}], tool_choice=choice,
-                      stream=True)
+    choices = ["required", named]
+    asks = [([{"role": "user", "content": p}], {"tool_choice": c})
+            for p, c in zip(PROMPTS, choices)]
+    for choice, (plain, _, deltas, finish) in zip(choices, _plain_and_streamed(server.client(),
+                                                                               asks)):
         calls: dict[int, dict] = {}
-        finish = None
-        for chunk in stream:
-            delta = chunk.choices[0].delta
-            for tc in delta.tool_calls or []:
-                c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                c["name"] += tc.function.name or ""
-                c["arguments"] += tc.function.arguments or ""
-            finish = chunk.choices[0].finish_reason or finish
+        for index, name, arguments in deltas:
+            c = calls.setdefault(index, {"name": "", "arguments": ""})
+            c["name"] += name or ""
+            c["arguments"] += arguments or ""
         streamed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
-        assert streamed == _calls(plain.choices[0].message) and streamed
-        assert finish == plain.choices[0].finish_reason
+        assert streamed == _calls(plain.message) and streamed
+        assert finish == plain.finish_reason
         if choice is named:
             assert {n for n, _ in streamed} == {"search"}
 
@@ -171,17 +196,10 @@ def test_bad_constraints_are_400s(server, kw, param, words):
 def test_auto_streams_the_same_answer(server):
     """``tool_choice="auto"``: the model may answer or call; streamed, the held answer comes
     out as the same content or the same calls, with the same finish reason."""
-    client = server.client()
-    for prompt in ("Hi! How are you today?", PROMPTS[2]):
-        msgs = [{"role": "user", "content": prompt}]
-        plain = _ask(client, msgs, tool_choice="auto").choices[0]
-        content, calls, finish = "", {}, None
-        for chunk in _ask(client, msgs, tool_choice="auto", stream=True):
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            for tc in delta.tool_calls or []:
-                calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
-            finish = chunk.choices[0].finish_reason or finish
+    asks = [([{"role": "user", "content": p}], {"tool_choice": "auto"})
+            for p in ("Hi! How are you today?", PROMPTS[2])]
+    for plain, content, deltas, finish in _plain_and_streamed(server.client(), asks):
+        calls = {index: (name, json.loads(arguments)) for index, name, arguments in deltas}
         assert finish == plain.finish_reason
         if plain.message.tool_calls:
             assert [calls[i] for i in sorted(calls)] == _calls(plain.message)

@@ -5,10 +5,12 @@ In a thread of the server process the engine shares one GIL with the event loop,
 streams every token as an SSE event, parses requests and renders histories, so the runner's
 host time before each forward grew while the GPU idled (measured: docs/benchmarks.md,
 "Current engine: steady-state points ...", the item "The server's host time"). Here the
-engine runs in a child process (``spawn``: CUDA is initialised only there) with its own
+engine runs in a child process (spawned: CUDA is initialised only there) with its own
 interpreter; the server process keeps the HTTP side, the tokenizer and the conversation store.
-The child starts before the server has settled the engine's config: it imports torch and the
-engine meanwhile, then waits for the config on its command pipe.
+A spawned child starts before the server has settled the engine's config: it imports torch
+and the engine meanwhile, then waits for the config on its command pipe. A CPU engine of a
+single-threaded server is forked instead, once the server has imported torch for its config
+(``pensieve.server.main._forks_engine``): the child does not import it again.
 
 Two pipes link them. Commands go down (``add``, ``abort``, ``call`` with a module-level
 function and its arguments, ``stop``); the child's :class:`~pensieve.server.engine_loop.
@@ -58,13 +60,16 @@ class ProcessEngine(EngineClient):
     sends it, :meth:`wait_ready` blocks until the engine is built."""
 
     def __init__(self, cfg: Any = None, log_level: str = "INFO",
-                 watchdog_s: float | None = None) -> None:
+                 watchdog_s: float | None = None, start_method: str = "spawn") -> None:
         super().__init__(watchdog_s)
         set_thread_env()  # before the child starts: its OpenMP runtime reads them on load
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(start_method)
         cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._out_r, out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(cmd_r, out_w, log_level),
+        # a forked child holds copies of this side's ends: it closes them (or it would never
+        # see the server's end close)
+        ours = (self._cmd_w, self._out_r) if start_method == "fork" else ()
+        self._proc = ctx.Process(target=engine_main, args=(cmd_r, out_w, log_level, ours),
                                  name="pensieve-engine", daemon=False)
         self._proc.start()
         cmd_r.close()
@@ -196,16 +201,20 @@ def _sendable(out: Connection, msg: tuple[Any, ...]) -> None:
                   msg[4]))
 
 
-def engine_main(cmds: Connection, out: Connection, log_level: str) -> None:
+def engine_main(cmds: Connection, out: Connection, log_level: str,
+                server_ends: tuple[Connection, ...] = ()) -> None:
     """The child: import the engine's modules (the server settles the config meanwhile),
     build the engine from the config the server sends, then apply commands and run steps
-    until ``stop`` or until the server's end of the pipe closes."""
+    until ``stop`` or until the server's end of the pipe closes. ``server_ends``: in a
+    forked child, the server's ends of the two pipes, closed here."""
+    for end in server_ends:
+        end.close()
     # The server stops it: Ctrl-C in a terminal and a service manager's SIGTERM reach the
     # whole process group, and the server's graceful shutdown lets turns in flight finish
     # first. If the server dies instead, the engine sees its pipe close and exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(),
+    logging.basicConfig(level=log_level.upper(), force=True,  # (forked: the server's format)
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from pensieve.engine.llm_engine import LLMEngine
 
@@ -235,7 +244,8 @@ def engine_main(cmds: Connection, out: Connection, log_level: str) -> None:
     finally:
         core.close()
         engine.shutdown()
-    _exit_without_teardown()
+    if not server_ends:  # a forked child leaves as multiprocessing ends it: os._exit
+        _exit_without_teardown()
 
 
 def _exit_without_teardown() -> NoReturn:

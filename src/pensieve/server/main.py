@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pensieve.options import (
     COMMAND_HELP,
     add_engine_args,
+    default_of,
     engine_options,
     float_or_nan,
     settle_model_options,
@@ -257,16 +259,28 @@ def model_aliases(model: str, path: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
-def _spawn_engine(args: argparse.Namespace) -> Any:
-    """With ``--engine-process``, the engine's process, started before anything else loads:
-    it imports torch and the engine while this process settles the config, opens the store
-    and loads the tokenizer (it waits for its config); None otherwise."""
+def _spawn_engine(args: argparse.Namespace, start_method: str = "spawn") -> Any:
+    """With ``--engine-process``, the engine's process (it waits for its config); None
+    otherwise."""
     if not args.engine_process:
         return None
     from pensieve.server.engine_process import ProcessEngine
 
     return ProcessEngine(None, args.log_level,
-                         getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S) or None)
+                         getattr(args, "watchdog_timeout", DEFAULT_WATCHDOG_S) or None,
+                         start_method=start_method)
+
+
+def _forks_engine(args: argparse.Namespace) -> bool:
+    """Whether the engine's process is forked from this one once the config is settled
+    (torch and transformers imported here then: the engine's process does not import them
+    again, ~2.5 s of CPU) rather than spawned first, to import them beside this process: a
+    CPU engine from a process with no other thread. CUDA is initialised only in the
+    engine's process (a forked one would inherit a broken context), and a process with
+    threads (a Ray replica's, a test's) is not forked."""
+    device = str(engine_options(args).get("device") or default_of("device"))
+    return (args.engine_process and device.split(":")[0] == "cpu"
+            and threading.active_count() == 1)
 
 
 def _start_engine(cfg: Any, args: argparse.Namespace, spawned: Any
@@ -304,21 +318,26 @@ def _engine_config(args: argparse.Namespace, keys: list[str]) -> tuple[dict[str,
 def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
     """The engine, the store and the FastAPI app from the options; returns the app and the
     function that stops them (also what each replica of ``--data-parallel-size`` runs). Once
-    the store is open the engine's process starts, and it imports torch and the engine while
-    this process settles the config and loads the tokenizer."""
+    the store is open the engine's process is spawned, and it imports torch and the engine
+    while this process settles the config; or, for a CPU engine, it is forked once the config
+    is settled (:func:`_forks_engine`). This process loads the tokenizer while the engine is
+    built."""
     from pensieve.server.store_check import open_checked
 
-    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.store is None:
         args.store = str(default_store())
     keys = list(args.api_key or [])
     keys += [k for k in os.environ.get("PENSIEVE_API_KEYS", "").split(",") if k.strip()]
     # the store first: one that cannot be used stops the server before the engine starts
     store, report = open_checked(args.store)
+    fork = _forks_engine(args)
     spawned = None
     try:
-        spawned = _spawn_engine(args)
+        if not fork:  # started now: it imports torch and the engine beside this process
+            spawned = _spawn_engine(args)
         opts, path, cfg = _engine_config(args, keys)
+        if fork:  # unless settling the config started a thread here
+            spawned = _spawn_engine(args, "fork" if threading.active_count() == 1 else "spawn")
         if spawned is not None:
             spawned.configure(cfg)
         front = _front(args, opts["model"], path)  # while the engine builds
@@ -337,6 +356,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Callable[[], None]]:
             engine.shutdown()
         store.close()
         raise
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)  # here, not in a forked engine
     return app, close
 
 
