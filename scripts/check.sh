@@ -8,6 +8,11 @@
 #   bash scripts/check.sh [--fast] [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode is cached (src/ and tests/ __pycache__, tests rewritten by pytest, and the venv's
+# packages, which the README's install leaves uncompiled): with PYTHONDONTWRITEBYTECODE set,
+# every pytest worker, server and Ray worker compiled the modules it imports again (collecting
+# the suite took 17.0 s of one process instead of 10.8 s).
+unset PYTHONDONTWRITEBYTECODE
 marks=()
 if [[ ${1:-} == --fast ]]; then  # the development loop: slow tests left out
   marks=(-m "not slow")
@@ -42,10 +47,6 @@ fi
 # own beside pytest, and more threads than free cores leave most of them waiting (on a loaded
 # 2-core machine test_engine.py + test_containment.py took 47.8 s with the default, 10.2 s so).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# Bytecode is cached (src/ and tests/ __pycache__, tests rewritten by pytest): with
-# PYTHONDONTWRITEBYTECODE set, every pytest worker, server and Ray worker compiled the modules
-# it imports again (collecting the suite took 17.0 s of one process instead of 10.8 s).
-unset PYTHONDONTWRITEBYTECODE
 tests=0
 python -m pytest -q -p no:cacheprovider --durations=20 ${marks[@]+"${marks[@]}"} "$@" || tests=$?
 typed=0
