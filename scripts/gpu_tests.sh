@@ -7,6 +7,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# The device image lacks xgrammar, which an engine imports when it starts (its grammar
+# compiler): install the carried wheels (scripts/device-wheels.sh, carry .whl) if so.
+if ! python -c "import xgrammar" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(tests/)
 if [ -n "${OUT:-}" ]; then

@@ -316,9 +316,9 @@ def _full(i: int, k: float) -> DiskEntry:
 def test_full_index_evicts_lowest_key_and_refuses_lower() -> None:
     index = DiskIndex(2, C)
     for i, k in enumerate((5.0, 7.0)):
-        assert index.spill(f"x{i}", _full(i, k), i, False)
-    assert not index.spill("y", _full(2, 1.0), 2, False)
-    assert index.spill("y", _full(3, 6.0), 3, False)
+        assert index.store(f"x{i}", _full(i, k), i, False)
+    assert not index.store("y", _full(2, 1.0), 2, False)
+    assert index.store("y", _full(3, 6.0), 3, False)
     assert index.get("x0", 0) is None and index.get("x1", 1) is not None
     assert index.take_plan().deletes == [_full(0, 0.0).name]
     index.check()
@@ -328,21 +328,21 @@ def test_a_spilled_copy_already_on_disk_only_gains_a_holder() -> None:
     """Equal hashes: one file, written once, held by both; the key is the higher of the two;
     the last holder letting go keeps the file (first to be evicted), a partial one's goes."""
     index = DiskIndex(4, C)
-    assert index.spill("a", _full(0, 5.0), 0, False)
-    assert index.spill("b", _full(0, 9.0), 3, True)
+    assert index.store("a", _full(0, 5.0), 0, False)
+    assert index.store("b", _full(0, 9.0), 3, True)
     plan = index.take_plan()
     assert [(g, b, e.name) for g, b, e in plan.writes] == [(False, 0, _full(0, 0).name)]
     e = index.get("a", 0)
     assert e is not None and e is index.get("b", 0) and e.holders == {"a", "b"}
     assert e.key == spilled_key((9.0, 0.0, "", 0.0))
     part = DiskEntry("a", 1, 2, "p", key=spilled_key((1.0, 0.0, "", 0.0)))
-    assert index.spill("a", part, 1, False)
+    assert index.store("a", part, 1, False)
     index.check()
     index.release_from("a", 0)
     assert e.holders == {"b"} and index.take_plan().deletes == [part.name]
     index.release("b", 0)
     assert e.holders == set() and index.files == {e.name: e} and e.key[0] == -1
-    assert index.spill("c", _full(0, 2.0), 1, False)  # back on disk: held, not written
+    assert index.store("c", _full(0, 2.0), 1, False)  # back on disk: held, not written
     assert index.get("c", 0) is e and not index.take_plan().writes
     index.check()
 

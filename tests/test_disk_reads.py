@@ -61,7 +61,7 @@ def test_reused_read_buffers_restore_exact_bytes(tmp_path, layout: str,  # noqa:
     want = {}
     for n, (conv, i) in enumerate([("a", 0), ("a", 1), ("b", 0), ("b", 1)]):
         entry = _entry(conv, i)
-        assert tier.index.spill(conv, entry, n, False)
+        assert tier.index.store(conv, entry, n, False)
         tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         want[(conv, i)] = torch.stack([c[:, n] for c in cpu]).clone()
@@ -158,7 +158,7 @@ def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: 
     path = str(tmp_path / "tier")
     tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     entry = _entry("a", 0)
-    assert tier.index.spill("a", entry, 0, False)
+    assert tier.index.store("a", entry, 0, False)
     want = torch.stack([c[:, 0] for c in cpu]).clone()
     tier.apply(tier.index.take_plan())
     tier.close(None)
@@ -189,7 +189,7 @@ def test_a_step_does_not_wait_for_reads_still_running(tmp_path, monkeypatch) -> 
     tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
     for n in (0, 1):
         entry = _entry("a", n)
-        assert tier.index.spill("a", entry, n, False)
+        assert tier.index.store("a", entry, n, False)
         tier.index.plan.writes.clear()
         tier.index.plan.writes.append((False, n, entry))
         tier.apply(tier.index.take_plan())
@@ -259,3 +259,31 @@ def test_a_turn_whose_reads_still_run_waits_while_others_run(tiny_llama, tmp_pat
     while eng.scheduler.has_unfinished():
         eng.step()
     llm.engine.shutdown()
+
+
+def test_a_queued_turn_s_wait_for_its_reads_is_counted_once(tmp_path) -> None:  # noqa: ANN001
+    """A turn that waits for two reads counts one wait, from its first read started to its
+    last collected; the readers' busy time and the wait appear in the tier's stats (the
+    server's ``pensieve_disk_read_*`` metrics)."""
+    torch.manual_seed(3)
+    cpu = _cpu_tier("chunk-major")
+    path = str(tmp_path / "tier")
+    tier = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
+    for n, i in enumerate((0, 1)):
+        entry = _entry("a", i)
+        assert tier.index.store("a", entry, n, False)
+        tier.apply(tier.index.take_plan())
+    tier.close(None)
+    reader = DiskTier(path, 16, LAYOUT, "fp", cpu, cpu, read_threads=2)
+    entries = [reader.index.files[_entry("a", i).name] for i in (0, 1)]
+    reader.start_reads(entries[:1], waiter="t")
+    reader.start_reads(entries[1:], waiter="t")  # the same turn: still one wait
+    assert reader.index.reading == {"t": 2}
+    reader.collect()
+    assert reader.index.reading == {} and reader.read_waits == 1 and reader.read_wait_s > 0
+    st = reader.stats()
+    assert st["disk_read_waits"] == 1 and st["disk_read_wait_us"] > 0
+    assert st["disk_read_busy_us"] > 0 and st["disk_read_bytes"] >= 2 * reader.block_bytes
+    reader.start_reads(entries, waiter="u")  # ready now: nothing to wait for
+    assert "u" not in reader.index.reading and reader.read_waits == 1
+    reader.close(None)

@@ -59,7 +59,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 def _spill(tier: DiskTier, conv: str, block: int) -> DiskEntry:
     entry = _entry(conv, 0)
-    assert tier.index.spill(conv, entry, block, False)
+    assert tier.index.store(conv, entry, block, False)
     tier.apply(tier.index.take_plan())
     return entry
 
@@ -110,7 +110,7 @@ def test_a_restore_from_a_queued_write_and_files_from_reused_buffers(
     a = _spill(tier, "a", 0)
     tier.index.plan.reads.append((a, 6))  # restored in the next step, its write still queued
     b = _entry("b", 0)
-    assert tier.index.spill("b", b, 1, False)
+    assert tier.index.store("b", b, 1, False)
     tier.apply(tier.index.take_plan())
     assert torch.equal(_kv(cpu, 6), want["a"])
     gate.set()
@@ -144,13 +144,13 @@ def test_the_pool_is_bounded_and_skipped_writes_return_their_buffers(
     monkeypatch.setattr(disk_writes, "WRITE_SPARE_BYTES", 2 * block_bytes)
     tier = DiskTier(str(tmp_path / "tier"), 16, LAYOUT, "fp", cpu, cpu, read_threads=1)
     for n in range(4):
-        assert tier.index.spill("a", _entry("a", n), n, False)
+        assert tier.index.store("a", _entry("a", n), n, False)
     tier.apply(tier.index.take_plan())
     tier.wait_writes()
     assert tier.bytes_written == 4 * block_bytes
     assert tier._writes.allocated == 4 and tier._writes.idle == 2  # two let go
     monkeypatch.setattr(disk_tier, "WRITE_BACKLOG_BYTES", 0)  # every write over the bound
-    assert tier.index.spill("b", _entry("b", 0), 5, False)
+    assert tier.index.store("b", _entry("b", 0), 5, False)
     tier.apply(tier.index.take_plan())
     assert tier.writes_skipped == 1 and tier._writes.idle == 2  # taken, and given back
     assert tier._writes.allocated == 4

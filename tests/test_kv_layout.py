@@ -194,7 +194,7 @@ def test_swapper_and_disk_tier_move_the_layouts_bytes_per_chunk(
         assert (tier._cpu_blocks is not None) == chunk_major
         h = hashlib.blake2b(method.encode(), digest_size=16).hexdigest()
         entry = DiskEntry("", 0, layout.chunk_size, h, spilled_key((0.0, 0.0, "", 0.0)))
-        assert tier.index.spill("a", entry, 2, False)
+        assert tier.index.store("a", entry, 2, False)
         tier.apply(tier.index.take_plan())
         tier.wait_writes()
         assert tier.bytes_written == one

@@ -148,7 +148,7 @@ def test_the_checker_finds_a_foreign_write(tmp_path: Path) -> None:
     base, names = _chain(ast.parse("pools.share.refs[b]").body[0].value)  # type: ignore[attr-defined]
     assert isinstance(base, ast.Name) and base.id == "pools" and names == ["share", "refs"]
     owned = owned_attributes()
-    assert {"by_hash", "at_gpu"} <= owned["block_map"] and "salts" in owned["disk_index"]
+    assert {"by_hash", "hash_of"} <= owned["block_map"] and "salts" in owned["disk_index"]
     assert "conversations" in owned["tiered_cache"]
     assert "chunks" not in set().union(*owned.values())  # Conversation is a record
 

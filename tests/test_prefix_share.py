@@ -59,12 +59,12 @@ def test_second_conversation_takes_the_first_ones_full_chunks() -> None:
     assert cb[2].block != ca[2].block  # other tokens: B's own
     share = cache.blocks
     assert share is not None
-    assert [share.gpu_refs_of(ch.block) for ch in ca] == [2, 2, 1]
-    assert share.gpu_refs_of(cb[2].block) == 1
-    assert not share.gpu_refs_of(cb[3].block)  # partial: private
+    assert [share.gpu.refs_of(ch.block) for ch in ca] == [2, 2, 1]
+    assert share.gpu.refs_of(cb[2].block) == 1
+    assert not share.gpu.refs_of(cb[3].block)  # partial: private
     # A: 3 chunks (12 tokens), B: 4 (13), two of them A's blocks: 5 GPU blocks taken
     assert cache.gpu.num_blocks - cache.gpu.num_free_blocks == 5
-    assert share.gpu_refs == 6
+    assert share.gpu.num_refs == 6
 
 
 def test_tenants_do_not_share_unless_salts_agree() -> None:
@@ -95,21 +95,21 @@ def test_evicting_a_shared_chunk_moves_it_to_the_cpu_once() -> None:
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     assert all(ch.tier is Tier.CPU for ch in a + b)
     for i in range(2):
-        assert a[i].block == b[i].block and cpu_share.cpu_refs_of(a[i].block) == 2
-    assert a[2].block != b[2].block and not cpu_share.cpu_refs_of(a[2].block)  # partial: private
-    assert not share.gpu_refs_of(shared) and share.num_gpu == 0 and cpu_share.num_cpu == 2
-    assert cpu_share.cpu_refs == 4
+        assert a[i].block == b[i].block and cpu_share.cpu.refs_of(a[i].block) == 2
+    assert a[2].block != b[2].block and not cpu_share.cpu.refs_of(a[2].block)  # partial: private
+    assert not share.gpu.refs_of(shared) and share.gpu.num == 0 and cpu_share.cpu.num == 2
+    assert cpu_share.cpu.num_refs == 4
     plan = cache.take_swap_plan()  # one copy per CPU block: 2 shared + 2 private chunks
     assert sorted(c for _, c in plan.swap_out_first) == sorted({ch.block for ch in a + b})
     cache.begin_step()
     # A's next turn swaps its chunks in; B still holds the CPU copies of the shared ones
     req = run_turn(cache, "a", [40], 3.0)
     assert req.cache_stats.cpu_hit_tokens == 11 and req.cache_stats.recomputed_tokens == 0
-    assert [cpu_share.cpu_refs_of(ch.block) for ch in b[:2]] == [1, 1]
+    assert [cpu_share.cpu.refs_of(ch.block) for ch in b[:2]] == [1, 1]
     cache.begin_step()
     cache.check_integrity()
     # a new conversation takes references to them (not registered on the GPU any more)
-    assert share.num_gpu  # A's turn registered its GPU blocks again
+    assert share.gpu.num  # A's turn registered its GPU blocks again
     run_turn(cache, "a2", [1, 2, 3], 4.0)  # unrelated
 
 
@@ -127,7 +127,7 @@ def test_cpu_copy_is_shared_at_admission_and_read_before_freed() -> None:
     c = run_turn(cache, "c", SYSTEM + [50], 3.0)
     assert c.cache_stats.cpu_shared_tokens == 8 and c.cache_stats.cpu_hit_tokens == 8
     assert c.cache_stats.shared_hit_tokens == 0
-    assert [cpu_share.cpu_refs_of(b) for b in copies] == [2, 2]  # A and B still hold them
+    assert [cpu_share.cpu.refs_of(b) for b in copies] == [2, 2]  # A and B still hold them
     plan = cache.take_swap_plan()
     assert sorted(cb for cb, _ in plan.swap_in) == sorted(copies)
     # A and B let them go in the same step: the blocks are read, so freed only at the next
@@ -152,14 +152,14 @@ def test_shared_cpu_blocks_go_last_and_with_all_their_holders() -> None:
     cache.begin_step()
     cache.check_integrity()
     cpu_share = cache.blocks
-    assert cpu_share is not None and cpu_share.num_cpu == 2
+    assert cpu_share is not None and cpu_share.cpu.num == 2
     a, b = cache.conversations["a"].chunks, cache.conversations["b"].chunks
     held = cache.cpu.allocate(cache.cpu.num_free_blocks)  # the tier full
     taken = [cache.store.take_cpu_block(None) for _ in range(3)]
     assert a[2].tier is Tier.DROPPED and b[2].tier is Tier.DROPPED  # private ones first
     gone = [i for i in range(2) if a[i].tier is Tier.DROPPED]
     assert len(gone) == 1 and b[gone[0]].tier is Tier.DROPPED  # both holders let it go
-    assert cpu_share.num_cpu == 1 and cpu_share.cpu_refs == 2
+    assert cpu_share.cpu.num == 1 and cpu_share.cpu.num_refs == 2
     cache.cpu.free(held + taken)
     cache.check_integrity()
 
@@ -194,7 +194,7 @@ def test_running_reader_keeps_a_shared_block() -> None:
     assert [ch.tier for ch in a_chunks] == [Tier.GPU, Tier.GPU, Tier.DROPPED]
     assert all(not cache.gpu.is_free(b) for b in blocks)  # b still reads them
     share = cache.blocks
-    assert share is not None and [share.gpu_refs_of(b) for b in blocks] == [2, 2]
+    assert share is not None and [share.gpu.refs_of(b) for b in blocks] == [2, 2]
     # a's next turn finds them on the GPU (b still running)
     req_a = Request("a2", cache.conversations["a"].token_ids + [1],
                     SamplingParams(max_tokens=1), conversation_id="a")
@@ -266,12 +266,12 @@ class ShareDriver(Driver):
         share = cache.blocks
         assert share is not None
         cpu_share = cache.blocks if cache.cpu is not None else None
-        cpu_refs = [cpu_share.cpu_refs_of(b) for b in range(len(cpu_share.at_cpu))] \
+        cpu_refs = [cpu_share.cpu.refs_of(b) for b in range(len(cpu_share.cpu.at))] \
             if cpu_share is not None else []
         salts: dict[tuple[Tier, int], set[bytes]] = {}
         for conv in cache.conversations.values():
             for ch in conv.chunks:
-                if (ch.tier is Tier.GPU and share.gpu_refs_of(ch.block)) or (
+                if (ch.tier is Tier.GPU and share.gpu.refs_of(ch.block)) or (
                         ch.tier is Tier.CPU and cpu_refs[ch.block]):
                     salts.setdefault((ch.tier, ch.block), set()).add(
                         self.salt(conv.conversation_id))
@@ -285,17 +285,18 @@ class ShareDriver(Driver):
             extend_hashes(hashes, self.salt(conv.conversation_id), conv.token_ids[:n * C], C)
             for i in range(n):
                 ch = conv.chunks[i]
-                if ch.tier is Tier.GPU and share.gpu_refs_of(ch.block):
-                    assert share.hash_of[share.at_gpu[ch.block]] == hashes[i], (
+                if ch.tier is Tier.GPU and share.gpu.refs_of(ch.block):
+                    assert share.hash_of[share.gpu.at[ch.block]] == hashes[i], (
                         conv.conversation_id, i)
                 if ch.tier is Tier.CPU and cpu_share is not None and cpu_refs[ch.block]:
-                    assert cpu_share.hash_of[cpu_share.at_cpu[ch.block]] == hashes[i], (
+                    assert cpu_share.hash_of[cpu_share.cpu.at[ch.block]] == hashes[i], (
                         conv.conversation_id, i)
         for conv in cache.conversations.values():  # the admission's count of pinned blocks
             if not conv.running:
                 tiers = [ch.tier for ch in conv.chunks]
+                pinned = share.gpu.is_pinned
                 assert share.pinned_by_others(conv.chunks, tiers, [], []) == sum(
-                    1 for ch in conv.chunks if ch.tier is Tier.GPU and share.is_pinned(ch.block))
+                    1 for ch in conv.chunks if ch.tier is Tier.GPU and pinned(ch.block))
         # background copies out read their GPU block until reclaimed (an urgent one's block
         # is free at once: the runner copies it before the step touches any KV)
         leaving = set(cache.store._plan.swap_out.values())
@@ -446,7 +447,7 @@ def test_chunks_brought_back_are_registered_again() -> None:
     cache.take_swap_plan()
     cache.begin_step()
     share = cache.blocks
-    assert share is not None and share.num_gpu == 0
+    assert share is not None and share.gpu.num == 0
     back = run_turn(cache, "a", [21], 2.0)
     assert back.cache_stats.cpu_hit_tokens > 0
     c = run_turn(cache, "c", SYSTEM + [30], 3.0)
@@ -465,7 +466,7 @@ def test_rewritten_history_registers_its_own_hashes() -> None:
     cache.abort_turn(Request("x", [0], SamplingParams()), conv, 1.0)
     cache.store.evict_gpu(100, 1.0, urgent=True)  # nothing registered: find_shared returns
     share = cache.blocks
-    assert share is not None and share.num_gpu == 0
+    assert share is not None and share.gpu.num == 0
     conv.token_ids = old[:4] + [7] * 12  # set_history
     run_turn(cache, "a", [8], 2.0)
     other = run_turn(cache, "b", old + [9], 3.0)
@@ -486,10 +487,10 @@ def test_truncation_into_a_shared_chunk_lets_it_go() -> None:
     req = Request("b1", [1] * 9, SamplingParams(max_tokens=1), conversation_id="b")
     req.pending = cache.pending_for(req, conv)
     assert cache.admit(req, conv, req.num_tokens, 1.0)
-    assert conv.block_table[0] == a0 and share.gpu_refs_of(a0) == 2
+    assert conv.block_table[0] == a0 and share.gpu.refs_of(a0) == 2
     cache.abort_turn(req, conv, 2.0)
     cache.check_integrity()
-    assert conv.kv_end == 1 and conv.chunks[0].tier is Tier.DROPPED and share.gpu_refs_of(a0) == 1
+    assert conv.kv_end == 1 and conv.chunks[0].tier is Tier.DROPPED and share.gpu.refs_of(a0) == 1
     run_turn(cache, "b", [6] * 7, 3.0)
     assert conv.chunks[0].block != a0
     # a's turn continues on its own block, still registered under its tokens

@@ -117,7 +117,7 @@ def test_a_shared_prefix_is_held_once_and_stepped_over() -> None:
     b = scheduler_cost.Bench(8, a, seed=0)
     blocks = b.cache.blocks
     assert blocks is not None
-    assert len(blocks.shared_gpu) + len(blocks.shared_cpu) >= 256 // 32 - 1
+    assert len(blocks.gpu.shared) + len(blocks.cpu.shared) >= 256 // 32 - 1
     assert all(c.token_ids[:256] == [1] * 256 for c in b.cache.conversations.values())
     for _ in range(30):
         b.step()

@@ -32,8 +32,8 @@ def private_gpu_chunks(cache: TieredKVCache) -> int:
     share = cache.blocks
     assert share is not None
     return sum(1 for conv in cache.conversations.values() for ch in conv.chunks
-               if ch.tier is Tier.GPU and not share.gpu_refs_of(ch.block)
-               or ch.tier is Tier.GPU and share.gpu_refs_of(ch.block) == 1)
+               if ch.tier is Tier.GPU and not share.gpu.refs_of(ch.block)
+               or ch.tier is Tier.GPU and share.gpu.refs_of(ch.block) == 1)
 
 
 def units(cache: TieredKVCache, now: float) -> list[tuple[EvictionKey, tuple[object, ...]]]:
@@ -48,7 +48,7 @@ def units(cache: TieredKVCache, now: float) -> list[tuple[EvictionKey, tuple[obj
     for conv in cache.conversations.values():
         for i, ch in enumerate(conv.chunks):
             if ch.tier is Tier.GPU and not conv.running:
-                if share.gpu_refs_of(ch.block) >= 2:
+                if share.gpu.refs_of(ch.block) >= 2:
                     by_block.setdefault(ch.block, []).append(idx.key_now(conv, i))
                 else:
                     out.append((idx.key_now(conv, i), ("chunk", conv.conversation_id, i)))
@@ -73,7 +73,7 @@ def test_eviction_follows_one_order_of_chunks_and_whole_shared_blocks(policy: st
     share = cache.blocks
     assert share is not None
     shared = [ch.block for ch in cache.conversations["a"].chunks[:2]]
-    assert [share.gpu_refs_of(b) for b in shared] == [3, 3]
+    assert [share.gpu.refs_of(b) for b in shared] == [3, 3]
     order = units(cache, now)
     taken = []
     while order:
@@ -88,11 +88,11 @@ def test_eviction_follows_one_order_of_chunks_and_whole_shared_blocks(policy: st
         held = {conv.chunks[i].block for conv in cache.conversations.values()}
         tiers = {conv.chunks[i].tier for conv in cache.conversations.values()}
         if cache.store.cpu is not None and tiers == {Tier.CPU}:
-            assert len(held) == 1 and share.cpu_refs_of(held.pop()) == 3
+            assert len(held) == 1 and share.cpu.refs_of(held.pop()) == 3
         else:
             assert tiers <= {Tier.CPU, Tier.DROPPED}
         assert cache.gpu.is_free(b)
-    assert share.gpu_refs == 0
+    assert share.gpu.num_refs == 0
 
 
 def test_the_sum_of_sharers_keeps_a_widely_shared_block_and_lets_a_lone_pair_go() -> None:
@@ -108,7 +108,7 @@ def test_the_sum_of_sharers_keeps_a_widely_shared_block_and_lets_a_lone_pair_go(
     assert share is not None
     old_block = cache.conversations["old1"].chunks[0].block
     system_block = cache.conversations["n1"].chunks[0].block
-    assert share.gpu_refs_of(old_block) == 2 and share.gpu_refs_of(system_block) == 6
+    assert share.gpu.refs_of(old_block) == 2 and share.gpu.refs_of(system_block) == 6
     now = 110.0
     order = units(cache, now)
     # the long-idle pair's block comes before the recent conversations' own chunks (chunk 2
@@ -149,12 +149,12 @@ def test_a_chunk_shared_after_it_was_indexed_is_passed_over() -> None:
     assert cache.index.gpu.live[a][0] == 0  # a's candidate: its leading chunk, held alone
     run_turn(cache, "b", SYSTEM + [30, 31], 1.0)  # b takes a's first two chunks
     share = cache.blocks
-    assert share is not None and share.gpu_refs_of(a.chunks[0].block) == 2
+    assert share is not None and share.gpu.refs_of(a.chunks[0].block) == 2
     assert cache.index.gpu.live[a][0] == 0  # a's entry is not touched by b's turn
     cache.store.evict_gpu(1, 5.0, urgent=True)
     cache.check_integrity()
     assert [ch.tier for ch in a.chunks[:2]] == [Tier.GPU, Tier.GPU]
-    assert share.gpu_refs_of(a.chunks[0].block) == 2
+    assert share.gpu.refs_of(a.chunks[0].block) == 2
     # the chunk that left is one held alone (a's or b's; pensieve's order decides which)
     b = cache.conversations["b"]
     left = [ch for ch in a.chunks[2:] + b.chunks[2:] if ch.tier is not Tier.GPU]
@@ -182,7 +182,7 @@ def test_a_running_turns_chunks_are_never_chosen(policy: str) -> None:
     # x's chunks that r reads stay (their block could not go), the rest of x left
     assert [ch.tier for ch in x.chunks[:2]] == [Tier.GPU, Tier.GPU]
     assert all(ch.tier is not Tier.GPU for ch in x.chunks[2:])
-    assert [share.gpu_refs_of(b) for b in table[:2]] == [2, 2]
+    assert [share.gpu.refs_of(b) for b in table[:2]] == [2, 2]
     # r holds them: none the fallback may take
     assert lowest_shared(cache.index, share, Tier.GPU) is None
     order = SharedOrder(cache.index, share, Tier.GPU)
@@ -200,13 +200,13 @@ def test_shared_blocks_whose_sharers_left_still_go() -> None:
     cache.delete("c")
     cache.check_integrity()
     # a's shared chunks now have one reference each, and are no entry of the index yet
-    assert [share.gpu_refs_of(ch.block) for ch in a.chunks[:2]] == [1, 1]
+    assert [share.gpu.refs_of(ch.block) for ch in a.chunks[:2]] == [1, 1]
     assert a not in cache.index.gpu.live
     assert cache.store.evictable_gpu_blocks() == 2
     assert cache.store.evict_gpu(2, 11.0, urgent=True) == 2
     cache.check_integrity()
     assert [ch.tier for ch in a.chunks] == [Tier.DROPPED] * len(a.chunks)
-    assert share.num_gpu == 0 and share.gpu_refs == 0
+    assert share.gpu.num == 0 and share.gpu.num_refs == 0
     assert cache.gpu.num_free_blocks == cache.gpu.num_blocks
 
 
@@ -219,7 +219,7 @@ def test_admission_makes_room_from_shared_blocks() -> None:
     assert share is not None
     cache.store.evict_gpu(private_gpu_chunks(cache), 2.0, urgent=True)
     cache.check_integrity()
-    assert cache.gpu.num_free_blocks == 6 and share.num_gpu == 2
+    assert cache.gpu.num_free_blocks == 6 and share.gpu.num == 2
     conv = cache.conversation("n")
     req = Request("n1", list(range(100, 128)), SamplingParams(max_tokens=1),
                   conversation_id="n")  # 28 tokens: 7 blocks, no prefix in common
@@ -227,7 +227,7 @@ def test_admission_makes_room_from_shared_blocks() -> None:
     assert cache.admit(req, conv, req.num_tokens, 3.0)
     cache.check_integrity()
     assert cache.gpu.num_free_blocks == 0
-    assert share.num_gpu == 1  # one shared block went (both sharers let it go), one stayed
+    assert share.gpu.num == 1  # one shared block went (both sharers let it go), one stayed
 
 
 def test_a_ranked_block_whose_holders_changed_at_that_time_is_passed_over() -> None:

@@ -37,7 +37,7 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     read_s, write_s = BLOCK_BYTES / 2e9, BLOCK_BYTES / 1e9
     assert disk.index.read_chunk_s == pytest.approx(read_s)
     for i in range(3):
-        assert disk.index.spill("c", _entry(i), i, False)
+        assert disk.index.store("c", _entry(i), i, False)
     disk.index.plan.writes.clear()  # on disk already
     disk.prefetch("c")
     disk.prefetch("c")  # reads already under way are not queued twice
@@ -52,7 +52,7 @@ def test_reads_take_their_time_and_a_step_waits_for_them() -> None:
     # comes from memory
     t = clock.now()
     for i in (3, 4):
-        assert disk.index.spill("c", _entry(i), block=i, from_gpu=False)
+        assert disk.index.store("c", _entry(i), block=i, from_gpu=False)
     disk.apply(disk.index.take_plan())
     assert clock.now() == t and disk.bytes_written == 2 * BLOCK_BYTES
     assert disk.write_backlog_max_s == pytest.approx(2 * write_s)
@@ -78,7 +78,7 @@ def test_while_requests_run_a_step_takes_only_the_reads_done() -> None:
         disk = SimDiskTier(16, CHUNK, BLOCK_BYTES, clock, read_gbps=2.0, write_gbps=1.0,
                            wait=mode)
         for i in range(3):
-            assert disk.index.spill("c", _entry(i), i, False)
+            assert disk.index.store("c", _entry(i), i, False)
         disk.index.plan.writes.clear()  # on disk already
         disk.prefetch("c")
         disk.prefetch("c")  # the same turn waits for each read once

@@ -8,10 +8,10 @@ once), how many chunks hold each slot (its references), how many running turns p
 slot, and how many planned swap-ins still read its CPU slot. Conversations' chunks hold slots;
 nothing else keeps that state::
 
-    by_hash: {hash -> 7}        record 7: hash_of h, gpu_of 12, cpu_of -1, refs_gpu 3,
-                                          refs_cpu 0, pins 1, reads 0
-    at_gpu:  [..., 7 @ slot 12, ...]      at_cpu: [..., -1, ...]        (slot -> its record)
-    shared_gpu: {12}                      shared_cpu: {}                (held twice or more)
+    by_hash: {hash -> 7}        record 7: hash_of h
+                                gpu: slot_of 12, refs 3, pins 1    cpu: slot_of -1, refs 0, pins 0
+    gpu.at:  [..., 7 @ slot 12, ...]      cpu.at: [..., -1, ...]        (slot -> its record)
+    gpu.shared: {12}                      cpu.shared: {}                (held twice or more)
 
 Which chunks share (``TieredKVCache``, :class:`~pensieve.core.kv_store.KVStore`). An ended
 turn registers its full GPU chunks (:meth:`BlockMap.register_turn`; lazily while its
@@ -29,12 +29,14 @@ counted on the record until the store reclaims it (:meth:`BlockMap.end_reads`); 
 last reference goes while reads are pending is an *orphan* (out of the map, freed when its
 last read ends), so no block a planned swap-in reads is freed, moved or overwritten.
 
-The eviction index (:mod:`pensieve.core.eviction_index`) reads :attr:`BlockMap.shared_gpu`
-and :attr:`BlockMap.shared_cpu`: a chunk whose slot others hold too is no eviction
+Each tier's columns are a :class:`~pensieve.core.tier_slots.TierSlots` (``BlockMap.gpu``,
+``BlockMap.cpu``), with the same verbs; a GPU pin is a running turn, a CPU pin a planned
+swap-in's read. The eviction index (:mod:`pensieve.core.eviction_index`) reads each tier's
+``shared`` set: a chunk whose slot others hold too is no eviction
 candidate (its block is worth what all its sharers would lose).
 
 Invariants (:func:`pensieve.core.pool_audit.check_gpu` and ``check_cpu``): each record in
-``by_hash`` has a slot, and ``at_gpu``/``at_cpu`` point back at it; each slot's references
+``by_hash`` has a slot, and each tier's ``at`` points back at it; each slot's references
 equal the chunks holding it; ``shared_*`` is the set of slots with two references or more;
 pins equal the running conversations holding the slot; reads equal the slot's pending
 reclaims; the counters equal their sums.
@@ -48,6 +50,7 @@ from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
 from pensieve.core.prefix_share import extend_hashes
 from pensieve.core.request import Request
+from pensieve.core.tier_slots import TierSlots
 
 Found = tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]
 """:meth:`BlockMap.find`'s answer: ``(found, ext, cpu)``."""
@@ -91,8 +94,9 @@ class BlockMap:
     """Every registered block's record by hash, and each tier's slots' records (module
     docstring). Pure bookkeeping: the store allocates and frees the slots.
 
-    A record is a row: its id indexes one list per field (``hash_of``, ``gpu_of``,
-    ``cpu_of``, ``refs_gpu``, ``refs_cpu``, ``pins``, ``reads``). Rows of ints and bytes,
+    A record is a row: its id indexes one list per field (``hash_of`` here, and each tier's
+    slot, references and pins: :class:`~pensieve.core.tier_slots.TierSlots`, ``gpu`` and
+    ``cpu``). Rows of ints and bytes,
     not an object per block: the cache holds a record for nearly every full chunk, and
     objects that many (the garbage collector tracks each) made every collection pass longer,
     which cost more host time per step than the bookkeeping itself. Ids of rows out of the
@@ -104,32 +108,12 @@ class BlockMap:
         """Hash -> its record's id."""
         self.hash_of: list[bytes] = []
         """Each record's hash (b"": a free row)."""
-        self.gpu_of: list[int] = []
-        """Each record's GPU slot (-1: none)."""
-        self.cpu_of: list[int] = []
-        """Each record's CPU slot (-1: none)."""
-        self.refs_gpu: list[int] = []
-        """Chunks holding each record's GPU slot."""
-        self.refs_cpu: list[int] = []
-        """Chunks holding each record's CPU slot."""
-        self.pins: list[int] = []
-        """Running conversations holding each record's GPU slot."""
-        self.reads: list[int] = []
-        """Planned swap-ins reading each record's CPU slot, not reclaimed yet."""
-        self.at_gpu: list[int] = [-1] * num_gpu_blocks
-        """GPU slot -> its record's id (-1: private or free)."""
-        self.at_cpu: list[int] = [-1] * num_cpu_blocks
-        """CPU slot -> its record's id (-1: private or free)."""
-        self.shared_gpu: set[int] = set()
-        """GPU slots two or more chunks hold (no eviction candidates)."""
-        self.shared_cpu: set[int] = set()
-        """CPU slots two or more chunks hold."""
-        self.num_gpu = self.num_cpu = 0
-        """Records with a GPU (CPU) slot."""
-        self.gpu_refs = self.cpu_refs = 0
-        """Chunks holding a registered GPU (CPU) slot."""
-        self.num_pinned = 0
-        """Records whose GPU slot a running conversation pins."""
+        self.gpu = TierSlots(Tier.GPU, num_gpu_blocks, self.by_hash)
+        """The GPU tier's columns: each record's GPU slot, references and pins (running
+        conversations holding it)."""
+        self.cpu = TierSlots(Tier.CPU, num_cpu_blocks, self.by_hash)
+        """The CPU tier's columns: each record's CPU slot, references and pins (planned
+        swap-ins reading it, not reclaimed yet)."""
         self.num_reads = 0
         """Pending reads of registered and orphaned CPU slots."""
         self.orphans: dict[int, int] = {}
@@ -137,7 +121,7 @@ class BlockMap:
         self.step_reads: set[int] = set()
         """Registered CPU slots this step's swap-ins read: a step reads a CPU block once (the
         runner's copy batches cut disjoint runs), so admission takes none of these."""
-        self.on_gpu = OnGpu(self.by_hash, self.gpu_of)
+        self.on_gpu = OnGpu(self.by_hash, self.gpu.slot_of)
         self.free_ids: list[int] = []
         """Rows out of the map, reused."""
         self.alone: dict[bytes, Conversation] = {}
@@ -176,18 +160,16 @@ class BlockMap:
                 continue
             if ch.tier is Tier.GPU:
                 r = self._record(hashes[i])
-                assert self.gpu_of[r] < 0, "an owed chunk's hash has a GPU slot"
-                self.gpu_of[r], self.refs_gpu[r] = ch.block, 1
-                self.at_gpu[ch.block] = r
-                self.num_gpu += 1
-                self.gpu_refs += 1
+                gpu = self.gpu
+                assert gpu.slot_of[r] < 0, "an owed chunk's hash has a GPU slot"
+                gpu.store(ch.block, r)
                 if conv.running:
-                    self.pins[r] = 1
-                    self.num_pinned += 1
+                    gpu.pin_record(r)
             elif ch.tier is Tier.CPU:
                 self.register_cpu(ch.block, hashes[i])
         if conv.running:
-            conv.pinned_shared = [b for b in conv.block_table if self.at_gpu[b] >= 0]
+            at = self.gpu.at
+            conv.pinned_shared = [b for b in conv.block_table if at[b] >= 0]
 
     def forget(self, conv: Conversation) -> None:
         """``conv`` is deleted: it owes nothing."""
@@ -206,104 +188,56 @@ class BlockMap:
                 self.hash_of[r] = h
             else:
                 self.hash_of.append(h)
-                for col in (self.gpu_of, self.cpu_of):
-                    col.append(-1)
-                for col in (self.refs_gpu, self.refs_cpu, self.pins, self.reads):
-                    col.append(0)
+                self.gpu.grow()
+                self.cpu.grow()
         return r
 
-    def _forget(self, r: int) -> None:
-        """Record ``r`` has no slot left: out of the map, its row free (its counts are 0)."""
-        del self.by_hash[self.hash_of[r]]
+    def _forget(self, r: int) -> bytes:
+        """Record ``r`` has no slot left: out of the map, its row free (its counts are 0);
+        returns its hash."""
+        h = self.hash_of[r]
+        del self.by_hash[h]
         self.hash_of[r] = b""
         self.free_ids.append(r)
+        return h
 
     # ------------------------------------------------------------------ the GPU tier
-    def gpu_block(self, h: bytes) -> int:
-        """The GPU slot of hash ``h``, or -1."""
-        r = self.by_hash.get(h)
-        return -1 if r is None else self.gpu_of[r]
-
-    def gpu_refs_of(self, block: int) -> int:
-        """Chunks holding the GPU ``block`` if registered (0: unregistered)."""
-        r = self.at_gpu[block]
-        return 0 if r < 0 else self.refs_gpu[r]
-
-    def is_pinned(self, block: int) -> bool:
-        """A running conversation pins the registered GPU ``block``."""
-        r = self.at_gpu[block]
-        return r >= 0 and self.pins[r] > 0
-
-    def _ref_gpu(self, r: int) -> None:
-        n = self.refs_gpu[r] = self.refs_gpu[r] + 1
-        self.gpu_refs += 1
-        if n == 2:
-            self.shared_gpu.add(self.gpu_of[r])
-
     def leave_gpu(self, block: int) -> tuple[int, bytes]:
         """A chunk lets the registered GPU ``block`` go: its references before, and its hash.
         The last reference unregisters the slot (the caller keeps or frees the block)."""
-        r = self.at_gpu[block]
+        gpu = self.gpu
+        r = gpu.at[block]
         assert r >= 0
-        n = self.refs_gpu[r]
-        self.refs_gpu[r] = n - 1
-        self.gpu_refs -= 1
-        h = self.hash_of[r]
-        if n == 2:
-            self.shared_gpu.discard(block)
-        elif n == 1:
-            self.at_gpu[block] = -1
-            self.gpu_of[r] = -1
-            self.num_gpu -= 1
-            if self.pins[r]:
-                self.pins[r] = 0
-                self.num_pinned -= 1
-            if self.cpu_of[r] < 0:
-                self._forget(r)
-        return n, h
+        n = gpu.unref(r)
+        if n == 1:
+            gpu.clear_pins(r)
+            if self.cpu.slot_of[r] < 0:
+                return n, self._forget(r)
+        return n, self.hash_of[r]
 
     def unref_gpu(self, block: int) -> bool:
         """A chunk lets GPU ``block`` go; True when the block itself must leave (private, or
         this was its last reference: it is unregistered)."""
-        return self.at_gpu[block] < 0 or self.leave_gpu(block)[0] == 1
+        return self.gpu.at[block] < 0 or self.leave_gpu(block)[0] == 1
 
     def make_private(self, block: int) -> bool:
         """The chunk holding GPU ``block`` is to be written (it became partial): unregister the
         block if that chunk is its only holder; False if others hold it (the chunk must let it
         go instead)."""
-        r = self.at_gpu[block]
+        r = self.gpu.at[block]
         if r < 0:
             return True
-        return self.refs_gpu[r] == 1 and self.unref_gpu(block)
+        return self.gpu.refs[r] == 1 and self.unref_gpu(block)
 
     def pin_gpu(self, blocks: Sequence[int]) -> int:
         """A conversation whose turn starts pins these registered GPU ``blocks``; returns how
         many other running conversations pinned already."""
-        at, pins, already = self.at_gpu, self.pins, 0
-        for b in blocks:
-            r = at[b]
-            if pins[r]:
-                already += 1
-            else:
-                self.num_pinned += 1
-            pins[r] += 1
-        return already
+        return self.gpu.pin(blocks)
 
     def unpin_gpu(self, blocks: Sequence[int]) -> int:
         """A running conversation that pinned these GPU ``blocks`` stops running: each loses
         a pin; returns how many are no longer pinned by anyone."""
-        at, pins, unpinned = self.at_gpu, self.pins, 0
-        for b in blocks:
-            r = at[b]
-            if r < 0 or not pins[r]:
-                unpinned += 1
-            elif pins[r] > 1:
-                pins[r] -= 1
-            else:
-                pins[r] = 0
-                self.num_pinned -= 1
-                unpinned += 1
-        return unpinned
+        return self.gpu.unpin(blocks)
 
     def truncated(self, conv: Conversation, chunk_size: int) -> None:
         """``conv`` lost its chunks past ``kv_end``: its cached hashes go as far, and a last
@@ -319,69 +253,40 @@ class BlockMap:
                 ch.tier, ch.block = Tier.DROPPED, -1
 
     # ------------------------------------------------------------------ the CPU tier
-    def cpu_block(self, h: bytes) -> int:
-        """The CPU slot of hash ``h``, or -1."""
-        r = self.by_hash.get(h)
-        return -1 if r is None else self.cpu_of[r]
-
-    def cpu_refs_of(self, block: int) -> int:
-        """Chunks holding the CPU ``block`` if registered (0: unregistered)."""
-        r = self.at_cpu[block]
-        return 0 if r < 0 else self.refs_cpu[r]
-
     def ref_cpu(self, block: int) -> None:
         """One more chunk holds the registered CPU ``block``."""
-        r = self.at_cpu[block]
+        r = self.cpu.at[block]
         assert r >= 0
-        n = self.refs_cpu[r] = self.refs_cpu[r] + 1
-        self.cpu_refs += 1
-        if n == 2:
-            self.shared_cpu.add(block)
+        self.cpu.ref(r)
 
     def register_cpu(self, block: int, h: bytes) -> None:
         """The chunk holding the private CPU ``block`` of hash ``h`` (no CPU slot yet)
         registers it."""
-        r = self._record(h)
-        self.cpu_of[r], self.refs_cpu[r] = block, 1
-        self.at_cpu[block] = r
-        self.num_cpu += 1
-        self.cpu_refs += 1
+        self.cpu.store(block, self._record(h))
 
     def moves_alone(self, block: int) -> bool:
         """The registered GPU ``block`` has one holder and its hash no CPU slot: when that
         chunk goes to the CPU, the record goes along (:meth:`move_to_cpu`)."""
-        r = self.at_gpu[block]
-        return r >= 0 and self.refs_gpu[r] == 1 and self.cpu_of[r] < 0
+        r = self.gpu.at[block]
+        return r >= 0 and self.gpu.refs[r] == 1 and self.cpu.slot_of[r] < 0
 
     def move_to_cpu(self, gpu_block: int, cpu_block: int) -> None:
         """The one holder of the registered ``gpu_block`` (:meth:`moves_alone`) moves to
         ``cpu_block``: the record keeps its place in the map, its slot changes tier."""
-        r = self.at_gpu[gpu_block]
-        self.at_gpu[gpu_block] = -1
-        self.gpu_of[r], self.refs_gpu[r] = -1, 0
-        self.num_gpu -= 1
-        self.gpu_refs -= 1
-        self.cpu_of[r], self.refs_cpu[r] = cpu_block, 1
-        self.at_cpu[cpu_block] = r
-        self.num_cpu += 1
-        self.cpu_refs += 1
+        r = self.gpu.at[gpu_block]
+        self.gpu.unref(r)
+        self.cpu.store(cpu_block, r)
 
     def _unref_cpu(self, r: int) -> bool:
         """One reference to record ``r``'s CPU slot goes; True if it was the last (the slot
         is unregistered: an orphan if reads are pending)."""
-        block, n = self.cpu_of[r], self.refs_cpu[r]
-        self.refs_cpu[r] = n - 1
-        self.cpu_refs -= 1
-        if n == 2:
-            self.shared_cpu.discard(block)
-        if n > 1:
+        cpu = self.cpu
+        block = cpu.slot_of[r]
+        if cpu.unref(r) > 1:
             return False
-        self.at_cpu[block] = -1
-        self.cpu_of[r] = -1
-        self.num_cpu -= 1
-        if self.reads[r]:
-            self.orphans[block], self.reads[r] = self.reads[r], 0
-        if self.gpu_of[r] < 0:
+        if cpu.pins[r]:
+            self.orphans[block] = cpu.clear_pins(r)
+        if self.gpu.slot_of[r] < 0:
             self._forget(r)
         return True
 
@@ -390,12 +295,13 @@ class BlockMap:
         CPU (its reference goes; the block is freed once read if it was the last). The last
         reference's read, with no other read pending, leaves the block as a private one read
         by a swap-in (freed at reclaim, nothing to count)."""
-        r = self.at_cpu[block]
+        cpu = self.cpu
+        r = cpu.at[block]
         assert r >= 0
-        if self.refs_cpu[r] == 1 and not self.reads[r]:
+        if cpu.refs[r] == 1 and not cpu.pins[r]:
             self._unref_cpu(r)
             return
-        self.reads[r] += 1
+        cpu.pin_record(r)
         self.num_reads += 1
         self.step_reads.add(block)
         self._unref_cpu(r)
@@ -404,7 +310,7 @@ class BlockMap:
         """A chunk lets its CPU ``block`` go: False if other chunks still hold it (or a planned
         swap-in still reads it: then it is freed when reclaimed); True if the caller frees
         it."""
-        r = self.at_cpu[block]
+        r = self.cpu.at[block]
         if r < 0:
             return True
         return self._unref_cpu(r) and block not in self.orphans
@@ -416,11 +322,12 @@ class BlockMap:
         if not self.num_reads:
             pool.free(blocks)
             return
-        at, reads, orphans = self.at_cpu, self.reads, self.orphans
+        cpu, orphans = self.cpu, self.orphans
+        at, reads = cpu.at, cpu.pins
         for b in blocks:
             r = at[b]
             if r >= 0 and reads[r]:
-                reads[r] -= 1
+                cpu.unpin_record(r)
                 self.num_reads -= 1
             elif b in orphans:
                 self.num_reads -= 1
@@ -458,7 +365,7 @@ class BlockMap:
         found: list[tuple[int, int]] = []
         ext: list[int] = []
         cpu: list[tuple[int, int]] = []
-        reads, gpu_of, cpu_of = self.step_reads, self.gpu_of, self.cpu_of
+        reads, gpu_of, cpu_of = self.step_reads, self.gpu.slot_of, self.cpu.slot_of
         if not chunks and conv.kv_end == 0:
             hashes = request_hashes(req, conv, c, limit)
             for i in range(limit):
@@ -497,9 +404,9 @@ class BlockMap:
         running conversations pin already (they are not among the evictable blocks). The
         conversation's own blocks can be pinned by others only if shared: while no slot has
         two holders (the usual case without common prefixes) they are not looked up."""
-        pinned = self.is_pinned
+        pinned = self.gpu.is_pinned
         n = sum(1 for b in ext if pinned(b)) + sum(1 for _, b in found if pinned(b))
-        if self.shared_gpu:
+        if self.gpu.shared:
             gpu = Tier.GPU
             n += sum(1 for ch, t in zip(chunks, tiers) if t is gpu and pinned(ch.block))
         return n
@@ -508,14 +415,14 @@ class BlockMap:
              cpu: list[tuple[int, int]], chunk_size: int) -> int:
         """Make the chunks :meth:`find` found references to their slots (CPU chunks for
         ``cpu``: the turn swaps them in); returns the tokens of those on the GPU."""
-        chunks, at = conv.chunks, self.at_gpu
+        chunks, at, ref = conv.chunks, self.gpu.at, self.gpu.ref
         n = len(chunks)
         for i, b in found:
             chunks[i].tier, chunks[i].block = Tier.GPU, b
-            self._ref_gpu(at[b])
+            ref(at[b])
         for b in ext:
             chunks.append(Chunk(Tier.GPU, b))
-            self._ref_gpu(at[b])
+            ref(at[b])
         for i, b in cpu:
             if i < n:
                 chunks[i].tier, chunks[i].block = Tier.CPU, b
@@ -557,12 +464,12 @@ class BlockMap:
             self.crowded.add(hashes[0])
             self.pay(owner)
         self.pay(conv)  # what it owed under its first hash, before this turn's chunks
-        at, gpu_of, refs, record = self.at_gpu, self.gpu_of, self.refs_gpu, self._record
+        gpu = self.gpu
+        at, gpu_of, record = gpu.at, gpu.slot_of, self._record
         back, conv.share_back = conv.share_back, []
         new = range(min(conv.share_upto, n), n)
         chunks, gpu_tier = conv.chunks, Tier.GPU
         freed: list[int] = []
-        registered = 0
         for i in [*back, *new] if back else new:
             if i >= n:
                 continue
@@ -572,15 +479,11 @@ class BlockMap:
                 continue
             r = record(hashes[i])
             if gpu_of[r] >= 0:  # computed beside this turn: its block is private, written
-                self._ref_gpu(r)
+                gpu.ref(r)
                 freed.append(b)
                 ch.block = gpu_of[r]
             else:
-                gpu_of[r], refs[r] = b, 1
-                at[b] = r
-                registered += 1
-        self.num_gpu += registered
-        self.gpu_refs += registered
+                gpu.store(b, r)
         conv.share_hashes, conv.share_salt = hashes, req.share_salt
         conv.share_upto = max(conv.share_upto, n)
         return freed

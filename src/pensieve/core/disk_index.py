@@ -100,7 +100,7 @@ def spill_chunk(disk: DiskIndex, conv: Conversation, i: int, chunk_size: int,
     else:
         h = partial_hash(hashes[:i], salt, history[i * c:i * c + n_tok])
         entry = DiskEntry(cid, i, n_tok, h, spilled_key(key_now(conv, i)))
-    return n_tok if disk.spill(cid, entry, ch.block, ch.tier is Tier.GPU) else 0
+    return n_tok if disk.store(cid, entry, ch.block, ch.tier is Tier.GPU) else 0
 
 
 def spill_idle(disk: DiskIndex, conversations: Iterable[Conversation], chunk_size: int,
@@ -187,7 +187,10 @@ class DiskPlan:
 
 class DiskIndex:
     """Chunks on disk by file and by holder, in their own eviction order, and the step's
-    disk plan."""
+    disk plan. The verbs are the memory tiers' (:class:`~pensieve.core.tier_slots.TierSlots`
+    and the block pools): :meth:`lookup` by hash, :meth:`store` (a chunk leaving the CPU
+    tier: hold its file or plan its write), :meth:`load` (plan a read into a CPU block),
+    :meth:`pin` / :meth:`unpin` (a queued turn waits for a read) and :meth:`free`."""
 
     def __init__(self, capacity: int, chunk_size: int) -> None:
         if capacity < 0:
@@ -195,7 +198,7 @@ class DiskIndex:
         self.capacity = capacity
         self.reading: dict[str, int] = {}
         """Conversation id -> reads still running that its queued turn waits for (kept by the
-        disk tier's I/O through :meth:`await_read` and :meth:`read_done`): the scheduler
+        disk tier's I/O through :meth:`pin` and :meth:`unpin`): the scheduler
         admits no such turn while others run, so a step does not wait for them
         (:meth:`pensieve.engine.disk_tier.DiskTier.collect`)."""
         self._awaiting: dict[str, set[str]] = {}
@@ -236,22 +239,30 @@ class DiskIndex:
         """The conversation's held entries by chunk index."""
         return [e for _, e in sorted(self.entries.get(conversation_id, {}).items())]
 
-    def await_read(self, name: str, conversation_id: str) -> None:
-        """The conversation's queued turn waits for the read of file ``name`` (once)."""
+    def lookup(self, h: bytes) -> DiskEntry | None:
+        """The entry of a full chunk of hash ``h`` (:func:`shared_name`), or None."""
+        return self.files.get(shared_name(h.hex()))
+
+    def pin(self, name: str, conversation_id: str) -> None:
+        """The conversation's queued turn waits for the read of file ``name`` (once): the file
+        is pinned until the read is collected (:meth:`unpin`)."""
         waiting = self._awaiting.setdefault(name, set())
         if conversation_id not in waiting:
             waiting.add(conversation_id)
             self.reading[conversation_id] = self.reading.get(conversation_id, 0) + 1
 
-    def read_done(self, name: str) -> None:
-        """The read of file ``name`` was collected: its waiters wait for one read less."""
-        reading = self.reading
+    def unpin(self, name: str) -> list[str]:
+        """The read of file ``name`` was collected: its waiters wait for one read less;
+        returns those that wait for none now."""
+        reading, done = self.reading, []
         for waiter in self._awaiting.pop(name, ()):
             n = reading.get(waiter, 0)
             if n > 1:
                 reading[waiter] = n - 1
             else:
                 reading.pop(waiter, None)
+                done.append(waiter)
+        return done
 
     def live(self, entry: DiskEntry) -> bool:
         """Whether ``entry`` is still the index's entry of its file."""
@@ -286,7 +297,7 @@ class DiskIndex:
         for i in (range(n) if dropped is None else [i for i in dropped if i < n]):
             if len(hashes) <= i:
                 extend_hashes(hashes, salt, tokens[len(hashes) * c:(i + 1) * c], c)
-            e = self.files.get(shared_name(hashes[i].hex()))
+            e = self.lookup(hashes[i])
             if e is not None:
                 out.setdefault(id(e), e)
             elif dropped is None:
@@ -306,7 +317,7 @@ class DiskIndex:
                 return False
             victim = self.files[top[2]]
             self.evicted_tokens += victim.tokens
-            self.forget(victim)
+            self.free(victim)
         self.files[entry.name] = entry
         self._push(entry)
         return True
@@ -331,7 +342,7 @@ class DiskIndex:
         entry.holders.add(conversation_id)
         self.entries.setdefault(conversation_id, {})[index] = entry
 
-    def spill(self, conversation_id: str, entry: DiskEntry, block: int,
+    def store(self, conversation_id: str, entry: DiskEntry, block: int,
               from_gpu: bool) -> bool:
         """A chunk of the conversation leaves the cache by the retention order: hold its
         file if one of the same name and hash is on disk or planned (its key raised to
@@ -346,7 +357,7 @@ class DiskIndex:
             self.hold(conversation_id, entry.index, have)
             return True
         if have is not None:  # a partial chunk's file of other tokens
-            self.forget(have)
+            self.free(have)
         self.release(conversation_id, entry.index)
         if not self.add(entry):
             return False
@@ -368,7 +379,7 @@ class DiskIndex:
         if entry.holders:
             return
         if entry.conversation_id:
-            self.forget(entry)
+            self.free(entry)
         else:
             self._let_go += 1
             entry.key = (-1, float(self._let_go), NO_KEY)
@@ -387,7 +398,7 @@ class DiskIndex:
         if keep == 0:
             self.salts.pop(conversation_id, None)
 
-    def forget(self, entry: DiskEntry, delete_file: bool = True) -> None:
+    def free(self, entry: DiskEntry, delete_file: bool = True) -> None:
         """Drop one entry, from all its holders (its file is deleted by the engine, after
         this step's reads)."""
         if self.files.get(entry.name) is not entry:
@@ -414,7 +425,7 @@ class DiskIndex:
         if ok:
             entry.ready = True
         else:
-            self.forget(entry)
+            self.free(entry)
 
     def bind(self, conversations: dict[str, Conversation]) -> None:
         """The cache's conversations by id (the cache built over this index calls it once):
@@ -433,9 +444,9 @@ class DiskIndex:
         """The salt of the conversation's admitted turn: names its full chunks on disk."""
         self.salts[conversation_id] = salt
 
-    def plan_read(self, entry: DiskEntry, cpu_block: int) -> None:
-        """Restore ``entry`` (ready: its bytes read) into ``cpu_block`` before the step's
-        swap-ins."""
+    def load(self, entry: DiskEntry, cpu_block: int) -> None:
+        """Plan the restore of ``entry`` (ready: its bytes read) into ``cpu_block`` before the
+        step's swap-ins."""
         self.plan.reads.append((entry, cpu_block))
 
     def take_plan(self) -> DiskPlan:

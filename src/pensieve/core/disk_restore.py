@@ -92,7 +92,7 @@ def restore_from_disk(cache: KVStore, req: Request, conv: Conversation) -> int:
             block = _cpu_block(cache)
             if block is None:
                 break
-            disk.plan_read(entry, block)
+            disk.load(entry, block)
             conv.chunks[i] = Chunk(Tier.CPU, block)
             restored += n_tok
     disk.release_from(cid, 0)  # read back, or computed in this turn

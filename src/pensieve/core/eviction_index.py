@@ -13,7 +13,7 @@ crosses its ``tenant_kv_share``: :mod:`pensieve.core.tenant_share`), or a chunk 
 enters the CPU tier ahead of its CPU cursor. Pinned (running) GPU blocks are a running count.
 
 Shared blocks (:mod:`pensieve.core.block_map`). A GPU chunk whose block other chunks hold too
-(``BlockMap.shared_gpu``) is no candidate: evicting it would free nothing (the sharer only
+(``BlockMap.gpu.shared``) is no candidate: evicting it would free nothing (the sharer only
 drops its reference). The block is one unit of the retention order, keyed by its sharers
 together (:class:`pensieve.core.shared_eviction.SharedOrder`), which an urgent pass compares
 with this index's lowest chunk. :meth:`EvictionIndex.first` skips such chunks, so a
@@ -22,7 +22,7 @@ chunk that becomes shared after it was indexed is skipped when it surfaces
 (``KVStore.evict_gpu``); one skipped while shared whose sharers have gone since stays out until
 its conversation is indexed again, and leaves by the fallback once an urgent pass finds no
 candidate left (:func:`pensieve.core.shared_eviction.lowest_shared`). CPU chunks likewise
-(``BlockMap.shared_cpu``). Invariant: every GPU (CPU)
+(``BlockMap.cpu.shared``). Invariant: every GPU (CPU)
 chunk of an idle conversation before its GPU (CPU) candidate (all of them, without one) holds a
 registered block.
 
@@ -196,9 +196,9 @@ class EvictionIndex:
         own lookup, which the eviction calls once per chunk it keys."""
         self.blocks = blocks
         """The block map (None: no sharing); read, never written."""
-        self.shared_gpu: set[int] = blocks.shared_gpu if blocks is not None else set()
+        self.shared_gpu: set[int] = blocks.gpu.shared if blocks is not None else set()
         """GPU slots that two chunks or more hold (the block map's set; empty: no sharing)."""
-        self.shared_cpu: set[int] = blocks.shared_cpu if blocks is not None else set()
+        self.shared_cpu: set[int] = blocks.cpu.shared if blocks is not None else set()
         """CPU slots likewise."""
 
     def rekey(self, conv: Conversation) -> None:
@@ -326,9 +326,8 @@ class EvictionIndex:
         j = self.first(conv, tier, i + self.step)
         if j is None:
             index.pop_top(conv)
-        else:  # keyed now (key_now, inline)
-            index.replace_top(conv, j, self.policy.key(conv, j, self.now, self.cost,
-                                                       self.chunk_size), self.now)
+        else:
+            index.replace_top(conv, j, self.key_now(conv, j), self.now)
             if self.time_dependent:
                 self.keyed_now.append((index, conv))
 
@@ -397,6 +396,6 @@ class EvictionIndex:
                 if j == i:
                     break
                 ch = chunks[j]
-                refs = blocks.gpu_refs_of if tier is Tier.GPU else blocks.cpu_refs_of
+                refs = blocks.gpu.refs_of if tier is Tier.GPU else blocks.cpu.refs_of
                 assert ch.tier is not tier or refs(ch.block), (
                     cid, j, tier, "unshared chunk before the candidate")

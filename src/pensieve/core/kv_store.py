@@ -192,8 +192,8 @@ class KVStore:
         table: list[int] = []
         hit = swapped = recomputed = 0
         blocks = self.blocks
-        at_gpu = blocks.at_gpu if blocks is not None else ()
-        at_cpu = blocks.at_cpu if blocks is not None and self.share_cpu else ()  # -1: private
+        at_gpu = blocks.gpu.at if blocks is not None else ()
+        at_cpu = blocks.cpu.at if blocks is not None and self.share_cpu else ()  # -1: private
         registered = conv.pinned_shared
         for i, ch in enumerate(chunks):
             tokens = min(c, kv_end - i * c)  # > 0: an idle conversation has cdiv(kv_end, c)
@@ -290,12 +290,12 @@ class KVStore:
         step = idx.step
         gpu_tier = Tier.GPU
         peek_victim, first = idx.peek_victim, idx.first
-        policy_key, cost, c = idx.policy.key, idx.cost, self.chunk_size  # key_now, inline
+        key_now = idx.key_now
         evict_chunk = self._evict_chunk
         # entries keyed now go on a list to be keyed at t_e again (time-dependent keys only)
         exact = idx.keyed_now if idx.time_dependent else []
         blocks = self.blocks
-        shared = blocks.shared_gpu if blocks is not None else ()
+        shared = blocks.gpu.shared if blocks is not None else ()
         order = self.shared_order[0] if urgent and shared else None  # none shared: none
         done = 0
         last: Conversation | None = None
@@ -304,7 +304,7 @@ class KVStore:
             s = order.top() if order is not None and done < n else None
             ranked = s is not None
             if top is None and s is None and done < n and urgent and blocks is not None \
-                    and blocks.num_gpu:
+                    and blocks.gpu.num:
                 s = lowest_shared(idx, blocks, gpu_tier)  # only shared ones left: fallback
             if s is not None and (top is None or s[0] < top[0]):  # a shared block, whole
                 if ranked and order is not None:
@@ -337,7 +337,7 @@ class KVStore:
                 if j is None:
                     gpu_index.pop_top(conv)
                     break
-                i, key = j, policy_key(conv, j, now, cost, c)
+                i, key = j, key_now(conv, j)
                 if (done >= n and not whole) or (bound is not None and not key < bound):
                     # keyed now (exact, for this eviction); at t_e again when time moves
                     gpu_index.replace_top(conv, j, key, now)
@@ -399,7 +399,7 @@ class KVStore:
         blocks = self.blocks
         h = b""
         along = blocks is not None and blocks.moves_alone(ch.block)  # its record goes along
-        if blocks is not None and not along and blocks.at_gpu[ch.block] >= 0:
+        if blocks is not None and not along and blocks.gpu.at[ch.block] >= 0:
             b = ch.block
             n, h = blocks.leave_gpu(b)  # an idle chunk: not pinned
             if n > 1:
@@ -407,7 +407,7 @@ class KVStore:
                     return Tier.CPU
                 ch.tier, ch.block = Tier.DROPPED, -1
                 return None
-            if self.share_cpu and blocks.cpu_block(h) >= 0 \
+            if self.share_cpu and blocks.cpu.lookup(h) >= 0 \
                     and self._to_cpu_copy(conv, i, h, key):
                 self.gpu.free_one(b)  # its copy is on the CPU already
                 return Tier.CPU
@@ -440,7 +440,7 @@ class KVStore:
         stats.swapped_out_tokens += tokens
         if along:
             blocks.move_to_cpu(gpu_block, cpu_block)  # type: ignore[union-attr]
-        elif h and blocks is not None and blocks.cpu_block(h) < 0:
+        elif h and blocks is not None and blocks.cpu.lookup(h) < 0:
             blocks.register_cpu(cpu_block, h)
         return Tier.CPU
 
@@ -450,7 +450,7 @@ class KVStore:
         blocks = self.blocks
         if blocks is None or not self.share_cpu:
             return -1
-        b = blocks.cpu_block(h)
+        b = blocks.cpu.lookup(h)
         return -1 if b in self._plan.swap_out or b in blocks.step_reads else b
 
     def _to_cpu_copy(self, conv: Conversation, i: int, h: bytes,
@@ -467,7 +467,7 @@ class KVStore:
         cb = self.lookup_cpu(h)
         if cb >= 0:
             blocks.ref_cpu(cb)
-        elif blocks.cpu_block(h) >= 0:  # its copy is written in the background this step
+        elif blocks.cpu.lookup(h) >= 0:  # its copy is written in the background this step
             return False
         else:
             cb = self.take_cpu_block(self.index.key_now(conv, i) if key is None else key)
@@ -501,12 +501,12 @@ class KVStore:
         cpu = self.cpu
         assert cpu is not None
         blocks = self.blocks if self.share_cpu else None
-        order = self.shared_order[1] if blocks is not None and blocks.shared_cpu else None
+        order = self.shared_order[1] if blocks is not None and blocks.cpu.shared else None
         while not cpu.num_free_blocks:  # a drop may free no block (a read one): the next
             victim = self.index.peek_victim(Tier.CPU)
             s = order.top() if order is not None else None
             ranked = s is not None
-            if victim is None and s is None and blocks is not None and blocks.num_cpu:
+            if victim is None and s is None and blocks is not None and blocks.cpu.num:
                 s = lowest_shared(self.index, blocks, Tier.CPU)  # only shared ones: fallback
             if s is not None and (victim is None or s[0] < victim[0]):  # a shared block
                 if key is not None and key < s[0]:
@@ -520,7 +520,7 @@ class KVStore:
                 return -1
             else:
                 _, conv, i = victim
-                if blocks is None or conv.chunks[i].block not in blocks.shared_cpu:
+                if blocks is None or conv.chunks[i].block not in blocks.cpu.shared:
                     self.drop_cpu_victim(conv, i)  # (else shared since indexed)
                 self.index.pass_top(self.index.cpu, Tier.CPU, conv, i)
             if settle and self._hints_due:
@@ -532,7 +532,7 @@ class KVStore:
         self.stats.dropped_tokens += conv.chunk_tokens(i, self.chunk_size)
         blocks = self.blocks if self.share_cpu else None
         on_disk = (self.disk is not None
-                   and (blocks is None or blocks.cpu_refs_of(conv.chunks[i].block) < 2)
+                   and (blocks is None or blocks.cpu.refs_of(conv.chunks[i].block) < 2)
                    and self._spill_to_disk(conv, i))  # the block's last holder: to disk
         self.drop_cpu_chunk(conv, i)
         if on_disk:

@@ -20,14 +20,15 @@ def check_pool(pool: BlockPool, tier: Tier, reclaim: list[int],
     several swap-ins is listed once per read); and check ``blocks``' slots of the tier against
     the holders."""
     gpu = tier is Tier.GPU
-    refs_of = (blocks.gpu_refs_of if gpu else blocks.cpu_refs_of) if blocks is not None else None
+    slots = None if blocks is None else blocks.gpu if gpu else blocks.cpu
+    refs_of = slots.refs_of if slots is not None else None
     owners: dict[int, str] = {}
     holders: Counter[int] = Counter()  # block -> chunks holding it
     running: Counter[int] = Counter()  # GPU block -> running conversations holding it
     for conv in conversations:
         if blocks is not None and gpu and not conv.running and conv.kv_end % chunk_size:
             last = conv.chunks[-1]  # partial: the next turn writes into it
-            assert last.tier is not Tier.GPU or not blocks.gpu_refs_of(last.block), (
+            assert last.tier is not Tier.GPU or not blocks.gpu.refs_of(last.block), (
                 f"{conv.conversation_id}: a partial chunk holds a shareable block")
         for ch in conv.chunks:
             if ch.tier is tier:
@@ -58,41 +59,27 @@ def check_pool(pool: BlockPool, tier: Tier, reclaim: list[int],
 
 def check_gpu(blocks: BlockMap, holders: dict[int, int], running_holders: dict[int, int]) -> None:
     """Raise AssertionError unless the GPU slots agree with ``holders`` (GPU block ->
-    chunks holding it) and ``running_holders`` (-> running conversations holding it)."""
+    chunks holding it) and their pins with ``running_holders`` (-> running conversations
+    holding it)."""
     check_records(blocks)
-    live = [r for r in blocks.by_hash.values() if blocks.gpu_of[r] >= 0]
-    assert len(live) == blocks.num_gpu, "GPU record count"
-    assert sum(1 for r in blocks.at_gpu if r >= 0) == blocks.num_gpu, "GPU slot count"
-    assert blocks.gpu_refs == sum(blocks.refs_gpu[r] for r in live), "GPU refs total"
-    assert blocks.shared_gpu == {blocks.gpu_of[r] for r in live if blocks.refs_gpu[r] > 1}, (
-        "shared GPU")
-    for b, n in holders.items():
-        assert n == (blocks.gpu_refs_of(b) or 1), f"GPU block {b}: {n} holders"
-    for r in live:
-        b = blocks.gpu_of[r]
-        assert b in holders, f"registered GPU block {b} held by no chunk"
-        assert blocks.pins[r] == running_holders.get(b, 0), f"GPU block {b}: pins"
-    assert blocks.num_pinned == sum(1 for r in live if blocks.pins[r]), "pinned count"
+    gpu = blocks.gpu
+    for r in gpu.check(blocks.by_hash, holders):
+        b = gpu.slot_of[r]
+        assert gpu.pins[r] == running_holders.get(b, 0), f"GPU block {b}: pins"
+
 
 def check_cpu(blocks: BlockMap, holders: Counter[int], reclaim: list[int]) -> None:
     """Raise AssertionError unless the CPU slots agree with ``holders`` (CPU block ->
-    chunks holding it) and ``reclaim`` (the CPU blocks swap-ins read, pending)."""
-    live = [r for r in blocks.by_hash.values() if blocks.cpu_of[r] >= 0]
-    assert len(live) == blocks.num_cpu, "CPU record count"
-    assert sum(1 for r in blocks.at_cpu if r >= 0) == blocks.num_cpu, "CPU slot count"
-    assert blocks.cpu_refs == sum(blocks.refs_cpu[r] for r in live), "CPU refs total"
-    assert blocks.shared_cpu == {blocks.cpu_of[r] for r in live if blocks.refs_cpu[r] > 1}, (
-        "shared CPU")
-    for b, n in holders.items():
-        assert n == (blocks.cpu_refs_of(b) or 1), f"CPU block {b}: {n} holders"
-    for r in live:
-        assert blocks.cpu_of[r] in holders, f"registered CPU block {blocks.cpu_of[r]} unheld"
+    chunks holding it) and their pins (reads) with ``reclaim`` (the CPU blocks swap-ins
+    read, pending)."""
+    cpu = blocks.cpu
+    cpu.check(blocks.by_hash, holders)
     pending = Counter(reclaim)
     reads = 0
     for b, n in pending.items():
-        r = blocks.at_cpu[b]
-        if r >= 0 and blocks.reads[r]:
-            assert blocks.reads[r] == n, f"CPU block {b}: reads {blocks.reads[r]}, reclaims {n}"
+        r = cpu.at[b]
+        if r >= 0 and cpu.pins[r]:
+            assert cpu.pins[r] == n, f"CPU block {b}: reads {cpu.pins[r]}, reclaims {n}"
             reads += n
         elif b in blocks.orphans:
             assert blocks.orphans[b] == n and b not in holders, f"orphan {b}"
@@ -102,14 +89,17 @@ def check_cpu(blocks: BlockMap, holders: Counter[int], reclaim: list[int]) -> No
     assert reads == blocks.num_reads, f"pending reads {blocks.num_reads} != {reads}"
     assert all(b in pending for b in blocks.orphans), "an orphan with no reclaim"
 
+
 def check_records(blocks: BlockMap) -> None:
+    gpu, cpu = blocks.gpu, blocks.cpu
     assert len(blocks.by_hash) + len(blocks.free_ids) == len(blocks.hash_of), "record rows"
+    assert len(gpu.slot_of) == len(cpu.slot_of) == len(blocks.hash_of), "record columns"
     for h, r in blocks.by_hash.items():
-        g, c = blocks.gpu_of[r], blocks.cpu_of[r]
+        g, c = gpu.slot_of[r], cpu.slot_of[r]
         assert blocks.hash_of[r] == h and (g >= 0 or c >= 0), f"record {h.hex()}"
-        assert g < 0 or blocks.at_gpu[g] == r, f"record {h.hex()}: GPU slot"
-        assert c < 0 or blocks.at_cpu[c] == r, f"record {h.hex()}: CPU slot"
-        assert c >= 0 or not blocks.reads[r], f"record {h.hex()}: reads, no CPU slot"
-        assert g >= 0 or not (blocks.refs_gpu[r] or blocks.pins[r]), f"record {h.hex()}"
+        assert g < 0 or gpu.at[g] == r, f"record {h.hex()}: GPU slot"
+        assert c < 0 or cpu.at[c] == r, f"record {h.hex()}: CPU slot"
+        assert c >= 0 or not cpu.pins[r], f"record {h.hex()}: reads, no CPU slot"
+        assert g >= 0 or not (gpu.refs[r] or gpu.pins[r]), f"record {h.hex()}"
     for r in blocks.free_ids:
-        assert not blocks.hash_of[r] and blocks.gpu_of[r] < 0 and blocks.cpu_of[r] < 0, r
+        assert not blocks.hash_of[r] and gpu.slot_of[r] < 0 and cpu.slot_of[r] < 0, r

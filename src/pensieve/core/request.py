@@ -109,9 +109,8 @@ class Request:
 
     def append_output(self, token: int) -> None:
         """A sampled token: its KV is the next thing to compute."""
-        out = self.output_token_ids
-        out.append(token)
-        n = len(self.prompt_token_ids) + len(out)  # num_tokens, inline: once a token a step
+        self.output_token_ids.append(token)
+        n = self.num_tokens
         self.pending.append((n - 1, n))
 
     @property

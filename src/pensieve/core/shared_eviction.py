@@ -45,8 +45,8 @@ def _holders(conversations: dict[str, Conversation], blocks: BlockMap, tier: Tie
     conversations hold: block -> its holders. With ``min_refs`` 2 (the ranking), no CPU block
     a planned swap-in reads either."""
     gpu = tier is Tier.GPU
-    at = blocks.at_gpu if gpu else blocks.at_cpu
-    refs = blocks.gpu_refs_of if gpu else blocks.cpu_refs_of
+    at = blocks.gpu.at if gpu else blocks.cpu.at
+    refs = blocks.gpu.refs_of if gpu else blocks.cpu.refs_of
     holders: dict[int, list[tuple[Conversation, int]]] = {}
     busy: set[int] = set() if gpu or min_refs < 2 else set(blocks.step_reads)
     for conv in conversations.values():
@@ -58,7 +58,7 @@ def _holders(conversations: dict[str, Conversation], blocks: BlockMap, tier: Tie
                     holders.setdefault(ch.block, []).append((conv, i))
     return {b: h for b, h in holders.items()
             if b not in busy and len(h) == refs(b) >= min_refs
-            and not (gpu and blocks.is_pinned(b))}
+            and not (gpu and blocks.gpu.is_pinned(b))}
 
 
 def _ranked(index: EvictionIndex, hs: list[tuple[Conversation, int]]
@@ -73,7 +73,7 @@ class SharedOrder:
 
     def __init__(self, index: EvictionIndex, blocks: BlockMap, tier: Tier) -> None:
         self.index, self.blocks, self.tier = index, blocks, tier
-        self.shared = blocks.shared_gpu if tier is Tier.GPU else blocks.shared_cpu
+        self.shared = blocks.gpu.shared if tier is Tier.GPU else blocks.cpu.shared
         self.now = -math.inf
         """The eviction time the ranking was built at."""
         self.heap: list[tuple[float, EvictionKey, int]] = []
@@ -102,19 +102,19 @@ class SharedOrder:
             return None
         now = self.index.now
         if now != self.now:
-            if gpu and self.blocks.num_pinned >= len(shared) and all(
-                    map(self.blocks.is_pinned, shared)):
+            if gpu and self.blocks.gpu.num_pinned >= len(shared) and all(
+                    map(self.blocks.gpu.is_pinned, shared)):
                 return None  # every one read by a running turn (a system prompt, busy)
             self._build(now)
         heap = self.heap
-        refs = self.blocks.gpu_refs_of if gpu else self.blocks.cpu_refs_of
+        refs = self.blocks.gpu.refs_of if gpu else self.blocks.cpu.refs_of
         while heap:
             _, key, b = heap[0]
             hs = self.holders[b]
             if len(hs) == refs(b) and all(
                     not conv.running and i < len(conv.chunks) and conv.chunks[i].tier is
                     self.tier and conv.chunks[i].block == b for _, conv, i in hs) \
-                    and not (gpu and self.blocks.is_pinned(b)) \
+                    and not (gpu and self.blocks.gpu.is_pinned(b)) \
                     and (gpu or b not in self.blocks.step_reads):
                 return key, b, hs
             self.pop()  # its holders changed at this time: passed over until the next

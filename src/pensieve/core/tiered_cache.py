@@ -342,7 +342,7 @@ class TieredKVCache:
         need = n_chunks - on_gpu + max(0, cdiv(first_end, c) - n_chunks)
         shortfall = need + self.decode_reserve_blocks - self.gpu.num_free_blocks
         held = on_gpu  # of the evictable blocks, those this turn would pin
-        if (shortfall > 0 and blocks is not None and blocks.num_pinned  # not evictable
+        if (shortfall > 0 and blocks is not None and blocks.gpu.num_pinned  # not evictable
                 and store.evictable_gpu_blocks() - held < shortfall):  # else it fits anyway
             held -= blocks.pinned_by_others(chunks, tiers, found, ext)
         if shortfall > 0 and store.evictable_gpu_blocks() - held < shortfall:
@@ -529,7 +529,7 @@ class TieredKVCache:
                 pinned.update(conv.block_table)
                 blocks = self.blocks
                 assert conv.pinned_shared == [b for b in conv.block_table if blocks is not None
-                                              and blocks.gpu_refs_of(b)], conv.conversation_id
+                                              and blocks.gpu.refs_of(b)], conv.conversation_id
             else:
                 assert n == cdiv(conv.kv_end, self.chunk_size), (conv.conversation_id, n)
                 assert not conv.block_table and not conv.pinned_shared, conv.conversation_id

@@ -185,9 +185,15 @@ class DiskTier:
         rate: with 16 readers sharing the disk, a sixteenth of what they read together)."""
         self._reading = 0
         self._busy_since = 0.0
+        self._wait_since: dict[str, float] = {}
+        """Conversation id -> when its queued turn began to wait for reads."""
+        self.read_wait_s = 0.0
+        """Time queued turns waited for their reads, summed over the turns (``read_waits``):
+        from the first read a turn waits for to the collection of its last."""
+        self.read_waits = 0
         self._read_lock = threading.Lock()
         self._probes: dict[str, tuple[Future[list[Found]], list[str]]] = {}
-        """Remote lookups running, by their key (``DiskIndex.await_read``'s name): the
+        """Remote lookups running, by their key (``DiskIndex.pin``'s name): the
         future and the names it looks up."""
         self._probing: dict[str, str] = {}
         """Name -> the key of the lookup running for it (a turn of the same chunks waits for
@@ -253,7 +259,7 @@ class DiskTier:
         """Start looking up in the shared store the turn's full chunks (before its last
         token; the dropped ones of a conversation with KV, else the leading ones) that are
         neither known to the index nor on the GPU by hash; the turn waits for the lookup
-        as for a read (``DiskIndex.await_read``), and for those another turn's lookup is
+        as for a read (``DiskIndex.pin``), and for those another turn's lookup is
         reading already."""
         remote = self.remote
         assert remote is not None
@@ -271,8 +277,10 @@ class DiskTier:
             for _, name, _ in chunks:
                 self._probing[name] = key
             waits.add(key)
+        if waits and conversation_id not in self.index.reading:
+            self._wait_since.setdefault(conversation_id, time.perf_counter())
         for key in waits:
-            self.index.await_read(key, conversation_id)
+            self.index.pin(key, conversation_id)
 
     def _collect_probes(self, wait: bool) -> None:
         """Add the verified values of the remote lookups that are done to the index, ready
@@ -293,7 +301,8 @@ class DiskTier:
             for name in names:
                 if self._probing.get(name) == key:
                     del self._probing[name]
-            index.read_done(key)
+            for waiter in index.unpin(key):
+                self._waited(waiter)
             for f in found:
                 name = shared_name(f.prefix_hash)
                 if name in index.files:
@@ -320,7 +329,9 @@ class DiskTier:
                     continue
                 self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
             if waiter is not None:
-                self.index.await_read(entry.name, waiter)
+                if waiter not in self.index.reading:
+                    self._wait_since.setdefault(waiter, time.perf_counter())
+                self.index.pin(entry.name, waiter)
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
         queued = self._writes.lend(entry)  # its buffer is ours now: never pooled again
@@ -363,7 +374,8 @@ class DiskTier:
                 continue
             payload = fut.result()
             del self._reads[name]
-            index.read_done(name)
+            for waiter in index.unpin(name):
+                self._waited(waiter)
             if not index.live(entry):
                 continue  # dropped meanwhile
             if payload is not None:
@@ -372,9 +384,16 @@ class DiskTier:
         self._bound_loaded()
         while not self._failed.empty():
             entry = self._failed.get()
-            index.forget(entry)  # no-op if dropped meanwhile
+            index.free(entry)  # no-op if dropped meanwhile
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
+
+    def _waited(self, conversation_id: str) -> None:
+        """The conversation's queued turn waits for no read now: count its wait."""
+        since = self._wait_since.pop(conversation_id, None)
+        if since is not None:
+            self.read_wait_s += time.perf_counter() - since
+            self.read_waits += 1
 
     def _bound_loaded(self) -> None:
         """Let go of payloads (their entries are no longer ready) past RESTORED_LOADED_BYTES
@@ -557,7 +576,10 @@ class DiskTier:
                 "disk_write_bytes": self.bytes_written, "disk_read_bytes": self.bytes_read,
                 "disk_write_errors": self.write_errors,
                 "disk_writes_skipped": self.writes_skipped,
-                "disk_reads_skipped": self.reads_skipped}
+                "disk_reads_skipped": self.reads_skipped,
+                "disk_read_busy_us": int(self._read_s * 1e6),
+                "disk_read_wait_us": int(self.read_wait_s * 1e6),
+                "disk_read_waits": self.read_waits}
 
 
 def chunk_major_blocks(cpu_caches: list[torch.Tensor]) -> torch.Tensor | None:

@@ -352,8 +352,8 @@ class EngineCore:
         if self.disk is not None:
             out.update(self.disk.stats())
         blocks = self.cache.blocks
-        out["shared_blocks"] = blocks.num_gpu if blocks is not None else 0
-        out["shared_block_refs"] = blocks.gpu_refs if blocks is not None else 0
+        out["shared_blocks"] = blocks.gpu.num if blocks is not None else 0
+        out["shared_block_refs"] = blocks.gpu.num_refs if blocks is not None else 0
         out["gpu_blocks_total"] = self.cache.gpu.num_blocks
         out["gpu_blocks_free"] = self.cache.gpu.num_free_blocks
         cpu = self.cache.cpu

@@ -83,6 +83,18 @@ class _EngineCollector(Collector):
         yield _by_label("pensieve_disk_bytes", "Bytes written to and read from the disk tier's "
                         "files", "direction", {"write": st.get("disk_write_bytes", 0),
                                                "read": st.get("disk_read_bytes", 0)})
+        yield CounterMetricFamily("pensieve_disk_read_busy_seconds", "Time the disk tier's "
+                                  "readers were reading (bytes read over it: the rate they "
+                                  "reach together, which the read-or-recompute choice uses)",
+                                  value=st.get("disk_read_busy_us", 0) / 1e6)
+        yield CounterMetricFamily("pensieve_disk_read_wait_seconds", "Time queued turns "
+                                  "waited for their disk reads, summed over the turns",
+                                  value=st.get("disk_read_wait_us", 0) / 1e6)
+        yield CounterMetricFamily("pensieve_disk_read_waits", "Queued turns that waited for "
+                                  "disk reads", value=st.get("disk_read_waits", 0))
+        yield CounterMetricFamily("pensieve_disk_reads_skipped", "Chunk files not read back "
+                                  "because recomputing them was judged sooner",
+                                  value=st.get("disk_reads_skipped", 0))
         yield from _remote_metrics(st)
         g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
                               "GPU blocks may wait for background swap-outs (--defer-admission)")

@@ -157,7 +157,7 @@ class SimDiskTier:
                     self._read_free_at = done
                     self.bytes_read += self.block_bytes
                 self._reads[entry.name] = (entry, done)
-            self.index.await_read(entry.name, conversation_id)  # as DiskTier.start_reads
+            self.index.pin(entry.name, conversation_id)  # as DiskTier.start_reads
 
     def collect(self, wait: bool = True) -> None:
         """The reads done by now become ready (their turns may be admitted); with ``wait``
@@ -178,7 +178,7 @@ class SimDiskTier:
             if done > now:
                 continue
             del self._reads[name]
-            index.read_done(name)
+            index.unpin(name)
             index.set_ready(entry, True)  # no-op if dropped since
 
     # ------------------------------------------------------------------ a step
