@@ -177,20 +177,15 @@ class DiskTier:
         self.writes_skipped = 0
         """Chunks dropped instead of written: the writer was WRITE_BACKLOG_BYTES behind."""
         self.write_errors = 0
-        self.bytes_written = 0
-        self.bytes_read = 0
+        self.bytes_written = self.bytes_read = 0
         self._read_s = 0.0
         """Wall time during which at least one read ran: ``bytes_read`` over it is the rate
         the readers reach together (each read's own time, summed, would give one reader's
         rate: with 16 readers sharing the disk, a sixteenth of what they read together)."""
         self._reading = 0
         self._busy_since = 0.0
-        self._wait_since: dict[str, float] = {}
-        """Conversation id -> when its queued turn began to wait for reads."""
-        self.read_wait_s = 0.0
-        """Time queued turns waited for their reads, summed over the turns (``read_waits``):
-        from the first read a turn waits for to the collection of its last."""
-        self.read_waits = 0
+        self._wait_since: dict[str, float] = {}  # conversation id -> its turn's wait began
+        self.read_wait_s, self.read_waits = 0.0, 0  # queued turns' waits for reads (_waited)
         self._read_lock = threading.Lock()
         self._probes: dict[str, tuple[Future[list[Found]], list[str]]] = {}
         """Remote lookups running, by their key (``DiskIndex.pin``'s name): the
@@ -389,7 +384,8 @@ class DiskTier:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
 
     def _waited(self, conversation_id: str) -> None:
-        """The conversation's queued turn waits for no read now: count its wait."""
+        """The conversation's queued turn waits for no read now: count its wait, from its
+        first read (or remote lookup) started to its last collected."""
         since = self._wait_since.pop(conversation_id, None)
         if since is not None:
             self.read_wait_s += time.perf_counter() - since
