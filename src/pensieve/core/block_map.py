@@ -37,14 +37,14 @@ candidate (its block is worth what all its sharers would lose).
 
 Invariants (:func:`pensieve.core.pool_audit.check_gpu` and ``check_cpu``): each record in
 ``by_hash`` has a slot, and each tier's ``at`` points back at it; each slot's references
-equal the chunks holding it; ``shared_*`` is the set of slots with two references or more;
-pins equal the running conversations holding the slot; reads equal the slot's pending
-reclaims; the counters equal their sums.
+equal the chunks holding it; each tier's ``shared`` is the set of its slots with two
+references or more; GPU pins equal the running conversations holding the slot, CPU pins the
+slot's pending reclaims; the counters equal their sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container
 
 from pensieve.core.block_pool import BlockPool
 from pensieve.core.conversation import Chunk, Conversation, Tier
@@ -228,16 +228,6 @@ class BlockMap:
         if r < 0:
             return True
         return self.gpu.refs[r] == 1 and self.unref_gpu(block)
-
-    def pin_gpu(self, blocks: Sequence[int]) -> int:
-        """A conversation whose turn starts pins these registered GPU ``blocks``; returns how
-        many other running conversations pinned already."""
-        return self.gpu.pin(blocks)
-
-    def unpin_gpu(self, blocks: Sequence[int]) -> int:
-        """A running conversation that pinned these GPU ``blocks`` stops running: each loses
-        a pin; returns how many are no longer pinned by anyone."""
-        return self.gpu.unpin(blocks)
 
     def truncated(self, conv: Conversation, chunk_size: int) -> None:
         """``conv`` lost its chunks past ``kv_end``: its cached hashes go as far, and a last

@@ -221,7 +221,7 @@ class KVStore:
         conv.block_table = tuple(table)
         self.pinned_gpu += len(chunks)
         if registered and blocks is not None:  # pinned by others already: counted once
-            self.pinned_gpu -= blocks.pin_gpu(registered)
+            self.pinned_gpu -= blocks.gpu.pin(registered)
         return hit, swapped, recomputed
 
     def extend(self, conv: Conversation, num_chunks: int) -> None:
@@ -242,7 +242,7 @@ class KVStore:
             self.pinned_gpu -= len(conv.chunks)
         else:
             self.pinned_gpu -= (len(conv.chunks) - len(registered)
-                                + blocks.unpin_gpu(registered))
+                                + blocks.gpu.unpin(registered))
             conv.pinned_shared = []
         conv.running = False
         conv.block_table = ()
