@@ -243,13 +243,17 @@ class DiskIndex:
         """The entry of a full chunk of hash ``h`` (:func:`shared_name`), or None."""
         return self.files.get(shared_name(h.hex()))
 
-    def pin(self, name: str, conversation_id: str) -> None:
+    def pin(self, name: str, conversation_id: str) -> bool:
         """The conversation's queued turn waits for the read of file ``name`` (once): the file
-        is pinned until the read is collected (:meth:`unpin`)."""
+        is pinned until the read is collected (:meth:`unpin`). True: the turn waited for no
+        read before."""
         waiting = self._awaiting.setdefault(name, set())
-        if conversation_id not in waiting:
-            waiting.add(conversation_id)
-            self.reading[conversation_id] = self.reading.get(conversation_id, 0) + 1
+        if conversation_id in waiting:
+            return False
+        waiting.add(conversation_id)
+        n = self.reading.get(conversation_id, 0)
+        self.reading[conversation_id] = n + 1
+        return n == 0
 
     def unpin(self, name: str) -> list[str]:
         """The read of file ``name`` was collected: its waiters wait for one read less;

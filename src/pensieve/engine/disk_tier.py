@@ -272,10 +272,8 @@ class DiskTier:
             for _, name, _ in chunks:
                 self._probing[name] = key
             waits.add(key)
-        if waits and conversation_id not in self.index.reading:
-            self._wait_since.setdefault(conversation_id, time.perf_counter())
         for key in waits:
-            self.index.pin(key, conversation_id)
+            self._pin(key, conversation_id)
 
     def _collect_probes(self, wait: bool) -> None:
         """Add the verified values of the remote lookups that are done to the index, ready
@@ -324,9 +322,7 @@ class DiskTier:
                     continue
                 self._reads[entry.name] = (entry, self._readers.submit(self._read, entry))
             if waiter is not None:
-                if waiter not in self.index.reading:
-                    self._wait_since.setdefault(waiter, time.perf_counter())
-                self.index.pin(entry.name, waiter)
+                self._pin(entry.name, waiter)
 
     def _read(self, entry: DiskEntry) -> memoryview | None:
         queued = self._writes.lend(entry)  # its buffer is ours now: never pooled again
@@ -383,9 +379,13 @@ class DiskTier:
         if self._measure and self._read_s > 0 and self.bytes_read:
             index.read_chunk_s = self.block_bytes * self._read_s / self.bytes_read
 
+    def _pin(self, name: str, conversation_id: str) -> None:
+        """The conversation's turn waits for read (or lookup) ``name``; its wait starts."""
+        if self.index.pin(name, conversation_id):
+            self._wait_since[conversation_id] = time.perf_counter()
+
     def _waited(self, conversation_id: str) -> None:
-        """The conversation's queued turn waits for no read now: count its wait, from its
-        first read (or remote lookup) started to its last collected."""
+        """The conversation's turn waits for no read now: count its wait since :meth:`_pin`."""
         since = self._wait_since.pop(conversation_id, None)
         if since is not None:
             self.read_wait_s += time.perf_counter() - since
