@@ -175,3 +175,31 @@ def test_disk_rate_spill_measures_every_apply(tmp_path) -> None:  # noqa: ANN001
     assert got["chunk_bytes"] == 2 * 2 * 4 * 2 * 8 * 2  # L * 2 * C * Hkv * D * bf16
     assert len(got["spill_ms"]) == 2 and len(got["spill_busy_ms"]) == 2
     assert all(t > 0 for t in got["spill_ms"] + got["spill_busy_ms"])
+
+
+@pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
+@pytest.mark.parametrize("threads", [None, 3])
+def test_a_steps_copies_on_the_copy_pool_move_every_chunk_whole(layout: str,
+                                                                threads: int | None) -> None:
+    """``copy_out`` and ``copy_in`` on the copy pool (enough chunks to use it) put each block's
+    bytes where one thread would: every spilled block's KV in its buffer, every payload in its
+    CPU block, the other blocks untouched."""
+    cpu = _cpu_tier(layout)
+    major = disk_tier.chunk_major_blocks(cpu)
+    assert (major is not None) == (layout == "chunk-major")
+    pool = disk_writes.copy_pool(threads) if threads else None
+    n = disk_writes.PARALLEL_COPIES + 1
+    spills = [(False, b, _entry("c", b)) for b in range(n)]
+    bufs = [torch.empty(LAYOUT.block_bytes, dtype=torch.uint8) for _ in spills]
+    before = [_kv(cpu, b) for b in range(BLOCKS)]
+    disk_writes.copy_out(spills, bufs, cpu, [], major, pool)
+    for b, buf in enumerate(bufs):
+        assert torch.equal(buf.view(torch.float32).view(LAYOUT.chunk_shape), before[b])
+    # restore block b's bytes into block (b + 1) % n: a rotation of the first n blocks
+    restores = [(memoryview(bufs[b].numpy()), (b + 1) % n) for b in range(n)]
+    disk_writes.copy_in(restores, cpu, major, LAYOUT.chunk_shape, torch.float32, pool)
+    for b in range(BLOCKS):
+        want = before[(b - 1) % n] if b < n else before[b]
+        assert torch.equal(_kv(cpu, b), want)
+    if pool is not None:
+        pool.shutdown()

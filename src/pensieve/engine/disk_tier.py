@@ -68,7 +68,7 @@ from pensieve.core.outputs import DiskPlan
 from pensieve.core.request import Request
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files
-from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_out
+from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_in, copy_out, copy_pool
 from pensieve.engine.kv_backends import KVBackend, LocalDirBackend
 from pensieve.engine.kv_layout import KVLayout
 from pensieve.engine.remote_tier import Found, RemoteTier
@@ -153,15 +153,16 @@ class DiskTier:
             self.index.read_chunk_s = self.block_bytes / (read_gbps * 1e9)
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
+        self._copies = copy_pool()  # a step's host copies of chunks (disk_writes.each)
+        self.apply_s = (0.0, 0.0, 0.0)  # the last apply's: sync, spills out, restores in
         self._writes = WriteBuffers(self.block_bytes, bool(gpu_caches) and
                                     gpu_caches[0].device.type == "cuda")
         """Pooled write buffers; files whose write is queued or running, their bytes lent
         to a prefetch or a restore that needs them."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._loaded: dict[str, memoryview] = {}
-        self._restored: dict[str, None] = {}
-        """Names in ``_loaded`` restored at least once, least recently restored first."""
         """Verified payloads of ready entries, by file name, until restored or dropped."""
+        self._restored: dict[str, None] = {}  # names of _loaded restored, least recent first
         self._spare: list[disk_files.ReadBuffer] = []
         """Read buffers whose payload was restored, read into again (a fresh buffer's pages
         are faulted in as it fills: reads into fresh buffers ran at a third of the rate of
@@ -413,16 +414,21 @@ class DiskTier:
     def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None:
         """Carry out the step's disk plan (:attr:`SchedulerOutput.disk`, module docstring);
         ``sync`` waits for copies in flight into the CPU tier first (CUDA)."""
+        self.apply_s = (0.0, 0.0, 0.0)
         if not plan:
             return
+        t0 = time.perf_counter()
         if sync is not None and (plan.writes or plan.reads):
             sync()
+        t1 = time.perf_counter()
         spills = plan.writes
         if self.local is None and self.remote is not None:  # the store holds some already
             known = self.remote.known
             spills = [w for w in spills if not known(w[2].name)]
         # bytes out of the spilled blocks first: a restored chunk may reuse one of them
         writes = self._spilled_bytes(spills)
+        t2 = time.perf_counter()
+        restores = []
         for entry, block in plan.reads:
             payload = self._loaded.get(entry.name)  # kept: other turns may restore it
             if payload is not None:
@@ -432,9 +438,12 @@ class DiskTier:
                 payload = self._writes.lend(entry)
             if payload is None:
                 raise RuntimeError(f"disk tier: chunk {entry.name} restored without its bytes")
-            self._restore(payload, block)
+            restores.append((payload, block))
             if entry.remote and self.remote is not None:
                 self.remote.count_hit(entry.tokens, self.block_bytes)
+        copy_in(restores, self.cpu_caches, self._cpu_blocks, self.shape, self.dtype,
+                self._copies)
+        self.apply_s = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         if plan.reads:
             self._bound_loaded()
         for name in plan.deletes:  # before the writes: a name may be written anew
@@ -445,18 +454,6 @@ class DiskTier:
             self._writer.submit(self._delete, name)
         for entry, buf in writes:
             self._submit_write(entry, buf)
-
-    def _restore(self, payload: memoryview, block: int) -> None:
-        """Copy a chunk's payload (``[L, 2, C, Hkv, D]``) into CPU block ``block``: one
-        contiguous copy on a chunk-major tier, else one per layer (host copies: done when
-        this returns)."""
-        view = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
-        if self._cpu_blocks is not None:
-            self._cpu_blocks[block].copy_(view)
-            return
-        kv = view.view(self.shape)
-        for layer, cache in enumerate(self.cpu_caches):
-            cache[:, block].copy_(kv[layer])
 
     def _recycle(self, payload: memoryview) -> None:
         """Keep the buffer a read payload lies in for a later read (not a queued write's
@@ -476,7 +473,7 @@ class DiskTier:
         in pooled write buffers (``[block_bytes]`` uint8), in plan order
         (:func:`~pensieve.engine.disk_writes.copy_out`)."""
         bufs = self._writes.take(len(spills))
-        copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks)
+        copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks, self._copies)
         return [(e, buf) for (_, _, e), buf in zip(spills, bufs)]
 
     def _submit_write(self, entry: DiskEntry, buf: torch.Tensor) -> None:
@@ -541,6 +538,7 @@ class DiskTier:
             self._flush(cache)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        self._copies.shutdown(wait=True)
         self._writes.clear()
         if self.remote is not None:
             self.remote.close()
@@ -556,7 +554,7 @@ class DiskTier:
         spills = remote.to_publish(cache.conversations, finished, self.index)
         if spills:
             bufs = remote.buffers.take(len(spills))
-            copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks)
+            copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks, self._copies)
             remote.publish([e for _, _, e in spills], bufs)
 
     def _flush(self, cache: TieredKVCache) -> None:

@@ -23,11 +23,43 @@ queue (and nothing can be lent from it any more).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import torch
 
 from pensieve.core.disk_index import DiskEntry
+
+_T = TypeVar("_T")
+
+COPY_THREADS = 8
+"""Threads that copy a step's spilled chunks out of the CPU tier and its restored chunks into
+it (host copies of a block each, the GIL released): on the step path, so a step that spills
+and restores a few hundred 4 MiB chunks takes a fraction of what one thread would."""
+
+PARALLEL_COPIES = 4
+"""Fewer copies than this in a step run on the step's thread (a thread pool's hand-off would
+cost more than it saves)."""
+
+
+def copy_pool(threads: int = COPY_THREADS) -> ThreadPoolExecutor:
+    """The thread pool a disk tier copies its chunks with (:func:`copy_out`, :func:`copy_in`)."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="pensieve-disk-copy")
+
+
+def each(pool: ThreadPoolExecutor | None, fn: Callable[[_T], object], items: Sequence[_T]) -> None:
+    """``fn`` of every item, on ``pool``'s threads when there are enough of them (None: here);
+    done when this returns (the first error raised)."""
+    if pool is None or len(items) < PARALLEL_COPIES:
+        for x in items:
+            fn(x)
+    else:
+        for _ in pool.map(fn, items):
+            pass
+
 
 WRITE_SPARE_BYTES = 1 << 30
 """At most this many bytes of idle write buffers are kept for reuse (and at least one)."""
@@ -126,14 +158,15 @@ class WriteBuffers:
 
 def copy_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor],
              cpu_caches: list[torch.Tensor], gpu_caches: list[torch.Tensor],
-             cpu_blocks: torch.Tensor | None) -> None:
+             cpu_blocks: torch.Tensor | None, pool: ThreadPoolExecutor | None = None) -> None:
     """Copy each spilled block's K and V over all layers, ``[L, 2, C, Hkv, D]``, into its
     buffer (``bufs[i]``: ``[block_bytes]`` uint8, for ``spills[i]`` = (from_gpu, block, entry)),
     done when this returns. Per layer the caches are ``[2, num_blocks, C, Hkv, D]``;
     ``cpu_blocks``: the CPU tier as ``[num_cpu_blocks, L * 2 * C * Hkv * D]`` when it is
     chunk-major (one copy per block), else None (one copy of all layers per block). A CUDA
     cache's blocks are gathered on the device (one ``index_select`` per layer) and each row
-    copied into its pinned buffer asynchronously, then the stream is waited for."""
+    copied into its pinned buffer asynchronously, then the stream is waited for. Host copies
+    run on ``pool`` (:func:`each`)."""
     for gpu in (False, True):
         at = [i for i, (g, _, _) in enumerate(spills) if g == gpu]
         if not at:
@@ -151,9 +184,37 @@ def copy_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor]
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
         elif not gpu and cpu_blocks is not None:
-            for i in at:
-                bufs[i].view(dtype).copy_(cpu_blocks[spills[i][1]])
+            each(pool, partial(_row_out, spills, bufs, cpu_blocks, dtype), at)
         else:
-            for i in at:
-                block = spills[i][1]
-                torch.stack([c[:, block] for c in caches], out=bufs[i].view(dtype).view(shape))
+            each(pool, partial(_layers_out, spills, bufs, caches, dtype, shape), at)
+
+
+def _row_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor],
+             rows: torch.Tensor, dtype: torch.dtype, i: int) -> None:
+    bufs[i].view(dtype).copy_(rows[spills[i][1]])
+
+
+def _layers_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor],
+                caches: list[torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...],
+                i: int) -> None:
+    block = spills[i][1]
+    torch.stack([c[:, block] for c in caches], out=bufs[i].view(dtype).view(shape))
+
+
+def copy_in(restores: list[tuple[memoryview, int]], cpu_caches: list[torch.Tensor],
+            cpu_blocks: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+            pool: ThreadPoolExecutor | None = None) -> None:
+    """Copy each chunk's payload (``[L, 2, C, Hkv, D]``) into its CPU block, for
+    ``restores[i]`` = (payload, block): one contiguous copy on a chunk-major tier
+    (``cpu_blocks``, as for :func:`copy_out`), else one per layer; on ``pool`` (:func:`each`),
+    done when this returns."""
+    def one(item: tuple[memoryview, int]) -> None:
+        payload, block = item
+        view = torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+        if cpu_blocks is not None:
+            cpu_blocks[block].copy_(view)
+            return
+        kv = view.view(shape)
+        for layer, cache in enumerate(cpu_caches):
+            cache[:, block].copy_(kv[layer])
+    each(pool, one, restores)

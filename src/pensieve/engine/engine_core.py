@@ -47,6 +47,10 @@ class DiskHooks(Protocol):
     plan carried out before execution, ended turns' chunks written through to a shared store
     (``--kv-remote``) after it, everything written at shutdown."""
 
+    apply_s: tuple[float, float, float]
+    """The last ``apply``'s seconds: waiting for copies into the CPU tier, spills copied out,
+    restores copied in."""
+
     def prefetch(self, conversation_id: str, tokens: list[int] | None = None,
                  salt: bytes = b"", dropped: list[int] | None = None,
                  hashes: list[bytes] | None = None,
@@ -277,7 +281,8 @@ class EngineCore:
         if self.step_observers:
             rec = StepRecord.of(sched, result, t1 - t0, t3 - t2, time.perf_counter() - t3,
                                 failed_requests=len(failed), disk_wait_s=ts - t0,
-                                disk_apply_s=t1 - ta)
+                                disk_apply_s=t1 - ta, disk_parts=self.disk.apply_s
+                                if self.disk is not None else (0.0, 0.0, 0.0))
             for observe in self.step_observers:
                 observe(rec)
         if self.audit:

@@ -72,6 +72,12 @@ class StepRecord:
     disk_apply_s: float = 0.0
     """Of ``schedule_s``: carrying out the step's disk plan after scheduling (``DiskTier.apply``:
     the spilled blocks' bytes copied out, restores into CPU blocks, writes queued)."""
+    disk_sync_s: float = 0.0
+    """Of ``disk_apply_s``: waiting for the copies in flight into the CPU tier."""
+    disk_out_s: float = 0.0
+    """Of ``disk_apply_s``: copying the spilled chunks' bytes into write buffers."""
+    disk_in_s: float = 0.0
+    """Of ``disk_apply_s``: copying restored chunks' payloads into their CPU blocks."""
     sched: SchedulerOutput | None = field(default=None, repr=False, compare=False)
     """The step's plan (for observers that derive more from it; not in :meth:`as_dict`)."""
     output: RunnerOutput | None = field(default=None, repr=False, compare=False)
@@ -84,14 +90,16 @@ class StepRecord:
     @staticmethod
     def of(sched: SchedulerOutput, out: RunnerOutput, schedule_s: float, execute_s: float,
            update_s: float, failed_requests: int = 0, disk_wait_s: float = 0.0,
-           disk_apply_s: float = 0.0) -> StepRecord:
+           disk_apply_s: float = 0.0,
+           disk_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> StepRecord:
         prefill, decode = prefill_decode_tokens(sched)
         sw = sched.swaps
         return StepRecord(len(sched.requests), prefill, decode, sw.num_swap_in_chunks,
                           len(sw.swap_out), len(sw.swap_out_first), out.swap_outs_in_flight,
                           schedule_s, execute_s, update_s, out.step_time_s, failed_requests,
                           out.host_prepare_s, out.host_issue_s, out.decode_split_span,
-                          out.graph_replay, disk_wait_s, disk_apply_s, sched, out)
+                          out.graph_replay, disk_wait_s, disk_apply_s, *disk_parts, sched,
+                          out)
 
     def as_dict(self) -> dict[str, Any]:
         """The counts and times (not the plan and output objects)."""

@@ -126,6 +126,7 @@ class SimDiskTier:
         """Simulated time steps waited for reads when they scheduled."""
         self.read_waits = 0
         """Steps that waited for a read."""
+        self.apply_s = (0.0, 0.0, 0.0)  # no host copies: a step's disk plan costs no time
         self.write_backlog_max_s = 0.0
         """Most seconds of writes ever queued ahead (the writer's lag behind the spills)."""
 
