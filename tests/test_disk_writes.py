@@ -41,6 +41,13 @@ def _kv(cpu: list[torch.Tensor], block: int) -> torch.Tensor:
     return torch.stack([c[:, block] for c in cpu]).clone()  # [L, 2, C, Hkv, D]
 
 
+@pytest.fixture(autouse=True)
+def no_refill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No buffers made ahead: these tests count the pool's buffers as the steps take and give
+    them (the refill thread has its own test)."""
+    monkeypatch.setattr(disk_writes, "WRITE_READY_BYTES", 0)
+
+
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The writer waits for this event before each file it writes (a write stays queued)."""
@@ -203,3 +210,33 @@ def test_a_steps_copies_on_the_copy_pool_move_every_chunk_whole(layout: str,
         assert torch.equal(_kv(cpu, b), want)
     if pool is not None:
         pool.shutdown()
+
+
+def test_the_refill_thread_keeps_buffers_ready_off_the_step() -> None:
+    """With ``ready`` buffers to keep, the pool is filled ahead (no buffer made by ``take``
+    while the pool has them) and filled again after steps take from it; a take past the
+    pool makes the rest on the step; ``clear`` stops the thread."""
+    import time
+
+    pool = disk_writes.WriteBuffers(64, False, ready=3)
+
+    def settle(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while pool.idle < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.idle == n
+
+    settle(3)
+    assert pool.made_ahead == 3 and pool.allocated == 0
+    bufs = pool.take(2)
+    assert len(bufs) == 2 and pool.allocated == 0
+    settle(3)  # refilled
+    assert pool.made_ahead == 5
+    more = pool.take(5)  # three idle, two made here
+    assert len(more) == 5 and pool.allocated == 2
+    assert all(b.numel() == 64 and b.dtype == torch.uint8 for b in bufs + more)
+    settle(3)
+    pool.clear()
+    assert pool.idle == 0
+    pool.take(1)  # closed: made on the step, the refill not started again
+    assert pool.allocated == 3 and pool.idle == 0

@@ -67,7 +67,7 @@ from pensieve.core.disk_restore import worth_reading
 from pensieve.core.outputs import DiskPlan
 from pensieve.core.request import Request
 from pensieve.core.tiered_cache import TieredKVCache
-from pensieve.engine import disk_files
+from pensieve.engine import disk_files, disk_writes
 from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_in, copy_out, copy_pool
 from pensieve.engine.kv_backends import KVBackend, LocalDirBackend
 from pensieve.engine.kv_layout import KVLayout
@@ -155,8 +155,9 @@ class DiskTier:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
         self._copies = copy_pool()  # a step's host copies of chunks (disk_writes.each)
         self.apply_s = (0.0, 0.0, 0.0)  # the last apply's: sync, spills out, restores in
-        self._writes = WriteBuffers(self.block_bytes, bool(gpu_caches) and
-                                    gpu_caches[0].device.type == "cuda")
+        self._writes = WriteBuffers(self.block_bytes, False, min(  # none made on the step
+            disk_writes.WRITE_READY_BYTES // self.block_bytes,
+            (cpu_caches[0].shape[1] if cpu_caches else 0) // 8))
         """Pooled write buffers; files whose write is queued or running, their bytes lent
         to a prefetch or a restore that needs them."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}

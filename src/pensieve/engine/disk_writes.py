@@ -64,6 +64,12 @@ def each(pool: ThreadPoolExecutor | None, fn: Callable[[_T], object], items: Seq
 WRITE_SPARE_BYTES = 1 << 30
 """At most this many bytes of idle write buffers are kept for reuse (and at least one)."""
 
+WRITE_READY_BYTES = 1 << 30
+"""A disk tier's refill thread keeps this many bytes of idle write buffers ready (at most an
+eighth of its CPU tier), their pages faulted in off the step path. Without it, a burst of
+spills past the pool made fresh buffers on the step: on an H100 host, 156 fresh pinned 4 MiB
+buffers took 0.643 s of one step (4 ms each, docs/benchmarks.md)."""
+
 
 @dataclass(eq=False)
 class QueuedWrite:
@@ -82,17 +88,26 @@ class WriteBuffers:
     """The write buffers of one disk tier: the idle pool and the writes queued, by file name.
     Thread-safe (one lock); buffers are taken by the step's thread only."""
 
-    def __init__(self, block_bytes: int, pin: bool) -> None:
-        """``pin``: page-locked buffers (the device cache is CUDA)."""
+    def __init__(self, block_bytes: int, pin: bool, ready: int = 0) -> None:
+        """``pin``: page-locked buffers made on the step (the device cache is CUDA).
+        ``ready``: idle buffers a refill thread keeps made ahead (pageable, pages faulted in;
+        at most the pool's bound; 0: none, every buffer made when taken)."""
         self.block_bytes = block_bytes
         self.pin = pin
         self.spare_max = max(1, WRITE_SPARE_BYTES // block_bytes)
+        self.ready = min(ready, self.spare_max)
         self.allocated = 0
-        """Buffers made fresh so far (not taken from the pool)."""
+        """Buffers made fresh on the step so far (not taken from the pool)."""
+        self.made_ahead = 0
+        """Buffers the refill thread made."""
         self.queued_bytes = 0
         self._idle: list[torch.Tensor] = []
         self._queued: dict[str, QueuedWrite] = {}
         self._lock = threading.Lock()
+        self._refill = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-buf") \
+            if self.ready else None
+        self._refilling = self._closed = False
+        self._top_up()
 
     @property
     def idle(self) -> int:
@@ -106,8 +121,35 @@ class WriteBuffers:
             del self._idle[len(self._idle) - k:]
         fresh = n - k
         self.allocated += fresh
+        self._top_up()
         return bufs + [torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
                        for _ in range(fresh)]
+
+    def _top_up(self) -> None:
+        """Start the refill thread if the pool has fewer than ``ready`` idle buffers."""
+        with self._lock:
+            if self._refill is None or self._refilling or self._closed or \
+                    len(self._idle) >= self.ready:
+                return
+            self._refilling = True
+        self._refill.submit(self._fill)
+
+    def _fill(self) -> None:
+        """Make buffers until ``ready`` are idle (the refill thread; ``fill_`` faults their
+        pages in with the GIL released)."""
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or len(self._idle) >= self.ready:
+                        return
+                buf = torch.empty(self.block_bytes, dtype=torch.uint8)
+                buf.fill_(0)
+                with self._lock:
+                    self._idle.append(buf)
+                    self.made_ahead += 1
+        finally:
+            with self._lock:
+                self._refilling = False
 
     def queue(self, entry: DiskEntry, buf: torch.Tensor, backlog: int) -> QueuedWrite | None:
         """Queue ``entry``'s write of ``buf`` unless ``backlog`` bytes would then wait for the
@@ -147,7 +189,11 @@ class WriteBuffers:
             return name in self._queued
 
     def clear(self) -> None:
-        """Let the idle buffers go (the tier is closed)."""
+        """Stop the refill thread and let the idle buffers go (the tier is closed)."""
+        with self._lock:
+            self._closed = True
+        if self._refill is not None:
+            self._refill.shutdown(wait=True)
         with self._lock:
             self._idle.clear()
 
