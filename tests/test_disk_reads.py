@@ -11,7 +11,8 @@ import torch
 
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_files import ReadBuffer
-from pensieve.engine.disk_tier import DiskTier, chunk_major_blocks
+from pensieve.engine.disk_tier import DiskTier
+from pensieve.engine.disk_writes import chunk_major_blocks
 from pensieve.engine.kv_layout import KVLayout
 
 LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8

@@ -275,6 +275,15 @@ def test_metrics_show_disk_hits_and_bytes_per_tier(tiny_llama, tmp_path) -> None
     held = {s.labels["tier"]: s.value for s in metrics["pensieve_kv_bytes_held"].samples}
     assert held["disk"] == llm.engine.cache.disk.size * st["kv_block_bytes"] > 0
     assert held["cpu"] == (st["cpu_blocks_total"] - st["cpu_blocks_free"]) * st["kv_block_bytes"]
+    # the steps' disk plans: spills copied out and restores copied in took time, summed from
+    # the step records' parts; every write buffer was made on the step or ahead of it
+    plan = {s.labels["part"]: s.value for s in metrics["pensieve_disk_plan_seconds"].samples}
+    disk = llm.engine.cache.disk
+    assert set(plan) == {"sync", "out", "in"} and plan["out"] > 0 and plan["in"] > 0
+    made = {s.labels["where"]: s.value
+            for s in metrics["pensieve_disk_write_buffers_made"].samples}
+    assert made["step"] + made["ahead"] > 0
+    assert st["disk_written_tokens"] > 0 and disk is not None
     llm.engine.shutdown()
 
 

@@ -192,7 +192,7 @@ def test_a_steps_copies_on_the_copy_pool_move_every_chunk_whole(layout: str,
     bytes where one thread would: every spilled block's KV in its buffer, every payload in its
     CPU block, the other blocks untouched."""
     cpu = _cpu_tier(layout)
-    major = disk_tier.chunk_major_blocks(cpu)
+    major = disk_writes.chunk_major_blocks(cpu)
     assert (major is not None) == (layout == "chunk-major")
     pool = disk_writes.copy_pool(threads) if threads else None
     n = disk_writes.PARALLEL_COPIES + 1

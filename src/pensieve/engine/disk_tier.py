@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import queue
 import threading
@@ -68,7 +67,14 @@ from pensieve.core.outputs import DiskPlan
 from pensieve.core.request import Request
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files, disk_writes
-from pensieve.engine.disk_writes import QueuedWrite, WriteBuffers, copy_in, copy_out, copy_pool
+from pensieve.engine.disk_writes import (
+    QueuedWrite,
+    WriteBuffers,
+    chunk_major_blocks,
+    copy_in,
+    copy_out,
+    copy_pool,
+)
 from pensieve.engine.kv_backends import KVBackend, LocalDirBackend
 from pensieve.engine.kv_layout import KVLayout
 from pensieve.engine.remote_tier import Found, RemoteTier
@@ -154,7 +160,7 @@ class DiskTier:
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
         self._copies = copy_pool()  # a step's host copies of chunks (disk_writes.each)
-        self.apply_s = (0.0, 0.0, 0.0)  # the last apply's: sync, spills out, restores in
+        self.apply_s, self.plan_s = (0.0, 0.0, 0.0), [0.0, 0.0, 0.0]  # s: last apply's, all
         self._writes = WriteBuffers(self.block_bytes, False, min(  # none made on the step
             disk_writes.WRITE_READY_BYTES // self.block_bytes,
             (cpu_caches[0].shape[1] if cpu_caches else 0) // 8))
@@ -445,6 +451,7 @@ class DiskTier:
         copy_in(restores, self.cpu_caches, self._cpu_blocks, self.shape, self.dtype,
                 self._copies)
         self.apply_s = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.plan_s = [a + b for a, b in zip(self.plan_s, self.apply_s, strict=True)]
         if plan.reads:
             self._bound_loaded()
         for name in plan.deletes:  # before the writes: a name may be written anew
@@ -574,26 +581,8 @@ class DiskTier:
                 "disk_reads_skipped": self.reads_skipped,
                 "disk_read_busy_us": int(self._read_s * 1e6),
                 "disk_read_wait_us": int(self.read_wait_s * 1e6),
-                "disk_read_waits": self.read_waits}
-
-
-def chunk_major_blocks(cpu_caches: list[torch.Tensor]) -> torch.Tensor | None:
-    """The CPU tier as ``[num_cpu_blocks, L * 2 * C * Hkv * D]`` (each row one block's KV over
-    all layers, contiguous) when ``cpu_caches``, per layer ``[2, num_cpu_blocks, C, Hkv, D]``,
-    are the layer views of one chunk-major ``[num_cpu_blocks, L, 2, C, Hkv, D]`` tensor
-    (:func:`~pensieve.runner.swap_copies.allocate_host_tier`); else None."""
-    if not cpu_caches or cpu_caches[0].device.type != "cpu":
-        return None
-    first = cpu_caches[0]
-    two, num_blocks, *inner = first.shape
-    per_layer = two * math.prod(inner)  # elements of one layer of one block
-    block = per_layer * len(cpu_caches)
-    size = math.prod(inner)
-    want = (size, block, *torch.empty(inner, device="meta").stride())
-    storage = first.untyped_storage().data_ptr()
-    for layer, c in enumerate(cpu_caches):
-        if (c.shape != first.shape or c.dtype != first.dtype or c.stride() != want
-                or c.untyped_storage().data_ptr() != storage
-                or c.data_ptr() != first.data_ptr() + layer * per_layer * c.element_size()):
-            return None
-    return first.as_strided((num_blocks, block), (block, 1))
+                "disk_read_waits": self.read_waits,
+                **{f"disk_plan_{k}_us": int(v * 1e6) for k, v in zip(("sync", "out", "in"),
+                                                                      self.plan_s, strict=True)},
+                "disk_buffers_made_step": self._writes.allocated,
+                "disk_buffers_made_ahead": self._writes.made_ahead}

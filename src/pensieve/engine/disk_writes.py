@@ -22,6 +22,7 @@ queue (and nothing can be lent from it any more).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -264,3 +265,25 @@ def copy_in(restores: list[tuple[memoryview, int]], cpu_caches: list[torch.Tenso
         for layer, cache in enumerate(cpu_caches):
             cache[:, block].copy_(kv[layer])
     each(pool, one, restores)
+
+
+def chunk_major_blocks(cpu_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The CPU tier as ``[num_cpu_blocks, L * 2 * C * Hkv * D]`` (each row one block's KV over
+    all layers, contiguous) when ``cpu_caches``, per layer ``[2, num_cpu_blocks, C, Hkv, D]``,
+    are the layer views of one chunk-major ``[num_cpu_blocks, L, 2, C, Hkv, D]`` tensor
+    (:func:`~pensieve.runner.swap_copies.allocate_host_tier`); else None."""
+    if not cpu_caches or cpu_caches[0].device.type != "cpu":
+        return None
+    first = cpu_caches[0]
+    two, num_blocks, *inner = first.shape
+    per_layer = two * math.prod(inner)  # elements of one layer of one block
+    block = per_layer * len(cpu_caches)
+    size = math.prod(inner)
+    want = (size, block, *torch.empty(inner, device="meta").stride())
+    storage = first.untyped_storage().data_ptr()
+    for layer, c in enumerate(cpu_caches):
+        if (c.shape != first.shape or c.dtype != first.dtype or c.stride() != want
+                or c.untyped_storage().data_ptr() != storage
+                or c.data_ptr() != first.data_ptr() + layer * per_layer * c.element_size()):
+            return None
+    return first.as_strided((num_blocks, block), (block, 1))

@@ -95,6 +95,15 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("pensieve_disk_reads_skipped", "Chunk files not read back "
                                   "because recomputing them was judged sooner",
                                   value=st.get("disk_reads_skipped", 0))
+        yield _by_label("pensieve_disk_plan_seconds", "Time steps spent carrying out their "
+                        "disk plan before the forward (sync: waiting for copies into the CPU "
+                        "tier; out: spilled chunks copied into write buffers; in: restored "
+                        "chunks copied into CPU blocks)", "part",
+                        {k: st.get(f"disk_plan_{k}_us", 0) / 1e6 for k in ("sync", "out", "in")})
+        yield _by_label("pensieve_disk_write_buffers_made", "Write buffers made on the step "
+                        "(the pool was empty) and ahead of it by the refill thread", "where",
+                        {"step": st.get("disk_buffers_made_step", 0),
+                         "ahead": st.get("disk_buffers_made_ahead", 0)})
         yield from _remote_metrics(st)
         g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
                               "GPU blocks may wait for background swap-outs (--defer-admission)")
