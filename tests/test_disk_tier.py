@@ -261,22 +261,25 @@ def test_metrics_show_disk_hits_and_bytes_per_tier(tiny_llama, tmp_path) -> None
     bytes held per tier include the disk."""
     from types import SimpleNamespace
 
+    from pensieve.engine.step_record import StepTotals
     from pensieve.server.engine_loop import Snapshot
     from pensieve.server.engine_metrics import _EngineCollector
 
     path, _ = tiny_llama
     llm = make_llm(path, str(tmp_path))
+    totals = StepTotals()  # as the server's engine loop sums its steps
+    llm.engine.step_observers.append(totals)
     run(llm, every_path_workload())
     st = llm.cache_stats()
-    snap = Snapshot(0, 0, st, {})
+    snap = Snapshot(0, 0, st, totals.as_dict())
     metrics = {m.name: m for m in _EngineCollector(SimpleNamespace(snapshot=snap)).collect()}
     source = {s.labels["source"]: s.value for s in metrics["pensieve_prompt_tokens"].samples}
     assert source["disk_hit"] == st["disk_hit_tokens"] > 0
     held = {s.labels["tier"]: s.value for s in metrics["pensieve_kv_bytes_held"].samples}
     assert held["disk"] == llm.engine.cache.disk.size * st["kv_block_bytes"] > 0
     assert held["cpu"] == (st["cpu_blocks_total"] - st["cpu_blocks_free"]) * st["kv_block_bytes"]
-    # the steps' disk plans: spills copied out and restores copied in took time, summed from
-    # the step records' parts; every write buffer was made on the step or ahead of it
+    # the steps' disk plans: spills copied out and restores copied in took time, summed over
+    # the step records; every write buffer was made on the step or ahead of it
     plan = {s.labels["part"]: s.value for s in metrics["pensieve_disk_plan_seconds"].samples}
     disk = llm.engine.cache.disk
     assert set(plan) == {"sync", "out", "in"} and plan["out"] > 0 and plan["in"] > 0

@@ -160,7 +160,7 @@ class DiskTier:
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pensieve-disk-r")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pensieve-disk-w")
         self._copies = copy_pool()  # a step's host copies of chunks (disk_writes.each)
-        self.apply_s, self.plan_s = (0.0, 0.0, 0.0), [0.0, 0.0, 0.0]  # s: last apply's, all
+        self.apply_s = (0.0, 0.0, 0.0)  # the last apply's seconds: sync, spills out, restores in
         self._writes = WriteBuffers(self.block_bytes, False, min(  # none made on the step
             disk_writes.WRITE_READY_BYTES // self.block_bytes,
             (cpu_caches[0].shape[1] if cpu_caches else 0) // 8))
@@ -451,7 +451,6 @@ class DiskTier:
         copy_in(restores, self.cpu_caches, self._cpu_blocks, self.shape, self.dtype,
                 self._copies)
         self.apply_s = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-        self.plan_s = [a + b for a, b in zip(self.plan_s, self.apply_s, strict=True)]
         if plan.reads:
             self._bound_loaded()
         for name in plan.deletes:  # before the writes: a name may be written anew
@@ -582,7 +581,5 @@ class DiskTier:
                 "disk_read_busy_us": int(self._read_s * 1e6),
                 "disk_read_wait_us": int(self.read_wait_s * 1e6),
                 "disk_read_waits": self.read_waits,
-                **{f"disk_plan_{k}_us": int(v * 1e6) for k, v in zip(("sync", "out", "in"),
-                                                                      self.plan_s, strict=True)},
                 "disk_buffers_made_step": self._writes.allocated,
                 "disk_buffers_made_ahead": self._writes.made_ahead}

@@ -8,7 +8,9 @@ of megabytes is a fresh anonymous mapping, unmapped again when freed): on the de
 a step of 150 chunks of 4 MiB spent most of its copy in those faults (docs/performance.md,
 "The disk tier's spills: pooled write buffers"). So a buffer whose write is done (or skipped)
 goes back to an idle pool, at most ``WRITE_SPARE_BYTES`` of them, and is filled again by a
-later step. On CUDA the buffers are pinned, so a GPU block's bytes come over in one DMA each.
+later step; the disk tier's refill thread makes buffers ahead of the steps
+(``WRITE_READY_BYTES``), pageable. The shared store's buffers (``--kv-remote``) are pinned on
+CUDA, so a GPU block's bytes come over in one DMA each.
 
 Ownership, the invariant: a buffer is idle (in the pool; only :meth:`WriteBuffers.take` hands
 it out, on the thread that runs the steps) or owned by its write. While the write is queued
@@ -128,9 +130,10 @@ class WriteBuffers:
 
     def _top_up(self) -> None:
         """Start the refill thread if the pool has fewer than ``ready`` idle buffers."""
+        if self._refill is None:
+            return
         with self._lock:
-            if self._refill is None or self._refilling or self._closed or \
-                    len(self._idle) >= self.ready:
+            if self._refilling or self._closed or len(self._idle) >= self.ready:
                 return
             self._refilling = True
         self._refill.submit(self._fill)
@@ -212,8 +215,8 @@ def copy_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor]
     ``cpu_blocks``: the CPU tier as ``[num_cpu_blocks, L * 2 * C * Hkv * D]`` when it is
     chunk-major (one copy per block), else None (one copy of all layers per block). A CUDA
     cache's blocks are gathered on the device (one ``index_select`` per layer) and each row
-    copied into its pinned buffer asynchronously, then the stream is waited for. Host copies
-    run on ``pool`` (:func:`each`)."""
+    copied into its buffer (asynchronously into a pinned one), then the stream is waited for.
+    Host copies run on ``pool`` (:func:`each`)."""
     for gpu in (False, True):
         at = [i for i, (g, _, _) in enumerate(spills) if g == gpu]
         if not at:

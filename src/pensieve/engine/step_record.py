@@ -136,6 +136,10 @@ class StepTotals:
     """Steps replayed from CUDA graphs."""
     prefill_graph_steps: int = 0
     """Of those, the steps that computed prefill tokens (mixed-step graphs)."""
+    disk_sync_s: float = 0.0
+    """The steps' disk plans (``StepRecord.disk_sync_s``, ``disk_out_s``, ``disk_in_s``)."""
+    disk_out_s: float = 0.0
+    disk_in_s: float = 0.0
 
     def __call__(self, r: StepRecord) -> None:
         self.steps += 1
@@ -147,6 +151,9 @@ class StepTotals:
         self.schedule_s += r.schedule_s
         self.update_s += r.update_s
         self.execute_s += r.execute_s
+        self.disk_sync_s += r.disk_sync_s
+        self.disk_out_s += r.disk_out_s
+        self.disk_in_s += r.disk_in_s
         self.split_span_steps += r.decode_split_span
         self.graph_steps += r.graph_replay
         if r.has_prefill:

@@ -95,11 +95,6 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("pensieve_disk_reads_skipped", "Chunk files not read back "
                                   "because recomputing them was judged sooner",
                                   value=st.get("disk_reads_skipped", 0))
-        yield _by_label("pensieve_disk_plan_seconds", "Time steps spent carrying out their "
-                        "disk plan before the forward (sync: waiting for copies into the CPU "
-                        "tier; out: spilled chunks copied into write buffers; in: restored "
-                        "chunks copied into CPU blocks)", "part",
-                        {k: st.get(f"disk_plan_{k}_us", 0) / 1e6 for k in ("sync", "out", "in")})
         yield _by_label("pensieve_disk_write_buffers_made", "Write buffers made on the step "
                         "(the pool was empty) and ahead of it by the refill thread", "where",
                         {"step": st.get("disk_buffers_made_step", 0),
@@ -165,6 +160,11 @@ def _step_metrics(st: dict[str, float]) -> Iterator[Metric]:
                    "recomputed history) or decode", "prefill_tokens", "decode_tokens")
     yield _by_label("pensieve_scheduler_seconds", "Host time of the scheduler, by phase", "phase",
                     {"schedule": st.get("schedule_s", 0.0), "update": st.get("update_s", 0.0)})
+    yield _by_label("pensieve_disk_plan_seconds", "Time steps spent carrying out their disk "
+                    "plan before the forward (sync: waiting for copies into the CPU tier; out: "
+                    "spilled chunks copied into write buffers; in: restored chunks copied into "
+                    "CPU blocks)", "part",
+                    {k: st.get(f"disk_{k}_s", 0.0) for k in ("sync", "out", "in")})
     yield _by_label("pensieve_swap_chunks", "Chunks planned between the tiers", "kind",
                     {"in": st.get("swap_in_chunks", 0), "out": st.get("swap_out_chunks", 0),
                      "out_urgent": st.get("urgent_swap_out_chunks", 0)})
