@@ -199,3 +199,30 @@ def test_engine_process_stops_quietly_when_the_server_is_gone(
     assert core.steps == 1  # it stepped, failed to report and returned
     assert "the server closed its pipe" in caplog.text
     cmd_w.close()
+
+
+def test_device_auto_forks_the_engine_on_a_torch_built_without_a_gpu(tmp_path: Any) -> None:
+    """``--device auto`` (the default) on a CPU-only torch forks the engine process as
+    ``--device cpu`` does; on a CUDA or ROCm build it is spawned (CUDA is not asked before)."""
+    import threading
+
+    import torch
+
+    from pensieve.server import main as server_main
+
+    built = torch.backends.cuda.is_built() or torch.version.hip is not None
+    assert server_main._torch_built_for_gpu() is built
+    for text, gpu in (("cuda: Optional[str] = '12.8'\nhip = None\n", True),
+                      ("cuda = None\nhip: Optional[str] = '6.4'\n", True),
+                      ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False)):
+        f = tmp_path / "version.py"
+        f.write_text("from typing import Optional\n__version__ = '2.13.0'\n" + text)
+        assert server_main._torch_built_for_gpu(f) is gpu
+    p = argparse.ArgumentParser()
+    server_main.add_serve_args(p)
+    single = threading.active_count() == 1
+    for device, fork in (("auto", not built), ("cpu", True), ("cuda", False)):
+        args = p.parse_args(["m", "--device", device])
+        assert server_main._forks_engine(args) is (fork and single)
+    args = p.parse_args(["m", "--no-engine-process", "--device", "cpu"])
+    assert server_main._forks_engine(args) is False

@@ -279,8 +279,37 @@ def _forks_engine(args: argparse.Namespace) -> bool:
     engine's process (a forked one would inherit a broken context), and a process with
     threads (a Ray replica's, a test's) is not forked."""
     device = str(engine_options(args).get("device") or default_of("device"))
+    if device == "auto":  # the CPU unless torch was built for a GPU (asked without CUDA)
+        device = "cpu" if not _torch_built_for_gpu() else "auto"
     return (args.engine_process and device.split(":")[0] == "cpu"
             and threading.active_count() == 1)
+
+
+def _torch_built_for_gpu(version_py: Path | None = None) -> bool:
+    """Whether the installed torch (``version_py``: its ``version.py``, found when None) was
+    built with CUDA or ROCm, read from that file without importing torch or asking a driver
+    (a forked child of a process that asked would inherit that state): ``--device auto`` is
+    the CPU on a build without either."""
+    import ast
+    from importlib.util import find_spec
+
+    if version_py is None:
+        spec = find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        version_py = Path(spec.submodule_search_locations[0]) / "version.py"
+    try:
+        tree = ast.parse(version_py.read_text())
+    except (OSError, SyntaxError):
+        return True  # unknown: as a GPU build (spawned, as before)
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
+            else None)
+        if (isinstance(target, ast.Name) and target.id in ("cuda", "hip")
+                and not (isinstance(node.value, ast.Constant) and node.value.value is None)):
+            return True
+    return False
 
 
 def _start_engine(cfg: Any, args: argparse.Namespace, spawned: Any
