@@ -302,12 +302,16 @@ def _torch_built_for_gpu(version_py: Path | None = None) -> bool:
         tree = ast.parse(version_py.read_text())
     except (OSError, SyntaxError):
         return True  # unknown: as a GPU build (spawned, as before)
+    target: ast.expr
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (
-            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
-            else None)
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
         if (isinstance(target, ast.Name) and target.id in ("cuda", "hip")
-                and not (isinstance(node.value, ast.Constant) and node.value.value is None)):
+                and not (isinstance(value, ast.Constant) and value.value is None)):
             return True
     return False
 
