@@ -103,6 +103,8 @@ class FakeDisk:
         """Every file read, in order: (conversation whose turn read it, chunk)."""
         self.writes: dict[str, int] = writes
         """Writes of each file name (over restarts)."""
+        self.ahead: set[str] = set()
+        """Files written ahead of their chunk's spill (``DiskPlan.ahead``)."""
         for t, (_name, (head, _)) in enumerate(sorted(files.items())):
             if self.index.size < capacity:
                 e = DiskEntry(*head, key=found_key(float(t)))
@@ -139,6 +141,8 @@ class FakeDisk:
               sync: Callable[[], None] | None = None) -> None:
         plan = self.index.take_plan() if plan is None else plan
         writes = [(e, list((self.ex.gpu if g else self.ex.cpu)[b])) for g, b, e in plan.writes]
+        writes += [(e, list(self.ex.cpu[b])) for b, e in plan.ahead]  # the chunk stays there
+        self.ahead |= {e.name for _, e in plan.ahead}
         for e, b in plan.reads:
             self.ex.cpu[b] = list(self.loaded[e.name])  # kept, as DiskTier keeps restored
         for name in plan.deletes:
@@ -300,6 +304,26 @@ def test_disk_reads_happen_and_slow_disk_recomputes() -> None:
         assert st_.disk_written_tokens > 0
         assert (st_.disk_hit_tokens > 0) == want_hit, st_
         assert world.ex.checked > 0
+
+
+def test_chunks_written_ahead_are_spilled_without_a_second_write() -> None:
+    """Steps that spill write the CPU tier's next chunks ahead (their blocks' tags, the chunk
+    staying on the CPU): when the order then drops them, the spill holds the file already
+    written, and turns that come back read it (every position's tag checked)."""
+    world = World(100)
+    for cid, n in (("a", 40), ("b", 30), ("c", 30), ("d", 30), ("a", 4), ("b", 4)):
+        world.histories.setdefault(cid, [])
+        world.eng.add_request(f"{cid}{n}", list(range(3, 3 + n)),
+                              SamplingParams(max_tokens=2, ignore_eos=True),
+                              conversation_id=cid)
+        world.run_all()
+    index = world.disk.index
+    ahead = world.disk.ahead
+    assert ahead and all(world.writes[name] == 1 for name in ahead)
+    assert any(e.holders and e.name in ahead for e in index.files.values())  # spilled since
+    assert all(not e.holders for e in index.files.values() if e.ahead)
+    st_ = world.eng.cache.stats
+    assert st_.disk_hit_tokens > 0 and world.ex.checked > 0
 
 
 def test_partial_hash_chains_onto_the_full_chunks() -> None:

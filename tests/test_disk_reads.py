@@ -12,7 +12,7 @@ import torch
 from pensieve.core.disk_index import DiskEntry, spilled_key
 from pensieve.engine.disk_files import ReadBuffer
 from pensieve.engine.disk_tier import DiskTier
-from pensieve.engine.disk_writes import chunk_major_blocks
+from pensieve.engine.disk_writes import AheadCopies, chunk_major_blocks, copy_out, copy_pool
 from pensieve.engine.kv_layout import KVLayout
 
 LAYERS, BLOCKS, CHUNK, HEADS, DIM = 3, 8, 4, 2, 8
@@ -130,25 +130,37 @@ def test_slow_disk_reads_nothing_back_and_the_writer_backlog_is_bounded(
 
 
 @pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
-def test_spilled_blocks_are_copied_out_in_plan_order(tmp_path, layout: str) -> None:  # noqa: ANN001
+def test_spilled_blocks_are_copied_out_in_plan_order(layout: str) -> None:
     """A step's spills from both tiers, gathered per tier at once, give each entry its own
-    block's bytes, ``[L, 2, C, Hkv, D]``, in the plan's order."""
+    block's bytes, ``[L, 2, C, Hkv, D]``, in the plan's order; so do the copies of chunks
+    written ahead (``AheadCopies``, on the pool beside the step), handed on in order."""
     torch.manual_seed(1)
     cpu = _cpu_tier(layout)
     gpu = _cpu_tier("layer-major")  # the device cache's layout (here on the CPU)
-    tier = DiskTier(str(tmp_path / "tier"), 16, LAYOUT, "fp", cpu, gpu, read_threads=1)
+    block_bytes = LAYOUT.block_bytes
     spills = [(False, 5, _entry("a", 0)), (True, 2, _entry("a", 1)), (False, 1, _entry("b", 0)),
               (True, 7, _entry("b", 1)), (False, 6, _entry("c", 0))]
-    got = tier._spilled_bytes(spills)
-    assert [e for e, _ in got] == [e for _, _, e in spills]
-    for (on_gpu, block, _), (_, buf) in zip(spills, got):
+    bufs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in spills]
+    pool = copy_pool(3)
+    copy_out(spills, bufs, cpu, gpu, chunk_major_blocks(cpu), pool)
+    ahead = [(b, e) for g, b, e in spills if not g] + [(3, _entry("d", 0)), (0, _entry("e", 0))]
+    ahead_bufs = [torch.empty(block_bytes, dtype=torch.uint8) for _ in ahead]
+    copies = AheadCopies(pool, cpu, chunk_major_blocks(cpu), threads=2)
+    copies.start(ahead, ahead_bufs)
+    assert len(copies) == len(ahead)
+    handed: list[tuple[DiskEntry, torch.Tensor]] = []
+    copies.wait(lambda e, buf: handed.append((e, buf)))
+    assert len(copies) == 0 and [e for e, _ in handed] == [e for _, e in ahead]
+    got = list(zip([s[:2] for s in spills], bufs)) + [((False, b), buf) for (b, _), (_, buf)
+                                                      in zip(ahead, handed)]
+    for (on_gpu, block), buf in got:
         want = torch.stack([c[:, block] for c in (gpu if on_gpu else cpu)])
-        assert buf.dtype == torch.uint8 and buf.numel() == tier.block_bytes
+        assert buf.dtype == torch.uint8 and buf.numel() == block_bytes
         assert torch.equal(buf.view(torch.float32).view(want.shape), want), (on_gpu, block)
     for c in cpu:  # copies, not views of the tier: a block reused after the step is safe
         c.zero_()
-    assert all(buf.any() for _, buf in got[::2])
-    tier.close(None)
+    assert all(buf.any() for _, buf in got)
+    pool.shutdown()
 
 
 def test_a_restored_payload_is_kept_for_other_turns(tmp_path) -> None:  # noqa: ANN001

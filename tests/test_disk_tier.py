@@ -286,6 +286,11 @@ def test_metrics_show_disk_hits_and_bytes_per_tier(tiny_llama, tmp_path) -> None
     made = {s.labels["where"]: s.value
             for s in metrics["pensieve_disk_write_buffers_made"].samples}
     assert made["step"] + made["ahead"] > 0
+    # chunks copied out for disk writes: spilled on the step, and written ahead beside it
+    copied = {s.labels["when"]: s.value
+              for s in metrics["pensieve_disk_chunks_copied_out"].samples}
+    assert copied == {"spill": st["disk_spill_copies"], "ahead": st["disk_ahead_copies"]}
+    assert copied["spill"] > 0 and copied["ahead"] > 0
     assert st["disk_written_tokens"] > 0 and disk is not None
     llm.engine.shutdown()
 

@@ -6,6 +6,7 @@ cache decides, :mod:`pensieve.engine.disk_tier` moves the bytes (one file per ch
 Life of a chunk on disk::
 
     CPU tier --(dropped by the retention order: spill)--> write planned --> on disk
+    CPU tier --(next to be dropped: written ahead, the chunk stays)--> on disk, held by none
     on disk --(its turn is queued: the engine reads and verifies the file)--> ready
     ready --(the turn is admitted: restore)--> read into a CPU block --> swapped in
 
@@ -39,7 +40,10 @@ Eviction order: lowest key first. Entries no one holds go first (let go longest 
 then entries found on disk at start (oldest first), then spilled ones by the policy's key at
 the spill; an entry held by several conversations has the highest of their keys (a later
 holder's spill raises it; a holder leaving does not lower it). A spill whose key is lower
-than the lowest entry's is not written (the chunk is dropped, as without a disk tier).
+than the lowest entry's is not written (the chunk is dropped, as without a disk tier). An
+entry written ahead (``DiskEntry.ahead``) is keyed as if its chunk were spilled at that
+step, and held by no one until its chunk's spill holds it (a chunk swapped in instead leaves
+it unheld, at that key).
 """
 
 from __future__ import annotations
@@ -158,6 +162,9 @@ class DiskEntry:
     remote: bool = False
     """The copy lies in the shared store below the local disk (``--kv-remote``), found there
     by a turn's lookup: read from there, and never deleted by this server (others use it)."""
+    ahead: bool = False
+    """Written ahead of its spill (:attr:`DiskPlan.ahead`), its chunk still in the CPU tier,
+    and held by no conversation since: keyed as spilled at that step."""
 
     @property
     def name(self) -> str:
@@ -180,9 +187,15 @@ class DiskPlan:
     swap-ins."""
     deletes: list[str] = field(default_factory=list)
     """File names no longer wanted."""
+    ahead: list[tuple[int, DiskEntry]] = field(default_factory=list)
+    """(cpu_block, entry): full chunks of the CPU tier next in the retention order, written
+    ahead of their spill (:func:`~pensieve.core.write_ahead.write_ahead`): each stays in its
+    block at least until the next step, so its bytes may be copied beside this step's
+    compute, done before the next step's plan is carried out. Its spill then only holds the
+    file: no copy on the step path."""
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.reads or self.deletes)
+        return bool(self.writes or self.reads or self.deletes or self.ahead)
 
 
 class DiskIndex:
@@ -344,6 +357,7 @@ class DiskIndex:
         if old is not None:
             self.release(conversation_id, index)
         entry.holders.add(conversation_id)
+        entry.ahead = False
         self.entries.setdefault(conversation_id, {})[index] = entry
 
     def store(self, conversation_id: str, entry: DiskEntry, block: int,
@@ -418,6 +432,8 @@ class DiskIndex:
                 del self.entries[cid]
         entry.holders.clear()
         self.plan.writes = [w for w in self.plan.writes if w[2] is not entry]
+        if entry.ahead:
+            self.plan.ahead = [w for w in self.plan.ahead if w[1] is not entry]
         # a planned read stays: its bytes are in memory and its chunk counts on them
         if delete_file:
             self.plan.deletes.append(entry.name)
@@ -484,4 +500,5 @@ class DiskIndex:
             assert {(c, id(e)) for c in e.holders} <= by_entry, e
             assert (e.tokens == self.chunk_size) != bool(e.conversation_id), e
             assert e.holders <= ({e.conversation_id} if e.conversation_id else e.holders), e
-            assert e.holders or e.conversation_id or e.key[0] <= 0, e
+            assert e.holders or e.conversation_id or e.key[0] <= 0 or e.ahead, e
+            assert not (e.ahead and (e.holders or e.conversation_id)), e

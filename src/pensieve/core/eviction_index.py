@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 from pensieve.core.block_map import BlockMap
@@ -126,6 +126,25 @@ class TierIndex:
                 return key, conv, index
             heapq.heappop(heap)
         return None
+
+    def lowest(self) -> Iterator[Victim]:
+        """The live candidates in key order (as last keyed: lower bounds while time passes),
+        lowest first, without changing the heap: a walk of its tree from the root, a
+        frontier heap of the items seen; O(log k) per candidate taken."""
+        heap, live = self.heap, self.live
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]
+        n = len(heap)
+        while frontier:
+            item, at = heapq.heappop(frontier)
+            _, key, seq, conv, index = item
+            entry = live.get(conv)
+            if entry is not None and entry[1] == seq:
+                yield key, conv, index
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < n:
+                    heapq.heappush(frontier, (heap[child], child))
 
     def rekey(self, key_of: Callable[[Conversation, int], EvictionKey], t: float) -> None:
         """Every candidate's key anew (same chunk), ``key_of(conv, chunk)``, evaluated at

@@ -66,6 +66,7 @@ from pensieve.core.kv_store import KVStore
 from pensieve.core.outputs import DiskPlan, SwapPlan
 from pensieve.core.request import Request
 from pensieve.core.stats import CacheStats
+from pensieve.core.write_ahead import write_ahead
 
 Interval = tuple[int, int]
 
@@ -293,7 +294,8 @@ class TieredKVCache:
 
     def plan_background(self, now: float) -> None:
         """Ahead-of-time swap-out while free GPU blocks (counting those soon reclaimed) are
-        under the threshold."""
+        under the threshold; with a disk tier, writes ahead of the CPU tier's next spills
+        (:func:`~pensieve.core.write_ahead.write_ahead`)."""
         store = self.store
         if store.cpu is None:
             return
@@ -301,6 +303,8 @@ class TieredKVCache:
                  - store.pending_reclaim_gpu())
         if short > 0:
             store.evict_gpu(short + store.swap_out_batch_blocks, now, urgent=False)
+        if store.disk is not None:
+            write_ahead(store, now)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:

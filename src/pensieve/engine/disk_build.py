@@ -16,10 +16,14 @@ import torch
 from pensieve.config import CacheConfig
 from pensieve.core.disk_index import require_cpu_tier
 from pensieve.engine import disk_files
-from pensieve.engine.disk_tier import REMOTE_INDEX_CHUNKS, DiskTier
+from pensieve.engine.disk_tier import DiskTier
 from pensieve.engine.remote_tier import RemoteTier, open_remote
 
 log = logging.getLogger("pensieve")
+
+REMOTE_INDEX_CHUNKS = 1 << 18
+"""Entries of the index when the shared store is the only tier below the CPU tier (no
+--disk-kv-path): chunks this server spilled there or found there that it keeps track of."""
 
 
 def build_disk_tier(cc: CacheConfig, model_name: str, executor: Any, model: Any,

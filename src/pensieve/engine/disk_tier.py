@@ -10,14 +10,15 @@ The cache decides (:class:`~pensieve.core.disk_index.DiskIndex`); this module do
   forget them: a bad file is recomputed); failed writes forget theirs;
 - ``apply(plan)`` between scheduling and execution, ``plan`` the step's
   :attr:`~pensieve.core.outputs.SchedulerOutput.disk`: each spilled block's bytes are copied
-  out of its tier into a pooled write buffer
-  (:mod:`pensieve.engine.disk_writes`: buffers already filled before, so no fresh pages to
-  fault in; pinned on CUDA; before any copy of the step touches the blocks; the step waits
-  for this copy, not for the write) and written by one writer thread (writes and deletes in
-  plan order), the buffer going back to the pool once written unless its bytes were lent
-  to a read or a restore meanwhile; each restored chunk's verified payload is copied into
-  its CPU block (the step's swap-ins then move it to the GPU; the payload is kept for other
-  turns, within RESTORED_LOADED_BYTES), and dropped files are deleted.
+  into a pooled write buffer (:mod:`pensieve.engine.disk_writes`) before any copy of the
+  step touches the block (the step waits for this copy, not for the write), the chunks
+  written ahead of their spills (:mod:`pensieve.core.write_ahead`) likewise but beside the
+  step's compute (waited for at the next ``collect``), and written by one writer thread
+  (writes and deletes in plan order), the buffer going back to the pool once written unless
+  its bytes were lent to a read or a restore meanwhile; each restored chunk's verified
+  payload is copied into its CPU block (the step's swap-ins then move it to the GPU; the
+  payload is kept for other turns, within RESTORED_LOADED_BYTES), and dropped files are
+  deleted.
 
 No step waits for a disk write. A step waits for reads still running (they started when their
 turns were added) only when no request runs; otherwise the turns waiting for them
@@ -68,6 +69,7 @@ from pensieve.core.request import Request
 from pensieve.core.tiered_cache import TieredKVCache
 from pensieve.engine import disk_files, disk_writes
 from pensieve.engine.disk_writes import (
+    AheadCopies,
     QueuedWrite,
     WriteBuffers,
     chunk_major_blocks,
@@ -103,11 +105,6 @@ read-path change"); a step's prefetches overlap, so their aggregate rate is what
 PROBE_WAIT_S = 3.0
 """Seconds a step with nothing else to run waits for a turn's remote lookup before the turn
 goes on without it (its chunks recomputed): a store that hangs costs this much, once."""
-
-REMOTE_INDEX_CHUNKS = 1 << 18
-"""Entries of the index when the shared store is the only tier below the CPU tier (no
---disk-kv-path): chunks this server spilled there or found there that it keeps track of."""
-
 
 def is_shared_name(name: str) -> bool:
     """Whether file ``name`` is a full chunk's (named by its hash, anyone's), not a partial
@@ -164,8 +161,7 @@ class DiskTier:
         self._writes = WriteBuffers(self.block_bytes, False, min(  # none made on the step
             disk_writes.WRITE_READY_BYTES // self.block_bytes,
             (cpu_caches[0].shape[1] if cpu_caches else 0) // 8))
-        """Pooled write buffers; files whose write is queued or running, their bytes lent
-        to a prefetch or a restore that needs them."""
+        """Pooled write buffers; queued writes (their bytes lent to a read that needs them)."""
         self._reads: dict[str, tuple[DiskEntry, Future[memoryview | None]]] = {}
         self._loaded: dict[str, memoryview] = {}
         """Verified payloads of ready entries, by file name, until restored or dropped."""
@@ -176,8 +172,9 @@ class DiskTier:
         reads into reused ones on the development VM, docs/performance.md)."""
         self._cpu_blocks = chunk_major_blocks(cpu_caches)
         """``[num_cpu_blocks, L * 2 * C * Hkv * D]`` when the CPU tier is chunk-major (one
-        block's KV over all layers is one contiguous region, as on CUDA): a restore is then
-        one copy; None: one copy per layer."""
+        block's KV over all layers is one region, as on CUDA): one copy a chunk; None: one a
+        layer."""
+        self._ahead = AheadCopies(self._copies, cpu_caches, self._cpu_blocks)  # written ahead
         self._spare_max = max(4 * read_threads, SPARE_BYTES // self.block_bytes)
         self._failed: queue.SimpleQueue[DiskEntry] = queue.SimpleQueue()
         """Entries whose write failed (put by the writer thread)."""
@@ -321,6 +318,7 @@ class DiskTier:
         (by ``cache``'s costs; None: all); conversation ``waiter``'s turn waits for these
         and for those already being read (``DiskIndex.reading``)."""
         read_s = self.index.read_chunk_s
+        self._ahead.wait(self._ahead_copied)  # a file written ahead may be one of them
         for entry in entries:
             if entry.ready:
                 continue
@@ -366,6 +364,7 @@ class DiskTier:
         whose reads still run is not admitted (``DiskIndex.reading``) and the running
         requests' step goes on without waiting for them."""
         index = self.index
+        self._ahead.wait(self._ahead_copied)  # done beside the last step's compute
         if self._probes:
             self._collect_probes(wait)
         for name, (entry, fut) in list(self._reads.items()):
@@ -422,18 +421,21 @@ class DiskTier:
         """Carry out the step's disk plan (:attr:`SchedulerOutput.disk`, module docstring);
         ``sync`` waits for copies in flight into the CPU tier first (CUDA)."""
         self.apply_s = (0.0, 0.0, 0.0)
+        self._ahead.wait(self._ahead_copied)  # (done at the step's collect, but for close)
         if not plan:
             return
         t0 = time.perf_counter()
-        if sync is not None and (plan.writes or plan.reads):
+        if sync is not None and (plan.writes or plan.reads or plan.ahead):
             sync()
         t1 = time.perf_counter()
         spills = plan.writes
         if self.local is None and self.remote is not None:  # the store holds some already
             known = self.remote.known
             spills = [w for w in spills if not known(w[2].name)]
-        # bytes out of the spilled blocks first: a restored chunk may reuse one of them
-        writes = self._spilled_bytes(spills)
+        # bytes out of the spilled blocks first (a restored chunk may reuse one of them), in
+        # pooled write buffers ([block_bytes] uint8, [L, 2, C, Hkv, D]), in plan order
+        bufs = self._writes.take(len(spills))
+        copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks, self._copies)
         t2 = time.perf_counter()
         restores = []
         for entry, block in plan.reads:
@@ -459,8 +461,27 @@ class DiskTier:
             if dropped is not None:
                 self._recycle(dropped)
             self._writer.submit(self._delete, name)
-        for entry, buf in writes:
+        for (_, _, entry), buf in zip(spills, bufs):
             self._submit_write(entry, buf)
+        if plan.ahead:
+            self._start_ahead(plan.ahead)
+
+    def _start_ahead(self, ahead: list[tuple[int, DiskEntry]]) -> None:
+        """Copy the chunks written ahead (``DiskPlan.ahead``) into idle write buffers beside
+        the step's compute; those without one (or known to the shared store, which takes the
+        spills) are forgotten at the next collect, as a skipped write."""
+        if self.local is None and self.remote is not None:
+            ahead = [a for a in ahead if not self.remote.known(a[1].name)]
+        bufs = self._writes.take_idle(len(ahead))
+        for _, entry in ahead[len(bufs):]:
+            self._failed.put(entry)
+        self._ahead.start(ahead[:len(bufs)], bufs)
+
+    def _ahead_copied(self, entry: DiskEntry, buf: torch.Tensor) -> None:
+        if self.index.live(entry):
+            self._submit_write(entry, buf)
+        else:
+            self._writes.put_back(buf)
 
     def _recycle(self, payload: memoryview) -> None:
         """Keep the buffer a read payload lies in for a later read (not a queued write's
@@ -473,15 +494,6 @@ class DiskTier:
             except BufferError:  # still exported (a tensor over it): not reused
                 return
             self._spare.append(buf)
-
-    def _spilled_bytes(self, spills: list[tuple[bool, int, DiskEntry]]
-                       ) -> list[tuple[DiskEntry, torch.Tensor]]:
-        """Copies of the spilled blocks' K and V over all layers, ``[L, 2, C, Hkv, D]`` each,
-        in pooled write buffers (``[block_bytes]`` uint8), in plan order
-        (:func:`~pensieve.engine.disk_writes.copy_out`)."""
-        bufs = self._writes.take(len(spills))
-        copy_out(spills, bufs, self.cpu_caches, self.gpu_caches, self._cpu_blocks, self._copies)
-        return [(e, buf) for (_, _, e), buf in zip(spills, bufs)]
 
     def _submit_write(self, entry: DiskEntry, buf: torch.Tensor) -> None:
         write = self._writes.queue(entry, buf, WRITE_BACKLOG_BYTES)
@@ -518,6 +530,7 @@ class DiskTier:
 
     def wait_writes(self) -> None:
         """Wait until the writes and deletes submitted so far are done."""
+        self._ahead.wait(self._ahead_copied)
         self._writer.submit(lambda: None).result()
 
     def _delete(self, name: str) -> None:
@@ -582,4 +595,5 @@ class DiskTier:
                 "disk_read_wait_us": int(self.read_wait_s * 1e6),
                 "disk_read_waits": self.read_waits,
                 "disk_buffers_made_step": self._writes.allocated,
-                "disk_buffers_made_ahead": self._writes.made_ahead}
+                "disk_buffers_made_ahead": self._writes.made_ahead,
+                "disk_spill_copies": self._writes.taken, "disk_ahead_copies": self._ahead.copied}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
@@ -103,6 +103,8 @@ class WriteBuffers:
         """Buffers made fresh on the step so far (not taken from the pool)."""
         self.made_ahead = 0
         """Buffers the refill thread made."""
+        self.taken = 0
+        """Buffers taken by :meth:`take` (a step's spills' copies)."""
         self.queued_bytes = 0
         self._idle: list[torch.Tensor] = []
         self._queued: dict[str, QueuedWrite] = {}
@@ -124,9 +126,24 @@ class WriteBuffers:
             del self._idle[len(self._idle) - k:]
         fresh = n - k
         self.allocated += fresh
+        self.taken += n
         self._top_up()
         return bufs + [torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
                        for _ in range(fresh)]
+
+    def take_idle(self, n: int) -> list[torch.Tensor]:
+        """At most ``n`` idle buffers (none made: what is idle now)."""
+        with self._lock:
+            k = min(n, len(self._idle))
+            bufs = self._idle[len(self._idle) - k:]
+            del self._idle[len(self._idle) - k:]
+        self._top_up()
+        return bufs
+
+    def put_back(self, buf: torch.Tensor) -> None:
+        """A buffer taken and not written: idle again."""
+        with self._lock:
+            self._give(buf)
 
     def _top_up(self) -> None:
         """Start the refill thread if the pool has fewer than ``ready`` idle buffers."""
@@ -204,6 +221,45 @@ class WriteBuffers:
     def _give(self, buf: torch.Tensor) -> None:
         if len(self._idle) < self.spare_max:
             self._idle.append(buf)
+
+
+class AheadCopies:
+    """A step's copies of the chunks it writes ahead of their spills (``DiskPlan.ahead``):
+    each CPU block's bytes into a write buffer, on the copy pool beside the step's compute,
+    in at most one task per pool thread. :meth:`wait` (before the next step's plan is
+    carried out, a read, or the end) waits for them and hands each buffer on."""
+
+    def __init__(self, pool: ThreadPoolExecutor, cpu_caches: list[torch.Tensor],
+                 cpu_blocks: torch.Tensor | None, threads: int = COPY_THREADS) -> None:
+        self._pool = pool
+        self._cpu_caches = cpu_caches
+        self._cpu_blocks = cpu_blocks
+        self._threads = threads
+        self._running: list[tuple[list[tuple[DiskEntry, torch.Tensor]], Future[None]]] = []
+        self.copied = 0
+        """Chunks copied so far."""
+
+    def __len__(self) -> int:
+        return sum(len(items) for items, _ in self._running)
+
+    def start(self, items: list[tuple[int, DiskEntry]], bufs: list[torch.Tensor]) -> None:
+        """Copy ``items[i]`` = (cpu_block, entry) into ``bufs[i]`` (returns at once)."""
+        n = len(bufs)
+        self.copied += n
+        per = max(1, -(-n // self._threads))
+        for at in range(0, n, per):
+            part = [(False, b, e) for b, e in items[at:at + per]]
+            out = bufs[at:at + per]
+            fut = self._pool.submit(copy_out, part, out, self._cpu_caches, [], self._cpu_blocks)
+            self._running.append(([(e, buf) for (_, _, e), buf in zip(part, out)], fut))
+
+    def wait(self, then: Callable[[DiskEntry, torch.Tensor], None]) -> None:
+        """Wait for every copy started; ``then(entry, buf)`` for each, in order."""
+        running, self._running = self._running, []
+        for items, fut in running:
+            fut.result()
+            for entry, buf in items:
+                then(entry, buf)
 
 
 def copy_out(spills: list[tuple[bool, int, DiskEntry]], bufs: list[torch.Tensor],

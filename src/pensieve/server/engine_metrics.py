@@ -99,6 +99,11 @@ class _EngineCollector(Collector):
                         "(the pool was empty) and ahead of it by the refill thread", "where",
                         {"step": st.get("disk_buffers_made_step", 0),
                          "ahead": st.get("disk_buffers_made_ahead", 0)})
+        yield _by_label("pensieve_disk_chunks_copied_out", "Chunks copied out of the KV tiers "
+                        "for disk writes: on the step path (spilled) or beside a step's compute "
+                        "(written ahead of their spill)", "when",
+                        {"spill": st.get("disk_spill_copies", 0),
+                         "ahead": st.get("disk_ahead_copies", 0)})
         yield from _remote_metrics(st)
         g = GaugeMetricFamily("pensieve_defer_admission_steps", "Setting: steps a turn short of "
                               "GPU blocks may wait for background swap-outs (--defer-admission)")

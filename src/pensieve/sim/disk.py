@@ -184,8 +184,9 @@ class SimDiskTier:
 
     # ------------------------------------------------------------------ a step
     def apply(self, plan: DiskPlan, sync: Callable[[], None] | None = None) -> None:
-        """Queue the step's writes (:attr:`SchedulerOutput.disk`); count its restores and
-        deletes (``sync``: unused, no device copies)."""
+        """Queue the step's writes, those ahead of their spills too
+        (:attr:`SchedulerOutput.disk`); count its restores and deletes (``sync``: unused, no
+        device copies)."""
         if not plan:
             return
         now = self.clock.now()
@@ -195,7 +196,7 @@ class SimDiskTier:
             queued = self._writing.get(name)
             if queued is not None and queued[0] is entry:
                 del self._writing[name]
-        for _, _, entry in plan.writes:
+        for entry in [w[2] for w in plan.writes] + [e for _, e in plan.ahead]:
             done = max(now, self._write_free_at) + self.write_chunk_s
             self._write_free_at = done
             self._writing[entry.name] = (entry, done)
