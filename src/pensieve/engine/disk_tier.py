@@ -467,12 +467,13 @@ class DiskTier:
             self._start_ahead(plan.ahead)
 
     def _start_ahead(self, ahead: list[tuple[int, DiskEntry]]) -> None:
-        """Copy the chunks written ahead (``DiskPlan.ahead``) into idle write buffers beside
-        the step's compute; those without one (or known to the shared store, which takes the
-        spills) are forgotten at the next collect, as a skipped write."""
+        """Copy the chunks written ahead (``DiskPlan.ahead``) into idle write buffers (half
+        the ready ones kept for spills) beside the step's compute; those without one (or known
+        to the shared store, which takes the spills) are forgotten at the next collect."""
         if self.local is None and self.remote is not None:
             ahead = [a for a in ahead if not self.remote.known(a[1].name)]
-        bufs = self._writes.take_idle(len(ahead))
+        bufs = self._writes.take_idle(max(0, min(len(ahead),
+                                                 self._writes.idle - self._writes.ready // 2)))
         for _, entry in ahead[len(bufs):]:
             self._failed.put(entry)
         self._ahead.start(ahead[:len(bufs)], bufs)
