@@ -383,6 +383,17 @@ class DiskIndex:
         self.plan.writes.append((from_gpu, block, entry))
         return True
 
+    def store_ahead(self, entry: DiskEntry, block: int) -> bool:
+        """A full chunk in CPU ``block``, next to leave the CPU tier, is written ahead of its
+        spill (:mod:`pensieve.core.write_ahead`): ``entry`` (no file of its name yet) is
+        taken, held by no one, and its write planned in :attr:`DiskPlan.ahead`. False: no
+        room for it."""
+        entry.ahead = True
+        if not self.add(entry):
+            return False
+        self.plan.ahead.append((block, entry))
+        return True
+
     def release(self, conversation_id: str, index: int) -> None:
         """The conversation lets go of its copy of chunk ``index``: a partial chunk's file
         goes with it; a full one no one holds stays, first in the eviction order."""

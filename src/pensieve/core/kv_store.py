@@ -88,7 +88,6 @@ class KVStore:
             TenantShare(tenant_kv_share, num_gpu_blocks, self.cpu.num_blocks if self.cpu else 0))
         self.disk = disk
         """The disk tier below the CPU tier (:mod:`pensieve.core.disk_index`); None: none."""
-        self.write_ahead_more = False  # the last write-ahead stopped at its cap (write_ahead)
         self._hints_due: set[Conversation] = set()
         """Conversations whose tenant crossed its share in an eviction, re-keyed once the
         eviction's run is over (a run holds its victim at the top of the GPU heap)."""

@@ -169,6 +169,7 @@ class TieredKVCache:
         recent decode-only step time the engine reports (:meth:`observe_decode_step`)."""
         self._step_recompute_s = 0.0
         """Recomputation planned this step (seconds of compute, by ``chunk_cost``)."""
+        self._write_ahead_due = False  # the last write-ahead asked for another walk
 
     # ------------------------------------------------------------------ conversations
     def conversation(self, conversation_id: str, ephemeral: bool = False) -> Conversation:
@@ -304,7 +305,7 @@ class TieredKVCache:
         if short > 0:
             store.evict_gpu(short + store.swap_out_batch_blocks, now, urgent=False)
         if store.disk is not None:
-            write_ahead(store, now)
+            self._write_ahead_due = write_ahead(store, now, self._write_ahead_due)
 
     # ------------------------------------------------------------------ admitting a turn
     def pending_for(self, req: Request, conv: Conversation) -> list[Interval]:

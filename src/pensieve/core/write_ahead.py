@@ -42,16 +42,18 @@ WRITE_AHEAD_PER_STEP = 64
 compute: a few milliseconds of host copies)."""
 
 
-def write_ahead(store: KVStore, now: float) -> int:
+def write_ahead(store: KVStore, now: float, due: bool) -> bool:
     """Plan the writes of the CPU tier's next spills (module docstring) into the disk index's
-    plan, if the step's plan spills chunks or the last call stopped at its cap; returns how
-    many were planned. Changes no chunk, block or eviction index: only disk entries (each
-    added as a spill would add it, an entry of lower key evicted to make room)."""
+    plan, if the step's plan spills chunks or ``due`` (the last call returned True: it stopped
+    at its cap or passed over chunks still being copied in); returns whether the next step
+    should walk again though it spills nothing. Changes no chunk, block or eviction index:
+    only disk entries (each added as a spill would add it, an entry of lower key evicted to
+    make room)."""
     disk, cpu, index = store.disk, store.cpu, store.index
     if disk is None or cpu is None or disk.capacity == 0:
-        return 0
-    if not (disk.plan.writes or store.write_ahead_more):
-        return 0
+        return False
+    if not (disk.plan.writes or due):
+        return False
     target = max(1, cpu.num_blocks // WRITE_AHEAD_SHARE)
     c = store.chunk_size
     plan = store.plan
@@ -59,7 +61,7 @@ def write_ahead(store: KVStore, now: float) -> int:
     shared = index.shared_cpu
     key_of, cost, step = index.policy.key, index.cost, index.step
     seen = planned = 0
-    store.write_ahead_more = False
+    more = False
     for _, conv, first in index.cpu.lowest():
         cid = conv.conversation_id
         salt = disk.salts.get(cid)
@@ -71,19 +73,16 @@ def write_ahead(store: KVStore, now: float) -> int:
                 continue
             seen += 1
             if ch.block in busy:
-                store.write_ahead_more = True  # its bytes land in this step: at the next
+                more = True  # its bytes land in this step: at the next
             elif i < len(hashes) and conv.chunk_tokens(i, c) == c:  # KV of every slot
                 h = hashes[i].hex()
                 if shared_name(h) not in disk.files:
-                    entry = DiskEntry("", i, c, h, spilled_key(key_of(conv, i, now, cost, c)),
-                                      ahead=True)
-                    if not disk.add(entry):
-                        return planned  # the disk keeps higher keys than this chunk's
-                    disk.plan.ahead.append((ch.block, entry))
+                    entry = DiskEntry("", i, c, h, spilled_key(key_of(conv, i, now, cost, c)))
+                    if not disk.store_ahead(entry, ch.block):
+                        return more  # the disk keeps higher keys than this chunk's
                     planned += 1
                     if planned >= WRITE_AHEAD_PER_STEP:
-                        store.write_ahead_more = True
-                        return planned
+                        return True
             if seen >= target:
-                return planned
-    return planned
+                return more
+    return more
