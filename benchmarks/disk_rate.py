@@ -18,6 +18,13 @@ and dd's reads here are of files just written, so they compare alike.
     python benchmarks/disk_rate.py --path /tmp/pensieve-disk-bench --chunks 128 \\
         --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32 --out disk_rate.json
 
+``--measure copies`` times the host copies alone (a chunk between a chunk-major CPU tier and a
+pageable buffer, both ways, on the copy pool) by torch's ``copy_`` and by
+``disk_writes.host_copy``:
+
+    python benchmarks/disk_rate.py --path /tmp/pensieve-disk-bench --measure copies \\
+        --spill-chunks 200 --spill-repeat 5 --layers 32 --kv-heads 8 --head-dim 128 --chunk-size 32
+
 ``--measure spill`` times instead what a step with spills waits for: ``DiskTier.apply()`` of a
 plan writing ``--spill-chunks`` chunks out of as many CPU-tier blocks (their bytes copied out
 of the tier; the writes are queued, not waited for), ``--spill-repeat`` times with the writer
@@ -156,6 +163,39 @@ def spill_times(args: argparse.Namespace) -> dict[str, object]:
     return {"chunk_bytes": tier.block_bytes, "spill_chunks": n, **out}
 
 
+def copy_times(args: argparse.Namespace) -> dict[str, object]:
+    """Milliseconds of ``--spill-chunks`` host copies of one chunk each between a chunk-major
+    CPU tier (pinned on CUDA, as the engine's) and pageable buffers, both ways, on the disk
+    tier's copy pool (``disk_writes.COPY_THREADS`` threads), by torch's ``copy_`` (which
+    splits a large copy over torch's intra-op threads) and by ``disk_writes.host_copy`` (one
+    memmove per copy), ``--spill-repeat`` times each, alternated."""
+    from pensieve.engine import disk_writes
+
+    n, reps = args.spill_chunks, args.spill_repeat
+    lay = layout_of(args)
+    pin = torch.cuda.is_available()
+    rows = torch.empty(n, lay.block_bytes, dtype=torch.uint8, pin_memory=pin).fill_(1)
+    bufs = [torch.empty(lay.block_bytes, dtype=torch.uint8).fill_(2) for _ in range(n)]
+    pool = disk_writes.copy_pool()
+    ways = {"torch": lambda d, s: d.copy_(s), "host_copy": disk_writes.host_copy}
+    out: dict[str, object] = {"chunk_bytes": lay.block_bytes, "chunks": n, "pinned": pin,
+                              "torch_threads": torch.get_num_threads(),
+                              "copy_threads": disk_writes.COPY_THREADS}
+    for _ in tqdm(range(reps), desc="copies", unit="round"):
+        for name, copy in ways.items():
+            for way, pairs in (("out", [(bufs[i], rows[i]) for i in range(n)]),
+                               ("in", [(rows[i], bufs[i]) for i in range(n)])):
+                t0 = time.perf_counter()
+                disk_writes.each(pool, lambda p, c=copy: c(*p), pairs)
+                ms = (time.perf_counter() - t0) * 1e3
+                out.setdefault(f"{name}_{way}_ms", []).append(ms)  # type: ignore[union-attr]
+    pool.shutdown()
+    for key in [k for k in out if k.endswith("_ms")]:
+        best = min(out[key])  # type: ignore[type-var]
+        out[key.replace("_ms", "_gbps")] = round(n * lay.block_bytes / (best / 1e3) / 1e9, 1)
+    return out
+
+
 def dd_rates(path: str, nbytes: int) -> dict[str, float]:
     """``dd`` of ``nbytes`` (in MiB blocks): written with and without fdatasync, then read."""
     f = os.path.join(path, "dd.bin")
@@ -186,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--read-threads", type=int, default=4)
     ap.add_argument("--layout", choices=("chunk-major", "layer-major"), default="chunk-major",
                     help="the CPU tier's layout (the engine's on CUDA / on the CPU)")
-    ap.add_argument("--measure", choices=("rates", "spill"), default="rates",
-                    help="the tier's rates against dd's, or the time of a step's spills")
+    ap.add_argument("--measure", choices=("rates", "spill", "copies"), default="rates",
+                    help="the tier's rates against dd's, the time of a step's spills, or "
+                    "host copies of chunks by torch and by host_copy")
     ap.add_argument("--spill-chunks", type=int, default=150,
                     help="chunks spilled per apply() (--measure spill)")
     ap.add_argument("--spill-repeat", type=int, default=5,
@@ -199,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     os.makedirs(args.path, exist_ok=True)
-    if args.measure == "spill":
-        emit_result({"args": vars(args), **spill_times(args)}, args.out)
+    if args.measure in ("spill", "copies"):
+        fn = spill_times if args.measure == "spill" else copy_times
+        emit_result({"args": vars(args), **fn(args)}, args.out)
         return
     rates = tier_rates(args)
     result: dict[str, object] = {"args": vars(args), **rates, **dd_rates(args.path,
