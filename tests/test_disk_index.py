@@ -326,6 +326,27 @@ def test_chunks_written_ahead_are_spilled_without_a_second_write() -> None:
     assert st_.disk_hit_tokens > 0 and world.ex.checked > 0
 
 
+def test_a_chunk_written_ahead_is_held_by_its_spill_or_let_go_at_admission() -> None:
+    """An entry written ahead is held by no one, keyed as spilled, its write planned ahead;
+    its chunk's spill then holds it without a write; a conversation admitted (or deleted)
+    before that lets its entries go: first in the disk's order."""
+    index = DiskIndex(4, C)
+    a, b = _full(0, 5.0), _full(1, 6.0)
+    assert index.store_ahead("x", a, 3) and index.store_ahead("y", b, 4)
+    plan = index.take_plan()
+    assert plan.ahead == [(3, a), (4, b)] and not plan.writes
+    assert a.ahead and not a.holders and a.key[0] == 1
+    index.check()
+    assert index.store("x", _full(0, 7.0), 3, False)  # its spill: held, no second write
+    assert index.get("x", 0) is a and not a.ahead and a.key[2][0] == 7.0
+    assert not index.take_plan().writes
+    index.let_go_ahead("x")  # spilled since: kept as held
+    assert a.key[2][0] == 7.0 and a.holders == {"x"}
+    index.let_go_ahead("y")  # y came back first: its file goes first
+    assert not b.ahead and not b.holders and b.key[0] == -1
+    index.check()
+
+
 def test_partial_hash_chains_onto_the_full_chunks() -> None:
     salt, other = b"s" * 16, b"t" * 16
     assert partial_hash([], salt, [1, 2]) != partial_hash([], other, [1, 2])  # salted

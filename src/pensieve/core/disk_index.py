@@ -42,8 +42,8 @@ the spill; an entry held by several conversations has the highest of their keys 
 holder's spill raises it; a holder leaving does not lower it). A spill whose key is lower
 than the lowest entry's is not written (the chunk is dropped, as without a disk tier). An
 entry written ahead (``DiskEntry.ahead``) is keyed as if its chunk were spilled at that
-step, and held by no one until its chunk's spill holds it (a chunk swapped in instead leaves
-it unheld, at that key).
+step, and held by no one until its chunk's spill holds it (a chunk swapped in instead lets it
+go at its conversation's admission: :meth:`DiskIndex.let_go_ahead`).
 """
 
 from __future__ import annotations
@@ -238,6 +238,8 @@ class DiskIndex:
         """The cache's conversations (:meth:`bind`): a chunk whose copy the index lets go
         goes from ``Tier.DISK`` to ``Tier.DROPPED``."""
         self._hash_memo: dict[str, tuple[list[int], int, bytes, list[bytes]]] = {}
+        self._ahead_of: dict[str, list[DiskEntry]] = {}
+        """Conversation id -> its chunks' entries written ahead (:meth:`store_ahead`)."""
 
     @property
     def size(self) -> int:
@@ -383,16 +385,28 @@ class DiskIndex:
         self.plan.writes.append((from_gpu, block, entry))
         return True
 
-    def store_ahead(self, entry: DiskEntry, block: int) -> bool:
-        """A full chunk in CPU ``block``, next to leave the CPU tier, is written ahead of its
-        spill (:mod:`pensieve.core.write_ahead`): ``entry`` (no file of its name yet) is
-        taken, held by no one, and its write planned in :attr:`DiskPlan.ahead`. False: no
-        room for it."""
+    def store_ahead(self, conversation_id: str, entry: DiskEntry, block: int) -> bool:
+        """A full chunk of the conversation in CPU ``block``, next to leave the CPU tier, is
+        written ahead of its spill (:mod:`pensieve.core.write_ahead`): ``entry`` (no file of
+        its name yet) is taken, held by no one, and its write planned in
+        :attr:`DiskPlan.ahead`. False: no room for it."""
         entry.ahead = True
         if not self.add(entry):
             return False
         self.plan.ahead.append((block, entry))
+        self._ahead_of.setdefault(conversation_id, []).append(entry)
         return True
+
+    def let_go_ahead(self, conversation_id: str) -> None:
+        """The conversation's turn starts (or it is deleted): its chunks written ahead and not
+        spilled since left the CPU tier another way, and their files go first in the disk's
+        order, as the copies a conversation lets go of (:meth:`release`)."""
+        for entry in self._ahead_of.pop(conversation_id, ()):
+            if entry.ahead and self.live(entry):
+                entry.ahead = False
+                self._let_go += 1
+                entry.key = (-1, float(self._let_go), NO_KEY)
+                self._push(entry)
 
     def release(self, conversation_id: str, index: int) -> None:
         """The conversation lets go of its copy of chunk ``index``: a partial chunk's file
@@ -426,6 +440,7 @@ class DiskIndex:
         self._hash_memo.pop(conversation_id, None)
         if keep == 0:
             self.salts.pop(conversation_id, None)
+            self.let_go_ahead(conversation_id)
 
     def free(self, entry: DiskEntry, delete_file: bool = True) -> None:
         """Drop one entry, from all its holders (its file is deleted by the engine, after

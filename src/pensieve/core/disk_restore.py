@@ -96,6 +96,7 @@ def restore_from_disk(cache: KVStore, req: Request, conv: Conversation) -> int:
             conv.chunks[i] = Chunk(Tier.CPU, block)
             restored += n_tok
     disk.release_from(cid, 0)  # read back, or computed in this turn
+    disk.let_go_ahead(cid)  # its chunks written ahead are the GPU's now
     return restored
 
 

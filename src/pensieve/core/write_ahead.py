@@ -16,11 +16,13 @@ waits for those copies only before the next step's plan is carried out. When the
 drops such a chunk, its spill finds the file and only holds it: no copy on the step path.
 
 A chunk written ahead and then swapped in instead (its conversation came back first) leaves
-its file on disk, held by no one, at the key of its step: the same file serves the chunk's
-next spill, or a turn with the same prefix, or a restart. Shared CPU blocks, partial chunks
-(by their KV: a turn's last token has none yet, though its chunk's tokens are all in the
-history), chunks without the turn's salt and blocks that this step's swap-outs copy into are
-not written ahead (their spills are as before).
+its file on disk, held by no one and first in the disk's order, as the copies a conversation
+lets go of at admission (``DiskIndex.let_go_ahead``): while it lasts, the same file serves
+the chunk's next spill, or a turn with the same prefix, or a restart.
+
+Shared CPU blocks, partial chunks (by their KV: a turn's last token has none yet, though its
+chunk's tokens are all in the history), chunks without the turn's salt and blocks that this
+step's swap-outs copy into are not written ahead (their spills are as before).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def write_ahead(store: KVStore, now: float, due: bool) -> bool:
                 h = hashes[i].hex()
                 if shared_name(h) not in disk.files:
                     entry = DiskEntry("", i, c, h, spilled_key(key_of(conv, i, now, cost, c)))
-                    if not disk.store_ahead(entry, ch.block):
+                    if not disk.store_ahead(cid, entry, ch.block):
                         return more  # the disk keeps higher keys than this chunk's
                     planned += 1
                     if planned >= WRITE_AHEAD_PER_STEP:
