@@ -192,7 +192,7 @@ def copy_times(args: argparse.Namespace) -> dict[str, object]:
     pool.shutdown()
     for key in [k for k in out if k.endswith("_ms")]:
         best = min(out[key])  # type: ignore[type-var]
-        out[key.replace("_ms", "_gbps")] = round(n * lay.block_bytes / (best / 1e3) / 1e9, 1)
+        out[key.replace("_ms", "_gbps")] = round(n * lay.block_bytes / (best / 1e3) / 1e9, 3)
     return out
 
 

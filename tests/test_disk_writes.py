@@ -184,6 +184,35 @@ def test_disk_rate_spill_measures_every_apply(tmp_path) -> None:  # noqa: ANN001
     assert all(t > 0 for t in got["spill_ms"] + got["spill_busy_ms"])
 
 
+def test_disk_rate_copies_times_both_ways_of_copying(tmp_path) -> None:  # noqa: ANN001
+    """``disk_rate --measure copies``: each way (torch's copy, host_copy) each direction,
+    once a round, and a rate from the best round."""
+    import json
+
+    import disk_rate
+
+    out = tmp_path / "copies.json"
+    disk_rate.main(["--path", str(tmp_path / "bench"), "--measure", "copies",
+                    "--spill-chunks", "6", "--spill-repeat", "2", "--layers", "2",
+                    "--kv-heads", "2", "--head-dim", "8", "--chunk-size", "4",
+                    "--out", str(out)])
+    got = json.loads(out.read_text())
+    for way in ("torch_out", "torch_in", "host_copy_out", "host_copy_in"):
+        assert len(got[f"{way}_ms"]) == 2 and all(t > 0 for t in got[f"{way}_ms"])
+        assert got[f"{way}_gbps"] > 0
+
+
+def test_host_copy_copies_whole_contiguous_tensors_only() -> None:
+    src = torch.arange(64, dtype=torch.float32)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    disk_writes.host_copy(dst, src)
+    assert torch.equal(dst.view(torch.float32), src)
+    for bad_dst, bad_src in ((dst[:128], src), (torch.zeros(64, 2)[:, 0], src),
+                             (dst, src.view(8, 8).t())):
+        with pytest.raises(ValueError):
+            disk_writes.host_copy(bad_dst, bad_src)
+
+
 @pytest.mark.parametrize("layout", ["chunk-major", "layer-major"])
 @pytest.mark.parametrize("threads", [None, 3])
 def test_a_steps_copies_on_the_copy_pool_move_every_chunk_whole(layout: str,
