@@ -158,6 +158,7 @@ LONG_GROUPS: tuple[tuple[tuple[str, ...], int], ...] = (
       "test_responses.py", "test_vllm_fields.py", "test_vllm_multi_turn.py", "test_lm_eval.py"),
      1250),
     (("test_server_fuzz.py",), 470),
+    (("test_peer_aiperf.py",), 90),  # aiperf's venv installed from the registry, then a load
     (("test_disk_restore_leak.py",), 220),
     # both use conftest's fresh_chunk16
     (("test_remote_faults.py", "test_remote_tier.py"), 295),
