@@ -404,9 +404,7 @@ class DiskIndex:
         for entry in self._ahead_of.pop(conversation_id, ()):
             if entry.ahead and self.live(entry):
                 entry.ahead = False
-                self._let_go += 1
-                entry.key = (-1, float(self._let_go), NO_KEY)
-                self._push(entry)
+                self._let_go_of(entry)
 
     def release(self, conversation_id: str, index: int) -> None:
         """The conversation lets go of its copy of chunk ``index``: a partial chunk's file
@@ -424,9 +422,14 @@ class DiskIndex:
         if entry.conversation_id:
             self.free(entry)
         else:
-            self._let_go += 1
-            entry.key = (-1, float(self._let_go), NO_KEY)
-            self._push(entry)
+            self._let_go_of(entry)
+
+    def _let_go_of(self, entry: DiskEntry) -> None:
+        """A full chunk's entry that no one holds now goes first in the eviction order (let
+        go of later than those before it)."""
+        self._let_go += 1
+        entry.key = (-1, float(self._let_go), NO_KEY)
+        self._push(entry)
 
     def release_from(self, conversation_id: str, keep: int) -> None:
         """The conversation lets go of its copies of chunk ``keep`` on."""

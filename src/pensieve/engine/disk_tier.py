@@ -472,8 +472,7 @@ class DiskTier:
         to the shared store, which takes the spills) are forgotten at the next collect."""
         if self.local is None and self.remote is not None:
             ahead = [a for a in ahead if not self.remote.known(a[1].name)]
-        bufs = self._writes.take_idle(max(0, min(len(ahead),
-                                                 self._writes.idle - self._writes.ready // 2)))
+        bufs = self._writes.take_idle(len(ahead), keep=self._writes.ready // 2)
         for _, entry in ahead[len(bufs):]:
             self._failed.put(entry)
         self._ahead.start(ahead[:len(bufs)], bufs)

@@ -121,21 +121,17 @@ class WriteBuffers:
 
     def take(self, n: int) -> list[torch.Tensor]:
         """``n`` buffers of ``[block_bytes]`` uint8: idle ones first, then fresh ones."""
-        with self._lock:
-            k = min(n, len(self._idle))
-            bufs = self._idle[len(self._idle) - k:]
-            del self._idle[len(self._idle) - k:]
-        fresh = n - k
+        bufs = self.take_idle(n)
+        fresh = n - len(bufs)
         self.allocated += fresh
         self.taken += n
-        self._top_up()
         return bufs + [torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
                        for _ in range(fresh)]
 
-    def take_idle(self, n: int) -> list[torch.Tensor]:
-        """At most ``n`` idle buffers (none made: what is idle now)."""
+    def take_idle(self, n: int, keep: int = 0) -> list[torch.Tensor]:
+        """At most ``n`` idle buffers, leaving ``keep`` idle (none made: what is idle now)."""
         with self._lock:
-            k = min(n, len(self._idle))
+            k = max(0, min(n, len(self._idle) - keep))
             bufs = self._idle[len(self._idle) - k:]
             del self._idle[len(self._idle) - k:]
         self._top_up()
